@@ -1,0 +1,193 @@
+"""Token shards in llm.c's file layout, and the memory-mapped, resumable batch loader.
+
+A shard is a 1,024-byte header of 256 little-endian int32 followed by the tokens:
+    header[0] magic, header[1] version, header[2] token count, the rest zero.
+    magic 20240520, version 1: tokens are uint16 (vocabularies up to 65,536 ids)
+    magic 20240801, version 7: tokens are uint32 (larger vocabularies)
+This is the layout of llm.c and of modded-nanogpt's FineWeb shards, so their files train here as they are.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+FORMATS = {  # magic -> (version, token dtype)
+    20240520: (1, np.dtype("<u2")),
+    20240801: (7, np.dtype("<u4")),
+}
+UINT16_VOCAB = 2**16
+
+
+def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int) -> None:
+    """Write tokens to a shard file atomically (temp file + rename), uint16 when vocab_size <= 65,536."""
+    magic = 20240520 if vocab_size <= UINT16_VOCAB else 20240801
+    version, dtype = FORMATS[magic]
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}] for {path}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (magic, version, tokens.size)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard(path: str | Path) -> np.memmap:
+    """Memory-map a shard's tokens after validating magic, version and size. Nothing is read into RAM."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"shard {path} does not exist")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ValueError(f"shard {path} is truncated: {size} bytes is smaller than the {HEADER_BYTES}-byte header")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, count = int(header[0]), int(header[1]), int(header[2])
+    if magic not in FORMATS:
+        raise ValueError(
+            f"shard {path} has bad magic {magic}; expected {' or '.join(map(str, FORMATS))} "
+            "(an llm.c-format token shard, as written by data/prepare.py)"
+        )
+    expected_version, dtype = FORMATS[magic]
+    if version != expected_version:
+        raise ValueError(f"shard {path} has unknown version {version} for magic {magic}; expected {expected_version}")
+    expected = HEADER_BYTES + count * dtype.itemsize
+    if count < 0 or size < expected:
+        raise ValueError(
+            f"shard {path} is truncated: header says {count} tokens ({expected} bytes) but the file has {size} bytes; "
+            "prepare the data again"
+        )
+    if size > expected:
+        raise ValueError(f"shard {path} has {size - expected} bytes beyond the {count} tokens its header declares")
+    if count == 0:
+        return np.zeros(0, dtype=dtype)  # np.memmap cannot map zero bytes
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def find_shards(spec: str | Path, split: str) -> list[Path]:
+    """Shard files for a split: a directory (every *.bin whose name contains `split`), a glob, or a file."""
+    spec = str(spec)
+    if os.path.isdir(spec):
+        files = [p for p in sorted(Path(spec).glob("*.bin")) if split in p.name]
+    else:
+        files = [Path(p) for p in sorted(glob.glob(spec))]
+    if not files:
+        raise FileNotFoundError(
+            f"no {split} shards found at {spec}; expected *{split}*.bin files there (run data/prepare.py first)"
+        )
+    return files
+
+
+def check_vocab(files: list[Path], vocab_size: int, chunk: int = 1 << 24) -> None:
+    """Raise ValueError naming the shard if any token id is >= vocab_size (scans in bounded chunks)."""
+    for path in files:
+        tokens = read_shard(path)
+        if tokens.dtype == np.uint16 and vocab_size >= UINT16_VOCAB:
+            continue
+        for i in range(0, len(tokens), chunk):
+            hi = int(tokens[i : i + chunk].max())
+            if hi >= vocab_size:
+                raise ValueError(
+                    f"shard {path} holds token id {hi} but the model's vocab_size is {vocab_size}; "
+                    f"set --vocab_size to at least {hi + 1} or re-tokenize the data"
+                )
+
+
+class ShardLoader:
+    """Yields (x, y) batches of (batch_size, block_size) int64 windows from a list of shards.
+
+    Every epoch visits the shards in a seeded order; within a shard, windows of block_size + 1 tokens
+    start at a seeded offset and are visited in a seeded random order. A global batch is
+    world_size * batch_size windows, of which rank r takes the r-th slice, so ranks never read the
+    same window. The position (epoch, shard, index) is all the state: `state()` / `restore()`.
+    """
+
+    def __init__(
+        self,
+        files: list[Path],
+        batch_size: int,
+        block_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ):
+        self.files = list(files)
+        self.shards = [read_shard(p) for p in self.files]
+        self.batch_size, self.block_size = batch_size, block_size
+        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        windows = sum(max(0, (len(s) - 1) // block_size) for s in self.shards)
+        need = batch_size * world_size
+        if windows < need:
+            tokens = sum(len(s) for s in self.shards)
+            raise ValueError(
+                f"{tokens} tokens in {len(self.files)} shard(s) ({self.files[0]}...) make {windows} windows of "
+                f"block_size+1={block_size + 1} tokens, fewer than one batch of {need}; "
+                "use more data or a smaller batch_size / block_size"
+            )
+        self.epoch, self.shard, self.index = 0, 0, 0
+        self._plan_epoch()
+
+    def _plan_epoch(self) -> None:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        self.order = rng.permutation(len(self.shards)) if self.shuffle else np.arange(len(self.shards))
+        self._plan_shard()
+
+    def _plan_shard(self) -> None:
+        """Window start offsets of the current shard, in visiting order."""
+        tokens = self.shards[self.order[self.shard]]
+        T = self.block_size
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch, self.shard])
+            offset = int(rng.integers(T)) if len(tokens) - 1 >= 2 * T else 0
+            n = max(0, (len(tokens) - 1 - offset) // T)
+            self.starts = offset + T * rng.permutation(n)
+        else:
+            self.starts = T * np.arange(max(0, (len(tokens) - 1) // T))
+
+    def _next_window(self) -> tuple[int, int]:
+        """The next (shard id, start) in the global order, advancing the position."""
+        while self.index >= len(self.starts):
+            self.shard, self.index = self.shard + 1, 0
+            if self.shard == len(self.shards):
+                self.epoch, self.shard = self.epoch + 1, 0
+                self._plan_epoch()
+            else:
+                self._plan_shard()
+        window = int(self.order[self.shard]), int(self.starts[self.index])
+        self.index += 1
+        return window
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (x, y), each (batch_size, block_size) int64; y is x shifted by one token."""
+        windows = [self._next_window() for _ in range(self.batch_size * self.world_size)]
+        mine = windows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        T = self.block_size
+        buf = np.stack([self.shards[s][i : i + T + 1] for s, i in mine]).astype(np.int64)  # (B, T+1)
+        buf = torch.from_numpy(buf)
+        return buf[:, :-1], buf[:, 1:]  # (B, T) each
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state(self) -> dict[str, int]:
+        """The exact position, to store in a checkpoint."""
+        return {"epoch": self.epoch, "shard": self.shard, "index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Continue from a position returned by `state()` (on a loader built with the same files and seed)."""
+        self.epoch, self.shard = int(state["epoch"]), int(state["shard"])
+        self._plan_epoch()
+        self.index = int(state["index"])

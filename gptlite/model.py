@@ -1,0 +1,209 @@
+"""The GPT architecture: positions, causal self-attention, SwiGLU feed-forward, pre-norm blocks, GPT.
+
+Shape legend used in the comments:
+    B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
+    H = n_head, D = C // H head width, F = ffn_hidden, V = vocab_size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlite.config import GPTConfig
+from gptlite.generate import KVCache, generate
+
+
+class LearnedPositions(nn.Module):
+    """A trained table of `block_size` position vectors (GPT-2)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.table = nn.Embedding(config.block_size, config.n_embd)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.table(pos)  # (T, C)
+
+
+class SinusoidalPositions(nn.Module):
+    """The fixed sin/cos table of "Attention Is All You Need" (Vaswani et al., 2017), section 3.5:
+    PE[p, 2i] = sin(p / 10000^(2i/C)), PE[p, 2i+1] = cos(p / 10000^(2i/C)). A buffer, not a parameter."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.register_buffer("table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.table[pos]  # (T, C)
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
+    """The (n_pos, dim) sinusoidal position table, computed in float64 for accuracy."""
+    pos = torch.arange(n_pos, dtype=torch.float64)[:, None]  # (P, 1)
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (C/2,)
+    table = torch.zeros(n_pos, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv_freq)
+    table[:, 1::2] = torch.cos(pos * inv_freq)
+    return table.float()
+
+
+POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with a causal mask, through PyTorch's fused SDPA kernels."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.update(k, v, start)  # (B, H, S, D) with S = start + T
+            if start > 0:
+                # SDPA's is_causal aligns the mask top-left; with a cache the queries are the last T keys.
+                causal = False
+                mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.out_proj(y))
+
+
+class SwiGLU(nn.Module):
+    """out_proj(silu(W1 x) * W3 x) (Shazeer, 2020, "GLU Variants Improve Transformer").
+    W1 and W3 are fused into one matrix `fc`: its first F rows are W1, the last F rows W3."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 2 * config.ffn_hidden, bias=config.bias)
+        self.out_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc(x).chunk(2, dim=-1)  # (B, T, F) each
+        return self.drop(self.out_proj(F.silu(gate) * value))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ffn_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ffn = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, start)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only Transformer language model whose output head is tied to the token embedding."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = POSITIONS[config.pos_emb](config)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf, 2017): one tensor
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer), two per block
+        for name, p in self.named_parameters():
+            if name.endswith("out_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, V) and the mean cross-entropy against targets (B, T),
+        where target -1 is ignored; loss is None without targets."""
+        logits = self.lm_head(self.hidden(idx))  # (B, T, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
+        """The final-norm hidden states (B, T, C) for tokens at positions start..start+T-1.
+        With `caches` (one per block) keys and values are appended to them, for generation."""
+        B, T = idx.shape
+        self._check_input(idx, start)
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i], start)
+        return self.norm(x)
+
+    def step(self, idx: torch.Tensor, caches: list[KVCache], start: int) -> torch.Tensor:
+        """Generation step: feed idx (B, T) at positions start.. through the caches; logits (B, V) of the last."""
+        return self.lm_head(self.hidden(idx, caches, start)[:, -1])  # (B, V)
+
+    def new_caches(self) -> list[KVCache]:
+        """One empty KV cache per block, each holding up to block_size positions."""
+        return [KVCache(self.config.block_size) for _ in self.blocks]
+
+    def _check_input(self, idx: torch.Tensor, start: int) -> None:
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
+        end = start + idx.size(1)
+        if end > self.config.block_size:
+            raise ValueError(
+                f"sequence of length {end} is longer than block_size={self.config.block_size}; "
+                "crop the input or train a model with a larger block_size"
+            )
+        if torch.compiler.is_compiling() or idx.numel() == 0:
+            return  # value checks would break the graph; the data loader checks ids before training
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); check the tokenizer and vocab_size")
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding with a KV cache (see gptlite.generate)."""
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+
+    def num_params(self, exclude_positions: bool = False) -> int:
+        """Parameter count; the tied head and embedding are one tensor and are counted once."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_positions and isinstance(self.pos_emb, LearnedPositions):
+            n -= self.pos_emb.table.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward): 6N for the matmuls plus 12*L*C*T for attention
+        scores and values (PaLM, Chowdhery et al. 2022, appendix B). T defaults to block_size."""
+        T = seq_len or self.config.block_size
+        cfg = self.config
+        return 6 * self.num_params(exclude_positions=True) + 12 * cfg.n_layer * cfg.n_embd * T

@@ -1,0 +1,225 @@
+"""Tokenizers behind one small interface (encode, decode, token_bytes, vocab_size, eot_id), saved as JSON.
+
+Specs accepted by `get_tokenizer`:
+    "byte"                     the 256 byte values; needs no file
+    "char"                     one id per character seen in the corpus (pass the corpus text)
+    "gpt2", "cl100k_base", ... any tiktoken encoding name (tiktoken downloads its files once)
+    "path/to/ranks.tiktoken"   a tiktoken ranks file: the offline route, GPT-2's split pattern and
+                               <|endoftext|> (id = number of ranks) unless told otherwise
+The JSON written by `save` holds everything decoding needs (for tiktoken, the ranks themselves), so
+`sample.py` never needs the network or a pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+EOT = "<|endoftext|>"
+# GPT-2's pre-tokenization pattern (as in tiktoken_ext.openai_public.r50k_pat_str)
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+class Tokenizer:
+    """The interface every tokenizer implements."""
+
+    kind: str
+    vocab_size: int
+    eot_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def token_bytes(self, ids: Iterable[int]) -> bytes:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids; invalid UTF-8 (a BPE piece cut mid-character) becomes U+FFFD."""
+        return self.token_bytes(ids).decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict:
+        raise NotImplementedError
+
+    def save(self, path: str | Path) -> None:
+        """Write the tokenizer as JSON, atomically."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        d = {"vocab_size": self.vocab_size, "eot_id": self.eot_id, **self.to_dict()}
+        tmp.write_text(json.dumps(d, ensure_ascii=False))
+        os.replace(tmp, path)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255."""
+
+    kind, vocab_size = "byte", 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, ids: Iterable[int]) -> bytes:
+        return bytes(ids)
+
+    def to_dict(self) -> dict:
+        return {"type": "byte"}
+
+
+class CharTokenizer(Tokenizer):
+    """One id per distinct character of the corpus, in sorted order (nanoGPT's shakespeare_char)."""
+
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str]):
+        self.chars = sorted(set(chars))
+        if not self.chars:
+            raise ValueError("a char tokenizer needs a non-empty corpus to learn its vocabulary from")
+        self.vocab_size = len(self.chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as e:
+            raise ValueError(
+                f"character {e.args[0]!r} is not in this char tokenizer's vocabulary of {self.vocab_size} characters; "
+                "use only characters from the training corpus"
+            ) from None
+
+    def token_bytes(self, ids: Iterable[int]) -> bytes:
+        return "".join(self.chars[i] for i in ids).encode("utf-8")
+
+    def to_dict(self) -> dict:
+        return {"type": "char", "chars": "".join(self.chars)}
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken BPE encoding; text is encoded as plain text (special-token strings are not special)."""
+
+    kind = "tiktoken"
+
+    def __init__(self, encoding):
+        self.enc = encoding
+        self.vocab_size = encoding.n_vocab
+        self.eot_id = encoding._special_tokens.get(EOT)
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+
+    def token_bytes(self, ids: Iterable[int]) -> bytes:
+        return self.enc.decode_bytes(list(ids))
+
+    def to_dict(self) -> dict:
+        ranks = {base64.b64encode(token).decode("ascii"): rank for token, rank in self.enc._mergeable_ranks.items()}
+        return {
+            "type": "tiktoken",
+            "name": self.enc.name,
+            "pat_str": self.enc._pat_str,
+            "special_tokens": self.enc._special_tokens,
+            "mergeable_ranks": ranks,
+        }
+
+
+def _tiktoken_encoding(name: str, pat_str: str, ranks: dict[bytes, int], special_tokens: dict[str, int]):
+    import tiktoken
+
+    return tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
+
+
+def from_ranks_file(path: str | Path) -> TiktokenTokenizer:
+    """A tokenizer from a `.tiktoken` ranks file, with GPT-2's split pattern and <|endoftext|> after the ranks."""
+    from tiktoken.load import load_tiktoken_bpe
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tiktoken ranks file {path} does not exist")
+    try:
+        ranks = load_tiktoken_bpe(str(path))
+    except Exception as e:  # tiktoken raises plain ValueError/binascii errors for a malformed file
+        raise ValueError(f"{path} is not a tiktoken ranks file (lines of 'base64-token rank'): {e}") from None
+    return TiktokenTokenizer(_tiktoken_encoding(path.stem, GPT2_PATTERN, ranks, {EOT: len(ranks)}))
+
+
+def from_tiktoken_name(name: str) -> TiktokenTokenizer:
+    """A named tiktoken encoding; a failed download says how to work offline."""
+    import tiktoken
+
+    if name not in tiktoken.list_encoding_names():
+        raise ValueError(
+            f"unknown tokenizer '{name}'; use byte, char, a tiktoken encoding "
+            f"({', '.join(tiktoken.list_encoding_names())}) or a path to a .tiktoken ranks file"
+        )
+    try:
+        return TiktokenTokenizer(tiktoken.get_encoding(name))
+    except Exception as e:
+        if "Connection" in type(e).__name__ or "Timeout" in type(e).__name__ or isinstance(e, OSError):
+            raise ConnectionError(
+                f"tiktoken could not download the files of '{name}' ({type(e).__name__}); offline, pass a local "
+                f"ranks file instead (--tokenizer=path/to/{name}.tiktoken) or set TIKTOKEN_CACHE_DIR to a cache "
+                "that already holds them"
+            ) from None
+        raise
+
+
+def get_tokenizer(spec: str, text: str | Iterable[str] | None = None) -> Tokenizer:
+    """Build a tokenizer from a spec string (see the module docstring); `char` learns from `text`."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec == "char":
+        if text is None:
+            raise ValueError("the char tokenizer needs the corpus text to learn its vocabulary")
+        chars: set[str] = set()
+        for chunk in [text] if isinstance(text, str) else text:
+            chars.update(chunk)
+        return CharTokenizer(chars)
+    if spec.endswith(".tiktoken") or os.path.sep in spec or os.path.isfile(spec):
+        return from_ranks_file(spec)
+    return from_tiktoken_name(spec)
+
+
+def tokenizer_from_dict(d: dict, source: str = "tokenizer JSON") -> Tokenizer:
+    """Rebuild a tokenizer from `Tokenizer.to_dict()` output."""
+    kind = d.get("type")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "char":
+        return CharTokenizer(d["chars"])
+    if kind == "tiktoken":
+        ranks = {base64.b64decode(token): rank for token, rank in d["mergeable_ranks"].items()}
+        return TiktokenTokenizer(_tiktoken_encoding(d["name"], d["pat_str"], ranks, d["special_tokens"]))
+    raise ValueError(f"{source} has unknown tokenizer type {kind!r}; expected byte, char or tiktoken")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Read a tokenizer JSON written by `Tokenizer.save`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file {path} does not exist; run data/prepare.py to create it")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"tokenizer file {path} is not valid JSON: {e}") from None
+    return tokenizer_from_dict(d, str(path))
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text, holding back bytes of a UTF-8 character split across tokens."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: Iterable[int]) -> str:
+        return self.utf8.decode(self.tokenizer.token_bytes(ids))
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)
