@@ -1,27 +1,52 @@
 """gptlite: a small, fast, readable GPT toolkit. `from gptlite import GPT, GPTConfig`."""
 
-from gptlite.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
-from gptlite.config import GPTConfig, TrainConfig
-from gptlite.data import ShardLoader, find_shards, read_shard, write_shard
-from gptlite.generate import generate, generate_tokens, sample_next
-from gptlite.model import GPT
-from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
+import importlib
+import sys
+import types
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "ShardLoader",
-    "Tokenizer",
-    "TrainConfig",
-    "find_shards",
-    "generate",
-    "generate_tokens",
-    "get_tokenizer",
-    "load_checkpoint",
-    "load_tokenizer",
-    "model_from_checkpoint",
-    "read_shard",
-    "sample_next",
-    "save_checkpoint",
-    "write_shard",
-]
+# Names are imported on first use (PEP 562), so `import gptlite.config` or `gptlite.tokenizer` does not
+# pull in torch through this package's __init__.
+_EXPORTS = {
+    "load_checkpoint": "gptlite.checkpoint",
+    "model_from_checkpoint": "gptlite.checkpoint",
+    "save_checkpoint": "gptlite.checkpoint",
+    "GPTConfig": "gptlite.config",
+    "TrainConfig": "gptlite.config",
+    "ShardLoader": "gptlite.data",
+    "find_shards": "gptlite.data",
+    "read_shard": "gptlite.data",
+    "write_shard": "gptlite.data",
+    "generate": "gptlite.generate",
+    "generate_tokens": "gptlite.generate",
+    "sample_next": "gptlite.generate",
+    "GPT": "gptlite.model",
+    "Tokenizer": "gptlite.tokenizer",
+    "get_tokenizer": "gptlite.tokenizer",
+    "load_tokenizer": "gptlite.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gptlite' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+class _Package(types.ModuleType):
+    """Keeps `gptlite.generate` the function when the submodule of the same name is imported."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

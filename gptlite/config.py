@@ -200,7 +200,7 @@ def read_toml(path: str | Path) -> dict[str, typing.Any]:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist; see configs/ for presets")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     model = data.pop("model", {})

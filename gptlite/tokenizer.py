@@ -52,7 +52,7 @@ class Tokenizer:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         d = {"vocab_size": self.vocab_size, "eot_id": self.eot_id, **self.to_dict()}
-        tmp.write_text(json.dumps(d, ensure_ascii=False))
+        tmp.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
         os.replace(tmp, path)
 
 
@@ -205,7 +205,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {path} does not exist; run data/prepare.py to create it")
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"tokenizer file {path} is not valid JSON: {e}") from None
     return tokenizer_from_dict(d, str(path))

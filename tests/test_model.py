@@ -1,0 +1,143 @@
+"""The architecture against its references: naive attention math, the sinusoidal and SwiGLU formulas,
+causality, weight tying, input validation."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptlite import GPT, GPTConfig
+from gptlite.model import sinusoidal_table
+from tests.conftest import tiny_config, tiny_model
+
+
+def naive_attention(attn, x: torch.Tensor) -> torch.Tensor:
+    """Masked softmax attention written out (Vaswani et al. eq. 1), using the module's weights."""
+    B, T, C = x.shape
+    H = attn.n_head
+    D = C // H
+    q, k, v = (x @ attn.qkv.weight.T).split(C, dim=2)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    return y.transpose(1, 2).reshape(B, T, C) @ attn.out_proj.weight.T
+
+
+def test_sdpa_attention_equals_naive_math():
+    model = tiny_model()
+    attn = model.blocks[0].attn
+    x = torch.randn(3, 17, 32)
+    torch.testing.assert_close(attn(x), naive_attention(attn, x), atol=1e-5, rtol=1e-5)
+
+
+def test_causality(pos_emb):
+    """Changing tokens after position t never changes logits at or before t."""
+    model = tiny_model(pos_emb=pos_emb)
+    idx = torch.randint(0, 97, (2, 20))
+    t = 9
+    changed = idx.clone()
+    changed[:, t + 1 :] = torch.randint(0, 97, (2, 20 - t - 1))
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
+
+
+def test_sinusoidal_table_matches_formula():
+    table = sinusoidal_table(50, 16)
+    for p in (0, 1, 7, 49):
+        for i in range(8):
+            angle = p / 10000 ** (2 * i / 16)
+            assert table[p, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[p, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_position_types():
+    learned = tiny_model(pos_emb="learned")
+    sinus = tiny_model(pos_emb="sinusoidal")
+    assert any("pos_emb" in n for n, _ in learned.named_parameters())
+    assert not any("pos_emb" in n for n, _ in sinus.named_parameters())  # a buffer, not a parameter
+    assert "pos_emb.table" in dict(sinus.named_buffers())
+    assert learned.num_params() - sinus.num_params() == 32 * 32
+    # positions matter: the same tokens in another order give different logits
+    idx = torch.tensor([[5, 5, 5, 5]])
+    logits, _ = sinus(idx)
+    assert not torch.allclose(logits[0, 0], logits[0, 3])
+
+
+def test_swiglu_matches_formula():
+    model = tiny_model()
+    ffn = model.blocks[0].ffn
+    F_ = model.config.ffn_hidden
+    W1, W3 = ffn.fc.weight[:F_], ffn.fc.weight[F_:]
+    x = torch.randn(2, 5, 32)
+    expected = (F.silu(x @ W1.T) * (x @ W3.T)) @ ffn.out_proj.weight.T
+    torch.testing.assert_close(ffn(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_head_is_tied_to_embedding():
+    model = tiny_model()
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert model.lm_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+    with torch.no_grad():
+        model.tok_emb.weight[3, 0] = 123.0
+    assert model.lm_head.weight[3, 0].item() == 123.0
+
+
+def test_tying_survives_state_dict_round_trip(tmp_path):
+    model = tiny_model()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    fresh = GPT(tiny_config())
+    fresh.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    assert fresh.lm_head.weight is fresh.tok_emb.weight
+    torch.testing.assert_close(fresh.lm_head.weight, model.tok_emb.weight)
+
+
+def test_forward_shapes_and_loss():
+    model = tiny_model()
+    idx = torch.randint(0, 97, (3, 11))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 11, 97) and loss is None
+    logits2, loss = model(idx, idx)
+    assert logits2.shape == (3, 11, 97)
+    expected = F.cross_entropy(logits2.reshape(-1, 97), idx.reshape(-1))
+    torch.testing.assert_close(loss, expected)
+    # ignore_index=-1: masked targets do not count
+    targets = idx.clone()
+    targets[:, 5:] = -1
+    _, masked = model(idx, targets)
+    torch.testing.assert_close(masked, F.cross_entropy(logits2[:, :5].reshape(-1, 97), idx[:, :5].reshape(-1)))
+    # an untrained model predicts roughly uniformly
+    assert abs(loss.item() - math.log(97)) < 0.5
+
+
+def test_too_long_and_out_of_vocab_inputs_raise():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="length 33 is longer than block_size=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token id 97 is outside the vocabulary \[0, 97\)"):
+        model(torch.tensor([[1, 97]]))
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        model(torch.tensor([[-1, 2]]))
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=4, n_embd=256))
+    std = model.blocks[0].attn.out_proj.weight.std().item()
+    assert std == pytest.approx(0.02 / math.sqrt(16), rel=0.1)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_param_count_and_flops():
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    model = GPT(cfg)
+    # embedding + positions + 12 * (attention 4C^2 + SwiGLU 3*C*F + 2 norms) + final norm
+    C, F_ = 768, cfg.ffn_hidden
+    expected = 50304 * C + 1024 * C + 12 * (4 * C * C + 3 * C * F_ + 2 * C) + C
+    assert model.num_params() == expected
+    assert 120e6 < model.num_params() < 130e6
+    assert model.flops_per_token() == 6 * (expected - 1024 * C) + 12 * 12 * 768 * 1024
