@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny models and the paths of ../shared (present on every developer machine and CI)."""
+"""Shared fixtures: tiny models and the files of ../shared beside the checkout."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,18 @@ from gptlite import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+
+
+def shared_file(relative: str) -> Path:
+    """A file of ../shared (the GPT-2 ranks, tiny Shakespeare). CI and developer machines always have
+    them, so there a missing file fails the test; a user's checkout without ../shared skips it."""
+    path = SHARED / relative
+    if not path.is_file():
+        message = f"{path} is missing (see the README's Tests section)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
 
 
 def tiny_config(**overrides) -> GPTConfig:

@@ -11,7 +11,7 @@ import train
 from gptlite import load_checkpoint, model_from_checkpoint
 from gptlite.config import build_config
 from gptlite.prepare import prepare
-from tests.conftest import ROOT, SHARED
+from tests.conftest import ROOT, shared_file
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, learning_rate=1e-2, min_lr=1e-3,
             warmup_iters=5, eval_iters=4, log_interval=1, device="cpu")
@@ -20,7 +20,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, learnin
 @pytest.fixture(scope="module")
 def char_data(tmp_path_factory):
     corpus = tmp_path_factory.mktemp("corpus") / "shakespeare.txt"
-    corpus.write_text((SHARED / "data" / "tinyshakespeare.txt").read_text()[:200_000])
+    corpus.write_text(shared_file("data/tinyshakespeare.txt").read_text()[:200_000])
     out = tmp_path_factory.mktemp("data")
     prepare([str(corpus)], "char", out, log=lambda *a: None)
     return out
