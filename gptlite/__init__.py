@@ -1,8 +1,6 @@
 """gptlite: a small, fast, readable GPT toolkit. `from gptlite import GPT, GPTConfig`."""
 
 import importlib
-import sys
-import types
 
 # Names are imported on first use (PEP 562), so `import gptlite.config` or `gptlite.tokenizer` does not
 # pull in torch through this package's __init__.
@@ -16,7 +14,6 @@ _EXPORTS = {
     "find_shards": "gptlite.data",
     "read_shard": "gptlite.data",
     "write_shard": "gptlite.data",
-    "generate": "gptlite.generate",
     "generate_tokens": "gptlite.generate",
     "sample_next": "gptlite.generate",
     "GPT": "gptlite.model",
@@ -39,14 +36,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
-
-class _Package(types.ModuleType):
-    """Keeps `gptlite.generate` the function when the submodule of the same name is imported."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -140,7 +140,8 @@ def _flat_fields() -> dict[str, tuple[type, typing.Any]]:
 def convert(key: str, value: typing.Any, typ: typing.Any) -> typing.Any:
     """Convert a TOML or command-line value to the field's type, or raise ValueError naming the key."""
     allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
-    if value is None or (isinstance(value, str) and value.lower() == "none"):
+    # the word "none" means None only for a field that allows it: a str field keeps it as text
+    if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in allowed):
         if type(None) in allowed:
             return None
         raise ValueError(f"{key}=None is not allowed; give a {allowed[0].__name__}")
@@ -156,6 +157,11 @@ def convert(key: str, value: typing.Any, typ: typing.Any) -> typing.Any:
     if base is int:
         if isinstance(value, bool):
             raise ValueError(f"{key}={value!r} is not an integer")
+        if isinstance(value, (int, str)):
+            try:
+                return int(value)  # exact at any size (a round trip through float is not above 2**53)
+            except ValueError:
+                pass
         try:
             as_float = float(value)
         except (TypeError, ValueError):

@@ -48,7 +48,8 @@ def test_shard_round_trip_and_llmc_header(tmp_path, vocab_size, magic, version, 
     assert path.stat().st_size == HEADER_BYTES + len(tokens) * itemsize
     np.testing.assert_array_equal(np.frombuffer(body, dtype=dtype), tokens)
     # the header's first bytes, spelled out: little-endian int32 magic, version, count
-    assert path.read_bytes()[:12] == magic.to_bytes(4, "little") + version.to_bytes(4, "little") + (1000).to_bytes(4, "little")
+    first_ints = magic.to_bytes(4, "little") + version.to_bytes(4, "little") + (1000).to_bytes(4, "little")
+    assert path.read_bytes()[:12] == first_ints
 
     read = read_shard(path)
     assert isinstance(read, np.memmap)
@@ -95,7 +96,8 @@ def test_truncated_tokens(tmp_path):
     path = tmp_path / "short.bin"
     write_shard(path, list(range(100)), 256)
     path.write_bytes(path.read_bytes()[:-10])  # lose the last 5 uint16 tokens
-    with pytest.raises(ValueError, match=r"truncated: header says 100 tokens \(1224 bytes\) but the file has 1214 bytes"):
+    message = r"truncated: header says 100 tokens \(1224 bytes\) but the file has 1214 bytes"
+    with pytest.raises(ValueError, match=message):
         read_shard(path)
 
 
@@ -186,7 +188,8 @@ def test_find_shards(tmp_path):
 # the loader
 
 
-def make_shards(tmp_path: Path, sizes: list[int], vocab_size: int = 1000, seed: int = 0) -> tuple[list[Path], list[np.ndarray]]:
+def make_shards(tmp_path: Path, sizes: list[int], vocab_size: int = 1000, seed: int = 0):
+    """Write one shard of random tokens per size; returns the files and their token arrays."""
     rng = np.random.default_rng(seed)
     files, arrays = [], []
     for i, n in enumerate(sizes):
@@ -246,24 +249,35 @@ def test_loader_unshuffled_reads_consecutive_windows(tmp_path):
     np.testing.assert_array_equal(y.numpy(), np.stack([a[1:9], a[9:17]]))
 
 
+def windows_by_epoch(files, arrays, block_size, seed, epochs):
+    """Each epoch's windows, in order, read one window per batch through the public API."""
+    loader = ShardLoader(files, batch_size=1, block_size=block_size, seed=seed)
+    out = [[] for _ in range(epochs)]
+    while True:
+        batch = loader.next_batch()
+        if loader.epoch >= epochs:  # the state after a batch names the epoch its window came from
+            return out
+        out[loader.epoch] += windows_of([batch], arrays, block_size)
+
+
 def test_loader_epoch_visits_every_window_once(tmp_path):
-    sizes = [61, 45, 33]
+    sizes, T = [61, 45, 33], 8
     files, arrays = make_shards(tmp_path, sizes)
-    T = 8
-    loader = ShardLoader(files, batch_size=1, block_size=T, seed=3)
-    per_shard = []
-    for s in range(3):
-        loader_windows = []
-        while loader.shard == s or (s == 0 and loader.index == 0 and loader.epoch == 0):
-            if loader.index >= len(loader.starts) and loader.shard == s:
-                break
-            loader_windows.append(loader._next_window())
-        per_shard.append(loader_windows)
-    found = [w for ws in per_shard for w in ws]
-    assert len(found) == len(set(found))  # no window twice in an epoch
-    assert {s for s, _ in found} == {0, 1, 2}
-    for s, i in found:  # all windows fit and are block-aligned from the shard's offset
-        assert i + T + 1 <= sizes[s]
+    epochs = windows_by_epoch(files, arrays, T, seed=3, epochs=3)
+    offsets = set()
+    for windows in epochs:
+        assert len(windows) == len(set(windows))  # no window twice in an epoch
+        for s, n in enumerate(sizes):
+            starts = sorted(i for shard, i in windows if shard == s)
+            # a random offset below T, then every block-aligned window that fits
+            assert 0 <= starts[0] < T and starts[-1] + T + 1 <= n and starts[-1] + 2 * T + 1 > n
+            assert np.all(np.diff(starts) == T)
+            offsets.add(starts[0])
+        # shards are read one after the other, never interleaved
+        shard_runs = [s for k, (s, _) in enumerate(windows) if k == 0 or windows[k - 1][0] != s]
+        assert sorted(shard_runs) == [0, 1, 2]
+    assert len({tuple(w) for w in epochs}) == 3  # every epoch is shuffled afresh
+    assert len(offsets) > 1  # the windows' phase changes too, so every token pair gets trained on
 
 
 def test_loader_determinism(tmp_path):
@@ -310,18 +324,7 @@ def test_state_restore_across_an_epoch_boundary(tmp_path):
         restored = ShardLoader(files, **kw)
         restored.restore(before)
         assert_same(batches(restored, 3), following)
-        # the state just before a batch that starts a new epoch restores too
     assert max(epochs_seen) >= 2  # ran through several epoch boundaries
-    # each epoch orders the shards afresh: the epochs are not all identical
-    l1 = ShardLoader(files, **kw)
-    per_epoch = []
-    for _ in range(4):
-        e = l1.epoch
-        seq = []
-        while l1.epoch == e:
-            seq.append(l1._next_window())
-        per_epoch.append(seq[:-1] if l1.epoch != e else seq)
-    assert len({tuple(s) for s in per_epoch}) > 1
 
 
 def test_state_is_plain_ints(tmp_path):
@@ -347,15 +350,16 @@ def test_ranks_split_the_global_batch(tmp_path, shuffle):
     w1 = windows_of(r1, arrays, T)
     for step in range(steps):
         assert not set(w0[step * B : (step + 1) * B]) & set(w1[step * B : (step + 1) * B])
-    # and within the first epoch (15 windows here, more than steps * 2B = 24? no: check only the first 14)
-    first_epoch = 14
-    assert len(set(w0[: first_epoch // 2]) | set(w1[: first_epoch // 2])) == 2 * (first_epoch // 2)
+    # over the first epoch (at least 22 windows; 5 steps read 20) no window is read twice by any rank
+    first = w0[: 5 * B] + w1[: 5 * B]
+    assert len(set(first)) == len(first)
 
 
 def test_fewer_than_one_batch(tmp_path):
     files, _ = make_shards(tmp_path, [20, 10])  # (19 // 8) + (9 // 8) = 3 windows
     ShardLoader(files, batch_size=3, block_size=8)  # exactly one batch is enough
-    with pytest.raises(ValueError, match=r"30 tokens in 2 shard\(s\) .* make 3 windows of block_size\+1=9 tokens, fewer than one batch of 4"):
+    message = r"30 tokens in 2 shard\(s\) .* make 3 windows of block_size\+1=9 tokens, fewer than one batch of 4"
+    with pytest.raises(ValueError, match=message):
         ShardLoader(files, batch_size=4, block_size=8)
     with pytest.raises(ValueError, match="fewer than one batch of 4"):
         ShardLoader(files, batch_size=2, block_size=8, world_size=2)
