@@ -22,7 +22,23 @@ _EXPORTS = {
     "load_tokenizer": "gptlite.tokenizer",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "ShardLoader",
+    "Tokenizer",
+    "TrainConfig",
+    "find_shards",
+    "generate_tokens",
+    "get_tokenizer",
+    "load_checkpoint",
+    "load_tokenizer",
+    "model_from_checkpoint",
+    "read_shard",
+    "sample_next",
+    "save_checkpoint",
+    "write_shard",
+]
 
 
 def __getattr__(name: str):
