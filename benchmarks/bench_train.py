@@ -1,0 +1,143 @@
+"""Training-step throughput, side by side in one process: gptlite vs Hugging Face GPT-2 vs a naive GPT.
+
+    pip install -e ".[bench]"            # transformers, for the Hugging Face model only
+    python benchmarks/bench_train.py [--shapes tiny,124m] [--steps 10] [--dtypes float32,bfloat16]
+
+A step is forward + backward + AdamW on random tokens. Every model has the same shape (layers, heads,
+width, vocabulary, block) and about the same parameter count, random weights, no dropout. The figure is
+the median tokens/s over `--steps` timed steps after warm-up; ratios are against the other models
+measured in this same run. Prints a table; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gptlite import GPT, GPTConfig  # noqa: E402
+
+SHAPES = {  # name: (n_layer, n_head, n_embd, vocab_size, block_size, batch_size)
+    "tiny": (4, 4, 128, 65, 64, 12),
+    "124m": (12, 12, 768, 50304, 256, 4),
+}
+
+
+class NaiveBlock(nn.Module):
+    """The classic tutorial block: one Linear per head for q, k and v, an explicit mask, softmax, GELU MLP."""
+
+    def __init__(self, n_head: int, n_embd: int, block_size: int):
+        super().__init__()
+        d = n_embd // n_head
+        self.q = nn.ModuleList(nn.Linear(n_embd, d, bias=False) for _ in range(n_head))
+        self.k = nn.ModuleList(nn.Linear(n_embd, d, bias=False) for _ in range(n_head))
+        self.v = nn.ModuleList(nn.Linear(n_embd, d, bias=False) for _ in range(n_head))
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.register_buffer("mask", torch.tril(torch.ones(block_size, block_size)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.size(1)
+        h = self.ln1(x)
+        heads = []
+        for q, k, v in zip(self.q, self.k, self.v):
+            qh, kh, vh = q(h), k(h), v(h)
+            att = qh @ kh.transpose(-2, -1) / math.sqrt(kh.size(-1))
+            att = att.masked_fill(self.mask[:T, :T] == 0, float("-inf"))
+            heads.append(F.softmax(att, dim=-1) @ vh)
+        x = x + self.proj(torch.cat(heads, dim=-1))
+        return x + self.mlp(self.ln2(x))
+
+
+class NaiveGPT(nn.Module):
+    def __init__(self, n_layer, n_head, n_embd, vocab_size, block_size):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.Sequential(*[NaiveBlock(n_head, n_embd, block_size) for _ in range(n_layer)])
+        self.ln = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        logits = self.head(self.ln(self.blocks(x)))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def build_models(shape: str) -> dict[str, tuple[nn.Module, callable]]:
+    """name -> (model, loss function(model, x, y))."""
+    L, H, C, V, T, _ = SHAPES[shape]
+    models = {}
+    # ffn_hidden = 8C/3 (unrounded) gives SwiGLU the parameter count of the others' 4x GELU MLP
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, ffn_hidden=int(8 * C / 3))
+    models["gptlite"] = (GPT(cfg), lambda m, x, y: m(x, y)[1])
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf_cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=C, n_layer=L, n_head=H, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+        models["hf-gpt2"] = (GPT2LMHeadModel(hf_cfg), lambda m, x, y: m(input_ids=x, labels=y).loss)
+    except ImportError:
+        print("transformers is not installed (pip install -e '.[bench]'); skipping Hugging Face", file=sys.stderr)
+    models["naive"] = (NaiveGPT(L, H, C, V, T), lambda m, x, y: m(x, y))
+    return models
+
+
+def time_steps(model: nn.Module, loss_fn, shape: str, dtype: torch.dtype, steps: int, warmup: int) -> float:
+    """Median tokens/s of a training step."""
+    *_, V, T, B = SHAPES[shape]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast("cpu", dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (B, T), generator=g)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        with autocast:
+            loss = loss_fn(model, x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return B * T / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="tiny,124m")
+    parser.add_argument("--dtypes", default="float32", help="comma list: float32, bfloat16 (CPU autocast)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps (default: 30 tiny, 5 124m)")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for shape in args.shapes.split(","):
+        steps = args.steps or (30 if shape == "tiny" else 5)
+        warmup = 5 if shape == "tiny" else 1
+        L, H, C, V, T, B = SHAPES[shape]
+        print(f"\n{shape}: {L} layers, {H} heads, {C} wide, vocab {V}, block {T}, batch {B}; median of {steps} steps")
+        torch.manual_seed(0)
+        models = build_models(shape)
+        print(f"{'model':10s} {'dtype':9s} {'params':>9s} {'tokens/s':>10s} {'vs hf-gpt2':>11s} {'vs naive':>9s}")
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            rates = {name: time_steps(m, fn, shape, dtype, steps, warmup) for name, (m, fn) in models.items()}
+            for name, rate in rates.items():
+                params = sum(p.numel() for p in models[name][0].parameters()) / 1e6
+                vs_hf = f"{rate / rates['hf-gpt2']:.2f}x" if "hf-gpt2" in rates else "n/a"
+                print(f"{name:10s} {dtype_name:9s} {params:8.2f}M {rate:10.0f} {vs_hf:>11s} {rate / rates['naive']:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
