@@ -9,7 +9,9 @@ import torch
 from gptlite import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+# ../shared beside the checkout; from a git worktree (e.g. wt/NAME beside the main checkout) the nearest
+# ancestor that has one
+SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")
 
 
 def shared_file(relative: str) -> Path:
