@@ -90,10 +90,12 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
-    # evaluation, logging, checkpoints
+    # evaluation, logging, checkpoints (out_dir/ckpt_NNNNNN.pt at every evaluation; the newest keep_last
+    # are kept, plus best.pt, the lowest val loss), out_dir/metrics.jsonl at every log line
     eval_interval: int = 250
     eval_iters: int = 20
     log_interval: int = 10
+    keep_last: int = 3
     wandb_log: bool = False
     wandb_project: str = "gptlite"
     wandb_run_name: str = ""
@@ -101,15 +103,21 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (autocast precision)
     compile: bool = False
+    fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     seed: int = 1337
+    # faults: a non-finite loss or gradient norm skips that update or stops the run; max_minutes > 0 ends
+    # the run with a checkpoint once that much wall-clock time has passed
+    on_nan: str = "skip"  # skip | stop
+    max_minutes: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
-        positive = ("batch_size", "max_iters", "eval_interval", "log_interval")
+        positive = ("batch_size", "max_iters", "eval_interval", "log_interval", "keep_last")
         for name in positive:
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be > 0")
-        for name in ("total_batch_size", "warmup_iters", "lr_decay_iters", "eval_iters", "grad_clip", "weight_decay"):
+        for name in ("total_batch_size", "warmup_iters", "lr_decay_iters", "eval_iters", "grad_clip", "weight_decay",
+                     "max_minutes"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
         if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
@@ -118,6 +126,11 @@ class TrainConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
+        if self.on_nan not in ("skip", "stop"):
+            problems.append(f"on_nan={self.on_nan!r} must be skip or stop")
+        if self.fsdp and self.dtype == "float16":
+            problems.append("fsdp=true trains in bfloat16 or float32, not float16 (no sharded loss scaler here); "
+                            "use dtype=bfloat16")
         if problems:
             raise ValueError("invalid training config: " + "; ".join(problems))
 
