@@ -1,0 +1,77 @@
+"""Run metrics: the JSON-lines metrics file of a training run, and model FLOPs utilisation (MFU).
+
+out_dir/metrics.jsonl holds one JSON object per line, each with a "step":
+    training    loss, lr, grad_norm, ms_per_step, tokens_per_s, mfu (null where the peak is unknown)
+    evaluation  val_loss
+    events      event (e.g. a skipped non-finite step), with loss and grad_norm
+`python -m gptlite.plot OUT_DIR` draws it to a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+# Dense bf16/fp16 tensor-core peaks in FLOP/s from the vendors' data sheets (without 2:4 sparsity).
+# The first name contained in torch.cuda.get_device_name() wins, so specific names come first.
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The device's dense bf16 peak in FLOP/s, or None for CPUs, MPS and GPUs not in PEAK_FLOPS."""
+    return next((flops for name, flops in PEAK_FLOPS if name in device_name), None)
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation of one device (PaLM, Chowdhery et al. 2022, appendix B): achieved / peak."""
+    return None if not peak else flops_per_token * tokens_per_s / peak
+
+
+class MetricsLog:
+    """Appends rows to a run's metrics.jsonl. A fresh run starts the file anew; a resumed run keeps the rows up
+    to its checkpoint's step and drops later ones (logged by a run that died before its next checkpoint)."""
+
+    def __init__(self, path: str | Path, resume_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step is not None else []
+        self.file = open(self.path, "w", encoding="utf-8")
+        for row in kept:
+            self.write(**row)
+
+    def write(self, **row) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl file ([] if it does not exist); a line cut short by a crash is ignored."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
