@@ -1,18 +1,22 @@
-"""Train a GPT on token shards: one CPU, one GPU, or many through torchrun (PyTorch DDP).
+"""Train a GPT on token shards: one CPU, one GPU, or many through torchrun (PyTorch DDP, or FSDP2 with --fsdp).
 
     python train.py [CONFIG.toml] --data_dir=DIR [--key=value ...] [--resume]
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.toml --data_dir=DIR
 
 Config precedence: defaults (gptlite/config.py) < TOML file < --key=value. `python train.py --help` lists keys.
+Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits; --resume continues exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -20,14 +24,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptlite.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, unwrap
+from gptlite.checkpoint import load_checkpoint, rng_state, save_run_checkpoint, set_rng_state
 from gptlite.config import TrainConfig, build_config, config_help, config_to_dict, parse_args, read_toml
-from gptlite.data import ShardLoader, check_vocab, find_shards
+from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
+from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 
 TOKENIZER_FILE = "tokenizer.json"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,6 +49,32 @@ def setup_distributed() -> tuple[int, int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend)
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+
+
+class StopSignals(list):
+    """The SIGINT / SIGTERM signals received while installed, recorded instead of ending the process, so the
+    loop can finish its step, save and exit. Before `install()` (setup, data checks) Ctrl-C works as usual."""
+
+    def install(self) -> None:
+        self.previous = {s: signal.signal(s, lambda signum, frame: self.append(signum)) for s in STOP_SIGNALS}
+
+    def restore(self) -> None:
+        for s, handler in getattr(self, "previous", {}).items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def training_session():
+    """(rank, local_rank, world_size, StopSignals): starts the process group under torchrun; on the way out,
+    also on errors, restores the signal handlers and ends the process group."""
+    rank, local_rank, world_size = setup_distributed()
+    signals = StopSignals()
+    try:
+        yield rank, local_rank, world_size, signals
+    finally:
+        signals.restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def pick_device(name: str, local_rank: int) -> str:
@@ -91,9 +125,66 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device_type: str) -> torch.opti
     )
 
 
+def make_loaders(cfg: TrainConfig, rank: int, world_size: int) -> tuple[ShardLoader, ShardLoader]:
+    """Train and val loaders over data_dir's shards, after checking that no shard is empty, every token id
+    is below vocab_size and each split holds at least one global batch. Rank r reads the r-th slice of
+    every global batch, so ranks never read the same window."""
+    loaders = []
+    for split, seed in (("train", cfg.seed), ("val", cfg.seed + 1)):
+        files = find_shards(cfg.data_dir, split)
+        for path in files:
+            if len(read_shard(path)) == 0:
+                raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
+        check_vocab(files, cfg.model.vocab_size)
+        try:
+            loaders.append(ShardLoader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank,
+                                       world_size=world_size))
+        except ValueError as e:
+            raise ValueError(f"{split} split: {e}") from None
+    return loaders[0], loaders[1]
+
+
+def compile_unavailable(device_type: str) -> str | None:
+    """Why torch.compile cannot work here (None if it should): platform, Triton on CUDA, a C++ compiler on CPU."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"not supported on Python {sys.version.split()[0]} on {sys.platform}"
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed"
+    if device_type == "cpu":
+        cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+        return None if shutil.which(cxx) else f"no C++ compiler '{cxx}' for its CPU kernels (set CXX)"
+    return None
+
+
+def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device: str, autocast, scaler
+                         ) -> torch.Tensor:
+    """Forward and backward over `grad_accum` micro-batches from `loader`; returns their mean loss (0-dim).
+
+    The gradients are those of the mean loss over all micro-batches, the same as one batch `grad_accum`
+    times larger. Under DDP or FSDP, gradients are reduced across ranks on the last micro-step only."""
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(grad_accum):
+        x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())  # (B, T) each
+        last = micro == grad_accum - 1
+        if isinstance(model, DDP):
+            model.require_backward_grad_sync = last
+        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(last)
+        with autocast:
+            _, loss = model(x, y)
+        scaler.scale(loss / grad_accum).backward()
+        loss_sum += loss.detach()
+    return loss_sum / grad_accum
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: ShardLoader, iters: int, device: str, autocast) -> float:
-    """Mean loss over the first `iters` batches of a fresh loader (the same batches at every evaluation)."""
+    """Mean loss over the first `iters` global batches of the val set (the same batches at every evaluation);
+    each rank evaluates its slice and the mean is all-reduced."""
     model.eval()
     loader.restore({"epoch": 0, "shard": 0, "index": 0})
     total = torch.zeros((), device=device)
@@ -103,9 +194,20 @@ def evaluate(model: torch.nn.Module, loader: ShardLoader, iters: int, device: st
             _, loss = model(x, y)
         total += loss.float()
     if dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        dist.all_reduce(total)  # a sum: gloo has no AVG
+        total /= dist.get_world_size()
     model.train()
     return total.item() / iters
+
+
+def out_of_memory_advice(cfg: TrainConfig, total_batch: int) -> str:
+    B, T = cfg.batch_size, cfg.model.block_size
+    failed = f"out of memory in the first step, on a micro-batch of batch_size={B} x block_size={T} tokens per device"
+    if B == 1:
+        return f"{failed}; use a smaller block_size or model, or --dtype=bfloat16"
+    keep = ("total_batch_size stays, gradient accumulation makes up the difference" if cfg.total_batch_size
+            else f"add --total_batch_size={total_batch} to keep the global batch")
+    return f"{failed}; try --batch_size={B // 2} ({keep})"
 
 
 def read_vocab_size(data_dir: str) -> int:
@@ -137,16 +239,18 @@ def resolve_config(argv: list[str]) -> TrainConfig:
     values = {**(read_toml(toml_path) if toml_path else {}), **overrides}
     out_dir = values.get("out_dir", TrainConfig.out_dir)
     resume = str(values.get("resume", "false")).lower() in ("true", "1", "yes", "on")
-    ckpt_path = Path(out_dir) / CHECKPOINT_NAME
-    if resume and ckpt_path.is_file():
-        saved = load_checkpoint(ckpt_path)["config"]
+    saved = None
+    if resume:
+        with contextlib.suppress(FileNotFoundError):  # main() says so and starts from scratch
+            saved = load_checkpoint(out_dir, on_fallback=lambda message: None)["config"]  # main() reports fallbacks
+    if saved:
         changed = [
             f"{k}={values[k]} (checkpoint has {saved[k]})"
             for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "bias", "pos_emb")
             if k in values and str(values[k]).lower() != str(saved[k]).lower()
         ]
         if changed:
-            raise ValueError(f"cannot change the model shape on --resume from {ckpt_path}: {', '.join(changed)}")
+            raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
         values = {**saved, **values}
     if "vocab_size" not in values:
         if not values.get("data_dir"):
@@ -160,147 +264,241 @@ def resolve_config(argv: list[str]) -> TrainConfig:
 
 
 def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
-    """Train according to cfg; returns a summary (steps, logged losses, last val loss) for scripts and tests."""
+    """Train according to cfg; returns a summary (steps, logged losses, val losses, why it stopped early)."""
+    t_start = time.time()
     if not cfg.data_dir:
         raise ValueError("data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)")
-    rank, local_rank, world_size = setup_distributed()
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    device = pick_device(cfg.device, local_rank)
-    device_type = device.split(":")[0]
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    dtype = pick_dtype(cfg.dtype, device_type)
-    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
-    torch.manual_seed(cfg.seed + rank)
+    with training_session() as (rank, local_rank, world_size, signals):
+        master = rank == 0
+        log = functools.partial(print, flush=True) if master else (lambda *a, **k: None)
+        device = pick_device(cfg.device, local_rank)
+        device_type = device.split(":")[0]
+        if device_type == "cuda":
+            torch.cuda.set_device(device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        dtype = pick_dtype(cfg.dtype, device_type)
+        autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
 
-    # data: every problem is found here, before the first step
-    B, T = cfg.batch_size, cfg.model.block_size
-    train_files, val_files = find_shards(cfg.data_dir, "train"), find_shards(cfg.data_dir, "val")
-    check_vocab(train_files + val_files, cfg.model.vocab_size)
-    tokens_per_micro = B * T * world_size
-    total_batch = cfg.total_batch_size or tokens_per_micro
-    if total_batch % tokens_per_micro:
-        raise ValueError(
-            f"total_batch_size={total_batch} is not a multiple of batch_size*block_size*world_size="
-            f"{B}*{T}*{world_size}={tokens_per_micro}; set total_batch_size to a multiple of {tokens_per_micro}"
-        )
-    grad_accum = total_batch // tokens_per_micro
-    train_loader = ShardLoader(train_files, B, T, seed=cfg.seed, rank=rank, world_size=world_size)
-    val_loader = ShardLoader(val_files, B, T, seed=cfg.seed + 1, rank=rank, world_size=world_size)
+        # data: every problem is found here, before the first step
+        B, T = cfg.batch_size, cfg.model.block_size
+        tokens_per_micro = B * T * world_size
+        total_batch = cfg.total_batch_size or tokens_per_micro
+        if total_batch % tokens_per_micro:
+            raise ValueError(
+                f"total_batch_size={total_batch} is not a multiple of batch_size*block_size*world_size="
+                f"{B}*{T}*{world_size}={tokens_per_micro}; set total_batch_size to a multiple of {tokens_per_micro}"
+            )
+        grad_accum = total_batch // tokens_per_micro
+        train_loader, val_loader = make_loaders(cfg, rank, world_size)
 
-    model = GPT(cfg.model).to(device)
-    optimizer = make_optimizer(model, cfg, device_type)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-    out_dir = Path(cfg.out_dir)
-    step, best_val = 0, float("inf")
-    if cfg.resume and (out_dir / CHECKPOINT_NAME).is_file():
-        ckpt = load_checkpoint(out_dir / CHECKPOINT_NAME, map_location=device)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        train_loader.restore(ckpt["loader"])
-        step, best_val = int(ckpt["step"]), float(ckpt["best_val_loss"])
-        log(f"resumed from {out_dir / CHECKPOINT_NAME} at step {step}")
-    elif cfg.resume:
-        log(f"no checkpoint in {out_dir}; starting from scratch")
+        out_dir = Path(cfg.out_dir)
+        ckpt = None
+        if cfg.resume:
+            try:
+                ckpt = load_checkpoint(out_dir, on_fallback=log)
+            except FileNotFoundError:
+                log(f"no checkpoint in {out_dir}; starting from scratch")
 
-    if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
-        if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir
-            shutil.copyfile(tokenizer_file, out_dir / TOKENIZER_FILE)
-        log("config: " + json.dumps(config_to_dict(cfg)))
-        log(
-            f"model: {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-            f" | world {world_size} | {total_batch} tokens/step = {grad_accum} micro-steps of {B}x{T} per rank"
-        )
-    run = None
-    if cfg.wandb_log and master:
-        import wandb
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
+        model = GPT(cfg.model).to(device)
+        torch.manual_seed(cfg.seed + rank)  # a different dropout stream per rank
+        n_params, flops_per_token = model.num_params(), model.flops_per_token()
+        fsdp = cfg.fsdp and world_size > 1
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard  # torch >= 2.6
 
-        run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config_to_dict(cfg))
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)  # the rest: the token embedding (tied to the head), positions, the final norm
+        optimizer = make_optimizer(model, cfg, device_type)
+        scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+        step, best_val = 0, float("inf")
+        if ckpt:
+            set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
+                           options=StateDictOptions(full_state_dict=True))
+            if ckpt["scaler"]:
+                scaler.load_state_dict(ckpt["scaler"])
+            train_loader.restore(ckpt["loader"])
+            step, best_val = int(ckpt["step"]), float(ckpt["best_val_loss"])
+            if len(ckpt["rng"]) == world_size:
+                set_rng_state(ckpt["rng"][rank])
+            else:
+                log(f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
+                    f"world_size={world_size}: the data continues where it stopped, dropout's random streams "
+                    "start afresh")
+            log(f"resumed from {out_dir} at step {step}")
 
-    train_model = torch.compile(model) if cfg.compile else model
-    if world_size > 1:
-        train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
-    meta = {"git_commit": git_commit(), "argv": list(sys.argv if argv is None else argv)}
+        if master:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
+            if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir
+                shutil.copyfile(tokenizer_file, out_dir / TOKENIZER_FILE)
+            log("config: " + json.dumps(config_to_dict(cfg)))
+            log(
+                f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
+                f" | world {world_size}{' (fsdp)' if fsdp else ''} | {total_batch} tokens/step = {grad_accum}"
+                f" micro-steps of {B}x{T} per rank"
+            )
+        metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if ckpt else None) if master else None
+        run = None
+        if cfg.wandb_log and master:
+            import wandb
 
-    def checkpoint(val_loss: float) -> None:
-        save_checkpoint(out_dir / CHECKPOINT_NAME, {
-            "config": config_to_dict(cfg),
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "loader": train_loader.state(),
-            "best_val_loss": best_val,
-            "val_loss": val_loss,
-            "meta": meta,
-        })
+            run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config_to_dict(cfg),
+                             id=ckpt["meta"].get("wandb_run_id") if ckpt else None, resume="allow")
+        ckpt = None  # free its memory
 
-    history: list[tuple[int, float]] = []
-    val_history: list[tuple[int, float]] = []
-    t_last, steps_since = time.perf_counter(), 0
-    while step < cfg.max_iters:
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        for micro in range(grad_accum):
-            x, y = (t.to(device, non_blocking=True) for t in train_loader.next_batch())
-            if isinstance(train_model, DDP):  # all-reduce gradients only on the last micro-step
-                train_model.require_backward_grad_sync = micro == grad_accum - 1
-            with autocast:
-                _, loss = train_model(x, y)
-            scaler.scale(loss / grad_accum).backward()
-        if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        steps_since += 1
+        train_model = model
+        if cfg.compile:
+            reason = compile_unavailable(device_type)
+            if reason:
+                log(f"warning: torch.compile is unavailable ({reason}); training uncompiled")
+            else:
+                train_model = torch.compile(model)
+        if world_size > 1 and not fsdp:
+            train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
+        peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
+        meta = {"git_commit": git_commit(), "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
+                "wandb_run_id": run.id if run else None}
 
-        if step % cfg.log_interval == 0 or step == cfg.max_iters:
-            loss_value = loss.item()  # the last micro-batch's loss; .item() also waits for the GPU
-            dt = (time.perf_counter() - t_last) / steps_since
-            t_last, steps_since = time.perf_counter(), 0
-            history.append((step, loss_value))
-            log(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | {dt * 1000:7.1f} ms/step | {total_batch / dt:8.0f} tok/s")
-            if run:
-                run.log({"train/loss": loss_value, "lr": lr, "tokens_per_s": total_batch / dt}, step=step)
-
-        if step % cfg.eval_interval == 0 or step == cfg.max_iters:
-            val_loss = evaluate(train_model, val_loader, max(1, cfg.eval_iters), device, autocast)
-            best_val = min(best_val, val_loss)
-            val_history.append((step, val_loss))
-            log(f"step {step:5d} | val loss {val_loss:.4f}")
-            if run:
-                run.log({"val/loss": val_loss}, step=step)
+        def record(**row) -> None:
             if master:
-                checkpoint(val_loss)
-            t_last = time.perf_counter()  # evaluation time is not training time
+                metrics.write(**row)
+                if run:
+                    run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=row["step"])
 
-    if run:
-        run.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return {"step": step, "history": history, "val_history": val_history, "best_val_loss": best_val}
+        def checkpoint(val_loss: float | None) -> None:
+            """Save (rank 0), unless the weights went non-finite: a good checkpoint is never replaced by a NaN one."""
+            nonlocal best_val
+            model_state, optimizer_state = get_state_dict(model, optimizer, options=FULL_STATE)  # collective
+            rngs = [rng_state()]
+            if world_size > 1:
+                rngs = [None] * world_size
+                dist.all_gather_object(rngs, rng_state())
+            if not master:
+                return
+            bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+            if bad:
+                log(f"step {step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
+                    f"the latest good checkpoint stays in {out_dir}")
+                return
+            best = val_loss is not None and val_loss < best_val
+            best_val = val_loss if best else best_val
+            path = save_run_checkpoint(out_dir, {
+                "config": config_to_dict(cfg),
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "scaler": scaler.state_dict(),
+                "step": step,
+                "loader": train_loader.state(),
+                "world_size": world_size,
+                "rng": rngs,
+                "best_val_loss": best_val,
+                "val_loss": val_loss,
+                "meta": meta,
+            }, keep_last=cfg.keep_last, best=best)
+            log(f"step {step:5d} | saved {path}{' (best val loss)' if best else ''}")
+
+        history: list[tuple[int, float]] = []
+        val_history: list[tuple[int, float]] = []
+        stopped, skipped, first_step = None, 0, step
+        t_last, steps_since = time.perf_counter(), 0
+        signals.install()
+        while step < cfg.max_iters:
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            try:
+                loss = accumulate_gradients(train_model, train_loader, grad_accum, device, autocast, scaler)
+            except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
+                if step == first_step and "out of memory" in str(e):
+                    raise ValueError(out_of_memory_advice(cfg, total_batch)) from None
+                raise
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+                grad_norm = grad_norm.full_tensor()
+            timed_out = cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes
+            # one all-reduce and one host sync per step: the global mean loss, the grad norm (already equal on all
+            # ranks) and whether any rank was asked to stop, so that all ranks take the same decisions
+            stop_vote = torch.tensor(float(bool(signals) or timed_out), device=device)
+            stats = torch.stack([loss, grad_norm.float(), stop_vote])
+            if world_size > 1:
+                dist.all_reduce(stats)
+                stats /= world_size
+            loss_value, grad_norm_value, stop_votes = stats.tolist()
+            finite = math.isfinite(loss_value) and (scaler.is_enabled() or math.isfinite(grad_norm_value))
+            if finite:  # (with fp16, the scaler itself skips steps whose gradients overflowed)
+                scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            steps_since += 1
+
+            if not finite:
+                skipped += 1
+                record(step=step, event="nonfinite", loss=loss_value, grad_norm=grad_norm_value)
+                problem = f"step {step}: loss {loss_value}, gradient norm {grad_norm_value} are not finite"
+                if cfg.on_nan == "stop":
+                    raise FloatingPointError(
+                        f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {out_dir}; "
+                        "resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
+                    )
+                log(f"{problem}; skipped this update (on_nan=skip)")
+            elif step % cfg.log_interval == 0 or step == cfg.max_iters:
+                dt = (time.perf_counter() - t_last) / steps_since
+                t_last, steps_since = time.perf_counter(), 0
+                tokens_per_s = total_batch / dt
+                step_mfu = mfu(flops_per_token, tokens_per_s / world_size, peak)
+                history.append((step, loss_value))
+                log(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {grad_norm_value:.3f} | "
+                    f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
+                    + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%"))
+                record(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm_value, ms_per_step=dt * 1000,
+                       tokens_per_s=tokens_per_s, mfu=step_mfu)
+
+            if step % cfg.eval_interval == 0 or step == cfg.max_iters:
+                val_loss = evaluate(train_model, val_loader, max(1, cfg.eval_iters), device, autocast)
+                val_history.append((step, val_loss))
+                log(f"step {step:5d} | val loss {val_loss:.4f}")
+                record(step=step, val_loss=val_loss)
+                checkpoint(val_loss)
+                t_last = time.perf_counter()  # evaluation time is not training time
+            elif stop_votes > 0:
+                checkpoint(None)
+            if stop_votes > 0 and step < cfg.max_iters:
+                stopped = (signal.Signals(signals[0]).name if signals
+                           else f"max_minutes={cfg.max_minutes:g}" if timed_out else "a stop request on another rank")
+                resume = f"python train.py --out_dir={shlex.quote(str(out_dir))} --resume"
+                log(f"stopped after step {step} ({stopped}) with a checkpoint in {out_dir}; continue with: {resume}"
+                    + (" (under torchrun, with the same launch options)" if world_size > 1 else ""))
+                break
+
+        if master:
+            metrics.close()
+        if run:
+            run.finish()
+        return {"step": step, "history": history, "val_history": val_history, "best_val_loss": best_val,
+                "stopped": stopped, "signal": signals[0] if stopped and signals else None, "skipped_steps": skipped}
 
 
 def cli(argv: list[str]) -> int:
-    """Command-line entry: a user error prints one line on stderr and exits 2, without a traceback."""
+    """Command-line entry: a user error prints one line on stderr and exits 2, without a traceback; a stop on a
+    non-finite loss exits 1; a stop on SIGINT/SIGTERM exits 128 + the signal number, as shells do."""
     if "-h" in argv or "--help" in argv:
         print(__doc__.strip() + "\n\nkeys and defaults:\n" + config_help())
         return 0
     try:
         cfg = resolve_config(argv)
-        main(cfg, argv)
+        summary = main(cfg, argv)
     except (ValueError, TypeError, FileNotFoundError, ConnectionError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except FloatingPointError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 1
+    return 128 + summary["signal"] if summary["signal"] else 0
 
 
 if __name__ == "__main__":

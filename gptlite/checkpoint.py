@@ -1,57 +1,171 @@
-"""Checkpoints: atomic save, safe load (`weights_only=True`), and rebuilding a model from one.
+"""Checkpoints: atomic, checksummed saves; a run directory that keeps the newest few plus the best; safe
+loading (`weights_only=True`) that falls back past a damaged file; rebuilding a model from one.
 
 A checkpoint is a plain dict of tensors and primitive values:
     config      the flat training config (see gptlite.config.config_to_dict)
-    model       the uncompiled, unwrapped module's state_dict
-    optimizer   the optimizer's state_dict
-    step        optimizer steps taken
-    loader      the train loader's position (see gptlite.data.ShardLoader.state)
-    best_val_loss, meta (git commit, command line)
+    model       the uncompiled, unwrapped module's state_dict (no `_orig_mod.` or `module.` prefixes)
+    optimizer   the optimizer state keyed by parameter name (torch.distributed.checkpoint's full state dict)
+    scaler      the fp16 GradScaler's state ({} when unused)
+    step        optimizer steps taken; the learning-rate schedule is a function of it
+    loader      the train loader's global position (see gptlite.data.ShardLoader.state), world_size
+    rng         one entry per rank: python, numpy, torch CPU and CUDA generator states
+    best_val_loss, val_loss, meta (git commit, command line)
+
+A run directory (train.py's out_dir) holds
+    ckpt_000500.pt          one file per save, each beside ckpt_000500.pt.sha256 (`sha256sum -c` reads it)
+    ckpt.pt, best.pt        symlinks to the newest file and to the one with the lowest val loss
+A file is written under a temporary name and renamed only once it and its checksum are on disk, so a crash
+at any moment leaves the earlier files whole; loading a directory takes the newest file whose checksum holds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
+import re
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gptlite.config import GPTConfig, build_config
 from gptlite.model import GPT
 
-CHECKPOINT_NAME = "ckpt.pt"
+CHECKPOINT_NAME = "ckpt.pt"  # the newest checkpoint of a run directory
+BEST_NAME = "best.pt"  # the checkpoint with the lowest val loss
+STEP_FILE = "ckpt_{step:06d}.pt"
+STEP_FILE_RE = re.compile(r"ckpt_(\d+)\.pt")
+CHECKSUM_SUFFIX = ".sha256"
+READ_CHUNK = 1 << 20
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module under torch.compile and DDP wrappers, so saved keys never carry their prefixes."""
-    while True:
-        if hasattr(model, "_orig_mod"):  # torch.compile
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
+class _HashingWriter:
+    """Passes torch.save's writes to a file and hashes them on the way, so the checksum needs no second read."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
-def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
-    """Write atomically: a temp file in the same directory, fsync, then rename over the old file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def _write_durably(path: Path, write: Callable) -> None:
+    """Call write(f) on path's temp file, fsync it, then rename it over path."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save(checkpoint, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint without unpickling arbitrary objects; a directory means its ckpt.pt."""
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in a directory durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
+    """Write atomically with a checksum: path.tmp, then path.sha256, then rename path.tmp to path.
+
+    Until the last rename the old `path` (if any) is untouched. Give each save a new name (as
+    `save_run_checkpoint` does): overwriting a name leaves a moment where its old bytes meet the new checksum.
+    """
     path = Path(path)
-    if path.suffix != ".pt":  # a run directory
-        path = path / CHECKPOINT_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(checkpoint, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    line = f"{writer.sha.hexdigest()}  {path.name}\n".encode()
+    _write_durably(_checksum_path(path), lambda f: f.write(line))
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def step_files(run_dir: str | Path) -> list[Path]:
+    """The ckpt_NNNNNN.pt files of a run directory, newest step first."""
+    run_dir = Path(run_dir)
+    found = [(int(m.group(1)), p) for p in run_dir.glob("ckpt_*.pt") if (m := STEP_FILE_RE.fullmatch(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _point(link: Path, target: Path) -> None:
+    """Atomically make `link` a relative symlink to `target` (a new link renamed over the old one)."""
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, link)
+
+
+def save_run_checkpoint(run_dir: str | Path, checkpoint: dict, keep_last: int = 3, best: bool = False) -> Path:
+    """Save as run_dir/ckpt_{step}.pt, point ckpt.pt (and best.pt when `best`) at it, then delete all but the
+    newest `keep_last` step files and best.pt's target, and any temp files a crash left behind."""
+    run_dir = Path(run_dir)
+    path = run_dir / STEP_FILE.format(step=checkpoint["step"])
+    save_checkpoint(path, checkpoint)
+    _point(run_dir / CHECKPOINT_NAME, path)
+    if best:
+        _point(run_dir / BEST_NAME, path)
+    keep = set(step_files(run_dir)[:keep_last])
+    if (run_dir / BEST_NAME).is_symlink():
+        keep.add(run_dir / os.readlink(run_dir / BEST_NAME))
+    for old in step_files(run_dir):
+        if old not in keep:
+            old.unlink()
+            _checksum_path(old).unlink(missing_ok=True)
+    for leftover in run_dir.glob("*.pt*.tmp"):  # a save or a link swap cut short by a crash
+        leftover.unlink()
+    for checksum in run_dir.glob("ckpt_*.pt" + CHECKSUM_SUFFIX):
+        if not checksum.with_suffix("").exists():  # the crash came between the checksum and the rename
+            checksum.unlink()
+    _fsync_dir(run_dir)
+    return path
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise ValueError if a checkpoint file's bytes do not match the sha256 saved beside it (beside the
+    symlink's target for ckpt.pt and best.pt). A file without a checksum (older gptlite) is not checked."""
+    path = Path(path)
+    real = Path(os.path.realpath(path))
+    checksum = _checksum_path(real)
+    if not checksum.is_file():
+        return
+    expected = (checksum.read_text().split() or [""])[0]
+    sha = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            sha.update(chunk)
+    if sha.hexdigest() != expected:
+        raise ValueError(
+            f"checkpoint {path} is damaged: its {real.stat().st_size} bytes do not match the sha256 in "
+            f"{checksum.name} (cut short or changed after it was saved)"
+        )
+
+
+def _load_file(path: Path, map_location: str | torch.device) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist; train first (python train.py ... --out_dir={path.parent})")
+    verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -61,9 +175,69 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return ckpt
 
 
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", on_fallback: Callable[[str], None] | None = None
+) -> dict:
+    """Load a checkpoint file, or a run directory's newest intact one, without unpickling arbitrary objects.
+
+    A damaged file (checksum mismatch, unreadable) raises ValueError. In a directory a damaged file is
+    skipped for the next older one, and `on_fallback` (default: warnings.warn) gets a line saying so.
+    """
+    path = Path(path)
+    if path.suffix == ".pt":
+        return _load_file(path, map_location)
+    candidates = step_files(path) if path.is_dir() else []
+    legacy = path / CHECKPOINT_NAME  # a run directory written before ckpt_NNNNNN.pt files
+    if legacy.is_file() and not legacy.is_symlink():
+        candidates.append(legacy)
+    if not candidates:
+        raise FileNotFoundError(
+            f"checkpoint {legacy} does not exist (nor any ckpt_NNNNNN.pt in {path}); "
+            f"train first (python train.py ... --out_dir={path})"
+        )
+    damaged = []
+    for candidate in candidates:
+        try:
+            ckpt = _load_file(candidate, map_location)
+        except ValueError as e:
+            damaged.append(str(e))
+            continue
+        if damaged:
+            message = f"{'; '.join(damaged)}; loaded {candidate} instead"
+            if on_fallback:
+                on_fallback(message)
+            else:
+                warnings.warn(message, stacklevel=2)
+        return ckpt
+    raise ValueError("; ".join(damaged) + ("" if len(damaged) == 1 else f"; no intact checkpoint is left in {path}"))
+
+
 def model_from_checkpoint(ckpt: dict) -> GPT:
     """Build the GPT described by a checkpoint's config and load its weights."""
     model_config: GPTConfig = build_config(ckpt["config"]).model
     model = GPT(model_config)
     model.load_state_dict(ckpt["model"])
     return model
+
+
+def rng_state() -> dict:
+    """This process's python, numpy, torch CPU and current CUDA device generator states, checkpoint-safe
+    (tensors and tuples only, so `weights_only` loading accepts them)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore generator states saved by `rng_state`."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())

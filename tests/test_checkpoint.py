@@ -1,0 +1,169 @@
+"""Checkpoint files: atomic checksummed saves, keep-last-K plus best, falling back past damaged files (also
+after a real kill -9 in the middle of a write), RNG states, and state dicts free of wrapper prefixes."""
+
+import os
+import random
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import train
+from gptlite.checkpoint import (
+    load_checkpoint,
+    model_from_checkpoint,
+    rng_state,
+    save_checkpoint,
+    save_run_checkpoint,
+    set_rng_state,
+    step_files,
+    verify_checkpoint,
+)
+from tests.conftest import ROOT, tiny_config, tiny_model
+
+
+def fake_checkpoint(step: int, size: int = 1000) -> dict:
+    return {"step": step, "config": {"n_layer": 1}, "model": {"w": torch.full((size,), float(step))}}
+
+
+def names(run_dir) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir())
+
+
+def test_save_writes_a_sha256sum_file_and_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "ckpt_000007.pt"
+    save_checkpoint(path, fake_checkpoint(7))
+    assert names(tmp_path) == ["ckpt_000007.pt", "ckpt_000007.pt.sha256"]
+    result = subprocess.run(["sha256sum", "-c", "ckpt_000007.pt.sha256"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0 and "ckpt_000007.pt: OK" in result.stdout
+    assert load_checkpoint(path)["step"] == 7
+
+
+def test_run_directory_keeps_the_newest_k_and_the_best(tmp_path):
+    for step, best in [(10, True), (20, False), (30, False), (40, False)]:
+        save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=2, best=best)
+    # the newest two, plus step 10 because best.pt points at it
+    assert [p.name for p in step_files(tmp_path)] == ["ckpt_000040.pt", "ckpt_000030.pt", "ckpt_000010.pt"]
+    assert os.readlink(tmp_path / "ckpt.pt") == "ckpt_000040.pt"
+    assert os.readlink(tmp_path / "best.pt") == "ckpt_000010.pt"
+    assert not (tmp_path / "ckpt_000020.pt.sha256").exists()
+    assert load_checkpoint(tmp_path)["step"] == 40
+    assert load_checkpoint(tmp_path / "best.pt")["step"] == 10
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 40  # the symlink is checked against its target's sha256
+    save_run_checkpoint(tmp_path, fake_checkpoint(50), keep_last=2, best=True)
+    assert [p.name for p in step_files(tmp_path)] == ["ckpt_000050.pt", "ckpt_000040.pt"]  # the old best goes
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "empty"])
+def test_a_damaged_newest_file_is_rejected_and_the_directory_falls_back(tmp_path, damage):
+    for step in (1, 2):
+        save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=3)
+    newest = tmp_path / "ckpt_000002.pt"
+    data = bytearray(newest.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip a byte":
+        data[len(data) // 2] ^= 0xFF  # inside the tensor bytes: torch.load alone would not notice
+    else:
+        data = b""
+    newest.write_bytes(bytes(data))
+    message = rf"checkpoint .*ckpt_000002\.pt is damaged: its {len(data)} bytes do not match the sha256 in ckpt_000002"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(newest)
+    with pytest.warns(UserWarning, match=r"ckpt_000002\.pt is damaged.*; loaded .*ckpt_000001\.pt instead"):
+        assert load_checkpoint(tmp_path)["step"] == 1
+    messages = []
+    assert load_checkpoint(tmp_path, on_fallback=messages.append)["step"] == 1 and len(messages) == 1
+
+
+def test_when_every_checkpoint_is_damaged_the_error_lists_them(tmp_path):
+    for step in (1, 2):
+        save_run_checkpoint(tmp_path, fake_checkpoint(step))
+        (tmp_path / f"ckpt_{step:06d}.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"ckpt_000002\.pt is damaged.*ckpt_000001\.pt is damaged.*no intact"):
+        load_checkpoint(tmp_path)
+
+
+def test_missing_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*ckpt\.pt does not exist \(nor any ckpt_NNNNNN\.pt in"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*nope\.pt does not exist"):
+        load_checkpoint(tmp_path / "nope.pt")
+    # a plain ckpt.pt without a checksum (an older gptlite's run directory) is loaded unchecked
+    torch.save(fake_checkpoint(3), tmp_path / "ckpt.pt")
+    verify_checkpoint(tmp_path / "ckpt.pt")
+    assert load_checkpoint(tmp_path)["step"] == 3
+
+
+KILL_DURING_WRITE = """
+import os, signal, sys
+import torch
+from gptlite import checkpoint
+
+real_write = checkpoint._HashingWriter.write
+def write_then_die(self, data):
+    n = real_write(self, data)
+    if self.f.tell() > 200_000:  # part of the tensor bytes are on disk
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
+checkpoint._HashingWriter.write = write_then_die
+checkpoint.save_run_checkpoint(sys.argv[1], {"step": 3, "config": {}, "model": {"w": torch.ones(200_000)}})
+"""
+
+
+def test_kill_9_in_the_middle_of_a_write_leaves_the_latest_checkpoint_intact(tmp_path):
+    for step in (1, 2):
+        save_run_checkpoint(tmp_path, fake_checkpoint(step, size=200_000))
+    result = subprocess.run([sys.executable, "-c", KILL_DURING_WRITE, str(tmp_path)], cwd=ROOT, capture_output=True,
+                            timeout=120)
+    assert result.returncode == -9, result.stderr  # really killed, mid-write
+    assert (tmp_path / "ckpt_000003.pt.tmp").stat().st_size > 200_000  # the half-written file
+    assert not (tmp_path / "ckpt_000003.pt").exists() and not (tmp_path / "ckpt_000003.pt.sha256").exists()
+    assert os.readlink(tmp_path / "ckpt.pt") == "ckpt_000002.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to fall back from: the newest file is whole
+        ckpt = load_checkpoint(tmp_path)
+    assert ckpt["step"] == 2 and torch.equal(ckpt["model"]["w"], torch.full((200_000,), 2.0))
+    # the next save clears what the crash left, including a checksum whose file never arrived
+    (tmp_path / "ckpt_000009.pt.sha256").write_text("0" * 64 + "  ckpt_000009.pt\n")
+    save_run_checkpoint(tmp_path, fake_checkpoint(3))
+    assert names(tmp_path) == ["ckpt.pt", "ckpt_000001.pt", "ckpt_000001.pt.sha256", "ckpt_000002.pt",
+                               "ckpt_000002.pt.sha256", "ckpt_000003.pt", "ckpt_000003.pt.sha256"]
+
+
+def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    save_checkpoint(tmp_path / "r.pt", {"config": {}, "model": {}, "rng": [rng_state()]})
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(load_checkpoint(tmp_path / "r.pt")["rng"][0])  # weights_only loading accepts the states
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
+def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path):
+    """train.py saves through torch.distributed.checkpoint's get_state_dict: no `_orig_mod.` or `module.`
+    prefixes, whatever wraps the model, so the file loads into a plain GPT anywhere."""
+    model = tiny_model()
+    optimizer = train.make_optimizer(model, train.build_config({"data_dir": "x", "vocab_size": 97}), "cpu")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = DDP(torch.compile(model))  # compiling is lazy: nothing is compiled here
+        model_state, optimizer_state = get_state_dict(wrapped, optimizer, options=train.FULL_STATE)
+    finally:
+        dist.destroy_process_group()
+    assert set(model_state) == set(model.state_dict())
+    assert not any(k.startswith(("_orig_mod", "module.")) for k in [*model_state, *optimizer_state["state"]])
+    config = dict(vars(tiny_config()), data_dir="x")
+    save_checkpoint(tmp_path / "c.pt", {"config": config, "model": model_state, "optimizer": optimizer_state})
+    rebuilt = model_from_checkpoint(load_checkpoint(tmp_path / "c.pt"))
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values()))
