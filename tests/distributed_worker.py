@@ -1,0 +1,27 @@
+"""Run by tests/test_distributed.py under torchrun: each rank reads batches through train.py's own loader set-up
+and writes the token rows it read, per step, to OUT/windows_rank{RANK}.json.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py DATA_DIR OUT STEPS
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import train
+
+
+def main(data_dir: str, out: str, steps: int) -> None:
+    cfg = train.build_config({"data_dir": data_dir, "vocab_size": 50_000, "block_size": 8, "batch_size": 3})
+    with train.training_session() as (rank, _, world_size, _):
+        loader, _ = train.make_loaders(cfg, rank, world_size)
+        batches = []
+        for _ in range(steps):
+            epoch = loader.epoch
+            x, _ = loader.next_batch()
+            batches.append({"epochs": [epoch, loader.epoch], "rows": x.tolist()})
+        Path(out, f"windows_rank{rank}.json").write_text(json.dumps({"world_size": world_size, "batches": batches}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,105 @@
+"""Data-parallel training in real processes: torchrun with 2 CPU processes on gloo, against 1-process runs of
+the same global batch (DDP and FSDP), checkpoints that resume at another world size, and ranks reading
+disjoint windows."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train
+from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
+from gptlite.data import ShardLoader, find_shards, write_shard
+from tests.conftest import ROOT
+from tests.test_train import TINY, config, losses, one_thread, resume, write_corpus  # noqa: F401 (fixture)
+
+# 256 tokens per optimizer step = 16 windows of 16 tokens: 2 ranks x 4 x 2 micro-steps, 1 x 8 x 2, or 1 x 16 x 1
+RUN = dict(total_batch_size=256, eval_interval=4, lr_decay_iters=12)
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+
+
+def train_two_processes(data, out, **overrides) -> subprocess.CompletedProcess:
+    values = {**TINY, **RUN, "data_dir": data, "out_dir": out, "batch_size": 4, **overrides}
+    result = torchrun(str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):
+    """12 steps in one process, batch_size 8 x 2 micro-steps: the same windows per micro-step as 2 x 4."""
+    out = tmp_path_factory.mktemp("one")
+    train.main(config(data, out, batch_size=8, max_iters=12, **RUN))
+    return out
+
+
+def assert_same_curve(got, expected):
+    assert [s for s, _ in got] == [s for s, _ in expected]
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in expected], rtol=1e-5, atol=1e-6)
+
+
+def val_losses(out):
+    return [(r["step"], r["val_loss"]) for r in map(json.loads, (out / "metrics.jsonl").open()) if "val_loss" in r]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_processes_train_like_one_with_the_same_global_batch(data, one_process, tmp_path, fsdp):
+    two = tmp_path / "two"
+    result = train_two_processes(data, two, max_iters=8, fsdp=fsdp)
+    # only rank 0 logs and writes
+    assert result.stdout.count("model:") == 1 and result.stdout.count("| saved") == 2
+    assert f"| world 2{' (fsdp)' if fsdp else ''} | 256 tokens/step = 2 micro-steps of 4x16 per rank" in result.stdout
+    assert_same_curve(losses(two), losses(one_process)[:8])
+    assert_same_curve(val_losses(two), val_losses(one_process)[:2])
+
+    # the checkpoint holds plain full tensors: it loads into a GPT anywhere, and resumes in one process
+    ckpt = load_checkpoint(two)
+    assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
+    model_from_checkpoint(ckpt)
+    train.main(resume(two, "--max_iters=12"))
+    assert_same_curve(losses(two), losses(one_process))
+
+
+def test_one_large_batch_trains_like_accumulated_micro_batches(data, one_process, tmp_path):
+    train.main(config(data, tmp_path, batch_size=16, max_iters=12, **RUN))
+    assert_same_curve(losses(tmp_path), losses(one_process))
+
+
+def test_ranks_never_read_the_same_window(tmp_path):
+    rng = np.random.default_rng(0)  # random ids from a large vocabulary: every window's content is unique
+    for i, n in enumerate((400, 300, 250)):
+        write_shard(tmp_path / f"train_{i:06d}.bin", rng.integers(0, 50_000, n), 50_000)
+    write_shard(tmp_path / "val_000000.bin", rng.integers(0, 50_000, 200), 50_000)
+    steps = 30  # about 19 global batches of 6 windows per epoch: reaches into the second epoch
+    result = torchrun(str(ROOT / "tests" / "distributed_worker.py"), str(tmp_path), str(tmp_path), str(steps))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"windows_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+
+    one = ShardLoader(find_shards(tmp_path, "train"), batch_size=6, block_size=8, seed=1337)
+    seen = {0: set(), 1: set()}
+    for step in range(steps):
+        mine = [[tuple(row) for row in r["batches"][step]["rows"]] for r in ranks]
+        assert len(mine[0]) == len(mine[1]) == 3
+        assert not set(mine[0]) & set(mine[1])  # disjoint within every step
+        assert mine[0] + mine[1] == [tuple(row) for row in one.next_batch()[0].tolist()]  # = one process's batch
+        before, after = ranks[0]["batches"][step]["epochs"]
+        if before == after:  # a step wholly inside one epoch: no window read twice in that epoch
+            assert not seen[after] & set(mine[0] + mine[1])
+            seen[after] |= set(mine[0] + mine[1])
+    assert len(seen[0]) > 100 and seen[1]

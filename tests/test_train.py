@@ -1,0 +1,378 @@
+"""train.py's resume, fault handling and observability, through train.main on a tiny model (and real processes
+for signals and kill -9): exact resume across an epoch boundary, gradient accumulation, non-finite steps, bad
+inputs, out-of-memory advice, the compile fallback, the time budget, the metrics file and its plot, wandb."""
+
+import contextlib
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from gptlite import plot
+from gptlite.checkpoint import load_checkpoint, step_files
+from gptlite.data import write_shard
+from gptlite.metrics import mfu, peak_flops, read_metrics
+from gptlite.model import GPT
+from tests.conftest import ROOT, shared_file, tiny_model
+
+VOCAB = 128  # the corpus is ASCII bytes
+TINY = dict(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, learning_rate=3e-3,
+            min_lr=3e-4, warmup_iters=3, eval_iters=2, log_interval=1, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, as the subprocesses get (OMP_NUM_THREADS=1): on a small shared CPU a larger pool
+    stalls, and runs compared bit for bit must use the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_corpus(root: Path, train_sizes: tuple[int, ...] = (900, 700, 500), val_size: int = 600) -> Path:
+    """Shards of tiny Shakespeare's bytes: three small train shards (an epoch is about 16 steps of 8 windows
+    of 16 tokens) and one val shard."""
+    text = np.frombuffer(shared_file("data/tinyshakespeare.txt").read_bytes()[:100_000], dtype=np.uint8)
+    root.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for i, n in enumerate(train_sizes):
+        write_shard(root / f"train_{i:06d}.bin", text[start : start + n], VOCAB)
+        start += n
+    write_shard(root / "val_000000.bin", text[start : start + val_size], VOCAB)
+    return root
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data"))
+
+
+def config(data: Path, out: Path, **overrides):
+    values = {**TINY, "data_dir": data, "out_dir": out, **overrides}
+    return train.resolve_config([f"--{k}={v}" for k, v in values.items()])
+
+
+def resume(out: Path, *args: str):
+    return train.resolve_config([f"--out_dir={out}", "--resume", *args])
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+# ---------------------------------------------------------------------------------------------
+# exact resume, gradient accumulation
+
+
+def test_resume_matches_an_uninterrupted_run_exactly_across_an_epoch_boundary(data, tmp_path):
+    kw = dict(dropout=0.1, eval_interval=5, lr_decay_iters=30)  # dropout: the RNG states must come back too
+    straight = train.main(config(data, tmp_path / "straight", max_iters=30, **kw))
+    first = train.main(config(data, tmp_path / "resumed", max_iters=10, **kw))
+    assert load_checkpoint(tmp_path / "resumed")["loader"]["epoch"] == 0
+    second = train.main(resume(tmp_path / "resumed", "--max_iters=30"))
+    assert load_checkpoint(tmp_path / "resumed")["loader"]["epoch"] >= 1  # the resumed part crossed an epoch
+
+    assert first["history"] + second["history"] == straight["history"]  # bit for bit
+    assert first["val_history"] + second["val_history"] == straight["val_history"]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["loader"] == b["loader"] and a["step"] == b["step"] == 30
+
+
+class ListLoader:
+    def __init__(self, batches):
+        self.batches = iter(batches)
+
+    def next_batch(self):
+        return next(self.batches)
+
+
+def test_gradient_accumulation_equals_one_batch_k_times_larger():
+    x, y = torch.randint(0, 97, (8, 32)), torch.randint(0, 97, (8, 32))
+    results = []
+    for k in (1, 4):
+        model = tiny_model(seed=0).train()
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        loss = train.accumulate_gradients(model, ListLoader(zip(x.chunk(k), y.chunk(k))), k, "cpu",
+                                          contextlib.nullcontext(), scaler)
+        results.append((loss, [p.grad for p in model.parameters()]))
+    (loss_1, grads_1), (loss_4, grads_4) = results
+    torch.testing.assert_close(loss_4, loss_1)
+    for g1, g4 in zip(grads_1, grads_4):
+        torch.testing.assert_close(g4, g1, atol=1e-7, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# faults
+
+
+@pytest.fixture
+def nan_loss_at(monkeypatch):
+    """Make the training loss NaN at the given steps (one micro-step per step)."""
+
+    def install(*steps: int) -> None:
+        real_forward, calls = GPT.forward, [0]
+
+        def forward(self, idx, targets=None):
+            logits, loss = real_forward(self, idx, targets)
+            if self.training:
+                calls[0] += 1
+                if calls[0] in steps:
+                    loss = loss * float("nan")
+            return logits, loss
+
+        monkeypatch.setattr(GPT, "forward", forward)
+
+    return install
+
+
+def test_a_nonfinite_step_is_skipped_and_logged(data, tmp_path, nan_loss_at, capsys):
+    nan_loss_at(4)
+    summary = train.main(config(data, tmp_path, max_iters=6, eval_interval=3))
+    assert summary["step"] == 6 and summary["skipped_steps"] == 1
+    assert [s for s, _ in summary["history"]] == [1, 2, 3, 5, 6]
+    out = capsys.readouterr().out
+    assert "step 4: loss nan, gradient norm nan are not finite; skipped this update (on_nan=skip)" in out
+    event = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "event" in r]
+    assert len(event) == 1 and event[0]["step"] == 4 and event[0]["event"] == "nonfinite" and np.isnan(event[0]["loss"])
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt["step"] == 6 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_on_nan_stop_raises_without_saving(data, tmp_path, nan_loss_at):
+    nan_loss_at(4)
+    with pytest.raises(FloatingPointError, match=r"step 4: loss nan, gradient norm nan are not finite; stopped without "
+                       r"saving \(on_nan=stop\)\. The latest good checkpoint is in .*; resume with --resume"):
+        train.main(config(data, tmp_path, max_iters=6, eval_interval=3, on_nan="stop"))
+    assert [p.name for p in step_files(tmp_path)] == ["ckpt_000003.pt"]
+
+
+def test_nonfinite_weights_are_never_saved_over_a_good_checkpoint(data, tmp_path, monkeypatch, capsys):
+    real_step, calls = torch.optim.AdamW.step, [0]
+
+    def poisoning_step(self, *args, **kwargs):  # as if a bad kernel wrote NaN into the weights at step 3
+        result = real_step(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
+    summary = train.main(config(data, tmp_path, max_iters=4, eval_interval=2))
+    assert summary["skipped_steps"] == 1  # step 4's loss is NaN
+    assert "step 4: not saving a checkpoint, the weights are not finite (tok_emb.weight" in capsys.readouterr().out
+    assert [p.name for p in step_files(tmp_path)] == ["ckpt_000002.pt"]
+    assert all(torch.isfinite(v).all() for v in load_checkpoint(tmp_path)["model"].values())
+
+
+def test_out_of_memory_on_the_first_step_names_the_micro_batch(data, tmp_path, monkeypatch):
+    real_forward, calls = GPT.forward, [0]
+
+    def forward(self, idx, targets=None):
+        calls[0] += 1
+        if calls[0] in oom_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_forward(self, idx, targets)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    oom_at = {1}
+    with pytest.raises(ValueError, match=r"^out of memory in the first step, on a micro-batch of batch_size=8 x "
+                       r"block_size=16 tokens per device; try --batch_size=4 \(add --total_batch_size=128 to keep"):
+        train.main(config(data, tmp_path, max_iters=2))
+    calls[0] = 0
+    with pytest.raises(ValueError, match=r"try --batch_size=4 \(total_batch_size stays, gradient accumulation"):
+        train.main(config(data, tmp_path, max_iters=2, total_batch_size=256))
+    calls[0], oom_at = 0, {3}  # later in the run it is a real error, not a configuration problem
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        train.main(config(data, tmp_path, max_iters=4, eval_interval=10))
+
+
+def bad_data(root: Path, case: str) -> Path:
+    write_corpus(root)
+    if case == "empty shard":
+        write_shard(root / "train_000003.bin", [], VOCAB)
+    elif case == "small val":
+        write_shard(root / "val_000000.bin", list(range(100)), VOCAB)
+    elif case == "no val":
+        (root / "val_000000.bin").unlink()
+    return root
+
+
+@pytest.mark.parametrize("case, overrides, message", [
+    ("empty shard", {}, r"shard .*train_000003\.bin holds no tokens; delete it or prepare the data again"),
+    ("small val", {}, r"val split: 100 tokens in 1 shard\(s\) .* make 6 windows of block_size\+1=17 tokens, fewer "
+                      r"than one batch of 8"),
+    ("no val", {}, r"no val shards found at .*; expected \*val\*\.bin files there"),
+    ("ids", {"vocab_size": 100}, r"shard .*train_000000\.bin holds token id \d+ but the model's vocab_size is 100"),
+    ("batch", {"total_batch_size": 100}, r"total_batch_size=100 is not a multiple of "
+                                         r"batch_size\*block_size\*world_size=8\*16\*1=128"),
+])  # fmt: skip
+def test_bad_data_fails_before_the_first_step(tmp_path, case, overrides, message):
+    data = bad_data(tmp_path / "data", case)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        train.main(config(data, tmp_path / "out", **overrides))
+    assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--on_nan=maybe"], r"on_nan='maybe' must be skip or stop"),
+    (["--keep_last=0"], r"keep_last=0 must be > 0"),
+    (["--max_minutes=-1"], r"max_minutes=-1\.0 must be >= 0"),
+    (["--fsdp=true", "--dtype=float16"], r"fsdp=true trains in bfloat16 or float32, not float16"),
+    (["--max_minuts=5"], r"unknown config key 'max_minuts'; did you mean 'max_minutes'\?"),
+])  # fmt: skip
+def test_bad_fault_options_are_rejected(args, message):
+    with pytest.raises(ValueError, match=message):
+        train.resolve_config(["--data_dir=x", f"--vocab_size={VOCAB}", *args])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
+def test_compile_unavailable_warns_and_trains_uncompiled(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    summary = train.main(config(data, tmp_path, max_iters=2, eval_interval=2, compile=True))
+    assert summary["step"] == 2
+    assert ("warning: torch.compile is unavailable (no C++ compiler 'no-such-compiler' for its CPU kernels (set CXX)); "
+            "training uncompiled") in capsys.readouterr().out
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
+    assert train.compile_unavailable("cuda") == "Triton is not installed"
+    monkeypatch.setattr("torch._dynamo.is_dynamo_supported", lambda: False)
+    assert train.compile_unavailable("cpu").startswith("not supported on Python")
+
+
+def test_max_minutes_ends_the_run_with_a_checkpoint(data, tmp_path, capsys):
+    summary = train.main(config(data, tmp_path, max_iters=50, eval_interval=20, max_minutes=1e-9))
+    assert summary["step"] == 1 and summary["stopped"] == "max_minutes=1e-09" and summary["signal"] is None
+    assert (f"stopped after step 1 (max_minutes=1e-09) with a checkpoint in {tmp_path}; continue with: "
+            f"python train.py --out_dir={tmp_path} --resume") in capsys.readouterr().out
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt["step"] == 1 and ckpt["val_loss"] is None
+    assert train.main(resume(tmp_path, "--max_minutes=0", "--max_iters=3"))["step"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# observability
+
+
+def decode_png(path: Path) -> np.ndarray:
+    """An 8-bit RGB PNG without row filters (what gptlite.plot writes) to (H, W, 3), checking every chunk's CRC."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        tag, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(tag + body)
+        chunks[tag] = chunks.get(tag, b"") + body
+        pos += 12 + n
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2) and b"IEND" in chunks
+    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8).reshape(height, 1 + 3 * width)
+    assert (rows[:, 0] == 0).all()
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+def test_metrics_file_and_its_png_plot(data, tmp_path, capsys):
+    train.main(config(data, tmp_path, max_iters=6, eval_interval=3, log_interval=2))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6]
+    assert set(train_rows[0]) == {"step", "loss", "lr", "grad_norm", "ms_per_step", "tokens_per_s", "mfu"}
+    assert train_rows[0]["mfu"] is None and train_rows[0]["tokens_per_s"] > 0  # no known peak for a CPU
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+
+    result = subprocess.run([sys.executable, "-m", "gptlite.plot", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"wrote {tmp_path / 'loss.png'}", result.stderr
+    image = decode_png(tmp_path / "loss.png")
+    assert image.shape == (plot.HEIGHT, plot.WIDTH, 3)
+    colors = {tuple(c) for c in image.reshape(-1, 3)}
+    assert {plot.BLUE, plot.ORANGE, plot.BLACK} <= colors
+
+    assert plot.main([str(tmp_path / "nowhere")]) == 2
+    assert f"gptlite.plot: error: {tmp_path / 'nowhere' / 'metrics.jsonl'} does not exist" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert plot.main([str(tmp_path / "empty.jsonl"), f"--out={tmp_path / 'x.png'}"]) == 2
+    assert "has no finite loss values to plot" in capsys.readouterr().err
+
+
+def test_wandb_offline_run_gets_the_metrics(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train.main(config(data, tmp_path / "out", max_iters=2, eval_interval=2, wandb_log=True))
+    run_id = load_checkpoint(tmp_path / "out")["meta"]["wandb_run_id"]
+    logs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(logs) == 1 and b"val_loss" in logs[0].read_bytes() and b"grad_norm" in logs[0].read_bytes()
+
+
+def test_mfu_against_known_peaks():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
+    assert peak_flops("NVIDIA L40S") == 362e12 and peak_flops("NVIDIA L4") == 121e12
+    assert peak_flops("Some Future GPU") is None
+    assert mfu(6e9, 1e5, 1e15) == pytest.approx(0.6)
+    assert mfu(6e9, 1e5, None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# signals and kill -9 on a real training process
+
+
+def start_training(data: Path, out: Path, **overrides) -> subprocess.Popen:
+    values = {**TINY, "data_dir": data, "out_dir": out, **overrides}
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_until(condition, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120  # a safety net only: the test's outcome never depends on timing
+    while not condition():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the training process made no progress"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(data, tmp_path, sig):
+    out = tmp_path / "run"
+    proc = start_training(data, out, max_iters=100_000, eval_interval=1000, lr_decay_iters=40)
+    wait_until(lambda: len(losses(out)) >= 3, proc)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, stderr
+    assert stderr == ""
+    step = load_checkpoint(out)["step"]
+    assert f"step {step:5d} | saved {out / f'ckpt_{step:06d}.pt'}" in stdout
+    assert (f"stopped after step {step} ({sig.name}) with a checkpoint in {out}; "
+            f"continue with: python train.py --out_dir={out} --resume") in stdout
+    # the checkpoint continues the run as if nothing had happened
+    train.main(resume(out, f"--max_iters={step + 3}"))
+    train.main(config(data, tmp_path / "straight", max_iters=step + 3, eval_interval=1000, lr_decay_iters=40))
+    assert losses(out) == losses(tmp_path / "straight")
+
+
+def test_kill_9_at_any_moment_then_resume_matches_an_uninterrupted_run(data, tmp_path):
+    out = tmp_path / "run"
+    proc = start_training(data, out, max_iters=100_000, eval_interval=2, lr_decay_iters=40, keep_last=2)
+    wait_until(lambda: len(step_files(out)) >= 2, proc)
+    proc.kill()  # SIGKILL, wherever it is: mid-step, mid-evaluation or mid-write
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    step = load_checkpoint(out)["step"]
+    train.main(resume(out, f"--max_iters={step + 4}"))
+    train.main(config(data, tmp_path / "straight", max_iters=step + 4, eval_interval=2, lr_decay_iters=40))
+    assert losses(out) == losses(tmp_path / "straight")  # rows the killed run logged past its checkpoint are gone
