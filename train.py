@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptlite.checkpoint import load_checkpoint, rng_state, save_run_checkpoint, set_rng_state
+from gptlite.checkpoint import discard_newer, load_checkpoint, rng_state, save_run_checkpoint, set_rng_state
 from gptlite.config import TrainConfig, build_config, config_help, config_to_dict, parse_args, read_toml
 from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
@@ -328,6 +328,10 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                     f"world_size={world_size}: the data continues where it stopped, dropout's random streams "
                     "start afresh")
             log(f"resumed from {out_dir} at step {step}")
+            if world_size > 1:
+                dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
+            for path in discard_newer(out_dir, step) if master else []:
+                log(f"deleted {path}: it is newer than the checkpoint resumed from, so it was damaged")
 
         if master:
             out_dir.mkdir(parents=True, exist_ok=True)

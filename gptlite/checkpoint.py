@@ -142,6 +142,26 @@ def save_run_checkpoint(run_dir: str | Path, checkpoint: dict, keep_last: int = 
     return path
 
 
+def discard_newer(run_dir: str | Path, step: int) -> list[Path]:
+    """Delete the step files newer than `step`, and best.pt if it points at one, and point ckpt.pt at the
+    newest file left; returns the deleted files.
+
+    A run resumed from step N because the newer files are damaged calls this, so that they neither count
+    towards keep_last (pushing out intact older files) nor stay behind best.pt (which is then gone until the
+    next new best)."""
+    run_dir = Path(run_dir)
+    newer = [p for p in step_files(run_dir) if int(STEP_FILE_RE.fullmatch(p.name).group(1)) > step]
+    best = run_dir / BEST_NAME
+    if best.is_symlink() and run_dir / os.readlink(best) in newer:
+        best.unlink()
+    for path in newer:
+        path.unlink()
+        _checksum_path(path).unlink(missing_ok=True)
+    if newer and (left := step_files(run_dir)):
+        _point(run_dir / CHECKPOINT_NAME, left[0])
+    return newer
+
+
 def verify_checkpoint(path: str | Path) -> None:
     """Raise ValueError if a checkpoint file's bytes do not match the sha256 saved beside it (beside the
     symlink's target for ckpt.pt and best.pt). A file without a checksum (older gptlite) is not checked."""

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import train
 from gptlite.checkpoint import (
+    discard_newer,
     load_checkpoint,
     model_from_checkpoint,
     rng_state,
@@ -99,6 +100,15 @@ def test_missing_checkpoints(tmp_path):
     torch.save(fake_checkpoint(3), tmp_path / "ckpt.pt")
     verify_checkpoint(tmp_path / "ckpt.pt")
     assert load_checkpoint(tmp_path)["step"] == 3
+
+
+def test_discard_newer_removes_later_files_and_a_best_link_to_them(tmp_path):
+    for step, best in [(1, False), (2, False), (3, True)]:
+        save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=3, best=best)
+    assert [p.name for p in discard_newer(tmp_path, 1)] == ["ckpt_000003.pt", "ckpt_000002.pt"]
+    assert names(tmp_path) == ["ckpt.pt", "ckpt_000001.pt", "ckpt_000001.pt.sha256"]
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 1
+    assert discard_newer(tmp_path, 1) == [] and load_checkpoint(tmp_path)["step"] == 1
 
 
 KILL_DURING_WRITE = """

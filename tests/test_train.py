@@ -251,6 +251,18 @@ def test_compile_unavailable_warns_and_trains_uncompiled(data, tmp_path, monkeyp
     assert train.compile_unavailable("cpu").startswith("not supported on Python")
 
 
+def test_resume_past_a_damaged_checkpoint_deletes_it(data, tmp_path, capsys):
+    train.main(config(data, tmp_path, max_iters=6, eval_interval=2, keep_last=2))
+    (tmp_path / "ckpt_000006.pt").write_bytes(b"cut short")
+    train.main(resume(tmp_path, "--max_iters=5"))
+    out = capsys.readouterr().out
+    assert "ckpt_000006.pt is damaged" in out and f"; loaded {tmp_path / 'ckpt_000004.pt'} instead" in out
+    assert f"deleted {tmp_path / 'ckpt_000006.pt'}: it is newer than the checkpoint resumed from" in out
+    # the damaged file does not push the intact step 4 out of the newest keep_last=2, nor stay behind best.pt
+    assert [p.name for p in step_files(tmp_path)] == ["ckpt_000005.pt", "ckpt_000004.pt"]
+    assert not (tmp_path / "best.pt").exists() or load_checkpoint(tmp_path / "best.pt")["step"] == 5
+
+
 def test_max_minutes_ends_the_run_with_a_checkpoint(data, tmp_path, capsys):
     summary = train.main(config(data, tmp_path, max_iters=50, eval_interval=20, max_minutes=1e-9))
     assert summary["step"] == 1 and summary["stopped"] == "max_minutes=1e-09" and summary["signal"] is None
