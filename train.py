@@ -183,21 +183,21 @@ def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: ShardLoader, iters: int, device: str, autocast) -> float:
-    """Mean loss over the first `iters` global batches of the val set (the same batches at every evaluation);
-    each rank evaluates its slice and the mean is all-reduced."""
+    """Mean loss per token over the first `iters` global batches of the val set (the same batches at every
+    evaluation), or over every val window when iters=0. Each rank evaluates its slice; the sums are all-reduced."""
     model.eval()
     loader.restore({"epoch": 0, "shard": 0, "index": 0})
-    total = torch.zeros((), device=device)
-    for _ in range(iters):
-        x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())
+    batches = loader.every_window() if iters == 0 else (loader.next_batch() for _ in range(iters))
+    sums = torch.zeros(2, device=device)  # (loss * tokens, tokens)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
             _, loss = model(x, y)
-        total += loss.float()
+        sums += torch.stack([loss.float() * y.numel(), torch.tensor(float(y.numel()), device=device)])
     if dist.is_initialized():
-        dist.all_reduce(total)  # a sum: gloo has no AVG
-        total /= dist.get_world_size()
+        dist.all_reduce(sums)
     model.train()
-    return total.item() / iters
+    return (sums[0] / sums[1]).item()
 
 
 def out_of_memory_advice(cfg: TrainConfig, total_batch: int) -> str:
@@ -426,12 +426,13 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
             timed_out = cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes
             # one all-reduce and one host sync per step: the global mean loss, the grad norm (already equal on all
             # ranks) and whether any rank was asked to stop, so that all ranks take the same decisions
-            stop_vote = torch.tensor(float(bool(signals) or timed_out), device=device)
-            stats = torch.stack([loss, grad_norm.float(), stop_vote])
+            votes = torch.tensor([float(bool(signals) or timed_out), float(timed_out)], device=device)
+            stats = torch.cat([torch.stack([loss, grad_norm.float()]), votes])
             if world_size > 1:
                 dist.all_reduce(stats)
                 stats /= world_size
-            loss_value, grad_norm_value, stop_votes = stats.tolist()
+            loss_value, grad_norm_value, stop_votes, time_votes = stats.tolist()
+            last = step + 1 == cfg.max_iters or time_votes > 0  # the time budget ends with a full evaluation
             finite = math.isfinite(loss_value) and (scaler.is_enabled() or math.isfinite(grad_norm_value))
             if finite:  # (with fp16, the scaler itself skips steps whose gradients overflowed)
                 scaler.step(optimizer)
@@ -450,7 +451,7 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                         "resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
                     )
                 log(f"{problem}; skipped this update (on_nan=skip)")
-            elif step % cfg.log_interval == 0 or step == cfg.max_iters:
+            elif step % cfg.log_interval == 0 or last:
                 dt = (time.perf_counter() - t_last) / steps_since
                 t_last, steps_since = time.perf_counter(), 0
                 tokens_per_s = total_batch / dt
@@ -462,8 +463,8 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                 record(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm_value, ms_per_step=dt * 1000,
                        tokens_per_s=tokens_per_s, mfu=step_mfu)
 
-            if step % cfg.eval_interval == 0 or step == cfg.max_iters:
-                val_loss = evaluate(train_model, val_loader, max(1, cfg.eval_iters), device, autocast)
+            if step % cfg.eval_interval == 0 or last:
+                val_loss = evaluate(train_model, val_loader, cfg.eval_iters, device, autocast)
                 val_history.append((step, val_loss))
                 log(f"step {step:5d} | val loss {val_loss:.4f}")
                 record(step=step, val_loss=val_loss)

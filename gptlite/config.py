@@ -93,7 +93,7 @@ class TrainConfig:
     # evaluation, logging, checkpoints (out_dir/ckpt_NNNNNN.pt at every evaluation; the newest keep_last
     # are kept, plus best.pt, the lowest val loss), out_dir/metrics.jsonl at every log line
     eval_interval: int = 250
-    eval_iters: int = 20
+    eval_iters: int = 20  # batches per evaluation; 0 = every window of the val split
     log_interval: int = 10
     keep_last: int = 3
     wandb_log: bool = False

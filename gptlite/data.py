@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -172,9 +173,23 @@ class ShardLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each (batch_size, block_size) int64; y is x shifted by one token."""
         windows = [self._next_window() for _ in range(self.batch_size * self.world_size)]
-        mine = windows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        return self._gather(windows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+
+    def every_window(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every window of every shard exactly once, in file order, this rank's share (global batches of
+        world_size * batch_size windows, rank r taking the r-th slice; the last batch may be short or empty).
+        For a full evaluation; it does not move the position."""
         T = self.block_size
-        buf = np.stack([self.shards[s][i : i + T + 1] for s, i in mine]).astype(np.int64)  # (B, T+1)
+        windows = [(s, i) for s, tokens in enumerate(self.shards) for i in range(0, len(tokens) - T, T)]
+        step = self.batch_size * self.world_size
+        for first in range(0, len(windows), step):
+            mine = windows[first + self.rank * self.batch_size : first + (self.rank + 1) * self.batch_size]
+            if mine:
+                yield self._gather(mine)
+
+    def _gather(self, windows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.block_size
+        buf = np.stack([self.shards[s][i : i + T + 1] for s, i in windows]).astype(np.int64)  # (B, T+1)
         buf = torch.from_numpy(buf)
         return buf[:, :-1], buf[:, 1:]  # (B, T) each
 

@@ -269,7 +269,7 @@ def test_max_minutes_ends_the_run_with_a_checkpoint(data, tmp_path, capsys):
     assert (f"stopped after step 1 (max_minutes=1e-09) with a checkpoint in {tmp_path}; continue with: "
             f"python train.py --out_dir={tmp_path} --resume") in capsys.readouterr().out
     ckpt = load_checkpoint(tmp_path)
-    assert ckpt["step"] == 1 and ckpt["val_loss"] is None
+    assert ckpt["step"] == 1 and ckpt["val_loss"] == summary["val_history"][-1][1]  # a last evaluation
     assert train.main(resume(tmp_path, "--max_minutes=0", "--max_iters=3"))["step"] == 3
 
 
@@ -388,3 +388,20 @@ def test_kill_9_at_any_moment_then_resume_matches_an_uninterrupted_run(data, tmp
     train.main(resume(out, f"--max_iters={step + 4}"))
     train.main(config(data, tmp_path / "straight", max_iters=step + 4, eval_interval=2, lr_decay_iters=40))
     assert losses(out) == losses(tmp_path / "straight")  # rows the killed run logged past its checkpoint are gone
+
+
+def test_eval_iters_0_evaluates_every_val_window_once(data, tmp_path):
+    """The full evaluation equals the token-weighted mean loss over every block_size window of the val shards."""
+    cfg = config(data, tmp_path, max_iters=1)
+    torch.manual_seed(0)
+    model = train.GPT(cfg.model).eval()
+    _, val_loader = train.make_loaders(cfg, 0, 1)
+    full = train.evaluate(model, val_loader, 0, "cpu", contextlib.nullcontext())
+    T, total, count = cfg.model.block_size, 0.0, 0
+    for tokens in val_loader.shards:
+        for i in range(0, len(tokens) - T, T):
+            window = torch.from_numpy(tokens[i : i + T + 1].astype(np.int64))[None]
+            _, loss = model(window[:, :-1], window[:, 1:])
+            total, count = total + loss.item() * T, count + T
+    assert count > cfg.batch_size * T  # more than one batch, with a short last one
+    assert full == pytest.approx(total / count, rel=1e-5)
