@@ -10,6 +10,8 @@ This is the layout of llm.c and of modded-nanogpt's FineWeb shards, so their fil
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +76,47 @@ def read_shard(path: str | Path) -> np.memmap:
     if count == 0:
         return np.zeros(0, dtype=dtype)  # np.memmap cannot map zero bytes
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB chunks (what `sha256sum` prints)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
+    """Check a prepared data_dir against its manifest.json and return the manifest: every listed shard is
+    there with its token count (and, with checksums, its sha256), and no other shard is."""
+    data_dir = Path(data_dir)
+    path = data_dir / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{data_dir} has no manifest.json: its preparation did not finish (run the same data/prepare.py "
+            "command again to continue) or the shards were not made by data/prepare.py"
+        )
+    manifest = json.loads(path.read_text())
+    listed = {s["file"] for s in manifest["shards"]}
+    extra = sorted(p.name for p in data_dir.glob("*.bin") if p.name not in listed)
+    if extra:
+        raise ValueError(f"{data_dir} holds shards its manifest does not list ({', '.join(extra)}); remove them or prepare again")
+    for shard in manifest["shards"]:
+        shard_path = data_dir / shard["file"]
+        tokens = read_shard(shard_path)  # checks that it exists and its header
+        if len(tokens) != shard["tokens"]:
+            raise ValueError(
+                f"shard {shard_path} holds {len(tokens):,} tokens but the manifest says {shard['tokens']:,}; "
+                "prepare the data again (--overwrite)"
+            )
+        expected = manifest.get("sha256", {}).get(shard["file"])
+        if checksums and expected and file_sha256(shard_path) != expected:
+            raise ValueError(
+                f"shard {shard_path} does not match its sha256 in the manifest ({expected[:12]}...): the file "
+                "changed or is corrupt; prepare the data again (--overwrite) or download it again"
+            )
+    return manifest
 
 
 def find_shards(spec: str | Path, split: str) -> list[Path]:
