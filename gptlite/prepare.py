@@ -1,33 +1,66 @@
-"""Dataset preparation: stream text inputs, tokenize them in parallel, write train/val token shards.
+"""Dataset preparation: stream documents from text, JSONL, Parquet or Hugging Face inputs, tokenize them in
+parallel worker processes, and write train/val token shards that survive interruption.
 
-Each input file is one document. With a tokenizer that has an end-of-text token, every document is
-prefixed by it (llm.c and modded-nanogpt's convention), so documents are always separated. The last
-`val_fraction` of the input bytes (in input order) becomes the validation split. Files are read in
-blocks cut at line ends, so a 10 GB corpus never sits in RAM; blocks are encoded by tiktoken's
-threaded batch encoder. A `manifest.json` written last marks the output complete: a re-run with the
-same inputs and tokenizer returns at once.
+Documents. A text file is one document; a JSONL line, a Parquet row or a Hugging Face record is one document
+(its `text_field`). With a tokenizer that has an end-of-text token, every document starts with it, as in
+llm.c and modded-nanogpt: documents are always separated, and a window that starts at a document sees the
+delimiter first. Undecodable bytes become U+FFFD and are counted; they never stop a run.
+
+Validation split. Text files: the last `val_fraction` of their bytes, in input order (nanoGPT's split: tiny
+Shakespeare at char level gives 1,003,854 train and 111,540 val tokens). Records: every (1 / val_fraction)-th
+document (the 10th, 20th, ... for 0.1), because a stream's length is not known in advance, and interleaving
+draws val from the same mix as train.
+
+Pipeline. The main process reads the inputs (text in blocks of about 1 MiB cut at line ends) and hands
+batches to `workers` processes (spawned, so Linux, macOS and Windows behave alike), at most two batches per
+worker in flight. Tokens come back in input order and are appended to the open shard file of their split,
+so memory is bounded by the batches in flight, whatever the corpus or shard size.
+
+Interruption. A shard is written as `{split}_{i:06d}.bin.tmp` and takes its final name when full; after
+every batch `progress.json` records the input position, the finished shards and the tokens of the open
+ones. Running the same command again continues from there and writes the same files as an uninterrupted
+run; `overwrite=True` starts afresh. `manifest.json`, written last, records the sources, tokenizer, shards,
+token counts and sha256 checksums; while it matches, a re-run returns at once.
+
+`gptlite.data` (the shard format) is imported inside the functions that write shards: it imports torch,
+which the spawned workers, importing this module, must not pay for (seconds and hundreds of MB each).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
+import math
+import multiprocessing
 import os
-import sys
+import signal
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from gptlite.data import UINT16_VOCAB, write_shard
-from gptlite.tokenizer import get_tokenizer
+from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_dict
 
-BLOCK_BYTES = 1 << 20  # text is read and tokenized in blocks of about 1 MiB
-BATCH_BLOCKS = 16  # blocks per tiktoken batch call, encoded in parallel threads
+BLOCK_BYTES = 1 << 20  # text is read in blocks of about 1 MiB
+BATCH_BLOCKS = 4  # a batch for one worker holds this many blocks' worth of text
+IN_FLIGHT_PER_WORKER = 2  # batches queued per worker: enough to keep it busy, few enough to bound memory
+SHARD_TOKENS = 100_000_000
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
 TOKENIZER_FILE = "tokenizer.json"
+RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}  # any other file is text
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+SPLITS = ("train", "val")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs
 
 
 def download(url: str, dest: Path) -> Path:
@@ -68,6 +101,44 @@ def resolve_inputs(inputs: list[str], download_dir: Path) -> list[Path]:
     return files
 
 
+def file_source(path: Path) -> dict:
+    """A local input as the manifest records it: path, format, size and mtime (a change means prepare again)."""
+    stat = path.stat()
+    fmt = RECORD_FORMATS.get(path.suffix.lower(), "text")
+    return {"path": str(path.resolve()), "format": fmt, "bytes": stat.st_size, "mtime": stat.st_mtime}
+
+
+def resolve_sources(
+    inputs: list[str], download_dir: Path, hf_dataset: str | None, hf_name: str | None, hf_split: str
+) -> list[dict]:
+    """The inputs as sources: local files, or one Hugging Face dataset (whose data_files are the inputs)."""
+    files = [file_source(p) for p in resolve_inputs(inputs, download_dir)]
+    if hf_dataset is None:
+        return files
+    source = {"format": "hf", "dataset": hf_dataset, "name": hf_name, "split": hf_split}
+    return [{**source, "data_files": files} if files else source]
+
+
+def open_input(path: str | Path):
+    """Open an input file for binary reading; failure names the file."""
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise type(e)(f"cannot read input {path} ({e.strerror or e}); check that it is a readable file") from None
+
+
+def optional_import(module: str, what: str):
+    """Import a module of the `data` extra, or say how to install it."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise ImportError(f"{what} needs the {module.split('.')[0]} package: pip install -e '.[data]'") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading: text blocks and records, each with the position just after it
+
+
 def is_continuation(byte: int) -> bool:
     """True for the 2nd..4th bytes of a UTF-8 character (0b10xxxxxx)."""
     return (byte & 0xC0) == 0x80
@@ -81,59 +152,458 @@ def last_char_start(buf: bytes) -> int:
     return i or len(buf)
 
 
-def read_blocks(files: list[Path], boundary: int) -> Iterator[tuple[str, str, bool, int]]:
-    """Yield (split, text, starts_document, n_bytes) blocks. The split changes from train to val at byte
-    `boundary` of the concatenated inputs (moved to the next UTF-8 character boundary); blocks otherwise
-    end at a line end."""
-    seen = 0
-    for path in files:
-        with open(path, "rb") as f:
-            first, carry = True, b""
-            while True:
-                data = f.read(BLOCK_BYTES)
-                buf = carry + data
-                if not buf:
-                    break
-                cut = len(buf) if not data else buf.rfind(b"\n") + 1 or last_char_start(buf)
-                if seen < boundary < seen + cut:  # the train/val split falls inside this block
-                    cut = boundary - seen
-                    while cut < len(buf) and is_continuation(buf[cut]):  # never split a character
-                        cut += 1
-                block, carry = buf[:cut], buf[cut:]
-                split = "train" if seen < boundary else "val"
-                seen += len(block)
-                if block:
-                    yield split, block.decode("utf-8", errors="replace"), first, len(block)
-                    first = False
-                if not data and not carry:
-                    break
+def decode(data: bytes) -> tuple[str, int]:
+    """UTF-8 text of data, and how many undecodable byte sequences became U+FFFD."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+
+
+def read_text(path: str, offset: int, seen: int, boundary: int) -> Iterator[tuple[bytes, int]]:
+    """(block, offset after it) for a text file from byte `offset`. A block holds at most BLOCK_BYTES and
+    ends at a line end (else a character start); `seen` text bytes of all inputs precede `offset`, and no
+    block crosses text byte `boundary`, the train/val split. A block depends only on where it starts, so a
+    resumed run cuts the same blocks (and BPE sees the same text) as an uninterrupted one."""
+    with open_input(path) as f:
+        while True:
+            f.seek(offset)
+            buf = f.read(BLOCK_BYTES)
+            if not buf:
+                return
+            cut = len(buf)
+            if len(buf) == BLOCK_BYTES:  # more may follow: end at a line end
+                cut = buf.rfind(b"\n") + 1 or last_char_start(buf)
+            if seen < boundary < seen + cut:
+                cut = boundary - seen
+                while cut < len(buf) and is_continuation(buf[cut]):  # never split a character
+                    cut += 1
+            offset, seen = offset + cut, seen + cut
+            yield buf[:cut], offset
+
+
+def record_text(record, field: str, where: str) -> tuple[str, int]:
+    """The text of a record's field (and replaced byte sequences, for a bytes field); errors name where."""
+    if not isinstance(record, dict) or field not in record:
+        found = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise ValueError(f"{where} has no field '{field}' (found: {found}); pass --text_field with the field that holds the text")
+    text = record[field]
+    if isinstance(text, bytes):
+        return decode(text)
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: field '{field}' holds {type(text).__name__}, not text; pass --text_field with the field that holds the text")
+    return text, 0
+
+
+def line_number(path: str, offset: int) -> int:
+    """1-based number of the line that starts at byte `offset` (for error messages only)."""
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+def read_jsonl(path: str, offset: int, field: str) -> Iterator[tuple[str, int, int, int]]:
+    """(text, bytes, replaced, offset after) per non-empty line of a JSONL file, from byte `offset`."""
+    with open_input(path) as f:
+        f.seek(offset)
+        for line in f:
+            start, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            raw, replaced = decode(line)
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {line_number(path, start)} is not JSON ({e.msg}); fix or remove that line") from None
+            text, bad = record_text(record, field, f"{path} line {line_number(path, start)}")
+            yield text, len(line), replaced + bad, offset
+
+
+def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[str, int, int, int]]:
+    """(text, bytes, replaced, row after) per row of a Parquet file's `field` column, from row `row`."""
+    pq = optional_import("pyarrow.parquet", "Parquet input")
+    with open_input(path) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except (ValueError, OSError) as e:  # pyarrow.ArrowInvalid (a ValueError) for a file that is not Parquet
+            raise ValueError(f"{path} is not a readable Parquet file ({e})") from None
+        if field not in pf.schema_arrow.names:
+            raise ValueError(
+                f"{path} has no column '{field}' (found: {', '.join(pf.schema_arrow.names)}); "
+                "pass --text_field with the column that holds the text"
+            )
+        group, first = 0, 0  # skip whole row groups before `row`
+        while group < pf.num_row_groups and first + pf.metadata.row_group(group).num_rows <= row:
+            first += pf.metadata.row_group(group).num_rows
+            group += 1
+        batches = pf.iter_batches(batch_size=1024, row_groups=range(group, pf.num_row_groups), columns=[field])
+        for batch in batches:
+            for value in batch.column(0).to_pylist():
+                first += 1
+                if first > row:
+                    text, replaced = record_text({field: value}, field, f"{path} row {first}")
+                    yield text, len(text.encode("utf-8", "surrogatepass")), replaced, first
+
+
+def load_hf_dataset(source: dict):
+    """A Hugging Face dataset in streaming mode (data_files, if given, are local JSONL/Parquet files)."""
+    datasets = optional_import("datasets", "Hugging Face input")
+    data_files = [f["path"] for f in source.get("data_files", [])] or None
+    name = source["dataset"]
+    try:
+        return datasets.load_dataset(name, source["name"], split=source["split"], data_files=data_files, streaming=True)
+    except ConnectionError as e:
+        raise ConnectionError(
+            f"could not reach Hugging Face dataset '{name}' ({e}); check the name and the network, or download "
+            "its files and pass them with --input"
+        ) from None
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"could not load Hugging Face dataset '{name}' ({e})") from None
+
+
+def read_hf(source: dict, start: int, field: str) -> Iterator[tuple[str, int, int, int]]:
+    """(text, bytes, replaced, records read) per record of a Hugging Face dataset, after the first `start`."""
+    ds = load_hf_dataset(source)
+    if ds.features is not None and field not in ds.features:
+        raise ValueError(
+            f"Hugging Face dataset '{source['dataset']}' has no field '{field}' (found: {', '.join(ds.features)}); "
+            "pass --text_field with the field that holds the text"
+        )
+    for n, record in enumerate(ds.skip(start) if start else ds, start=start + 1):
+        text, replaced = record_text(record, field, f"record {n} of '{source['dataset']}'")
+        yield text, len(text.encode("utf-8", "surrogatepass")), replaced, n
+
+
+def read_records(source: dict, position: int, field: str) -> Iterator[tuple[str, int, int, int]]:
+    """(text, bytes, replaced, position after) per document of a record source."""
+    if source["format"] == "jsonl":
+        return read_jsonl(source["path"], position, field)
+    if source["format"] == "parquet":
+        return read_parquet(source["path"], position, field)
+    return read_hf(source, position, field)
+
+
+class Piece(NamedTuple):
+    """A document, or a block of a text document, and where the inputs stand just after it."""
+
+    split: str
+    text: str
+    starts_doc: bool
+    n_bytes: int
+    replaced: int  # undecodable byte sequences that became U+FFFD
+    cursor: dict  # {"source", "position", "records"}: where to continue after this piece
+
+
+START = {"source": 0, "position": 0, "records": 0}
+
+
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Record document `index` (from 0) is val when it completes another val_fraction of a document:
+    the 10th, 20th, ... for 0.1."""
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+def iter_pieces(sources: list[dict], cursor: dict, val_fraction: float, text_field: str) -> Iterator[Piece]:
+    """The pieces of all sources in order, from `cursor` on, each assigned to train or val."""
+    text_starts = np.cumsum([0] + [s["bytes"] if s["format"] == "text" else 0 for s in sources]).tolist()
+    boundary = int(text_starts[-1] * (1.0 - val_fraction))  # as nanoGPT: the first 90% of the text trains
+    records = cursor["records"]
+    for i in range(cursor["source"], len(sources)):
+        source, position = sources[i], cursor["position"] if i == cursor["source"] else 0
+        if source["format"] == "text":
+            for block, end in read_text(source["path"], position, text_starts[i] + position, boundary):
+                split = "train" if text_starts[i] + position < boundary else "val"
+                text, replaced = decode(block)
+                yield Piece(split, text, position == 0, len(block), replaced, {"source": i, "position": end, "records": records})
+                position = end
+        else:
+            for text, n_bytes, replaced, end in read_records(source, position, text_field):
+                if not text:
+                    continue
+                split = "val" if is_val_document(records, val_fraction) else "train"
+                records += 1
+                yield Piece(split, text, True, n_bytes, replaced, {"source": i, "position": end, "records": records})
+
+
+def batched(pieces: Iterable[Piece], max_bytes: int) -> Iterator[list[Piece]]:
+    """Consecutive pieces grouped into batches of at least max_bytes (the last may hold less)."""
+    batch, size = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        size += piece.n_bytes
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def check_sources(sources: list[dict], text_field: str) -> None:
+    """Fail before any work if an input cannot be read or a record input lacks the text field."""
+    for source in sources:
+        if source["format"] == "text":
+            with open_input(source["path"]) as f:
+                f.read(1)
+        else:
+            next(read_records(source, 0, text_field), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tokenizing, in this process or in spawned workers
+
+
+def encode_batch(tokenizer: Tokenizer, pieces: list[tuple[str, str, bool]], dtype: np.dtype) -> dict[str, np.ndarray]:
+    """Tokens of (split, text, starts_doc) pieces, concatenated per split in input order; the first piece of a
+    document starts with the end-of-text token, if the tokenizer has one."""
+    parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], dtype=dtype)
+    for split, text, starts_doc in pieces:
+        ids = tokenizer.encode(text)  # one thread: the parallelism is one process per core
+        if starts_doc and eot is not None:
+            parts[split].append(eot)
+        parts[split].append(np.fromiter(ids, dtype=dtype, count=len(ids)))
+    return {s: np.concatenate(p) if p else np.empty(0, dtype=dtype) for s, p in parts.items()}
+
+
+_worker: dict = {}  # a worker process's tokenizer and dtype, set once by _start_worker
+
+
+def _start_worker(tokenizer_json: dict, dtype: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _worker["tokenizer"], _worker["dtype"] = tokenizer_from_dict(tokenizer_json), np.dtype(dtype)
+
+
+def _encode_in_worker(pieces: list[tuple[str, str, bool]]) -> dict[str, np.ndarray]:
+    return encode_batch(_worker["tokenizer"], pieces, _worker["dtype"])
+
+
+def jobs(batch: list[Piece]) -> list[tuple[str, str, bool]]:
+    """What a worker needs of a batch: (split, text, starts_doc) per piece."""
+    return [(p.split, p.text, p.starts_doc) for p in batch]
+
+
+def tokenize(
+    batches: Iterable[list[Piece]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
+) -> Iterator[tuple[list[Piece], dict[str, np.ndarray]]]:
+    """(batch, tokens per split) in input order. With several workers, at most IN_FLIGHT_PER_WORKER
+    batches per worker are queued (Pool.imap would read the whole input ahead)."""
+    if workers == 1:
+        for batch in batches:
+            yield batch, encode_batch(tokenizer, jobs(batch), dtype)
+        return
+    spawn = multiprocessing.get_context("spawn")
+    args = (tokenizer.to_dict(), dtype.str)
+    with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_start_worker, initargs=args) as pool:
+        queued: deque = deque()
+        try:
+            for batch in batches:
+                queued.append((batch, pool.submit(_encode_in_worker, jobs(batch))))
+                if len(queued) >= IN_FLIGHT_PER_WORKER * workers:
+                    batch, future = queued.popleft()
+                    yield batch, future.result()
+            while queued:
+                batch, future = queued.popleft()
+                yield batch, future.result()
+        finally:
+            for _, future in queued:
+                future.cancel()
+
+
+def default_workers() -> int:
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shards
+
+
+def token_dtype(vocab_size: int, dtype: str = "auto") -> np.dtype:
+    """uint16 for vocabularies up to 65,536 ids, else uint32; an explicit dtype must hold every id."""
+    name = ("uint16" if vocab_size <= 2**16 else "uint32") if dtype == "auto" else dtype
+    limit = 2 ** (8 * DTYPES[name].itemsize)
+    if vocab_size > limit:
+        raise ValueError(f"the tokenizer's {vocab_size:,} ids do not fit {name} (at most {limit:,}); use dtype uint32 or auto")
+    return DTYPES[name]
 
 
 class ShardWriter:
-    """Collects tokens of one split and writes `{split}_{i:06d}.bin` shards of shard_tokens tokens."""
+    """Appends one split's tokens to its open shard, `{split}_{i:06d}.bin.tmp`. A full shard gets its
+    header, is synced and checksummed, and takes its final name at `commit()`, once progress.json lists it."""
 
-    def __init__(self, out_dir: Path, split: str, vocab_size: int, shard_tokens: int):
-        self.out_dir, self.split, self.vocab_size = out_dir, split, vocab_size
-        dtype = np.uint16 if vocab_size <= UINT16_VOCAB else np.uint32
-        self.buf = np.empty(shard_tokens, dtype=dtype)
-        self.fill, self.shards, self.tokens = 0, [], 0
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
+        from gptlite.data import FORMATS, HEADER_INTS
 
-    def add(self, tokens: list[int]) -> None:
-        arr = np.asarray(tokens, dtype=self.buf.dtype)
-        while len(arr):
-            n = min(len(arr), len(self.buf) - self.fill)
-            self.buf[self.fill : self.fill + n] = arr[:n]
-            self.fill, arr = self.fill + n, arr[n:]
-            if self.fill == len(self.buf):
-                self.flush()
+        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        magic = next(m for m, (_, d) in FORMATS.items() if d == dtype)
+        self.header = np.zeros(HEADER_INTS, dtype="<i4")  # llm.c's: magic, version, token count, zeros
+        self.header[:2] = magic, FORMATS[magic][0]
+        state = state or {"shards": [], "open_tokens": 0}
+        self.shards: list[dict] = list(state["shards"])  # finished: {"file", "tokens", "sha256"}
+        self.pending: list[dict] = []  # finished, final name not yet taken
+        self.fill, self.file = state["open_tokens"], None
+        if self.fill:  # continue the open shard, dropping tokens written after the last checkpoint
+            self.file = open(self.tmp_path(len(self.shards)), "r+b")
+            self.file.truncate(self.header.nbytes + self.fill * dtype.itemsize)
+            self.file.seek(0, os.SEEK_END)
 
-    def flush(self) -> None:
+    def header_bytes(self, count: int) -> bytes:
+        self.header[2] = count
+        return self.header.tobytes()
+
+    def tmp_path(self, index: int) -> Path:
+        return self.out_dir / f"{self.split}_{index:06d}.bin.tmp"
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards + self.pending) + self.fill
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.file is None:
+                self.file = open(self.tmp_path(len(self.shards) + len(self.pending)), "wb")
+                self.file.write(self.header_bytes(0))  # the count is filled in when the shard is full
+            n = min(len(tokens), self.shard_tokens - self.fill)
+            self.file.write(tokens[:n].tobytes())
+            self.fill, tokens = self.fill + n, tokens[n:]
+            if self.fill == self.shard_tokens:
+                self.close_shard()
+
+    def close_shard(self) -> None:
+        from gptlite.data import file_sha256
+
+        self.file.seek(0)
+        self.file.write(self.header_bytes(self.fill))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        tmp = Path(self.file.name)
+        self.pending.append({"file": tmp.name.removesuffix(".tmp"), "tokens": self.fill, "sha256": file_sha256(tmp)})
+        self.file, self.fill = None, 0
+
+    def state(self) -> dict:
+        """What progress.json records: finished shards (renamed or not) and the open shard's token count."""
+        if self.file is not None:
+            self.file.flush()  # so the recorded count is on disk if this process dies
+        return {"shards": self.shards + self.pending, "open_tokens": self.fill}
+
+    def commit(self) -> None:
+        """Give finished shards their final names (after progress.json has recorded them)."""
+        for shard in self.pending:
+            os.replace(self.out_dir / (shard["file"] + ".tmp"), self.out_dir / shard["file"])
+        self.shards += self.pending
+        self.pending = []
+
+    def finish(self) -> None:
+        """Close the last, partly filled shard (its final name comes at the next commit)."""
         if self.fill:
-            path = self.out_dir / f"{self.split}_{len(self.shards):06d}.bin"
-            write_shard(path, self.buf[: self.fill], self.vocab_size)
-            self.shards.append({"file": path.name, "tokens": int(self.fill)})
-            self.tokens += self.fill
-            self.fill = 0
+            self.close_shard()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# progress, resume and the manifest
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def settings_key(settings: dict) -> str:
+    """A short fingerprint of the settings (progress.json is rewritten often; the source list can be long)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def finished_manifest(out_dir: Path, settings: dict) -> dict | None:
+    """The manifest of a complete preparation with these settings, if out_dir holds one and all its shards."""
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    if {k: manifest.get(k) for k in settings} != settings:
+        return None
+    return manifest if all((out_dir / s["file"]).is_file() for s in manifest["shards"]) else None
+
+
+def shard_files(out_dir: Path) -> list[Path]:
+    """Every shard and temporary shard of a preparation in out_dir."""
+    return [p for pattern in ("train_*.bin", "val_*.bin", "*_*.bin.tmp") for p in out_dir.glob(pattern)]
+
+
+def restore(out_dir: Path, progress: dict) -> bool:
+    """Bring out_dir back to the state progress.json records: finish renames that an interruption cut short,
+    remove shards written after it, cut the open shards back to their recorded length. False (and nothing
+    changed) if the files on disk cannot give that state; then the preparation starts afresh."""
+    from gptlite.data import HEADER_BYTES
+
+    keep: dict[Path, Path | None] = {}  # file to keep -> name to move it to
+    for split in SPLITS:
+        shards, open_tokens = progress[split]["shards"], progress[split]["open_tokens"]
+        for shard in shards:
+            final = out_dir / shard["file"]
+            tmp = final.with_name(final.name + ".tmp")
+            if final.is_file():
+                keep[final] = None
+            elif tmp.is_file():
+                keep[tmp] = final
+            else:
+                return False
+        if open_tokens:
+            tmp = out_dir / f"{split}_{len(shards):06d}.bin.tmp"
+            if not tmp.is_file() or tmp.stat().st_size < HEADER_BYTES + open_tokens * np.dtype(progress["dtype"]).itemsize:
+                return False
+            keep[tmp] = None
+    for path in shard_files(out_dir):
+        if path not in keep:
+            path.unlink()
+    for path, final in keep.items():
+        if final is not None:
+            os.replace(path, final)
+    return True
+
+
+def start_or_resume(out_dir: Path, key: str, overwrite: bool, log) -> dict | None:
+    """progress.json's state if out_dir holds an interrupted preparation with these settings (and overwrite
+    is off); otherwise clear out_dir's shards, manifest and progress and return None."""
+    path = out_dir / PROGRESS
+    if path.is_file() and not overwrite:
+        progress = json.loads(path.read_text())
+        if progress.get("settings") == key and (out_dir / TOKENIZER_FILE).is_file() and restore(out_dir, progress):
+            return progress
+        log(f"{out_dir} holds an unfinished preparation with other settings or missing files; starting afresh")
+    for stale in [out_dir / MANIFEST, path, *shard_files(out_dir)]:
+        stale.unlink(missing_ok=True)
+    return None
+
+
+def build_tokenizer(spec: str, sources: list[dict], val_fraction: float, text_field: str) -> Tokenizer:
+    """The tokenizer for spec; `char` learns its vocabulary in one extra pass over the inputs."""
+    if spec == "char":
+        return get_tokenizer("char", (p.text for p in iter_pieces(sources, START, val_fraction, text_field)))
+    return get_tokenizer(spec)
+
+
+def progress_bar(total: int | None, initial: int):
+    """Bytes read, MB/s and ETA (unknown for a Hugging Face stream), with documents and tokens alongside."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.05, dynamic_ncols=True)
+
+
+def input_bytes(sources: list[dict]) -> int | None:
+    """Bytes the progress bar counts to: file sizes (approximate for Parquet, whose text is compressed)."""
+    if any(s["format"] == "hf" for s in sources):
+        return None
+    return sum(s["bytes"] for s in sources)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the whole preparation
 
 
 def prepare(
@@ -141,76 +611,206 @@ def prepare(
     tokenizer_spec: str,
     out_dir: str | Path,
     val_fraction: float = 0.1,
-    shard_tokens: int = 100_000_000,
+    shard_tokens: int = SHARD_TOKENS,
     overwrite: bool = False,
     log=print,
+    *,
+    text_field: str = "text",
+    workers: int | None = None,
+    dtype: str = "auto",
+    hf_dataset: str | None = None,
+    hf_name: str | None = None,
+    hf_split: str = "train",
 ) -> dict:
-    """Tokenize inputs into out_dir/{train,val}_*.bin plus tokenizer.json; returns the manifest."""
+    """Tokenize the inputs into out_dir/{train,val}_*.bin, tokenizer.json and manifest.json; return the manifest.
+
+    inputs: text, .jsonl/.ndjson or .parquet files, directories, globs or URLs; with hf_dataset, the local
+    data files of that dataset (e.g. hf_dataset="json" and a list of .jsonl files), else may be empty.
+    workers: tokenizing processes (default: one per core; never more than there are batches of input).
+    dtype: "auto" (uint16 up to 65,536 ids, else uint32), "uint16" or "uint32".
+    An interrupted run continues where it stopped when called again with the same arguments.
+    """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.1)")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens={shard_tokens} must be >= 1")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be auto, {' or '.join(DTYPES)}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1 (or None for one per core)")
+    if not inputs and hf_dataset is None:
+        raise ValueError("no inputs: pass text/JSONL/Parquet files, directories, globs or URLs, or a Hugging Face dataset")
     out_dir = Path(out_dir)
-    files = resolve_inputs(inputs, out_dir / "downloads")
-    sources = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime": p.stat().st_mtime} for p in files]
-    settings = {"sources": sources, "tokenizer": tokenizer_spec, "val_fraction": val_fraction, "shard_tokens": shard_tokens}
-    manifest_path = out_dir / MANIFEST
-    if manifest_path.is_file() and not overwrite:
-        old = json.loads(manifest_path.read_text())
-        if {k: old.get(k) for k in settings} == settings and all((out_dir / s["file"]).is_file() for s in old["shards"]):
-            log(f"{out_dir} is already prepared from these inputs ({old['train_tokens']:,} train, {old['val_tokens']:,} val tokens); nothing to do")
-            return old
-    total = sum(s["bytes"] for s in sources)
+    sources = resolve_sources(inputs, out_dir / "downloads", hf_dataset, hf_name, hf_split)
+    settings = {
+        "sources": sources,
+        "tokenizer": tokenizer_spec,
+        "val_fraction": val_fraction,
+        "shard_tokens": shard_tokens,
+        "text_field": text_field,
+        "dtype": dtype,
+    }
+    manifest = finished_manifest(out_dir, settings)
+    if manifest is not None and not overwrite:
+        log(f"{out_dir} is already prepared from these inputs ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens); nothing to do")
+        return manifest
+    total = input_bytes(sources)
     if total == 0:
         raise ValueError(f"the inputs ({', '.join(inputs)}) are empty; there is no text to tokenize")
+    check_sources(sources, text_field)
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [manifest_path, *out_dir.glob("train_*.bin"), *out_dir.glob("val_*.bin")]:
-        stale.unlink(missing_ok=True)
-
-    boundary = int(total * (1.0 - val_fraction))  # as nanoGPT: the first 90% trains
-    if tokenizer_spec == "char":  # the vocabulary is every character of the corpus: one extra pass
-        tokenizer = get_tokenizer("char", (text for _, text, _, _ in read_blocks(files, boundary)))
+    key = settings_key(settings)
+    progress = start_or_resume(out_dir, key, overwrite, log)
+    if progress is None:
+        tokenizer = build_tokenizer(tokenizer_spec, sources, val_fraction, text_field)
+        tokens_dtype = token_dtype(tokenizer.vocab_size, dtype)
+        tokenizer.save(out_dir / TOKENIZER_FILE)
+        progress = new_progress(key, tokens_dtype)
     else:
-        tokenizer = get_tokenizer(tokenizer_spec)
-    writers = {s: ShardWriter(out_dir, s, tokenizer.vocab_size, shard_tokens) for s in ("train", "val")}
-    log(f"tokenizing {len(files)} file(s), {total / 1e6:.1f} MB, with {tokenizer_spec} (vocab {tokenizer.vocab_size:,}) into {out_dir}")
+        tokenizer, tokens_dtype = load_tokenizer(out_dir / TOKENIZER_FILE), np.dtype(progress["dtype"])
+        log(f"resuming {out_dir} after {progress['bytes'] / 1e6:.1f} MB and {progress['documents']:,} documents")
+    writers = {s: ShardWriter(out_dir, s, tokens_dtype, shard_tokens, progress[s]) for s in SPLITS}
+    workers = workers or default_workers()
+    if total is not None:  # no more processes than batches
+        workers = max(1, min(workers, math.ceil((total - progress["bytes"]) / (BLOCK_BYTES * BATCH_BLOCKS))))
+    log(
+        f"tokenizing {len(sources)} source(s), {'?' if total is None else f'{total / 1e6:.1f}'} MB, with {tokenizer_spec} "
+        f"(vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}"
+    )
+    start, bytes_before = time.perf_counter(), progress["bytes"]
+    pieces = iter_pieces(sources, progress["cursor"], val_fraction, text_field)
+    tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total)
+    seconds = time.perf_counter() - start
 
-    start, done = time.perf_counter(), 0
-    batch: list[tuple[str, str, bool, int]] = []
-
-    def encode_batch() -> None:
-        nonlocal done
-        for (split, _, starts_doc, n_bytes), tokens in zip(batch, tokenizer.encode_batch([b[1] for b in batch])):
-            if starts_doc and tokenizer.eot_id is not None:
-                writers[split].add([tokenizer.eot_id])
-            writers[split].add(tokens)
-            done += n_bytes
-        batch.clear()
-        rate = done / 1e6 / max(1e-9, time.perf_counter() - start)
-        print(f"\r  {done / 1e6:8.1f} / {total / 1e6:.1f} MB | {rate:6.1f} MB/s", end="", file=sys.stderr, flush=True)
-
-    for item in read_blocks(files, boundary):
-        batch.append(item)
-        if len(batch) == BATCH_BLOCKS:
-            encode_batch()
-    encode_batch()
-    print(file=sys.stderr)
-    for w in writers.values():
-        w.flush()
-    if not writers["val"].tokens or not writers["train"].tokens:
+    counts = {s: writers[s].tokens for s in SPLITS}
+    if not counts["train"] and not counts["val"]:
+        raise ValueError(f"the inputs ({', '.join(inputs) or hf_dataset}) hold no text; there is nothing to tokenize")
+    if not counts["train"] or not counts["val"]:
         raise ValueError(f"the corpus is too small to split with val_fraction={val_fraction}; add text or change it")
-
-    tokenizer.save(out_dir / TOKENIZER_FILE)
-    manifest = {
-        **settings,
-        "vocab_size": tokenizer.vocab_size,
-        "shards": writers["train"].shards + writers["val"].shards,
-        "train_tokens": writers["train"].tokens,
-        "val_tokens": writers["val"].tokens,
-    }
-    tmp = manifest_path.with_name(MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, manifest_path)
-    log(f"wrote {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} val tokens in {time.perf_counter() - start:.1f}s")
+    manifest = build_manifest(settings, tokenizer, writers, progress)
+    write_json(out_dir / MANIFEST, manifest)
+    (out_dir / PROGRESS).unlink()
+    log_summary(log, manifest, progress["bytes"] - bytes_before, seconds)
     return manifest
 
+
+def new_progress(key: str, dtype: np.dtype) -> dict:
+    """The state of a preparation that has not read anything yet."""
+    progress = {"settings": key, "dtype": dtype.str, "cursor": START, "documents": 0, "bytes": 0, "replaced": 0}
+    return progress | {split: {"shards": [], "open_tokens": 0} for split in SPLITS}
+
+
+def tokenize_into_shards(
+    pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, writers: dict[str, ShardWriter], progress: dict,
+    out_dir: Path, total: int | None,
+) -> None:
+    """Tokenize the pieces batch by batch into the writers, checkpointing progress after each batch."""
+    batches = batched(pieces, BLOCK_BYTES * BATCH_BLOCKS)
+    with progress_bar(total, progress["bytes"]) as bar:
+        for batch, tokens in tokenize(batches, tokenizer, writers["train"].dtype, workers):
+            for split in SPLITS:
+                writers[split].write(tokens[split])
+            n_bytes = sum(p.n_bytes for p in batch)
+            progress["cursor"] = batch[-1].cursor
+            progress["documents"] += sum(p.starts_doc for p in batch)
+            progress["bytes"] += n_bytes
+            progress["replaced"] += sum(p.replaced for p in batch)
+            save_progress(out_dir, progress, writers)
+            bar.set_postfix(docs=f"{progress['documents']:,}", tokens=f"{sum(w.tokens for w in writers.values()):,}", refresh=False)
+            bar.update(n_bytes)
+    for writer in writers.values():
+        writer.finish()
+    save_progress(out_dir, progress, writers)
+
+
+def build_manifest(settings: dict, tokenizer: Tokenizer, writers: dict[str, ShardWriter], progress: dict) -> dict:
+    """What manifest.json records: the settings, the tokenizer, every shard with its tokens and sha256, counts."""
+    shards = writers["train"].shards + writers["val"].shards
+    return {
+        **settings,
+        "vocab_size": tokenizer.vocab_size,
+        "token_dtype": writers["train"].dtype.name,
+        "eot_id": tokenizer.eot_id,
+        "shards": [{"file": s["file"], "tokens": s["tokens"]} for s in shards],
+        "sha256": {s["file"]: s["sha256"] for s in shards},
+        "train_tokens": writers["train"].tokens,
+        "val_tokens": writers["val"].tokens,
+        "documents": progress["documents"],
+        "replaced": progress["replaced"],
+    }
+
+
+def save_progress(out_dir: Path, progress: dict, writers: dict[str, ShardWriter]) -> None:
+    """Checkpoint after a batch: record the state, then give finished shards their final names."""
+    progress.update({split: writer.state() for split, writer in writers.items()})
+    write_json(out_dir / PROGRESS, progress)
+    for writer in writers.values():
+        writer.commit()
+
+
+def log_summary(log, manifest: dict, n_bytes: int, seconds: float) -> None:
+    tokens, docs = manifest["train_tokens"] + manifest["val_tokens"], manifest["documents"]
+    n_train = sum(s["file"].startswith("train") for s in manifest["shards"])
+    replaced = f"; replaced {manifest['replaced']:,} undecodable byte sequence(s) with U+FFFD" if manifest["replaced"] else ""
+    log(
+        f"{docs:,} documents, {tokens:,} tokens ({tokens / max(docs, 1):,.1f} per document; {manifest['train_tokens']:,} train, "
+        f"{manifest['val_tokens']:,} val) in {n_train} train + {len(manifest['shards']) - n_train} val shard(s); "
+        f"{n_bytes / 1e6:.1f} MB in {seconds:.1f}s ({n_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s){replaced}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ready-made GPT-2 token shards (llm.c's format), as modded-nanogpt downloads them
+
+TOKEN_SHARDS = {  # name -> (Hugging Face dataset repository, file prefix, train shards of 100M tokens)
+    "fineweb10B": ("kjj0/fineweb10B-gpt2", "fineweb", 103),
+    "finewebedu10B": ("kjj0/finewebedu10B-gpt2", "finewebedu", 99),
+}
+
+
+def download_token_shards(
+    name: str, out_dir: str | Path, train_shards: int, tokenizer_spec: str = "gpt2", revision: str | None = None, log=print
+) -> dict:
+    """Download the val shard and the first `train_shards` train shards of a TOKEN_SHARDS dataset into out_dir
+    (files already there are kept, so an interrupted download continues), check their headers, and write
+    tokenizer.json and manifest.json as `prepare` does; return the manifest."""
+    from gptlite.data import file_sha256, read_shard
+
+    if name not in TOKEN_SHARDS:
+        raise ValueError(f"unknown token-shard dataset '{name}'; choose one of {', '.join(TOKEN_SHARDS)}")
+    repo, prefix, available = TOKEN_SHARDS[name]
+    if not 1 <= train_shards <= available:
+        raise ValueError(f"train_shards={train_shards} must be between 1 and {available} for {name} (100M tokens each)")
+    hub = optional_import("huggingface_hub", "Downloading token shards")
+    tokenizer = get_tokenizer(tokenizer_spec)  # before gigabytes of download: fails fast offline
+    out_dir = Path(out_dir)
+    files = [f"{prefix}_val_000000.bin"] + [f"{prefix}_train_{i:06d}.bin" for i in range(1, train_shards + 1)]
+    for file in files:
+        if (out_dir / file).is_file():
+            continue
+        log(f"downloading {file} from huggingface.co/datasets/{repo}")
+        try:  # huggingface_hub writes to a temporary file and renames it when complete
+            hub.hf_hub_download(repo_id=repo, filename=file, repo_type="dataset", revision=revision, local_dir=out_dir)
+        except OSError as e:  # huggingface_hub's HTTP, offline and not-found errors are OSErrors
+            raise ConnectionError(
+                f"could not download {file} from huggingface.co/datasets/{repo} ({type(e).__name__}); check the "
+                "network (or HF_ENDPOINT) and run again: the files already downloaded are kept"
+            ) from None
+    tokens = {file: read_shard(out_dir / file) for file in files}  # checks each header; maps, reads nothing
+    shards = [{"file": file, "tokens": len(t)} for file, t in tokens.items()]
+    tokenizer.save(out_dir / TOKENIZER_FILE)
+    manifest = {
+        "sources": [{"format": "hf_hub", "repo": repo, "revision": revision}],
+        "tokenizer": tokenizer_spec,
+        "vocab_size": tokenizer.vocab_size,
+        "token_dtype": tokens[files[0]].dtype.name,
+        "eot_id": tokenizer.eot_id,
+        "shards": shards,
+        "sha256": {file: file_sha256(out_dir / file) for file in files},
+        "train_tokens": sum(s["tokens"] for s in shards[1:]),
+        "val_tokens": shards[0]["tokens"],
+    }
+    write_json(out_dir / MANIFEST, manifest)
+    log(f"{out_dir}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} val tokens of {name}, ready to train")
+    return manifest

@@ -1,0 +1,259 @@
+"""The preparation pipeline: worker processes, bounded read-ahead, interrupt and resume, token dtypes, the
+manifest's checksums and their verification."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gptlite.prepare
+from gptlite.data import read_shard, verify_manifest, write_shard
+from gptlite.prepare import prepare
+from tests.conftest import ROOT, shared_file
+
+TEXT = "".join(f"Line {i}: all the world's a stage — 舞台 {i * 7}.\n" for i in range(400))  # ~20 kB
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 256 bytes, batches of two: a 20 kB corpus makes dozens of batches."""
+    monkeypatch.setattr(gptlite.prepare, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(gptlite.prepare, "BATCH_BLOCKS", 2)
+
+
+def corpus(tmp_path: Path) -> list[str]:
+    """Two text files and a JSONL file: blocks, whole documents and records."""
+    (tmp_path / "in").mkdir(exist_ok=True)
+    (tmp_path / "in" / "a.txt").write_text(TEXT)
+    (tmp_path / "in" / "b.txt").write_text(TEXT[:3000])
+    (tmp_path / "in" / "c.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in TEXT.splitlines()[:60]))
+    return [str(tmp_path / "in")]
+
+
+def files_of(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+def test_worker_processes_write_the_same_files(tmp_path, small_blocks):
+    gpt2 = str(shared_file("tokenizers/gpt2.tiktoken"))
+    inputs, logged = corpus(tmp_path), []
+    one = prepare(inputs, gpt2, tmp_path / "one", shard_tokens=1000, workers=1, log=quiet)
+    two = prepare(inputs, gpt2, tmp_path / "two", shard_tokens=1000, workers=2, log=logged.append)
+    assert "in 2 process(es)" in logged[0]
+    assert one == two and len(one["shards"]) > 4
+    assert files_of(tmp_path / "one") == files_of(tmp_path / "two")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_reading_stays_at_most_a_few_batches_ahead(tmp_path, small_blocks, monkeypatch, workers):
+    """Memory is bounded: the reader never runs more than IN_FLIGHT_PER_WORKER batches per worker ahead of the writer."""
+    read, written, ahead = [0], [0], []
+    batched, save_progress = gptlite.prepare.batched, gptlite.prepare.save_progress
+
+    def counting_batches(*args):
+        for batch in batched(*args):
+            read[0] += 1
+            yield batch
+
+    def counting_saves(*args):
+        written[0] += 1
+        ahead.append(read[0] - written[0])
+        save_progress(*args)
+
+    monkeypatch.setattr(gptlite.prepare, "batched", counting_batches)
+    monkeypatch.setattr(gptlite.prepare, "save_progress", counting_saves)
+    prepare(corpus(tmp_path), "byte", tmp_path / "out", workers=workers, log=quiet)
+    assert written[0] > 30
+    assert max(ahead) <= (gptlite.prepare.IN_FLIGHT_PER_WORKER * workers if workers > 1 else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# interrupt and resume
+
+
+class Interrupt(Exception):
+    pass
+
+
+def interrupt_after(monkeypatch, checkpoints: int, where: str) -> None:
+    """Make prepare stop like a Ctrl-C or a crash, at the given point of the checkpoint after `checkpoints` batches."""
+    save_progress, commit, count = gptlite.prepare.save_progress, gptlite.prepare.ShardWriter.commit, [0]
+
+    def save(out_dir, progress, writers):
+        count[0] += 1
+        if count[0] > checkpoints and where == "before_checkpoint":  # tokens written, progress not saved
+            raise Interrupt
+        save_progress(out_dir, progress, writers)
+        if count[0] > checkpoints and where == "after_checkpoint":
+            raise Interrupt
+
+    def commit_or_crash(self):
+        if count[0] > checkpoints and where == "before_rename" and self.pending:  # progress lists shards not yet renamed
+            raise Interrupt
+        commit(self)
+
+    monkeypatch.setattr(gptlite.prepare, "save_progress", save)
+    monkeypatch.setattr(gptlite.prepare.ShardWriter, "commit", commit_or_crash)
+
+
+@pytest.mark.parametrize("where, workers", [
+    ("before_checkpoint", 1), ("after_checkpoint", 1), ("before_rename", 1), ("after_checkpoint", 2),
+])
+def test_resume_after_an_interruption_writes_what_an_uninterrupted_run_does(tmp_path, small_blocks, monkeypatch, where, workers):
+    inputs = corpus(tmp_path)
+    whole = prepare(inputs, "byte", tmp_path / "whole", shard_tokens=2000, workers=1, log=quiet)
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        interrupt_after(m, 20, where)
+        with pytest.raises(Interrupt):
+            prepare(inputs, "byte", out, shard_tokens=2000, workers=workers, log=quiet)
+    assert not (out / "manifest.json").exists() and (out / "progress.json").is_file()
+    for shard in out.glob("*.bin"):  # a file under its final name is complete
+        assert len(read_shard(shard)) == 2000
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["bytes"] > 8000
+
+    logged, reread = [], []
+    batched = gptlite.prepare.batched
+    monkeypatch.setattr(gptlite.prepare, "batched", lambda *args: (reread.append(b) or b for b in batched(*args)))
+    resumed = prepare(inputs, "byte", out, shard_tokens=2000, workers=workers, log=logged.append)
+    assert logged[0].startswith(f"resuming {out} after ")
+    total = sum(p.stat().st_size for p in Path(inputs[0]).iterdir())
+    assert sum(piece.n_bytes for batch in reread for piece in batch) == total - progress["bytes"]  # only the rest
+    assert resumed == whole
+    assert files_of(out) == files_of(tmp_path / "whole")  # progress.json and every .tmp are gone
+
+
+def test_resume_starts_afresh_when_settings_change_or_files_are_damaged(tmp_path, small_blocks, monkeypatch):
+    inputs = corpus(tmp_path)
+    whole = prepare(inputs, "byte", tmp_path / "whole", shard_tokens=2000, workers=1, log=quiet)
+    out = tmp_path / "out"
+
+    def interrupted(**kwargs):
+        with monkeypatch.context() as m:
+            interrupt_after(m, 20, "after_checkpoint")
+            with pytest.raises(Interrupt):
+                prepare(inputs, "byte", out, workers=1, log=quiet, **kwargs)
+
+    interrupted(shard_tokens=3000)
+    logged = []
+    assert prepare(inputs, "byte", out, shard_tokens=2000, workers=1, log=logged.append) == whole  # other settings
+    assert "starting afresh" in logged[0]
+
+    interrupted(shard_tokens=2000, overwrite=True)  # out_dir was complete: start again
+    open_shard = next(out.glob("*.tmp"))
+    open_shard.write_bytes(open_shard.read_bytes()[:1100])  # the open shard lost tokens (a power cut)
+    logged = []
+    assert prepare(inputs, "byte", out, shard_tokens=2000, workers=1, log=logged.append) == whole
+    assert "starting afresh" in logged[0]
+
+    interrupted(shard_tokens=2000, overwrite=True)
+    logged = []
+    assert prepare(inputs, "byte", out, shard_tokens=2000, workers=1, overwrite=True, log=logged.append) == whole
+    assert not any(line.startswith("resuming") or "unfinished preparation" in line for line in logged)
+    assert files_of(out) == files_of(tmp_path / "whole")
+
+
+# ---------------------------------------------------------------------------------------------
+# token dtype
+
+
+def test_dtype_follows_the_vocabulary_or_is_chosen(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text(TEXT)
+    manifest = prepare([str(src)], "byte", tmp_path / "auto", log=quiet)
+    assert manifest["token_dtype"] == "uint16" and read_shard(tmp_path / "auto" / "train_000000.bin").dtype == np.uint16
+    manifest = prepare([str(src)], "byte", tmp_path / "wide", dtype="uint32", log=quiet)
+    shard = tmp_path / "wide" / "train_000000.bin"
+    assert manifest["token_dtype"] == "uint32" and np.frombuffer(shard.read_bytes()[:8], "<i4").tolist() == [20240801, 7]
+    assert bytes(read_shard(shard).tolist()) == TEXT.encode()[: manifest["train_tokens"]]
+
+
+def test_vocabulary_too_large_for_the_dtype(tmp_path, monkeypatch):
+    from gptlite.tokenizer import ByteTokenizer
+
+    class Wide(ByteTokenizer):
+        vocab_size = 100_277
+
+    monkeypatch.setattr(gptlite.prepare, "get_tokenizer", lambda spec: Wide())
+    src = tmp_path / "corpus.txt"
+    src.write_text(TEXT)
+    with pytest.raises(ValueError, match=r"the tokenizer's 100,277 ids do not fit uint16 \(at most 65,536\); use dtype uint32 or auto"):
+        prepare([str(src)], "cl100k_base", tmp_path / "out", dtype="uint16", log=quiet)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dtype": "int8"}, r"dtype='int8' must be auto, uint16 or uint32"),
+    ({"workers": 0}, r"workers=0 must be >= 1"),
+])
+def test_bad_options(tmp_path, kwargs, message):
+    src = tmp_path / "corpus.txt"
+    src.write_text(TEXT)
+    with pytest.raises(ValueError, match=message):
+        prepare([str(src)], "byte", tmp_path / "out", log=quiet, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the manifest: checksums, verification, the summary
+
+
+def test_manifest_checksums_and_verification(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text(TEXT)
+    out = tmp_path / "out"
+    manifest = prepare([str(src)], "byte", out, shard_tokens=5000, log=quiet)
+    assert sorted(manifest["sha256"]) == sorted(s["file"] for s in manifest["shards"])
+    assert verify_manifest(out) == manifest
+
+    shard = out / "train_000001.bin"
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 1  # one flipped bit
+    shard.write_bytes(bytes(data))
+    verify_manifest(out, checksums=False)  # counts still match
+    with pytest.raises(ValueError, match=r"shard .*train_000001\.bin does not match its sha256 in the manifest"):
+        verify_manifest(out)
+
+    write_shard(shard, [1, 2, 3], 256)
+    with pytest.raises(ValueError, match=r"train_000001\.bin holds 3 tokens but the manifest says 5,000"):
+        verify_manifest(out)
+
+    write_shard(out / "train_000099.bin", [1, 2, 3], 256)
+    with pytest.raises(ValueError, match=r"holds shards its manifest does not list \(train_000099\.bin\)"):
+        verify_manifest(out)
+
+    (out / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no manifest\.json: its preparation did not finish"):
+        verify_manifest(out)
+
+
+def test_cli_verify(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text(TEXT)
+    out = tmp_path / "out"
+    prepare([str(src)], "byte", out, log=quiet)
+    run = [sys.executable, str(ROOT / "data" / "prepare.py"), "--verify", "--out_dir", str(out)]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "2 shards match manifest.json" in r.stdout, r.stderr
+    (out / "val_000000.bin").write_bytes(b"")
+    r = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "val_000000.bin is truncated" in r.stderr
+
+
+def test_summary(tmp_path):
+    gpt2 = str(shared_file("tokenizers/gpt2.tiktoken"))
+    inputs = corpus(tmp_path)
+    logged = []
+    manifest = prepare(inputs, gpt2, tmp_path / "out", shard_tokens=3000, log=logged.append)
+    tokens = manifest["train_tokens"] + manifest["val_tokens"]
+    assert manifest["documents"] == 2 + 60
+    assert logged[-1].startswith(f"62 documents, {tokens:,} tokens ({tokens / 62:,.1f} per document; ")
+    assert f" in {len(manifest['shards']) - 1} train + 1 val shard(s); " in logged[-1] and "MB/s" in logged[-1]
