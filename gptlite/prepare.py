@@ -358,10 +358,9 @@ def encode_batch(tokenizer: Tokenizer, pieces: list[tuple[str, str, bool]], dtyp
     parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], dtype=dtype)
     for split, text, starts_doc in pieces:
-        ids = tokenizer.encode(text)  # one thread: the parallelism is one process per core
         if starts_doc and eot is not None:
             parts[split].append(eot)
-        parts[split].append(np.fromiter(ids, dtype=dtype, count=len(ids)))
+        parts[split].append(tokenizer.encode_to_numpy(text).astype(dtype, copy=False))  # one thread per process
     return {s: np.concatenate(p) if p else np.empty(0, dtype=dtype) for s, p in parts.items()}
 
 

@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 EOT = "<|endoftext|>"
 # GPT-2's pre-tokenization pattern (as in tiktoken_ext.openai_public.r50k_pat_str)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -36,6 +38,11 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_to_numpy(self, text: str) -> np.ndarray:
+        """`encode(text)` as a uint32 array (data preparation's path: no Python list where it can be avoided)."""
+        ids = self.encode(text)
+        return np.fromiter(ids, dtype=np.uint32, count=len(ids))
 
     def token_bytes(self, ids: Iterable[int]) -> bytes:
         raise NotImplementedError
@@ -114,6 +121,14 @@ class TiktokenTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+
+    def encode_to_numpy(self, text: str) -> np.ndarray:
+        # tiktoken's buffer path, special tokens off: the ids of encode_ordinary without a list of ints
+        try:
+            return self.enc.encode_to_numpy(text, disallowed_special=())
+        except UnicodeEncodeError:  # lone surrogates (from JSON escapes): replaced, as encode_ordinary does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            return self.enc.encode_to_numpy(text, disallowed_special=())
 
     def token_bytes(self, ids: Iterable[int]) -> bytes:
         return self.enc.decode_bytes(list(ids))

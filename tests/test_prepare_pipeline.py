@@ -257,3 +257,24 @@ def test_summary(tmp_path):
     assert manifest["documents"] == 2 + 60
     assert logged[-1].startswith(f"62 documents, {tokens:,} tokens ({tokens / 62:,.1f} per document; ")
     assert f" in {len(manifest['shards']) - 1} train + 1 val shard(s); " in logged[-1] and "MB/s" in logged[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the tokenizers' array path
+
+
+@pytest.mark.parametrize("spec", ["byte", "char", "gpt2"])
+def test_encode_to_numpy_equals_encode(spec):
+    from gptlite.tokenizer import get_tokenizer
+
+    texts = ["", TEXT[:500], "special strings are text: <|endoftext|>", "a lone surrogate \ud800 from a JSON escape"]
+    if spec == "char":
+        tokenizer = get_tokenizer("char", "".join(texts[:3]))
+        texts = texts[:3]
+    else:
+        tokenizer = get_tokenizer(str(shared_file("tokenizers/gpt2.tiktoken")) if spec == "gpt2" else spec)
+        if spec == "byte":
+            texts = texts[:3]  # UTF-8 has no lone surrogates
+    for text in texts:
+        ids = tokenizer.encode_to_numpy(text)
+        assert ids.dtype == np.uint32 and ids.tolist() == tokenizer.encode(text)
