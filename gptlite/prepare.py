@@ -594,11 +594,19 @@ def progress_bar(total: int | None, initial: int):
     return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.05, dynamic_ncols=True)
 
 
-def input_bytes(sources: list[dict]) -> int | None:
-    """Bytes the progress bar counts to: file sizes (approximate for Parquet, whose text is compressed)."""
+def input_bytes(sources: list[dict], text_field: str) -> int | None:
+    """What the progress bar counts to, in the units the pieces report: file bytes, and for Parquet the
+    uncompressed size of the text column (near its text bytes); unknown for a Hugging Face stream."""
     if any(s["format"] == "hf" for s in sources):
         return None
-    return sum(s["bytes"] for s in sources)
+    return sum(parquet_text_bytes(s["path"], text_field) if s["format"] == "parquet" else s["bytes"] for s in sources)
+
+
+def parquet_text_bytes(path: str, field: str) -> int:
+    """Uncompressed bytes of a Parquet file's `field` column, from its metadata."""
+    meta = optional_import("pyarrow.parquet", "Parquet input").ParquetFile(path).metadata
+    groups = (meta.row_group(g) for g in range(meta.num_row_groups))
+    return sum(c.total_uncompressed_size for g in groups for c in map(g.column, range(g.num_columns)) if c.path_in_schema == field)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -653,10 +661,10 @@ def prepare(
     if manifest is not None and not overwrite:
         log(f"{out_dir} is already prepared from these inputs ({manifest['train_tokens']:,} train, {manifest['val_tokens']:,} val tokens); nothing to do")
         return manifest
-    total = input_bytes(sources)
+    check_sources(sources, text_field)
+    total = input_bytes(sources, text_field)
     if total == 0:
         raise ValueError(f"the inputs ({', '.join(inputs)}) are empty; there is no text to tokenize")
-    check_sources(sources, text_field)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     key = settings_key(settings)

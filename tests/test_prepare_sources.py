@@ -88,6 +88,9 @@ def test_parquet_and_hugging_face_streaming_give_the_same_shards_as_jsonl(tmp_pa
     assert documents(tmp_path / "hf_parquet", "val") == [DOCS[9], DOCS[19], DOCS[29]]
     again = prepare([str(parquet)], gpt2(), tmp_path / "hf_parquet", text_field="content", hf_dataset="parquet", log=quiet)
     assert again == runs["hf_parquet"]  # complete: returns at once
+    # the progress bar's total for Parquet: the text column's uncompressed size, its text plus per-row and per-page overhead
+    text_bytes = len("".join(DOCS).encode())
+    assert text_bytes <= gptlite.prepare.input_bytes(runs["parquet"]["sources"], "content") < 2 * text_bytes
 
 
 def test_text_files_and_records_together(tmp_path):
