@@ -278,3 +278,33 @@ def test_encode_to_numpy_equals_encode(spec):
     for text in texts:
         ids = tokenizer.encode_to_numpy(text)
         assert ids.dtype == np.uint32 and ids.tolist() == tokenizer.encode(text)
+
+
+def test_cli_ctrl_c_then_the_same_command_continues(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, workers included) stops with one line and exit status 130;
+    the same command then resumes and writes what an uninterrupted run writes."""
+    import os
+    import signal
+    import time
+
+    src = tmp_path / "corpus.txt"
+    src.write_text(TEXT * 1500)  # ~30 MB: several seconds of work at the byte level
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "data" / "prepare.py"), "--input", str(src), "--tokenizer", "byte",
+           "--out_dir", str(out), "--shard_tokens", "4000000", "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    deadline = time.time() + 60
+    while not (out / "progress.json").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == f"prepare.py: interrupted; run the same command again to continue in {out}"
+    assert not (out / "manifest.json").exists()
+
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"resuming {out} after ")
+    whole = prepare([str(src)], "byte", tmp_path / "whole", shard_tokens=4_000_000, log=quiet)
+    assert json.loads((out / "manifest.json").read_text()) == whole
