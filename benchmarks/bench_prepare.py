@@ -42,11 +42,11 @@ def make_corpus(path: Path, megabytes: int, source: Path) -> Path:
     return path
 
 
-def rss_kib(pid: int) -> int:
-    """Resident set size of a process from /proc (Linux), 0 if it is gone."""
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """Resident set size (VmRSS), or its peak (VmHWM), of a process from /proc (Linux); 0 if it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
         pass
@@ -100,7 +100,8 @@ def run_one(corpus: str, out_dir: str, workers: int, tokenizer: str) -> dict:
         "bytes": Path(corpus).stat().st_size,
         "tokens": manifest["train_tokens"] + manifest["val_tokens"],
         "workers": workers,
-        "main_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # VmHWM, not ru_maxrss: Linux carries the pre-exec peak of the forked parent into ru_maxrss
+        "main_rss_mb": rss_kib(os.getpid(), "VmHWM") / 1024,
         "worker_rss_mb": peak_worker[0] / 1024,  # sampled: RUSAGE_CHILDREN counts a child's pre-exec copy of this process
         "total_rss_mb": peak_total[0] / 1024,
     }
@@ -118,7 +119,8 @@ def raw_tiktoken(corpus: Path, tokenizer: str, megabytes: int, threads: int) -> 
     from gptlite.tokenizer import get_tokenizer
 
     enc = get_tokenizer(tokenizer).enc
-    data = corpus.read_bytes()[: megabytes * 10**6].decode("utf-8", errors="ignore")
+    with open(corpus, "rb") as f:
+        data = f.read(megabytes * 10**6).decode("utf-8", errors="ignore")
     pieces = [data[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]
     start = time.perf_counter()
     if threads == 1:

@@ -36,7 +36,6 @@ import multiprocessing
 import os
 import signal
 import time
-import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -65,6 +64,8 @@ SPLITS = ("train", "val")
 
 def download(url: str, dest: Path) -> Path:
     """Download url to dest (atomically) unless it is already there."""
+    import urllib.request  # here, not at the top: every spawned worker imports this module
+
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
