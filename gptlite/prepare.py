@@ -519,20 +519,26 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
+def read_state(path: Path) -> dict | None:
+    """A manifest.json or progress.json of ours, or None if it is missing or damaged (then: start afresh)."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def finished_manifest(out_dir: Path, settings: dict) -> dict | None:
     """The manifest of a complete preparation with these settings, if out_dir holds one and all its shards."""
-    path = out_dir / MANIFEST
-    if not path.is_file():
-        return None
-    manifest = json.loads(path.read_text())
-    if {k: manifest.get(k) for k in settings} != settings:
+    manifest = read_state(out_dir / MANIFEST)
+    if manifest is None or {k: manifest.get(k) for k in settings} != settings:
         return None
     return manifest if all((out_dir / s["file"]).is_file() for s in manifest["shards"]) else None
 
 
 def shard_files(out_dir: Path) -> list[Path]:
     """Every shard and temporary shard of a preparation in out_dir."""
-    return [p for pattern in ("train_*.bin", "val_*.bin", "*_*.bin.tmp") for p in out_dir.glob(pattern)]
+    return [p for split in SPLITS for pattern in ("_*.bin", "_*.bin.tmp") for p in out_dir.glob(split + pattern)]
 
 
 def restore(out_dir: Path, progress: dict) -> bool:
@@ -572,10 +578,10 @@ def start_or_resume(out_dir: Path, key: str, overwrite: bool, log) -> dict | Non
     is off); otherwise clear out_dir's shards, manifest and progress and return None."""
     path = out_dir / PROGRESS
     if path.is_file() and not overwrite:
-        progress = json.loads(path.read_text())
-        if progress.get("settings") == key and (out_dir / TOKENIZER_FILE).is_file() and restore(out_dir, progress):
+        progress = read_state(path)
+        if progress and progress.get("settings") == key and (out_dir / TOKENIZER_FILE).is_file() and restore(out_dir, progress):
             return progress
-        log(f"{out_dir} holds an unfinished preparation with other settings or missing files; starting afresh")
+        log(f"{out_dir} holds an unfinished preparation with other settings or damaged files; starting afresh")
     for stale in [out_dir / MANIFEST, path, *shard_files(out_dir)]:
         stale.unlink(missing_ok=True)
     return None

@@ -156,6 +156,15 @@ def test_resume_starts_afresh_when_settings_change_or_files_are_damaged(tmp_path
     assert "starting afresh" in logged[0]
 
     interrupted(shard_tokens=2000, overwrite=True)
+    (out / "progress.json").write_text('{"settings": ')  # damaged
+    logged = []
+    assert prepare(inputs, "byte", out, shard_tokens=2000, workers=1, log=logged.append) == whole
+    assert "starting afresh" in logged[0]
+
+    (out / "manifest.json").write_text("")  # a damaged manifest is not a finished preparation
+    assert prepare(inputs, "byte", out, shard_tokens=2000, workers=1, log=quiet) == whole
+
+    interrupted(shard_tokens=2000, overwrite=True)
     logged = []
     assert prepare(inputs, "byte", out, shard_tokens=2000, workers=1, overwrite=True, log=logged.append) == whole
     assert not any(line.startswith("resuming") or "unfinished preparation" in line for line in logged)

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source = Path(args.input) if args.input else download(URL, ROOT / "data" / "shakespeare" / "input.txt")
         prepare([str(source)], args.tokenizer, out_dir, val_fraction=0.1)
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
+    except (ValueError, OSError) as e:  # OSError: a missing or unreadable file, the network
         print(f"shakespeare/prepare.py: error: {e}", file=sys.stderr)
         return 2
     return 0
