@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib
 import json
 import math
 import multiprocessing
@@ -131,7 +132,7 @@ def open_input(path: str | Path):
 def optional_import(module: str, what: str):
     """Import a module of the `data` extra, or say how to install it."""
     try:
-        return __import__(module, fromlist=["_"])
+        return importlib.import_module(module)
     except ImportError:
         raise ImportError(f"{what} needs the {module.split('.')[0]} package: pip install -e '.[data]'") from None
 
