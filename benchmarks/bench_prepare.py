@@ -4,8 +4,8 @@ tiktoken's raw single-thread encode (and its threaded batch encode), and peak me
     python benchmarks/bench_prepare.py [--scaling_mb 100] [--sizes_mb 50 500] [--repeats 2] [--tokenizer SPEC]
         [--source tinyshakespeare.txt]
 
-The corpus is tiny Shakespeare (--source, else ../shared/data/tinyshakespeare.txt beside the checkout, else
-downloaded) repeated to each size, written under the system temp directory and deleted afterwards. Every preparation
+The corpus is tiny Shakespeare (--source, else shared/data/tinyshakespeare.txt beside the checkout or an
+ancestor, else downloaded) repeated to each size, written under the system temp directory and deleted afterwards. Every preparation
 runs in a fresh Python process, so its peak RSS is its own: the main process (which imports torch through
 gptlite.data), the largest worker and the sum of all, the last two sampled every 50 ms. Throughput is input MB (and tokens) over the
 wall time of `prepare()`, worker start-up included. Prints a table; asserts nothing.
@@ -29,9 +29,10 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.prepare import default_workers, download  # noqa: E402
 
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")  # as tests/conftest.py
+SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-GPT2_RANKS = ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
+GPT2_RANKS = SHARED / "tokenizers" / "gpt2.tiktoken"
 
 
 def make_corpus(path: Path, megabytes: int, source: Path) -> Path:
