@@ -65,6 +65,7 @@ class KVCache:
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, T) their positions
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) True where a query may attend to a key
         self.span = 0  # S, the number of slots the next call attends over
+        self.busy = False  # a compiled generation is using it (see _static_cache)
 
     def start(self, padding: torch.Tensor) -> None:
         """Forget the contents; the next prompts have `padding` (B,) pad tokens on their left."""
@@ -108,6 +109,16 @@ class KVCache:
         if n > 1:
             self.k, self.v = self.k.repeat_interleave(n, dim=1), self.v.repeat_interleave(n, dim=1)
             self.visible, self.first = self.visible.repeat_interleave(n, dim=0), self.first.repeat_interleave(n, dim=0)
+
+    def same_shape(self, other: KVCache) -> bool:
+        return self.k.shape == other.k.shape and self.k.dtype == other.k.dtype and self.k.device == other.k.device
+
+    def copy_from(self, other: KVCache) -> None:
+        """Take over other's contents (same shapes), keeping this cache's buffers where they are."""
+        self.k.copy_(other.k)
+        self.v.copy_(other.v)
+        self.visible.copy_(other.visible)
+        self.first, self.padded, self.end = other.first, other.padded, other.end
 
 
 @dataclass(frozen=True)
@@ -331,15 +342,55 @@ def _decode(
         model.pos_emb.extend(max_len)
     else:
         max_len = min(max_len, config.block_size)
-    keep = max(1, int(config.block_size * SLIDE_KEEP))
     step = compiled_decode_step(model) if compile else decode_step
 
     cache = KVCache(config, len(rows) // num_samples, max_len, weight.dtype, device)
     logits = _prefill(model, cache, rows[::num_samples]).repeat_interleave(num_samples, dim=0)  # (N, V)
     cache.repeat_rows(num_samples)
-    if compile:  # the compiled step writes into the cache in place; its buffers never move
-        torch._dynamo.mark_static_address(cache.k)
-        torch._dynamo.mark_static_address(cache.v)
+    if compile:
+        cache = _static_cache(model, cache)
+    try:
+        yield from _decode_loop(model, cache, rows, logits, max_new_tokens, sampling, generator, stop_ids, step, compile)
+    finally:
+        cache.busy = False
+
+
+_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled step's cache
+
+
+def _static_cache(model: GPT, cache: KVCache) -> KVCache:
+    """The cache the compiled step writes into. Its buffers keep their addresses from call to call (one
+    per model, reused while the shapes match), so CUDA graphs recorded against them stay valid instead
+    of being recorded again for every generation; a second generation running at the same time gets
+    its own."""
+    static = _static_caches.get(model)
+    if static is not None and not static.busy and static.same_shape(cache):
+        static.copy_from(cache)
+    else:
+        static = cache
+        torch._dynamo.mark_static_address(static.k)
+        torch._dynamo.mark_static_address(static.v)
+        if model not in _static_caches or not _static_caches[model].busy:
+            _static_caches[model] = static
+    static.busy = True
+    return static
+
+
+def _decode_loop(
+    model: GPT,
+    cache: KVCache,
+    rows: list[list[int]],
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    stop_ids: list[int],
+    step: Callable,
+    compile: bool,
+) -> Iterator[torch.Tensor]:
+    """Sample, then feed the sample back (or slide the window), max_new_tokens times."""
+    config, device = model.config, cache.k.device
+    keep = max(1, int(config.block_size * SLIDE_KEEP))
     N, V = len(rows), config.vocab_size
     if sampling.penalized:
         seen = torch.zeros(N, V, dtype=torch.bool, device=device)  # (N, V) tokens in the prompt and output

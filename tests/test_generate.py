@@ -138,12 +138,32 @@ def eager_compile(monkeypatch):
     step = torch.compile(module.decode_step, backend="eager", fullgraph=True, dynamic=False)
     monkeypatch.setattr(module, "_compiled", {"cpu": step})
     monkeypatch.setattr(module, "_frozen_versions", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(module, "_static_caches", weakref.WeakKeyDictionary())
 
 
 def test_compiled_decode_step_traces_as_one_graph_and_matches_eager(eager_compile):
     model = tiny_model()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
+
+
+def test_compiled_generations_reuse_one_static_cache_unless_running_together(eager_compile):
+    """CUDA graphs stay valid only while the cache buffers they write keep their addresses."""
+    module = sys.modules["gptlite.generate"]
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 5))
+    expected = torch.stack(list(generate_tokens(model, idx, 10, temperature=0)), 1)
+    for _ in range(2):
+        assert torch.equal(torch.stack(list(generate_tokens(model, idx, 10, temperature=0, compile=True)), 1), expected)
+    address = module._static_caches[model].k.data_ptr()
+    a, b = (generate_tokens(model, idx, 10, temperature=0, compile=True) for _ in range(2))
+    interleaved = [(next(a), next(b)) for _ in range(10)]  # b cannot share a's cache while a runs
+    assert torch.equal(torch.stack([x for x, _ in interleaved], 1), expected)
+    assert torch.equal(torch.stack([y for _, y in interleaved], 1), expected)
+    a.close()
+    b.close()
+    list(generate_tokens(model, idx, 10, temperature=0, compile=True))
+    assert module._static_caches[model].k.data_ptr() == address
 
 
 def test_compiled_16_bit_weights_on_cpu_refuse_to_go_stale(eager_compile):
