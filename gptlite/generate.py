@@ -2,7 +2,8 @@
 
 How `generate_tokens` runs:
 1. Prefill: the prompts, left-padded to the longest, go through the model once, and every layer writes
-   its keys and values into a cache preallocated with static shapes, (L, B, H, max_len, D). Several
+   its keys and values into its own cache buffers, preallocated with static shapes (B, H, max_len, D)
+   (separate tensors, so that writing one layer's never makes a compiled step copy them all). Several
    samples of one prompt share that prefill: the cache rows are copied, not recomputed.
 2. Decode: each step feeds only the newest token of every row and writes one cache slot in place. A
    mask hides each row's left padding and positions count from each row's first real token, so a
@@ -52,10 +53,9 @@ class KVCache:
     their positions and the attention mask. A slot is visible once written, unless it holds padding."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        H, D = config.n_head, config.n_embd // config.n_head
-        shape = (config.n_layer, batch_size, H, max_len, D)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H, max_len, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (B, H, max_len, D) each
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.max_len = max_len
         self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
         self.first = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) each row's first real slot
@@ -102,21 +102,23 @@ class KVCache:
         """Write layer's k, v (B, H, T, D) at the prepared slots; return its keys and values (B, H, S, D)."""
         self.k[layer].index_copy_(2, self.slots, k)
         self.v[layer].index_copy_(2, self.slots, v)
-        return self.k[layer, :, :, : self.span], self.v[layer, :, :, : self.span]
+        return self.k[layer][:, :, : self.span], self.v[layer][:, :, : self.span]
 
     def repeat_rows(self, n: int) -> None:
         """Give every row n consecutive copies (n samples of each prompt share one prefill)."""
         if n > 1:
-            self.k, self.v = self.k.repeat_interleave(n, dim=1), self.v.repeat_interleave(n, dim=1)
+            self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
+            self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
             self.visible, self.first = self.visible.repeat_interleave(n, dim=0), self.first.repeat_interleave(n, dim=0)
 
     def same_shape(self, other: KVCache) -> bool:
-        return self.k.shape == other.k.shape and self.k.dtype == other.k.dtype and self.k.device == other.k.device
+        mine, theirs = self.k[0], other.k[0]
+        return (len(self.k), mine.shape, mine.dtype, mine.device) == (len(other.k), theirs.shape, theirs.dtype, theirs.device)
 
     def copy_from(self, other: KVCache) -> None:
         """Take over other's contents (same shapes), keeping this cache's buffers where they are."""
-        self.k.copy_(other.k)
-        self.v.copy_(other.v)
+        for mine, theirs in zip(self.k + self.v, other.k + other.v):
+            mine.copy_(theirs)
         self.visible.copy_(other.visible)
         self.first, self.padded, self.end = other.first, other.padded, other.end
 
@@ -218,7 +220,7 @@ def _prompt_rows(prompts: Prompts, vocab_size: int) -> list[list[int]]:
 def _prefill(model: GPT, cache: KVCache, rows: list[list[int]]) -> torch.Tensor:
     """Run the rows (left-padded to the longest) through the model into an emptied cache; logits (B, V)."""
     T = max(len(r) for r in rows)
-    device = cache.k.device
+    device = cache.visible.device
     idx = torch.tensor([[0] * (T - len(r)) + r for r in rows], device=device)  # (B, T); pads are masked
     cache.start(torch.tensor([T - len(r) for r in rows], device=device))
     cache.prepare(T)
@@ -368,8 +370,8 @@ def _static_cache(model: GPT, cache: KVCache) -> KVCache:
         static.copy_from(cache)
     else:
         static = cache
-        torch._dynamo.mark_static_address(static.k)
-        torch._dynamo.mark_static_address(static.v)
+        for buffer in static.k + static.v:
+            torch._dynamo.mark_static_address(buffer)
         if model not in _static_caches or not _static_caches[model].busy:
             _static_caches[model] = static
     static.busy = True
@@ -389,7 +391,7 @@ def _decode_loop(
     compile: bool,
 ) -> Iterator[torch.Tensor]:
     """Sample, then feed the sample back (or slide the window), max_new_tokens times."""
-    config, device = model.config, cache.k.device
+    config, device = model.config, cache.visible.device
     keep = max(1, int(config.block_size * SLIDE_KEEP))
     N, V = len(rows), config.vocab_size
     if sampling.penalized:

@@ -155,7 +155,7 @@ def test_compiled_generations_reuse_one_static_cache_unless_running_together(eag
     expected = torch.stack(list(generate_tokens(model, idx, 10, temperature=0)), 1)
     for _ in range(2):
         assert torch.equal(torch.stack(list(generate_tokens(model, idx, 10, temperature=0, compile=True)), 1), expected)
-    address = module._static_caches[model].k.data_ptr()
+    address = module._static_caches[model].k[0].data_ptr()
     a, b = (generate_tokens(model, idx, 10, temperature=0, compile=True) for _ in range(2))
     interleaved = [(next(a), next(b)) for _ in range(10)]  # b cannot share a's cache while a runs
     assert torch.equal(torch.stack([x for x, _ in interleaved], 1), expected)
@@ -163,7 +163,7 @@ def test_compiled_generations_reuse_one_static_cache_unless_running_together(eag
     a.close()
     b.close()
     list(generate_tokens(model, idx, 10, temperature=0, compile=True))
-    assert module._static_caches[model].k.data_ptr() == address
+    assert module._static_caches[model].k[0].data_ptr() == address
 
 
 def test_compiled_16_bit_weights_on_cpu_refuse_to_go_stale(eager_compile):

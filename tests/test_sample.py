@@ -83,8 +83,11 @@ def test_errors_are_one_line_on_stderr(run_dir, capsys, args, message):
     assert re.search(message, err), err
 
 
-def test_argument_errors():
+def test_argument_errors(monkeypatch):
     with pytest.raises(ValueError, match="num_samples=0 and batch_size=8 must be >= 1"):
         sample.resolve(argparse.Namespace(device="cpu", dtype="auto", num_samples=0, batch_size=8))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ValueError, match="device=cuda but CUDA is not available; use --device=cpu"):
+        sample.resolve(argparse.Namespace(device="cuda", dtype="auto", num_samples=1, batch_size=8))
     with pytest.raises(argparse.ArgumentTypeError, match="'maybe' is not a boolean; use true or false"):
         sample.boolean("maybe")
