@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights' precision; auto = bfloat16 on CUDA, float32 elsewhere")
     parser.add_argument("--compile", type=boolean, nargs="?", const=True, default=False,
-                        help="torch.compile the decode step (CUDA graphs on CUDA); the first call compiles")
+                        help="torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); "
+                             "the first call compiles")
     parser.add_argument("--extend_context", type=boolean, nargs="?", const=True, default=False,
                         help="sinusoidal positions only: run past block_size instead of sliding the window")
     args = parser.parse_args(argv)

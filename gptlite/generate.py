@@ -239,10 +239,11 @@ _frozen_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mod
 def compiled_decode_step(model: GPT) -> Callable:
     """`decode_step` through torch.compile with fixed shapes, compiled on first use for each shape.
 
-    On CUDA, CUDA graphs (mode="reduce-overhead") replay the whole step. On the CPU with 16-bit weights,
-    inductor also freezes the weights (`freezing`: they become constants, prepacked for oneDNN), the
-    fastest batch-1 path measured on the CPU; frozen weights are read once, when the step compiles, so
-    changing them in place afterwards raises ValueError instead of decoding with stale weights.
+    On CUDA, CUDA graphs (mode="reduce-overhead") replay the whole step. On the CPU, inductor also
+    freezes the weights (`freezing`: they become constants, prepacked for MKL or oneDNN), which measured
+    1.1x (float32, batch 1) to 1.6x (float32, batch 8) faster than not freezing for the GPT-2-124M shape.
+    Frozen weights are read once, when the step compiles, so changing them in place afterwards raises
+    ValueError instead of decoding with stale weights.
     """
     weight = model.tok_emb.weight
     kind = weight.device.type
@@ -250,7 +251,7 @@ def compiled_decode_step(model: GPT) -> Callable:
         mode = "reduce-overhead" if kind == "cuda" else None
         _compiled[kind] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
     step = _compiled[kind]
-    if kind != "cpu" or weight.dtype == torch.float32:
+    if kind != "cpu":
         return step
     version = sum(p._version for p in model.parameters())
     if _frozen_versions.setdefault(model, version) != version:

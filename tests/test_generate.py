@@ -166,8 +166,9 @@ def test_compiled_generations_reuse_one_static_cache_unless_running_together(eag
     assert module._static_caches[model].k[0].data_ptr() == address
 
 
-def test_compiled_16_bit_weights_on_cpu_refuse_to_go_stale(eager_compile):
-    model = tiny_model().to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_frozen_weights_on_cpu_refuse_to_go_stale(eager_compile, dtype):
+    model = tiny_model().to(dtype)
     idx = torch.randint(0, 97, (1, 4))
     model.generate(idx, 3, compile=True)
     model.generate(idx, 3, compile=True)  # unchanged weights: fine
