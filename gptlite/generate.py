@@ -272,6 +272,7 @@ def reset_compiled() -> None:
     torch._dynamo.reset()
     _compiled.clear()
     _frozen_versions.clear()
+    _static_caches.clear()
 
 
 def generate_tokens(
