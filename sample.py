@@ -1,8 +1,13 @@
 """Generate text from a trained checkpoint, streaming tokens to stdout as they are produced.
 
     python sample.py --out_dir=OUT [--start=TEXT | --start=FILE:prompt.txt] [--num_samples=3]
-                     [--max_new_tokens=500] [--temperature=0.8] [--top_k=200] [--top_p=None] [--seed=1337]
-                     [--device=auto] [--dtype=auto]
+                     [--max_new_tokens=500] [--temperature=0.8] [--top_k=200] [--top_p=None]
+                     [--repetition_penalty=1.0] [--frequency_penalty=0.0] [--stop=STRING ...]
+                     [--stop_at_eot=true] [--batch_size=8] [--seed=1337] [--device=auto] [--dtype=auto]
+                     [--compile=false] [--extend_context=false]
+
+Samples are generated `batch_size` at a time and share the prompt's prefill. The first sample of each
+batch is printed token by token as it is generated; the others are printed when their batch is done.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from pathlib import Path
 import torch
 
 from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
-from gptlite.generate import generate_tokens
-from gptlite.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+from gptlite.generate import generate_text
+from gptlite.tokenizer import Tokenizer, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -23,6 +28,20 @@ TOKENIZER_FILE = "tokenizer.json"
 def optional(cast):
     """argparse type accepting 'None' for no limit."""
     return lambda s: None if s.lower() == "none" else cast(s)
+
+
+def boolean(s: str) -> bool:
+    """argparse type for true/false flags (`--compile` alone also means true)."""
+    if s.lower() in ("true", "1", "yes", "on"):
+        return True
+    if s.lower() in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{s!r} is not a boolean; use true or false")
+
+
+def unescape(s: str) -> str:
+    r"""Backslash escapes as in Python strings, so `--stop='\n\n'` stops at a blank line."""
+    return s.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def find_tokenizer(out_dir: Path, ckpt: dict) -> Tokenizer:
@@ -42,6 +61,18 @@ def read_prompt(start: str) -> str:
     return start
 
 
+def resolve(args: argparse.Namespace) -> None:
+    """Fill in device and dtype `auto`, and check the values argparse cannot."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={args.device} but CUDA is not available; use --device=cpu")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    if args.num_samples < 1 or args.batch_size < 1:
+        raise ValueError(f"num_samples={args.num_samples} and batch_size={args.batch_size} must be >= 1")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the training run's directory (holds ckpt.pt)")
@@ -51,37 +82,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=optional(int), default=200, help="keep the k most likely tokens (None = all)")
     parser.add_argument("--top_p", type=optional(float), default=None, help="nucleus sampling threshold (None = off)")
+    parser.add_argument("--repetition_penalty", type=float, default=1.0, help="CTRL's penalty on seen tokens (1 = off)")
+    parser.add_argument("--frequency_penalty", type=float, default=0.0, help="subtracted per earlier occurrence (0 = off)")
+    parser.add_argument("--stop", action="append", default=[], type=unescape,
+                        help="stop a sample before this text (repeatable; backslash escapes such as \\n work)")
+    parser.add_argument("--stop_at_eot", type=boolean, nargs="?", const=True, default=True,
+                        help="stop a sample at the end-of-text token, if the tokenizer has one")
+    parser.add_argument("--batch_size", type=int, default=8, help="samples generated together")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights' precision; auto = bfloat16 on CUDA, float32 elsewhere")
+    parser.add_argument("--compile", type=boolean, nargs="?", const=True, default=False,
+                        help="torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); "
+                             "the first call compiles")
+    parser.add_argument("--extend_context", type=boolean, nargs="?", const=True, default=False,
+                        help="sinusoidal positions only: run past block_size instead of sliding the window")
     args = parser.parse_args(argv)
     try:
-        if args.device == "auto":
-            args.device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={args.device} but CUDA is not available; use --device=cpu")
-        if args.dtype == "auto":
-            args.dtype = "bfloat16" if args.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-        if args.num_samples < 1 or args.max_new_tokens < 0:
-            raise ValueError(f"num_samples={args.num_samples} must be >= 1 and max_new_tokens={args.max_new_tokens} >= 0")
+        resolve(args)
         out_dir = Path(args.out_dir)
         ckpt = load_checkpoint(out_dir, map_location="cpu")
         tokenizer = find_tokenizer(out_dir, ckpt)
         model = model_from_checkpoint(ckpt).to(args.device, getattr(torch, args.dtype)).eval()
         del ckpt
-        prompt = tokenizer.encode(read_prompt(args.start))
-        if not prompt:
-            prompt = [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
-        idx = torch.tensor([prompt], dtype=torch.long, device=args.device)
-        generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        for k in range(args.num_samples):
-            stream = StreamDecoder(tokenizer)
-            sys.stdout.write(tokenizer.decode(prompt))
-            for token in generate_tokens(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator):
-                sys.stdout.write(stream.feed(token.tolist()))
+        prompt = read_prompt(args.start)
+        options = {
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+            "stop": args.stop, "stop_at_eot": args.stop_at_eot, "extend_context": args.extend_context,
+            "compile": args.compile, "generator": torch.Generator(device=args.device).manual_seed(args.seed),
+        }
+        separator = "-" * 40 + "\n"
+        for first in range(0, args.num_samples, args.batch_size):
+            n = min(args.batch_size, args.num_samples - first)
+            texts = [""] * n
+            stream = generate_text(model, tokenizer, prompt, args.max_new_tokens, num_samples=n, **options)
+            sys.stdout.write((separator if first else "") + prompt)
+            for pieces in stream:
+                sys.stdout.write(pieces[0])
                 sys.stdout.flush()
-            sys.stdout.write(stream.flush() + "\n" + ("-" * 40 + "\n" if k < args.num_samples - 1 else ""))
+                texts = [t + p for t, p in zip(texts, pieces)]
+            sys.stdout.write("\n" + "".join(separator + prompt + text + "\n" for text in texts[1:]))
     except (ValueError, FileNotFoundError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2

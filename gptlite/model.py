@@ -25,7 +25,7 @@ class LearnedPositions(nn.Module):
         self.table = nn.Embedding(config.block_size, config.n_embd)
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return self.table(pos)  # (T, C)
+        return self.table(pos)  # (T, C), or (B, T, C) for per-row positions (B, T)
 
 
 class SinusoidalPositions(nn.Module):
@@ -37,7 +37,12 @@ class SinusoidalPositions(nn.Module):
         self.register_buffer("table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return self.table[pos]  # (T, C)
+        return self.table[pos]  # (T, C), or (B, T, C) for per-row positions (B, T)
+
+    def extend(self, n_pos: int) -> None:
+        """Cover positions 0..n_pos-1, past block_size if asked (generation with extend_context)."""
+        if n_pos > self.table.size(0):
+            self.table = sinusoidal_table(n_pos, self.table.size(1)).to(self.table)
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -64,19 +69,16 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        mask, causal = None, True
-        if cache is not None:
-            k, v = cache.update(k, v, start)  # (B, H, S, D) with S = start + T
-            if start > 0:
-                # SDPA's is_causal aligns the mask top-left; with a cache the queries are the last T keys.
-                causal = False
-                mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-        dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)  # (B, H, T, D)
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, H, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, D) each
+        if cache is None:  # training and scoring: each position sees itself and the positions before it
+            dropout = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, H, T, D)
+        else:  # generation: earlier keys and values come from layer's cache, whose mask says which to see
+            k, v = cache.update(layer, k, v)  # (B, H, S, D)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.resid_drop(self.out_proj(y))
 
@@ -106,8 +108,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.ffn = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache, start)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, layer)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -146,32 +148,34 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
-        """The final-norm hidden states (B, T, C) for tokens at positions start..start+T-1.
-        With `caches` (one per block) keys and values are appended to them, for generation."""
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final-norm hidden states (B, T, C) of idx (B, T). Without a cache the tokens are at positions
+        0..T-1; with one (generation) their slots, positions and mask come from `cache.prepare`."""
         B, T = idx.shape
-        self._check_input(idx, start)
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        if cache is None:  # generation checks its prompts once, not at every step
+            self._check_input(idx)
+        pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,) or (B, T)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[i], start)
+            x = block(x, cache, i)
         return self.norm(x)
 
-    def step(self, idx: torch.Tensor, caches: list[KVCache], start: int) -> torch.Tensor:
-        """Generation step: feed idx (B, T) at positions start.. through the caches; logits (B, V) of the last."""
-        return self.lm_head(self.hidden(idx, caches, start)[:, -1])  # (B, V)
+    def step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Generation: feed idx (B, T) through the cache (see gptlite.generate); logits (B, V) of the last token."""
+        return self.lm_head(self.hidden(idx, cache)[:, -1])  # (B, V)
 
-    def new_caches(self) -> list[KVCache]:
-        """One empty KV cache per block, each holding up to block_size positions."""
-        return [KVCache(self.config.block_size) for _ in self.blocks]
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty KV cache for batch_size rows of up to max_len (default block_size) positions,
+        in the weights' dtype and on their device."""
+        weight = self.tok_emb.weight
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, weight.dtype, weight.device)
 
-    def _check_input(self, idx: torch.Tensor, start: int) -> None:
+    def _check_input(self, idx: torch.Tensor) -> None:
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        end = start + idx.size(1)
-        if end > self.config.block_size:
+        if idx.size(1) > self.config.block_size:
             raise ValueError(
-                f"sequence of length {end} is longer than block_size={self.config.block_size}; "
+                f"sequence of length {idx.size(1)} is longer than block_size={self.config.block_size}; "
                 "crop the input or train a model with a larger block_size"
             )
         if torch.compiler.is_compiling() or idx.numel() == 0:
@@ -190,9 +194,11 @@ class GPT(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        **kwargs,
     ) -> torch.Tensor:
-        """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding with a KV cache (see gptlite.generate)."""
-        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding against a KV cache. Keyword arguments
+        (seed, num_samples, stop_tokens, penalties, extend_context, compile): see gptlite.generate."""
+        return generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
 
     def num_params(self, exclude_positions: bool = False) -> int:
         """Parameter count; the tied head and embedding are one tensor and are counted once."""

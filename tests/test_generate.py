@@ -1,10 +1,17 @@
 """Generation against a full recompute, and the sampling controls against their definitions."""
 
+import sys
+import warnings
+import weakref
+
 import pytest
 import torch
 
-from gptlite.generate import SLIDE_KEEP, generate, generate_tokens, sample_next
-from tests.conftest import tiny_model
+from gptlite import GPT
+from gptlite.generate import PAD, SLIDE_KEEP, apply_penalties, generate, generate_tokens, sample_next
+from tests.conftest import tiny_config, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:the context reached block_size")
 
 
 def greedy_by_full_recompute(model, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -42,15 +49,150 @@ def test_prompt_longer_than_block_size(pos_emb):
     assert torch.equal(out, greedy_by_full_recompute(model, idx, 12))
 
 
+def test_ragged_batch_equals_each_prompt_alone(pos_emb):
+    """Left-padded rows of different lengths decode as each prompt would alone, through two slides of
+    the window (the rows reach block_size=32 at different steps)."""
+    model = tiny_model(pos_emb=pos_emb)
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 11, 1, 30)]
+    batched = generate(model, prompts, 60, temperature=0)
+    for prompt, row in zip(prompts, batched):
+        alone = greedy_by_full_recompute(model, torch.tensor([prompt]), 60)[0].tolist()
+        assert row == alone
+
+
+def test_ragged_rows_match_their_unpadded_logits(pos_emb):
+    """Padding is invisible: a padded row's prefill logits equal the unpadded prompt's forward pass."""
+    model = tiny_model(pos_emb=pos_emb)
+    prompts = [[5, 6, 7, 8, 9], [1, 2]]
+    cache = model.new_cache(2)
+    cache.start(torch.tensor([0, 3]))
+    cache.prepare(5)
+    logits = model.step(torch.tensor([[5, 6, 7, 8, 9], [0, 0, 0, 1, 2]]), cache)
+    for row, prompt in zip(logits, prompts):
+        torch.testing.assert_close(row, model(torch.tensor([prompt]))[0][0, -1], atol=1e-5, rtol=1e-5)
+
+
 def test_cache_chunked_prefill_equals_forward(pos_emb):
     """Feeding a sequence in chunks through the cache gives the logits of one full forward pass."""
     model = tiny_model(pos_emb=pos_emb)
     idx = torch.randint(0, 97, (2, 20))
     full, _ = model(idx)
-    caches = model.new_caches()
+    cache = model.new_cache(2)
     for a, b in [(0, 6), (6, 7), (7, 15), (15, 20)]:
-        logits = model.step(idx[:, a:b], caches, a)
+        cache.prepare(b - a)
+        logits = model.step(idx[:, a:b], cache)
         torch.testing.assert_close(logits, full[:, b - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_extend_context_runs_sinusoidal_positions_past_block_size():
+    """extend_context keeps every token: the same as a full recompute by a twin with a longer block_size
+    (sinusoidal positions have no weights, so the twin loads the same state_dict)."""
+    model = tiny_model(pos_emb="sinusoidal")
+    twin = GPT(tiny_config(pos_emb="sinusoidal", block_size=128)).eval()
+    twin.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 97, (2, 9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing slides, so nothing to say
+        out = model.generate(idx, 50, temperature=0, extend_context=True)
+    assert torch.equal(out, greedy_by_full_recompute(twin, idx, 50))
+    assert not torch.equal(out, model.generate(idx, 50, temperature=0))  # the sliding window differs
+
+
+def test_learned_positions_refuse_extend_context():
+    with pytest.raises(ValueError, match="extend_context=True needs pos_emb='sinusoidal'.*stop at block_size=32"):
+        tiny_model(pos_emb="learned").generate(torch.zeros(1, 3, dtype=torch.long), 5, extend_context=True)
+
+
+def test_sliding_window_is_announced_once():
+    model = tiny_model()
+    with pytest.warns(UserWarning, match="context reached block_size=32.*keeps its newest 24 tokens") as record:
+        model.generate(torch.zeros(1, 5, dtype=torch.long), 80, temperature=0)  # slides three times
+    assert sum("block_size" in str(w.message) for w in record) == 1
+
+
+def test_static_span_decode_equals_dynamic():
+    """The fixed-shape decode the compiled path uses (attending over every slot under a mask) computes
+    the same logits as attending over the written slots only."""
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 12))
+    logits = []
+    for full_span in (False, True):
+        cache = model.new_cache(2, 16)
+        cache.start(torch.tensor([0, 4]))
+        cache.prepare(8)
+        model.step(idx[:, :8], cache)
+        steps = []
+        for t in range(8, 12):
+            cache.prepare(1, full_span=full_span)
+            steps.append(model.step(idx[:, t : t + 1], cache))
+        logits.append(torch.stack(steps))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """compile=True through dynamo's graph capture (fullgraph: no breaks) without code generation, which
+    keeps tests fast; inductor's kernels and CUDA graphs themselves are exercised by the benchmark."""
+    module = sys.modules["gptlite.generate"]
+    step = torch.compile(module.decode_step, backend="eager", fullgraph=True, dynamic=False)
+    monkeypatch.setattr(module, "_compiled", {"cpu": step})
+    monkeypatch.setattr(module, "_frozen_versions", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(module, "_static_caches", weakref.WeakKeyDictionary())
+
+
+def test_compiled_decode_step_traces_as_one_graph_and_matches_eager(eager_compile):
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
+
+
+def test_compiled_generations_reuse_one_static_cache_unless_running_together(eager_compile):
+    """CUDA graphs stay valid only while the cache buffers they write keep their addresses."""
+    module = sys.modules["gptlite.generate"]
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 5))
+    expected = torch.stack(list(generate_tokens(model, idx, 10, temperature=0)), 1)
+    for _ in range(2):
+        assert torch.equal(torch.stack(list(generate_tokens(model, idx, 10, temperature=0, compile=True)), 1), expected)
+    address = module._static_caches[model].k[0].data_ptr()
+    a, b = (generate_tokens(model, idx, 10, temperature=0, compile=True) for _ in range(2))
+    interleaved = [(next(a), next(b)) for _ in range(10)]  # b cannot share a's cache while a runs
+    assert torch.equal(torch.stack([x for x, _ in interleaved], 1), expected)
+    assert torch.equal(torch.stack([y for _, y in interleaved], 1), expected)
+    a.close()
+    b.close()
+    list(generate_tokens(model, idx, 10, temperature=0, compile=True))
+    assert module._static_caches[model].k[0].data_ptr() == address
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_frozen_weights_on_cpu_refuse_to_go_stale(eager_compile, dtype):
+    model = tiny_model().to(dtype)
+    idx = torch.randint(0, 97, (1, 4))
+    model.generate(idx, 3, compile=True)
+    model.generate(idx, 3, compile=True)  # unchanged weights: fine
+    with torch.no_grad():
+        model.blocks[0].ffn.fc.weight.mul_(2)
+    assert model.generate(idx, 3, compile=False).shape == (1, 7)
+    with pytest.raises(ValueError, match="weights changed in place after compile=True froze them"):
+        model.generate(idx, 3, compile=True)
+    module = sys.modules["gptlite.generate"]
+    step = module._compiled["cpu"]
+    module.reset_compiled()  # forgets the frozen weights, so the next call compiles again
+    module._compiled["cpu"] = step
+    assert torch.equal(model.generate(idx, 3, temperature=0, compile=True), model.generate(idx, 3, temperature=0))
+
+
+def test_samples_share_the_prompt_prefill():
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 6))
+    greedy = model.generate(idx, 10, temperature=0, num_samples=3)
+    assert greedy.shape == (6, 16)
+    assert torch.equal(greedy, model.generate(idx, 10, temperature=0).repeat_interleave(3, dim=0))
+    sampled = model.generate(idx, 10, temperature=1.0, num_samples=3, seed=0)
+    assert torch.equal(sampled[:, :6], idx.repeat_interleave(3, dim=0))
+    assert len({tuple(row) for row in sampled[:3, 6:].tolist()}) == 3  # three different continuations
 
 
 def test_top_k_1_equals_greedy():
@@ -64,9 +206,10 @@ def test_top_k_1_equals_greedy():
 def test_same_seed_same_samples_and_different_seed_differs():
     model = tiny_model()
     idx = torch.randint(0, 97, (2, 4))
-    runs = [model.generate(idx, 30, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
+    runs = [model.generate(idx, 50, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+    assert torch.equal(model.generate(idx, 50, temperature=1.0, seed=7), runs[0])  # seed= is the same generator
 
 
 def test_generate_tokens_streams_one_token_per_row():
@@ -75,6 +218,25 @@ def test_generate_tokens_streams_one_token_per_row():
     tokens = list(generate_tokens(model, idx, 5, temperature=0))
     assert len(tokens) == 5 and all(t.shape == (3,) for t in tokens)
     assert torch.equal(torch.stack(tokens, 1), model.generate(idx, 5, temperature=0)[:, 4:])
+    assert list(generate_tokens(model, idx, 0)) == []
+
+
+def test_stop_tokens_end_each_row():
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 4))
+    free = model.generate(idx, 30, temperature=0)
+    stop = free[0, 4 + 5].item()  # row 0's sixth new token
+    out = model.generate(idx, 30, temperature=0, stop_tokens=[stop])
+    row0 = free[0, 4:].tolist()
+    cut = row0.index(stop) + 1  # the stop token is kept, then the row holds PAD
+    assert out[0, 4 : 4 + cut].tolist() == row0[:cut]
+    assert (out[0, 4 + cut :] == PAD).all()
+    row1 = free[1, 4:].tolist()
+    if stop not in row1:  # row 1 never stops, so it runs to max_new_tokens
+        assert out.shape == (2, 34) and out[1, 4:].tolist() == row1
+    # when every row has stopped, generation ends early; lists come back without PAD
+    lists = generate(model, [idx[0].tolist()], 30, temperature=0, stop_tokens=[stop])
+    assert lists == [idx[0].tolist() + row0[:cut]]
 
 
 def test_untouched_distribution_with_top_p_1_and_no_top_k():
@@ -101,6 +263,30 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert sample_next(logits, 1.0, top_p=1e-6, generator=g).item() == 0
 
 
+def test_penalties_match_their_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    counts = torch.tensor([[0.0, 2.0, 1.0, 0.0]])
+    assert torch.equal(apply_penalties(logits, seen, counts), logits)
+    assert torch.equal(apply_penalties(logits, seen, counts, repetition_penalty=2.0), torch.tensor([[1.0, -2.0, 0.5, 3.0]]))
+    assert torch.equal(apply_penalties(logits, seen, counts, frequency_penalty=0.5), torch.tensor([[2.0, -2.0, 0.0, 3.0]]))
+
+
+def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 3))
+    out = idx.clone()
+    for _ in range(20):
+        logits = model(out)[0][:, -1]
+        seen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, out, True)  # prompt and output
+        counts = torch.zeros_like(logits).scatter_add(1, out[:, 3:], torch.ones_like(out[:, 3:], dtype=torch.float))
+        logits = torch.where(seen, torch.where(logits > 0, logits / 1.5, logits * 1.5), logits) - 0.3 * counts
+        out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(model.generate(idx, 20, temperature=0, repetition_penalty=1.5, frequency_penalty=0.3), out)
+    # a huge frequency penalty never repeats a token
+    assert all(len(set(row)) == 40 for row in model.generate(idx, 40, temperature=0, frequency_penalty=1e4)[:, 3:].tolist())
+
+
 def test_sampling_argument_errors():
     logits = torch.randn(1, 10)
     with pytest.raises(ValueError, match="temperature=-1"):
@@ -109,5 +295,23 @@ def test_sampling_argument_errors():
         sample_next(logits, 1.0, top_k=0)
     with pytest.raises(ValueError, match="top_p=1.5"):
         sample_next(logits, 1.0, top_p=1.5)
-    with pytest.raises(ValueError, match="prompt must have shape"):
-        next(generate_tokens(tiny_model(), torch.zeros(1, 0, dtype=torch.long), 3))
+
+
+@pytest.mark.parametrize(
+    "prompts,kwargs,message",
+    [
+        (torch.zeros(1, 0, dtype=torch.long), {}, r"prompt must have shape \(B, T\) with T >= 1, got \(1, 0\)"),
+        ([], {}, "no prompts given"),
+        ([[1, 2], []], {}, "prompt 1 is empty"),
+        ([[1, 97]], {}, r"prompt 0 has token id 97 outside the vocabulary \[0, 97\)"),
+        ([[1]], {"max_new_tokens": -1}, "max_new_tokens=-1 must be >= 0"),
+        ([[1]], {"num_samples": 0}, "num_samples=0 must be >= 1"),
+        ([[1]], {"repetition_penalty": 0.0}, "repetition_penalty=0.0 must be > 0"),
+        ([[1]], {"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+        ([[1]], {"seed": 1, "generator": torch.Generator()}, "give seed or generator, not both"),
+    ],
+)
+def test_generate_argument_errors(prompts, kwargs, message):
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        next(generate_tokens(tiny_model(), prompts, **kwargs))
