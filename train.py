@@ -484,6 +484,10 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
             metrics.close()
         if run:
             run.finish()
+        # The DDP wrapper goes before the process group does: were its reducer to drop the group's last reference,
+        # the group's destructor would join gloo's worker threads while holding the GIL, which a worker may need
+        # to free a finished collective's tensors (a hang at exit in about one run in ten).
+        del train_model
         return {"step": step, "history": history, "val_history": val_history, "best_val_loss": best_val,
                 "stopped": stopped, "signal": signals[0] if stopped and signals else None, "skipped_steps": skipped}
 
