@@ -101,14 +101,17 @@ def pick_dtype(name: str, device_type: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
-    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
+    """Linear warmup to learning_rate over warmup_iters steps, then cosine decay to min_lr: at lr_decay_iters
+    (lr_schedule="steps"), or when `minutes` reach max_minutes (lr_schedule="time"), then min_lr."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
-    if step >= decay_iters:
-        return cfg.min_lr
-    progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    if cfg.lr_schedule == "time":
+        progress = minutes / cfg.max_minutes
+    else:
+        decay_iters = cfg.lr_decay_iters or cfg.max_iters
+        progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    progress = min(progress, 1.0)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
@@ -408,9 +411,10 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         val_history: list[tuple[int, float]] = []
         stopped, skipped, first_step = None, 0, step
         t_last, steps_since = time.perf_counter(), 0
+        minutes = 0.0  # wall-clock minutes since the start, the mean over ranks (for lr_schedule="time")
         signals.install()
         while step < cfg.max_iters:
-            lr = lr_at(step, cfg)
+            lr = lr_at(step, cfg, minutes)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             try:
@@ -423,15 +427,17 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
                 grad_norm = grad_norm.full_tensor()
-            timed_out = cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes
+            elapsed = (time.time() - t_start) / 60
+            timed_out = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
             # one all-reduce and one host sync per step: the global mean loss, the grad norm (already equal on all
-            # ranks) and whether any rank was asked to stop, so that all ranks take the same decisions
-            votes = torch.tensor([float(bool(signals) or timed_out), float(timed_out)], device=device)
+            # ranks), whether any rank was asked to stop and the minutes elapsed, so that all ranks take the same
+            # decisions and learning rates
+            votes = torch.tensor([float(bool(signals) or timed_out), float(timed_out), elapsed], device=device)
             stats = torch.cat([torch.stack([loss, grad_norm.float()]), votes])
             if world_size > 1:
                 dist.all_reduce(stats)
                 stats /= world_size
-            loss_value, grad_norm_value, stop_votes, time_votes = stats.tolist()
+            loss_value, grad_norm_value, stop_votes, time_votes, minutes = stats.tolist()
             last = step + 1 == cfg.max_iters or time_votes > 0  # the time budget ends with a full evaluation
             finite = math.isfinite(loss_value) and (scaler.is_enabled() or math.isfinite(grad_norm_value))
             if finite:  # (with fp16, the scaler itself skips steps whose gradients overflowed)

@@ -81,11 +81,13 @@ class TrainConfig:
     batch_size: int = 12
     total_batch_size: int = 0
     max_iters: int = 5000
-    # AdamW and the schedule: linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters
+    # AdamW and the schedule: linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, or
+    # with lr_schedule="time" at the end of the max_minutes time budget (speedruns: any machine's speed)
     learning_rate: float = 6e-4
     min_lr: float = 6e-5
     warmup_iters: int = 100
     lr_decay_iters: int = 0  # 0 = max_iters
+    lr_schedule: str = "steps"  # steps | time
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -126,6 +128,10 @@ class TrainConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
+        if self.lr_schedule not in ("steps", "time"):
+            problems.append(f"lr_schedule={self.lr_schedule!r} must be steps or time")
+        if self.lr_schedule == "time" and not self.max_minutes:
+            problems.append("lr_schedule='time' decays over the time budget; set max_minutes > 0")
         if self.on_nan not in ("skip", "stop"):
             problems.append(f"on_nan={self.on_nan!r} must be skip or stop")
         if self.fsdp and self.dtype == "float16":

@@ -126,6 +126,19 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
 
 
+def test_time_lr_schedule_decays_over_the_time_budget():
+    cfg = build_config({"data_dir": "x", "vocab_size": 10, "learning_rate": 1.0, "min_lr": 0.1, "warmup_iters": 10,
+                        "max_iters": 10**9, "lr_schedule": "time", "max_minutes": 2.0})
+    assert train.lr_at(4, cfg, minutes=1.0) == pytest.approx(0.5)  # warmup still counts steps
+    assert train.lr_at(500, cfg, minutes=1.0) == pytest.approx(0.55)  # half the budget: halfway down the cosine
+    assert train.lr_at(500, cfg, minutes=2.0) == pytest.approx(0.1)
+    assert train.lr_at(9000, cfg, minutes=2.5) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="set max_minutes > 0"):
+        build_config({"data_dir": "x", "lr_schedule": "time"})
+    with pytest.raises(ValueError, match="lr_schedule='cosine' must be steps or time"):
+        build_config({"data_dir": "x", "lr_schedule": "cosine"})
+
+
 def test_weight_decay_groups():
     cfg = build_config({"data_dir": "x", "vocab_size": 10, "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 8,
                         "bias": True})

@@ -3,6 +3,7 @@ for signals and kill -9): exact resume across an epoch boundary, gradient accumu
 inputs, out-of-memory advice, the compile fallback, the time budget, the metrics file and its plot, wandb."""
 
 import contextlib
+import json
 import os
 import signal
 import struct
@@ -271,6 +272,17 @@ def test_max_minutes_ends_the_run_with_a_checkpoint(data, tmp_path, capsys):
     ckpt = load_checkpoint(tmp_path)
     assert ckpt["step"] == 1 and ckpt["val_loss"] == summary["val_history"][-1][1]  # a last evaluation
     assert train.main(resume(tmp_path, "--max_minutes=0", "--max_iters=3"))["step"] == 3
+
+
+def test_time_schedule_decays_the_lr_over_the_time_budget(data, tmp_path, monkeypatch):
+    clock = iter(range(10**6))  # every reading of the clock is one second later
+    monkeypatch.setattr(train.time, "time", lambda: float(next(clock)))
+    summary = train.main(config(data, tmp_path, max_iters=10**6, eval_interval=10**5, log_interval=1, warmup_iters=0,
+                                lr_schedule="time", max_minutes=0.5, learning_rate=1e-3, min_lr=1e-4))
+    assert summary["stopped"] == "max_minutes=0.5" and summary["val_history"][-1][0] == summary["step"]
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open()) if "lr" in r]
+    assert 10 < len(lrs) < 40 and lrs[0] == 1e-3 and all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert lrs[-1] < 1.1e-4  # close to min_lr when the budget runs out
 
 
 # ---------------------------------------------------------------------------------------------
