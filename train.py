@@ -48,7 +48,7 @@ def setup_distributed() -> tuple[int, int, int]:
         return 0, 0, 1
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend)
-    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_world_size()
 
 
 class StopSignals(list):
