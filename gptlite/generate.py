@@ -338,8 +338,7 @@ def _decode(
     """The loop of `generate_tokens`, for checked arguments; rows holds each prompt num_samples times."""
     if max_new_tokens == 0:
         return
-    config, weight = model.config, model.tok_emb.weight
-    device = weight.device
+    config = model.config
     T = max(len(r) for r in rows)
     max_len = T + max_new_tokens - 1  # the last sampled token is never fed back
     if extend_context:
@@ -348,7 +347,7 @@ def _decode(
         max_len = min(max_len, config.block_size)
     step = compiled_decode_step(model) if compile else decode_step
 
-    cache = KVCache(config, len(rows) // num_samples, max_len, weight.dtype, device)
+    cache = model.new_cache(len(rows) // num_samples, max_len)
     logits = _prefill(model, cache, rows[::num_samples]).repeat_interleave(num_samples, dim=0)  # (N, V)
     cache.repeat_rows(num_samples)
     if compile:

@@ -151,7 +151,7 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The final-norm hidden states (B, T, C) of idx (B, T). Without a cache the tokens are at positions
         0..T-1; with one (generation) their slots, positions and mask come from `cache.prepare`."""
-        B, T = idx.shape
+        T = idx.size(1)
         if cache is None:  # generation checks its prompts once, not at every step
             self._check_input(idx)
         pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,) or (B, T)
