@@ -147,6 +147,23 @@ def test_compiled_decode_step_traces_as_one_graph_and_matches_eager(eager_compil
     assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
 
 
+def test_compiled_generation_across_slides_equals_full_recompute(eager_compile, monkeypatch):
+    """Past block_size the slid windows' prefills go through the compiled step too (one fixed length),
+    and the text stays that of the reference; each new shape is compiled once with CPU_COMPILE."""
+    module = sys.modules["gptlite.generate"]
+    monkeypatch.setattr(module, "_compiled_shapes", weakref.WeakKeyDictionary())
+    calls = []
+    step = module._compiled["cpu"]
+    monkeypatch.setitem(module._compiled, "cpu", lambda m, token, cache: calls.append(token.shape) or step(m, token, cache))
+    model = tiny_model()  # block_size 32: windows slide every 8 tokens
+    idx = torch.randint(0, 97, (2, 5))
+    out = model.generate(idx, 60, temperature=0, compile=True)
+    assert torch.equal(out, greedy_by_full_recompute(model, idx, 60))
+    keep = int(32 * SLIDE_KEEP)
+    assert calls.count((2, keep)) >= 3  # the slides' prefills
+    assert module._compiled_shapes[model] == {((2, 1), 32, torch.float32), ((2, keep), 32, torch.float32)}
+
+
 def test_compiled_generations_reuse_one_static_cache_unless_running_together(eager_compile):
     """CUDA graphs stay valid only while the cache buffers they write keep their addresses."""
     module = sys.modules["gptlite.generate"]

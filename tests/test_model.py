@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig
-from gptlite.model import sinusoidal_table
+from gptlite.model import masked_attention, sinusoidal_table
 from tests.conftest import tiny_config, tiny_model
 
 
@@ -31,6 +31,20 @@ def test_sdpa_attention_equals_naive_math():
     attn = model.blocks[0].attn
     x = torch.randn(3, 17, 32)
     torch.testing.assert_close(attn(x), naive_attention(attn, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_math_for_compiled_cpu_steps_equals_sdpa(monkeypatch, dtype):
+    """Inside a compiled CPU step masked_attention writes the math out instead of calling SDPA; both
+    must agree, padding mask included."""
+    q, k, v = (torch.randn(2, 4, 3, 8, dtype=dtype) for _ in range(3))
+    mask = torch.rand(2, 1, 3, 3) > 0.4
+    mask[..., 0] = True  # every query sees at least one key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(masked_attention(q, k, v, mask), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(masked_attention(q, k, v, None), F.scaled_dot_product_attention(q, k, v), atol=tol, rtol=tol)
 
 
 def test_causality(pos_emb):
