@@ -90,9 +90,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="weights of every model; auto = bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--hf_dtype", default="same", choices=["same", "float32", "bfloat16", "float16"],
                         help="Hugging Face model's weights (same = --dtype)")
-    parser.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
-                        help="torch.compile gptlite's decode step; auto = on CUDA, and for gpt2 on the CPU (the "
-                             "char model measured no faster compiled on the CPU)")
+    parser.add_argument("--compile", default="true", choices=["true", "false"],
+                        help="torch.compile gptlite's decode step (compiling is not timed: the warm-up run does it)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is shown)")
     parser.add_argument("--naive_repeats", type=int, default=1, help="timed runs of the naive loop (slow)")
     parser.add_argument("--naive_max_batch", type=int, default=1,
@@ -102,11 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = getattr(torch, ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype)
     hf_dtype = dtype if args.hf_dtype == "same" else getattr(torch, args.hf_dtype)
-
-    def compile_for(model_name: str) -> bool:
-        if args.compile != "auto":
-            return args.compile == "true"
-        return device.startswith("cuda") or model_name == "gpt2"
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in map(int, args.batch_sizes.split(",")):
             idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
             tokens = batch * args.new_tokens
-            compile = compile_for(model_name)
+            compile = args.compile == "true"
             row = {}
             t_cached, cached = timed(partial(generate, model, idx, args.new_tokens, temperature=0, compile=compile),
                                      args.repeats, device)
