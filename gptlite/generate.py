@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from gptlite.model import GPT
 
 SLIDE_KEEP = 0.75  # fraction of block_size kept when a window slides
+COMPILED_LEN_MULTIPLE = 64  # compile=True rounds the cache length up to a multiple of this (or block_size)
 PAD = -1  # "no token": left padding of ragged prompts, and what a row yields after it has stopped
 
 Prompts = torch.Tensor | Sequence[Sequence[int]]
@@ -364,6 +365,8 @@ def _decode(
     config = model.config
     T = max(len(r) for r in rows)
     max_len = T + max_new_tokens - 1  # the last sampled token is never fed back
+    if compile:  # a compiled step is specialised to the cache length: round it up, so that fewer lengths compile
+        max_len = -(-max_len // COMPILED_LEN_MULTIPLE) * COMPILED_LEN_MULTIPLE
     if extend_context:
         model.pos_emb.extend(max_len)
     else:

@@ -164,6 +164,18 @@ def test_compiled_generation_across_slides_equals_full_recompute(eager_compile, 
     assert module._compiled_shapes[model] == {((2, 1), 32, torch.float32), ((2, keep), 32, torch.float32)}
 
 
+def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(eager_compile, monkeypatch):
+    module = sys.modules["gptlite.generate"]
+    monkeypatch.setattr(module, "_compiled_shapes", weakref.WeakKeyDictionary())
+    model = tiny_model(block_size=256, pos_emb="sinusoidal")
+    for prompt_len, new in ((3, 10), (9, 40), (30, 30)):  # cache lengths 12, 48 and 59 all round up to 64
+        idx = torch.randint(0, 97, (1, prompt_len))
+        assert torch.equal(model.generate(idx, new, temperature=0, compile=True), model.generate(idx, new, temperature=0))
+    assert module._compiled_shapes[model] == {((1, 1), 64, torch.float32)}
+    model.generate(torch.zeros(1, 30, dtype=torch.long), 60, temperature=0, compile=True, extend_context=True)
+    assert ((1, 1), 128, torch.float32) in module._compiled_shapes[model]
+
+
 def test_compiled_generations_reuse_one_static_cache_unless_running_together(eager_compile):
     """CUDA graphs stay valid only while the cache buffers they write keep their addresses."""
     module = sys.modules["gptlite.generate"]
