@@ -3,10 +3,10 @@
     pip install -e ".[bench]"            # transformers, for the Hugging Face model only
     python benchmarks/bench_train.py [--shapes tiny,124m] [--steps 10] [--dtypes float32,bfloat16]
 
-A step is forward + backward + AdamW on random tokens. Every model has the same shape (layers, heads,
+A step is forward + backward + AdamW (as each model's users run it, see ADAMW) on random tokens. Every model has the same shape (layers, heads,
 width, vocabulary, block) and about the same parameter count, random weights, no dropout. The figure is
-the median tokens/s over `--steps` timed steps after warm-up; ratios are against the other models
-measured in this same run. Prints a table; asserts nothing.
+the median tokens/s over `--steps` timed steps after warm-up, the models taking turns step by step;
+ratios are against the other models measured in this same run. Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
@@ -95,24 +95,33 @@ def build_models(shape: str) -> dict[str, tuple[nn.Module, callable]]:
     return models
 
 
-def time_steps(model: nn.Module, loss_fn, shape: str, dtype: torch.dtype, steps: int, warmup: int) -> float:
-    """Median tokens/s of a training step."""
+# train.py and Hugging Face's Trainer (default optim "adamw_torch_fused" with torch >= 2.8) use the fused
+# AdamW; the tutorials' loop calls torch.optim.AdamW(model.parameters(), lr=...) (the for-each version)
+ADAMW = {"gptlite": {"fused": True}, "hf-gpt2": {"fused": True}, "naive": {}}
+
+
+def time_steps(models: dict[str, tuple[nn.Module, callable]], shape: str, dtype: torch.dtype, steps: int,
+               warmup: int) -> dict[str, float]:
+    """Median tokens/s of a training step for every model. The models take turns, one step each, so that
+    a change in the machine's load (a shared VM) falls on all of them alike. Each model gets the AdamW its
+    users get by default (`ADAMW`)."""
     *_, V, T, B = SHAPES[shape]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, **ADAMW[name]) for name, (m, _) in models.items()}
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast("cpu", dtype=dtype)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, V, (B, T), generator=g)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        with autocast:
-            loss = loss_fn(model, x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return B * T / statistics.median(times)
+        for name, (model, loss_fn) in models.items():
+            t0 = time.perf_counter()
+            with autocast:
+                loss = loss_fn(model, x, x)
+            loss.backward()
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: B * T / statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -132,7 +141,7 @@ def main() -> None:
         print(f"{'model':10s} {'dtype':9s} {'params':>9s} {'tokens/s':>10s} {'vs hf-gpt2':>11s} {'vs naive':>9s}")
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            rates = {name: time_steps(m, fn, shape, dtype, steps, warmup) for name, (m, fn) in models.items()}
+            rates = time_steps(models, shape, dtype, steps, warmup)
             for name, rate in rates.items():
                 params = sum(p.numel() for p in models[name][0].parameters()) / 1e6
                 vs_hf = f"{rate / rates['hf-gpt2']:.2f}x" if "hf-gpt2" in rates else "n/a"
