@@ -4,6 +4,7 @@ same weights and against Hugging Face `transformers` GPT-2 `generate` on a same-
     pip install -e ".[bench]"     # transformers, for the Hugging Face rows (or: pip install transformers)
     python benchmarks/bench_generate.py                       # every model and batch, the device's default dtype
     python benchmarks/bench_generate.py --dtype=bfloat16 --models=gpt2 --batch_sizes=1
+    python benchmarks/bench_generate.py --compile=false,true --json=gen.json   # both paths, figures as JSON
 
 All models have random weights and decode greedily from a random 16-token prompt for 256 new tokens;
 tokens/s counts every generated token of the batch over the whole call (prefill included), the median of
@@ -18,15 +19,20 @@ script that prints a table, not a test.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
-from gptlite import GPT, GPTConfig
-from gptlite.generate import generate
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from gptlite import GPT, GPTConfig  # noqa: E402
+from gptlite.generate import generate  # noqa: E402
 
 MODELS = {
     "gpt2": {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768},
@@ -90,14 +96,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="weights of every model; auto = bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--hf_dtype", default="same", choices=["same", "float32", "bfloat16", "float16"],
                         help="Hugging Face model's weights (same = --dtype)")
-    parser.add_argument("--compile", default="true", choices=["true", "false"],
-                        help="torch.compile gptlite's decode step (compiling is not timed: the warm-up run does it)")
+    parser.add_argument("--compile", default="true",
+                        help="torch.compile gptlite's decode step: true, false, or false,true for a row of each "
+                             "(compiling is not timed: the warm-up run does it)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is shown)")
     parser.add_argument("--naive_repeats", type=int, default=1, help="timed runs of the naive loop (slow)")
     parser.add_argument("--naive_max_batch", type=int, default=1,
                         help="skip the naive loop above this batch size for gpt2 (it takes minutes)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads on the CPU (0 = torch's default)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
+    if any(m not in ("true", "false") for m in args.compile.split(",")):
+        parser.error(f"--compile={args.compile!r}: give true, false, or both as false,true")
+    modes = [m == "true" for m in args.compile.split(",")]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = getattr(torch, ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype)
     hf_dtype = dtype if args.hf_dtype == "same" else getattr(torch, args.hf_dtype)
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{'vs naive':>9} {'vs HF':>7}")
     print(header)
     print("-" * len(header))
+    results = []
     for model_name in args.models.split(","):
         shape = MODELS[model_name]
         torch.manual_seed(0)
@@ -119,24 +131,29 @@ def main(argv: list[str] | None = None) -> None:
         for batch in map(int, args.batch_sizes.split(",")):
             idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
             tokens = batch * args.new_tokens
-            compile = args.compile == "true"
-            row = {}
-            t_cached, cached = timed(partial(generate, model, idx, args.new_tokens, temperature=0, compile=compile),
-                                     args.repeats, device)
-            row["gptlite"] = tokens / t_cached
+            baselines = {}  # naive and HF, measured once for every compile mode
             if model_name != "gpt2" or batch <= args.naive_max_batch:
                 t_naive, naive = timed(partial(naive_generate, model, idx, args.new_tokens), args.naive_repeats, device,
                                        warmup=partial(naive_generate, model, idx, 4))
-                row["naive"] = tokens / t_naive
-                same = (cached == naive).float().mean().item()
-                if same < 1:  # greedy ties can flip in low precision; in float32 they agree exactly
-                    print(f"  note: cached and naive greedy tokens agree on {same:.1%} of positions")
+                baselines["naive"] = tokens / t_naive
             if hf is not None:
-                row["hf"] = tokens / timed(partial(hf_generate, hf, idx, args.new_tokens), args.repeats, device)[0]
-            cells = [f"{row[k]:.1f}" if k in row else "-" for k in ("gptlite", "naive", "hf")]
-            ratios = [f"{row['gptlite'] / row[k]:.1f}x" if k in row else "-" for k in ("naive", "hf")]
-            print(f"{model_name:6} {batch:>5} {'yes' if compile else 'no':>8} {cells[0]:>14} {cells[1]:>12} {cells[2]:>10} "
-                  f"{ratios[0]:>9} {ratios[1]:>7}", flush=True)
+                baselines["hf"] = tokens / timed(partial(hf_generate, hf, idx, args.new_tokens), args.repeats, device)[0]
+            for compile in modes:
+                t_cached, cached = timed(partial(generate, model, idx, args.new_tokens, temperature=0, compile=compile),
+                                         args.repeats, device)
+                row = {"gptlite": tokens / t_cached, **baselines}
+                if "naive" in baselines:
+                    same = (cached == naive).float().mean().item()
+                    if same < 1:  # greedy ties can flip in low precision; in float32 they agree exactly
+                        print(f"  note: cached and naive greedy tokens agree on {same:.1%} of positions")
+                cells = [f"{row[k]:.1f}" if k in row else "-" for k in ("gptlite", "naive", "hf")]
+                ratios = [f"{row['gptlite'] / row[k]:.1f}x" if k in row else "-" for k in ("naive", "hf")]
+                print(f"{model_name:6} {batch:>5} {'yes' if compile else 'no':>8} {cells[0]:>14} {cells[1]:>12} "
+                      f"{cells[2]:>10} {ratios[0]:>9} {ratios[1]:>7}", flush=True)
+                results.append({"model": model_name, "batch": batch, "compiled": compile, "dtype": dtype_name(dtype),
+                                "tokens_per_s": row, "vs_hf": row["gptlite"] / row["hf"] if "hf" in row else None})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": results}, indent=1))
     if "gpt2" in args.models and hf_model(MODELS["char"], dtype, "cpu") is None:
         print('Hugging Face rows need transformers: pip install -e ".[bench]" (or pip install transformers)')
 

@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny models and the files of ../shared beside the checkout."""
+"""Shared fixtures: tiny models, the files of ../shared beside the checkout, and the device the tests run on.
+
+GPTLITE_TEST_DEVICE=cuda (default cpu) runs the device-generic tests, those marked `device` (model,
+generation, checkpoints, sample.py, an end-to-end train + resume + sample), on that device, and only them.
+GPTLITE_SHARED=DIR points at a folder laid out like ../shared (data/tinyshakespeare.txt,
+tokenizers/gpt2.tiktoken) on a machine without one beside the checkout.
+"""
 
 import os
 from pathlib import Path
@@ -11,7 +17,37 @@ from gptlite import GPT, GPTConfig
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout; from a git worktree (e.g. wt/NAME beside the main checkout) the nearest
 # ancestor that has one
-SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")
+SHARED = Path(os.environ["GPTLITE_SHARED"]) if os.environ.get("GPTLITE_SHARED") else next(
+    (p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")
+DEVICE = os.environ.get("GPTLITE_TEST_DEVICE", "cpu")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: device-generic; runs on GPTLITE_TEST_DEVICE")
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"GPTLITE_TEST_DEVICE={DEVICE} but CUDA is not available here; unset it to test on the CPU")
+    if not DEVICE.startswith(("cpu", "cuda", "mps")):
+        raise pytest.UsageError(f"GPTLITE_TEST_DEVICE={DEVICE!r} must be cpu, cuda, cuda:N or mps")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On another device than the CPU, run the device-generic tests only (the others test the CPU's code paths,
+    files and processes, which the device does not change)."""
+    if DEVICE == "cpu":
+        return
+    selected = [item for item in items if item.get_closest_marker("device")]
+    config.hook.pytest_deselected(items=[item for item in items if not item.get_closest_marker("device")])
+    items[:] = selected
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    """train.main turns TF32 on for CUDA, for the rest of the process; the reference comparisons need full
+    float32, so every test starts without it."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 def shared_file(relative: str) -> Path:
@@ -33,8 +69,19 @@ def tiny_config(**overrides) -> GPTConfig:
 
 
 def tiny_model(seed: int = 0, **overrides) -> GPT:
+    """A tiny random model in eval mode, on the test device."""
     torch.manual_seed(seed)
-    return GPT(tiny_config(**overrides)).eval()
+    return GPT(tiny_config(**overrides)).to(DEVICE).eval()
+
+
+def randint(high: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Random token ids on the test device."""
+    return torch.randint(0, high, shape, device=DEVICE)
+
+
+def tensor(data) -> torch.Tensor:
+    """torch.tensor(data) on the test device."""
+    return torch.tensor(data, device=DEVICE)
 
 
 @pytest.fixture(params=["learned", "sinusoidal"])

@@ -26,7 +26,7 @@ from gptlite.checkpoint import (
     step_files,
     verify_checkpoint,
 )
-from tests.conftest import ROOT, tiny_config, tiny_model
+from tests.conftest import DEVICE, ROOT, randint, tiny_config, tiny_model
 
 
 def fake_checkpoint(step: int, size: int = 1000) -> dict:
@@ -148,14 +148,33 @@ def test_kill_9_in_the_middle_of_a_write_leaves_the_latest_checkpoint_intact(tmp
                                "ckpt_000002.pt.sha256", "ckpt_000003.pt", "ckpt_000003.pt.sha256"]
 
 
+@pytest.mark.device
 def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
+    """Python's, numpy's, torch's CPU generator and, on CUDA, the device's generator."""
+    torch.zeros(1, device=DEVICE)  # on CUDA, initialises the device, whose generator rng_state then saves
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     save_checkpoint(tmp_path / "r.pt", {"config": {}, "model": {}, "rng": [rng_state()]})
-    expected = (random.random(), np.random.rand(), torch.rand(3))
+    expected = (random.random(), np.random.rand(), torch.rand(3), torch.rand(3, device=DEVICE))
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     set_rng_state(load_checkpoint(tmp_path / "r.pt")["rng"][0])  # weights_only loading accepts the states
-    got = (random.random(), np.random.rand(), torch.rand(3))
-    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+    got = (random.random(), np.random.rand(), torch.rand(3), torch.rand(3, device=DEVICE))
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
+
+
+@pytest.mark.device
+def test_a_model_on_the_device_round_trips_through_a_checkpoint(tmp_path):
+    """Saved from the device, loaded on the CPU (sample.py's map_location) and moved back: the same logits,
+    the head still tied."""
+    model = tiny_model()
+    config = dict(vars(tiny_config()), data_dir="x")
+    save_checkpoint(tmp_path / "c.pt", {"config": config, "model": model.state_dict()})
+    ckpt = load_checkpoint(tmp_path / "c.pt")
+    assert all(t.device.type == "cpu" for t in ckpt["model"].values())
+    rebuilt = model_from_checkpoint(ckpt).to(DEVICE).eval()
+    assert rebuilt.lm_head.weight is rebuilt.tok_emb.weight
+    idx = randint(97, (2, 9))
+    assert torch.equal(rebuilt(idx)[0], model(idx)[0])
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports

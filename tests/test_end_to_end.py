@@ -11,10 +11,10 @@ import train
 from gptlite import load_checkpoint, model_from_checkpoint
 from gptlite.config import build_config
 from gptlite.prepare import prepare
-from tests.conftest import ROOT, shared_file
+from tests.conftest import DEVICE, ROOT, shared_file
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, learning_rate=1e-2, min_lr=1e-3,
-            warmup_iters=5, eval_iters=4, log_interval=1, device="cpu")
+            warmup_iters=5, eval_iters=4, log_interval=1, device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,7 @@ def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.device
 def test_train_resume_sample(char_data, tmp_path):
     out = tmp_path / "run"
     cfg = train.resolve_config([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=40", "--eval_interval=20",
@@ -57,7 +58,8 @@ def test_train_resume_sample(char_data, tmp_path):
     model = model_from_checkpoint(load_checkpoint(out))
     assert model.lm_head.weight is model.tok_emb.weight
 
-    result = run_cli("sample.py", f"--out_dir={out}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=40", "--device=cpu")
+    result = run_cli("sample.py", f"--out_dir={out}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=40",
+                     f"--device={DEVICE}")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("ROMEO:") == 2
     assert len(result.stdout) > 2 * (6 + 40)

@@ -9,9 +9,10 @@ import torch
 
 from gptlite import GPT
 from gptlite.generate import PAD, SLIDE_KEEP, apply_penalties, generate, generate_tokens, sample_next
-from tests.conftest import tiny_config, tiny_model
+from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:the context reached block_size")
+pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:the context reached block_size")]
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's compiled-step machinery (frozen weights, compiled shapes)")
 
 
 def greedy_by_full_recompute(model, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -34,7 +35,7 @@ def test_cached_greedy_equals_full_recompute(pos_emb, prompt_len, new):
     """(5, 70) crosses block_size=32 twice, exercising the sliding window."""
     model = tiny_model(pos_emb=pos_emb)
     torch.manual_seed(1)
-    idx = torch.randint(0, 97, (3, prompt_len))
+    idx = randint(97, (3, prompt_len))
     cached = model.generate(idx, new, temperature=0)
     assert cached.shape == (3, prompt_len + new)
     assert torch.equal(cached[:, :prompt_len], idx)
@@ -43,7 +44,7 @@ def test_cached_greedy_equals_full_recompute(pos_emb, prompt_len, new):
 
 def test_prompt_longer_than_block_size(pos_emb):
     model = tiny_model(pos_emb=pos_emb)
-    idx = torch.randint(0, 97, (2, 45))
+    idx = randint(97, (2, 45))
     out = generate(model, idx, 12, temperature=0)
     assert out.shape == (2, 57)
     assert torch.equal(out, greedy_by_full_recompute(model, idx, 12))
@@ -54,10 +55,10 @@ def test_ragged_batch_equals_each_prompt_alone(pos_emb):
     the window (the rows reach block_size=32 at different steps)."""
     model = tiny_model(pos_emb=pos_emb)
     torch.manual_seed(2)
-    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 11, 1, 30)]
+    prompts = [randint(97, (n,)).tolist() for n in (3, 11, 1, 30)]
     batched = generate(model, prompts, 60, temperature=0)
     for prompt, row in zip(prompts, batched):
-        alone = greedy_by_full_recompute(model, torch.tensor([prompt]), 60)[0].tolist()
+        alone = greedy_by_full_recompute(model, tensor([prompt]), 60)[0].tolist()
         assert row == alone
 
 
@@ -68,15 +69,15 @@ def test_ragged_rows_match_their_unpadded_logits(pos_emb):
     cache = model.new_cache(2)
     cache.start(torch.tensor([0, 3]))
     cache.prepare(5)
-    logits = model.step(torch.tensor([[5, 6, 7, 8, 9], [0, 0, 0, 1, 2]]), cache)
+    logits = model.step(tensor([[5, 6, 7, 8, 9], [0, 0, 0, 1, 2]]), cache)
     for row, prompt in zip(logits, prompts):
-        torch.testing.assert_close(row, model(torch.tensor([prompt]))[0][0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(row, model(tensor([prompt]))[0][0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_cache_chunked_prefill_equals_forward(pos_emb):
     """Feeding a sequence in chunks through the cache gives the logits of one full forward pass."""
     model = tiny_model(pos_emb=pos_emb)
-    idx = torch.randint(0, 97, (2, 20))
+    idx = randint(97, (2, 20))
     full, _ = model(idx)
     cache = model.new_cache(2)
     for a, b in [(0, 6), (6, 7), (7, 15), (15, 20)]:
@@ -89,9 +90,9 @@ def test_extend_context_runs_sinusoidal_positions_past_block_size():
     """extend_context keeps every token: the same as a full recompute by a twin with a longer block_size
     (sinusoidal positions have no weights, so the twin loads the same state_dict)."""
     model = tiny_model(pos_emb="sinusoidal")
-    twin = GPT(tiny_config(pos_emb="sinusoidal", block_size=128)).eval()
+    twin = GPT(tiny_config(pos_emb="sinusoidal", block_size=128)).to(DEVICE).eval()
     twin.load_state_dict(model.state_dict())
-    idx = torch.randint(0, 97, (2, 9))
+    idx = randint(97, (2, 9))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing slides, so nothing to say
         out = model.generate(idx, 50, temperature=0, extend_context=True)
@@ -101,13 +102,13 @@ def test_extend_context_runs_sinusoidal_positions_past_block_size():
 
 def test_learned_positions_refuse_extend_context():
     with pytest.raises(ValueError, match="extend_context=True needs pos_emb='sinusoidal'.*stop at block_size=32"):
-        tiny_model(pos_emb="learned").generate(torch.zeros(1, 3, dtype=torch.long), 5, extend_context=True)
+        tiny_model(pos_emb="learned").generate(tensor([[0, 0, 0]]), 5, extend_context=True)
 
 
 def test_sliding_window_is_announced_once():
     model = tiny_model()
     with pytest.warns(UserWarning, match="context reached block_size=32.*keeps its newest 24 tokens") as record:
-        model.generate(torch.zeros(1, 5, dtype=torch.long), 80, temperature=0)  # slides three times
+        model.generate(tensor([[0] * 5]), 80, temperature=0)  # slides three times
     assert sum("block_size" in str(w.message) for w in record) == 1
 
 
@@ -115,7 +116,7 @@ def test_static_span_decode_equals_dynamic():
     """The fixed-shape decode the compiled path uses (attending over every slot under a mask) computes
     the same logits as attending over the written slots only."""
     model = tiny_model()
-    idx = torch.randint(0, 97, (2, 12))
+    idx = randint(97, (2, 12))
     logits = []
     for full_span in (False, True):
         cache = model.new_cache(2, 16)
@@ -131,56 +132,62 @@ def test_static_span_decode_equals_dynamic():
 
 
 @pytest.fixture
-def eager_compile(monkeypatch):
-    """compile=True through dynamo's graph capture (fullgraph: no breaks) without code generation, which
-    keeps tests fast; inductor's kernels and CUDA graphs themselves are exercised by the benchmark."""
+def compile_backend(monkeypatch):
+    """compile=True as the test device runs it, with fresh compiled-step state. On the CPU through dynamo's
+    graph capture (fullgraph: no breaks) without code generation, which keeps the suite fast (inductor's C++
+    kernels are exercised by the benchmark); on CUDA for real: inductor's Triton kernels replayed as CUDA graphs."""
     module = sys.modules["gptlite.generate"]
-    step = torch.compile(module.decode_step, backend="eager", fullgraph=True, dynamic=False)
-    monkeypatch.setattr(module, "_compiled", {"cpu": step})
+    compiled = {}
+    if DEVICE == "cpu":
+        compiled["cpu"] = torch.compile(module.decode_step, backend="eager", fullgraph=True, dynamic=False)
+    monkeypatch.setattr(module, "_compiled", compiled)
     monkeypatch.setattr(module, "_frozen_versions", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(module, "_compiled_shapes", weakref.WeakKeyDictionary())
     monkeypatch.setattr(module, "_static_caches", weakref.WeakKeyDictionary())
 
 
-def test_compiled_decode_step_traces_as_one_graph_and_matches_eager(eager_compile):
+def test_compiled_decode_step_traces_as_one_graph_and_matches_eager(compile_backend):
     model = tiny_model()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
 
 
-def test_compiled_generation_across_slides_equals_full_recompute(eager_compile, monkeypatch):
+def test_compiled_generation_across_slides_equals_full_recompute(compile_backend, monkeypatch):
     """Past block_size the slid windows' prefills go through the compiled step too (one fixed length),
-    and the text stays that of the reference; each new shape is compiled once with CPU_COMPILE."""
+    and the text stays that of the reference; on the CPU each new shape is compiled once with CPU_COMPILE."""
     module = sys.modules["gptlite.generate"]
-    monkeypatch.setattr(module, "_compiled_shapes", weakref.WeakKeyDictionary())
-    calls = []
-    step = module._compiled["cpu"]
-    monkeypatch.setitem(module._compiled, "cpu", lambda m, token, cache: calls.append(token.shape) or step(m, token, cache))
     model = tiny_model()  # block_size 32: windows slide every 8 tokens
-    idx = torch.randint(0, 97, (2, 5))
+    module.compiled_decode_step(model)  # makes the device's compiled step, which the next line wraps
+    calls = []
+    step = module._compiled[DEVICE.split(":")[0]]
+    monkeypatch.setitem(module._compiled, DEVICE.split(":")[0],
+                        lambda m, token, cache: calls.append(token.shape) or step(m, token, cache))
+    idx = randint(97, (2, 5))
     out = model.generate(idx, 60, temperature=0, compile=True)
     assert torch.equal(out, greedy_by_full_recompute(model, idx, 60))
     keep = int(32 * SLIDE_KEEP)
     assert calls.count((2, keep)) >= 3  # the slides' prefills
-    assert module._compiled_shapes[model] == {((2, 1), 32, torch.float32), ((2, keep), 32, torch.float32)}
+    if DEVICE == "cpu":
+        assert module._compiled_shapes[model] == {((2, 1), 32, torch.float32), ((2, keep), 32, torch.float32)}
 
 
-def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(eager_compile, monkeypatch):
+@cpu_only
+def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(compile_backend):
     module = sys.modules["gptlite.generate"]
-    monkeypatch.setattr(module, "_compiled_shapes", weakref.WeakKeyDictionary())
     model = tiny_model(block_size=256, pos_emb="sinusoidal")
     for prompt_len, new in ((3, 10), (9, 40), (30, 30)):  # cache lengths 12, 48 and 59 all round up to 64
-        idx = torch.randint(0, 97, (1, prompt_len))
+        idx = randint(97, (1, prompt_len))
         assert torch.equal(model.generate(idx, new, temperature=0, compile=True), model.generate(idx, new, temperature=0))
     assert module._compiled_shapes[model] == {((1, 1), 64, torch.float32)}
     model.generate(torch.zeros(1, 30, dtype=torch.long), 60, temperature=0, compile=True, extend_context=True)
     assert ((1, 1), 128, torch.float32) in module._compiled_shapes[model]
 
 
-def test_compiled_generations_reuse_one_static_cache_unless_running_together(eager_compile):
+def test_compiled_generations_reuse_one_static_cache_unless_running_together(compile_backend):
     """CUDA graphs stay valid only while the cache buffers they write keep their addresses."""
     module = sys.modules["gptlite.generate"]
     model = tiny_model()
-    idx = torch.randint(0, 97, (2, 5))
+    idx = randint(97, (2, 5))
     expected = torch.stack(list(generate_tokens(model, idx, 10, temperature=0)), 1)
     for _ in range(2):
         assert torch.equal(torch.stack(list(generate_tokens(model, idx, 10, temperature=0, compile=True)), 1), expected)
@@ -195,10 +202,11 @@ def test_compiled_generations_reuse_one_static_cache_unless_running_together(eag
     assert module._static_caches[model].k[0].data_ptr() == address
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_frozen_weights_on_cpu_refuse_to_go_stale(eager_compile, dtype):
+def test_compiled_frozen_weights_on_cpu_refuse_to_go_stale(compile_backend, dtype):
     model = tiny_model().to(dtype)
-    idx = torch.randint(0, 97, (1, 4))
+    idx = randint(97, (1, 4))
     model.generate(idx, 3, compile=True)
     model.generate(idx, 3, compile=True)  # unchanged weights: fine
     with torch.no_grad():
@@ -215,7 +223,7 @@ def test_compiled_frozen_weights_on_cpu_refuse_to_go_stale(eager_compile, dtype)
 
 def test_samples_share_the_prompt_prefill():
     model = tiny_model()
-    idx = torch.randint(0, 97, (2, 6))
+    idx = randint(97, (2, 6))
     greedy = model.generate(idx, 10, temperature=0, num_samples=3)
     assert greedy.shape == (6, 16)
     assert torch.equal(greedy, model.generate(idx, 10, temperature=0).repeat_interleave(3, dim=0))
@@ -226,16 +234,17 @@ def test_samples_share_the_prompt_prefill():
 
 def test_top_k_1_equals_greedy():
     model = tiny_model()
-    idx = torch.randint(0, 97, (2, 4))
-    g = torch.Generator().manual_seed(0)
+    idx = randint(97, (2, 4))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     sampled = model.generate(idx, 15, temperature=1.0, top_k=1, generator=g)
     assert torch.equal(sampled, model.generate(idx, 15, temperature=0))
 
 
 def test_same_seed_same_samples_and_different_seed_differs():
     model = tiny_model()
-    idx = torch.randint(0, 97, (2, 4))
-    runs = [model.generate(idx, 50, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
+    idx = randint(97, (2, 4))
+    runs = [model.generate(idx, 50, temperature=1.0, generator=torch.Generator(device=DEVICE).manual_seed(s))
+            for s in (7, 7, 8)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
     assert torch.equal(model.generate(idx, 50, temperature=1.0, seed=7), runs[0])  # seed= is the same generator
@@ -243,7 +252,7 @@ def test_same_seed_same_samples_and_different_seed_differs():
 
 def test_generate_tokens_streams_one_token_per_row():
     model = tiny_model()
-    idx = torch.randint(0, 97, (3, 4))
+    idx = randint(97, (3, 4))
     tokens = list(generate_tokens(model, idx, 5, temperature=0))
     assert len(tokens) == 5 and all(t.shape == (3,) for t in tokens)
     assert torch.equal(torch.stack(tokens, 1), model.generate(idx, 5, temperature=0)[:, 4:])
@@ -252,7 +261,7 @@ def test_generate_tokens_streams_one_token_per_row():
 
 def test_stop_tokens_end_each_row():
     model = tiny_model()
-    idx = torch.randint(0, 97, (2, 4))
+    idx = randint(97, (2, 4))
     free = model.generate(idx, 30, temperature=0)
     stop = free[0, 4 + 5].item()  # row 0's sixth new token
     out = model.generate(idx, 30, temperature=0, stop_tokens=[stop])
@@ -270,18 +279,19 @@ def test_stop_tokens_end_each_row():
 
 def test_untouched_distribution_with_top_p_1_and_no_top_k():
     """top_p=1 and top_k=None sample from softmax(logits / T) exactly: same draws as torch.multinomial."""
-    logits = torch.randn(4, 50)
-    expected = torch.multinomial(torch.softmax(logits / 0.7, -1), 1, generator=torch.Generator().manual_seed(3)).squeeze(-1)
+    logits = torch.randn(4, 50, device=DEVICE)
+    draw = torch.Generator(device=DEVICE).manual_seed(3)
+    expected = torch.multinomial(torch.softmax(logits / 0.7, -1), 1, generator=draw).squeeze(-1)
     for kw in ({}, {"top_p": 1.0}, {"top_k": None, "top_p": None}, {"top_k": 50}):
-        got = sample_next(logits, 0.7, generator=torch.Generator().manual_seed(3), **kw)
+        got = sample_next(logits, 0.7, generator=torch.Generator(device=DEVICE).manual_seed(3), **kw)
         assert torch.equal(got, expected), kw
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    probs = tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
     seen_k, seen_p = set(), set()
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     for _ in range(400):
         seen_k.add(sample_next(logits, 1.0, top_k=2, generator=g).item())
         # top_p=0.8: 0.5 + 0.3 reaches 0.8, so exactly tokens 0 and 1 are kept
@@ -293,17 +303,17 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 
 
 def test_penalties_match_their_formulas():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    seen = torch.tensor([[True, True, False, False]])
-    counts = torch.tensor([[0.0, 2.0, 1.0, 0.0]])
+    logits = tensor([[2.0, -1.0, 0.5, 3.0]])
+    seen = tensor([[True, True, False, False]])
+    counts = tensor([[0.0, 2.0, 1.0, 0.0]])
     assert torch.equal(apply_penalties(logits, seen, counts), logits)
-    assert torch.equal(apply_penalties(logits, seen, counts, repetition_penalty=2.0), torch.tensor([[1.0, -2.0, 0.5, 3.0]]))
-    assert torch.equal(apply_penalties(logits, seen, counts, frequency_penalty=0.5), torch.tensor([[2.0, -2.0, 0.0, 3.0]]))
+    assert torch.equal(apply_penalties(logits, seen, counts, repetition_penalty=2.0), tensor([[1.0, -2.0, 0.5, 3.0]]))
+    assert torch.equal(apply_penalties(logits, seen, counts, frequency_penalty=0.5), tensor([[2.0, -2.0, 0.0, 3.0]]))
 
 
 def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
     model = tiny_model()
-    idx = torch.randint(0, 97, (2, 3))
+    idx = randint(97, (2, 3))
     out = idx.clone()
     for _ in range(20):
         logits = model(out)[0][:, -1]
@@ -317,7 +327,7 @@ def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
 
 
 def test_sampling_argument_errors():
-    logits = torch.randn(1, 10)
+    logits = torch.randn(1, 10, device=DEVICE)
     with pytest.raises(ValueError, match="temperature=-1"):
         sample_next(logits, -1)
     with pytest.raises(ValueError, match="top_k=0"):

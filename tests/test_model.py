@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig
 from gptlite.model import masked_attention, sinusoidal_table
-from tests.conftest import tiny_config, tiny_model
+from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
+
+pytestmark = pytest.mark.device
 
 
 def naive_attention(attn, x: torch.Tensor) -> torch.Tensor:
@@ -20,7 +22,7 @@ def naive_attention(attn, x: torch.Tensor) -> torch.Tensor:
     q, k, v = (x @ attn.qkv.weight.T).split(C, dim=2)
     q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
     scores = q @ k.transpose(-2, -1) / math.sqrt(D)
-    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
     scores = scores.masked_fill(~mask, float("-inf"))
     y = torch.softmax(scores, dim=-1) @ v
     return y.transpose(1, 2).reshape(B, T, C) @ attn.out_proj.weight.T
@@ -29,7 +31,7 @@ def naive_attention(attn, x: torch.Tensor) -> torch.Tensor:
 def test_sdpa_attention_equals_naive_math():
     model = tiny_model()
     attn = model.blocks[0].attn
-    x = torch.randn(3, 17, 32)
+    x = torch.randn(3, 17, 32, device=DEVICE)
     torch.testing.assert_close(attn(x), naive_attention(attn, x), atol=1e-5, rtol=1e-5)
 
 
@@ -50,10 +52,10 @@ def test_masked_attention_math_for_compiled_cpu_steps_equals_sdpa(monkeypatch, d
 def test_causality(pos_emb):
     """Changing tokens after position t never changes logits at or before t."""
     model = tiny_model(pos_emb=pos_emb)
-    idx = torch.randint(0, 97, (2, 20))
+    idx = randint(97, (2, 20))
     t = 9
     changed = idx.clone()
-    changed[:, t + 1 :] = torch.randint(0, 97, (2, 20 - t - 1))
+    changed[:, t + 1 :] = randint(97, (2, 20 - t - 1))
     a, _ = model(idx)
     b, _ = model(changed)
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=1e-5, rtol=1e-5)
@@ -77,7 +79,7 @@ def test_position_types():
     assert "pos_emb.table" in dict(sinus.named_buffers())
     assert learned.num_params() - sinus.num_params() == 32 * 32
     # positions matter: the same tokens in another order give different logits
-    idx = torch.tensor([[5, 5, 5, 5]])
+    idx = tensor([[5, 5, 5, 5]])
     logits, _ = sinus(idx)
     assert not torch.allclose(logits[0, 0], logits[0, 3])
 
@@ -87,7 +89,7 @@ def test_swiglu_matches_formula():
     ffn = model.blocks[0].ffn
     F_ = model.config.ffn_hidden
     W1, W3 = ffn.fc.weight[:F_], ffn.fc.weight[F_:]
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 32, device=DEVICE)
     expected = (F.silu(x @ W1.T) * (x @ W3.T)) @ ffn.out_proj.weight.T
     torch.testing.assert_close(ffn(x), expected, atol=1e-5, rtol=1e-5)
 
@@ -104,7 +106,7 @@ def test_head_is_tied_to_embedding():
 def test_tying_survives_state_dict_round_trip(tmp_path):
     model = tiny_model()
     torch.save(model.state_dict(), tmp_path / "m.pt")
-    fresh = GPT(tiny_config())
+    fresh = GPT(tiny_config()).to(DEVICE)
     fresh.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     assert fresh.lm_head.weight is fresh.tok_emb.weight
     torch.testing.assert_close(fresh.lm_head.weight, model.tok_emb.weight)
@@ -112,7 +114,7 @@ def test_tying_survives_state_dict_round_trip(tmp_path):
 
 def test_forward_shapes_and_loss():
     model = tiny_model()
-    idx = torch.randint(0, 97, (3, 11))
+    idx = randint(97, (3, 11))
     logits, loss = model(idx)
     assert logits.shape == (3, 11, 97) and loss is None
     logits2, loss = model(idx, idx)
@@ -131,11 +133,11 @@ def test_forward_shapes_and_loss():
 def test_too_long_and_out_of_vocab_inputs_raise():
     model = tiny_model()
     with pytest.raises(ValueError, match="length 33 is longer than block_size=32"):
-        model(torch.zeros(1, 33, dtype=torch.long))
+        model(tensor([[0] * 33]))
     with pytest.raises(ValueError, match=r"token id 97 is outside the vocabulary \[0, 97\)"):
-        model(torch.tensor([[1, 97]]))
+        model(tensor([[1, 97]]))
     with pytest.raises(ValueError, match="token id -1 is outside"):
-        model(torch.tensor([[-1, 2]]))
+        model(tensor([[-1, 2]]))
 
 
 def test_init_scales_residual_projections():

@@ -9,7 +9,9 @@ import sample
 from gptlite.checkpoint import save_checkpoint
 from gptlite.config import build_config, config_to_dict
 from gptlite.tokenizer import CharTokenizer
-from tests.conftest import tiny_model
+from tests.conftest import DEVICE, tiny_model
+
+pytestmark = pytest.mark.device
 
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n\u00e9"  # 97 characters, the tiny model's vocabulary
 SEPARATOR = "-" * 40 + "\n"
@@ -25,7 +27,7 @@ def run_dir(tmp_path_factory):
 
 
 def run(run_dir, capsys, *args) -> tuple[int, str, str]:
-    code = sample.main([f"--out_dir={run_dir}", "--device=cpu", *args])
+    code = sample.main([f"--out_dir={run_dir}", f"--device={DEVICE}", *args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -52,7 +54,7 @@ def test_first_sample_streams_token_by_token(run_dir, monkeypatch):
             pass
 
     monkeypatch.setattr("sys.stdout", Recorder())
-    assert sample.main([f"--out_dir={run_dir}", "--device=cpu", "--start=A", "--num_samples=1", "--max_new_tokens=15"]) == 0
+    assert sample.main([f"--out_dir={run_dir}", f"--device={DEVICE}", "--start=A", "--num_samples=1", "--max_new_tokens=15"]) == 0
     assert writes[0] == "A" and all(len(w) == 1 for w in writes[1:16])  # one character per step, as it came
 
 
