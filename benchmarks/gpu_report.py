@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             elif check == "recipe":
                 run_dir = check_recipe(args, report)
             elif check == "sample":
-                check_sample(args, report, run_dir or latest_run(args, "shakespeare_char_gpu"))
+                check_sample(args, report, run_dir if "recipe" in checks else latest_run(args, "shakespeare_char_gpu"))
             elif check == "mfu":
                 check_mfu(args, report)
             elif check == "generate":
