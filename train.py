@@ -78,7 +78,8 @@ def training_session():
 
 
 def pick_device(name: str, local_rank: int) -> str:
-    """cuda > mps > cpu for 'auto'; under torchrun each process takes cuda:LOCAL_RANK."""
+    """cuda > mps > cpu for 'auto'. A CUDA device always gets its index (torch.cuda.set_device needs one): under
+    torchrun each process takes cuda:LOCAL_RANK, else plain 'cuda' is the current device, cuda:0 by default."""
     if name == "auto":
         if torch.cuda.is_available():
             name = "cuda"
@@ -86,10 +87,10 @@ def pick_device(name: str, local_rank: int) -> str:
             name = "mps"
         else:
             name = "cpu"
-    if name == "cuda" and "RANK" in os.environ:
-        name = f"cuda:{local_rank}"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={name} but CUDA is not available here; use --device=cpu or --device=auto")
+    if name == "cuda":
+        name = f"cuda:{local_rank if 'RANK' in os.environ else torch.cuda.current_device()}"
     return name
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # gptlite from this checkout, installed or not (row 6 looks for a module of it)
 CHECKS = ("tests", "recipe", "mfu", "generate", "sample", "hellaswag")
 RECIPE = "configs/shakespeare_char_gpu.toml"
 MFU_CONFIG = "configs/gpt2_124m.toml"

@@ -252,6 +252,20 @@ def test_compile_unavailable_warns_and_trains_uncompiled(data, tmp_path, monkeyp
     assert train.compile_unavailable("cpu").startswith("not supported on Python")
 
 
+def test_a_cuda_device_always_gets_an_index(monkeypatch):
+    """torch.cuda.set_device refuses a plain 'cuda' (the first GPU run failed on it)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
+    monkeypatch.delenv("RANK", raising=False)
+    assert train.pick_device("auto", 0) == train.pick_device("cuda", 0) == "cuda:0"
+    assert train.pick_device("cuda:1", 0) == "cuda:1"
+    monkeypatch.setenv("RANK", "3")
+    assert train.pick_device("cuda", 3) == "cuda:3"  # under torchrun: cuda:LOCAL_RANK
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ValueError, match="device=cuda but CUDA is not available here; use --device=cpu"):
+        train.pick_device("cuda", 0)
+
+
 def test_resume_past_a_damaged_checkpoint_deletes_it(data, tmp_path, capsys):
     train.main(config(data, tmp_path, max_iters=6, eval_interval=2, keep_last=2))
     (tmp_path / "ckpt_000006.pt").write_bytes(b"cut short")
