@@ -472,7 +472,9 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                        tokens_per_s=tokens_per_s, mfu=step_mfu)
 
             if step % cfg.eval_interval == 0 or last:
-                val_loss = evaluate(train_model, val_loader, cfg.eval_iters, device, autocast)
+                # the model as built, not train_model: compiling a second, eval-mode graph cost more than it saved
+                # (8 s for the char GPU recipe, whose evaluation then took 0.1 s; DDP adds nothing without gradients)
+                val_loss = evaluate(model, val_loader, cfg.eval_iters, device, autocast)
                 val_history.append((step, val_loss))
                 log(f"step {step:5d} | val loss {val_loss:.4f}")
                 record(step=step, val_loss=val_loss)
