@@ -54,14 +54,16 @@ class Report:
     def add(self, check: str, result: str, goal: str, status: str, **details) -> None:
         self.rows.append({"check": check, "result": result, "goal": goal, "status": status, "details": details})
         print(f"[{status}] {check}: {result}", flush=True)
-        if self.json_path:
-            Path(self.json_path).write_text(json.dumps({**self.header, "rows": self.rows}, indent=1) + "\n")
+        if self.json_path:  # written whole, then renamed: a report stopped mid-row leaves the last complete file
+            tmp = Path(f"{self.json_path}.tmp")
+            tmp.write_text(json.dumps({**self.header, "rows": self.rows}, indent=1) + "\n")
+            tmp.replace(self.json_path)
 
     def table(self) -> str:
         h = self.header
-        lines = [f"gptlite GPU report | {h['device']} | torch {h['torch']} (CUDA {h['cuda']}) | {h['date']} | "
-                 f"commit {h['commit'][:10]}{' | SMOKE RUN: figures mean nothing' if h['smoke'] else ''}",
-                 "", "| check | result | goal | status |", "|---|---|---|---|"]
+        title = (f"gptlite GPU report | {h['device']} | torch {h['torch']} (CUDA {h['cuda']}) | {h['date']} | "
+                 f"commit {h['commit']}{' | SMOKE RUN: figures mean nothing' if h['smoke'] else ''}")
+        lines = [title, "", "| check | result | goal | status |", "|---|---|---|---|"]
         lines += [f"| {r['check']} | {r['result']} | {r['goal']} | {r['status']} |" for r in self.rows]
         return "\n".join(lines)
 
@@ -252,7 +254,9 @@ def check_hellaswag(args, report: Report) -> None:
 
 def header(smoke: bool) -> dict:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        git = [subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+               for cmd in (["rev-parse", "--short=10", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
+        commit = git[0] + (" with local changes" if git[0] and git[1] else "")  # the measured code is not that commit
     except OSError:
         commit = ""
     cuda = torch.cuda.is_available()
