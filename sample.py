@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); "
                              "the first call compiles")
     parser.add_argument("--extend_context", type=boolean, nargs="?", const=True, default=False,
-                        help="sinusoidal positions only: run past block_size instead of sliding the window")
+                        help="sinusoidal or rope positions: run past block_size instead of sliding the window")
     args = parser.parse_args(argv)
     try:
         resolve(args)

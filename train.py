@@ -27,13 +27,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptlite.checkpoint import discard_newer, load_checkpoint, rng_state, save_run_checkpoint, set_rng_state
-from gptlite.config import TrainConfig, build_config, config_help, config_to_dict, parse_args, read_toml
+from gptlite.checkpoint import (check_weight_names, discard_newer, load_checkpoint, rng_state, save_run_checkpoint,
+                                 set_rng_state)
+from gptlite.config import GPTConfig, TrainConfig, build_config, config_help, config_to_dict, parse_args, read_toml
 from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 
 TOKENIZER_FILE = "tokenizer.json"
+# what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
+MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "bias", "pos_emb",
+                    "rope_theta", "norm", "norm_eps", "ffn")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
@@ -251,8 +255,8 @@ def resolve_config(argv: list[str]) -> TrainConfig:
     if saved:
         changed = [
             f"{k}={values[k]} (checkpoint has {saved[k]})"
-            for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "bias", "pos_emb")
-            if k in values and str(values[k]).lower() != str(saved[k]).lower()
+            for k in MODEL_SHAPE_KEYS
+            if k in values and str(values[k]).lower() != str(saved.get(k, getattr(GPTConfig(), k))).lower()
         ]
         if changed:
             raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
@@ -320,6 +324,7 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
         step, best_val = 0, float("inf")
         if ckpt:
+            check_weight_names(model, ckpt["model"])
             set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
                            options=StateDictOptions(full_state_dict=True))
             if ckpt["scaler"]:

@@ -236,8 +236,21 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     """Build the GPT described by a checkpoint's config and load its weights."""
     model_config: GPTConfig = build_config(ckpt["config"]).model
     model = GPT(model_config)
+    check_weight_names(model, ckpt["model"])
     model.load_state_dict(ckpt["model"])
     return model
+
+
+def check_weight_names(model: GPT, state: dict) -> None:
+    """Raise ValueError unless a checkpoint's weights are exactly the tensors `model` has, by name."""
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"the checkpoint's weights do not fit the model its config describes (missing: {', '.join(missing[:3]) or 'none'}"
+            f"; unexpected: {', '.join(unexpected[:3]) or 'none'}): it comes from another program or gptlite version "
+            "(a sinusoidal-position model saved before gptlite learned the table's gain, pos_emb.gain, must be retrained)"
+        )
 
 
 def rng_state() -> dict:

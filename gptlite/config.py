@@ -20,13 +20,18 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-POS_EMB_CHOICES = ("learned", "sinusoidal")
+# The architecture's variants (gptlite/model.py has one module class for each); the first is the default
+POS_EMB_CHOICES = ("learned", "sinusoidal", "rope")
+NORM_CHOICES = ("layernorm", "rmsnorm")
+FFN_CHOICES = ("swiglu", "gelu")
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 
 
 @dataclass
 class GPTConfig:
-    """Shape of a GPT model. `ffn_hidden=None` picks the SwiGLU width that matches a 4x GELU MLP."""
+    """Shape of a GPT model. The defaults are gptlite's own model; GPT-2's is pos_emb="learned",
+    norm="layernorm", ffn="gelu", bias=True, and Llama's pos_emb="rope", norm="rmsnorm", ffn="swiglu".
+    `ffn_hidden=None` picks 4 * n_embd for gelu and, for swiglu, the width with the same parameter count."""
 
     vocab_size: int = 50304
     block_size: int = 1024
@@ -34,13 +39,17 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = False
-    pos_emb: str = "learned"
+    bias: bool = False  # biases in every linear layer and norm (GPT-2 has them; the tied head never does)
+    pos_emb: str = "learned"  # learned | sinusoidal | rope
+    rope_theta: float = 10000.0  # RoPE's base wavelength (pos_emb="rope")
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    ffn: str = "swiglu"  # swiglu | gelu
     ffn_hidden: int | None = None
 
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.n_embd, int) and self.n_embd > 0:
-            self.ffn_hidden = default_ffn_hidden(self.n_embd)
+            self.ffn_hidden = default_ffn_hidden(self.n_embd, self.ffn)
         problems = []
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden"):
             value = getattr(self, name)
@@ -53,16 +62,27 @@ class GPTConfig:
             )
         if not problems and self.pos_emb == "sinusoidal" and (self.n_embd % 2) != 0:
             problems.append(f"n_embd={self.n_embd} must be even for pos_emb='sinusoidal'")
+        if not problems and self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2 != 0:
+            problems.append(f"the head width n_embd / n_head = {self.n_embd // self.n_head} must be even for "
+                            "pos_emb='rope', which rotates pairs of its coordinates; change n_embd or n_head")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
-        if self.pos_emb not in POS_EMB_CHOICES:
-            problems.append(f"pos_emb={self.pos_emb!r} must be one of {', '.join(POS_EMB_CHOICES)}")
+        for name, choices in (("pos_emb", POS_EMB_CHOICES), ("norm", NORM_CHOICES), ("ffn", FFN_CHOICES)):
+            if getattr(self, name) not in choices:
+                problems.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(choices)}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                problems.append(f"{name}={value!r} must be a positive number")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 
 
-def default_ffn_hidden(n_embd: int) -> int:
-    """SwiGLU has three matrices, so 8/3 * n_embd keeps the parameter count of a 4x GELU MLP."""
+def default_ffn_hidden(n_embd: int, ffn: str = "swiglu") -> int:
+    """GPT-2's MLP is 4 * n_embd wide. SwiGLU has three matrices, so 8/3 * n_embd (rounded up to a multiple
+    of FFN_MULTIPLE) keeps the parameter count of that MLP."""
+    if ffn == "gelu":
+        return 4 * n_embd
     hidden = int(8 * n_embd / 3)
     return FFN_MULTIPLE * ((hidden + FFN_MULTIPLE - 1) // FFN_MULTIPLE)
 

@@ -18,7 +18,7 @@ Context past `block_size` (the window policy):
   which is prefilled again at positions 0.. before decoding continues. This costs one prefill every
   block_size / 4 tokens instead of nanoGPT's full recompute at every step, and a row's window never
   depends on the other rows of its batch. A warning says so the first time a window slides.
-- `extend_context=True` (sinusoidal positions only) drops nothing: positions run past block_size,
+- `extend_context=True` (sinusoidal and rotary positions) drops nothing: positions run past block_size,
   where the model was never trained, for as long as the generation asks. Learned positions have no
   vector past block_size, so they always slide.
 
@@ -330,10 +330,10 @@ def generate_tokens(
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if num_samples < 1:
         raise ValueError(f"num_samples={num_samples} must be >= 1")
-    if extend_context and config.pos_emb != "sinusoidal":
+    if extend_context and not model.pos_emb.can_extend:
         raise ValueError(
-            f"extend_context=True needs pos_emb='sinusoidal'; this model's {config.pos_emb} positions stop at "
-            f"block_size={config.block_size}, so its window slides instead (leave extend_context=False)"
+            f"extend_context=True needs pos_emb='sinusoidal' or 'rope'; this model's {config.pos_emb} positions "
+            f"stop at block_size={config.block_size}, so its window slides instead (leave extend_context=False)"
         )
     if seed is not None and generator is not None:
         raise ValueError("give seed or generator, not both")

@@ -84,6 +84,18 @@ def tensor(data) -> torch.Tensor:
     return torch.tensor(data, device=DEVICE)
 
 
-@pytest.fixture(params=["learned", "sinusoidal"])
-def pos_emb(request) -> str:
-    return request.param
+# Architectures every model-level property is checked on: each switch of GPTConfig, and GPT-2's and Llama's
+VARIANTS = {
+    "learned": {},
+    "sinusoidal": {"pos_emb": "sinusoidal"},
+    "rope": {"pos_emb": "rope"},
+    "rmsnorm": {"norm": "rmsnorm"},
+    "gpt2": {"ffn": "gelu", "bias": True},  # learned positions, LayerNorm and linears with biases, GELU MLP
+    "llama": {"pos_emb": "rope", "norm": "rmsnorm", "rope_theta": 500.0},  # SwiGLU, no biases
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request) -> dict:
+    """GPTConfig overrides of one architecture (see VARIANTS)."""
+    return VARIANTS[request.param]

@@ -26,6 +26,7 @@ from gptlite.checkpoint import (
     step_files,
     verify_checkpoint,
 )
+from gptlite.tokenizer import CharTokenizer
 from tests.conftest import DEVICE, ROOT, randint, tiny_config, tiny_model
 
 
@@ -175,6 +176,24 @@ def test_a_model_on_the_device_round_trips_through_a_checkpoint(tmp_path):
     assert rebuilt.lm_head.weight is rebuilt.tok_emb.weight
     idx = randint(97, (2, 9))
     assert torch.equal(rebuilt(idx)[0], model(idx)[0])
+
+
+def test_weights_that_do_not_fit_the_config_are_refused_in_one_line(tmp_path):
+    """A sinusoidal-position checkpoint from before pos_emb.gain existed would load into a model that computes
+    something else; it and any other mismatch of names are refused, by sample.py too."""
+    model = tiny_model(pos_emb="sinusoidal")
+    config = dict(vars(tiny_config(pos_emb="sinusoidal")), data_dir="x")
+    old = {k: v for k, v in model.state_dict().items() if k != "pos_emb.gain"}
+    save_checkpoint(tmp_path / "ckpt.pt", {"config": config, "model": old})
+    CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n\u00e9").save(tmp_path / "tokenizer.json")  # 97 ids
+    with pytest.raises(ValueError, match=r"weights do not fit the model its config describes \(missing: pos_emb\.gain; "
+                                         r"unexpected: none\).*must be retrained"):
+        model_from_checkpoint(load_checkpoint(tmp_path))
+    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--device=cpu"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "missing: pos_emb.gain" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(ValueError, match=r"missing: none; unexpected: extra\.weight"):
+        model_from_checkpoint({"config": config, "model": {**model.state_dict(), "extra.weight": torch.ones(1)}})
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports

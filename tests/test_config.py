@@ -35,9 +35,27 @@ def test_n_embd_not_divisible_by_n_head():
         GPTConfig(n_embd=100, n_head=12)
 
 
-def test_bad_pos_emb():
-    with pytest.raises(ValueError, match=r"pos_emb='rope' must be one of learned, sinusoidal"):
-        GPTConfig(pos_emb="rope")
+@pytest.mark.parametrize("field,value,choices", [
+    ("pos_emb", "alibi", "learned, sinusoidal, rope"),
+    ("norm", "batchnorm", "layernorm, rmsnorm"),
+    ("ffn", "relu", "swiglu, gelu"),
+])
+def test_variant_choices(field, value, choices):
+    with pytest.raises(ValueError, match=rf"{field}='{value}' must be one of {choices}"):
+        GPTConfig(**{field: value})
+
+
+def test_rope_needs_an_even_head_width_and_positive_numbers():
+    GPTConfig(n_embd=48, n_head=4, pos_emb="rope")  # head width 12
+    with pytest.raises(ValueError, match=r"head width n_embd / n_head = 9 must be even for pos_emb='rope'"):
+        GPTConfig(n_embd=36, n_head=4, pos_emb="rope")
+    GPTConfig(n_embd=36, n_head=4)  # other positions do not mind
+    for field in ("rope_theta", "norm_eps"):
+        with pytest.raises(ValueError, match=rf"{field}=0 must be a positive number"):
+            GPTConfig(**{field: 0})
+    with pytest.raises(ValueError, match=r"rope_theta=.* must be a positive number"):
+        build_config({"rope_theta": "-1e4"})
+    assert build_config({"rope_theta": "5e5", "norm_eps": "1e-6"}).model.rope_theta == 500000.0
 
 
 def test_sinusoidal_needs_even_n_embd():
@@ -76,6 +94,7 @@ def test_problems_reported_together():
 
 def test_default_ffn_hidden():
     assert GPTConfig().ffn_hidden == 2048  # 8/3 * 768 = 2048, already a multiple of 64
+    assert GPTConfig(ffn="gelu").ffn_hidden == 3072  # GPT-2's 4x
     assert GPTConfig(n_embd=64, n_head=4).ffn_hidden == 192  # 170.7 -> 192
     assert GPTConfig(n_embd=100, n_head=4).ffn_hidden == 320  # 266.7 -> 320
     assert GPTConfig(n_embd=96, n_head=4, ffn_hidden=100).ffn_hidden == 100  # an explicit width is kept

@@ -75,6 +75,14 @@ def test_two_processes_train_like_one_with_the_same_global_batch(data, one_proce
     assert_same_curve(losses(two), losses(one_process))
 
 
+def test_fsdp_trains_the_other_variants_like_one_process(data, tmp_path):
+    """RoPE, RMSNorm, GELU MLP and biases, sharded: the same curve as one process on the same global batch."""
+    arch = dict(pos_emb="rope", norm="rmsnorm", ffn="gelu", bias=True)
+    train.main(config(data, tmp_path / "one", batch_size=8, max_iters=4, **RUN, **arch))
+    train_two_processes(data, tmp_path / "two", max_iters=4, fsdp=True, **arch)
+    assert_same_curve(losses(tmp_path / "two"), losses(tmp_path / "one"))
+
+
 def test_one_large_batch_trains_like_accumulated_micro_batches(data, one_process, tmp_path):
     train.main(config(data, tmp_path, batch_size=16, max_iters=12, **RUN))
     assert_same_curve(losses(tmp_path), losses(one_process))

@@ -1,5 +1,6 @@
-"""The architecture against its references: naive attention math, the sinusoidal and SwiGLU formulas,
-causality, weight tying, input validation."""
+"""The architecture against its references: naive attention math, the position, norm and feed-forward
+formulas (sinusoidal, RoPE, RMSNorm, SwiGLU, tanh GELU), causality for every variant, weight tying, biases,
+input validation."""
 
 import math
 
@@ -8,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig
-from gptlite.model import masked_attention, sinusoidal_table
-from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
+from gptlite.model import GeluMLP, RMSNorm, RotaryPositions, masked_attention, rotate_half, sinusoidal_table
+from tests.conftest import DEVICE, VARIANTS, randint, tensor, tiny_config, tiny_model
 
 pytestmark = pytest.mark.device
 
@@ -49,9 +50,9 @@ def test_masked_attention_math_for_compiled_cpu_steps_equals_sdpa(monkeypatch, d
     torch.testing.assert_close(masked_attention(q, k, v, None), F.scaled_dot_product_attention(q, k, v), atol=tol, rtol=tol)
 
 
-def test_causality(pos_emb):
+def test_causality(variant):
     """Changing tokens after position t never changes logits at or before t."""
-    model = tiny_model(pos_emb=pos_emb)
+    model = tiny_model(**variant)
     idx = randint(97, (2, 20))
     t = 9
     changed = idx.clone()
@@ -75,13 +76,106 @@ def test_position_types():
     learned = tiny_model(pos_emb="learned")
     sinus = tiny_model(pos_emb="sinusoidal")
     assert any("pos_emb" in n for n, _ in learned.named_parameters())
-    assert not any("pos_emb" in n for n, _ in sinus.named_parameters())  # a buffer, not a parameter
+    assert [n for n, _ in sinus.named_parameters() if "pos_emb" in n] == ["pos_emb.gain"]  # the table is a buffer
     assert "pos_emb.table" in dict(sinus.named_buffers())
-    assert learned.num_params() - sinus.num_params() == 32 * 32
+    assert learned.num_params() - sinus.num_params() == 32 * 32 - 32  # the table, less the gain per channel
     # positions matter: the same tokens in another order give different logits
     idx = tensor([[5, 5, 5, 5]])
     logits, _ = sinus(idx)
     assert not torch.allclose(logits[0, 0], logits[0, 3])
+
+
+def rope_by_complex_numbers(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoFormer eq. 34 in the rotate_half layout: coordinates (i, i + D/2) form the complex number
+    x_i + j x_(i+D/2), which is multiplied by exp(j pos theta^(-2i/D))."""
+    D = x.size(-1)
+    z = torch.complex(x[..., : D // 2].double(), x[..., D // 2 :].double())
+    angle = pos.double()[:, None] * theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (T, D/2)
+    z = z * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([z.real, z.imag], dim=-1).float()
+
+
+def test_rope_matches_its_formula_and_depends_only_on_the_offset():
+    config = tiny_config(pos_emb="rope", rope_theta=500.0)
+    rope = RotaryPositions(config)
+    D = config.n_embd // config.n_head
+    q, k = torch.randn(2, 1, 4, 7, D, dtype=torch.float32).unbind(0)  # (B=1, H=4, T=7, D) each
+    pos = torch.arange(3, 10)
+    rq, rk = rope.rotate(q, k, rope.rotation(pos))
+    torch.testing.assert_close(rq, rope_by_complex_numbers(q, pos, 500.0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rk, rope_by_complex_numbers(k, pos, 500.0), atol=1e-5, rtol=1e-5)
+    # the same vectors placed at positions shifted by s give the same scores: q_m . k_n depends on m - n only
+    for shift in (1, 20, 300):
+        sq, sk = rope.rotate(q, k, rope.rotation(pos + shift))
+        torch.testing.assert_close(sq @ sk.transpose(-2, -1), rq @ rk.transpose(-2, -1), atol=1e-4, rtol=1e-4)
+    # per-row positions (B, T) rotate each row by its own positions
+    rows = torch.stack([pos, pos + 5])  # (2, T)
+    q2 = q.expand(2, -1, -1, -1)
+    rq2, _ = rope.rotate(q2, q2, rope.rotation(rows))
+    torch.testing.assert_close(rq2[1], rope_by_complex_numbers(q[0], pos + 5, 500.0), atol=1e-5, rtol=1e-5)
+    assert torch.equal(rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])), torch.tensor([-3.0, -4.0, 1.0, 2.0]))
+
+
+def test_rmsnorm_matches_its_formula():
+    for bias in (False, True):
+        norm = RMSNorm(tiny_config(norm_eps=1e-6, bias=bias))
+        with torch.no_grad():
+            norm.weight.normal_()
+            if bias:
+                norm.bias.normal_()
+        x = torch.randn(3, 5, 32) * 4
+        expected = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * norm.weight + (norm.bias if bias else 0)
+        torch.testing.assert_close(norm(x), expected, atol=1e-5, rtol=1e-5)
+    assert norm.bfloat16()(x.bfloat16()).dtype == torch.bfloat16  # normalised in float32, returned in bf16
+
+
+def test_gelu_mlp_matches_gpt2s_formula():
+    mlp = GeluMLP(tiny_config(ffn="gelu", bias=True))
+    assert mlp.fc.out_features == 4 * 32  # GPT-2's width
+    with torch.no_grad():
+        mlp.fc.bias.normal_()
+    x = torch.randn(2, 5, 32) * 3
+    h = x @ mlp.fc.weight.T + mlp.fc.bias
+    gelu = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))  # GPT-2's gelu
+    torch.testing.assert_close(mlp(x), gelu @ mlp.out_proj.weight.T + mlp.out_proj.bias, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bias_applies_to_every_linear_and_norm_of_every_variant(bias):
+    for overrides in VARIANTS.values():
+        model = GPT(tiny_config(**{**overrides, "bias": bias}))
+        layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm, RMSNorm))]
+        assert len(layers) == 2 * 6 + 2  # per block: 2 norms, qkv, 2 out_proj, fc; the final norm; the head
+        for m in layers:
+            has_bias = getattr(m, "bias", None) is not None
+            assert has_bias == (bias and m is not model.lm_head), (overrides, m)  # the tied head never has one
+
+
+def test_every_variant_compiles_as_one_graph(variant):
+    """No graph breaks in training's forward (dynamo's capture, without code generation)."""
+    model = tiny_model(**variant)
+    idx = randint(97, (2, 9))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(idx, idx)[1], model(idx, idx)[1])
+
+
+@pytest.mark.parametrize("name", ["rope", "gpt2"])
+def test_flops_per_token_of_variants(name):
+    """6N + 12LCT, N without a learned position table (RoPE has none; GPT-2's MLP is two 4C-wide matrices)."""
+    model = GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, **VARIANTS[name]))
+    C, V = 768, 50304
+    ffn = 2 * C * 4 * C + 4 * C + C if name == "gpt2" else 3 * C * model.config.ffn_hidden
+    norms = 2 * C * (2 if name == "gpt2" else 1)  # LayerNorm weight (and bias)
+    attn = 4 * C * C + (4 * C if name == "gpt2" else 0)
+    n = V * C + 12 * (attn + ffn + norms) + norms // 2
+    assert model.num_params(exclude_positions=True) == n
+    assert model.flops_per_token() == 6 * n + 12 * 12 * C * 1024
+
+
+def test_gpt2_variant_has_gpt2s_parameter_count():
+    """GPT-2 small in HF transformers has 124,439,808 parameters (vocab 50,257, tied head)."""
+    cfg = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, ffn="gelu", bias=True)
+    assert GPT(cfg).num_params() == 124_439_808
 
 
 def test_swiglu_matches_formula():

@@ -4,12 +4,13 @@ import argparse
 import re
 
 import pytest
+import torch
 
 import sample
 from gptlite.checkpoint import save_checkpoint
 from gptlite.config import build_config, config_to_dict
 from gptlite.tokenizer import CharTokenizer
-from tests.conftest import DEVICE, tiny_model
+from tests.conftest import DEVICE, VARIANTS, tiny_model
 
 pytestmark = pytest.mark.device
 
@@ -41,6 +42,22 @@ def test_samples_print_with_their_prompt(run_dir, capsys):
     assert run(run_dir, capsys, *args)[1] == out  # the same seed gives the same samples
     _, greedy, _ = run(run_dir, capsys, "--start=ROMEO:", "--num_samples=3", "--max_new_tokens=20", "--temperature=0")
     assert len(set(greedy.split(SEPARATOR))) == 1  # greedy samples agree
+
+
+@pytest.mark.filterwarnings("ignore:the context reached block_size")
+@pytest.mark.parametrize("name", ["rope", "gpt2", "llama"])
+def test_every_variant_samples_what_its_model_generates(tmp_path, capsys, name):
+    """sample.py rebuilds the architecture from the checkpoint's config: greedy text equals model.generate's,
+    past block_size too (rope could also run there with --extend_context)."""
+    cfg = build_config({"vocab_size": 97, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, **VARIANTS[name]})
+    model = tiny_model(**VARIANTS[name])
+    save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(cfg), "model": model.state_dict()})
+    tokenizer = CharTokenizer(CHARS)
+    tokenizer.save(tmp_path / "tokenizer.json")
+    code, out, _ = run(tmp_path, capsys, "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=40", "--temperature=0",
+                       "--dtype=float32")
+    expected = model.generate(torch.tensor([tokenizer.encode("ROMEO:")], device=DEVICE), 40, temperature=0)
+    assert code == 0 and out == tokenizer.decode(expected[0].tolist()) + "\n"
 
 
 def test_first_sample_streams_token_by_token(run_dir, monkeypatch):

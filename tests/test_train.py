@@ -23,7 +23,7 @@ from gptlite.checkpoint import load_checkpoint, step_files
 from gptlite.data import write_shard
 from gptlite.metrics import mfu, peak_flops, read_metrics
 from gptlite.model import GPT
-from tests.conftest import ROOT, shared_file, tiny_model
+from tests.conftest import ROOT, VARIANTS, shared_file, tiny_model
 
 VOCAB = 128  # the corpus is ASCII bytes
 TINY = dict(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, learning_rate=3e-3,
@@ -264,6 +264,24 @@ def test_a_cuda_device_always_gets_an_index(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ValueError, match="device=cuda but CUDA is not available here; use --device=cpu"):
         train.pick_device("cuda", 0)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_trains_and_resumes_exactly(data, tmp_path, name):
+    kw = dict(VARIANTS[name], dropout=0.1, eval_interval=3, lr_decay_iters=6)
+    straight = train.main(config(data, tmp_path / "straight", max_iters=6, **kw))
+    train.main(config(data, tmp_path / "resumed", max_iters=3, **kw))
+    resumed = train.main(resume(tmp_path / "resumed", "--max_iters=6"))
+    assert resumed["history"] == straight["history"][3:]
+    assert straight["history"][-1][1] < straight["history"][0][1]
+    assert {k: v for k, v in load_checkpoint(tmp_path / "resumed")["config"].items() if k in kw} == kw
+
+
+def test_resume_refuses_another_architecture(data, tmp_path):
+    train.main(config(data, tmp_path, max_iters=1, eval_interval=1, pos_emb="rope"))
+    for change in ("--norm=rmsnorm", "--ffn=gelu", "--rope_theta=500", "--pos_emb=learned"):
+        with pytest.raises(ValueError, match=rf"cannot change the model shape on --resume .*{change[2:]}"):
+            resume(tmp_path, change)
 
 
 def test_resume_past_a_damaged_checkpoint_deletes_it(data, tmp_path, capsys):
