@@ -1,6 +1,7 @@
-"""Generate text from a trained checkpoint, streaming tokens to stdout as they are produced.
+"""Generate text from a trained checkpoint or pretrained weights, streaming tokens to stdout as they are produced.
 
     python sample.py --out_dir=OUT [--start=TEXT | --start=FILE:prompt.txt] [--num_samples=3]
+    python sample.py --init_from=gpt2 [--tokenizer=gpt2.tiktoken] [--start=TEXT] ...   # no training needed
                      [--max_new_tokens=500] [--temperature=0.8] [--top_k=200] [--top_p=None]
                      [--repetition_penalty=1.0] [--frequency_penalty=0.0] [--stop=STRING ...]
                      [--stop_at_eot=true] [--batch_size=8] [--seed=1337] [--device=auto] [--dtype=auto]
@@ -20,7 +21,8 @@ import torch
 
 from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
 from gptlite.generate import generate_text
-from gptlite.tokenizer import Tokenizer, load_tokenizer
+from gptlite.model import GPT
+from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -52,6 +54,27 @@ def find_tokenizer(out_dir: Path, ckpt: dict) -> Tokenizer:
     raise FileNotFoundError(f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's {TOKENIZER_FILE} into {out_dir}")
 
 
+def read_tokenizer(spec: str) -> Tokenizer:
+    """--tokenizer: a gptlite tokenizer.json, a .tiktoken ranks file or a tiktoken encoding name."""
+    return load_tokenizer(spec) if spec.endswith(".json") else get_tokenizer(spec)
+
+
+def load_model(args: argparse.Namespace) -> tuple[GPT, Tokenizer]:
+    """The model (a run's newest checkpoint, or --init_from's pretrained weights) and its tokenizer."""
+    if args.init_from:
+        model = GPT.from_pretrained(args.init_from)
+        if args.tokenizer:
+            return model, read_tokenizer(args.tokenizer)
+        if model.config.vocab_size != 50257:
+            raise ValueError(f"{args.init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown "
+                             "to gptlite; pass --tokenizer=PATH (a gptlite tokenizer.json or a .tiktoken ranks file)")
+        return model, get_tokenizer("gpt2")  # GPT-2's BPE through tiktoken
+    out_dir = Path(args.out_dir)
+    ckpt = load_checkpoint(out_dir, map_location="cpu")
+    tokenizer = read_tokenizer(args.tokenizer) if args.tokenizer else find_tokenizer(out_dir, ckpt)
+    return model_from_checkpoint(ckpt), tokenizer
+
+
 def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
         path = Path(start[5:])
@@ -76,6 +99,10 @@ def resolve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the training run's directory (holds ckpt.pt)")
+    parser.add_argument("--init_from", default="", help="sample from pretrained weights instead: gpt2, gpt2-medium, "
+                        "gpt2-large, gpt2-xl or a Hugging Face directory (GPT-2 or Llama)")
+    parser.add_argument("--tokenizer", default="", help="a tokenizer.json, .tiktoken ranks file or tiktoken name "
+                        "(default: the run's tokenizer.json; GPT-2's BPE with --init_from)")
     parser.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
     parser.add_argument("--num_samples", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=500)
@@ -101,11 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         resolve(args)
-        out_dir = Path(args.out_dir)
-        ckpt = load_checkpoint(out_dir, map_location="cpu")
-        tokenizer = find_tokenizer(out_dir, ckpt)
-        model = model_from_checkpoint(ckpt).to(args.device, getattr(torch, args.dtype)).eval()
-        del ckpt
+        model, tokenizer = load_model(args)
+        model = model.to(args.device, getattr(torch, args.dtype)).eval()
         prompt = read_prompt(args.start)
         options = {
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
@@ -124,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
                 texts = [t + p for t, p in zip(texts, pieces)]
             sys.stdout.write("\n" + "".join(separator + prompt + text + "\n" for text in texts[1:]))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError, ImportError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -111,13 +111,14 @@ def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
     (lr_schedule="steps"), or when `minutes` reach max_minutes (lr_schedule="time"), then min_lr."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
+    min_lr = min(cfg.min_lr, cfg.learning_rate)  # learning_rate=0: nothing moves
     if cfg.lr_schedule == "time":
         progress = minutes / cfg.max_minutes
     else:
         decay_iters = cfg.lr_decay_iters or cfg.max_iters
         progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     progress = min(progress, 1.0)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - min_lr)
 
 
 def make_optimizer(model: GPT, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
@@ -233,6 +234,20 @@ def read_vocab_size(data_dir: str) -> int:
         raise ValueError(f"{path} has no valid vocab_size ({e}); prepare the data again or pass --vocab_size=N") from None
 
 
+def pretrained_values(init_from: str, values: dict) -> dict:
+    """The model keys of a pretrained checkpoint (its config.json only), after checking that `values` changes none
+    of them but block_size and dropout."""
+    from gptlite.hf import pretrained_config
+
+    pretrained = dict(vars(pretrained_config(init_from)))
+    changed = [f"{k}={values[k]} (the model has {pretrained[k]})" for k in MODEL_SHAPE_KEYS
+               if k != "block_size" and k in values and str(values[k]).lower() != str(pretrained[k]).lower()]
+    if changed:
+        raise ValueError(f"--init_from={init_from} fixes the model's shape; drop {', '.join(changed)} "
+                         "(block_size may be smaller, dropout anything)")
+    return pretrained
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -243,9 +258,13 @@ def git_commit() -> str:
 
 
 def resolve_config(argv: list[str]) -> TrainConfig:
-    """defaults < TOML < --key=value; on --resume the checkpoint's config is the base; vocab_size from the data."""
+    """defaults < TOML < --key=value; on --resume the checkpoint's config is the base, with --init_from the
+    pretrained model's shape; otherwise vocab_size comes from the data."""
     toml_path, overrides = parse_args(argv)
     values = {**(read_toml(toml_path) if toml_path else {}), **overrides}
+    if values.get("init_from") in ("scratch", "resume"):  # nanoGPT's values, which mean the same here
+        if values.pop("init_from") == "resume":
+            values.setdefault("resume", "true")
     out_dir = values.get("out_dir", TrainConfig.out_dir)
     resume = str(values.get("resume", "false")).lower() in ("true", "1", "yes", "on")
     saved = None
@@ -261,6 +280,8 @@ def resolve_config(argv: list[str]) -> TrainConfig:
         if changed:
             raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
         values = {**saved, **values}
+    elif values.get("init_from"):
+        values = {**pretrained_values(str(values["init_from"]), values), **values}
     if "vocab_size" not in values:
         if not values.get("data_dir"):
             raise ValueError("data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)")
@@ -310,7 +331,11 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                 log(f"no checkpoint in {out_dir}; starting from scratch")
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
-        model = GPT(cfg.model).to(device)
+        if cfg.init_from and not ckpt:
+            model = GPT.from_pretrained(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
+            model = model.train().to(device)
+        else:
+            model = GPT(cfg.model).to(device)
         torch.manual_seed(cfg.seed + rank)  # a different dropout stream per rank
         n_params, flops_per_token = model.num_params(), model.flops_per_token()
         fsdp = cfg.fsdp and world_size > 1

@@ -96,6 +96,9 @@ class TrainConfig:
     data_dir: str = ""
     out_dir: str = "out"
     resume: bool = False
+    # start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a directory in Hugging
+    # Face's layout (GPT-2 or Llama); the model's shape comes from it ("" = from scratch)
+    init_from: str = ""
     # batch: `batch_size` sequences per device per micro-step; `total_batch_size` tokens per optimizer
     # step across all devices (0 = one micro-step, no accumulation)
     batch_size: int = 12
@@ -142,9 +145,10 @@ class TrainConfig:
                      "max_minutes"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
+        if self.learning_rate < 0 or self.min_lr < 0 or 0 < self.learning_rate < self.min_lr:
             problems.append(
-                f"learning_rate={self.learning_rate}, min_lr={self.min_lr}: need 0 <= min_lr <= learning_rate and learning_rate > 0"
+                f"learning_rate={self.learning_rate}, min_lr={self.min_lr}: need 0 <= min_lr <= learning_rate "
+                "(learning_rate=0 trains nothing and ignores min_lr: an evaluation-only run)"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
@@ -218,7 +222,24 @@ def convert(key: str, value: typing.Any, typ: typing.Any) -> typing.Any:
     return str(value)
 
 
+# nanoGPT's config keys that gptlite names or does otherwise: the pointer a user gets instead of "unknown key"
+NANOGPT_KEYS = {
+    "gradient_accumulation_steps": "gptlite sets the optimizer step in tokens: --total_batch_size=N, and the "
+                                   "micro-steps are N / (batch_size * block_size * number of GPUs)",
+    "eval_only": "for an evaluation-only run use --learning_rate=0 --max_iters=1 (one step that changes nothing, "
+                 "then an evaluation)",
+    "always_save_checkpoint": "gptlite saves a checkpoint at every evaluation and keeps the newest --keep_last=N "
+                              "plus best.pt, the one with the lowest val loss",
+    "decay_lr": "the learning rate always decays from learning_rate to min_lr; for a constant rate set --min_lr to "
+                "the --learning_rate",
+    "backend": "the process-group backend is picked for you: nccl with CUDA GPUs, gloo otherwise",
+    "dataset": "use --data_dir=DIR, the folder of *train*.bin / *val*.bin shards that data/prepare.py writes",
+}
+
+
 def _unknown_key(key: str, known: typing.Iterable[str]) -> str:
+    if key in NANOGPT_KEYS:
+        return f"'{key}' is nanoGPT's key: {NANOGPT_KEYS[key]}"
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f"; did you mean '{close[0]}'?" if close else "; run with --help to list the keys"
     return f"unknown config key '{key}'{hint}"

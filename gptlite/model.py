@@ -323,6 +323,15 @@ class GPT(nn.Module):
         weight = self.tok_emb.weight
         return KVCache(self.config, batch_size, max_len or self.config.block_size, weight.dtype, weight.device)
 
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str, **overrides) -> GPT:
+        """GPT-2's weights ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", downloaded from the Hub) or a local
+        directory holding a transformers GPT2LMHeadModel or LlamaForCausalLM, in eval mode; `block_size`
+        (smaller) and `dropout` may be overridden. See gptlite.hf."""
+        from gptlite.hf import from_pretrained
+
+        return from_pretrained(name_or_dir, **overrides)
+
     def _check_input(self, idx: torch.Tensor) -> None:
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -189,6 +190,26 @@ def test_convert(value, typ, expected):
 def test_bad_values(key, value, message):
     with pytest.raises(ValueError, match=message):
         build_config({key: value})
+
+
+@pytest.mark.parametrize("key,pointer", [
+    ("gradient_accumulation_steps", "--total_batch_size=N"),
+    ("eval_only", "--learning_rate=0 --max_iters=1"),
+    ("always_save_checkpoint", "--keep_last=N plus best.pt"),
+    ("decay_lr", "set --min_lr to the --learning_rate"),
+    ("backend", "nccl with CUDA GPUs, gloo otherwise"),
+    ("dataset", "--data_dir=DIR"),
+])
+def test_nanogpts_keys_point_to_gptlites(key, pointer):
+    with pytest.raises(ValueError, match=rf"'{key}' is nanoGPT's key: .*{re.escape(pointer)}"):
+        build_config({key: "1"})
+
+
+def test_learning_rate_0_is_an_evaluation_only_run():
+    cfg = TrainConfig(learning_rate=0.0)  # min_lr keeps its default, which learning_rate=0 ignores
+    assert cfg.learning_rate == 0 and cfg.min_lr > 0
+    with pytest.raises(ValueError, match=r"learning_rate=-1.0, min_lr=6e-05: need 0 <= min_lr <= learning_rate"):
+        TrainConfig(learning_rate=-1.0)
 
 
 def test_unknown_key_did_you_mean():

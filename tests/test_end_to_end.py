@@ -128,6 +128,15 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
 
 
+def test_learning_rate_0_stays_0_and_nanogpts_init_from_values_mean_the_same(tmp_path):
+    cfg = build_config({"data_dir": "x", "vocab_size": 10, "learning_rate": 0, "warmup_iters": 10, "max_iters": 100})
+    assert {train.lr_at(s, cfg) for s in (0, 5, 50, 99, 200)} == {0.0}
+    base = [f"--data_dir={tmp_path}", "--vocab_size=10", f"--out_dir={tmp_path}"]
+    assert train.resolve_config([*base, "--init_from=scratch"]).init_from == ""
+    resumed = train.resolve_config([*base, "--init_from=resume"])  # no checkpoint there yet: starts from scratch
+    assert resumed.resume and resumed.init_from == ""
+
+
 def test_time_lr_schedule_decays_over_the_time_budget():
     cfg = build_config({"data_dir": "x", "vocab_size": 10, "learning_rate": 1.0, "min_lr": 0.1, "warmup_iters": 10,
                         "max_iters": 10**9, "lr_schedule": "time", "max_minutes": 2.0})
