@@ -19,12 +19,8 @@ from pathlib import Path
 
 import torch
 
-from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
+from gptlite.checkpoint import load_model
 from gptlite.generate import generate_text
-from gptlite.model import GPT
-from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def optional(cast):
@@ -44,35 +40,6 @@ def boolean(s: str) -> bool:
 def unescape(s: str) -> str:
     r"""Backslash escapes as in Python strings, so `--stop='\n\n'` stops at a blank line."""
     return s.encode("latin-1", "backslashreplace").decode("unicode_escape")
-
-
-def find_tokenizer(out_dir: Path, ckpt: dict) -> Tokenizer:
-    """The tokenizer.json train.py copied into out_dir, else the one beside the training shards."""
-    for path in (out_dir / TOKENIZER_FILE, Path(ckpt["config"].get("data_dir", "")) / TOKENIZER_FILE):
-        if path.is_file():
-            return load_tokenizer(path)
-    raise FileNotFoundError(f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's {TOKENIZER_FILE} into {out_dir}")
-
-
-def read_tokenizer(spec: str) -> Tokenizer:
-    """--tokenizer: a gptlite tokenizer.json, a .tiktoken ranks file or a tiktoken encoding name."""
-    return load_tokenizer(spec) if spec.endswith(".json") else get_tokenizer(spec)
-
-
-def load_model(args: argparse.Namespace) -> tuple[GPT, Tokenizer]:
-    """The model (a run's newest checkpoint, or --init_from's pretrained weights) and its tokenizer."""
-    if args.init_from:
-        model = GPT.from_pretrained(args.init_from)
-        if args.tokenizer:
-            return model, read_tokenizer(args.tokenizer)
-        if model.config.vocab_size != 50257:
-            raise ValueError(f"{args.init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown "
-                             "to gptlite; pass --tokenizer=PATH (a gptlite tokenizer.json or a .tiktoken ranks file)")
-        return model, get_tokenizer("gpt2")  # GPT-2's BPE through tiktoken
-    out_dir = Path(args.out_dir)
-    ckpt = load_checkpoint(out_dir, map_location="cpu")
-    tokenizer = read_tokenizer(args.tokenizer) if args.tokenizer else find_tokenizer(out_dir, ckpt)
-    return model_from_checkpoint(ckpt), tokenizer
 
 
 def read_prompt(start: str) -> str:
@@ -128,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         resolve(args)
-        model, tokenizer = load_model(args)
+        model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
         model = model.to(args.device, getattr(torch, args.dtype)).eval()
         prompt = read_prompt(args.start)
         options = {

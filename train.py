@@ -33,8 +33,9 @@ from gptlite.config import GPTConfig, TrainConfig, build_config, config_help, co
 from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
+from gptlite.evaluate import byte_lengths, loss_and_bpb, loss_sums
+from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
-TOKENIZER_FILE = "tokenizer.json"
 # what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
 MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "bias", "pos_emb",
                     "rope_theta", "norm", "norm_eps", "ffn")
@@ -192,22 +193,24 @@ def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: ShardLoader, iters: int, device: str, autocast) -> float:
-    """Mean loss per token over the first `iters` global batches of the val set (the same batches at every
-    evaluation), or over every val window when iters=0. Each rank evaluates its slice; the sums are all-reduced."""
+def evaluate(model: torch.nn.Module, loader: ShardLoader, iters: int, device: str, autocast,
+             lengths: torch.Tensor | None) -> tuple[float, float | None]:
+    """Mean loss per token and bits per byte (None without the tokens' byte `lengths`, see
+    gptlite.evaluate.byte_lengths) over the first `iters` global batches of the val set (the same batches at
+    every evaluation), or over every val window when iters=0. Each rank evaluates its slice; the sums are
+    all-reduced."""
     model.eval()
     loader.restore({"epoch": 0, "shard": 0, "index": 0})
     batches = loader.every_window() if iters == 0 else (loader.next_batch() for _ in range(iters))
-    sums = torch.zeros(2, device=device)  # (loss * tokens, tokens)
+    sums = torch.zeros(4, device=device)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
-            _, loss = model(x, y)
-        sums += torch.stack([loss.float() * y.numel(), torch.tensor(float(y.numel()), device=device)])
+            sums += loss_sums(model, x, y, lengths)
     if dist.is_initialized():
         dist.all_reduce(sums)
     model.train()
-    return (sums[0] / sums[1]).item()
+    return loss_and_bpb(sums)
 
 
 def out_of_memory_advice(cfg: TrainConfig, total_batch: int) -> str:
@@ -321,6 +324,10 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
             )
         grad_accum = total_batch // tokens_per_micro
         train_loader, val_loader = make_loaders(cfg, rank, world_size)
+        tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
+        lengths = None  # each token's bytes, for the val bits per byte (unknown without the data's tokenizer)
+        if tokenizer_file.is_file():
+            lengths = byte_lengths(load_tokenizer(tokenizer_file), cfg.model.vocab_size).to(device)
 
         out_dir = Path(cfg.out_dir)
         ckpt = None
@@ -370,7 +377,6 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
 
         if master:
             out_dir.mkdir(parents=True, exist_ok=True)
-            tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
             if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir
                 shutil.copyfile(tokenizer_file, out_dir / TOKENIZER_FILE)
             log("config: " + json.dumps(config_to_dict(cfg)))
@@ -498,16 +504,16 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                 log(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {grad_norm_value:.3f} | "
                     f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
                     + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%"))
-                record(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm_value, ms_per_step=dt * 1000,
-                       tokens_per_s=tokens_per_s, mfu=step_mfu)
+                record(step=step, tokens=step * total_batch, loss=loss_value, lr=lr, grad_norm=grad_norm_value,
+                       ms_per_step=dt * 1000, tokens_per_s=tokens_per_s, mfu=step_mfu)
 
             if step % cfg.eval_interval == 0 or last:
                 # the model as built, not train_model: compiling a second, eval-mode graph cost more than it saved
                 # (8 s for the char GPU recipe, whose evaluation then took 0.1 s; DDP adds nothing without gradients)
-                val_loss = evaluate(model, val_loader, cfg.eval_iters, device, autocast)
+                val_loss, val_bpb = evaluate(model, val_loader, cfg.eval_iters, device, autocast, lengths)
                 val_history.append((step, val_loss))
-                log(f"step {step:5d} | val loss {val_loss:.4f}")
-                record(step=step, val_loss=val_loss)
+                log(f"step {step:5d} | val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}"))
+                record(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
                 checkpoint(val_loss)
                 t_last = time.perf_counter()  # evaluation time is not training time
             elif stop_votes > 0:

@@ -33,6 +33,7 @@ import torch
 
 from gptlite.config import GPTConfig, build_config
 from gptlite.model import GPT
+from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 
 CHECKPOINT_NAME = "ckpt.pt"  # the newest checkpoint of a run directory
 BEST_NAME = "best.pt"  # the checkpoint with the lowest val loss
@@ -239,6 +240,30 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     check_weight_names(model, ckpt["model"])
     model.load_state_dict(ckpt["model"])
     return model
+
+
+def load_model(out_dir: str | Path = "", init_from: str = "", tokenizer: str = "") -> tuple[GPT, Tokenizer]:
+    """A model to sample from or evaluate, on the CPU in float32, with its tokenizer: a run's newest checkpoint
+    (out_dir), or pretrained weights (init_from: see GPT.from_pretrained). The tokenizer is `tokenizer` (a
+    tokenizer.json, .tiktoken file or tiktoken name) if given, else the run's tokenizer.json (in out_dir, or
+    beside its training data), else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken."""
+    if init_from:
+        model = GPT.from_pretrained(init_from)
+        if tokenizer:
+            return model, tokenizer_from_spec(tokenizer)
+        if model.config.vocab_size != 50257:
+            raise ValueError(f"{init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown to "
+                             "gptlite; pass a tokenizer (--tokenizer=PATH: a gptlite tokenizer.json or a .tiktoken file)")
+        return model, get_tokenizer("gpt2")
+    out_dir = Path(out_dir)
+    ckpt = load_checkpoint(out_dir)
+    if tokenizer:
+        return model_from_checkpoint(ckpt), tokenizer_from_spec(tokenizer)
+    for path in (out_dir / TOKENIZER_FILE, Path(ckpt["config"].get("data_dir", "")) / TOKENIZER_FILE):
+        if path.is_file():
+            return model_from_checkpoint(ckpt), load_tokenizer(path)
+    raise FileNotFoundError(f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's "
+                            f"{TOKENIZER_FILE} into {out_dir}")
 
 
 def check_weight_names(model: GPT, state: dict) -> None:

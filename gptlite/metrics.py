@@ -1,10 +1,11 @@
 """Run metrics: the JSON-lines metrics file of a training run, and model FLOPs utilisation (MFU).
 
-out_dir/metrics.jsonl holds one JSON object per line, each with a "step":
+out_dir/metrics.jsonl holds one JSON object per line, each with a "step" and, from training and evaluation
+rows, "tokens" (trained on so far):
     training    loss, lr, grad_norm, ms_per_step, tokens_per_s, mfu (null where the peak is unknown)
-    evaluation  val_loss
+    evaluation  val_loss, val_bpb (null without the data's tokenizer; see gptlite.evaluate)
     events      event (e.g. a skipped non-finite step), with loss and grad_norm
-`python -m gptlite.plot OUT_DIR` draws it to a PNG.
+`python -m gptlite.plot OUT_DIR [OUT_DIR ...]` draws runs to a PNG.
 """
 
 from __future__ import annotations

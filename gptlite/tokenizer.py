@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 EOT = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"  # beside a data folder's shards, and copied into every run's out_dir
 # GPT-2's pre-tokenization pattern (as in tiktoken_ext.openai_public.r50k_pat_str)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -212,6 +213,11 @@ def tokenizer_from_dict(d: dict, source: str = "tokenizer JSON") -> Tokenizer:
         ranks = {base64.b64decode(token): rank for token, rank in d["mergeable_ranks"].items()}
         return TiktokenTokenizer(_tiktoken_encoding(d["name"], d["pat_str"], ranks, d["special_tokens"]))
     raise ValueError(f"{source} has unknown tokenizer type {kind!r}; expected byte, char or tiktoken")
+
+
+def tokenizer_from_spec(spec: str) -> Tokenizer:
+    """A saved tokenizer JSON (a path ending in .json), a .tiktoken ranks file or a tiktoken encoding name."""
+    return load_tokenizer(spec) if spec.endswith(".json") else get_tokenizer(spec)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -4,13 +4,12 @@ inputs, out-of-memory advice, the compile fallback, the time budget, the metrics
 
 import contextlib
 import json
+import math
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -321,46 +320,37 @@ def test_time_schedule_decays_the_lr_over_the_time_budget(data, tmp_path, monkey
 # observability
 
 
-def decode_png(path: Path) -> np.ndarray:
-    """An 8-bit RGB PNG without row filters (what gptlite.plot writes) to (H, W, 3), checking every chunk's CRC."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos : pos + 4])
-        tag, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(tag + body)
-        chunks[tag] = chunks.get(tag, b"") + body
-        pos += 12 + n
-    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color) == (8, 2) and b"IEND" in chunks
-    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8).reshape(height, 1 + 3 * width)
-    assert (rows[:, 0] == 0).all()
-    return rows[:, 1:].reshape(height, width, 3)
-
-
-def test_metrics_file_and_its_png_plot(data, tmp_path, capsys):
-    train.main(config(data, tmp_path, max_iters=6, eval_interval=3, log_interval=2))
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+def test_metrics_file_and_the_plot_of_several_runs(data, tmp_path, capsys):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    train.main(config(data, runs[0], max_iters=6, eval_interval=3, log_interval=2))
+    train.main(config(data, runs[1], max_iters=4, eval_interval=2, log_interval=2, batch_size=4))
+    rows = read_metrics(runs[0] / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 4, 6]
-    assert set(train_rows[0]) == {"step", "loss", "lr", "grad_norm", "ms_per_step", "tokens_per_s", "mfu"}
+    assert set(train_rows[0]) == {"step", "tokens", "loss", "lr", "grad_norm", "ms_per_step", "tokens_per_s", "mfu"}
     assert train_rows[0]["mfu"] is None and train_rows[0]["tokens_per_s"] > 0  # no known peak for a CPU
-    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert train_rows[0]["tokens"] == 2 * 8 * 16  # steps x batch_size x block_size
+    val_rows = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in val_rows] == [3, 6] and all(r["val_bpb"] is None for r in val_rows)  # no tokenizer
 
-    result = subprocess.run([sys.executable, "-m", "gptlite.plot", str(tmp_path)], cwd=ROOT, capture_output=True,
-                            text=True)
-    assert result.returncode == 0 and result.stdout.strip() == f"wrote {tmp_path / 'loss.png'}", result.stderr
-    image = decode_png(tmp_path / "loss.png")
-    assert image.shape == (plot.HEIGHT, plot.WIDTH, 3)
-    colors = {tuple(c) for c in image.reshape(-1, 3)}
-    assert {plot.BLUE, plot.ORANGE, plot.BLACK} <= colors
+    result = subprocess.run([sys.executable, "-m", "gptlite.plot", str(runs[0])], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"wrote {runs[0] / 'loss.png'}", result.stderr
+    out = tmp_path / "both.png"
+    assert plot.main([*map(str, runs), "--x=tokens", "--log", f"--out={out}"]) == 0
+    for png in (runs[0] / "loss.png", out):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    from matplotlib.image import imread
+
+    assert imread(out).shape[:2] == (500, 800)  # 8 x 5 inches at 100 dpi: one panel, no bits per byte
 
     assert plot.main([str(tmp_path / "nowhere")]) == 2
     assert f"gptlite.plot: error: {tmp_path / 'nowhere' / 'metrics.jsonl'} does not exist" in capsys.readouterr().err
     (tmp_path / "empty.jsonl").write_text("")
     assert plot.main([str(tmp_path / "empty.jsonl"), f"--out={tmp_path / 'x.png'}"]) == 2
     assert "has no finite loss values to plot" in capsys.readouterr().err
+    (tmp_path / "old.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert plot.main([str(tmp_path / "old.jsonl"), "--x=tokens", f"--out={tmp_path / 'x.png'}"]) == 2
+    assert "have no token counts" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
 
 
 def test_wandb_offline_run_gets_the_metrics(data, tmp_path, monkeypatch):
@@ -440,7 +430,7 @@ def test_eval_iters_0_evaluates_every_val_window_once(data, tmp_path):
     torch.manual_seed(0)
     model = train.GPT(cfg.model).eval()
     _, val_loader = train.make_loaders(cfg, 0, 1)
-    full = train.evaluate(model, val_loader, 0, "cpu", contextlib.nullcontext())
+    full, bpb = train.evaluate(model, val_loader, 0, "cpu", contextlib.nullcontext(), torch.ones(VOCAB, dtype=torch.long))
     T, total, count = cfg.model.block_size, 0.0, 0
     for tokens in val_loader.shards:
         for i in range(0, len(tokens) - T, T):
@@ -449,3 +439,4 @@ def test_eval_iters_0_evaluates_every_val_window_once(data, tmp_path):
             total, count = total + loss.item() * T, count + T
     assert count > cfg.batch_size * T  # more than one batch, with a short last one
     assert full == pytest.approx(total / count, rel=1e-5)
+    assert bpb == pytest.approx(full / math.log(2), rel=1e-6)  # one byte per token

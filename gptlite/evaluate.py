@@ -1,0 +1,278 @@
+"""Metrics that score a model: bits per byte over token windows, and zero-shot HellaSwag accuracy.
+
+    python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag] [--data_dir=DIR | --text=FILE] [--json=FILE]
+    python -m gptlite.evaluate --init_from=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
+
+Bits per byte: bpb = (sum of the target tokens' cross-entropy, in nats) / (ln 2 x the UTF-8 bytes those
+tokens decode to). It does not depend on the tokenizer, so a char model and a BPE model compare. Targets that
+stand for no text (the end-of-text token, and padded ids) count in neither sum, as in nanochat. Each window
+of block_size tokens is scored on its own, so its first tokens see little context: bpb (and val loss) over
+windows read higher than a full-context evaluation would.
+
+HellaSwag (Zellers et al., 2019; 10,042 validation examples): zero-shot, scored as build-nanogpt and llm.c do.
+For each of an example's 4 endings, the context's tokens are followed by those of " " + ending (nothing
+before, no end-of-text token) and the cross-entropy of the ending's tokens alone is summed: `acc` picks the
+ending with the lowest sum, `acc_norm` the lowest mean per ending token. (lm-eval's acc_norm divides by the
+ending's bytes instead, so its figures differ.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gptlite.model import GPT
+from gptlite.tokenizer import Tokenizer
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+HELLASWAG_FILE = Path("data/hellaswag/hellaswag_val.jsonl")  # where the command keeps its download
+
+
+# ---------------------------------------------------------------------------------------------
+# Bits per byte
+
+
+def byte_lengths(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) the UTF-8 bytes of each id's text, built once: 0 for the end-of-text token and for ids past
+    the tokenizer's vocabulary (a padded model vocabulary)."""
+    lengths = torch.zeros(vocab_size, dtype=torch.long)
+    n = min(vocab_size, tokenizer.vocab_size)
+    lengths[:n] = torch.tensor([len(tokenizer.token_bytes([i])) for i in range(n)])
+    if tokenizer.eot_id is not None and tokenizer.eot_id < vocab_size:
+        lengths[tokenizer.eot_id] = 0
+    return lengths
+
+
+def loss_sums(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """Sums over a batch, x and y (B, T): (cross-entropy of every target in nats, targets, cross-entropy of the
+    targets that decode to bytes, those bytes); the last two are 0 without `lengths` (see byte_lengths)."""
+    logits, _ = model(x)  # (B, T, V)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")  # (B*T,)
+    sums = torch.stack([ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)])
+    if lengths is None:
+        return torch.cat([sums, torch.zeros(2, device=ce.device)])
+    nbytes = lengths[y.flatten()]  # (B*T,)
+    text = torch.where(nbytes > 0, ce, torch.zeros_like(ce)).sum()
+    return torch.cat([sums, torch.stack([text, nbytes.sum().float()])])
+
+
+def loss_and_bpb(sums: torch.Tensor) -> tuple[float, float | None]:
+    """(mean loss per target, bits per byte or None) from accumulated `loss_sums`."""
+    loss, n, text, nbytes = sums.tolist()
+    return loss / n, (text / (math.log(2) * nbytes) if nbytes else None)
+
+
+@torch.no_grad()
+def evaluate_windows(model: GPT, streams: list[torch.Tensor], batch_size: int = 8, lengths: torch.Tensor | None = None,
+                     progress: bool = False) -> tuple[float, float | None, int]:
+    """(loss, bpb, targets scored) over every non-overlapping window of block_size + 1 tokens of each 1-D token
+    stream (a val shard, a text), its last and shorter window included; windows never cross streams."""
+    from tqdm import tqdm
+
+    T = model.config.block_size
+    device = model.tok_emb.weight.device
+    windows = [tokens[s : s + T + 1] for tokens in streams for s in range(0, len(tokens) - 1, T)]
+    sums = torch.zeros(4, device=device)
+    lengths = None if lengths is None else lengths.to(device)
+    model.eval()
+    for first in tqdm(range(0, len(windows), batch_size), desc="windows", disable=not progress, file=sys.stderr):
+        batch = windows[first : first + batch_size]
+        for size in {len(w) for w in batch}:  # a stream's last window may be shorter: a forward of its own
+            x = torch.stack([w for w in batch if len(w) == size]).to(device)  # (B, size)
+            sums += loss_sums(model, x[:, :-1], x[:, 1:], lengths)
+    loss, bpb = loss_and_bpb(sums)
+    return loss, bpb, int(sums[1].item())
+
+
+# ---------------------------------------------------------------------------------------------
+# HellaSwag
+
+
+def read_hellaswag(path: str | Path, limit: int | None = None) -> list[dict]:
+    """The examples of a HellaSwag JSONL file (ctx, 4 endings, label), the first `limit` of them if given; a bad
+    line is a ValueError naming the file, the line and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"HellaSwag file {path} does not exist; download {HELLASWAG_URL} and pass its path")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e.msg}); HellaSwag files hold one JSON object per line") from None
+            missing = [k for k in ("ctx", "endings", "label") if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise ValueError(f"{where} has no field '{missing[0]}'; a HellaSwag row holds ctx, endings and label")
+            endings, label = row["endings"], row["label"]
+            if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+                raise ValueError(f"{where}: endings must be a list of 4 strings, got {str(endings)[:80]}")
+            if not (isinstance(row["ctx"], str) and str(label) in ("0", "1", "2", "3")):
+                raise ValueError(f"{where}: ctx must be a string and label one of 0, 1, 2, 3 (got {label!r})")
+            rows.append({"ctx": row["ctx"], "endings": endings, "label": int(label)})
+            if limit is not None and len(rows) == limit:
+                break
+    if not rows:
+        raise ValueError(f"{path} holds no HellaSwag examples")
+    return rows
+
+
+def ending_rows(tokenizer: Tokenizer, example: dict, block_size: int) -> list[tuple[list[int], int]]:
+    """For each ending: (context tokens + tokens of " " + ending, cropped on the left to block_size + 1; the
+    number of ending tokens at its end)."""
+    ctx = tokenizer.encode(example["ctx"])
+    rows = []
+    for ending in example["endings"]:
+        end = tokenizer.encode(" " + ending)
+        rows.append(((ctx + end)[-(block_size + 1) :], min(len(end), block_size)))
+    return rows
+
+
+@torch.no_grad()
+def ending_losses(model: GPT, tokenizer: Tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (sum, mean per token) cross-entropy of each example's 4 endings, each (B, 4), from one forward pass
+    over the 4 x B rows, right-padded (causal attention: padding after a row changes nothing before it)."""
+    rows = [row for example in examples for row in ending_rows(tokenizer, example, model.config.block_size)]
+    width = max(len(tokens) for tokens, _ in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)  # (4B, L)
+    ending = torch.zeros(len(rows), width, dtype=torch.bool)  # (4B, L) True on the ending's tokens
+    for i, (row, n_end) in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+        ending[i, len(row) - n_end : len(row)] = True
+    device = model.tok_emb.weight.device
+    tokens, target = tokens.to(device), ending[:, 1:].to(device)
+    logits, _ = model(tokens[:, :-1])  # (4B, L-1, V)
+    ce = F.cross_entropy(logits.float().transpose(1, 2), tokens[:, 1:], reduction="none")  # (4B, L-1)
+    total = (ce * target).sum(1)  # (4B,)
+    return total.view(-1, 4), (total / target.sum(1)).view(-1, 4)
+
+
+def hellaswag(model: GPT, tokenizer: Tokenizer, path: str | Path, limit: int | None = None, batch_size: int = 8,
+              progress: bool = True) -> dict:
+    """Zero-shot HellaSwag (see the module docstring) on the model's device: {"acc", "acc_norm", "n"}, fractions
+    of the examples whose lowest total (acc) or per-token (acc_norm) loss is the right ending. `batch_size`
+    examples go through the model at once."""
+    from tqdm import tqdm
+
+    examples = read_hellaswag(path, limit)
+    model.eval()
+    correct = correct_norm = 0
+    with tqdm(total=len(examples), desc="hellaswag", unit="ex", disable=not progress, file=sys.stderr) as bar:
+        for first in range(0, len(examples), batch_size):
+            batch = examples[first : first + batch_size]
+            total, mean = ending_losses(model, tokenizer, batch)
+            labels = torch.tensor([e["label"] for e in batch], device=total.device)
+            correct += int((total.argmin(1) == labels).sum())
+            correct_norm += int((mean.argmin(1) == labels).sum())
+            bar.update(len(batch))
+    return {"acc": correct / len(examples), "acc_norm": correct_norm / len(examples), "n": len(examples)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gptlite.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out_dir", default="", help="a training run (its newest checkpoint and tokenizer)")
+    parser.add_argument("--init_from", default="", help="pretrained weights instead: gpt2[-medium|-large|-xl] or a "
+                        "Hugging Face directory")
+    parser.add_argument("--tokenizer", default="", help="a tokenizer.json, .tiktoken file or tiktoken name (default: "
+                        "the run's; GPT-2's BPE for GPT-2)")
+    parser.add_argument("--task", default="val", help="comma-separated: val, hellaswag")
+    parser.add_argument("--data_dir", default="", help="val: the shards whose val split to score (default: the run's)")
+    parser.add_argument("--text", default="", help="val: score this text file instead of val shards")
+    parser.add_argument("--hellaswag_file", default=str(HELLASWAG_FILE),
+                        help=f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when missing)")
+    parser.add_argument("--limit", type=int, default=None, help="hellaswag: the first N examples only")
+    parser.add_argument("--batch_size", type=int, default=8, help="windows (val) or examples (hellaswag) per forward")
+    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights' precision; auto = bfloat16 on CUDA, float32 elsewhere")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        results = run(args)
+    except (ValueError, FileNotFoundError, ConnectionError, ImportError) as e:
+        print(f"gptlite.evaluate: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        tmp = Path(f"{args.json}.tmp")
+        tmp.write_text(json.dumps(results, indent=1) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The command's work: check every argument, load the model once, run each task, print one line per task."""
+    from gptlite.checkpoint import load_checkpoint, load_model
+
+    tasks = args.task.split(",")
+    problems = [f"--task: unknown {t!r} (val, hellaswag)" for t in tasks if t not in ("val", "hellaswag")]
+    if bool(args.out_dir) == bool(args.init_from):
+        problems.append("give one of --out_dir=RUN or --init_from=NAME_OR_DIR")
+    if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
+        problems.append(f"--limit={args.limit} and --batch_size={args.batch_size} must be >= 1")
+    if "val" in tasks and args.init_from and not (args.data_dir or args.text):
+        problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
+    if problems:
+        raise ValueError("; ".join(problems))
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
+    model = model.to(device, getattr(torch, dtype)).eval()
+    source = args.out_dir or args.init_from
+    results = {"model": source, "device": device, "dtype": dtype}
+    for task in tasks:
+        start = time.perf_counter()
+        if task == "val":
+            if args.text:
+                text = Path(args.text)
+                if not text.is_file():
+                    raise FileNotFoundError(f"text file {text} does not exist")
+                streams, what = [torch.tensor(tokenizer.encode(text.read_text(encoding="utf-8")))], str(text)
+            else:
+                from gptlite.data import check_vocab, find_shards, read_shard
+
+                data_dir = args.data_dir or load_checkpoint(args.out_dir)["config"]["data_dir"]
+                files = find_shards(data_dir, "val")
+                check_vocab(files, model.config.vocab_size)
+                streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]
+                what = f"{data_dir} val split"
+            lengths = byte_lengths(tokenizer, model.config.vocab_size)
+            loss, bpb, n = evaluate_windows(model, streams, args.batch_size, lengths, progress=True)
+            seconds = time.perf_counter() - start
+            results["val"] = {"loss": loss, "bpb": bpb, "tokens": n, "on": what, "seconds": seconds}
+            print(f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
+                  f"{seconds:.1f} s")
+        else:
+            path = Path(args.hellaswag_file)
+            if not path.is_file() and path == HELLASWAG_FILE:
+                from gptlite.prepare import download
+
+                download(HELLASWAG_URL, path)
+            scores = hellaswag(model, tokenizer, path, args.limit, args.batch_size)
+            seconds = time.perf_counter() - start
+            results["hellaswag"] = {**scores, "seconds": seconds}
+            print(f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
+                  f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
