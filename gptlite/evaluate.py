@@ -151,9 +151,9 @@ def ending_losses(model: GPT, tokenizer: Tokenizer, examples: list[dict]) -> tup
         ending[i, len(row) - n_end : len(row)] = True
     device = model.tok_emb.weight.device
     tokens, target = tokens.to(device), ending[:, 1:].to(device)
-    logits, _ = model(tokens[:, :-1])  # (4B, L-1, V)
-    ce = F.cross_entropy(logits.float().transpose(1, 2), tokens[:, 1:], reduction="none")  # (4B, L-1)
-    total = (ce * target).sum(1)  # (4B,)
+    hidden = model.hidden(tokens[:, :-1])[target]  # (N, C): the positions that predict an ending's token
+    ce = F.cross_entropy(model.lm_head(hidden).float(), tokens[:, 1:][target], reduction="none")  # (N,), the head
+    total = torch.zeros(len(rows), device=device).index_add_(0, target.nonzero()[:, 0], ce)  # only where scored
     return total.view(-1, 4), (total / target.sum(1)).view(-1, 4)
 
 
@@ -165,6 +165,8 @@ def hellaswag(model: GPT, tokenizer: Tokenizer, path: str | Path, limit: int | N
     from tqdm import tqdm
 
     examples = read_hellaswag(path, limit)
+    # batches of examples of similar lengths pad less; the scores do not depend on the order
+    examples = sorted(examples, key=lambda e: len(e["ctx"]) + max(len(x) for x in e["endings"]))
     model.eval()
     correct = correct_norm = 0
     with tqdm(total=len(examples), desc="hellaswag", unit="ex", disable=not progress, file=sys.stderr) as bar:
