@@ -2,6 +2,7 @@
 
     python sample.py --out_dir=OUT [--start=TEXT | --start=FILE:prompt.txt] [--num_samples=3]
     python sample.py --init_from=gpt2 [--tokenizer=gpt2.tiktoken] [--start=TEXT] ...   # no training needed
+    python sample.py --out_dir=OUT --num_beams=4 [--num_samples=2] [--length_penalty=1.0]  # beam search
                      [--max_new_tokens=500] [--temperature=0.8] [--top_k=200] [--top_p=None]
                      [--repetition_penalty=1.0] [--frequency_penalty=0.0] [--stop=STRING ...]
                      [--stop_at_eot=true] [--batch_size=8] [--seed=1337] [--device=auto] [--dtype=auto]
@@ -9,6 +10,7 @@
 
 Samples are generated `batch_size` at a time and share the prompt's prefill. The first sample of each
 batch is printed token by token as it is generated; the others are printed when their batch is done.
+With --num_beams the `num_samples` best beams are printed when the search ends (see gptlite.beam).
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from pathlib import Path
 import torch
 
 from gptlite.checkpoint import load_model
-from gptlite.generate import generate_text
+from gptlite.generate import generate, generate_text
+from gptlite.model import GPT
+from gptlite.tokenizer import Tokenizer
+
+SEPARATOR = "-" * 40 + "\n"
+UNSET = object()  # a flag the command line did not give
 
 
 def optional(cast):
@@ -61,6 +68,53 @@ def resolve(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
     if args.num_samples < 1 or args.batch_size < 1:
         raise ValueError(f"num_samples={args.num_samples} and batch_size={args.batch_size} must be >= 1")
+    beams = args.num_beams > 1  # beam search scores the model's own probabilities: no temperature, no top-k
+    if beams and args.num_samples > args.num_beams:
+        raise ValueError(f"num_samples={args.num_samples} must be <= num_beams={args.num_beams}: the best beams are printed")
+    if args.temperature is UNSET:
+        args.temperature = 1.0 if beams else 0.8
+    if args.top_k is UNSET:
+        args.top_k = None if beams else 200
+
+
+def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace) -> None:
+    """Sample `num_samples` continuations, `batch_size` at a time, the first of each batch streamed."""
+    options = {
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+        "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+        "stop": args.stop, "stop_at_eot": args.stop_at_eot, "extend_context": args.extend_context,
+        "compile": args.compile, "generator": torch.Generator(device=args.device).manual_seed(args.seed),
+    }
+    for first in range(0, args.num_samples, args.batch_size):
+        n = min(args.batch_size, args.num_samples - first)
+        texts = [""] * n
+        stream = generate_text(model, tokenizer, prompt, args.max_new_tokens, num_samples=n, **options)
+        sys.stdout.write((SEPARATOR if first else "") + prompt)
+        for pieces in stream:
+            sys.stdout.write(pieces[0])
+            sys.stdout.flush()
+            texts = [t + p for t, p in zip(texts, pieces)]
+        sys.stdout.write("\n" + "".join(SEPARATOR + prompt + text + "\n" for text in texts[1:]))
+
+
+def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace) -> None:
+    """The `num_samples` best continuations by beam search, best first, cut at the end-of-text token (if
+    stop_at_eot) and before the first stop string."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
+    stops = [tokenizer.eot_id] if args.stop_at_eot and tokenizer.eot_id is not None else []
+    penalties = {"repetition_penalty": (args.repetition_penalty, 1.0), "frequency_penalty": (args.frequency_penalty, 0.0)}
+    refused = {k: value for k, (value, off) in penalties.items() if value != off}  # generate says why
+    rows = generate(model, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                    num_beams=args.num_beams, num_return_sequences=args.num_samples, length_penalty=args.length_penalty,
+                    early_stopping=args.early_stopping, stop_tokens=stops, extend_context=args.extend_context,
+                    compile=args.compile, **refused)
+    texts = []
+    for row in rows:
+        new = row[len(ids) :]
+        text = tokenizer.decode(new[:-1] if new and new[-1] in stops else new)
+        cuts = [i for i in (text.find(s) for s in args.stop if s) if i >= 0]
+        texts.append(text[: min(cuts)] if cuts else text)
+    sys.stdout.write(SEPARATOR.join(prompt + text + "\n" for text in texts))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,11 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
     parser.add_argument("--num_samples", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=500)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top_k", type=optional(int), default=200, help="keep the k most likely tokens (None = all)")
+    parser.add_argument("--temperature", type=float, default=UNSET, help="0 = greedy (default 0.8; 1 with --num_beams)")
+    parser.add_argument("--top_k", type=optional(int), default=UNSET,
+                        help="keep the k most likely tokens (None = all; default 200, None with --num_beams)")
     parser.add_argument("--top_p", type=optional(float), default=None, help="nucleus sampling threshold (None = off)")
     parser.add_argument("--repetition_penalty", type=float, default=1.0, help="CTRL's penalty on seen tokens (1 = off)")
     parser.add_argument("--frequency_penalty", type=float, default=0.0, help="subtracted per earlier occurrence (0 = off)")
+    parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams (1 = sample)")
+    parser.add_argument("--length_penalty", type=float, default=1.0,
+                        help="beam search: a hypothesis scores its log-probability / length ** length_penalty")
+    parser.add_argument("--early_stopping", type=lambda s: s if s == "never" else boolean(s), default=False,
+                        help="beam search: true, false (transformers' heuristic) or never")
     parser.add_argument("--stop", action="append", default=[], type=unescape,
                         help="stop a sample before this text (repeatable; backslash escapes such as \\n work)")
     parser.add_argument("--stop_at_eot", type=boolean, nargs="?", const=True, default=True,
@@ -98,23 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
         model = model.to(args.device, getattr(torch, args.dtype)).eval()
         prompt = read_prompt(args.start)
-        options = {
-            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
-            "stop": args.stop, "stop_at_eot": args.stop_at_eot, "extend_context": args.extend_context,
-            "compile": args.compile, "generator": torch.Generator(device=args.device).manual_seed(args.seed),
-        }
-        separator = "-" * 40 + "\n"
-        for first in range(0, args.num_samples, args.batch_size):
-            n = min(args.batch_size, args.num_samples - first)
-            texts = [""] * n
-            stream = generate_text(model, tokenizer, prompt, args.max_new_tokens, num_samples=n, **options)
-            sys.stdout.write((separator if first else "") + prompt)
-            for pieces in stream:
-                sys.stdout.write(pieces[0])
-                sys.stdout.flush()
-                texts = [t + p for t, p in zip(texts, pieces)]
-            sys.stdout.write("\n" + "".join(separator + prompt + text + "\n" for text in texts[1:]))
+        (print_beams if args.num_beams > 1 else print_samples)(model, tokenizer, prompt, args)
     except (ValueError, FileNotFoundError, ConnectionError, ImportError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ same weights and against Hugging Face `transformers` GPT-2 `generate` on a same-
     python benchmarks/bench_generate.py                       # every model and batch, the device's default dtype
     python benchmarks/bench_generate.py --dtype=bfloat16 --models=gpt2 --batch_sizes=1
     python benchmarks/bench_generate.py --compile=false,true --json=gen.json   # both paths, figures as JSON
+    python benchmarks/bench_generate.py --models=gpt2 --batch_sizes=1 --num_beams=4  # beam search against HF's
 
 All models have random weights and decode greedily from a random 16-token prompt for 256 new tokens;
 tokens/s counts every generated token of the batch over the whole call (prefill included), the median of
@@ -61,9 +62,9 @@ def hf_model(shape: dict, dtype: torch.dtype, device: str):
     return transformers.GPT2LMHeadModel(config).to(device, dtype).eval()
 
 
-def hf_generate(model, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def hf_generate(model, idx: torch.Tensor, max_new_tokens: int, num_beams: int = 1) -> torch.Tensor:
     return model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=max_new_tokens,
-                          min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                          min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, num_beams=num_beams)
 
 
 def timed(fn: Callable[[], torch.Tensor], repeats: int, device: str, warmup: Callable | None = None) -> tuple[float, torch.Tensor]:
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--naive_max_batch", type=int, default=1,
                         help="skip the naive loop above this batch size for gpt2 (it takes minutes)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads on the CPU (0 = torch's default)")
+    parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams (no naive loop); "
+                        "tokens/s counts the returned sequence's tokens")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if any(m not in ("true", "false") for m in args.compile.split(",")):
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {where}, gptlite and naive in {dtype_name(dtype)}, HF in {dtype_name(hf_dtype)}, "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.repeats} runs")
+          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"{f'beam search with {args.num_beams} beams, ' if args.num_beams > 1 else ''}median of {args.repeats} runs")
     header = (f"{'model':6} {'batch':>5} {'compiled':>8} {'gptlite tok/s':>14} {'naive tok/s':>12} {'HF tok/s':>10} "
               f"{'vs naive':>9} {'vs HF':>7}")
     print(header)
@@ -132,15 +136,17 @@ def main(argv: list[str] | None = None) -> None:
             idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
             tokens = batch * args.new_tokens
             baselines = {}  # naive and HF, measured once for every compile mode
-            if model_name != "gpt2" or batch <= args.naive_max_batch:
+            beams = {"num_beams": args.num_beams} if args.num_beams > 1 else {}
+            if not beams and (model_name != "gpt2" or batch <= args.naive_max_batch):
                 t_naive, naive = timed(partial(naive_generate, model, idx, args.new_tokens), args.naive_repeats, device,
                                        warmup=partial(naive_generate, model, idx, 4))
                 baselines["naive"] = tokens / t_naive
             if hf is not None:
-                baselines["hf"] = tokens / timed(partial(hf_generate, hf, idx, args.new_tokens), args.repeats, device)[0]
+                baselines["hf"] = tokens / timed(partial(hf_generate, hf, idx, args.new_tokens, args.num_beams), args.repeats,
+                                                 device)[0]
             for compile in modes:
-                t_cached, cached = timed(partial(generate, model, idx, args.new_tokens, temperature=0, compile=compile),
-                                         args.repeats, device)
+                t_cached, cached = timed(partial(generate, model, idx, args.new_tokens, temperature=0, compile=compile,
+                                                 **beams), args.repeats, device)
                 row = {"gptlite": tokens / t_cached, **baselines}
                 if "naive" in baselines:
                     same = (cached == naive).float().mean().item()
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{model_name:6} {batch:>5} {'yes' if compile else 'no':>8} {cells[0]:>14} {cells[1]:>12} "
                       f"{cells[2]:>10} {ratios[0]:>9} {ratios[1]:>7}", flush=True)
                 results.append({"model": model_name, "batch": batch, "compiled": compile, "dtype": dtype_name(dtype),
+                                "num_beams": args.num_beams,
                                 "tokens_per_s": row, "vs_hf": row["gptlite"] / row["hf"] if "hf" in row else None})
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": results}, indent=1))

@@ -113,6 +113,14 @@ class KVCache:
             self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
             self.visible, self.first = self.visible.repeat_interleave(n, dim=0), self.first.repeat_interleave(n, dim=0)
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row i takes over the contents of row rows[i] (beam search: each beam follows its parent), in place,
+        so the buffers keep their addresses (CUDA graphs recorded against them stay valid)."""
+        for buffer in self.k + self.v:
+            buffer.copy_(buffer.index_select(0, rows))
+        self.visible.copy_(self.visible.index_select(0, rows))
+        self.first = self.first.index_select(0, rows)
+
     def same_shape(self, other: KVCache) -> bool:
         mine, theirs = self.k[0], other.k[0]
         return (len(self.k), mine.shape, mine.dtype, mine.device) == (len(other.k), theirs.shape, theirs.dtype, theirs.device)
@@ -474,11 +482,18 @@ def generate(
     generator: torch.Generator | None = None,
     **kwargs,
 ) -> torch.Tensor | list[list[int]]:
-    """Prompts plus their new tokens; arguments as for `generate_tokens`.
+    """Prompts plus their new tokens; arguments as for `generate_tokens`, or, with `num_beams` (see
+    gptlite.beam), the best continuations by beam search: `num_beams`, `length_penalty` (1.0), `early_stopping`
+    (False, True or "never"), `num_return_sequences` (1, at most num_beams) and `stop_tokens`, `extend_context`,
+    `compile`. Beam search is deterministic: temperature may be 0 or 1, and no top_k, top_p, penalties or
+    seeds; num_beams=1 is greedy decoding.
 
-    A (B, T) tensor gives a (B * num_samples, T + n) tensor, n <= max_new_tokens (fewer when every row
-    stopped early; a stopped row is filled with PAD = -1). Lists of ids give lists of ids, without PAD.
+    A (B, T) tensor gives a (B * n, T + L) tensor, n = num_samples or num_return_sequences, L <= max_new_tokens
+    (fewer when every row stopped early; a stopped row is filled with PAD = -1). Lists of ids give lists of ids,
+    without PAD.
     """
+    if "num_beams" in kwargs:
+        return _generate_beams(model, prompts, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
     new = list(generate_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, generator, **kwargs))
     n = kwargs.get("num_samples", 1)
     if isinstance(prompts, torch.Tensor):
@@ -486,6 +501,48 @@ def generate(
         return torch.cat([prompts, torch.stack(new, dim=1)], dim=1) if new else prompts.clone()
     columns = torch.stack(new, dim=1).tolist() if new else [[] for _ in range(len(prompts) * n)]
     return [[*map(int, p), *(t for t in c if t != PAD)] for p, c in zip((p for p in prompts for _ in range(n)), columns)]
+
+
+BEAM_OPTIONS = ("length_penalty", "early_stopping", "num_return_sequences", "stop_tokens", "extend_context", "compile")
+
+
+def _generate_beams(model: GPT, prompts: Prompts, max_new_tokens: int, temperature: float, top_k: int | None,
+                    top_p: float | None, generator: torch.Generator | None, num_beams: int, **kwargs):
+    """`generate` with num_beams: the arguments checked, then gptlite.beam.beam_search (or greedy decoding)."""
+    from gptlite.beam import beam_search
+
+    problems = []
+    if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
+        problems.append(f"num_beams={num_beams!r} must be an integer >= 1")
+    if temperature not in (0, 1) or top_k is not None or top_p is not None:
+        problems.append(f"beam search scores the model's own probabilities: temperature={temperature} must be 0 or 1 and "
+                        f"top_k={top_k}, top_p={top_p} None (beam sampling is not supported)")
+    others = sorted(set(kwargs) - set(BEAM_OPTIONS)) + (["generator"] if generator is not None else [])
+    if others:
+        problems.append(f"{', '.join(others)} cannot be used with num_beams (beam search is deterministic; "
+                        "num_return_sequences gives several continuations)")
+    n = kwargs.pop("num_return_sequences", 1)
+    if not problems and not 1 <= n <= num_beams:
+        problems.append(f"num_return_sequences={n} must be between 1 and num_beams={num_beams}")
+    early_stopping = kwargs.pop("early_stopping", False)
+    if early_stopping not in (True, False, "never"):
+        problems.append(f"early_stopping={early_stopping!r} must be True, False or 'never'")
+    if max_new_tokens < 0:
+        problems.append(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if problems:
+        raise ValueError("; ".join(problems))
+    if num_beams == 1 or max_new_tokens == 0:  # one beam is greedy decoding
+        kwargs.pop("length_penalty", None)
+        return generate(model, prompts, max_new_tokens, temperature=0, **kwargs)
+    rows = _prompt_rows(prompts, model.config.vocab_size)
+    new = beam_search(model, rows, max_new_tokens, num_beams, early_stopping=early_stopping, num_return_sequences=n,
+                      length_penalty=kwargs.get("length_penalty", 1.0), stop_tokens=list(kwargs.get("stop_tokens", ())),
+                      extend_context=kwargs.get("extend_context", False), compile=kwargs.get("compile", False))
+    full = [[*rows[i // n], *tokens] for i, tokens in enumerate(new)]
+    if not isinstance(prompts, torch.Tensor):
+        return full
+    width = max(len(r) for r in full)
+    return torch.tensor([r + [PAD] * (width - len(r)) for r in full], device=prompts.device)
 
 
 class TextStream:
