@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from gptlite.checkpoint import load_model
+from gptlite.cli import run_command
 from gptlite.generate import generate, generate_text
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
@@ -153,17 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extend_context", type=boolean, nargs="?", const=True, default=False,
                         help="sinusoidal or rope positions: run past block_size instead of sliding the window")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         resolve(args)
         model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
         model = model.to(args.device, getattr(torch, args.dtype)).eval()
         prompt = read_prompt(args.start)
         (print_beams if args.num_beams > 1 else print_samples)(model, tokenizer, prompt, args)
-    except (ValueError, FileNotFoundError, ConnectionError, ImportError) as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
 
+    return run_command("sample.py", body, "nothing to save")
 
 if __name__ == "__main__":
     sys.exit(main())

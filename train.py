@@ -225,6 +225,9 @@ def out_of_memory_advice(cfg: TrainConfig, total_batch: int) -> str:
 
 def read_vocab_size(data_dir: str) -> int:
     """vocab_size recorded in DATA_DIR/tokenizer.json by data/prepare.py."""
+    if not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"data_dir {data_dir} does not exist or is not a folder; prepare data there first "
+                                f"(python data/prepare.py --input=... --out_dir={data_dir}) or check the path")
     path = Path(data_dir) / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from gptlite.cli import run_command  # noqa: E402
 from gptlite.prepare import SHARD_TOKENS, prepare  # noqa: E402
 
 
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.input and not args.hf_dataset and not args.verify:
         parser.error("give --input files or --hf_dataset (or --verify)")
-    try:
+
+    def body() -> int:
         if args.verify:
             from gptlite.data import verify_manifest
 
@@ -49,14 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field, workers=args.workers, dtype=args.dtype,
             hf_dataset=args.hf_dataset, hf_name=args.hf_name, hf_split=args.hf_split,
         )
-    except (ValueError, TypeError, OSError, ImportError) as e:  # OSError covers missing files and the network
-        print(f"prepare.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\nprepare.py: interrupted; run the same command again to continue in {args.out_dir}", file=sys.stderr)
-        return 130
-    return 0
+        return 0
 
+    return run_command("prepare.py", body, f"run the same command again to continue in {args.out_dir}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -87,11 +87,15 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+MANIFEST = "manifest.json"  # written last by data/prepare.py: the folder's preparation is complete
+PROGRESS = "progress.json"  # an unfinished preparation's state
+
+
 def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
     """Check a prepared data_dir against its manifest.json and return the manifest: every listed shard is
     there with its token count (and, with checksums, its sha256), and no other shard is."""
     data_dir = Path(data_dir)
-    path = data_dir / "manifest.json"
+    path = data_dir / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(
             f"{data_dir} has no manifest.json: its preparation did not finish (run the same data/prepare.py "
@@ -120,10 +124,18 @@ def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
 
 
 def find_shards(spec: str | Path, split: str) -> list[Path]:
-    """Shard files for a split: a directory (every *.bin whose name contains `split`), a glob, or a file."""
+    """Shard files for a split: a directory (every *.bin whose name contains `split`), a glob, or a file. A
+    directory whose preparation has not finished (progress.json without manifest.json) is refused; shards
+    from elsewhere, without either file, are fine."""
     spec = str(spec)
     if os.path.isdir(spec):
+        if (Path(spec) / PROGRESS).is_file() and not (Path(spec) / MANIFEST).is_file():
+            raise ValueError(f"{spec} holds an unfinished preparation ({PROGRESS}, no {MANIFEST}); finish it by "
+                             "running the same data/prepare.py command again")
         files = [p for p in sorted(Path(spec).glob("*.bin")) if split in p.name]
+    elif not glob.has_magic(spec) and not os.path.exists(spec):
+        raise FileNotFoundError(f"data {spec} does not exist; prepare data there first (python data/prepare.py "
+                                f"--input=... --out_dir={spec}) or check the path")
     else:
         files = [Path(p) for p in sorted(glob.glob(spec))]
     if not files:

@@ -204,16 +204,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights' precision; auto = bfloat16 on CUDA, float32 elsewhere")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         results = run(args)
-    except (ValueError, FileNotFoundError, ConnectionError, ImportError) as e:
-        print(f"gptlite.evaluate: error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        tmp = Path(f"{args.json}.tmp")
-        tmp.write_text(json.dumps(results, indent=1) + "\n")
-        tmp.replace(args.json)
-    return 0
+        if args.json:
+            tmp = Path(f"{args.json}.tmp")
+            tmp.write_text(json.dumps(results, indent=1) + "\n")
+            tmp.replace(args.json)
+        return 0
+
+    from gptlite.cli import run_command
+
+    return run_command("gptlite.evaluate", body, "nothing was written")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from gptlite.config import GPTConfig
+from gptlite.files import fault
 from gptlite.model import GPT
 from gptlite.tokenizer import EOT, GPT2_PATTERN, TiktokenTokenizer, Tokenizer
 
@@ -313,13 +314,19 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
     written = []
     for name in names:
         path, tmp = directory / name, directory / f"{name}.tmp"
-        if name == "model.safetensors":
-            save_file(weights, tmp, metadata={"format": "pt"})
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # as any file the user writes (safetensors creates it private)
-        else:
-            tmp.write_text(files[name], encoding="utf-8")
+        try:
+            if name == "model.safetensors":
+                save_file(weights, tmp, metadata={"format": "pt"})
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o666 & ~umask)  # as any file the user writes (safetensors creates it private)
+            else:
+                tmp.write_text(files[name], encoding="utf-8")
+        except BaseException as e:  # a full disk, an interruption: no half-written file stays behind
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise fault(e, f"could not write {path}") from None
+            raise
         os.replace(tmp, path)
         written.append(path)
     return written
@@ -396,9 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--overwrite", action="store_true", help="replace files an earlier export left in hf_dir")
     args = parser.parse_args(argv)
     from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
+    from gptlite.cli import run_command
     from gptlite.tokenizer import load_tokenizer
 
-    try:
+
+    def body() -> int:
         model = model_from_checkpoint(load_checkpoint(args.out_dir))
         tokenizer_file = Path(args.out_dir) / "tokenizer.json"
         tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
@@ -407,12 +416,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: no tokenizer files are written: {problem}")
             tokenizer = None
         written = export_hf(model, args.hf_dir, tokenizer, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"gptlite.hf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {', '.join(p.name for p in written)} to {args.hf_dir} ({family_of(model.config).architecture})")
-    return 0
+        print(f"wrote {', '.join(p.name for p in written)} to {args.hf_dir} ({family_of(model.config).architecture})")
+        return 0
 
+    return run_command("gptlite.hf", body, f"files written to {args.hf_dir} are whole; run it again with --overwrite")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,7 +70,11 @@ def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: boo
             ax.set_yscale("log")
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=100)
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+    except BaseException:  # a full disk, an interruption: no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(out)
     return out
 
@@ -85,12 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or (Path(args.runs[0]) / "loss.png" if len(args.runs) == 1 and Path(args.runs[0]).is_dir()
                        else Path("loss.png"))
-    try:
+    from gptlite.cli import run_command
+
+    def body() -> int:
         print(f"wrote {plot_runs(args.runs, out, args.x, args.log)}")
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        print(f"gptlite.plot: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command("gptlite.plot", body)
 
 
 if __name__ == "__main__":

@@ -45,14 +45,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gptlite.files import make_dir
 from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_dict
 
 BLOCK_BYTES = 1 << 20  # text is read in blocks of about 1 MiB
 BATCH_BLOCKS = 4  # a batch for one worker holds this many blocks' worth of text
 IN_FLIGHT_PER_WORKER = 2  # batches queued per worker: enough to keep it busy, few enough to bound memory
+MANIFEST, PROGRESS = "manifest.json", "progress.json"  # gptlite.data's names (not imported here: it imports torch)
 SHARD_TOKENS = 100_000_000
-MANIFEST = "manifest.json"
-PROGRESS = "progress.json"
 TOKENIZER_FILE = "tokenizer.json"
 RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}  # any other file is text
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -370,7 +370,9 @@ _worker: dict = {}  # a worker process's tokenizer and dtype, set once by _start
 
 
 def _start_worker(tokenizer_json: dict, dtype: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    # Ctrl-C and SIGTERM to the process group are the main process's to handle: it stops the pool cleanly
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _worker["tokenizer"], _worker["dtype"] = tokenizer_from_dict(tokenizer_json), np.dtype(dtype)
 
 
@@ -574,18 +576,28 @@ def restore(out_dir: Path, progress: dict) -> bool:
     return True
 
 
-def start_or_resume(out_dir: Path, key: str, overwrite: bool, log) -> dict | None:
-    """progress.json's state if out_dir holds an interrupted preparation with these settings (and overwrite
-    is off); otherwise clear out_dir's shards, manifest and progress and return None."""
+def resumable(out_dir: Path, key: str, log) -> dict | None:
+    """progress.json's state if out_dir holds an interrupted preparation with these settings whose files can be
+    brought back to it (see `restore`), else None; nothing is deleted here unless it is resumed."""
     path = out_dir / PROGRESS
-    if path.is_file() and not overwrite:
-        progress = read_state(path)
-        if progress and progress.get("settings") == key and (out_dir / TOKENIZER_FILE).is_file() and restore(out_dir, progress):
-            return progress
-        log(f"{out_dir} holds an unfinished preparation with other settings or damaged files; starting afresh")
-    for stale in [out_dir / MANIFEST, path, *shard_files(out_dir)]:
-        stale.unlink(missing_ok=True)
+    if not path.is_file():
+        return None
+    progress = read_state(path)
+    if progress and progress.get("settings") == key and (out_dir / TOKENIZER_FILE).is_file() and restore(out_dir, progress):
+        return progress
+    log(f"{out_dir} holds an unfinished preparation with other settings or damaged files; starting afresh")
     return None
+
+
+def clear_preparation(out_dir: Path, log) -> None:
+    """Delete out_dir's shards, manifest and progress (called once the new preparation's inputs and tokenizer
+    are known to be good), saying so first if there was an earlier preparation."""
+    earlier = [p for p in (out_dir / MANIFEST, out_dir / PROGRESS) if p.is_file()] + shard_files(out_dir)
+    if earlier:
+        log(f"replacing the earlier preparation in {out_dir} ({len(earlier)} files: manifest, progress and shards) "
+            "made with other inputs or settings")
+    for stale in earlier:
+        stale.unlink(missing_ok=True)
 
 
 def build_tokenizer(spec: str, sources: list[dict], val_fraction: float, text_field: str) -> Tokenizer:
@@ -674,12 +686,14 @@ def prepare(
     if total == 0:
         raise ValueError(f"the inputs ({', '.join(inputs)}) are empty; there is no text to tokenize")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     key = settings_key(settings)
-    progress = start_or_resume(out_dir, key, overwrite, log)
+    progress = None if overwrite else resumable(out_dir, key, log)
     if progress is None:
+        # the tokenizer and its dtype are checked before anything earlier in out_dir is deleted
         tokenizer = build_tokenizer(tokenizer_spec, sources, val_fraction, text_field)
         tokens_dtype = token_dtype(tokenizer.vocab_size, dtype)
+        make_dir(out_dir)
+        clear_preparation(out_dir, log)
         tokenizer.save(out_dir / TOKENIZER_FILE)
         progress = new_progress(key, tokens_dtype)
     else:

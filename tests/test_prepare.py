@@ -1,5 +1,6 @@
 """Dataset preparation: shards, split point, documents, re-runs, errors and the two CLI scripts."""
 
+import errno
 import json
 import os
 import re
@@ -243,6 +244,59 @@ def test_changed_settings_or_inputs_prepare_again(tmp_path):
     write(src, TEXT + TEXT)  # new content
     manifest = prepare([str(src)], "byte", out, log=quiet)
     assert manifest["train_tokens"] + manifest["val_tokens"] == 2 * len(TEXT)
+
+
+def folder_bytes(out_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out_dir.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("bad", ["gtp2", "empty.tiktoken", "incomplete.tiktoken", "no_such_file.tiktoken"])
+def test_a_failed_rerun_leaves_the_finished_folder_as_it_was(tmp_path, bad):
+    """A re-run whose tokenizer is wrong (a typo, an empty or incomplete ranks file) stops with one line before
+    anything of the earlier preparation is deleted."""
+    src = write(tmp_path / "a.txt", TEXT)
+    out = tmp_path / "out"
+    prepare([str(src)], str(shared_file("tokenizers/gpt2.tiktoken")), out, log=quiet)
+    before = folder_bytes(out)
+    (tmp_path / "empty.tiktoken").write_text("")
+    ranks = shared_file("tokenizers/gpt2.tiktoken").read_text().splitlines()
+    (tmp_path / "incomplete.tiktoken").write_text("\n".join(ranks[300:]) + "\n")  # no single-byte tokens
+    spec = bad if bad == "gtp2" else str(tmp_path / bad)
+    result = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), "--input", str(src), "--tokenizer", spec,
+                             "--out_dir", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "panicked" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    message = {"gtp2": "unknown tokenizer 'gtp2'", "empty.tiktoken": "is incomplete: 0 tokens",
+               "incomplete.tiktoken": "is incomplete: 49956 tokens, 0 of the 256 single bytes",
+               "no_such_file.tiktoken": "does not exist"}[bad]
+    assert message in result.stderr
+    assert folder_bytes(out) == before
+
+
+def test_a_rerun_that_replaces_a_preparation_says_so_first(tmp_path):
+    src = write(tmp_path / "a.txt", TEXT)
+    out = tmp_path / "out"
+    prepare([str(src)], "byte", out, log=quiet)
+    logged = []
+    prepare([str(src)], "char", out, log=logged.append)
+    assert logged[0].startswith(f"replacing the earlier preparation in {out} (") and "other inputs or settings" in logged[0]
+
+
+@pytest.mark.parametrize("where", ["a file", "read-only"])
+def test_an_out_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, where):
+    src = write(tmp_path / "a.txt", TEXT)
+    out = tmp_path / "out"
+    if where == "a file":
+        out.write_text("not a folder")
+        message = f"folder {out} is a file, not a folder; choose another path"
+    else:  # root writes through file modes, so the read-only file system is made by the mkdir that fails
+        def read_only(self, *args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+        message = f"cannot create folder {out}: read-only file system; use a writable folder"
+    with pytest.raises(OSError, match=re.escape(message)):
+        prepare([str(src)], "byte", out, log=quiet)
 
 
 def test_missing_shard_triggers_a_rerun(tmp_path):

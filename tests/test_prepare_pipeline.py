@@ -289,9 +289,12 @@ def test_encode_to_numpy_equals_encode(spec):
         assert ids.dtype == np.uint32 and ids.tolist() == tokenizer.encode(text)
 
 
-def test_cli_ctrl_c_then_the_same_command_continues(tmp_path):
-    """Ctrl-C (SIGINT to the whole process group, workers included) stops with one line and exit status 130;
-    the same command then resumes and writes what an uninterrupted run writes."""
+@pytest.mark.parametrize("signum,to_group", [("SIGINT", True), ("SIGTERM", True), ("SIGINT", False), ("SIGTERM", False)],
+                         ids=["ctrl-c", "term-group", "int-main-only", "term-main-only"])
+def test_cli_interrupted_then_the_same_command_continues(tmp_path, signum, to_group):
+    """SIGINT or SIGTERM, to the whole process group (a terminal's Ctrl-C) or to the main process alone (kill,
+    timeout, a scheduler), stops with one line and 128 + the signal number, leaving no worker behind; the same
+    command then resumes and writes what an uninterrupted run writes."""
     import os
     import signal
     import time
@@ -305,12 +308,24 @@ def test_cli_ctrl_c_then_the_same_command_continues(tmp_path):
     deadline = time.time() + 60
     while not (out / "progress.json").is_file() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
+    number = getattr(signal, signum)
+    (os.killpg if to_group else os.kill)(proc.pid, number)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 128 + number, stderr
     assert "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == f"prepare.py: interrupted; run the same command again to continue in {out}"
+    assert stderr.strip().splitlines()[-1] == (f"prepare.py: interrupted ({signum}); run the same command again to "
+                                               f"continue in {out}")
     assert not (out / "manifest.json").exists()
+    deadline = time.time() + 30  # the workers end with the pool: the process group empties
+    while time.time() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("worker processes were left running")
 
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr

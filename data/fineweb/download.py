@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from gptlite.cli import run_command  # noqa: E402
 from gptlite.prepare import TOKEN_SHARDS, download_token_shards  # noqa: E402
 
 
@@ -27,16 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--revision", help="a commit of the Hugging Face repository, to pin the data")
     args = parser.parse_args(argv)
     out_dir = Path(args.out_dir or ROOT / "data" / args.dataset)
-    try:
-        download_token_shards(args.dataset, out_dir, args.train_shards, args.tokenizer, args.revision)
-    except (ValueError, OSError, ImportError) as e:  # OSError covers the network and missing files
-        print(f"fineweb/download.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\nfineweb/download.py: interrupted; run it again to continue in {out_dir}", file=sys.stderr)
-        return 130
-    return 0
 
+    def body() -> int:
+        download_token_shards(args.dataset, out_dir, args.train_shards, args.tokenizer, args.revision)
+        return 0
+
+    return run_command("fineweb/download.py", body, f"finished files are kept: run it again to continue in {out_dir}")
 
 if __name__ == "__main__":
     sys.exit(main())

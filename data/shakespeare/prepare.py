@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from gptlite.cli import run_command  # noqa: E402
 from gptlite.prepare import download, prepare  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -27,14 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = "gpt2" if args.tokenizer.endswith(".tiktoken") else args.tokenizer
     out_dir = Path(args.out_dir or ROOT / "data" / f"shakespeare_{name}")
-    try:
+
+    def body() -> int:
         source = Path(args.input) if args.input else download(URL, ROOT / "data" / "shakespeare" / "input.txt")
         prepare([str(source)], args.tokenizer, out_dir, val_fraction=0.1)
-    except (ValueError, OSError) as e:  # OSError: a missing or unreadable file, the network
-        print(f"shakespeare/prepare.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
 
+    return run_command("shakespeare/prepare.py", body, f"run it again to continue in {out_dir}")
 
 if __name__ == "__main__":
     sys.exit(main())

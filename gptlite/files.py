@@ -1,0 +1,90 @@
+"""File-system faults in plain words, and the lock that gives a run folder to one process at a time.
+
+Commands turn an OSError into one line that names the path, the cause (e.g. "no space left on device") and
+what to do, instead of a traceback (`fault`); folders are made with such errors (`make_dir`).
+
+A run folder is locked with an OS-level lock (fcntl.flock on RUN/.lock) for as long as the process that
+holds it lives: a crash or kill -9 frees it, so no stale lock is ever left behind. The lock file names its
+holder (pid, host, command) for the refusal message. flock works between processes of one machine; on
+network filesystems (NFS, Lustre) whether it also excludes processes of other machines depends on the
+filesystem and its mount options, so on a cluster give every job its own out_dir.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+from pathlib import Path
+
+# errno -> (the cause in plain words, what to do about it)
+CAUSES = {
+    errno.ENOSPC: ("no space left on device", "free space or use a folder on another disk"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or use a folder on another disk"),
+    errno.EROFS: ("read-only file system", "use a writable folder"),
+    errno.EACCES: ("permission denied", "use a folder you can write to"),
+    errno.EPERM: ("operation not permitted", "use a folder you can write to"),
+    errno.ENOTDIR: ("a file is in the way where a folder should be", "choose another path"),
+    errno.EEXIST: ("a file is in the way where a folder should be", "choose another path"),
+    errno.EISDIR: ("it is a folder, not a file", "give the path of a file"),
+    errno.ENOENT: ("it does not exist", "check the path"),
+    errno.EIO: ("an input/output error of the disk", "check the disk"),
+}
+
+
+def fault(e: OSError, doing: str) -> OSError:
+    """An OSError whose message is one line: `doing` (e.g. "could not write checkpoint X"), the cause in plain
+    words and the fix. Raise it `from None`."""
+    cause, fix = CAUSES.get(e.errno, (e.strerror or str(e), "check the path and the disk"))
+    error = OSError(e.errno, f"{doing}: {cause}; {fix}")
+    error.filename = e.filename
+    return error
+
+
+def make_dir(path: str | Path, what: str = "folder") -> Path:
+    """mkdir -p, with a one-line error naming the path when a file is in the way or it cannot be written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OSError(errno.EEXIST, f"{what} {path} is a file, not a folder; choose another path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise fault(e, f"cannot create {what} {path}") from None
+    return path
+
+
+class FolderLock:
+    """An exclusive flock on folder/.lock, held until `release` or the process's end (see the module docstring).
+    Where fcntl does not exist (Windows) nothing is locked."""
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str | Path, what: str = "run folder"):
+        self.path = Path(folder) / self.NAME
+        self.file = None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            return
+        try:
+            self.file = open(self.path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise fault(e, f"cannot write in {what} {self.path.parent}") from None
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise ValueError(f"{what} {self.path.parent} is in use by {holder}; wait for it to finish, stop it, or "
+                             "choose another folder") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)[:200]})\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # closing the file releases the lock
+            self.file = None
