@@ -77,8 +77,9 @@ def test_train_cli_end_to_end_and_errors(char_data, tmp_path):
         ([f"--data_dir={char_data}", "--n_layr=2"], "unknown config key 'n_layr'; did you mean 'n_layer'?"),
         ([f"--data_dir={char_data}", "--batch_size=abc"], "batch_size='abc' is not an integer"),
         ([f"--data_dir={char_data}", "--n_embd=100", "--n_head=3"], "n_embd=100 is not divisible by n_head=3"),
-        ([f"--data_dir={tmp_path / 'nowhere'}", "--vocab_size=65"], "no train shards found"),
-        ([f"--data_dir={tmp_path / 'nowhere'}"], "vocab_size"),
+        ([f"--data_dir={tmp_path / 'nowhere'}", "--vocab_size=65"], f"data {tmp_path / 'nowhere'} does not exist"),
+        ([f"--data_dir={tmp_path / 'nowhere'}"], f"data_dir {tmp_path / 'nowhere'} does not exist or is not a folder"),
+        ([f"--data_dir={tmp_path}", "--vocab_size=65"], "no train shards found"),
         ([f"--data_dir={char_data}", "--vocab_size=50"], "but the model's vocab_size is 50; set --vocab_size to at least"),
         (["missing.toml"], "config file missing.toml does not exist"),
     ]:
