@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -27,13 +29,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptlite.checkpoint import (check_weight_names, discard_newer, load_checkpoint, rng_state, save_run_checkpoint,
-                                 set_rng_state)
+from gptlite.checkpoint import (check_weight_names, discard_damaged, holds_run, load_checkpoint, remove_leftovers,
+                                 rng_state, run_files, save_run_checkpoint, set_rng_state)
 from gptlite.config import GPTConfig, TrainConfig, build_config, config_help, config_to_dict, parse_args, read_toml
 from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 from gptlite.evaluate import byte_lengths, loss_and_bpb, loss_sums
+from gptlite.files import FolderLock, error, make_dir
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 # what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
@@ -71,13 +74,23 @@ class StopSignals(list):
 @contextlib.contextmanager
 def training_session():
     """(rank, local_rank, world_size, StopSignals): starts the process group under torchrun; on the way out,
-    also on errors, restores the signal handlers and ends the process group."""
+    also on errors, restores the signal handlers and ends the process group, after everything that uses it.
+
+    The order matters at exit: a DDP reducer or an FSDP module freed after the process group (its last
+    reference gone, or collected later from a reference cycle) made gloo's destructor join its worker
+    threads while holding the GIL, a hang in about one run in ten, or abort ("terminate called without an
+    active exception"). So the run's frames are cleared (on an error, the traceback keeps them alive) and
+    collected first."""
     rank, local_rank, world_size = setup_distributed()
     signals = StopSignals()
     try:
         yield rank, local_rank, world_size, signals
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         signals.restore()
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -254,6 +267,43 @@ def pretrained_values(init_from: str, values: dict) -> dict:
     return pretrained
 
 
+def claim_run_folder(out_dir: Path, cfg: TrainConfig, log) -> FolderLock:
+    """Rank 0: make out_dir and lock it for this run (a second train.py on it is refused, naming the process),
+    delete the temporary files a crash left, and refuse a fresh run (no --resume) into a folder that holds an
+    earlier run's checkpoints or metrics, unless --overwrite, which moves them into out_dir/previous-TIME/."""
+    make_dir(out_dir, "out_dir")
+    lock = FolderLock(out_dir, "out_dir")
+    try:
+        for path in remove_leftovers(out_dir):
+            log(f"deleted {path}, a temporary file an interrupted save left")
+        earlier = run_files(out_dir) if not cfg.resume and holds_run(out_dir) else []
+        if earlier and not cfg.overwrite:
+            raise ValueError(
+                f"out_dir {out_dir} holds an earlier run ({', '.join(p.name for p in earlier[:3])}"
+                f"{', ...' if len(earlier) > 3 else ''}); continue it with --resume, choose another --out_dir, or "
+                "pass --overwrite to move its files into a previous-TIME folder inside it first")
+        if earlier:
+            previous = make_dir(out_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}")
+            for path in earlier:
+                os.replace(path, previous / path.name)
+            log(f"moved the earlier run's {len(earlier)} files into {previous} (--overwrite)")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def stop_together(problem: str | None, world_size: int) -> None:
+    """Raise ValueError(problem) on every rank when rank 0 found one, so that no rank waits in a collective for
+    a rank that stopped."""
+    if world_size > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise ValueError(problem)
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -301,244 +351,261 @@ def resolve_config(argv: list[str]) -> TrainConfig:
 
 def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     """Train according to cfg; returns a summary (steps, logged losses, val losses, why it stopped early)."""
-    t_start = time.time()
     if not cfg.data_dir:
         raise ValueError("data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)")
-    with training_session() as (rank, local_rank, world_size, signals):
-        master = rank == 0
-        log = functools.partial(print, flush=True) if master else (lambda *a, **k: None)
-        device = pick_device(cfg.device, local_rank)
-        device_type = device.split(":")[0]
-        if device_type == "cuda":
-            torch.cuda.set_device(device)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        dtype = pick_dtype(cfg.dtype, device_type)
-        autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    with training_session() as session, contextlib.ExitStack() as cleanup:
+        return train(cfg, argv, *session, cleanup)
 
-        # data: every problem is found here, before the first step
-        B, T = cfg.batch_size, cfg.model.block_size
-        tokens_per_micro = B * T * world_size
-        total_batch = cfg.total_batch_size or tokens_per_micro
-        if total_batch % tokens_per_micro:
-            raise ValueError(
-                f"total_batch_size={total_batch} is not a multiple of batch_size*block_size*world_size="
-                f"{B}*{T}*{world_size}={tokens_per_micro}; set total_batch_size to a multiple of {tokens_per_micro}"
-            )
-        grad_accum = total_batch // tokens_per_micro
-        train_loader, val_loader = make_loaders(cfg, rank, world_size)
-        tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
-        lengths = None  # each token's bytes, for the val bits per byte (unknown without the data's tokenizer)
-        if tokenizer_file.is_file():
-            lengths = byte_lengths(load_tokenizer(tokenizer_file), cfg.model.vocab_size).to(device)
 
-        out_dir = Path(cfg.out_dir)
-        ckpt = None
-        if cfg.resume:
-            try:
-                ckpt = load_checkpoint(out_dir, on_fallback=log)
-            except FileNotFoundError:
-                log(f"no checkpoint in {out_dir}; starting from scratch")
+def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, world_size: int,
+          signals: StopSignals, cleanup: contextlib.ExitStack) -> dict:
+    """`main` inside its session: set up, data, run folder, model, optimizer, resume, loop, finish. The model and
+    optimizer live in this function's frame, so they are gone when it ends, before the process group is."""
+    t_start = time.time()
+    master = rank == 0
+    log = functools.partial(print, flush=True) if master else (lambda *a, **k: None)
+    device = pick_device(cfg.device, local_rank)
+    device_type = device.split(":")[0]
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    dtype = pick_dtype(cfg.dtype, device_type)
+    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
 
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
-        if cfg.init_from and not ckpt:
-            model = GPT.from_pretrained(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
-            model = model.train().to(device)
+    # data: every problem is found here, before the first step
+    B, T = cfg.batch_size, cfg.model.block_size
+    tokens_per_micro = B * T * world_size
+    total_batch = cfg.total_batch_size or tokens_per_micro
+    if total_batch % tokens_per_micro:
+        raise ValueError(
+            f"total_batch_size={total_batch} is not a multiple of batch_size*block_size*world_size="
+            f"{B}*{T}*{world_size}={tokens_per_micro}; set total_batch_size to a multiple of {tokens_per_micro}"
+        )
+    grad_accum = total_batch // tokens_per_micro
+    train_loader, val_loader = make_loaders(cfg, rank, world_size)
+    tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
+    lengths = None  # each token's bytes, for the val bits per byte (unknown without the data's tokenizer)
+    if tokenizer_file.is_file():
+        lengths = byte_lengths(load_tokenizer(tokenizer_file), cfg.model.vocab_size).to(device)
+
+    # the run folder: this run's alone from here on (rank 0 holds its lock until the run ends)
+    out_dir = Path(cfg.out_dir)
+    problem, lock = None, None
+    if master:
+        try:
+            lock = claim_run_folder(out_dir, cfg, log)
+        except (ValueError, OSError) as e:
+            problem = str(e)
+    stop_together(problem, world_size)
+    if lock:
+        cleanup.callback(lock.release)
+    ckpt = None
+    if cfg.resume:
+        try:
+            ckpt = load_checkpoint(out_dir, on_fallback=log)
+        except FileNotFoundError:
+            log(f"no checkpoint in {out_dir}; starting from scratch")
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
+    if cfg.init_from and not ckpt:
+        model = GPT.from_pretrained(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
+        model = model.train().to(device)
+    else:
+        model = GPT(cfg.model).to(device)
+    torch.manual_seed(cfg.seed + rank)  # a different dropout stream per rank
+    n_params, flops_per_token = model.num_params(), model.flops_per_token()
+    fsdp = cfg.fsdp and world_size > 1
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)  # the rest: the token embedding (tied to the head), positions, the final norm
+    optimizer = make_optimizer(model, cfg, device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    step, best_val = 0, float("inf")
+    if ckpt:
+        check_weight_names(model, ckpt["model"])
+        set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+        if ckpt["scaler"]:
+            scaler.load_state_dict(ckpt["scaler"])
+        train_loader.restore(ckpt["loader"])
+        step, best_val = int(ckpt["step"]), float(ckpt["best_val_loss"])
+        if len(ckpt["rng"]) == world_size:
+            set_rng_state(ckpt["rng"][rank])
         else:
-            model = GPT(cfg.model).to(device)
-        torch.manual_seed(cfg.seed + rank)  # a different dropout stream per rank
-        n_params, flops_per_token = model.num_params(), model.flops_per_token()
-        fsdp = cfg.fsdp and world_size > 1
-        if fsdp:
-            from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+            log(f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
+                f"world_size={world_size}: the data continues where it stopped, dropout's random streams "
+                "start afresh")
+        log(f"resumed from {out_dir} at step {step}")
+        if world_size > 1:
+            dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
+        for path in discard_damaged(out_dir, step) if master else []:
+            log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
 
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)  # the rest: the token embedding (tied to the head), positions, the final norm
-        optimizer = make_optimizer(model, cfg, device_type)
-        scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-        step, best_val = 0, float("inf")
-        if ckpt:
-            check_weight_names(model, ckpt["model"])
-            set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                           options=StateDictOptions(full_state_dict=True))
-            if ckpt["scaler"]:
-                scaler.load_state_dict(ckpt["scaler"])
-            train_loader.restore(ckpt["loader"])
-            step, best_val = int(ckpt["step"]), float(ckpt["best_val_loss"])
-            if len(ckpt["rng"]) == world_size:
-                set_rng_state(ckpt["rng"][rank])
-            else:
-                log(f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
-                    f"world_size={world_size}: the data continues where it stopped, dropout's random streams "
-                    "start afresh")
-            log(f"resumed from {out_dir} at step {step}")
-            if world_size > 1:
-                dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
-            for path in discard_newer(out_dir, step) if master else []:
-                log(f"deleted {path}: it is newer than the checkpoint resumed from, so it was damaged")
+    if master:
+        if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir
+            shutil.copyfile(tokenizer_file, out_dir / TOKENIZER_FILE)
+        log("config: " + json.dumps(config_to_dict(cfg)))
+        log(
+            f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
+            f" | world {world_size}{' (fsdp)' if fsdp else ''} | {total_batch} tokens/step = {grad_accum}"
+            f" micro-steps of {B}x{T} per rank"
+        )
+    metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if ckpt else None) if master else None
+    run = None
+    if cfg.wandb_log and master:
+        import wandb
 
+        run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config_to_dict(cfg),
+                         id=ckpt["meta"].get("wandb_run_id") if ckpt else None, resume="allow")
+    ckpt = None  # free its memory
+
+    train_model = model
+    if cfg.compile:
+        reason = compile_unavailable(device_type)
+        if reason:
+            log(f"warning: torch.compile is unavailable ({reason}); training uncompiled")
+        else:
+            train_model = torch.compile(model)
+    if world_size > 1 and not fsdp:
+        train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
+    meta = {"git_commit": git_commit(), "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
+            "wandb_run_id": run.id if run else None}
+
+    def record(**row) -> None:
         if master:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir
-                shutil.copyfile(tokenizer_file, out_dir / TOKENIZER_FILE)
-            log("config: " + json.dumps(config_to_dict(cfg)))
-            log(
-                f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-                f" | world {world_size}{' (fsdp)' if fsdp else ''} | {total_batch} tokens/step = {grad_accum}"
-                f" micro-steps of {B}x{T} per rank"
-            )
-        metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if ckpt else None) if master else None
-        run = None
-        if cfg.wandb_log and master:
-            import wandb
+            metrics.write(**row)
+            if run:
+                run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=row["step"])
 
-            run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config_to_dict(cfg),
-                             id=ckpt["meta"].get("wandb_run_id") if ckpt else None, resume="allow")
-        ckpt = None  # free its memory
+    def checkpoint(val_loss: float | None) -> None:
+        """Save (rank 0), unless the weights went non-finite: a good checkpoint is never replaced by a NaN one."""
+        nonlocal best_val
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=FULL_STATE)  # collective
+        rngs = [rng_state()]
+        if world_size > 1:
+            rngs = [None] * world_size
+            dist.all_gather_object(rngs, rng_state())
+        if not master:
+            return
+        bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            log(f"step {step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
+                f"the latest good checkpoint stays in {out_dir}")
+            return
+        best = val_loss is not None and val_loss < best_val
+        payload = {
+            "config": config_to_dict(cfg),
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scaler": scaler.state_dict(),
+            "step": step,
+            "loader": train_loader.state(),
+            "world_size": world_size,
+            "rng": rngs,
+            "best_val_loss": val_loss if best else best_val,
+            "val_loss": val_loss,
+            "meta": meta,
+        }
+        try:
+            path = save_run_checkpoint(out_dir, payload, keep_last=cfg.keep_last, best=best)
+        except OSError as e:  # e.g. a full disk: nothing half-written is left, the previous checkpoint is whole
+            raise error(e.errno, f"step {step}: {e}; the latest good checkpoint stays in {out_dir}: fix that, then "
+                                 "continue with --resume") from None
+        best_val = payload["best_val_loss"]
+        log(f"step {step:5d} | saved {path}{' (best val loss)' if best else ''}")
 
-        train_model = model
-        if cfg.compile:
-            reason = compile_unavailable(device_type)
-            if reason:
-                log(f"warning: torch.compile is unavailable ({reason}); training uncompiled")
-            else:
-                train_model = torch.compile(model)
-        if world_size > 1 and not fsdp:
-            train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
-        peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
-        meta = {"git_commit": git_commit(), "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
-                "wandb_run_id": run.id if run else None}
+    history: list[tuple[int, float]] = []
+    val_history: list[tuple[int, float]] = []
+    stopped, skipped, first_step = None, 0, step
+    t_last, steps_since = time.perf_counter(), 0
+    minutes = 0.0  # wall-clock minutes since the start, the mean over ranks (for lr_schedule="time")
+    signals.install()
+    while step < cfg.max_iters:
+        lr = lr_at(step, cfg, minutes)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        try:
+            loss = accumulate_gradients(train_model, train_loader, grad_accum, device, autocast, scaler)
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
+            if step == first_step and "out of memory" in str(e):
+                raise ValueError(out_of_memory_advice(cfg, total_batch)) from None
+            raise
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
+        elapsed = (time.time() - t_start) / 60
+        timed_out = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
+        # one all-reduce and one host sync per step: the global mean loss, the grad norm (already equal on all
+        # ranks), whether any rank was asked to stop and the minutes elapsed, so that all ranks take the same
+        # decisions and learning rates
+        votes = torch.tensor([float(bool(signals) or timed_out), float(timed_out), elapsed], device=device)
+        stats = torch.cat([torch.stack([loss, grad_norm.float()]), votes])
+        if world_size > 1:
+            dist.all_reduce(stats)
+            stats /= world_size
+        loss_value, grad_norm_value, stop_votes, time_votes, minutes = stats.tolist()
+        last = step + 1 == cfg.max_iters or time_votes > 0  # the time budget ends with a full evaluation
+        finite = math.isfinite(loss_value) and (scaler.is_enabled() or math.isfinite(grad_norm_value))
+        if finite:  # (with fp16, the scaler itself skips steps whose gradients overflowed)
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        steps_since += 1
 
-        def record(**row) -> None:
-            if master:
-                metrics.write(**row)
-                if run:
-                    run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=row["step"])
+        if not finite:
+            skipped += 1
+            record(step=step, event="nonfinite", loss=loss_value, grad_norm=grad_norm_value)
+            problem = f"step {step}: loss {loss_value}, gradient norm {grad_norm_value} are not finite"
+            if cfg.on_nan == "stop":
+                raise FloatingPointError(
+                    f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {out_dir}; "
+                    "resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
+                )
+            log(f"{problem}; skipped this update (on_nan=skip)")
+        elif step % cfg.log_interval == 0 or last:
+            dt = (time.perf_counter() - t_last) / steps_since
+            t_last, steps_since = time.perf_counter(), 0
+            tokens_per_s = total_batch / dt
+            step_mfu = mfu(flops_per_token, tokens_per_s / world_size, peak)
+            history.append((step, loss_value))
+            log(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {grad_norm_value:.3f} | "
+                f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
+                + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%"))
+            record(step=step, tokens=step * total_batch, loss=loss_value, lr=lr, grad_norm=grad_norm_value,
+                   ms_per_step=dt * 1000, tokens_per_s=tokens_per_s, mfu=step_mfu)
 
-        def checkpoint(val_loss: float | None) -> None:
-            """Save (rank 0), unless the weights went non-finite: a good checkpoint is never replaced by a NaN one."""
-            nonlocal best_val
-            model_state, optimizer_state = get_state_dict(model, optimizer, options=FULL_STATE)  # collective
-            rngs = [rng_state()]
-            if world_size > 1:
-                rngs = [None] * world_size
-                dist.all_gather_object(rngs, rng_state())
-            if not master:
-                return
-            bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-            if bad:
-                log(f"step {step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
-                    f"the latest good checkpoint stays in {out_dir}")
-                return
-            best = val_loss is not None and val_loss < best_val
-            best_val = val_loss if best else best_val
-            path = save_run_checkpoint(out_dir, {
-                "config": config_to_dict(cfg),
-                "model": model_state,
-                "optimizer": optimizer_state,
-                "scaler": scaler.state_dict(),
-                "step": step,
-                "loader": train_loader.state(),
-                "world_size": world_size,
-                "rng": rngs,
-                "best_val_loss": best_val,
-                "val_loss": val_loss,
-                "meta": meta,
-            }, keep_last=cfg.keep_last, best=best)
-            log(f"step {step:5d} | saved {path}{' (best val loss)' if best else ''}")
+        if step % cfg.eval_interval == 0 or last:
+            # the model as built, not train_model: compiling a second, eval-mode graph cost more than it saved
+            # (8 s for the char GPU recipe, whose evaluation then took 0.1 s; DDP adds nothing without gradients)
+            val_loss, val_bpb = evaluate(model, val_loader, cfg.eval_iters, device, autocast, lengths)
+            val_history.append((step, val_loss))
+            log(f"step {step:5d} | val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}"))
+            record(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
+            checkpoint(val_loss)
+            t_last = time.perf_counter()  # evaluation time is not training time
+        elif stop_votes > 0:
+            checkpoint(None)
+        if stop_votes > 0 and step < cfg.max_iters:
+            stopped = (signal.Signals(signals[0]).name if signals
+                       else f"max_minutes={cfg.max_minutes:g}" if timed_out else "a stop request on another rank")
+            resume = f"python train.py --out_dir={shlex.quote(str(out_dir))} --resume"
+            log(f"stopped after step {step} ({stopped}) with a checkpoint in {out_dir}; continue with: {resume}"
+                + (" (under torchrun, with the same launch options)" if world_size > 1 else ""))
+            break
 
-        history: list[tuple[int, float]] = []
-        val_history: list[tuple[int, float]] = []
-        stopped, skipped, first_step = None, 0, step
-        t_last, steps_since = time.perf_counter(), 0
-        minutes = 0.0  # wall-clock minutes since the start, the mean over ranks (for lr_schedule="time")
-        signals.install()
-        while step < cfg.max_iters:
-            lr = lr_at(step, cfg, minutes)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            try:
-                loss = accumulate_gradients(train_model, train_loader, grad_accum, device, autocast, scaler)
-            except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
-                if step == first_step and "out of memory" in str(e):
-                    raise ValueError(out_of_memory_advice(cfg, total_batch)) from None
-                raise
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-                grad_norm = grad_norm.full_tensor()
-            elapsed = (time.time() - t_start) / 60
-            timed_out = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
-            # one all-reduce and one host sync per step: the global mean loss, the grad norm (already equal on all
-            # ranks), whether any rank was asked to stop and the minutes elapsed, so that all ranks take the same
-            # decisions and learning rates
-            votes = torch.tensor([float(bool(signals) or timed_out), float(timed_out), elapsed], device=device)
-            stats = torch.cat([torch.stack([loss, grad_norm.float()]), votes])
-            if world_size > 1:
-                dist.all_reduce(stats)
-                stats /= world_size
-            loss_value, grad_norm_value, stop_votes, time_votes, minutes = stats.tolist()
-            last = step + 1 == cfg.max_iters or time_votes > 0  # the time budget ends with a full evaluation
-            finite = math.isfinite(loss_value) and (scaler.is_enabled() or math.isfinite(grad_norm_value))
-            if finite:  # (with fp16, the scaler itself skips steps whose gradients overflowed)
-                scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            steps_since += 1
-
-            if not finite:
-                skipped += 1
-                record(step=step, event="nonfinite", loss=loss_value, grad_norm=grad_norm_value)
-                problem = f"step {step}: loss {loss_value}, gradient norm {grad_norm_value} are not finite"
-                if cfg.on_nan == "stop":
-                    raise FloatingPointError(
-                        f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {out_dir}; "
-                        "resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
-                    )
-                log(f"{problem}; skipped this update (on_nan=skip)")
-            elif step % cfg.log_interval == 0 or last:
-                dt = (time.perf_counter() - t_last) / steps_since
-                t_last, steps_since = time.perf_counter(), 0
-                tokens_per_s = total_batch / dt
-                step_mfu = mfu(flops_per_token, tokens_per_s / world_size, peak)
-                history.append((step, loss_value))
-                log(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {grad_norm_value:.3f} | "
-                    f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
-                    + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%"))
-                record(step=step, tokens=step * total_batch, loss=loss_value, lr=lr, grad_norm=grad_norm_value,
-                       ms_per_step=dt * 1000, tokens_per_s=tokens_per_s, mfu=step_mfu)
-
-            if step % cfg.eval_interval == 0 or last:
-                # the model as built, not train_model: compiling a second, eval-mode graph cost more than it saved
-                # (8 s for the char GPU recipe, whose evaluation then took 0.1 s; DDP adds nothing without gradients)
-                val_loss, val_bpb = evaluate(model, val_loader, cfg.eval_iters, device, autocast, lengths)
-                val_history.append((step, val_loss))
-                log(f"step {step:5d} | val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}"))
-                record(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
-                checkpoint(val_loss)
-                t_last = time.perf_counter()  # evaluation time is not training time
-            elif stop_votes > 0:
-                checkpoint(None)
-            if stop_votes > 0 and step < cfg.max_iters:
-                stopped = (signal.Signals(signals[0]).name if signals
-                           else f"max_minutes={cfg.max_minutes:g}" if timed_out else "a stop request on another rank")
-                resume = f"python train.py --out_dir={shlex.quote(str(out_dir))} --resume"
-                log(f"stopped after step {step} ({stopped}) with a checkpoint in {out_dir}; continue with: {resume}"
-                    + (" (under torchrun, with the same launch options)" if world_size > 1 else ""))
-                break
-
-        if master:
-            metrics.close()
-        if run:
-            run.finish()
-        # The DDP wrapper goes before the process group does: were its reducer to drop the group's last reference,
-        # the group's destructor would join gloo's worker threads while holding the GIL, which a worker may need
-        # to free a finished collective's tensors (a hang at exit in about one run in ten).
-        del train_model
-        return {"step": step, "history": history, "val_history": val_history, "best_val_loss": best_val,
-                "stopped": stopped, "signal": signals[0] if stopped and signals else None, "skipped_steps": skipped}
+    if master:
+        metrics.close()
+    if run:
+        run.finish()
+    return {"step": step, "history": history, "val_history": val_history, "best_val_loss": best_val,
+            "stopped": stopped, "signal": signals[0] if stopped and signals else None, "skipped_steps": skipped}
 
 
 def cli(argv: list[str]) -> int:
@@ -550,10 +617,10 @@ def cli(argv: list[str]) -> int:
     try:
         cfg = resolve_config(argv)
         summary = main(cfg, argv)
-    except (ValueError, TypeError, FileNotFoundError, ConnectionError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ConnectionError, ImportError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    except FloatingPointError as e:
+    except (FloatingPointError, OSError) as e:  # a stop on a non-finite loss; a fault of the disk (e.g. full)
         print(f"train.py: error: {e}", file=sys.stderr)
         return 1
     return 128 + summary["signal"] if summary["signal"] else 0

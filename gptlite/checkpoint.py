@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from gptlite.config import GPTConfig, build_config
+from gptlite.files import fault, make_dir
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 
@@ -44,14 +45,19 @@ READ_CHUNK = 1 << 20
 
 
 class _HashingWriter:
-    """Passes torch.save's writes to a file and hashes them on the way, so the checksum needs no second read."""
+    """Passes torch.save's writes to a file and hashes them on the way, so the checksum needs no second read.
+    A failed write is kept in `error` (torch.save reports it as a RuntimeError of its own)."""
 
     def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
+        self.f, self.sha, self.error = f, hashlib.sha256(), None
 
     def write(self, data) -> int:
         self.sha.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -90,15 +96,23 @@ def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
     `save_run_checkpoint` does): overwriting a name leaves a moment where its old bytes meet the new checksum.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(checkpoint, writer)
-        f.flush()
-        os.fsync(f.fileno())
-    line = f"{writer.sha.hexdigest()}  {path.name}\n".encode()
-    _write_durably(_checksum_path(path), lambda f: f.write(line))
+    make_dir(path.parent)
+    tmp, writer = path.with_name(path.name + ".tmp"), None
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(checkpoint, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        line = f"{writer.sha.hexdigest()}  {path.name}\n".encode()
+        _write_durably(_checksum_path(path), lambda f: f.write(line))
+    except BaseException as e:  # a full disk, an interruption: nothing half-written stays behind
+        for leftover in (tmp, _checksum_path(path).with_name(_checksum_path(path).name + ".tmp")):
+            leftover.unlink(missing_ok=True)
+        cause = next((c for c in (e, getattr(writer, "error", None), e.__context__) if isinstance(c, OSError)), None)
+        if cause is not None:
+            raise fault(cause, f"could not save checkpoint {path}") from None
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -108,6 +122,36 @@ def step_files(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     found = [(int(m.group(1)), p) for p in run_dir.glob("ckpt_*.pt") if (m := STEP_FILE_RE.fullmatch(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def _step(path: Path) -> int:
+    return int(STEP_FILE_RE.fullmatch(path.name).group(1))
+
+
+def run_files(run_dir: str | Path) -> list[Path]:
+    """What a run wrote in its folder: step files and their checksums, ckpt.pt, best.pt, metrics.jsonl and the
+    copied tokenizer.json (the `--overwrite` of a fresh run moves them aside)."""
+    run_dir = Path(run_dir)
+    named = [run_dir / n for n in (CHECKPOINT_NAME, BEST_NAME, "metrics.jsonl", TOKENIZER_FILE)]
+    return [p for p in [*step_files(run_dir), *map(_checksum_path, step_files(run_dir)), *named]
+            if p.is_file() or p.is_symlink()]
+
+
+def holds_run(run_dir: str | Path) -> bool:
+    """Whether a run saved anything in run_dir: a checkpoint, or a row of metrics."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    return bool(step_files(run_dir)) or (run_dir / CHECKPOINT_NAME).exists() or (
+        metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def remove_leftovers(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary files a crash or a full disk left in a run folder (held by this process)."""
+    run_dir = Path(run_dir)
+    leftovers = [*run_dir.glob("*.pt*.tmp"), *run_dir.glob("metrics.jsonl.tmp")]
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return leftovers
 
 
 def _point(link: Path, target: Path) -> None:
@@ -143,24 +187,28 @@ def save_run_checkpoint(run_dir: str | Path, checkpoint: dict, keep_last: int = 
     return path
 
 
-def discard_newer(run_dir: str | Path, step: int) -> list[Path]:
-    """Delete the step files newer than `step`, and best.pt if it points at one, and point ckpt.pt at the
-    newest file left; returns the deleted files.
-
-    A run resumed from step N because the newer files are damaged calls this, so that they neither count
-    towards keep_last (pushing out intact older files) nor stay behind best.pt (which is then gone until the
-    next new best)."""
+def discard_damaged(run_dir: str | Path, step: int) -> list[Path]:
+    """After a resume from `step` because newer files were damaged: delete the damaged step files newer than it
+    (and best.pt if it named one) and point ckpt.pt at step's file; returns the deleted files. Intact newer
+    files stay (they are not this run's saves: load_checkpoint follows ckpt.pt)."""
     run_dir = Path(run_dir)
-    newer = [p for p in step_files(run_dir) if int(STEP_FILE_RE.fullmatch(p.name).group(1)) > step]
+    damaged = []
+    for path in step_files(run_dir):
+        if _step(path) > step:
+            try:
+                verify_checkpoint(path)
+            except ValueError:
+                damaged.append(path)
     best = run_dir / BEST_NAME
-    if best.is_symlink() and run_dir / os.readlink(best) in newer:
+    if best.is_symlink() and run_dir / os.readlink(best) in damaged:
         best.unlink()
-    for path in newer:
+    for path in damaged:
         path.unlink()
         _checksum_path(path).unlink(missing_ok=True)
-    if newer and (left := step_files(run_dir)):
-        _point(run_dir / CHECKPOINT_NAME, left[0])
-    return newer
+    resumed = run_dir / STEP_FILE.format(step=step)
+    if damaged and resumed.is_file():
+        _point(run_dir / CHECKPOINT_NAME, resumed)
+    return damaged
 
 
 def verify_checkpoint(path: str | Path) -> None:
@@ -208,6 +256,10 @@ def load_checkpoint(
     if path.suffix == ".pt":
         return _load_file(path, map_location)
     candidates = step_files(path) if path.is_dir() else []
+    link = path / CHECKPOINT_NAME
+    named = STEP_FILE_RE.fullmatch(os.readlink(link)) if link.is_symlink() else None
+    if named:  # the run's newest save; newer step files are not its saves (another run's, or a cut-short swap)
+        candidates = [p for p in candidates if _step(p) <= int(named.group(1))]
     legacy = path / CHECKPOINT_NAME  # a run directory written before ckpt_NNNNNN.pt files
     if legacy.is_file() and not legacy.is_symlink():
         candidates.append(legacy)

@@ -53,8 +53,12 @@ class GPTConfig:
         problems = []
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden"):
             value = getattr(self, name)
+            if name == "ffn_hidden" and value is None:  # its default comes from n_embd, already named above
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.bias, bool):
+            problems.append(f"bias={self.bias!r} must be true or false")
         if not problems and self.n_embd % self.n_head != 0:
             problems.append(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -96,6 +100,7 @@ class TrainConfig:
     data_dir: str = ""
     out_dir: str = "out"
     resume: bool = False
+    overwrite: bool = False  # a fresh run into a folder holding an earlier run moves its files into previous-TIME/
     # start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a directory in Hugging
     # Face's layout (GPT-2 or Llama); the model's shape comes from it ("" = from scratch)
     init_from: str = ""

@@ -33,20 +33,25 @@ CAUSES = {
 }
 
 
+def error(errno_: int | None, message: str) -> OSError:
+    """An OSError that prints as `message` alone (no "[Errno N]" before it), keeping its errno."""
+    e = OSError(message)
+    e.errno = errno_
+    return e
+
+
 def fault(e: OSError, doing: str) -> OSError:
     """An OSError whose message is one line: `doing` (e.g. "could not write checkpoint X"), the cause in plain
     words and the fix. Raise it `from None`."""
     cause, fix = CAUSES.get(e.errno, (e.strerror or str(e), "check the path and the disk"))
-    error = OSError(e.errno, f"{doing}: {cause}; {fix}")
-    error.filename = e.filename
-    return error
+    return error(e.errno, f"{doing}: {cause}; {fix}")
 
 
 def make_dir(path: str | Path, what: str = "folder") -> Path:
     """mkdir -p, with a one-line error naming the path when a file is in the way or it cannot be written."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise OSError(errno.EEXIST, f"{what} {path} is a file, not a folder; choose another path")
+        raise error(errno.EEXIST, f"{what} {path} is a file, not a folder; choose another path")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -28,6 +28,7 @@ stop strings in `generate_text`, which also decodes UTF-8 safely across BPE piec
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -145,10 +146,15 @@ class Sampling:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            optional = name in ("top_k", "top_p") and value is None
+            if not optional and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
+                raise TypeError(f"{name}={value!r} must be a finite number" + (", or None" if name in ("top_k", "top_p") else ""))
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k} must be >= 1, or None for no limit")
+        if self.top_k is not None and (self.top_k < 1 or self.top_k != int(self.top_k)):
+            raise ValueError(f"top_k={self.top_k} must be an integer >= 1, or None for no limit")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1], or None for no limit")
         if self.repetition_penalty <= 0:
@@ -334,9 +340,9 @@ def generate_tokens(
     """
     config = model.config
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if num_samples < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples={num_samples} must be >= 1")
     if extend_context and not model.pos_emb.can_extend:
         raise ValueError(

@@ -11,7 +11,10 @@ rows, "tokens" (trained on so far):
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+from gptlite.files import fault
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -50,15 +53,23 @@ class MetricsLog:
 
     def __init__(self, path: str | Path, resume_step: int | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step is not None else []
-        self.file = open(self.path, "w", encoding="utf-8")
-        for row in kept:
-            self.write(**row)
+        tmp = self.path.with_name(self.path.name + ".tmp")  # the kept rows replace the file at once
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in kept)
+            os.replace(tmp, self.path)
+            self.file = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise fault(e, f"could not write {self.path}") from None
 
     def write(self, **row) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise fault(e, f"could not write {self.path}") from None
 
     def close(self) -> None:
         self.file.close()

@@ -292,6 +292,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) and the mean cross-entropy against targets (B, T),
         where target -1 is ignored; loss is None without targets."""
+        if targets is not None:
+            self._check_targets(idx, targets)
         logits = self.lm_head(self.hidden(idx))  # (B, T, V)
         if targets is None:
             return logits, None
@@ -301,9 +303,9 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The final-norm hidden states (B, T, C) of idx (B, T). Without a cache the tokens are at positions
         0..T-1; with one (generation) their slots, positions and mask come from `cache.prepare`."""
-        T = idx.size(1)
         if cache is None:  # generation checks its prompts once, not at every step
             self._check_input(idx)
+        T = idx.size(1)
         pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,) or (B, T)
         x = self.drop(self.pos_emb(self.tok_emb(idx), pos))  # (B, T, C)
         rot = self.pos_emb.rotation(pos)  # once for every layer
@@ -333,8 +335,13 @@ class GPT(nn.Module):
         return from_pretrained(name_or_dir, **overrides)
 
     def _check_input(self, idx: torch.Tensor) -> None:
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"idx must be a tensor of token ids of shape (B, T), got {type(idx).__name__}; "
+                            "e.g. torch.tensor([ids])")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}; use idx.long()")
         if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
+            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}; a single sequence is idx[None]")
         if idx.size(1) > self.config.block_size:
             raise ValueError(
                 f"sequence of length {idx.size(1)} is longer than block_size={self.config.block_size}; "
@@ -346,6 +353,14 @@ class GPT(nn.Module):
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); check the tokenizer and vocab_size")
+
+    @staticmethod
+    def _check_targets(idx: torch.Tensor, targets: torch.Tensor) -> None:
+        if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+            raise TypeError(f"targets must be a tensor of integer token ids (-1 = ignore), got "
+                            f"{getattr(targets, 'dtype', type(targets).__name__)}")
+        if isinstance(idx, torch.Tensor) and targets.shape != idx.shape:
+            raise ValueError(f"targets must have the shape of idx, {tuple(idx.shape)}, got {tuple(targets.shape)}")
 
     @torch.no_grad()
     def generate(

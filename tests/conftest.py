@@ -6,6 +6,7 @@ GPTLITE_SHARED=DIR points at a folder laid out like ../shared (data/tinyshakespe
 tokenizers/gpt2.tiktoken) on a machine without one beside the checkout.
 """
 
+import errno
 import os
 from pathlib import Path
 
@@ -60,6 +61,21 @@ def shared_file(relative: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+class FullDisk:
+    """A file whose writes fail with ENOSPC once it holds `limit` bytes, as on a full disk."""
+
+    def __init__(self, f, limit: int):
+        self.f, self.limit = f, limit
+
+    def write(self, data) -> int:
+        if self.f.tell() + len(data) > self.limit:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
 
 
 def tiny_config(**overrides) -> GPTConfig:

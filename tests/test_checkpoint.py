@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import train
 from gptlite.checkpoint import (
-    discard_newer,
+    discard_damaged,
     load_checkpoint,
     model_from_checkpoint,
     rng_state,
@@ -27,7 +27,7 @@ from gptlite.checkpoint import (
     verify_checkpoint,
 )
 from gptlite.tokenizer import CharTokenizer
-from tests.conftest import DEVICE, ROOT, randint, tiny_config, tiny_model
+from tests.conftest import DEVICE, ROOT, FullDisk, randint, tiny_config, tiny_model
 
 
 def fake_checkpoint(step: int, size: int = 1000) -> dict:
@@ -103,13 +103,39 @@ def test_missing_checkpoints(tmp_path):
     assert load_checkpoint(tmp_path)["step"] == 3
 
 
-def test_discard_newer_removes_later_files_and_a_best_link_to_them(tmp_path):
+def test_discard_damaged_removes_damaged_later_files_and_a_best_link_to_them(tmp_path):
     for step, best in [(1, False), (2, False), (3, True)]:
         save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=3, best=best)
-    assert [p.name for p in discard_newer(tmp_path, 1)] == ["ckpt_000003.pt", "ckpt_000002.pt"]
+    (tmp_path / "ckpt_000003.pt").write_bytes(b"cut short")
+    assert [p.name for p in discard_damaged(tmp_path, 2)] == ["ckpt_000003.pt"]
+    assert names(tmp_path) == ["ckpt.pt", "ckpt_000001.pt", "ckpt_000001.pt.sha256", "ckpt_000002.pt",
+                               "ckpt_000002.pt.sha256"]
+    assert os.readlink(tmp_path / "ckpt.pt") == "ckpt_000002.pt"
+    assert discard_damaged(tmp_path, 1) == [] and load_checkpoint(tmp_path)["step"] == 2  # intact files stay
+
+
+def test_a_run_folder_loads_the_run_that_ckpt_pt_names(tmp_path):
+    """Step files newer than ckpt.pt's (another run's, copied in) are not loaded, whatever their number."""
+    save_run_checkpoint(tmp_path, fake_checkpoint(500), keep_last=3)
+    os.replace(tmp_path / "ckpt.pt", tmp_path / "old_link")
+    save_run_checkpoint(tmp_path, {**fake_checkpoint(100), "config": {"n_layer": 2}}, keep_last=3)
+    assert os.readlink(tmp_path / "ckpt.pt") == "ckpt_000100.pt"
+    assert load_checkpoint(tmp_path)["step"] == 100
+    (tmp_path / "ckpt_000100.pt").write_bytes(b"damaged")  # and a fallback goes to older files only
+    with pytest.raises(ValueError, match="no intact checkpoint|is damaged"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_full_disk_during_a_save_leaves_no_temp_file_and_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    from gptlite import checkpoint
+
+    save_run_checkpoint(tmp_path, fake_checkpoint(1, size=200_000))
+    real_init = checkpoint._HashingWriter.__init__
+    monkeypatch.setattr(checkpoint._HashingWriter, "__init__", lambda self, f: real_init(self, FullDisk(f, 100_000)))
+    with pytest.raises(OSError, match=r"^could not save checkpoint .*ckpt_000002\.pt: no space left on device; free space"):
+        save_run_checkpoint(tmp_path, fake_checkpoint(2, size=200_000))
     assert names(tmp_path) == ["ckpt.pt", "ckpt_000001.pt", "ckpt_000001.pt.sha256"]
-    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 1
-    assert discard_newer(tmp_path, 1) == [] and load_checkpoint(tmp_path)["step"] == 1
+    assert load_checkpoint(tmp_path)["step"] == 1
 
 
 KILL_DURING_WRITE = """

@@ -93,6 +93,14 @@ def test_problems_reported_together():
     assert msg.startswith("invalid GPTConfig: ") and msg.count(";") >= 3
 
 
+def test_a_bad_field_type_is_one_complaint():
+    with pytest.raises(ValueError) as e:
+        GPTConfig(n_embd="32")
+    assert str(e.value) == "invalid GPTConfig: n_embd='32' must be a positive integer"
+    with pytest.raises(ValueError, match="bias='yes' must be true or false"):
+        GPTConfig(bias="yes")
+
+
 def test_default_ffn_hidden():
     assert GPTConfig().ffn_hidden == 2048  # 8/3 * 768 = 2048, already a multiple of 64
     assert GPTConfig(ffn="gelu").ffn_hidden == 3072  # GPT-2's 4x

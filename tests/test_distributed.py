@@ -83,6 +83,14 @@ def test_fsdp_trains_the_other_variants_like_one_process(data, tmp_path):
     assert_same_curve(losses(tmp_path / "two"), losses(tmp_path / "one"))
 
 
+def test_a_refusal_on_rank_0_ends_every_rank_in_one_line(data, one_process):
+    """Rank 0 finds the out_dir taken by an earlier run: every rank stops with its line, none waits in a collective."""
+    values = {**TINY, **RUN, "data_dir": data, "out_dir": one_process, "batch_size": 4, "max_iters": 2}
+    result = torchrun(str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items()))
+    assert result.returncode != 0 and 'train.py", line' not in result.stderr  # torchrun's own report only
+    assert result.stderr.count(f"train.py: error: out_dir {one_process} holds an earlier run") == 2, result.stderr[-3000:]
+
+
 def test_one_large_batch_trains_like_accumulated_micro_batches(data, one_process, tmp_path):
     train.main(config(data, tmp_path, batch_size=16, max_iters=12, **RUN))
     assert_same_curve(losses(tmp_path), losses(one_process))

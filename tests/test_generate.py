@@ -332,6 +332,20 @@ def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
     assert all(len(set(row)) == 40 for row in model.generate(idx, 40, temperature=0, frequency_penalty=1e4)[:, 3:].tolist())
 
 
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"temperature": float("nan")}, TypeError, "temperature=nan must be a finite number"),
+    ({"temperature": float("inf")}, TypeError, "temperature=inf must be a finite number"),
+    ({"temperature": "0.5"}, TypeError, "temperature='0.5' must be a finite number"),
+    ({"top_p": float("nan")}, TypeError, "top_p=nan must be a finite number, or None"),
+    ({"top_k": 2.5}, ValueError, "top_k=2.5 must be an integer >= 1"),
+    ({"repetition_penalty": float("nan")}, TypeError, "repetition_penalty=nan must be a finite number"),
+    ({"frequency_penalty": None}, TypeError, "frequency_penalty=None must be a finite number"),
+])
+def test_non_finite_or_non_numeric_sampling_values_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        tiny_model().generate(tensor([[1, 2]]), 3, **kwargs)
+
+
 def test_sampling_argument_errors():
     logits = torch.randn(1, 10, device=DEVICE)
     with pytest.raises(ValueError, match="temperature=-1"):
@@ -349,7 +363,8 @@ def test_sampling_argument_errors():
         ([], {}, "no prompts given"),
         ([[1, 2], []], {}, "prompt 1 is empty"),
         ([[1, 97]], {}, r"prompt 0 has token id 97 outside the vocabulary \[0, 97\)"),
-        ([[1]], {"max_new_tokens": -1}, "max_new_tokens=-1 must be >= 0"),
+        ([[1]], {"max_new_tokens": -1}, "max_new_tokens=-1 must be an integer >= 0"),
+        ([[1]], {"max_new_tokens": 2.5}, "max_new_tokens=2.5 must be an integer >= 0"),
         ([[1]], {"num_samples": 0}, "num_samples=0 must be >= 1"),
         ([[1]], {"repetition_penalty": 0.0}, "repetition_penalty=0.0 must be > 0"),
         ([[1]], {"temperature": -0.5}, "temperature=-0.5 must be >= 0"),

@@ -234,6 +234,21 @@ def test_too_long_and_out_of_vocab_inputs_raise():
         model(tensor([[-1, 2]]))
 
 
+@pytest.mark.parametrize("idx,targets,error,message", [
+    ("list", None, TypeError, r"idx must be a tensor of token ids of shape \(B, T\), got list"),
+    ("1-D", None, ValueError, r"idx must have shape \(B, T\), got \(3,\); a single sequence is idx\[None\]"),
+    ("float", None, TypeError, "idx must hold integer token ids, got dtype torch.float32; use idx.long()"),
+    ("ok", "other shape", ValueError, r"targets must have the shape of idx, \(1, 3\), got \(1, 2\)"),
+    ("ok", "float", TypeError, "targets must be a tensor of integer token ids"),
+])
+def test_bad_inputs_and_targets_are_named(idx, targets, error, message):
+    model = tiny_model()
+    idx = {"list": [[1, 2, 3]], "1-D": tensor([1, 2, 3]), "float": tensor([[1.0, 2.0, 3.0]]), "ok": tensor([[1, 2, 3]])}[idx]
+    targets = {"other shape": tensor([[1, 2]]), "float": tensor([[1.0, 2.0, 3.0]])}.get(targets, targets)
+    with pytest.raises(error, match=message):
+        model(idx, targets)
+
+
 def test_init_scales_residual_projections():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=4, n_embd=256))

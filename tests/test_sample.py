@@ -88,7 +88,7 @@ def test_stop_strings_cut_each_sample(run_dir, capsys):
     "args,message",
     [
         (["--batch_size=0"], "num_samples=3 and batch_size=0 must be >= 1"),
-        (["--max_new_tokens=-2"], "max_new_tokens=-2 must be >= 0"),
+        (["--max_new_tokens=-2"], "max_new_tokens=-2 must be an integer >= 0"),
         (["--top_p=2"], r"top_p=2.0 must be in \(0, 1\]"),
         (["--extend_context"], "extend_context=True needs pos_emb='sinusoidal'"),
         (["--start=\u65e5"], "'\u65e5' is not in this char tokenizer's vocabulary"),

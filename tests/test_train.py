@@ -3,9 +3,11 @@ for signals and kill -9): exact resume across an epoch boundary, gradient accumu
 inputs, out-of-memory advice, the compile fallback, the time budget, the metrics file and its plot, wandb."""
 
 import contextlib
+import errno
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from gptlite.checkpoint import load_checkpoint, step_files
 from gptlite.data import write_shard
 from gptlite.metrics import mfu, peak_flops, read_metrics
 from gptlite.model import GPT
-from tests.conftest import ROOT, VARIANTS, shared_file, tiny_model
+from tests.conftest import ROOT, VARIANTS, FullDisk, shared_file, tiny_model
 
 VOCAB = 128  # the corpus is ASCII bytes
 TINY = dict(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, learning_rate=3e-3,
@@ -440,3 +442,81 @@ def test_eval_iters_0_evaluates_every_val_window_once(data, tmp_path):
     assert count > cfg.batch_size * T  # more than one batch, with a short last one
     assert full == pytest.approx(total / count, rel=1e-5)
     assert bpb == pytest.approx(full / math.log(2), rel=1e-6)  # one byte per token
+
+
+# ---------------------------------------------------------------------------------------------
+# one run, one folder; faults of the disk
+
+
+def test_a_second_train_on_one_out_dir_is_refused_naming_the_first(data, tmp_path):
+    out = tmp_path / "run"
+    first = start_training(data, out, max_iters=100_000, eval_interval=1000, lr_decay_iters=40)
+    wait_until(lambda: len(losses(out)) >= 1, first)  # it holds the lock from before its first step
+    try:
+        values = {**TINY, "data_dir": data, "out_dir": out, "resume": True}
+        second = subprocess.run([sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert f"train.py: error: out_dir {out} is in use by process {first.pid} on " in second.stderr, second.stderr
+    finally:
+        first.kill()  # kill -9: the OS frees the lock with the process
+        first.communicate(timeout=60)
+    assert train.main(config(data, out, max_iters=2, resume=True))["step"] == 2  # the folder is free again
+
+
+def test_a_fresh_run_into_an_earlier_runs_folder_is_refused_or_moves_it_aside(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(config(data, out, max_iters=2, eval_interval=2))
+    earlier = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ValueError, match=rf"out_dir {re.escape(str(out))} holds an earlier run \(ckpt_000002.pt, "
+                                         r"ckpt_000002.pt.sha256, ckpt.pt, \.\.\.\); continue it with --resume, "
+                                         r"choose another --out_dir, or pass --overwrite"):
+        train.main(config(data, out, max_iters=2, n_embd=64))
+    assert sorted(p.name for p in out.iterdir()) == earlier  # nothing moved or deleted
+    capsys.readouterr()
+    train.main(config(data, out, max_iters=3, eval_interval=3, n_embd=64, overwrite=True))
+    assert "moved the earlier run's 5 files into " in capsys.readouterr().out  # checkpoint, checksum, 2 links, metrics
+    previous = next(out.glob("previous-*"))
+    assert load_checkpoint(previous)["config"]["n_embd"] == 32 and (previous / "metrics.jsonl").stat().st_size > 0
+    assert load_checkpoint(out)["config"]["n_embd"] == 64 and load_checkpoint(out)["step"] == 3
+
+
+def test_leftover_temporary_files_are_deleted_when_a_run_starts(data, tmp_path, capsys):
+    train.main(config(data, tmp_path, max_iters=2, eval_interval=2))
+    (tmp_path / "ckpt_000004.pt.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / "ckpt_000004.pt.sha256.tmp").write_text("0" * 64)
+    train.main(resume(tmp_path, "--max_iters=3"))
+    assert f"deleted {tmp_path / 'ckpt_000004.pt.tmp'}, a temporary file an interrupted save left" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_out_dir_that_is_a_file_or_read_only_is_one_line(data, tmp_path, monkeypatch):
+    a_file = tmp_path / "file"
+    a_file.write_text("not a folder")
+    values = {**TINY, "data_dir": data, "out_dir": a_file}
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr == f"train.py: error: out_dir {a_file} is a file, not a folder; choose another path\n"
+
+    def read_only(self, *args, **kwargs):  # root writes through file modes: the file system refuses instead
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ValueError, match=r"^cannot create out_dir .*: read-only file system; use a writable folder$"):
+        train.main(config(data, tmp_path / "new", max_iters=1))
+
+
+def test_a_full_disk_while_saving_stops_in_one_line_and_the_run_resumes(data, tmp_path, monkeypatch):
+    from gptlite import checkpoint
+
+    train.main(config(data, tmp_path, max_iters=2, eval_interval=2))
+    real_init = checkpoint._HashingWriter.__init__
+    monkeypatch.setattr(checkpoint._HashingWriter, "__init__", lambda self, f: real_init(self, FullDisk(f, 20_000)))
+    with pytest.raises(OSError, match=r"^step 4: could not save checkpoint .*ckpt_000004\.pt: no space left on device; "
+                                      r"free space or use a folder on another disk; the latest good checkpoint stays in "
+                                      r".*: fix that, then continue with --resume$"):
+        train.main(resume(tmp_path, "--max_iters=4"))
+    assert not list(tmp_path.glob("*.tmp")) and load_checkpoint(tmp_path)["step"] == 2
+    monkeypatch.setattr(checkpoint._HashingWriter, "__init__", real_init)  # space freed
+    assert train.main(resume(tmp_path, "--max_iters=4"))["step"] == 4
