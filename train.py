@@ -36,7 +36,7 @@ from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 from gptlite.evaluate import byte_lengths, loss_and_bpb, loss_sums
-from gptlite.files import FolderLock, error, make_dir
+from gptlite.files import FolderLock, error, fault, make_dir
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 # what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
@@ -446,8 +446,14 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
             log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
 
     if master:
-        if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir
-            shutil.copyfile(tokenizer_file, out_dir / TOKENIZER_FILE)
+        if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir (copied whole, then renamed)
+            tmp = out_dir / f"{TOKENIZER_FILE}.tmp"
+            try:
+                shutil.copyfile(tokenizer_file, tmp)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise fault(e, f"could not copy {tokenizer_file} into {out_dir}") from None
+            os.replace(tmp, out_dir / TOKENIZER_FILE)
         log("config: " + json.dumps(config_to_dict(cfg)))
         log(
             f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"

@@ -148,7 +148,8 @@ def holds_run(run_dir: str | Path) -> bool:
 def remove_leftovers(run_dir: str | Path) -> list[Path]:
     """Delete the temporary files a crash or a full disk left in a run folder (held by this process)."""
     run_dir = Path(run_dir)
-    leftovers = [*run_dir.glob("*.pt*.tmp"), *run_dir.glob("metrics.jsonl.tmp")]
+    leftovers = [*run_dir.glob("*.pt*.tmp"), *(run_dir / f"{n}.tmp" for n in ("metrics.jsonl", TOKENIZER_FILE))]
+    leftovers = [p for p in leftovers if p.exists() or p.is_symlink()]
     for path in leftovers:
         path.unlink(missing_ok=True)
     return leftovers

@@ -110,3 +110,22 @@ def test_argument_errors(monkeypatch):
         sample.resolve(argparse.Namespace(device="cuda", dtype="auto", num_samples=1, batch_size=8))
     with pytest.raises(argparse.ArgumentTypeError, match="'maybe' is not a boolean; use true or false"):
         sample.boolean("maybe")
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_signal_stops_sampling_in_one_line(run_dir, signum):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(sample.__file__), f"--out_dir={run_dir}", "--device=cpu",
+                             "--max_new_tokens=1000000", "--num_samples=1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout.read(5)  # it is generating
+    time.sleep(0.2)
+    proc.send_signal(getattr(signal, signum))
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + getattr(signal, signum)
+    assert stderr.strip().splitlines()[-1] == f"sample.py: interrupted ({signum}); nothing to save"
