@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,6 +77,14 @@ def resolve(args: argparse.Namespace) -> None:
         args.temperature = 1.0 if beams else 0.8
     if args.top_k is UNSET:
         args.top_k = None if beams else 200
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings while text streams (e.g. the context window sliding): the text so far goes out first, then the
+    warning on its own line of stderr, without Python's source-path prefix, so stdout holds only the text."""
+    sys.stdout.flush()
+    sys.stderr.write(f"\nsample.py: note: {message}\n")
+    sys.stderr.flush()
 
 
 def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace) -> None:
@@ -156,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
+        warnings.showwarning = show_warning
         resolve(args)
         model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
         model = model.to(args.device, getattr(torch, args.dtype)).eval()

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         if args.verify:
-            from gptlite.data import verify_manifest
+            from gptlite.shards import verify_manifest
 
             manifest = verify_manifest(args.out_dir)
             print(f"{args.out_dir}: {len(manifest['shards'])} shards match manifest.json")

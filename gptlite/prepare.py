@@ -22,8 +22,8 @@ ones. Running the same command again continues from there and writes the same fi
 run; `overwrite=True` starts afresh. `manifest.json`, written last, records the sources, tokenizer, shards,
 token counts and sha256 checksums; while it matches, a re-run returns at once.
 
-`gptlite.data` (the shard format) is imported inside the functions that write shards: it imports torch,
-which the spawned workers, importing this module, must not pay for (seconds and hundreds of MB each).
+Nothing here imports torch (the shard format is `gptlite.shards`, numpy only): the command and the spawned
+workers, which import this module, start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -46,12 +46,12 @@ from typing import NamedTuple
 import numpy as np
 
 from gptlite.files import make_dir
+from gptlite.shards import FORMATS, HEADER_BYTES, HEADER_INTS, MANIFEST, PROGRESS, file_sha256, read_shard
 from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_dict
 
 BLOCK_BYTES = 1 << 20  # text is read in blocks of about 1 MiB
 BATCH_BLOCKS = 4  # a batch for one worker holds this many blocks' worth of text
 IN_FLIGHT_PER_WORKER = 2  # batches queued per worker: enough to keep it busy, few enough to bound memory
-MANIFEST, PROGRESS = "manifest.json", "progress.json"  # gptlite.data's names (not imported here: it imports torch)
 SHARD_TOKENS = 100_000_000
 TOKENIZER_FILE = "tokenizer.json"
 RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}  # any other file is text
@@ -185,39 +185,43 @@ def read_text(path: str, offset: int, seen: int, boundary: int) -> Iterator[tupl
             yield buf[:cut], offset
 
 
-def record_text(record, field: str, where: str) -> tuple[str, int]:
-    """The text of a record's field (and replaced byte sequences, for a bytes field); errors name where."""
+def record_text(record, field: str, where: Callable[[], str]) -> tuple[str, int]:
+    """The text of a record's field (and replaced byte sequences, for a bytes field); errors name `where()`,
+    called only then (a JSONL line's number costs a read of the file up to it)."""
     if not isinstance(record, dict) or field not in record:
         found = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-        raise ValueError(f"{where} has no field '{field}' (found: {found}); pass --text_field with the field that holds the text")
+        raise ValueError(f"{where()} has no field '{field}' (found: {found}); pass --text_field with the field that holds the text")
     text = record[field]
     if isinstance(text, bytes):
         return decode(text)
     if not isinstance(text, str):
-        raise TypeError(f"{where}: field '{field}' holds {type(text).__name__}, not text; pass --text_field with the field that holds the text")
+        raise TypeError(f"{where()}: field '{field}' holds {type(text).__name__}, not text; pass --text_field with the field that holds the text")
     return text, 0
 
 
 def line_number(path: str, offset: int) -> int:
-    """1-based number of the line that starts at byte `offset` (for error messages only)."""
+    """1-based number of the line that starts at byte `offset` (for error messages only: it reads the file)."""
     with open(path, "rb") as f:
         return f.read(offset).count(b"\n") + 1
 
 
 def read_jsonl(path: str, offset: int, field: str) -> Iterator[tuple[str, int, int, int]]:
-    """(text, bytes, replaced, offset after) per non-empty line of a JSONL file, from byte `offset`."""
+    """(text, bytes, replaced, offset after) per non-empty line of a JSONL file, from byte `offset`. The cost
+    is linear in the bytes read: a line's number is worked out only for an error message."""
+    first = offset
     with open_input(path) as f:
         f.seek(offset)
-        for line in f:
-            start, offset = offset, offset + len(line)
+        for n, line in enumerate(f):  # n: lines since `first`
+            offset += len(line)
             if not line.strip():
                 continue
             raw, replaced = decode(line)
+            where = lambda: f"{path} line {line_number(path, first) + n}"  # noqa: E731
             try:
                 record = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {line_number(path, start)} is not JSON ({e.msg}); fix or remove that line") from None
-            text, bad = record_text(record, field, f"{path} line {line_number(path, start)}")
+                raise ValueError(f"{where()} is not JSON ({e.msg}); fix or remove that line") from None
+            text, bad = record_text(record, field, where)
             yield text, len(line), replaced + bad, offset
 
 
@@ -243,7 +247,7 @@ def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[str, int, in
             for value in batch.column(0).to_pylist():
                 first += 1
                 if first > row:
-                    text, replaced = record_text({field: value}, field, f"{path} row {first}")
+                    text, replaced = record_text({field: value}, field, lambda: f"{path} row {first}")
                     yield text, len(text.encode("utf-8", "surrogatepass")), replaced, first
 
 
@@ -272,7 +276,7 @@ def read_hf(source: dict, start: int, field: str) -> Iterator[tuple[str, int, in
             "pass --text_field with the field that holds the text"
         )
     for n, record in enumerate(ds.skip(start) if start else ds, start=start + 1):
-        text, replaced = record_text(record, field, f"record {n} of '{source['dataset']}'")
+        text, replaced = record_text(record, field, lambda: f"record {n} of '{source['dataset']}'")
         yield text, len(text.encode("utf-8", "surrogatepass")), replaced, n
 
 
@@ -435,8 +439,6 @@ class ShardWriter:
     header, is synced and checksummed, and takes its final name at `commit()`, once progress.json lists it."""
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
-        from gptlite.data import FORMATS, HEADER_INTS
-
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
         magic = next(m for m, (_, d) in FORMATS.items() if d == dtype)
         self.header = np.zeros(HEADER_INTS, dtype="<i4")  # llm.c's: magic, version, token count, zeros
@@ -473,8 +475,6 @@ class ShardWriter:
                 self.close_shard()
 
     def close_shard(self) -> None:
-        from gptlite.data import file_sha256
-
         self.file.seek(0)
         self.file.write(self.header_bytes(self.fill))
         self.file.flush()
@@ -548,8 +548,6 @@ def restore(out_dir: Path, progress: dict) -> bool:
     """Bring out_dir back to the state progress.json records: finish renames that an interruption cut short,
     remove shards written after it, cut the open shards back to their recorded length. False (and nothing
     changed) if the files on disk cannot give that state; then the preparation starts afresh."""
-    from gptlite.data import HEADER_BYTES
-
     keep: dict[Path, Path | None] = {}  # file to keep -> name to move it to
     for split in SPLITS:
         shards, open_tokens = progress[split]["shards"], progress[split]["open_tokens"]
@@ -804,8 +802,6 @@ def download_token_shards(
     """Download the val shard and the first `train_shards` train shards of a TOKEN_SHARDS dataset into out_dir
     (files already there are kept, so an interrupted download continues), check their headers, and write
     tokenizer.json and manifest.json as `prepare` does; return the manifest."""
-    from gptlite.data import file_sha256, read_shard
-
     if name not in TOKEN_SHARDS:
         raise ValueError(f"unknown token-shard dataset '{name}'; choose one of {', '.join(TOKEN_SHARDS)}")
     repo, prefix, available = TOKEN_SHARDS[name]

@@ -409,3 +409,22 @@ def test_cli_missing_input_is_a_one_line_error(tmp_path, script):
 def gpt2_ranks():
     """The GPT-2 BPE ranks file of ../shared (fails in CI if missing, skips elsewhere)."""
     return shared_file("tokenizers/gpt2.tiktoken")
+
+
+def test_preparation_never_imports_torch(tmp_path):
+    """data/prepare.py (and so its workers, which import the same modules) starts without torch's seconds."""
+    src = tmp_path / "corpus.txt"
+    src.write_text("To be, or not to be: that is the question.\n" * 50)
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['prepare.py', '--input', {str(src)!r}, '--tokenizer', 'byte', '--out_dir', {str(tmp_path / 'out')!r}]\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'data' / 'prepare.py')!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "out" / "manifest.json").is_file()

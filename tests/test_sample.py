@@ -129,3 +129,16 @@ def test_a_signal_stops_sampling_in_one_line(run_dir, signum):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + getattr(signal, signum)
     assert stderr.strip().splitlines()[-1] == f"sample.py: interrupted ({signum}); nothing to save"
+
+
+def test_a_sliding_window_note_goes_to_stderr_on_its_own_line(run_dir, capsys, monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # sample.main replaces it
+    code, out, err = run(run_dir, capsys, "--start=A", "--num_samples=1", "--max_new_tokens=80", "--temperature=0")
+    assert code == 0
+    assert "context reached block_size" not in out
+    note = [line for line in err.splitlines() if "block_size" in line]
+    assert note == ["sample.py: note: the context reached block_size=32: a full window keeps its newest 24 tokens, "
+                    "which are prefilled again at positions 0.. (see gptlite.generate)"]
+    assert "\n" + note[0] in err  # on its own line, even when stderr and stdout share a terminal

@@ -1,0 +1,159 @@
+"""Token shards in llm.c's file layout: the header, reading and writing, checksums and the manifest (numpy only).
+
+A shard is a 1,024-byte header of 256 little-endian int32 followed by the tokens:
+    header[0] magic, header[1] version, header[2] token count, the rest zero.
+    magic 20240520, version 1: tokens are uint16 (vocabularies up to 65,536 ids)
+    magic 20240801, version 7: tokens are uint32 (larger vocabularies)
+This is the layout of llm.c and of modded-nanogpt's FineWeb shards, so their files train here as they are.
+Data preparation imports this module, not `gptlite.data` (whose loader needs torch), so it starts fast.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+FORMATS = {  # magic -> (version, token dtype)
+    20240520: (1, np.dtype("<u2")),
+    20240801: (7, np.dtype("<u4")),
+}
+UINT16_VOCAB = 2**16
+
+
+def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int) -> None:
+    """Write tokens to a shard file atomically (temp file + rename), uint16 when vocab_size <= 65,536."""
+    magic = 20240520 if vocab_size <= UINT16_VOCAB else 20240801
+    version, dtype = FORMATS[magic]
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}] for {path}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (magic, version, tokens.size)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard(path: str | Path) -> np.memmap:
+    """Memory-map a shard's tokens after validating magic, version and size. Nothing is read into RAM."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"shard {path} does not exist")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ValueError(f"shard {path} is truncated: {size} bytes is smaller than the {HEADER_BYTES}-byte header")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, count = int(header[0]), int(header[1]), int(header[2])
+    if magic not in FORMATS:
+        raise ValueError(
+            f"shard {path} has bad magic {magic}; expected {' or '.join(map(str, FORMATS))} "
+            "(an llm.c-format token shard, as written by data/prepare.py)"
+        )
+    expected_version, dtype = FORMATS[magic]
+    if version != expected_version:
+        raise ValueError(f"shard {path} has unknown version {version} for magic {magic}; expected {expected_version}")
+    expected = HEADER_BYTES + count * dtype.itemsize
+    if count < 0 or size < expected:
+        raise ValueError(
+            f"shard {path} is truncated: header says {count} tokens ({expected} bytes) but the file has {size} bytes; "
+            "prepare the data again"
+        )
+    if size > expected:
+        raise ValueError(f"shard {path} has {size - expected} bytes beyond the {count} tokens its header declares")
+    if count == 0:
+        return np.zeros(0, dtype=dtype)  # np.memmap cannot map zero bytes
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB chunks (what `sha256sum` prints)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+MANIFEST = "manifest.json"  # written last by data/prepare.py: the folder's preparation is complete
+PROGRESS = "progress.json"  # an unfinished preparation's state
+
+
+def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
+    """Check a prepared data_dir against its manifest.json and return the manifest: every listed shard is
+    there with its token count (and, with checksums, its sha256), and no other shard is."""
+    data_dir = Path(data_dir)
+    path = data_dir / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{data_dir} has no manifest.json: its preparation did not finish (run the same data/prepare.py "
+            "command again to continue) or the shards were not made by data/prepare.py"
+        )
+    manifest = json.loads(path.read_text())
+    listed = {s["file"] for s in manifest["shards"]}
+    extra = sorted(p.name for p in data_dir.glob("*.bin") if p.name not in listed)
+    if extra:
+        raise ValueError(f"{data_dir} holds shards its manifest does not list ({', '.join(extra)}); remove them or prepare again")
+    for shard in manifest["shards"]:
+        shard_path = data_dir / shard["file"]
+        tokens = read_shard(shard_path)  # checks that it exists and its header
+        if len(tokens) != shard["tokens"]:
+            raise ValueError(
+                f"shard {shard_path} holds {len(tokens):,} tokens but the manifest says {shard['tokens']:,}; "
+                "prepare the data again (--overwrite)"
+            )
+        expected = manifest.get("sha256", {}).get(shard["file"])
+        if checksums and expected and file_sha256(shard_path) != expected:
+            raise ValueError(
+                f"shard {shard_path} does not match its sha256 in the manifest ({expected[:12]}...): the file "
+                "changed or is corrupt; prepare the data again (--overwrite) or download it again"
+            )
+    return manifest
+
+
+def find_shards(spec: str | Path, split: str) -> list[Path]:
+    """Shard files for a split: a directory (every *.bin whose name contains `split`), a glob, or a file. A
+    directory whose preparation has not finished (progress.json without manifest.json) is refused; shards
+    from elsewhere, without either file, are fine."""
+    spec = str(spec)
+    if os.path.isdir(spec):
+        if (Path(spec) / PROGRESS).is_file() and not (Path(spec) / MANIFEST).is_file():
+            raise ValueError(f"{spec} holds an unfinished preparation ({PROGRESS}, no {MANIFEST}); finish it by "
+                             "running the same data/prepare.py command again")
+        files = [p for p in sorted(Path(spec).glob("*.bin")) if split in p.name]
+    elif not glob.has_magic(spec) and not os.path.exists(spec):
+        raise FileNotFoundError(f"data {spec} does not exist; prepare data there first (python data/prepare.py "
+                                f"--input=... --out_dir={spec}) or check the path")
+    else:
+        files = [Path(p) for p in sorted(glob.glob(spec))]
+    if not files:
+        raise FileNotFoundError(
+            f"no {split} shards found at {spec}; expected *{split}*.bin files there (run data/prepare.py first)"
+        )
+    return files
+
+
+def check_vocab(files: list[Path], vocab_size: int, chunk: int = 1 << 24) -> None:
+    """Raise ValueError naming the shard if any token id is >= vocab_size (scans in bounded chunks)."""
+    for path in files:
+        tokens = read_shard(path)
+        if tokens.dtype == np.uint16 and vocab_size >= UINT16_VOCAB:
+            continue
+        for i in range(0, len(tokens), chunk):
+            hi = int(tokens[i : i + chunk].max())
+            if hi >= vocab_size:
+                raise ValueError(
+                    f"shard {path} holds token id {hi} but the model's vocab_size is {vocab_size}; "
+                    f"set --vocab_size to at least {hi + 1} or re-tokenize the data"
+                )
