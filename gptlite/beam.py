@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gptlite.generate import _prefill, _static_cache, compiled_decode_step, decode_step
+from gptlite.generate import _prefill, _static_cache, compiled_decode_step, decode_step, packed_for_cpu
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
@@ -62,6 +62,8 @@ def beam_search(
                              f"positions stop at block_size={config.block_size}")
         model.pos_emb.extend(max_len)
     step = compiled_decode_step(model) if compile else decode_step
+    if not compile:
+        model = packed_for_cpu(model, B * N)
 
     cache = model.new_cache(B, max_len)
     device = cache.visible.device

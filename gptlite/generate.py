@@ -28,6 +28,7 @@ stop strings in `generate_text`, which also decodes UTF-8 safely across BPE piec
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 import weakref
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 
 from gptlite.tokenizer import StreamDecoder, Tokenizer
 
@@ -313,6 +315,58 @@ def reset_compiled() -> None:
     _static_caches.clear()
 
 
+class PackedLinear(nn.Module):
+    """An nn.Linear for eager CPU inference: its float32 weight packed once into oneDNN's blocked layout, and
+    the matmul run by oneDNN. A decode step multiplies 1-8 rows by every weight matrix, and there oneDNN on a
+    prepacked weight streams the weights 1.3-2.5x faster than `F.linear` (measured on a 2-core AVX2 CPU, GPT-2-124M
+    shapes: 20-26 GB/s against 12-17 at one row; 11-14 against 5-8 at eight)."""
+
+    def __init__(self, linear: nn.Linear, rows: int):
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)  # a copy, (N, K)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., N)
+
+
+PACK_MIN_WEIGHTS = 1 << 18  # the 4x128 char model's layers (49K weights) decode 1.3-1.5x faster unpacked
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its weights' state, rows hint, view)
+
+
+def packed_for_cpu(model: GPT, rows: int) -> GPT:
+    """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the
+    nn.Linear layers of at least PACK_MIN_WEIGHTS weights, which become `PackedLinear`s (packed for `rows`
+    rows: one, or a batch); smaller layers are bound by per-call overhead, where oneDNN's is the larger. It is kept
+    for the next call (the packed copies cost as much memory as the linear weights) and packed again
+    when the weights change. Other devices and dtypes, and builds without oneDNN, get the model itself."""
+    weight = model.tok_emb.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return model
+    hint = 1 if rows == 1 else 8
+    state = (model.training, *((p.data_ptr(), p._version) for p in model.parameters()))
+    kept = _packed.get(model)
+    if kept is not None and kept[:2] == (state, hint):
+        return kept[2]
+
+    def packs(module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS
+
+    def view(module: nn.Module) -> nn.Module:
+        if packs(module):
+            return PackedLinear(module, hint)
+        if not any(packs(m) for m in module.modules()):
+            return module  # shared as it is
+        clone = copy.copy(module)  # the same parameters and buffers; its own table of submodules
+        clone._modules = {name: view(child) for name, child in module._modules.items()}
+        return clone
+
+    if not any(packs(m) for m in model.modules()):
+        return model
+    _packed[model] = (state, hint, view(model))
+    return _packed[model][2]
+
+
 def generate_tokens(
     model: GPT,
     prompts: Prompts,
@@ -386,6 +440,8 @@ def _decode(
     else:
         max_len = min(max_len, config.block_size)
     step = compiled_decode_step(model) if compile else decode_step
+    if not compile:
+        model = packed_for_cpu(model, len(rows))
 
     cache = model.new_cache(len(rows) // num_samples, max_len)
     logits = _prefill(model, cache, rows[::num_samples]).repeat_interleave(num_samples, dim=0)  # (N, V)

@@ -375,3 +375,31 @@ def test_generate_argument_errors(prompts, kwargs, message):
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(ValueError, match=message):
         next(generate_tokens(tiny_model(), prompts, **kwargs))
+
+
+@cpu_only
+def test_cpu_decoding_runs_packed_linears_on_the_same_weights(variant, monkeypatch):
+    """Eager float32 decoding on the CPU goes through PackedLinear (oneDNN on prepacked weights) for large
+    layers: the same logits as the model's own layers, every other module and tensor shared, packed again
+    once the weights change, and the model itself for other dtypes and for small layers."""
+    import gptlite.generate
+    from gptlite.generate import PackedLinear, packed_for_cpu
+
+    model = tiny_model(**variant).eval()
+    assert packed_for_cpu(model, 1) is model  # 32-wide layers: overhead-bound, left as they are
+    monkeypatch.setattr(gptlite.generate, "PACK_MIN_WEIGHTS", 0)
+    view = packed_for_cpu(model, 1)
+    assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(view.get_submodule(name), PackedLinear) for name in linears)
+    assert view.pos_emb is model.pos_emb and view.blocks[0].attn_norm is model.blocks[0].attn_norm
+    assert dict(view.named_parameters()).keys() <= dict(model.named_parameters()).keys()
+    idx = randint(97, (3, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(view(idx)[0], model(idx)[0], rtol=1e-5, atol=1e-5)
+        model.lm_head.weight.mul_(2)  # tied to the embedding: a changed weight
+        repacked = packed_for_cpu(model, 1)
+        assert repacked is not view
+        torch.testing.assert_close(repacked(idx)[0], model(idx)[0], rtol=1e-5, atol=1e-5)
+    assert packed_for_cpu(model, 4) is not repacked  # a batch gets weights packed for several rows
+    assert packed_for_cpu(model.to(torch.bfloat16), 1) is model
