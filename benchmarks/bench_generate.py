@@ -1,15 +1,24 @@
-"""Generation speed, in one process: gptlite's KV-cache engine against the naive full-recompute loop on the
-same weights and against Hugging Face `transformers` GPT-2 `generate` on a same-size model.
+"""Generation speed, one table per process: gptlite's paths against Hugging Face `transformers` GPT-2 `generate`
+on a same-size model (and the naive full-recompute loop), timed in turn, call for call.
 
     pip install -e ".[bench]"     # transformers, for the Hugging Face rows (or: pip install transformers)
-    python benchmarks/bench_generate.py                       # every model and batch, the device's default dtype
+    python benchmarks/bench_generate.py                       # every path, model and batch size
+    python benchmarks/bench_generate.py --paths=default --models=gpt2 --batch_sizes=1,8 --json=gen.json
     python benchmarks/bench_generate.py --dtype=bfloat16 --models=gpt2 --batch_sizes=1
-    python benchmarks/bench_generate.py --compile=false,true --json=gen.json   # both paths, figures as JSON
-    python benchmarks/bench_generate.py --models=gpt2 --batch_sizes=1 --num_beams=4  # beam search against HF's
+    python benchmarks/bench_generate.py --models=gpt2 --batch_sizes=1 --paths=default,compile --num_beams=4
 
-All models have random weights and decode greedily from a random 16-token prompt for 256 new tokens;
-tokens/s counts every generated token of the batch over the whole call (prefill included), the median of
-`--repeats` timed runs after a warm-up. Shapes:
+Paths (`--paths`):
+    default   `generate(model, ...)` with no flags: what sample.py does unless told otherwise
+    compile   compile=True: the decode step through torch.compile
+    int8      the model after `quantize(model, "int8")` (weight-only int8, gptlite.quantize), eager
+    int8+compile   both
+Every path's first call in this process is timed on its own ("first call": for compile, compiling it), then
+the median of `--repeats` calls ("steady"). The process starts with a new, empty inductor cache folder (cold,
+as a user's very first sample.py); with compile among the paths, a second process then times its own
+first compiled call against the cache the first process filled ("compile, 2nd process").
+
+All models have random weights and decode greedily from a random 16-token prompt; tokens/s counts every
+generated token of the batch over the whole call (prefill included). Shapes:
     gpt2   GPT-2 124M: 12 layers, 12 heads, 768 wide, vocab 50,304, block 1,024 (HF: GPT2LMHeadModel)
     char   nanoGPT's Shakespeare-char CPU model: 4 layers, 4 heads, 128 wide, vocab 65, block 64
 The char model's window is smaller than prompt + new tokens, so its rows slide (see gptlite.generate);
@@ -20,9 +29,13 @@ script that prints a table, not a test.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -67,51 +80,51 @@ def hf_generate(model, idx: torch.Tensor, max_new_tokens: int, num_beams: int = 
                           min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, num_beams=num_beams)
 
 
-def timed(fn: Callable[[], torch.Tensor], repeats: int, device: str, warmup: Callable | None = None) -> tuple[float, torch.Tensor]:
-    """Median seconds of `repeats` calls of fn after one warm-up call (of fn unless given), and fn's output."""
-    (warmup or fn)()
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+def seconds(fn: Callable[[], torch.Tensor], device: str) -> tuple[float, torch.Tensor]:
+    """Wall seconds of one call of fn (the device synchronised), and its output."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+PATHS = ("default", "compile", "int8", "int8+compile")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,char", help="comma-separated: gpt2, char")
     parser.add_argument("--batch_sizes", default="1,8")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated: {', '.join(PATHS)}")
     parser.add_argument("--prompt_len", type=int, default=16)
-    parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--device", default="auto", help="auto (cuda if there is one, else cpu), cpu, cuda")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights of every model; auto = bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--hf_dtype", default="same", choices=["same", "float32", "bfloat16", "float16"],
                         help="Hugging Face model's weights (same = --dtype)")
-    parser.add_argument("--compile", default="true",
-                        help="torch.compile gptlite's decode step: true, false, or false,true for a row of each "
-                             "(compiling is not timed: the warm-up run does it)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is shown)")
-    parser.add_argument("--naive_repeats", type=int, default=1, help="timed runs of the naive loop (slow)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steady calls per path (the median is shown)")
     parser.add_argument("--naive_max_batch", type=int, default=1,
-                        help="skip the naive loop above this batch size for gpt2 (it takes minutes)")
+                        help="time the naive loop (once) up to this batch size for gpt2 (it takes minutes); 0 = never")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads on the CPU (0 = torch's default)")
     parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams (no naive loop); "
                         "tokens/s counts the returned sequence's tokens")
+    parser.add_argument("--cache_dir", default="", help="inductor cache folder (default: a new, empty one)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    if any(m not in ("true", "false") for m in args.compile.split(",")):
-        parser.error(f"--compile={args.compile!r}: give true, false, or both as false,true")
-    modes = [m == "true" for m in args.compile.split(",")]
+    paths = args.paths.split(",")
+    if any(p not in PATHS for p in paths):
+        parser.error(f"--paths={args.paths!r}: choose from {', '.join(PATHS)}")
+    if not args.cache_dir:
+        args.cache_dir = tempfile.mkdtemp(prefix="bench_generate_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir  # read when something compiles
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = getattr(torch, ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype)
     hf_dtype = dtype if args.hf_dtype == "same" else getattr(torch, args.hf_dtype)
@@ -121,48 +134,93 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {where}, gptlite and naive in {dtype_name(dtype)}, HF in {dtype_name(hf_dtype)}, "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"{f'beam search with {args.num_beams} beams, ' if args.num_beams > 1 else ''}median of {args.repeats} runs")
-    header = (f"{'model':6} {'batch':>5} {'compiled':>8} {'gptlite tok/s':>14} {'naive tok/s':>12} {'HF tok/s':>10} "
-              f"{'vs naive':>9} {'vs HF':>7}")
+          f"{f'beam search with {args.num_beams} beams, ' if args.num_beams > 1 else ''}steady = median of {args.repeats} "
+          f"calls, inductor cache {args.cache_dir}")
+    header = (f"{'model':6} {'batch':>5} {'path':>20} {'first call s':>12} {'steady tok/s':>12} {'HF tok/s':>9} "
+              f"{'vs HF':>6} {'naive tok/s':>11} {'vs naive':>8}")
     print(header)
     print("-" * len(header))
     results = []
+    beams = {"num_beams": args.num_beams} if args.num_beams > 1 else {}
     for model_name in args.models.split(","):
         shape = MODELS[model_name]
         torch.manual_seed(0)
         model = GPT(GPTConfig(**shape)).to(device, dtype).eval()
+        models = {"default": model, "compile": model}
+        if any(p.startswith("int8") for p in paths):
+            int8 = copy.deepcopy(model).quantize("int8")
+            models |= {"int8": int8, "int8+compile": int8}
         hf = hf_model(shape, hf_dtype, device) if model_name == "gpt2" else None
         for batch in map(int, args.batch_sizes.split(",")):
             idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
             tokens = batch * args.new_tokens
-            baselines = {}  # naive and HF, measured once for every compile mode
-            beams = {"num_beams": args.num_beams} if args.num_beams > 1 else {}
-            if not beams and (model_name != "gpt2" or batch <= args.naive_max_batch):
-                t_naive, naive = timed(partial(naive_generate, model, idx, args.new_tokens), args.naive_repeats, device,
-                                       warmup=partial(naive_generate, model, idx, 4))
-                baselines["naive"] = tokens / t_naive
+            calls = {p: partial(generate, models[p], idx, args.new_tokens, temperature=0, compile="compile" in p, **beams)
+                     for p in paths}
             if hf is not None:
-                baselines["hf"] = tokens / timed(partial(hf_generate, hf, idx, args.new_tokens, args.num_beams), args.repeats,
-                                                 device)[0]
-            for compile in modes:
-                t_cached, cached = timed(partial(generate, model, idx, args.new_tokens, temperature=0, compile=compile,
-                                                 **beams), args.repeats, device)
-                row = {"gptlite": tokens / t_cached, **baselines}
-                if "naive" in baselines:
-                    same = (cached == naive).float().mean().item()
-                    if same < 1:  # greedy ties can flip in low precision; in float32 they agree exactly
-                        print(f"  note: cached and naive greedy tokens agree on {same:.1%} of positions")
-                cells = [f"{row[k]:.1f}" if k in row else "-" for k in ("gptlite", "naive", "hf")]
-                ratios = [f"{row['gptlite'] / row[k]:.1f}x" if k in row else "-" for k in ("naive", "hf")]
-                print(f"{model_name:6} {batch:>5} {'yes' if compile else 'no':>8} {cells[0]:>14} {cells[1]:>12} "
-                      f"{cells[2]:>10} {ratios[0]:>9} {ratios[1]:>7}", flush=True)
-                results.append({"model": model_name, "batch": batch, "compiled": compile, "dtype": dtype_name(dtype),
-                                "num_beams": args.num_beams,
-                                "tokens_per_s": row, "vs_hf": row["gptlite"] / row["hf"] if "hf" in row else None})
+                calls["hf"] = partial(hf_generate, hf, idx, args.new_tokens, args.num_beams)
+            first = {name: seconds(call, device)[0] for name, call in calls.items()}
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            outputs = {}
+            for _ in range(args.repeats):  # in turn, so that a slower or faster spell of the machine hits them all
+                for name, call in calls.items():
+                    t, outputs[name] = seconds(call, device)
+                    times[name].append(t)
+            rate = {name: tokens / statistics.median(t) for name, t in times.items() if t}
+            naive = None
+            if not beams and (model_name != "gpt2" or batch <= args.naive_max_batch):
+                naive_generate(model, idx, 4)  # warm-up
+                t, out = seconds(partial(naive_generate, model, idx, args.new_tokens), device)
+                naive = tokens / t
+                if "default" in outputs and not torch.equal(outputs["default"], out):
+                    same = (outputs["default"] == out).float().mean().item()  # greedy ties can flip in low precision
+                    print(f"  note: default and naive greedy tokens agree on {same:.1%} of positions")
+            for p in paths:
+                row = {"model": model_name, "batch": batch, "path": p, "compiled": "compile" in p, "dtype": dtype_name(dtype),
+                       "num_beams": args.num_beams, "first_call_s": first[p],
+                       "tokens_per_s": {"gptlite": rate.get(p), "hf": rate.get("hf"), "naive": naive}}
+                row["vs_hf"] = rate[p] / rate["hf"] if p in rate and "hf" in rate else None
+                results.append(row)
+                print_row(row)
+            if "hf" in rate:
+                print(f"{model_name:6} {batch:>5} {'HF generate':>20} {first['hf']:>12.1f} {rate['hf']:>12.1f}")
+    if "compile" in paths and not os.environ.get("BENCH_GENERATE_SECOND_PROCESS"):
+        results += second_process(args)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": results}, indent=1))
     if "gpt2" in args.models and hf_model(MODELS["char"], dtype, "cpu") is None:
         print('Hugging Face rows need transformers: pip install -e ".[bench]" (or pip install transformers)')
+
+
+def print_row(row: dict) -> None:
+    rates = row["tokens_per_s"]
+    steady = f"{rates['gptlite']:.1f}" if rates["gptlite"] else "-"
+    hf = f"{rates['hf']:.1f}" if rates["hf"] else "-"
+    vs_hf = f"{row['vs_hf']:.2f}x" if row["vs_hf"] else "-"
+    naive = f"{rates['naive']:.1f}" if rates["naive"] else "-"
+    vs_naive = f"{rates['gptlite'] / rates['naive']:.1f}x" if rates["naive"] and rates["gptlite"] else "-"
+    print(f"{row['model']:6} {row['batch']:>5} {row['path']:>20} {row['first_call_s']:>12.1f} {steady:>12} {hf:>9} "
+          f"{vs_hf:>6} {naive:>11} {vs_naive:>8}", flush=True)
+
+
+def second_process(args) -> list[dict]:
+    """Each batch size's first compiled call in a new process that finds this one's inductor cache."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "second.json"
+        command = [sys.executable, __file__, f"--models={args.models}", f"--batch_sizes={args.batch_sizes}",
+                   "--paths=compile", "--repeats=0", "--naive_max_batch=0", f"--prompt_len={args.prompt_len}",
+                   f"--new_tokens={args.new_tokens}", f"--device={args.device}", f"--dtype={args.dtype}",
+                   f"--num_beams={args.num_beams}", f"--threads={args.threads}", f"--cache_dir={args.cache_dir}",
+                   f"--json={out}"]
+        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "BENCH_GENERATE_SECOND_PROCESS": "1"})
+        if result.returncode != 0:
+            print(f"second process failed ({result.returncode}): {result.stderr.strip().splitlines()[-1:]}")
+            return []
+        rows = [r for r in json.loads(out.read_text())["rows"] if r["path"] == "compile"]
+    for row in rows:
+        row["path"] = "compile, 2nd process"
+        row["tokens_per_s"] = {"gptlite": None, "hf": None, "naive": None}
+        print_row(row)
+    return rows
 
 
 if __name__ == "__main__":

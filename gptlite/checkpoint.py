@@ -4,7 +4,8 @@ loading (`weights_only=True`) that falls back past a damaged file; rebuilding a 
 A checkpoint is a plain dict of tensors and primitive values:
     config      the flat training config (see gptlite.config.config_to_dict)
     model       the uncompiled, unwrapped module's state_dict (no `_orig_mod.` or `module.` prefixes)
-    optimizer   the optimizer state keyed by parameter name (torch.distributed.checkpoint's full state dict)
+    optimizer   the optimizers' state (AdamW's, and Muon's with optimizer="muon") keyed by parameter name
+                (torch.distributed.checkpoint's full state dict, one for all)
     scaler      the fp16 GradScaler's state ({} when unused)
     step        optimizer steps taken; the learning-rate schedule is a function of it
     loader      the train loader's global position (see gptlite.data.ShardLoader.state), world_size
@@ -295,11 +296,20 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     return model
 
 
-def load_model(out_dir: str | Path = "", init_from: str = "", tokenizer: str = "") -> tuple[GPT, Tokenizer]:
+def load_model(out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = "") -> tuple[GPT, Tokenizer]:
     """A model to sample from or evaluate, on the CPU in float32, with its tokenizer: a run's newest checkpoint
     (out_dir), or pretrained weights (init_from: see GPT.from_pretrained). The tokenizer is `tokenizer` (a
     tokenizer.json, .tiktoken file or tiktoken name) if given, else the run's tokenizer.json (in out_dir, or
-    beside its training data), else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken."""
+    beside its training data), else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken.
+    quantize="int8" quantizes the weights for inference (see gptlite.quantize)."""
+    from gptlite.quantize import check_mode
+
+    check_mode(quantize)  # before anything is loaded
+    model, tok = _load_model(out_dir, init_from, tokenizer)
+    return (model.quantize(quantize) if quantize else model), tok
+
+
+def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GPT, Tokenizer]:
     if init_from:
         model = GPT.from_pretrained(init_from)
         if tokenizer:

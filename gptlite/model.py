@@ -379,6 +379,13 @@ class GPT(nn.Module):
 
         return generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
 
+    def quantize(self, mode: str = "int8") -> GPT:
+        """Weight-only int8 quantization for generation and evaluation, in place; returns the model (see
+        gptlite.quantize)."""
+        from gptlite.quantize import quantize
+
+        return quantize(self, mode)
+
     def num_params(self, exclude_positions: bool = False) -> int:
         """Parameter count; the tied head and embedding are one tensor and are counted once."""
         n = sum(p.numel() for p in self.parameters())

@@ -1,0 +1,80 @@
+"""Weight-only int8 quantization: the per-row scheme against its formula, logits close to float32's, the same
+greedy text as float32 on a small trained model, and the commands' --quantize."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sample
+import train
+from gptlite.checkpoint import load_model
+from gptlite.generate import generate
+from gptlite.quantize import Int8Linear, quantize_rows
+from tests.conftest import DEVICE, randint, tiny_model
+from tests.test_end_to_end import TINY, char_data  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.device
+
+
+def test_rows_are_int8_with_one_scale_each():
+    torch.manual_seed(0)
+    w = torch.randn(64, 48) * torch.linspace(0.01, 3, 64)[:, None]  # rows of very different sizes
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (64,) and int(q.abs().max()) == 127
+    assert torch.equal(q.abs().amax(dim=1), torch.full((64,), 127, dtype=torch.int8))  # each row uses its full range
+    assert torch.all((w - scale[:, None] * q).abs() <= scale[:, None] / 2 + 1e-7)  # round to nearest
+    zero_q, zero_scale = quantize_rows(torch.zeros(3, 4))
+    assert not zero_q.any() and torch.isfinite(zero_scale).all()
+
+
+def test_int8_linear_is_the_linear_of_its_dequantized_weight():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 64)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(5, 3, 48)
+    dequantized = layer.scale[:, None] * layer.weight.float()  # (N, K)
+    torch.testing.assert_close(layer(x), F.linear(x, dequantized, linear.bias), rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_model_keeps_logits_close_and_the_head_tied(variant):
+    model = tiny_model(**variant).to(DEVICE).eval()
+    idx = randint(97, (2, 20)).to(DEVICE)
+    with torch.no_grad():
+        reference = model(idx)[0]
+        quantized = model.quantize("int8")
+        logits = quantized(idx)[0]
+    assert quantized is model
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.tok_emb.head[0] is model.lm_head  # the embedding reads the head's int8 table
+    assert all(p.dim() < 2 or "pos_emb" in n for n, p in model.named_parameters())  # what stays float: vectors, positions
+    error = (logits - reference).abs().max() / reference.abs().max()
+    assert error < 0.02, error
+
+
+def test_a_trained_char_model_greedy_text_is_the_same_in_int8(char_data, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    train.main(train.resolve_config([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150",
+                                     "--eval_interval=150", *(f"--{k}={v}" for k, v in TINY.items())]))
+    fp32, tokenizer = load_model(out)
+    int8, _ = load_model(out, quantize="int8")
+    prompt = [tokenizer.encode("ROMEO:")]
+    a = generate(fp32.to(DEVICE), prompt, 100, temperature=0)
+    b = generate(int8.to(DEVICE), prompt, 100, temperature=0)
+    assert a == b, (tokenizer.decode(a[0]), tokenizer.decode(b[0]))
+    code = sample.main([f"--out_dir={out}", f"--device={DEVICE}", "--quantize=int8", "--start=ROMEO:", "--num_samples=1",
+                        "--max_new_tokens=100", "--temperature=0"])
+    assert code == 0
+
+
+def test_compiled_int8_generation_equals_eager():
+    model = tiny_model().to(DEVICE).quantize("int8")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    torch._dynamo.reset()
+    assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
+
+
+def test_unknown_quantization_is_refused_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="quantize='int4' is not supported; use 'int8', or leave it out"):
+        load_model(tmp_path / "no such run", quantize="int4")
+    with pytest.raises(ValueError, match="quantize='fp8' is not supported"):
+        tiny_model().quantize("fp8")
