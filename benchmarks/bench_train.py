@@ -1,21 +1,31 @@
-"""Training-step throughput, side by side in one process: gptlite vs Hugging Face GPT-2 vs a naive GPT.
+"""Training-step throughput, side by side in one process: gptlite vs Hugging Face GPT-2 vs a naive GPT; with
+--optimizers, AdamW against Muon: the losses after the same number of tokens.
 
     pip install -e ".[bench]"            # transformers, for the Hugging Face model only
     python benchmarks/bench_train.py [--shapes tiny,124m] [--steps 10] [--dtypes float32,bfloat16]
+    python benchmarks/bench_train.py --optimizers adamw,muon [--tokens 1000000] [--muon_lr 0.02]
 
 A step is forward + backward + AdamW (as each model's users run it, see ADAMW) on random tokens. Every model has the same shape (layers, heads,
 width, vocabulary, block) and about the same parameter count, random weights, no dropout. The figure is
 the median tokens/s over `--steps` timed steps after warm-up, the models taking turns step by step;
 ratios are against the other models measured in this same run. Prints a table; asserts nothing.
+
+--optimizers trains the char model of configs/shakespeare_char_cpu.toml on data/shakespeare_char (prepared
+by data/shakespeare/prepare.py) through train.main, once per optimizer, for the same `--tokens` (same seed,
+same batches, the schedule over the whole budget), AdamW at the config's learning rate and, with Muon, for
+everything but the matrices inside the blocks. It prints the mean train loss of the last 10 steps, the val loss
+on the whole val split and the wall-clock time of each run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from gptlite import GPT, GPTConfig  # noqa: E402
 
@@ -124,13 +135,43 @@ def time_steps(models: dict[str, tuple[nn.Module, callable]], shape: str, dtype:
     return {name: B * T / statistics.median(t) for name, t in times.items()}
 
 
+def compare_optimizers(names: list[str], tokens: int, muon_lr: float) -> None:
+    """Train the char model once per optimizer for `tokens` tokens; print the train and val losses (see above)."""
+    import train
+
+    base = [str(ROOT / "configs" / "shakespeare_char_cpu.toml"), f"--data_dir={ROOT / 'data' / 'shakespeare_char'}"]
+    cfg = train.resolve_config(base)
+    steps = max(1, tokens // (cfg.batch_size * cfg.model.block_size))
+    print(f"char model {cfg.model.n_layer}x{cfg.model.n_embd}, {steps} steps of {cfg.batch_size}x{cfg.model.block_size}"
+          f" = {steps * cfg.batch_size * cfg.model.block_size} tokens, AdamW lr {cfg.learning_rate:g}")
+    print(f"{'optimizer':10s} {'peak lr':>8s} {'train loss':>11s} {'val loss':>9s} {'seconds':>8s}")
+    for name in names:
+        with tempfile.TemporaryDirectory() as out:
+            run = train.resolve_config([*base, f"--out_dir={out}", f"--optimizer={name}", f"--muon_lr={muon_lr}",
+                                        f"--max_iters={steps}", "--lr_decay_iters=0", f"--eval_interval={steps}",
+                                        "--eval_iters=0", "--log_interval=1", "--keep_last=1"])
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()):
+                summary = train.main(run)
+            seconds = time.perf_counter() - t0
+        train_loss = statistics.mean(loss for _, loss in summary["history"][-10:])
+        peak = muon_lr if name == "muon" else run.learning_rate
+        print(f"{name:10s} {peak:8g} {train_loss:11.4f} {summary['val_history'][-1][1]:9.4f} {seconds:8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="tiny,124m")
     parser.add_argument("--dtypes", default="float32", help="comma list: float32, bfloat16 (CPU autocast)")
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default: 30 tiny, 5 124m)")
+    parser.add_argument("--optimizers", default="", help="comma list (adamw, muon): compare losses instead")
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="training tokens per optimizer (--optimizers)")
+    parser.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak learning rate (--optimizers)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.optimizers:
+        compare_optimizers(args.optimizers.split(","), args.tokens, args.muon_lr)
+        return
     for shape in args.shapes.split(","):
         steps = args.steps or (30 if shape == "tiny" else 5)
         warmup = 5 if shape == "tiny" else 1

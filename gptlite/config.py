@@ -109,8 +109,11 @@ class TrainConfig:
     batch_size: int = 12
     total_batch_size: int = 0
     max_iters: int = 5000
-    # AdamW and the schedule: linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, or
-    # with lr_schedule="time" at the end of the max_minutes time budget (speedruns: any machine's speed)
+    # the optimizer: AdamW, or "muon": Muon (gptlite/optim.py) for the matrices inside the blocks, AdamW for the
+    # embedding, positions and vectors. The schedule: linear warmup to learning_rate, cosine decay to min_lr at
+    # lr_decay_iters, or with lr_schedule="time" at the end of the max_minutes time budget (speedruns: any
+    # machine's speed); Muon's learning rate follows it in proportion, from muon_lr down
+    optimizer: str = "adamw"  # adamw | muon
     learning_rate: float = 6e-4
     min_lr: float = 6e-5
     warmup_iters: int = 100
@@ -120,6 +123,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
+    muon_lr: float = 0.02  # Muon's peak learning rate (for a square matrix; see gptlite.optim.lr_scale)
+    muon_momentum: float = 0.95  # Nesterov momentum
+    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
     # evaluation, logging, checkpoints (out_dir/ckpt_NNNNNN.pt at every evaluation; the newest keep_last
     # are kept, plus best.pt, the lowest val loss), out_dir/metrics.jsonl at every log line
     eval_interval: int = 250
@@ -147,9 +153,13 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be > 0")
         for name in ("total_batch_size", "warmup_iters", "lr_decay_iters", "eval_iters", "grad_clip", "weight_decay",
-                     "max_minutes"):
+                     "max_minutes", "muon_lr", "muon_weight_decay"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
+        if self.optimizer not in ("adamw", "muon"):
+            problems.append(f"optimizer={self.optimizer!r} must be adamw or muon")
+        if not 0 <= self.muon_momentum < 1:
+            problems.append(f"muon_momentum={self.muon_momentum} must be in [0, 1) (e.g. 0.95)")
         if self.learning_rate < 0 or self.min_lr < 0 or 0 < self.learning_rate < self.min_lr:
             problems.append(
                 f"learning_rate={self.learning_rate}, min_lr={self.min_lr}: need 0 <= min_lr <= learning_rate "

@@ -227,12 +227,12 @@ def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path
     """train.py saves through torch.distributed.checkpoint's get_state_dict: no `_orig_mod.` or `module.`
     prefixes, whatever wraps the model, so the file loads into a plain GPT anywhere."""
     model = tiny_model()
-    optimizer = train.make_optimizer(model, train.build_config({"data_dir": "x", "vocab_size": 97}), "cpu")
+    optimizers = train.make_optimizers(model, train.build_config({"data_dir": "x", "vocab_size": 97}), "cpu")
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         wrapped = DDP(torch.compile(model))  # compiling is lazy: nothing is compiled here
-        model_state, optimizer_state = get_state_dict(wrapped, optimizer, options=train.FULL_STATE)
+        model_state, optimizer_state = get_state_dict(wrapped, optimizers, options=train.FULL_STATE)
     finally:
         dist.destroy_process_group()
     assert set(model_state) == set(model.state_dict())

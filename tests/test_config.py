@@ -138,6 +138,20 @@ def test_train_config_validation():
         TrainConfig(warmup_iters=-1, grad_clip=-1.0)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("optimizer", "sgd", r"optimizer='sgd' must be adamw or muon"),
+    ("muon_lr", "-0.02", r"muon_lr=-0.02 must be >= 0"),
+    ("muon_momentum", "1", r"muon_momentum=1.0 must be in \[0, 1\) \(e\.g\. 0\.95\)"),
+    ("muon_weight_decay", "-1", r"muon_weight_decay=-1.0 must be >= 0"),
+])  # fmt: skip
+def test_optimizer_options(key, value, message):
+    with pytest.raises(ValueError, match=rf"^invalid training config: {message}$"):
+        build_config({key: value})
+    cfg = build_config({"optimizer": "muon", "muon_lr": "0.05", "muon_momentum": "0", "fsdp": "true"})
+    assert (cfg.optimizer, cfg.muon_lr, cfg.muon_momentum) == ("muon", 0.05, 0.0)  # FSDP too: Muon gathers
+    assert TrainConfig().optimizer == "adamw"
+
+
 # ---------------------------------------------------------------------------------------------
 # conversion and build_config
 

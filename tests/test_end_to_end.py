@@ -155,7 +155,7 @@ def test_weight_decay_groups():
     cfg = build_config({"data_dir": "x", "vocab_size": 10, "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 8,
                         "bias": True})
     model = train.GPT(cfg.model)
-    opt = train.make_optimizer(model, cfg, "cpu")
+    (opt,) = train.make_optimizers(model, cfg, "cpu")
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
