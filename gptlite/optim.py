@@ -22,32 +22,48 @@ NS_STEPS = 5
 
 
 def newton_schulz(g: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NS_STEPS, eps: float = 1e-7) -> Tensor:
-    """g (rows, cols) -> roughly its orthogonal factor U V^T, where g = U S V^T: `steps` iterations of
-    X <- a X + (b A + c A^2) X with A = X X^T, in `dtype`, which push the singular values of X towards 1 (most
-    end between 0.7 and 1.2, not at 1: the coefficients trade accuracy for fewer steps, which does not hurt
-    training). In bfloat16, the same arithmetic as torch.optim.Muon's, op for op. Returns (rows, cols) in dtype."""
+    """g (rows, cols), or a batch of them (n, rows, cols) -> roughly each one's orthogonal factor U V^T, where
+    g = U S V^T: `steps` iterations of X <- a X + (b A + c A^2) X with A = X X^T, in `dtype`, which push the
+    singular values of X towards 1 (most end between 0.7 and 1.2, not at 1: the coefficients trade accuracy
+    for fewer steps, which does not hurt training). One matrix takes the same arithmetic as torch.optim.Muon's,
+    op for op. Returns g's shape in dtype."""
     a, b, c = NS_COEFFICIENTS
-    tall = g.size(0) > g.size(1)
+    mm = torch.addmm if g.dim() == 2 else torch.baddbmm  # C + A B, for one matrix or a batch
+    tall = g.size(-2) > g.size(-1)
     x = g.to(dtype)
     if tall:  # iterate on the wide orientation, so that A = X X^T is the smaller square
-        x = x.T  # (cols, rows)
-    x = x / x.norm().clamp(min=eps)  # the Frobenius norm bounds the spectral norm: singular values <= 1
+        x = x.mT  # (..., cols, rows)
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # Frobenius norm >= spectral: singular values <= 1
     for _ in range(steps):
-        A = x @ x.T  # (r, r), r = min(rows, cols)
-        x = torch.addmm(x, torch.addmm(A, A, A, beta=b, alpha=c), x, beta=a)  # a X + (b A + c A A) X
-    return x.T if tall else x  # (rows, cols)
+        A = x @ x.mT  # (..., r, r), r = min(rows, cols)
+        x = mm(x, mm(A, A, A, beta=b, alpha=c), x, beta=a)  # a X + (b A + c A A) X
+    return x.mT if tall else x  # (..., rows, cols)
 
 
-def orthogonalise(update: Tensor, split: int = 1, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """update (rows, cols), `split` logical matrices stacked along dim 0 -> each one's newton_schulz in dtype,
-    stacked again, (rows, cols). A DTensor (a parameter sharded by FSDP2) is gathered whole on every rank
-    first, and this rank's shard of the result returned: simple, not fast (every rank repeats the work)."""
-    if hasattr(update, "full_tensor"):  # a DTensor
-        from torch.distributed.tensor import distribute_tensor
+def orthogonalise(updates: list[Tensor], split: int = 1, dtype: torch.dtype = torch.bfloat16) -> list[Tensor]:
+    """Updates (rows, cols), each `split` logical matrices stacked along dim 0 -> each logical matrix's
+    newton_schulz in dtype, stacked again. Matrices of one shape go through one batched iteration (a few
+    bmm calls instead of a few mm calls per matrix: for the 2x128 char model's Muon step 3x less time on
+    the CPU, where small matmuls are overhead). A DTensor (a parameter sharded by FSDP2) is gathered whole on
+    every rank first and this rank's shard of the result returned: simple, not fast (every rank repeats it)."""
+    whole = [u.full_tensor() if hasattr(u, "full_tensor") else u for u in updates]  # (rows, cols) each
+    chunks = [m for u in whole for m in u.chunk(split)]
+    shapes: dict[torch.Size, list[int]] = {}
+    for i, m in enumerate(chunks):
+        shapes.setdefault(m.shape, []).append(i)
+    done = list(chunks)
+    for same in shapes.values():
+        batch = newton_schulz(chunks[same[0]], dtype)[None] if len(same) == 1 else \
+            newton_schulz(torch.stack([chunks[i] for i in same]), dtype)  # (n, rows, cols)
+        for i, m in zip(same, batch):
+            done[i] = m
+    results = [torch.cat(done[k * split : (k + 1) * split]) for k in range(len(updates))]  # (rows, cols) each
+    for k, u in enumerate(updates):
+        if hasattr(u, "full_tensor"):
+            from torch.distributed.tensor import distribute_tensor
 
-        whole = orthogonalise(update.full_tensor(), split, dtype)  # (rows, cols)
-        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)  # no traffic
-    return torch.cat([newton_schulz(m, dtype) for m in update.chunk(split)])  # (rows, cols)
+            results[k] = distribute_tensor(results[k], u.device_mesh, u.placements, src_data_rank=None)  # no traffic
+    return results
 
 
 def lr_scale(shape: torch.Size, split: int = 1) -> float:
@@ -102,15 +118,16 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, momentum, split = group["lr"], group["momentum"], group["split"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            nesterov = []
+            for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
-                update = orthogonalise(p.grad.lerp(buf, momentum), split, self.ns_dtype)  # (rows, cols)
+                nesterov.append(p.grad.lerp(buf, momentum))
+            for p, update in zip(params, orthogonalise(nesterov, split, self.ns_dtype)):  # (rows, cols) each
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * lr_scale(p.shape, split))
         return loss

@@ -44,10 +44,17 @@ def test_one_unsplit_matrix_steps_exactly_as_torch_muon(shape):
     assert torch.equal(opts[0].state[ours]["momentum_buffer"], opts[1].state[theirs]["momentum_buffer"])
 
 
+def test_matrices_of_one_shape_are_orthogonalised_together_as_each_alone():
+    torch.manual_seed(0)
+    updates = [torch.randn(3 * 16, 16), torch.randn(3 * 16, 16)]  # two layers' qkv: six 16x16 matrices, one batch
+    for update, together in zip(updates, orthogonalise(updates, split=3, dtype=torch.float32)):
+        assert torch.equal(together, torch.cat([newton_schulz(m, torch.float32) for m in update.chunk(3)]))
+
+
 def test_each_logical_matrix_is_orthogonalised_on_its_own():
     torch.manual_seed(0)
     g = torch.randn(3 * 32, 32)  # a fused qkv gradient: q, k, v stacked
-    update = orthogonalise(g, split=3)
+    update = orthogonalise([g], split=3)[0]
     assert update.shape == g.shape and update.dtype == torch.bfloat16
     for part, alone in zip(update.chunk(3), g.chunk(3)):
         assert torch.equal(part, newton_schulz(alone))
