@@ -1,26 +1,35 @@
-"""Dataset-preparation throughput and memory: gptlite.prepare with 1 worker and with every core, against
-tiktoken's raw single-thread encode (and its threaded batch encode), and peak memory at two corpus sizes.
+"""Dataset-preparation throughput per input format at two corpus sizes, against raw tiktoken in one thread.
 
-    python benchmarks/bench_prepare.py [--scaling_mb 100] [--sizes_mb 50 500] [--repeats 2] [--tokenizer SPEC]
-        [--source tinyshakespeare.txt]
+    python benchmarks/bench_prepare.py [--sizes_mb 14 56] [--repeats 3] [--formats text jsonl parquet]
+        [--tokenizer SPEC] [--source tinyshakespeare.txt]
 
-The corpus is tiny Shakespeare (--source, else shared/data/tinyshakespeare.txt beside the checkout or an
-ancestor, else downloaded) repeated to each size, written under the system temp directory and deleted afterwards. Every preparation
-runs in a fresh Python process, so its peak RSS is its own: the main process (which imports torch through
-gptlite.data), the largest worker and the sum of all, the last two sampled every 50 ms. Throughput is input MB (and tokens) over the
-wall time of `prepare()`, worker start-up included. Prints a table; asserts nothing.
+Corpora: tiny Shakespeare (--source, else shared/data/tinyshakespeare.txt beside the checkout or an ancestor, else
+downloaded) repeated to each size: as one text file, and its paragraphs as short records (~150 bytes of text each)
+in a JSONL file ({"text": ...} per line) and in a Parquet file (the same records; skipped without pyarrow). They
+are written under the system temp directory and deleted afterwards.
+
+Each measurement is the best of --repeats runs, prepare and raw interleaved:
+  prepare  the whole command, `python data/prepare.py --input FILE --out_dir DIR` in a fresh process, start-up
+           included (what a user waits for), into an empty DIR; also the peak RSS of its largest process
+  raw      tiktoken's encode_ordinary in one thread of this process over the same texts: each record's text, or
+           the text file in pieces of about 1 MiB cut at line ends
+MB/s counts text (the UTF-8 bytes tokenized; a Parquet file is compressed, a JSONL line has its JSON around the
+text); "vs raw" is raw seconds over prepare seconds, the same texts in both. "per byte, large/small" is seconds per
+byte at the larger size over that at the smaller: about 1 when costs grow with the corpus, below 1 as start-up is
+spread wider, above 1 for a cost that grows faster than the corpus. Last, the whole command on a 100 KB text file.
+Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import resource
+import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,112 +37,78 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gptlite.prepare import default_workers, download  # noqa: E402
+from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
 SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")  # as tests/conftest.py
 SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 GPT2_RANKS = SHARED / "tokenizers" / "gpt2.tiktoken"
+FORMATS = ("text", "jsonl", "parquet")
+# runs a command in a fresh process: its wall seconds and the peak RSS of its largest process (this small process
+# is the parent, so the peak is the command's own, not the benchmark's carried into a forked child)
+TIMER = """import json, resource, subprocess, sys, time
+start = time.perf_counter()
+r = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+seconds = time.perf_counter() - start
+if r.returncode:
+    sys.exit(r.stderr)
+print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))"""
 
 
-def make_corpus(path: Path, megabytes: int, source: Path) -> Path:
-    """source repeated to at least `megabytes` MB."""
-    text = source.read_bytes()
-    with open(path, "wb") as f:
-        f.writelines(text for _ in range(-(-megabytes * 10**6 // len(text))))
-    return path
+def lines_to_size(lines: list[str], n_bytes: int) -> list[str]:
+    """lines repeated (the last copy cut short) until they hold at least n_bytes of UTF-8."""
+    out, size = [], 0
+    while size < n_bytes:
+        for line in lines:
+            out.append(line)
+            size += len(line.encode("utf-8"))
+            if size >= n_bytes:
+                break
+    return out
 
 
-def rss_kib(pid: int, field: str = "VmRSS") -> int:
-    """Resident set size (VmRSS), or its peak (VmHWM), of a process from /proc (Linux); 0 if it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def children(pid: int) -> list[int]:
-    """The worker processes (and multiprocessing's resource tracker) of a process. A child between fork
-    and exec still maps its parent's memory, so only children already running multiprocessing count."""
-    found = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                if b"multiprocessing" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    found.append(int(child))
-    except OSError:
-        pass
-    return found
-
-
-def run_one(corpus: str, out_dir: str, workers: int, tokenizer: str) -> dict:
-    """One preparation in this process (called in a fresh interpreter): seconds, tokens and peak RSS."""
-    from gptlite.prepare import prepare
-
-    peak_total, peak_worker, stop = [0], [0], threading.Event()
-
-    def sample() -> None:  # every 50 ms: the largest worker, and the sum over this process and its workers
-        while not stop.is_set():
-            workers_kib = [rss_kib(c) for c in children(os.getpid())]
-            peak_worker[0] = max([peak_worker[0], *workers_kib])
-            peak_total[0] = max(peak_total[0], rss_kib(os.getpid()) + sum(workers_kib))
-            time.sleep(0.05)
-
-    import gptlite.data  # noqa: F401  (torch: imported before the clock, as every run of prepare pays it once)
-
-    def cpu_seconds(who: int) -> float:
-        usage = resource.getrusage(who)
-        return usage.ru_utime + usage.ru_stime
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start, main_cpu, workers_cpu = time.perf_counter(), cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
-    manifest = prepare([corpus], tokenizer, out_dir, workers=workers, overwrite=True, log=lambda *a: None)
-    seconds = time.perf_counter() - start
-    stop.set()
-    sampler.join()
-    return {
-        "seconds": seconds,
-        "main_cpu": cpu_seconds(resource.RUSAGE_SELF) - main_cpu,  # the sampler thread's share is small
-        "workers_cpu": cpu_seconds(resource.RUSAGE_CHILDREN) - workers_cpu,  # the pool is joined by now
-        "bytes": Path(corpus).stat().st_size,
-        "tokens": manifest["train_tokens"] + manifest["val_tokens"],
-        "workers": workers,
-        # VmHWM, not ru_maxrss: Linux carries the pre-exec peak of the forked parent into ru_maxrss
-        "main_rss_mb": rss_kib(os.getpid(), "VmHWM") / 1024,
-        "worker_rss_mb": peak_worker[0] / 1024,  # sampled: RUSAGE_CHILDREN counts a child's pre-exec copy of this process
-        "total_rss_mb": peak_total[0] / 1024,
-    }
-
-
-def prepare_in_subprocess(corpus: Path, out_dir: Path, workers: int, tokenizer: str) -> dict:
-    cmd = [sys.executable, __file__, "--_run", str(corpus), str(out_dir), str(workers), tokenizer]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def raw_tiktoken(corpus: Path, tokenizer: str, megabytes: int, threads: int) -> dict:
-    """tiktoken alone on the first `megabytes` MB, in 1 MiB pieces: encode_ordinary in one thread, or
-    encode_ordinary_batch in `threads` threads (the threaded alternative to worker processes)."""
-    from gptlite.tokenizer import get_tokenizer
-
-    enc = get_tokenizer(tokenizer).enc
-    with open(corpus, "rb") as f:
-        data = f.read(megabytes * 10**6).decode("utf-8", errors="ignore")
-    pieces = [data[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]
-    start = time.perf_counter()
-    if threads == 1:
-        tokens = sum(len(enc.encode_ordinary(p)) for p in pieces)
+def make_corpus(fmt: str, megabytes: float, source: str, path: Path) -> list[str]:
+    """Write the corpus of one format (its file near `megabytes` MB) and return the texts raw tiktoken encodes."""
+    if fmt == "text":
+        text = "".join(lines_to_size(source.splitlines(keepends=True), int(megabytes * 1e6)))
+        path.write_text(text, encoding="utf-8")
+        pieces, start = [], 0  # about 1 MiB each, cut at line ends, as prepare reads
+        while start < len(text):
+            end = text.find("\n", start + (1 << 20)) + 1 or len(text)
+            pieces.append(text[start:end])
+            start = end
+        return pieces
+    paragraphs = [p + "\n" for p in source.split("\n\n") if p.strip()]
+    lines = lines_to_size([json.dumps({"text": p}) + "\n" for p in paragraphs], int(megabytes * 1e6))
+    texts = [paragraphs[i % len(paragraphs)] for i in range(len(lines))]  # line i holds paragraph i % n
+    if fmt == "jsonl":
+        path.write_text("".join(lines), encoding="utf-8")
     else:
-        tokens = sum(len(t) for t in enc.encode_ordinary_batch(pieces, num_threads=threads))
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "bytes": len(data.encode()), "tokens": tokens}
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": texts}), path)
+    return texts
 
 
-def rates(r: dict) -> tuple[float, float]:
-    return r["bytes"] / 1e6 / r["seconds"], r["tokens"] / 1e6 / r["seconds"]
+def run_prepare(corpus: Path, out_dir: Path, tokenizer: str) -> dict:
+    """The whole command in a fresh process: wall seconds, peak RSS (MB) and the tokens it wrote."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    command = [sys.executable, str(ROOT / "data" / "prepare.py"), "--input", str(corpus), "--tokenizer", tokenizer,
+               "--out_dir", str(out_dir)]
+    r = subprocess.run([sys.executable, "-c", TIMER, *command], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{r.stderr}")
+    result = json.loads(r.stdout)
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    return result | {"tokens": manifest["train_tokens"] + manifest["val_tokens"]}
+
+
+def run_raw(texts: list[str], enc) -> dict:
+    """tiktoken's encode_ordinary over texts in this thread: seconds and tokens."""
+    start = time.perf_counter()
+    tokens = sum(len(enc.encode_ordinary(t)) for t in texts)
+    return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
 def best(runs: list[dict]) -> dict:
@@ -141,62 +116,70 @@ def best(runs: list[dict]) -> dict:
     return min(runs, key=lambda r: r["seconds"])
 
 
+def measure(fmt: str, megabytes: float, source: str, tmp: Path, enc, args) -> dict:
+    """prepare and raw on one corpus, best of args.repeats each, interleaved so that a busy spell on a shared
+    machine hits both."""
+    corpus = tmp / f"corpus_{megabytes:g}mb.{'txt' if fmt == 'text' else fmt}"
+    texts = make_corpus(fmt, megabytes, source, corpus)
+    runs: dict[str, list[dict]] = {"prepare": [], "raw": []}
+    for _ in range(args.repeats):
+        runs["prepare"].append(run_prepare(corpus, tmp / "out", args.tokenizer))
+        runs["raw"].append(run_raw(texts, enc))
+    row = {"file_mb": corpus.stat().st_size / 1e6, "text_bytes": sum(len(t.encode("utf-8")) for t in texts)}
+    corpus.unlink()
+    return row | {"prepare": best(runs["prepare"]), "raw": best(runs["raw"])}
+
+
+HEADER = (f"{'format':8} {'file MB':>8} {'text MB':>8} {'tokens':>12} {'prepare s':>10} {'MB/s':>7} {'Mtok/s':>7} "
+          f"{'raw s':>7} {'raw MB/s':>9} {'vs raw':>7} {'peak RSS MB':>12}")
+
+
+def print_row(fmt: str, row: dict) -> None:
+    prep, raw, mb = row["prepare"], row["raw"], row["text_bytes"] / 1e6
+    print(f"{fmt:8} {row['file_mb']:8.1f} {mb:8.1f} {prep['tokens']:12,} {prep['seconds']:10.2f} "
+          f"{mb / prep['seconds']:7.2f} {prep['tokens'] / 1e6 / prep['seconds']:7.2f} {raw['seconds']:7.2f} "
+          f"{mb / raw['seconds']:9.2f} {raw['seconds'] / prep['seconds']:6.2f}x {prep['rss_mb']:12.0f}")
+
+
+def per_byte_ratio(small: dict, large: dict, kind: str) -> float:
+    """Seconds per text byte at the larger size over those at the smaller."""
+    return (large[kind]["seconds"] / large["text_bytes"]) / (small[kind]["seconds"] / small["text_bytes"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scaling_mb", type=int, default=100, help="corpus size for the 1-vs-all-cores runs")
-    parser.add_argument("--sizes_mb", type=int, nargs=2, default=[50, 500], help="two corpus sizes for peak RSS")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per measurement (the fastest is reported)")
+    parser.add_argument("--sizes_mb", type=float, nargs=2, default=[14, 56], help="the two corpus sizes, in MB")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (the fastest is reported)")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--tokenizer", default=str(GPT2_RANKS) if GPT2_RANKS.is_file() else "gpt2")
     parser.add_argument("--source", type=Path, default=SHAKESPEARE, help="the text to repeat")
-    parser.add_argument("--_run", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args._run:
-        corpus, out_dir, workers, tokenizer = args._run
-        print(json.dumps(run_one(corpus, out_dir, int(workers), tokenizer)))
-        return
 
-    cores = default_workers()
+    formats = list(args.formats)
+    if "parquet" in formats and importlib.util.find_spec("pyarrow") is None:
+        formats.remove("parquet")
+        print("parquet: skipped (pyarrow is not installed: pip install -e '.[data]')")
+    enc = get_tokenizer(args.tokenizer).enc
+    enc.encode_ordinary("warm up: tiktoken's first call sets up its regex")
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_prepare_") as tmp:
         tmp = Path(tmp)
-        source = args.source if args.source.is_file() else download(URL, tmp / "tinyshakespeare.txt")
-        print(f"corpus: {source.name} repeated; tokenizer {Path(args.tokenizer).name}; {cores} cores; "
-              f"best of {args.repeats} runs; load average before: {os.getloadavg()[0]:.2f}")
+        source_path = args.source if args.source.is_file() else download(URL, tmp / "tinyshakespeare.txt")
+        source = source_path.read_text(encoding="utf-8")
+        print(f"corpus: {source_path.name} repeated; tokenizer {Path(args.tokenizer).name}; {default_workers()} cores; "
+              f"best of {args.repeats}; load average before: {os.getloadavg()[0]:.2f}")
+        print("prepare: the whole command in a fresh process; raw: tiktoken encode_ordinary, one thread, same texts\n")
+        print(HEADER)
+        for fmt in formats:
+            small, large = (measure(fmt, size, source, tmp, enc, args) for size in args.sizes_mb)
+            print_row(fmt, small)
+            print_row(fmt, large)
+            print(f"{'':8} per byte, {args.sizes_mb[1]:g} MB / {args.sizes_mb[0]:g} MB: "
+                  f"prepare {per_byte_ratio(small, large, 'prepare'):.2f}, raw {per_byte_ratio(small, large, 'raw'):.2f}")
 
-        corpus = make_corpus(tmp / f"corpus_{args.scaling_mb}mb.txt", args.scaling_mb, source)
-        runs: dict[str, list[dict]] = {"raw1": [], "rawn": [], "one": [], "all": []}
-        for _ in range(args.repeats):  # interleaved, so a busy spell on a shared machine hits every kind
-            runs["raw1"].append(raw_tiktoken(corpus, args.tokenizer, 20, 1))
-            runs["rawn"].append(raw_tiktoken(corpus, args.tokenizer, 20, cores))
-            runs["one"].append(prepare_in_subprocess(corpus, tmp / "out", 1, args.tokenizer))
-            runs["all"].append(prepare_in_subprocess(corpus, tmp / "out", cores, args.tokenizer))
-        raw1, rawn, one, alln = (best(runs[k]) for k in ("raw1", "rawn", "one", "all"))
-
-        print(f"\nthroughput, {args.scaling_mb} MB corpus ({one['tokens']:,} tokens)")
-        print(f"{'':44} {'MB/s':>7} {'Mtok/s':>7} {'vs raw 1 thread':>16}")
-        raw_mb = rates(raw1)[0]
-        for name, r in [
-            ("tiktoken encode_ordinary, 1 thread (20 MB)", raw1),
-            (f"tiktoken encode_ordinary_batch, {cores} threads", rawn),
-            ("prepare, 1 worker (in process)", one),
-            (f"prepare, {cores} worker processes", alln),
-        ]:
-            mb, tok = rates(r)
-            print(f"{name:44} {mb:7.2f} {tok:7.2f} {mb / raw_mb:15.2f}x")
-        print(f"scaling 1 -> {cores} workers: {rates(alln)[0] / rates(one)[0]:.2f}x;  "
-              f"per core at {cores} workers: {rates(alln)[0] / cores / raw_mb:.0%} of raw single-thread encode")
-        # CPU time is what the work costs whatever else runs on the machine; wall time is what a user waits
-        cpu_one, cpu_all = one["main_cpu"] + one["workers_cpu"], alln["main_cpu"] + alln["workers_cpu"]
-        print(f"CPU seconds: 1 worker {cpu_one:.1f};  {cores} workers {cpu_all:.1f} (main process {alln['main_cpu']:.1f}, "
-              f"workers {alln['workers_cpu']:.1f});  raw encode would take {one['bytes'] / 1e6 / raw_mb:.1f}")
-        print(f"scaling bound from CPU time (every core free): {cores * cpu_one / cpu_all:.2f}x")
-
-        print(f"\npeak memory with {cores} workers (MB)")
-        print(f"{'corpus':>8} {'tokens':>13} {'seconds':>8} {'main RSS':>9} {'worker RSS':>11} {'total RSS':>10}")
-        for size in args.sizes_mb:
-            corpus = make_corpus(tmp / f"corpus_{size}mb.txt", size, source)
-            r = prepare_in_subprocess(corpus, tmp / "out", cores, args.tokenizer)
-            print(f"{size:6} MB {r['tokens']:13,} {r['seconds']:8.1f} {r['main_rss_mb']:9.0f} {r['worker_rss_mb']:11.0f} {r['total_rss_mb']:10.0f}")
-            corpus.unlink()
+        small_file = tmp / "small.txt"
+        small_file.write_text(source[: source.rfind("\n", 0, 100_000) + 1], encoding="utf-8")
+        run = best([run_prepare(small_file, tmp / "out", args.tokenizer) for _ in range(args.repeats)])
+        print(f"\n100 KB text file: the whole command {run['seconds']:.2f} s (target <= 0.8 s), peak RSS {run['rss_mb']:.0f} MB")
         print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

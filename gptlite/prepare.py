@@ -11,10 +11,14 @@ Shakespeare at char level gives 1,003,854 train and 111,540 val tokens). Records
 document (the 10th, 20th, ... for 0.1), because a stream's length is not known in advance, and interleaving
 draws val from the same mix as train.
 
-Pipeline. The main process reads the inputs (text in blocks of about 1 MiB cut at line ends) and hands
-batches to `workers` processes (spawned, so Linux, macOS and Windows behave alike), at most two batches per
-worker in flight. Tokens come back in input order and are appended to the open shard file of their split,
-so memory is bounded by the batches in flight, whatever the corpus or shard size.
+Pipeline. The main process only cuts the inputs into pieces of about 1 MiB, neither decoding nor parsing them:
+text in blocks cut at line ends, JSONL in blocks of whole lines, Parquet and Hugging Face records as Arrow arrays of
+their text column. It hands them in batches to `workers` processes (spawned, so Linux, macOS and Windows behave
+alike; each loads tokenizer.json), at most two batches per worker in flight, which decode, parse and tokenize: the
+main process's work grows with the batches, not with the documents in them, so it never holds the workers back,
+however short the records. Tokens come back in input order with each record's token count; the main process gives
+records to train or val by their index and appends the tokens to the open shard file of their split, so memory is
+bounded by the batches in flight, whatever the corpus or shard size.
 
 Interruption. A shard is written as `{split}_{i:06d}.bin.tmp` and takes its final name when full; after
 every batch `progress.json` records the input position, the finished shards and the tokens of the open
@@ -23,7 +27,8 @@ run; `overwrite=True` starts afresh. `manifest.json`, written last, records the 
 token counts and sha256 checksums; while it matches, a re-run returns at once.
 
 Nothing here imports torch (the shard format is `gptlite.shards`, numpy only): the command and the spawned
-workers, which import this module, start in a fraction of a second.
+workers, which import this module, start in a fraction of a second (the `datasets` package, for Hugging Face
+input, imports torch itself where it is installed).
 """
 
 from __future__ import annotations
@@ -47,10 +52,11 @@ import numpy as np
 
 from gptlite.files import make_dir
 from gptlite.shards import FORMATS, HEADER_BYTES, HEADER_INTS, MANIFEST, PROGRESS, file_sha256, read_shard
-from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_dict
+from gptlite.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
 
-BLOCK_BYTES = 1 << 20  # text is read in blocks of about 1 MiB
-BATCH_BLOCKS = 4  # a batch for one worker holds this many blocks' worth of text
+BLOCK_BYTES = 1 << 20  # inputs are read in blocks of about 1 MiB (text, whole JSONL lines, Parquet/HF rows)
+BATCH_BLOCKS = 1  # a batch for one worker holds at most this many blocks' worth (small: the last batches end together)
+WORKER_BATCHES = 4  # a worker costs a few tenths of a second to start: one per this many batches of input at most
 IN_FLIGHT_PER_WORKER = 2  # batches queued per worker: enough to keep it busy, few enough to bound memory
 SHARD_TOKENS = 100_000_000
 TOKENIZER_FILE = "tokenizer.json"
@@ -138,7 +144,8 @@ def optional_import(module: str, what: str):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# reading: text blocks and records, each with the position just after it
+# reading: the main process only cuts the inputs into pieces, each with the position just after it; decoding,
+# parsing and tokenizing happen in the workers, so the main process does no work per document
 
 
 def is_continuation(byte: int) -> bool:
@@ -185,48 +192,24 @@ def read_text(path: str, offset: int, seen: int, boundary: int) -> Iterator[tupl
             yield buf[:cut], offset
 
 
-def record_text(record, field: str, where: Callable[[], str]) -> tuple[str, int]:
-    """The text of a record's field (and replaced byte sequences, for a bytes field); errors name `where()`,
-    called only then (a JSONL line's number costs a read of the file up to it)."""
-    if not isinstance(record, dict) or field not in record:
-        found = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-        raise ValueError(f"{where()} has no field '{field}' (found: {found}); pass --text_field with the field that holds the text")
-    text = record[field]
-    if isinstance(text, bytes):
-        return decode(text)
-    if not isinstance(text, str):
-        raise TypeError(f"{where()}: field '{field}' holds {type(text).__name__}, not text; pass --text_field with the field that holds the text")
-    return text, 0
-
-
-def line_number(path: str, offset: int) -> int:
-    """1-based number of the line that starts at byte `offset` (for error messages only: it reads the file)."""
-    with open(path, "rb") as f:
-        return f.read(offset).count(b"\n") + 1
-
-
-def read_jsonl(path: str, offset: int, field: str) -> Iterator[tuple[str, int, int, int]]:
-    """(text, bytes, replaced, offset after) per non-empty line of a JSONL file, from byte `offset`. The cost
-    is linear in the bytes read: a line's number is worked out only for an error message."""
-    first = offset
+def read_lines(path: str, offset: int) -> Iterator[tuple[bytes, int]]:
+    """(block, offset after it) for a JSONL file from byte `offset`: about BLOCK_BYTES of whole lines (a longer
+    line is a block of its own), not parsed. A block ends where a record does, so its end is a resume point."""
     with open_input(path) as f:
-        f.seek(offset)
-        for n, line in enumerate(f):  # n: lines since `first`
-            offset += len(line)
-            if not line.strip():
-                continue
-            raw, replaced = decode(line)
-            where = lambda: f"{path} line {line_number(path, first) + n}"  # noqa: E731
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where()} is not JSON ({e.msg}); fix or remove that line") from None
-            text, bad = record_text(record, field, where)
-            yield text, len(line), replaced + bad, offset
+        while True:
+            f.seek(offset)
+            block = f.read(BLOCK_BYTES)
+            if not block:
+                return
+            if len(block) == BLOCK_BYTES:  # more may follow: end at a line end
+                cut = block.rfind(b"\n") + 1
+                block = block[:cut] if cut else block + f.readline()
+            offset += len(block)
+            yield block, offset
 
 
-def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[str, int, int, int]]:
-    """(text, bytes, replaced, row after) per row of a Parquet file's `field` column, from row `row`."""
+def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[object, int]]:
+    """(Arrow array of the `field` column of up to 1,024 rows, row after them) for a Parquet file from row `row`."""
     pq = optional_import("pyarrow.parquet", "Parquet input")
     with open_input(path) as f:
         try:
@@ -238,17 +221,14 @@ def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[str, int, in
                 f"{path} has no column '{field}' (found: {', '.join(pf.schema_arrow.names)}); "
                 "pass --text_field with the column that holds the text"
             )
-        group, first = 0, 0  # skip whole row groups before `row`
-        while group < pf.num_row_groups and first + pf.metadata.row_group(group).num_rows <= row:
-            first += pf.metadata.row_group(group).num_rows
+        group, end = 0, 0  # skip whole row groups before `row`
+        while group < pf.num_row_groups and end + pf.metadata.row_group(group).num_rows <= row:
+            end += pf.metadata.row_group(group).num_rows
             group += 1
-        batches = pf.iter_batches(batch_size=1024, row_groups=range(group, pf.num_row_groups), columns=[field])
-        for batch in batches:
-            for value in batch.column(0).to_pylist():
-                first += 1
-                if first > row:
-                    text, replaced = record_text({field: value}, field, lambda: f"{path} row {first}")
-                    yield text, len(text.encode("utf-8", "surrogatepass")), replaced, first
+        for batch in pf.iter_batches(batch_size=1024, row_groups=range(group, pf.num_row_groups), columns=[field]):
+            end += batch.num_rows
+            if end > row:
+                yield batch.column(0).slice(max(0, row - (end - batch.num_rows))), end
 
 
 def load_hf_dataset(source: dict):
@@ -267,139 +247,280 @@ def load_hf_dataset(source: dict):
         raise type(e)(f"could not load Hugging Face dataset '{name}' ({e})") from None
 
 
-def read_hf(source: dict, start: int, field: str) -> Iterator[tuple[str, int, int, int]]:
-    """(text, bytes, replaced, records read) per record of a Hugging Face dataset, after the first `start`."""
+def read_hf(source: dict, start: int, field: str) -> Iterator[tuple[object, int]]:
+    """(Arrow array of the `field` column of up to 1,024 records, records read after them) for a Hugging Face
+    dataset, after the first `start` records. The records stay in Arrow's columns: no Python dict per record."""
     ds = load_hf_dataset(source)
     if ds.features is not None and field not in ds.features:
         raise ValueError(
             f"Hugging Face dataset '{source['dataset']}' has no field '{field}' (found: {', '.join(ds.features)}); "
             "pass --text_field with the field that holds the text"
         )
-    for n, record in enumerate(ds.skip(start) if start else ds, start=start + 1):
-        text, replaced = record_text(record, field, lambda: f"record {n} of '{source['dataset']}'")
-        yield text, len(text.encode("utf-8", "surrogatepass")), replaced, n
+    for table in (ds.skip(start) if start else ds).with_format("arrow").iter(batch_size=1024):
+        if field not in table.column_names:
+            raise ValueError(
+                f"record {start + 1} of '{source['dataset']}' has no field '{field}' "
+                f"(found: {', '.join(table.column_names)}); pass --text_field with the field that holds the text"
+            )
+        start += table.num_rows
+        yield table.column(field).combine_chunks(), start
 
 
-def read_records(source: dict, position: int, field: str) -> Iterator[tuple[str, int, int, int]]:
-    """(text, bytes, replaced, position after) per document of a record source."""
-    if source["format"] == "jsonl":
-        return read_jsonl(source["path"], position, field)
-    if source["format"] == "parquet":
-        return read_parquet(source["path"], position, field)
-    return read_hf(source, position, field)
+def text_bytes(column) -> int:
+    """UTF-8 bytes of an Arrow text column (for a column of another type, the size of its buffers: the workers
+    then reject its first value, naming the row)."""
+    import pyarrow.compute as pc
+
+    try:
+        return pc.sum(pc.binary_length(column)).as_py() or 0
+    except NotImplementedError:  # pyarrow.ArrowNotImplementedError: not a string or binary column
+        return column.nbytes
+
+
+def arrow_runs(batches: Iterable[tuple[object, int]]) -> Iterator[tuple[object, int, int]]:
+    """Consecutive column batches joined into runs of about BLOCK_BYTES of text: (array, text bytes, position after)."""
+    import pyarrow as pa
+
+    run, size, end = [], 0, 0
+    for column, end in batches:
+        run.append(column)
+        size += text_bytes(column)
+        if size >= BLOCK_BYTES:
+            yield pa.concat_arrays(run), size, end
+            run, size = [], 0
+    if run:
+        yield pa.concat_arrays(run), size, end
 
 
 class Piece(NamedTuple):
-    """A document, or a block of a text document, and where the inputs stand just after it."""
+    """A block of a text file, or a run of whole records (JSONL lines, Parquet or Hugging Face rows) as read, not
+    decoded or parsed; and where the inputs stand just after it."""
 
-    split: str
-    text: str
-    starts_doc: bool
+    kind: str  # "text", "jsonl" or "arrow"
+    data: object  # bytes, or an Arrow array of the text field's values
+    split: str | None  # a text block's split; a record's is known only once the records before it are counted
+    starts_doc: bool  # a text block that starts its file (every record starts a document)
     n_bytes: int
-    replaced: int  # undecodable byte sequences that became U+FFFD
-    cursor: dict  # {"source", "position", "records"}: where to continue after this piece
+    origin: tuple  # where its first record is, for error messages: see `record_name`
+    cursor: dict  # {"source", "position"}: where to continue after this piece
 
 
 START = {"source": 0, "position": 0, "records": 0}
 
 
-def is_val_document(index: int, val_fraction: float) -> bool:
-    """Record document `index` (from 0) is val when it completes another val_fraction of a document:
-    the 10th, 20th, ... for 0.1."""
-    return int((index + 1) * val_fraction) > int(index * val_fraction)
-
-
 def iter_pieces(sources: list[dict], cursor: dict, val_fraction: float, text_field: str) -> Iterator[Piece]:
-    """The pieces of all sources in order, from `cursor` on, each assigned to train or val."""
+    """The pieces of all sources in order, from `cursor` on; text blocks are assigned to train or val here,
+    records once their workers have counted them (`val_documents`)."""
     text_starts = np.cumsum([0] + [s["bytes"] if s["format"] == "text" else 0 for s in sources]).tolist()
     boundary = int(text_starts[-1] * (1.0 - val_fraction))  # as nanoGPT: the first 90% of the text trains
-    records = cursor["records"]
     for i in range(cursor["source"], len(sources)):
         source, position = sources[i], cursor["position"] if i == cursor["source"] else 0
         if source["format"] == "text":
             for block, end in read_text(source["path"], position, text_starts[i] + position, boundary):
                 split = "train" if text_starts[i] + position < boundary else "val"
-                text, replaced = decode(block)
-                yield Piece(split, text, position == 0, len(block), replaced, {"source": i, "position": end, "records": records})
+                yield Piece("text", block, split, position == 0, len(block), (), {"source": i, "position": end})
+                position = end
+        elif source["format"] == "jsonl":
+            for block, end in read_lines(source["path"], position):
+                origin = ("line", source["path"], position)
+                yield Piece("jsonl", block, None, True, len(block), origin, {"source": i, "position": end})
                 position = end
         else:
-            for text, n_bytes, replaced, end in read_records(source, position, text_field):
-                if not text:
-                    continue
-                split = "val" if is_val_document(records, val_fraction) else "train"
-                records += 1
-                yield Piece(split, text, True, n_bytes, replaced, {"source": i, "position": end, "records": records})
+            if source["format"] == "parquet":
+                batches, origin = read_parquet(source["path"], position, text_field), ("row", source["path"])
+            else:
+                batches, origin = read_hf(source, position, text_field), ("record", source["dataset"])
+            for column, n_bytes, end in arrow_runs(batches):
+                yield Piece("arrow", column, None, True, n_bytes, (*origin, position), {"source": i, "position": end})
+                position = end
 
 
 def batched(pieces: Iterable[Piece], max_bytes: int) -> Iterator[list[Piece]]:
-    """Consecutive pieces grouped into batches of at least max_bytes (the last may hold less)."""
+    """Consecutive pieces grouped into batches of at most max_bytes (or of one larger piece)."""
     batch, size = [], 0
     for piece in pieces:
-        batch.append(piece)
-        size += piece.n_bytes
-        if size >= max_bytes:
+        if batch and size + piece.n_bytes > max_bytes:
             yield batch
             batch, size = [], 0
+        batch.append(piece)
+        size += piece.n_bytes
     if batch:
         yield batch
 
 
+# ---------------------------------------------------------------------------------------------------------
+# decoding and parsing, in the workers
+
+
+def line_number(path: str, offset: int) -> int:
+    """1-based number of the line that starts at byte `offset` (for error messages only: it reads the file)."""
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+def record_name(origin: tuple, index: int) -> str:
+    """How an error names the `index`-th line or row (from 0) of a piece from `origin`: ("line", path, byte offset),
+    ("row", path, rows before) or ("record", dataset, records before)."""
+    kind, name, start = origin
+    if kind == "line":
+        return f"{name} line {line_number(name, start) + index}"
+    if kind == "row":
+        return f"{name} row {start + index + 1}"
+    return f"record {start + index + 1} of '{name}'"
+
+
+def field_text(value, field: str, where: Callable[[], str]) -> tuple[str, int]:
+    """A record's text (and replaced byte sequences, for a bytes value); errors name `where()`, called only then."""
+    if isinstance(value, str):
+        return value, 0
+    if isinstance(value, bytes):
+        return decode(value)
+    raise TypeError(f"{where()}: field '{field}' holds {type(value).__name__}, not text; pass --text_field with the field that holds the text")
+
+
+ASCII_SPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() removes: a JSONL line of only these is blank
+JSON_SPACE = " \t\n\r"  # what JSON allows around a value
+_scan_json = json.JSONDecoder().scan_once  # json.loads's C scanner, without json.loads's per-call Python steps
+
+
+def parse_json(line: str):
+    """json.loads(line), at half the cost for the usual line (a value with nothing but JSON space after it); any
+    other line goes to json.loads, whose error (or value, for a line that starts with a space) is the answer."""
+    try:
+        value, end = _scan_json(line, 0)
+        if end == len(line) or not line[end:].strip(JSON_SPACE):
+            return value
+    except (StopIteration, ValueError):  # no value at 0, or a malformed one
+        pass
+    return json.loads(line)
+
+
+def jsonl_texts(block: bytes, field: str, origin: tuple) -> Iterator[tuple[str, int]]:
+    """(text, replaced) per non-blank line of a block of whole JSONL lines."""
+    try:
+        lines, replaced = block.decode("utf-8").split("\n"), None
+    except UnicodeDecodeError:  # rare: decode line by line, so that each record counts its own
+        decoded = [decode(line) for line in block.split(b"\n")]
+        lines, replaced = [text for text, _ in decoded], [n for _, n in decoded]
+    for i, line in enumerate(lines):
+        if not line.strip(ASCII_SPACE):
+            continue
+        try:
+            record = parse_json(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{record_name(origin, i)} is not JSON ({e.msg}); fix or remove that line") from None
+        if not isinstance(record, dict) or field not in record:
+            found = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+            raise ValueError(f"{record_name(origin, i)} has no field '{field}' (found: {found}); pass --text_field with the field that holds the text")
+        text, bad = field_text(record[field], field, lambda: record_name(origin, i))
+        yield text, bad + (replaced[i] if replaced else 0)
+
+
+def arrow_values(column) -> list:
+    """The values of an Arrow column as Python objects. A string column holding invalid UTF-8 (pyarrow's JSON
+    reader lets it through) comes as bytes, so its undecodable sequences are replaced and counted as elsewhere."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        import pyarrow as pa
+
+        return column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()).to_pylist()
+
+
+def piece_texts(kind: str, data, origin: tuple, field: str) -> Iterator[tuple[str, int]]:
+    """(text, replaced) per document of a piece (a text block is one, or part of one); empty records are skipped."""
+    if kind == "text":
+        yield decode(data)
+        return
+    if kind == "jsonl":
+        texts = jsonl_texts(data, field, origin)
+    else:
+        texts = (field_text(value, field, lambda: record_name(origin, i)) for i, value in enumerate(arrow_values(data)))
+    for text, replaced in texts:
+        if text:
+            yield text, replaced
+
+
 def check_sources(sources: list[dict], text_field: str) -> None:
-    """Fail before any work if an input cannot be read or a record input lacks the text field."""
+    """Fail before any work if an input cannot be read or a record input lacks the text field (the first
+    record of each is parsed here, the rest in the workers)."""
     for source in sources:
         if source["format"] == "text":
             with open_input(source["path"]) as f:
                 f.read(1)
         else:
-            next(read_records(source, 0, text_field), None)
+            piece = next(iter_pieces([source], START, 0.1, text_field), None)  # (val_fraction: text only)
+            if piece is not None:
+                next(piece_texts(piece.kind, piece.data, piece.origin, text_field), None)
+
+
+def document_texts(sources: list[dict], text_field: str) -> Iterator[str]:
+    """The text of every document, parsed in this process (the char tokenizer learns its vocabulary from them)."""
+    for piece in iter_pieces(sources, START, 0.1, text_field):  # (val_fraction only moves text blocks' ends)
+        for text, _ in piece_texts(piece.kind, piece.data, piece.origin, text_field):
+            yield text
 
 
 # ---------------------------------------------------------------------------------------------------------
 # tokenizing, in this process or in spawned workers
 
-
-def encode_batch(tokenizer: Tokenizer, pieces: list[tuple[str, str, bool]], dtype: np.dtype) -> dict[str, np.ndarray]:
-    """Tokens of (split, text, starts_doc) pieces, concatenated per split in input order; the first piece of a
-    document starts with the end-of-text token, if the tokenizer has one."""
-    parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], dtype=dtype)
-    for split, text, starts_doc in pieces:
-        if starts_doc and eot is not None:
-            parts[split].append(eot)
-        parts[split].append(tokenizer.encode_to_numpy(text).astype(dtype, copy=False))  # one thread per process
-    return {s: np.concatenate(p) if p else np.empty(0, dtype=dtype) for s, p in parts.items()}
+Job = tuple[str, object, bool, tuple]  # what a worker needs of a piece: kind, data, starts_doc, origin
+Encoded = tuple[np.ndarray, np.ndarray, int]  # a piece's tokens, tokens per document, replaced byte sequences
 
 
-_worker: dict = {}  # a worker process's tokenizer and dtype, set once by _start_worker
+def encode_batch(tokenizer: Tokenizer, jobs: list[Job], field: str, dtype: np.dtype) -> list[Encoded]:
+    """Per piece: its tokens, how many belong to each document, and its replaced byte sequences. Every document
+    (a text block only when it starts its file) starts with the end-of-text token, if the tokenizer has one."""
+    eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], dtype=np.uint32)
+    encoded = []
+    for kind, data, starts_doc, origin in jobs:
+        parts, lengths, replaced, with_eot = [], [], 0, starts_doc and eot is not None
+        for text, bad in piece_texts(kind, data, origin, field):
+            ids = tokenizer.encode_to_numpy(text)  # one thread per process
+            if with_eot:
+                parts.append(eot)
+            parts.append(ids)
+            lengths.append(len(ids) + with_eot)
+            replaced += bad
+        tokens = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype=dtype)
+        encoded.append((tokens, np.array(lengths, dtype=np.int64), replaced))
+    return encoded
 
 
-def _start_worker(tokenizer_json: dict, dtype: str) -> None:
+_worker: dict = {}  # a worker process's tokenizer, text field and dtype, set once by _start_worker
+
+
+def _start_worker(tokenizer_file: str, field: str, dtype: str) -> None:
     # Ctrl-C and SIGTERM to the process group are the main process's to handle: it stops the pool cleanly
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _worker["tokenizer"], _worker["dtype"] = tokenizer_from_dict(tokenizer_json), np.dtype(dtype)
+    # the tokenizer comes from its file, not from the main process: a pipe write of its megabytes of ranks would
+    # stall the main process until each worker had started
+    _worker.update(tokenizer=load_tokenizer(tokenizer_file), field=field, dtype=np.dtype(dtype))
 
 
-def _encode_in_worker(pieces: list[tuple[str, str, bool]]) -> dict[str, np.ndarray]:
-    return encode_batch(_worker["tokenizer"], pieces, _worker["dtype"])
+def _encode_in_worker(jobs: list[Job]) -> list[Encoded]:
+    return encode_batch(_worker["tokenizer"], jobs, _worker["field"], _worker["dtype"])
 
 
-def jobs(batch: list[Piece]) -> list[tuple[str, str, bool]]:
-    """What a worker needs of a batch: (split, text, starts_doc) per piece."""
-    return [(p.split, p.text, p.starts_doc) for p in batch]
+def jobs(batch: list[Piece]) -> list[Job]:
+    """What a worker needs of a batch."""
+    return [(p.kind, p.data, p.starts_doc, p.origin) for p in batch]
 
 
 def tokenize(
-    batches: Iterable[list[Piece]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
-) -> Iterator[tuple[list[Piece], dict[str, np.ndarray]]]:
-    """(batch, tokens per split) in input order. With several workers, at most IN_FLIGHT_PER_WORKER
-    batches per worker are queued (Pool.imap would read the whole input ahead)."""
+    batches: Iterable[list[Piece]], tokenizer: Tokenizer, tokenizer_file: Path, field: str, dtype: np.dtype,
+    workers: int,
+) -> Iterator[tuple[list[Piece], list[Encoded]]]:
+    """(batch, its pieces encoded) in input order. With several workers, which load the tokenizer from
+    tokenizer_file, at most IN_FLIGHT_PER_WORKER batches per worker are queued (Pool.imap would read the
+    whole input ahead)."""
     if workers == 1:
         for batch in batches:
-            yield batch, encode_batch(tokenizer, jobs(batch), dtype)
+            yield batch, encode_batch(tokenizer, jobs(batch), field, dtype)
         return
     spawn = multiprocessing.get_context("spawn")
-    args = (tokenizer.to_dict(), dtype.str)
+    args = (str(tokenizer_file), field, dtype.str)
     with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_start_worker, initargs=args) as pool:
         queued: deque = deque()
         try:
@@ -414,6 +535,31 @@ def tokenize(
         finally:
             for _, future in queued:
                 future.cancel()
+
+
+def val_documents(first: int, count: int, val_fraction: float) -> np.ndarray:
+    """Which of record documents first, ..., first + count - 1 (numbered from 0 over all sources) are val: those
+    that complete another val_fraction of a document, the 10th, 20th, ... for 0.1."""
+    index = np.arange(first, first + count, dtype=np.float64)
+    return np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction)  # int((i + 1) * f) > int(i * f)
+
+
+def split_batch(
+    batch: list[Piece], encoded: list[Encoded], records: int, val_fraction: float
+) -> tuple[dict[str, list[np.ndarray]], int]:
+    """A batch's tokens per split, in input order, and how many records it held; `records` came before it.
+    Vectorized: the main process's work grows with the batches, not with the documents in them."""
+    parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    first = records
+    for piece, (tokens, lengths, _) in zip(batch, encoded):
+        if piece.kind == "text":
+            parts[piece.split].append(tokens)
+            continue
+        in_val = np.repeat(val_documents(records, len(lengths), val_fraction), lengths)  # per token
+        parts["train"].append(tokens[~in_val])
+        parts["val"].append(tokens[in_val])
+        records += len(lengths)
+    return parts, records - first
 
 
 def default_workers() -> int:
@@ -598,10 +744,10 @@ def clear_preparation(out_dir: Path, log) -> None:
         stale.unlink(missing_ok=True)
 
 
-def build_tokenizer(spec: str, sources: list[dict], val_fraction: float, text_field: str) -> Tokenizer:
+def build_tokenizer(spec: str, sources: list[dict], text_field: str) -> Tokenizer:
     """The tokenizer for spec; `char` learns its vocabulary in one extra pass over the inputs."""
     if spec == "char":
-        return get_tokenizer("char", (p.text for p in iter_pieces(sources, START, val_fraction, text_field)))
+        return get_tokenizer("char", document_texts(sources, text_field))
     return get_tokenizer(spec)
 
 
@@ -688,7 +834,7 @@ def prepare(
     progress = None if overwrite else resumable(out_dir, key, log)
     if progress is None:
         # the tokenizer and its dtype are checked before anything earlier in out_dir is deleted
-        tokenizer = build_tokenizer(tokenizer_spec, sources, val_fraction, text_field)
+        tokenizer = build_tokenizer(tokenizer_spec, sources, text_field)
         tokens_dtype = token_dtype(tokenizer.vocab_size, dtype)
         make_dir(out_dir)
         clear_preparation(out_dir, log)
@@ -699,15 +845,18 @@ def prepare(
         log(f"resuming {out_dir} after {progress['bytes'] / 1e6:.1f} MB and {progress['documents']:,} documents")
     writers = {s: ShardWriter(out_dir, s, tokens_dtype, shard_tokens, progress[s]) for s in SPLITS}
     workers = workers or default_workers()
-    if total is not None:  # no more processes than batches
-        workers = max(1, min(workers, math.ceil((total - progress["bytes"]) / (BLOCK_BYTES * BATCH_BLOCKS))))
+    if total is not None:  # a worker only where it has enough batches to repay its start
+        batches = (total - progress["bytes"]) / (BLOCK_BYTES * BATCH_BLOCKS)
+        workers = max(1, min(workers, math.ceil(batches / WORKER_BATCHES)))
     log(
         f"tokenizing {len(sources)} source(s), {'?' if total is None else f'{total / 1e6:.1f}'} MB, with {tokenizer_spec} "
         f"(vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}"
     )
     start, bytes_before = time.perf_counter(), progress["bytes"]
     pieces = iter_pieces(sources, progress["cursor"], val_fraction, text_field)
-    tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total)
+    tokenize_into_shards(
+        pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction=val_fraction, text_field=text_field
+    )
     seconds = time.perf_counter() - start
 
     counts = {s: writers[s].tokens for s in SPLITS}
@@ -730,19 +879,23 @@ def new_progress(key: str, dtype: np.dtype) -> dict:
 
 def tokenize_into_shards(
     pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, writers: dict[str, ShardWriter], progress: dict,
-    out_dir: Path, total: int | None,
+    out_dir: Path, total: int | None, *, val_fraction: float, text_field: str,
 ) -> None:
     """Tokenize the pieces batch by batch into the writers, checkpointing progress after each batch."""
     batches = batched(pieces, BLOCK_BYTES * BATCH_BLOCKS)
+    dtype = writers["train"].dtype
     with progress_bar(total, progress["bytes"]) as bar:
-        for batch, tokens in tokenize(batches, tokenizer, writers["train"].dtype, workers):
+        for batch, encoded in tokenize(batches, tokenizer, out_dir / TOKENIZER_FILE, text_field, dtype, workers):
+            records = progress["cursor"]["records"]
+            parts, n_records = split_batch(batch, encoded, records, val_fraction)
             for split in SPLITS:
-                writers[split].write(tokens[split])
+                for tokens in parts[split]:
+                    writers[split].write(tokens)
             n_bytes = sum(p.n_bytes for p in batch)
-            progress["cursor"] = batch[-1].cursor
-            progress["documents"] += sum(p.starts_doc for p in batch)
+            progress["cursor"] = {**batch[-1].cursor, "records": records + n_records}
+            progress["documents"] += n_records + sum(p.starts_doc for p in batch if p.kind == "text")
             progress["bytes"] += n_bytes
-            progress["replaced"] += sum(p.replaced for p in batch)
+            progress["replaced"] += sum(replaced for _, _, replaced in encoded)
             save_progress(out_dir, progress, writers)
             bar.set_postfix(docs=f"{progress['documents']:,}", tokens=f"{sum(w.tokens for w in writers.values()):,}", refresh=False)
             bar.update(n_bytes)

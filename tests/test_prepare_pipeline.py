@@ -132,6 +132,29 @@ def test_resume_after_an_interruption_writes_what_an_uninterrupted_run_does(tmp_
     assert files_of(out) == files_of(tmp_path / "whole")  # progress.json and every .tmp are gone
 
 
+@pytest.mark.parametrize("hf_dataset", [None, "parquet"])
+def test_resume_in_the_middle_of_a_parquet_row_group(tmp_path, monkeypatch, hf_dataset):
+    """Rows are read in batches of 1,024; a resume point can fall inside a row group (Parquet) or a stream (Hugging Face)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "rows.parquet"
+    texts = [f"row {i}: {'abc ' * (i % 7)}" for i in range(3000)]
+    pq.write_table(pa.table({"text": texts}), src, row_group_size=3000)
+    monkeypatch.setattr(gptlite.prepare, "BLOCK_BYTES", 2000)  # a batch of 1,024 rows is a batch of its own
+    kwargs = {"shard_tokens": 5000, "workers": 1, "hf_dataset": hf_dataset, "log": quiet}
+    whole = prepare([str(src)], "byte", tmp_path / "whole", **kwargs)
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        interrupt_after(m, 0, "after_checkpoint")
+        with pytest.raises(Interrupt):
+            prepare([str(src)], "byte", out, **kwargs)
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["cursor"] == {"source": 0, "position": 1024, "records": 1024}
+    assert prepare([str(src)], "byte", out, **kwargs) == whole
+    assert files_of(out) == files_of(tmp_path / "whole")
+
+
 def test_resume_starts_afresh_when_settings_change_or_files_are_damaged(tmp_path, small_blocks, monkeypatch):
     inputs = corpus(tmp_path)
     whole = prepare(inputs, "byte", tmp_path / "whole", shard_tokens=2000, workers=1, log=quiet)

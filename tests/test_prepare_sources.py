@@ -111,6 +111,54 @@ def test_record_corpus_too_small_for_a_val_document(tmp_path):
     prepare([str(src)], "byte", tmp_path / "ok", val_fraction=0.2, log=quiet)  # the 5th document is val
 
 
+@pytest.mark.parametrize("fraction", [0.1, 0.05, 0.3, 1 / 3, 0.001])
+def test_val_documents_follow_the_rule_for_every_index(fraction):
+    """The vectorized val choice equals document i being val when int((i + 1) * f) > int(i * f)."""
+    for first in (0, 12_345, 10**9 + 7):
+        expected = [int((i + 1) * fraction) > int(i * fraction) for i in range(first, first + 2000)]
+        assert gptlite.prepare.val_documents(first, 2000, fraction).tolist() == expected
+
+
+@pytest.mark.parametrize("line", [
+    '{"a": 1}', ' {"a": 1}', '{"a": 1}\r', '{"a": 1} x', '\ufeff{"a": 1}', "1, 2", "[1", "{}{}", '"s"  ', '{"a": "x\ty"}', "",
+])
+def test_parse_json_answers_as_json_loads(line):
+    def answer(parse):
+        try:
+            return parse(line)
+        except json.JSONDecodeError as e:
+            return str(e)
+
+    assert answer(gptlite.prepare.parse_json) == answer(json.loads)
+
+
+def test_records_longer_than_a_read_block_are_whole(tmp_path, monkeypatch):
+    """JSONL is read in blocks of whole lines; a line longer than a block is a block of its own."""
+    docs = [f"{i}: " + "long " * (i * 7 % 40) + "\n" for i in range(60)]
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    whole = prepare([str(src)], gpt2(), tmp_path / "whole", log=quiet)
+    monkeypatch.setattr(gptlite.prepare, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(gptlite.prepare, "BATCH_BLOCKS", 2)
+    small = prepare([str(src)], gpt2(), tmp_path / "small", log=quiet)
+    assert small["sha256"] == whole["sha256"] and small["documents"] == 60
+    assert documents(tmp_path / "small", "train") == [d for i, d in enumerate(docs) if i % 10 != 9]
+
+
+def test_the_main_process_parses_only_the_first_record(tmp_path, monkeypatch):
+    """With worker processes, the main process reads JSONL as blocks of bytes: it parses the first record (to
+    check the text field before any work) and no other, so its work does not grow with the number of records."""
+    docs = [f"Record {i}: {'short text ' * (i % 5)}\n" for i in range(400)]
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    parsed, parse_json = [], gptlite.prepare.parse_json
+    monkeypatch.setattr(gptlite.prepare, "parse_json", lambda line: parsed.append(line) or parse_json(line))
+    monkeypatch.setattr(gptlite.prepare, "BLOCK_BYTES", 1024)
+    logged = []
+    manifest = prepare([str(src)], gpt2(), tmp_path / "out", workers=2, log=logged.append)
+    assert "in 2 process(es)" in logged[0]
+    assert len(parsed) == 1 and manifest["documents"] == 400
+    assert documents(tmp_path / "out", "val") == docs[9::10]
+
+
 # ---------------------------------------------------------------------------------------------
 # undecodable bytes: replaced and counted, never fatal
 
@@ -127,6 +175,15 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
     all_text = tok.decode([t for t in tokens_of(tmp_path / "out", "train") + tokens_of(tmp_path / "out", "val") if t != EOT])
     assert all_text.startswith("caf\ufffd\n" * 3 + "ok \ufffd\ufffd end\n") and "bad \ufffd byte" in all_text
     assert "replaced 6 undecodable byte sequence(s) with U+FFFD" in logged[-1]
+
+
+def test_hugging_face_json_replaces_undecodable_bytes_as_jsonl_does(tmp_path):
+    """pyarrow's JSON reader lets invalid UTF-8 into a string column; it is replaced and counted, not fatal."""
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(b'{"text": "bad \xc3 byte"}\n' + "".join(json.dumps({"text": d}) + "\n" for d in DOCS[:9]).encode())
+    jsonl = prepare([str(src)], gpt2(), tmp_path / "jsonl", log=quiet)
+    hf = prepare([str(src)], gpt2(), tmp_path / "hf", hf_dataset="json", log=quiet)
+    assert hf["sha256"] == jsonl["sha256"] and hf["replaced"] == jsonl["replaced"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +219,23 @@ def test_line_that_is_not_json(tmp_path):
     src.write_text('{"text": "a"}\n{"text": "b"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match=r"docs\.jsonl line 3 is not JSON \(Expecting value\); fix or remove that line"):
         prepare([str(src)], "byte", tmp_path / "out", log=quiet)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"text": oops}', r"line 150 is not JSON \(Expecting value\); fix or remove that line"),
+    ('{"id": 149, "body": "x"}', r"line 150 has no field 'text' \(found: id, body\)"),
+    ('{"text": ["a list"]}', r"line 150: field 'text' holds list, not text"),
+])
+def test_a_bad_line_found_by_a_worker_is_named_by_its_number(tmp_path, monkeypatch, bad, message):
+    """The workers parse the lines; an error deep in the file, in a later block, still names file and line."""
+    lines = [json.dumps({"id": i, "text": f"record {i}"}) for i in range(200)]
+    lines[149] = bad
+    lines[40] = ""  # a blank line counts as a line
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(gptlite.prepare, "BLOCK_BYTES", 512)
+    with pytest.raises((ValueError, TypeError), match=r"docs\.jsonl " + message):
+        prepare([str(src)], gpt2(), tmp_path / "out", workers=2, log=quiet)
 
 
 def test_file_that_is_not_parquet(tmp_path):
