@@ -292,12 +292,13 @@ def compiled_decode_step(model: GPT) -> Callable:
     settings = COMPILE_SETTINGS.get(kind)
     if settings is None:
         return step
-    version = sum(p._version for p in model.parameters())
-    if kind == "cpu" and _frozen_versions.setdefault(model, version) != version:
-        raise ValueError(
-            "this model's weights changed in place after compile=True froze them for the CPU; generate with "
-            "compile=False, or call gptlite.generate.reset_compiled() to compile again"
-        )
+    if kind == "cpu":  # only the CPU settings freeze the weights into the compiled step
+        version = sum(p._version for p in model.parameters())
+        if _frozen_versions.setdefault(model, version) != version:
+            raise ValueError(
+                "this model's weights changed in place after compile=True froze them for the CPU; generate with "
+                "compile=False, or call gptlite.generate.reset_compiled() to compile again"
+            )
     compiled_shapes = _compiled_shapes.setdefault(model, set())
 
     def tuned_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
