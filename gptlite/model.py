@@ -182,8 +182,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, H, D)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, D) each
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D) each
+                   for t in self.qkv(x).split(C, dim=-1))  # split's backward writes one contiguous gradient
         q, k = self.rotate(q, k, rot)
         if cache is None:  # training and scoring: each position sees itself and the positions before it
             dropout = self.dropout if self.training else 0.0
@@ -223,8 +223,40 @@ class SwiGLU(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, value = self.fc(x).chunk(2, dim=-1)  # (B, T, F) each
-        return self.drop(self.out_proj(F.silu(gate) * value))  # (B, T, C)
+        return self.drop(self.out_proj(swiglu_gate(self.fc(x))))  # (B, T, C)
+
+
+def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * value for h = [gate | value] (B, T, 2F) -> (B, T, F). Eagerly through SwiGLUGate; in a
+    compiled graph as plain math, which inductor fuses into one kernel (dynamo cannot trace SwiGLUGate's
+    writes into halves of a tensor)."""
+    if not torch.compiler.is_compiling():
+        return SwiGLUGate.apply(h)
+    gate, value = h.chunk(2, dim=-1)  # (B, T, F) each
+    return F.silu(gate) * value
+
+
+class SwiGLUGate(torch.autograd.Function):
+    """silu(gate) * value, the same math as chunking h, but the backward writes both halves' gradients into
+    one (B, T, 2F) tensor, where chunk's backward would concatenate two: a cat per block, about 3% of an
+    eager training step of the 4x128 model on a CPU."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        gate, value = h.chunk(2, dim=-1)  # (B, T, F) each
+        act = F.silu(gate)
+        ctx.save_for_backward(gate, value, act)
+        return act * value  # (B, T, F)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gate, value, act = ctx.saved_tensors
+        grad_h = torch.empty((*grad.shape[:-1], 2 * grad.size(-1)), dtype=grad.dtype, device=grad.device)
+        grad_gate, grad_value = grad_h.chunk(2, dim=-1)  # views into grad_h, (B, T, F) each
+        torch.mul(grad, act, out=grad_value)
+        torch.mul(grad, value, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)  # in place
+        return grad_h  # (B, T, 2F)
 
 
 class GeluMLP(nn.Module):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig
-from gptlite.model import GeluMLP, RMSNorm, RotaryPositions, masked_attention, rotate_half, sinusoidal_table
+from gptlite.model import GeluMLP, RMSNorm, RotaryPositions, SwiGLUGate, masked_attention, rotate_half, sinusoidal_table
 from tests.conftest import DEVICE, VARIANTS, randint, tensor, tiny_config, tiny_model
 
 pytestmark = pytest.mark.device
@@ -266,3 +266,16 @@ def test_param_count_and_flops():
     assert model.num_params() == expected
     assert 120e6 < model.num_params() < 130e6
     assert model.flops_per_token() == 6 * (expected - 1024 * C) + 12 * 12 * 768 * 1024
+
+
+def test_swiglu_gate_matches_the_chunked_math_and_its_gradient():
+    """SwiGLUGate's one-buffer backward against autograd through chunk, silu and mul, and gradcheck."""
+    h = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 5, 6, dtype=torch.float64)
+    gate, value = h.chunk(2, dim=-1)
+    (want,) = torch.autograd.grad(F.silu(gate) * value, h, grad)
+    out = SwiGLUGate.apply(h)
+    (got,) = torch.autograd.grad(out, h, grad)
+    torch.testing.assert_close(out, F.silu(gate) * value)
+    torch.testing.assert_close(got, want)
+    assert torch.autograd.gradcheck(SwiGLUGate.apply, (h,))
