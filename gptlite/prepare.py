@@ -13,8 +13,9 @@ draws val from the same mix as train.
 
 Pipeline. The main process only cuts the inputs into pieces of about 1 MiB, neither decoding nor parsing them:
 text in blocks cut at line ends, JSONL in blocks of whole lines, Parquet and Hugging Face records as Arrow arrays of
-their text column. It hands them in batches to `workers` processes (spawned, so Linux, macOS and Windows behave
-alike; each loads tokenizer.json), at most two batches per worker in flight, which decode, parse and tokenize: the
+their text column. It hands them in batches to `workers` processes (forked on Linux, with the tokenizer already
+built; spawned elsewhere, each loading tokenizer.json), at most two batches per worker in flight, which decode,
+parse and tokenize (a piece's records in one call into tiktoken, see Tokenizer.encode_documents): the
 main process's work grows with the batches, not with the documents in them, so it never holds the workers back,
 however short the records. Tokens come back in input order with each record's token count; the main process gives
 records to train or val by their index and appends the tokens to the open shard file of their split, so memory is
@@ -26,7 +27,7 @@ ones. Running the same command again continues from there and writes the same fi
 run; `overwrite=True` starts afresh. `manifest.json`, written last, records the sources, tokenizer, shards,
 token counts and sha256 checksums; while it matches, a re-run returns at once.
 
-Nothing here imports torch (the shard format is `gptlite.shards`, numpy only): the command and the spawned
+Nothing here imports torch (the shard format is `gptlite.shards`, numpy only): the command and any spawned
 workers, which import this module, start in a fraction of a second (the `datasets` package, for Hugging Face
 input, imports torch itself where it is installed).
 """
@@ -41,6 +42,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -471,32 +473,25 @@ Encoded = tuple[np.ndarray, np.ndarray, int]  # a piece's tokens, tokens per doc
 def encode_batch(tokenizer: Tokenizer, jobs: list[Job], field: str, dtype: np.dtype) -> list[Encoded]:
     """Per piece: its tokens, how many belong to each document, and its replaced byte sequences. Every document
     (a text block only when it starts its file) starts with the end-of-text token, if the tokenizer has one."""
-    eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], dtype=np.uint32)
     encoded = []
     for kind, data, starts_doc, origin in jobs:
-        parts, lengths, replaced, with_eot = [], [], 0, starts_doc and eot is not None
-        for text, bad in piece_texts(kind, data, origin, field):
-            ids = tokenizer.encode_to_numpy(text)  # one thread per process
-            if with_eot:
-                parts.append(eot)
-            parts.append(ids)
-            lengths.append(len(ids) + with_eot)
-            replaced += bad
-        tokens = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype=dtype)
-        encoded.append((tokens, np.array(lengths, dtype=np.int64), replaced))
+        texts = list(piece_texts(kind, data, origin, field))
+        tokens, lengths = tokenizer.encode_documents([t for t, _ in texts], starts_doc and tokenizer.eot_id is not None)
+        encoded.append((tokens.astype(dtype), lengths, sum(bad for _, bad in texts)))
     return encoded
 
 
 _worker: dict = {}  # a worker process's tokenizer, text field and dtype, set once by _start_worker
 
 
-def _start_worker(tokenizer_file: str, field: str, dtype: str) -> None:
+def _start_worker(tokenizer: Tokenizer | str, field: str, dtype: str) -> None:
     # Ctrl-C and SIGTERM to the process group are the main process's to handle: it stops the pool cleanly
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # the tokenizer comes from its file, not from the main process: a pipe write of its megabytes of ranks would
-    # stall the main process until each worker had started
-    _worker.update(tokenizer=load_tokenizer(tokenizer_file), field=field, dtype=np.dtype(dtype))
+    # a forked worker has the main process's tokenizer already; a spawned one reads it from its file (a pipe
+    # write of its megabytes of ranks would stall the main process until each worker had started)
+    tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    _worker.update(tokenizer=tokenizer, field=field, dtype=np.dtype(dtype))
 
 
 def _encode_in_worker(jobs: list[Job]) -> list[Encoded]:
@@ -512,16 +507,18 @@ def tokenize(
     batches: Iterable[list[Piece]], tokenizer: Tokenizer, tokenizer_file: Path, field: str, dtype: np.dtype,
     workers: int,
 ) -> Iterator[tuple[list[Piece], list[Encoded]]]:
-    """(batch, its pieces encoded) in input order. With several workers, which load the tokenizer from
-    tokenizer_file, at most IN_FLIGHT_PER_WORKER batches per worker are queued (Pool.imap would read the
-    whole input ahead)."""
+    """(batch, its pieces encoded) in input order. With several workers, at most IN_FLIGHT_PER_WORKER batches
+    per worker are queued (Pool.imap would read the whole input ahead). On Linux the workers are forked and
+    start at once with this process's tokenizer; elsewhere (no safe fork) they are spawned and each loads
+    tokenizer_file, which costs a few tenths of a second."""
     if workers == 1:
         for batch in batches:
             yield batch, encode_batch(tokenizer, jobs(batch), field, dtype)
         return
-    spawn = multiprocessing.get_context("spawn")
-    args = (str(tokenizer_file), field, dtype.str)
-    with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_start_worker, initargs=args) as pool:
+    fork = sys.platform == "linux"
+    context = multiprocessing.get_context("fork" if fork else "spawn")
+    args = (tokenizer if fork else str(tokenizer_file), field, dtype.str)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=args) as pool:
         queued: deque = deque()
         try:
             for batch in batches:

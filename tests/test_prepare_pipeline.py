@@ -312,6 +312,29 @@ def test_encode_to_numpy_equals_encode(spec):
         assert ids.dtype == np.uint32 and ids.tolist() == tokenizer.encode(text)
 
 
+@pytest.mark.parametrize("eot", [True, False])
+def test_encode_documents_equals_encoding_text_by_text(eot):
+    """The one-call path (texts joined by <|endoftext|>, special allowed) gives each text's encode_ordinary ids,
+    after an end-of-text token each: across trailing spaces and newlines (GPT-2's pattern ends a text with its
+    own space rule), a text that ends or starts with part of the special string, one that holds all of it, and a
+    lone surrogate."""
+    from gptlite.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(str(shared_file("tokenizers/gpt2.tiktoken")))
+    eot_ids = [tokenizer.eot_id] if eot else []
+    cases = [
+        ["hello  \n", " world's  ", "\n\n", "a<|endoftext", "|>b", "  trailing   ", "ünïcödé 123 4567", TEXT[:300]],
+        ["plain", "special strings are text: <|endoftext|>", "after"],
+        ["a lone surrogate \ud800 from a JSON escape", "next"],
+        [],
+    ]
+    for texts in cases:
+        tokens, lengths = tokenizer.encode_documents(texts, eot)
+        want = [eot_ids + tokenizer.encode_to_numpy(t).tolist() for t in texts]
+        assert tokens.dtype == np.uint32 and tokens.tolist() == [i for ids in want for i in ids]
+        assert lengths.tolist() == [len(ids) for ids in want]
+
+
 @pytest.mark.parametrize("signum,to_group", [("SIGINT", True), ("SIGTERM", True), ("SIGINT", False), ("SIGTERM", False)],
                          ids=["ctrl-c", "term-group", "int-main-only", "term-main-only"])
 def test_cli_interrupted_then_the_same_command_continues(tmp_path, signum, to_group):
