@@ -227,10 +227,11 @@ class SwiGLU(nn.Module):
 
 
 def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * value for h = [gate | value] (B, T, 2F) -> (B, T, F). Eagerly through SwiGLUGate; in a
-    compiled graph as plain math, which inductor fuses into one kernel (dynamo cannot trace SwiGLUGate's
-    writes into halves of a tensor)."""
-    if not torch.compiler.is_compiling():
+    """silu(gate) * value for h = [gate | value] (B, T, 2F) -> (B, T, F). Through SwiGLUGate where an eager
+    backward will follow; otherwise as plain math: without gradients (generation, evaluation) there is no
+    backward to help, and in a compiled graph inductor fuses the math into one kernel (dynamo cannot trace
+    SwiGLUGate's writes into halves of a tensor)."""
+    if h.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return SwiGLUGate.apply(h)
     gate, value = h.chunk(2, dim=-1)  # (B, T, F) each
     return F.silu(gate) * value

@@ -48,11 +48,12 @@ class Tokenizer:
     def encode_documents(self, texts: list[str], eot: bool) -> tuple[np.ndarray, np.ndarray]:
         """Data preparation's path: the uint32 ids of the texts one after another, each after the end-of-text
         token if `eot`, and the number of ids per text (its end-of-text token included)."""
-        head = [np.array([self.eot_id], dtype=np.uint32)] if eot else []
-        parts = [[*head, self.encode_to_numpy(text)] for text in texts]
-        lengths = np.array([sum(len(p) for p in part) for part in parts], dtype=np.int64)
-        tokens = np.concatenate([p for part in parts for p in part]) if parts else np.empty(0, dtype=np.uint32)
-        return tokens, lengths
+        ids = [self.encode_to_numpy(text) for text in texts]
+        lengths = np.array([len(i) + eot for i in ids], dtype=np.int64)
+        if eot:
+            head = np.array([self.eot_id], dtype=np.uint32)
+            ids = [part for i in ids for part in (head, i)]
+        return (np.concatenate(ids) if ids else np.empty(0, dtype=np.uint32)), lengths
 
     def token_bytes(self, ids: Iterable[int]) -> bytes:
         raise NotImplementedError
@@ -145,10 +146,10 @@ class TiktokenTokenizer(Tokenizer):
         that special token allowed, which tiktoken encodes text by text between the specials, so the ids are
         those of encode_ordinary per text. Not where a text holds the string <|endoftext|> itself (plain text
         there), nor without end-of-text tokens to count the texts by."""
-        if not eot or self.eot_id is None or self.enc._special_tokens.get(EOT) != self.eot_id or not texts:
+        if not eot or self.eot_id is None:  # eot_id is <|endoftext|>'s id, when the encoding has it
             return super().encode_documents(texts, eot)
         joined = EOT + EOT.join(texts)
-        if joined.count(EOT) != len(texts):  # a text holds the string <|endoftext|>
+        if joined.count(EOT) != len(texts):  # a text holds the string <|endoftext|> (or there are no texts)
             return super().encode_documents(texts, eot)
         try:
             tokens = self.enc.encode_to_numpy(joined, allowed_special={EOT})
