@@ -378,12 +378,13 @@ def test_generate_argument_errors(prompts, kwargs, message):
 
 
 @cpu_only
-def test_cpu_decoding_runs_packed_linears_on_the_same_weights(variant, monkeypatch):
-    """Eager float32 decoding on the CPU goes through PackedLinear (oneDNN on prepacked weights) for large
-    layers: the same logits as the model's own layers, every other module and tensor shared, packed again
-    once the weights change, and the model itself for other dtypes and for small layers."""
+def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, monkeypatch):
+    """Eager float32 decoding on the CPU runs large layers as SlabLinear (one row) or PackedLinear (oneDNN on
+    prepacked weights, a batch): the same logits as the model's own layers, every other module and tensor
+    shared, made again once the weights or the thread count change, and the model itself for other dtypes
+    and for small layers."""
     import gptlite.generate
-    from gptlite.generate import PackedLinear, packed_for_cpu
+    from gptlite.generate import PackedLinear, SlabLinear, packed_for_cpu
 
     model = tiny_model(**variant).eval()
     assert packed_for_cpu(model, 1) is model  # 32-wide layers: overhead-bound, left as they are
@@ -391,15 +392,40 @@ def test_cpu_decoding_runs_packed_linears_on_the_same_weights(variant, monkeypat
     view = packed_for_cpu(model, 1)
     assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(isinstance(view.get_submodule(name), PackedLinear) for name in linears)
+    assert linears and all(isinstance(view.get_submodule(name), SlabLinear) for name in linears)
     assert view.pos_emb is model.pos_emb and view.blocks[0].attn_norm is model.blocks[0].attn_norm
     assert dict(view.named_parameters()).keys() <= dict(model.named_parameters()).keys()
-    idx = randint(97, (3, 9))
+    idx, one = randint(97, (3, 9)), randint(97, (1, 1))  # a prompt (F.linear) and one decoded row (the slabs)
+    batch = packed_for_cpu(model, 4)
+    assert all(isinstance(batch.get_submodule(name), PackedLinear) for name in linears)
     with torch.no_grad():
-        torch.testing.assert_close(view(idx)[0], model(idx)[0], rtol=1e-5, atol=1e-5)
+        for x in (idx, one):
+            torch.testing.assert_close(view(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(batch(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
         model.lm_head.weight.mul_(2)  # tied to the embedding: a changed weight
-        repacked = packed_for_cpu(model, 1)
-        assert repacked is not view
-        torch.testing.assert_close(repacked(idx)[0], model(idx)[0], rtol=1e-5, atol=1e-5)
-    assert packed_for_cpu(model, 4) is not repacked  # a batch gets weights packed for several rows
+        remade = packed_for_cpu(model, 1)
+        assert remade is not view
+        torch.testing.assert_close(remade(one)[0], model(one)[0], rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert packed_for_cpu(model, 1) is not remade  # one slab per thread: a new thread count, new slabs
+    finally:
+        torch.set_num_threads(threads)
     assert packed_for_cpu(model.to(torch.bfloat16), 1) is model
+
+
+@pytest.mark.parametrize("in_features, out_features, bias", [(32, 97, True), (33, 7, False), (16, 16, True)])
+def test_slab_linear_equals_the_linear_for_any_slab_count(in_features, out_features, bias):
+    """Wide layers (transposed slabs) and the others (row slabs), with the last slab padded where the slab
+    count does not divide the output width: one row through the slabs, several through F.linear."""
+    from gptlite.generate import SlabLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    for parts in (1, 2, 3, 4):
+        slab = SlabLinear(linear, parts)
+        assert slab.transposed == (out_features > in_features)
+        for shape in ((1, 1, in_features), (1, in_features), (2, 3, in_features)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(slab(x), linear(x), rtol=1e-5, atol=1e-5)
