@@ -328,9 +328,9 @@ class SlabLinear(nn.Module):
     from memory. The weight is cut into one contiguous slab of output rows per thread and run as a batched
     matmul, so that each thread streams its own slab from start to end. Layers wider than they are deep
     (q/k/v, the feed-forward input, the head: N > K) keep their slabs transposed, (K, N/P) each, and multiply
-    the row into them; the others multiply each slab (N/P, K) by the row. On a 2-core AVX2 CPU at GPT-2-124M
-    shapes this streamed the weights at 17-27 GB/s, where oneDNN on a prepacked weight (`PackedLinear`) reached
-    9-22 (a plain sum over the same bytes: 16-26). Several rows (a prompt) go through F.linear."""
+    the row into them; the others multiply each slab (N/P, K) by the row. On a 2-core AVX2 CPU this was faster
+    than oneDNN on a prepacked weight (`PackedLinear`) at every GPT-2-124M shape: 12-27 GB/s against 9-22 (a
+    plain sum over the same bytes: 16-26). Several rows (a prompt) go through F.linear."""
 
     def __init__(self, linear: nn.Linear, parts: int | None = None):
         super().__init__()
