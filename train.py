@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlite.checkpoint import (check_weight_names, discard_damaged, holds_run, load_checkpoint, remove_leftovers,
                                  rng_state, run_files, save_run_checkpoint, set_rng_state)
-from gptlite.config import GPTConfig, TrainConfig, build_config, config_help, config_to_dict, parse_args, read_toml
+from gptlite.cli import config_help, parse_args, pick_device, pick_dtype
+from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, read_toml
 from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
@@ -94,31 +95,6 @@ def training_session():
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def pick_device(name: str, local_rank: int) -> str:
-    """cuda > mps > cpu for 'auto'. A CUDA device always gets its index (torch.cuda.set_device needs one): under
-    torchrun each process takes cuda:LOCAL_RANK, else plain 'cuda' is the current device, cuda:0 by default."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            name = "cuda"
-        elif torch.backends.mps.is_available():
-            name = "mps"
-        else:
-            name = "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available here; use --device=cpu or --device=auto")
-    if name == "cuda":
-        name = f"cuda:{local_rank if 'RANK' in os.environ else torch.cuda.current_device()}"
-    return name
-
-
-def pick_dtype(name: str, device_type: str) -> torch.dtype:
-    """Autocast precision: bf16 on CUDA GPUs that support it, float32 elsewhere, unless set explicitly."""
-    if name == "auto":
-        cuda_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
-    return getattr(torch, name)
 
 
 def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
@@ -402,7 +378,7 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    dtype = pick_dtype(cfg.dtype, device_type)
+    dtype = getattr(torch, pick_dtype(cfg.dtype, device))
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
 
     # data: every problem is found here, before the first step

@@ -1,17 +1,207 @@
-"""What every command does the same way: a user's error is one line on stderr (exit 2), and SIGINT or SIGTERM,
-sent to the process group or to the main process alone, is an interruption that ends the command cleanly
-(exit 130 or 143, as shells report them) with a line saying what was kept and how to continue.
+"""The command line every gptlite command shares: its options read into a dataclass, one-line errors, clean
+interruptions, and the one "auto" choice of device and precision.
 
-train.py handles its signals itself: it finishes the step and saves a checkpoint first.
+Options. A command's options are the fields of a dataclass (see `option`), read with `parse`: defaults < a TOML
+file (an argument ending in .toml) < `--key=value` or `--key value` on the command line. Values are converted to
+the field's type ("none" for a field that allows None; true/false for a boolean, whose `--flag` alone means true;
+a list field takes every value up to the next `--key`, and gathers repeated `--key=value`s), an unknown key gets a
+"did you mean", every problem is reported together, and `--help` lists each field with its help and default.
+
+Errors and interruptions (`run_command`): a user's error is one line on stderr (exit 2), and SIGINT or SIGTERM,
+sent to the process group or to the main process alone, ends the command cleanly (exit 130 or 143, as shells
+report them) with a line saying what was kept and how to continue. train.py handles its signals itself: it
+finishes the step and saves a checkpoint first.
+
+This module does not import torch at import time (data preparation starts without it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import signal
 import sys
+import typing
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gptlite.config import GPTConfig, TrainConfig, convert, flat_fields, read_toml, unknown_key
 
 USER_ERRORS = (ValueError, TypeError, OSError, ConnectionError, ImportError)  # OSError covers missing files
+BOOL_WORDS = ("true", "false", "1", "0", "yes", "no", "on", "off")
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Every option of a dataclass with its type."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def is_list(typ: Any) -> bool:
+    return typing.get_origin(typ) is list
+
+
+def is_bool(typ: Any) -> bool:
+    return typ is bool
+
+
+def split_argv(argv: list[str], types: dict[str, Any], positional: str | None = None,
+               shorts: dict[str, str] | None = None) -> tuple[str | None, dict[str, Any]]:
+    """argv -> (the TOML file, if an argument names one; {key: raw value}). See the module docstring for the
+    syntax. Keys are returned as given (dashes as underscores); unknown ones are left for the caller to name."""
+    toml_path, values, plain = None, {}, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg.startswith("-") and len(arg) == 2 and shorts and arg[1] in shorts:
+            arg = "--" + shorts[arg[1]]
+        if not arg.startswith("--") or arg == "--":
+            if arg.endswith(".toml") and toml_path is None and (positional is None or not plain):
+                toml_path = arg
+            else:
+                plain.append(arg)
+            continue
+        key, sep, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        typ = types.get(key)
+        if sep:
+            raw: Any = value
+        elif is_list(typ):  # every value up to the next --key
+            raw = []
+            while i < len(argv) and not argv[i].startswith("--"):
+                raw.append(argv[i])
+                i += 1
+        elif is_bool(typ) or typ is None:  # a flag alone is true; an unknown key takes no value
+            raw = "true"
+            if is_bool(typ) and i < len(argv) and argv[i].lower() in BOOL_WORDS:
+                raw, i = argv[i], i + 1
+        elif i < len(argv) and not argv[i].startswith("--"):
+            raw, i = argv[i], i + 1
+        else:
+            raise ValueError(f"--{key} needs a value: --{key}=VALUE")
+        if is_list(typ):
+            values.setdefault(key, []).extend(raw if isinstance(raw, list) else [raw])
+        else:
+            values[key] = raw
+    if plain:
+        if positional is None:
+            raise ValueError(f"unexpected argument '{plain[0]}'; use a CONFIG.toml file and --key=value overrides")
+        values[positional] = plain
+    return toml_path, values
+
+
+def convert_option(key: str, value: Any, typ: Any) -> Any:
+    """A raw command-line or TOML value as the field's type (lists element by element)."""
+    if is_list(typ):
+        (item,) = typing.get_args(typ) or (str,)
+        items = value if isinstance(value, list) else [value]
+        return [convert(key, v, item) for v in items]
+    return convert(key, value, typ)
+
+
+def parse(cls: type[T], argv: list[str], prog: str = "", doc: str = "") -> T:
+    """The dataclass `cls` of a command's options from argv (see the module docstring); every problem in one
+    ValueError. The set of keys the user gave is kept in the instance's `given` attribute. `--help` / `-h` raises
+    `HelpRequested`, whose text `run_command` prints."""
+    if "--help" in argv or "-h" in argv:
+        raise HelpRequested(help_text(cls, prog, doc))
+    types = field_types(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    positional = next((name for name, f in fields.items() if f.metadata.get("positional")), None)
+    shorts = {f.metadata["short"]: name for name, f in fields.items() if f.metadata.get("short")}
+    toml_path, given = split_argv(argv, types, positional, shorts)
+    values = {**(read_toml(toml_path) if toml_path else {}), **given}
+    problems, kwargs = [], {}
+    for key, value in values.items():
+        if key not in types:
+            problems.append(unknown_key(key, types, what="option", prefix="--"))
+            continue
+        try:
+            kwargs[key] = convert_option(key, value, types[key])
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        choices = fields[key].metadata.get("choices")
+        if choices and kwargs[key] not in choices:
+            problems.append(f"{key}={kwargs[key]!r} must be one of {', '.join(map(str, choices))}")
+    missing = [f"--{name}" for name, f in fields.items() if f.init and name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        problems.append(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+    if problems:
+        raise ValueError("; ".join(problems))
+    options = cls(**kwargs)
+    object.__setattr__(options, "given", frozenset(kwargs))
+    return options
+
+
+class HelpRequested(Exception):
+    """--help was given; the exception's text is the help."""
+
+
+def help_text(cls: type | tuple[type, ...], prog: str, doc: str) -> str:
+    """The command's docstring, then one line per option (of each dataclass): its name, default and help."""
+    lines = [doc.strip(), "", f"{prog} options (--key=value or --key value; a CONFIG.toml file may set them too):"]
+    for f in (f for c in (cls if isinstance(cls, tuple) else (cls,)) for f in dataclasses.fields(c)):
+        if not f.init or dataclasses.is_dataclass(f.type) or f.name == "model":
+            continue
+        meta = f.metadata
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            name = f"--{f.name} (required)"
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            name = f"{f.name.upper()} ..." if meta.get("positional") else f"--{f.name}={default!r}"
+        choices = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
+        lines.append(f"  {name}" + (f"  {meta['help']}{choices}" if meta.get("help") else choices))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """train.py's argv: (its TOML file or None, {key: raw value}); the keys are checked by build_config."""
+    return split_argv(argv, {key: typ for key, (_, typ) in flat_fields().items()})
+
+
+def config_help() -> str:
+    """One line per key of train.py (model and training) with its default and help, for `train.py --help`."""
+    return help_text((GPTConfig, TrainConfig), "train.py", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices: the one "auto" choice
+
+
+def pick_device(name: str = "auto", local_rank: int = 0) -> str:
+    """cuda > mps > cpu for 'auto'; a CUDA device that is not there is a one-line error. A CUDA device always gets
+    its index (torch.cuda.set_device needs one): under torchrun each process takes cuda:LOCAL_RANK, else plain
+    'cuda' is the current device, cuda:0 by default."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available here; use --device=cpu or --device=auto")
+    if name == "cuda":
+        name = f"cuda:{local_rank if 'RANK' in os.environ else torch.cuda.current_device()}"
+    return name
+
+
+def pick_dtype(name: str, device: str) -> str:
+    """'auto' is bfloat16 on CUDA GPUs that support it, float32 elsewhere; other names are kept."""
+    import torch
+
+    if name == "auto":
+        return "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a command
 
 
 class Interrupted(KeyboardInterrupt):
@@ -27,11 +217,14 @@ def _interrupt(signum, frame) -> None:
 
 
 def run_command(prog: str, body: Callable[[], int], on_interrupt: str = "nothing was saved") -> int:
-    """body()'s exit code, with one-line errors and clean interruptions (see the module docstring).
-    `on_interrupt` completes the line printed then (what was kept, how to continue)."""
+    """body()'s exit code, with one-line errors and clean interruptions (see the module docstring), and --help
+    printed. `on_interrupt` completes the line printed then (what was kept, how to continue)."""
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return body()
+    except HelpRequested as e:
+        print(str(e))
+        return 0
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"\n{prog}: interrupted ({signal.Signals(signum).name}); {on_interrupt}", file=sys.stderr)

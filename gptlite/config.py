@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -27,25 +28,34 @@ FFN_CHOICES = ("swiglu", "gelu")
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 
 
+def option(default: typing.Any = dataclasses.MISSING, help: str = "", *, choices: tuple = (), positional: bool = False,
+           short: str = "", default_factory: typing.Any = dataclasses.MISSING) -> typing.Any:
+    """A dataclass field that is a command-line option (see gptlite.cli): its help text, its allowed values, whether
+    it is given by position (a list field: the command's plain arguments), and a one-letter alias (short="h")."""
+    meta = {"help": help, "choices": tuple(choices), "positional": positional, "short": short}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
 @dataclass
 class GPTConfig:
     """Shape of a GPT model. The defaults are gptlite's own model; GPT-2's is pos_emb="learned",
     norm="layernorm", ffn="gelu", bias=True, and Llama's pos_emb="rope", norm="rmsnorm", ffn="swiglu".
     `ffn_hidden=None` picks 4 * n_embd for gelu and, for swiglu, the width with the same parameter count."""
 
-    vocab_size: int = 50304
-    block_size: int = 1024
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = False  # biases in every linear layer and norm (GPT-2 has them; the tied head never does)
-    pos_emb: str = "learned"  # learned | sinusoidal | rope
-    rope_theta: float = 10000.0  # RoPE's base wavelength (pos_emb="rope")
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_eps: float = 1e-5
-    ffn: str = "swiglu"  # swiglu | gelu
-    ffn_hidden: int | None = None
+    vocab_size: int = option(50304, "token ids the model knows (from the data's tokenizer.json when not given)")
+    block_size: int = option(1024, "the context: tokens per training window")
+    n_layer: int = option(12, "Transformer blocks")
+    n_head: int = option(12, "attention heads")
+    n_embd: int = option(768, "the width of the residual stream")
+    dropout: float = option(0.0, "dropout probability")
+    bias: bool = option(False, "biases in every linear layer and norm (GPT-2 has them; the tied head never does)")
+    pos_emb: str = option("learned", "positions: learned (GPT-2), sinusoidal or rope (Llama)", choices=POS_EMB_CHOICES)
+    rope_theta: float = option(10000.0, "RoPE's base wavelength (pos_emb=rope)")
+    norm: str = option("layernorm", "layernorm or rmsnorm (Llama)", choices=NORM_CHOICES)
+    norm_eps: float = option(1e-5, "the norms' epsilon")
+    ffn: str = option("swiglu", "feed-forward: swiglu (Llama) or gelu (GPT-2's MLP)", choices=FFN_CHOICES)
+    ffn_hidden: int | None = option(None, "feed-forward width (none: 4 * n_embd for gelu, the same parameter count "
+                                          "for swiglu)")
 
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.n_embd, int) and self.n_embd > 0:
@@ -97,57 +107,60 @@ class TrainConfig:
 
     model: GPTConfig = field(default_factory=GPTConfig)
     # data and output
-    data_dir: str = ""
-    out_dir: str = "out"
-    resume: bool = False
-    overwrite: bool = False  # a fresh run into a folder holding an earlier run moves its files into previous-TIME/
-    # start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a directory in Hugging
-    # Face's layout (GPT-2 or Llama); the model's shape comes from it ("" = from scratch)
-    init_from: str = ""
-    # batch: `batch_size` sequences per device per micro-step; `total_batch_size` tokens per optimizer
-    # step across all devices (0 = one micro-step, no accumulation)
-    batch_size: int = 12
-    total_batch_size: int = 0
-    max_iters: int = 5000
-    # the optimizer: AdamW, or "muon": Muon (gptlite/optim.py) for the matrices inside the blocks, AdamW for the
-    # embedding, positions and vectors. The schedule: linear warmup to learning_rate, cosine decay to min_lr at
-    # lr_decay_iters, or with lr_schedule="time" at the end of the max_minutes time budget (speedruns: any
-    # machine's speed); Muon's learning rate follows it in proportion, from muon_lr down
-    optimizer: str = "adamw"  # adamw | muon
-    learning_rate: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_iters: int = 100
-    lr_decay_iters: int = 0  # 0 = max_iters
-    lr_schedule: str = "steps"  # steps | time
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = off
-    muon_lr: float = 0.02  # Muon's peak learning rate (for a square matrix; see gptlite.optim.lr_scale)
-    muon_momentum: float = 0.95  # Nesterov momentum
-    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
-    # evaluation, logging, checkpoints (out_dir/ckpt_NNNNNN.pt at every evaluation; the newest keep_last
-    # are kept, plus best.pt, the lowest val loss), out_dir/metrics.jsonl at every log line
-    eval_interval: int = 250
-    eval_iters: int = 20  # batches per evaluation; 0 = every window of the val split
-    log_interval: int = 10
-    keep_last: int = 3
-    wandb_log: bool = False
-    wandb_project: str = "gptlite"
-    wandb_run_name: str = ""
+    data_dir: str = option("", "the folder of *train*.bin / *val*.bin shards that data/prepare.py writes")
+    out_dir: str = option("out", "the run folder: checkpoints, metrics.jsonl, the data's tokenizer.json")
+    resume: bool = option(False, "continue the run in out_dir from its newest intact checkpoint")
+    overwrite: bool = option(False, "a fresh run into a folder that holds an earlier run moves its files into "
+                                    "out_dir/previous-TIME/ first")
+    init_from: str = option("", "start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a "
+                                "Hugging Face directory; the model's shape comes from it ('' = from scratch)")
+    # batch
+    batch_size: int = option(12, "sequences per device per micro-step")
+    total_batch_size: int = option(0, "tokens per optimizer step across all devices (0 = one micro-step, no "
+                                      "gradient accumulation)")
+    max_iters: int = option(5000, "optimizer steps")
+    # the optimizer and its schedule: linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, or
+    # with lr_schedule="time" at the end of the max_minutes budget; Muon's learning rate follows in proportion
+    optimizer: str = option("adamw", "adamw, or muon: Muon (gptlite/optim.py) for the matrices inside the blocks, "
+                                     "AdamW for the embedding, positions and vectors", choices=("adamw", "muon"))
+    learning_rate: float = option(6e-4, "AdamW's peak learning rate")
+    min_lr: float = option(6e-5, "the learning rate at the end of the cosine decay")
+    warmup_iters: int = option(100, "steps of linear warmup")
+    lr_decay_iters: int = option(0, "the step where the decay reaches min_lr (0 = max_iters)")
+    lr_schedule: str = option("steps", "steps, or time: decay over max_minutes (speedruns)", choices=("steps", "time"))
+    weight_decay: float = option(0.1, "AdamW's decoupled weight decay on matrices")
+    beta1: float = option(0.9, "AdamW's beta1")
+    beta2: float = option(0.95, "AdamW's beta2")
+    grad_clip: float = option(1.0, "clip the gradient norm to this (0 = off)")
+    muon_lr: float = option(0.02, "Muon's peak learning rate (for a square matrix; see gptlite.optim.lr_scale)")
+    muon_momentum: float = option(0.95, "Muon's Nesterov momentum")
+    muon_weight_decay: float = option(0.0, "Muon's decoupled weight decay: each step multiplies the matrices by "
+                                           "1 - lr * muon_weight_decay")
+    # evaluation, logging, checkpoints
+    eval_interval: int = option(250, "steps between evaluations; each saves out_dir/ckpt_NNNNNN.pt")
+    eval_iters: int = option(20, "batches per evaluation (0 = every window of the val split)")
+    log_interval: int = option(10, "steps between log lines (and rows of out_dir/metrics.jsonl)")
+    keep_last: int = option(3, "checkpoints kept, plus best.pt, the lowest val loss")
+    wandb_log: bool = option(False, "log to Weights & Biases too")
+    wandb_project: str = option("gptlite", "the wandb project")
+    wandb_run_name: str = option("", "the wandb run's name")
     # system
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (autocast precision)
-    compile: bool = False
-    fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
-    seed: int = 1337
-    # faults: a non-finite loss or gradient norm skips that update or stops the run; max_minutes > 0 ends
-    # the run with a checkpoint once that much wall-clock time has passed
-    on_nan: str = "skip"  # skip | stop
-    max_minutes: float = 0.0
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = option("auto", "autocast precision: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16, "
+                                "float16")
+    compile: bool = option(False, "torch.compile the model")
+    fsdp: bool = option(False, "under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
+    seed: int = option(1337, "the seed of the initial weights, the data order and dropout")
+    # faults
+    on_nan: str = option("skip", "a non-finite loss or gradient norm: skip that update, or stop the run",
+                         choices=("skip", "stop"))
+    max_minutes: float = option(0.0, "> 0: end the run with a checkpoint once this much wall-clock time has passed")
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = [f"{f.name}={getattr(self, f.name)} must be a finite number" for f in fields(self)
+                    if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
+        if problems:  # NaN passes every comparison below, and a NaN learning rate skips every update
+            raise ValueError("invalid training config: " + "; ".join(problems))
         positive = ("batch_size", "max_iters", "eval_interval", "log_interval", "keep_last")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -158,6 +171,9 @@ class TrainConfig:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
         if self.optimizer not in ("adamw", "muon"):
             problems.append(f"optimizer={self.optimizer!r} must be adamw or muon")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be in [0, 1) (AdamW's betas, e.g. 0.9 and 0.95)")
         if not 0 <= self.muon_momentum < 1:
             problems.append(f"muon_momentum={self.muon_momentum} must be in [0, 1) (e.g. 0.95)")
         if self.learning_rate < 0 or self.min_lr < 0 or 0 < self.learning_rate < self.min_lr:
@@ -184,7 +200,7 @@ class TrainConfig:
 # Loading: defaults < TOML < --key=value
 
 
-def _flat_fields() -> dict[str, tuple[type, typing.Any]]:
+def flat_fields() -> dict[str, tuple[type, typing.Any]]:
     """Map every flat key to (dataclass, field type). Model and training keys never collide."""
     out: dict[str, tuple[type, typing.Any]] = {}
     for cls in (GPTConfig, TrainConfig):
@@ -252,27 +268,13 @@ NANOGPT_KEYS = {
 }
 
 
-def _unknown_key(key: str, known: typing.Iterable[str]) -> str:
+def unknown_key(key: str, known: typing.Iterable[str], what: str = "config key", prefix: str = "") -> str:
+    """The message for an unknown key: a pointer for nanoGPT's keys, else the closest known key."""
     if key in NANOGPT_KEYS:
         return f"'{key}' is nanoGPT's key: {NANOGPT_KEYS[key]}"
     close = difflib.get_close_matches(key, list(known), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else "; run with --help to list the keys"
-    return f"unknown config key '{key}'{hint}"
-
-
-def parse_args(argv: list[str]) -> tuple[str | None, dict[str, str]]:
-    """Split argv into an optional TOML path and `--key=value` overrides (`--flag` means true)."""
-    toml_path = None
-    overrides: dict[str, str] = {}
-    for arg in argv:
-        if arg.startswith("--"):
-            key, sep, value = arg[2:].partition("=")
-            overrides[key.replace("-", "_")] = value if sep else "true"
-        elif toml_path is None and arg.endswith(".toml"):
-            toml_path = arg
-        else:
-            raise ValueError(f"unexpected argument '{arg}'; use a CONFIG.toml file and --key=value overrides")
-    return toml_path, overrides
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else "; run with --help to list the keys"
+    return f"unknown {what} '{prefix}{key}'{hint}"
 
 
 def read_toml(path: str | Path) -> dict[str, typing.Any]:
@@ -292,13 +294,13 @@ def read_toml(path: str | Path) -> dict[str, typing.Any]:
 
 def build_config(values: dict[str, typing.Any]) -> TrainConfig:
     """Build a TrainConfig from flat key -> value pairs (strings or typed), reporting every problem."""
-    known = _flat_fields()
+    known = flat_fields()
     problems = []
     model_kw: dict[str, typing.Any] = {}
     train_kw: dict[str, typing.Any] = {}
     for key, value in values.items():
         if key not in known:
-            problems.append(_unknown_key(key, known))
+            problems.append(unknown_key(key, known))
             continue
         cls, typ = known[key]
         try:
@@ -327,12 +329,3 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, typing.Any]:
     """A flat, JSON- and checkpoint-friendly dict; `build_config(config_to_dict(c)) == c`."""
     flat = dataclasses.asdict(cfg)
     return {**flat.pop("model"), **flat}
-
-
-def config_help() -> str:
-    """One line per key with its default, for `train.py --help`."""
-    lines = []
-    for key, (cls, typ) in _flat_fields().items():
-        default = getattr(cls(), key) if cls is GPTConfig else getattr(TrainConfig(), key)
-        lines.append(f"  --{key}={default!r}")
-    return "\n".join(lines)

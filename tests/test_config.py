@@ -8,15 +8,14 @@ import sys
 
 import pytest
 
+from gptlite.cli import config_help, parse_args
 from gptlite.config import (
     GPTConfig,
     TrainConfig,
     build_config,
-    config_help,
     config_to_dict,
     convert,
     default_ffn_hidden,
-    parse_args,
     read_toml,
 )
 
