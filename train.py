@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptlite.checkpoint import (check_weight_names, discard_damaged, holds_run, load_checkpoint, remove_leftovers,
+from gptlite.checkpoint import (discard_damaged, holds_run, load_checkpoint, remove_leftovers,
                                  rng_state, run_files, save_run_checkpoint, set_rng_state)
 from gptlite.cli import config_help, parse_args, pick_device, pick_dtype
 from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, read_toml
@@ -434,7 +434,7 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     step, best_val = 0, float("inf")
     if ckpt:
-        check_weight_names(model, ckpt["model"])
+        model.check_state(ckpt["model"], f"the checkpoint in {out_dir}")
         load_training_state(model, optimizers, ckpt)
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])

@@ -18,14 +18,18 @@ first beam only (the others start at -1e9), as transformers does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from gptlite.generate import _prefill, _static_cache, compiled_decode_step, decode_step, packed_for_cpu
+from gptlite.cpu_decode import packed_for_cpu
+from gptlite.kvcache import compiled_decode_step, decode_step, new_cache, prefill, static_cache
+from gptlite.sampling import mask_vocab
 
 if TYPE_CHECKING:
+    from gptlite.kvcache import KVCache
     from gptlite.model import GPT
 
 NEG = -1.0e9  # the score of a slot or candidate that must not be chosen (transformers uses the same value)
@@ -44,12 +48,57 @@ def beam_search(
     num_return_sequences: int = 1,
     extend_context: bool = False,
     compile: bool = False,
+    vocab_limit: int | None = None,
 ) -> list[list[int]]:
     """The num_return_sequences best continuations (new tokens only, best first, the stop token kept) of each of
-    the checked prompt `rows`, consecutively: len(rows) * num_return_sequences lists."""
-    config, B, N = model.config, len(rows), num_beams
-    stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long)
+    the checked prompt `rows`, consecutively: len(rows) * num_return_sequences lists. Ids from `vocab_limit` on
+    never continue a beam."""
+    B, N = len(rows), num_beams
+    model, step, cache, logits = start(model, rows, max_new_tokens, num_beams, extend_context, compile)
+    device = cache.visible.device
+    stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)
     K = max(2, 1 + len(stops)) * N
+    first_n = torch.arange(K, device=device) < N  # (K,) the candidates that may finish
+    running = torch.zeros(B, N, device=device)  # the running beams' scores
+    running[:, 1:] = NEG
+    tokens = torch.zeros(B, N, 0, dtype=torch.long, device=device)  # (B, N, step) their new tokens
+    finished = Finished(B, N, max_new_tokens, device)
+    try:
+        for i in range(max_new_tokens):
+            logits = mask_vocab(logits.float(), vocab_limit)
+            V = logits.size(-1)
+            scores = (F.log_softmax(logits, dim=-1).view(B, N, V) + running[..., None]).view(B, N * V)
+            top, index = scores.topk(K)  # (B, K), best first
+            parent, token = index // V, index % V
+            candidates = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, i)), token[..., None]], dim=2)
+            ends = torch.isin(token, stops) | (i + 1 == max_new_tokens)  # (B, K)
+            finished.add(top / (i + 1) ** length_penalty, candidates, ends & first_n, early_stopping)
+
+            # the running beams: the best num_beams candidates that did not end
+            alive = top + ends.float() * NEG
+            best = alive.topk(N).indices  # (B, N)
+            running, tokens = alive.gather(1, best), candidates.gather(1, best[..., None].expand(-1, -1, i + 1))
+            parents = parent.gather(1, best)  # (B, N)
+
+            # can the best running beam still beat the worst finished hypothesis? (transformers' heuristic)
+            length = max_new_tokens if early_stopping == "never" and length_penalty > 0 else i + 1
+            finished.update_improvable(running[:, 0] / length**length_penalty)
+            if not finished.improvable.any() or bool(ends.all()) or (early_stopping is True and finished.full.all()):
+                break
+            cache.reorder((parents + torch.arange(B, device=device)[:, None] * N).flatten())  # (B*N,) rows' parents
+            cache.prepare(1, full_span=compile)
+            logits = step(model, tokens[:, :, -1].reshape(-1, 1).contiguous(), cache)  # (B*N, V)
+    finally:
+        cache.busy = False
+    out = finished.tokens[:, :num_return_sequences].reshape(B * num_return_sequences, -1).tolist()
+    return [[t for t in row if t >= 0] for row in out]
+
+
+def start(model: GPT, rows: list[list[int]], max_new_tokens: int, num_beams: int, extend_context: bool, compile: bool
+          ) -> tuple[GPT, Callable, KVCache, torch.Tensor]:
+    """Check the lengths, prefill the prompts once and give every beam a copy of its prompt's cache rows: (the model
+    as decoding runs it, the decode step, the cache, the first logits (B * num_beams, V))."""
+    config = model.config
     max_len = max(len(r) for r in rows) + max_new_tokens - 1  # the last token is never fed back
     if max_len > config.block_size and not extend_context:
         raise ValueError(
@@ -63,58 +112,45 @@ def beam_search(
         model.pos_emb.extend(max_len)
     step = compiled_decode_step(model) if compile else decode_step
     if not compile:
-        model = packed_for_cpu(model, B * N)
-
-    cache = model.new_cache(B, max_len)
-    device = cache.visible.device
-    logits = _prefill(model, cache, rows).repeat_interleave(N, dim=0)  # (B*N, V)
-    cache.repeat_rows(N)
+        model = packed_for_cpu(model, len(rows) * num_beams)
+    cache = new_cache(model, len(rows), max_len)
+    logits = prefill(model, cache, rows).repeat_interleave(num_beams, dim=0)  # (B*N, V)
+    cache.repeat_rows(num_beams)
     if compile:
-        cache = _static_cache(model, cache)
-    stops = stops.to(device)
-    first_n = torch.arange(K, device=device) < N  # (K,) the candidates that may finish
-    running = torch.zeros(B, N, device=device)  # the running beams' scores
-    running[:, 1:] = NEG
-    tokens = torch.zeros(B, N, 0, dtype=torch.long, device=device)  # (B, N, step) their new tokens
-    done_scores = torch.full((B, N), NEG, device=device)  # the finished hypotheses, best first
-    done_tokens = torch.full((B, N, max_new_tokens), -1, dtype=torch.long, device=device)  # -1 past their end
-    is_done = torch.zeros(B, N, dtype=torch.bool, device=device)  # which slots hold a hypothesis
-    improvable = torch.ones(B, dtype=torch.bool, device=device)  # may a prompt's finished set still change
-    try:
-        for i in range(max_new_tokens):
-            V = logits.size(-1)
-            scores = (F.log_softmax(logits.float(), dim=-1).view(B, N, V) + running[..., None]).view(B, N * V)
-            top, index = scores.topk(K)  # (B, K), best first
-            parent, token = index // V, index % V
-            candidates = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, i)), token[..., None]], dim=2)
-            ends = torch.isin(token, stops) | (i + 1 == max_new_tokens)  # (B, K)
+        cache = static_cache(model, cache)
+    return model, step, cache, logits
 
-            # finished hypotheses: the first num_beams candidates that end, while the prompt can still improve
-            full = is_done.all(1) & (early_stopping is True)
-            new = torch.where(ends & first_n & (improvable & ~full)[:, None], top / (i + 1) ** length_penalty, NEG)
-            padded = F.pad(candidates, (0, max_new_tokens - i - 1), value=-1)  # (B, K, max_new_tokens)
-            keep = torch.cat([done_scores, new], dim=1).topk(N).indices  # (B, N)
-            done_scores = torch.cat([done_scores, new], dim=1).gather(1, keep)
-            done_tokens = torch.cat([done_tokens, padded], dim=1).gather(1, keep[..., None].expand(-1, -1, max_new_tokens))
-            is_done = torch.cat([is_done, new > NEG], dim=1).gather(1, keep)
 
-            # the running beams: the best num_beams candidates that did not end
-            alive = top + ends.float() * NEG
-            best = alive.topk(N).indices  # (B, N)
-            running, tokens = alive.gather(1, best), candidates.gather(1, best[..., None].expand(-1, -1, i + 1))
-            parents = parent.gather(1, best)  # (B, N)
+class Finished:
+    """Each prompt's finished hypotheses: the num_beams best scores (B, N), best first, their new tokens
+    (B, N, max_new_tokens) with -1 past their end, which slots hold one (B, N), and whether the set may still change
+    (B,)."""
 
-            # can the best running beam still beat the worst finished hypothesis? (transformers' heuristic)
-            length = max_new_tokens if early_stopping == "never" and length_penalty > 0 else i + 1
-            worst = torch.where(is_done, done_scores.min(1, keepdim=True).values, NEG)  # (B, N)
-            improvable &= (running[:, :1] / length**length_penalty > worst).any(1)
-            if not improvable.any() or bool(ends.all()) or (early_stopping is True and bool(is_done.all())):
-                break
-            rows_of_parents = (parents + torch.arange(B, device=device)[:, None] * N).flatten()  # (B*N,)
-            cache.reorder(rows_of_parents)
-            cache.prepare(1, full_span=compile)
-            logits = step(model, tokens[:, :, -1].reshape(-1, 1).contiguous(), cache)  # (B*N, V)
-    finally:
-        cache.busy = False
-    out = done_tokens[:, :num_return_sequences].reshape(B * num_return_sequences, -1).tolist()
-    return [[t for t in row if t >= 0] for row in out]
+    def __init__(self, B: int, N: int, max_new_tokens: int, device: torch.device):
+        self.scores = torch.full((B, N), NEG, device=device)
+        self.tokens = torch.full((B, N, max_new_tokens), -1, dtype=torch.long, device=device)
+        self.is_done = torch.zeros(B, N, dtype=torch.bool, device=device)
+        self.improvable = torch.ones(B, dtype=torch.bool, device=device)
+
+    @property
+    def full(self) -> torch.Tensor:
+        """(B,) whether a prompt holds num_beams hypotheses."""
+        return self.is_done.all(1)
+
+    def add(self, scores: torch.Tensor, candidates: torch.Tensor, may_end: torch.Tensor, early_stopping) -> None:
+        """Candidates (B, K, step) with their length-penalised scores (B, K) join where `may_end` (B, K) says they
+        ended among the first num_beams, unless the prompt can no longer improve (or is full, early_stopping=True)."""
+        N, L = self.scores.size(1), self.tokens.size(2)
+        closed = self.full & (early_stopping is True)
+        new = torch.where(may_end & (self.improvable & ~closed)[:, None], scores, NEG)  # (B, K)
+        padded = F.pad(candidates, (0, L - candidates.size(2)), value=-1)  # (B, K, L)
+        keep = torch.cat([self.scores, new], dim=1).topk(N).indices  # (B, N)
+        self.scores = torch.cat([self.scores, new], dim=1).gather(1, keep)
+        self.tokens = torch.cat([self.tokens, padded], dim=1).gather(1, keep[..., None].expand(-1, -1, L))
+        self.is_done = torch.cat([self.is_done, new > NEG], dim=1).gather(1, keep)
+
+    def update_improvable(self, best_running: torch.Tensor) -> None:
+        """A prompt stays improvable while its best running beam's score (B,), at the length that counts, beats the
+        worst finished hypothesis (or a slot is still empty)."""
+        worst = torch.where(self.is_done, self.scores.min(1, keepdim=True).values, NEG)  # (B, N)
+        self.improvable &= (best_running[:, None] > worst).any(1)

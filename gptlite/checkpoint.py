@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from gptlite.config import GPTConfig, build_config
-from gptlite.files import fault, make_dir
+from gptlite.files import fault, fsync_dir, make_dir
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 
@@ -78,18 +78,6 @@ def _write_durably(path: Path, write: Callable) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in a directory durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
     """Write atomically with a checksum: path.tmp, then path.sha256, then rename path.tmp to path.
 
@@ -115,7 +103,7 @@ def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
             raise fault(cause, f"could not save checkpoint {path}") from None
         raise
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def step_files(run_dir: str | Path) -> list[Path]:
@@ -185,7 +173,7 @@ def save_run_checkpoint(run_dir: str | Path, checkpoint: dict, keep_last: int = 
     for checksum in run_dir.glob("ckpt_*.pt" + CHECKSUM_SUFFIX):
         if not checksum.with_suffix("").exists():  # the crash came between the checksum and the rename
             checksum.unlink()
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     return path
 
 
@@ -291,7 +279,7 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     """Build the GPT described by a checkpoint's config and load its weights."""
     model_config: GPTConfig = build_config(ckpt["config"]).model
     model = GPT(model_config)
-    check_weight_names(model, ckpt["model"])
+    model.check_state(ckpt["model"], "the checkpoint")
     model.load_state_dict(ckpt["model"])
     return model
 
@@ -327,18 +315,6 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
             return model_from_checkpoint(ckpt), load_tokenizer(path)
     raise FileNotFoundError(f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's "
                             f"{TOKENIZER_FILE} into {out_dir}")
-
-
-def check_weight_names(model: GPT, state: dict) -> None:
-    """Raise ValueError unless a checkpoint's weights are exactly the tensors `model` has, by name."""
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"the checkpoint's weights do not fit the model its config describes (missing: {', '.join(missing[:3]) or 'none'}"
-            f"; unexpected: {', '.join(unexpected[:3]) or 'none'}): it comes from another program or gptlite version "
-            "(a sinusoidal-position model saved before gptlite learned the table's gain, pos_emb.gain, must be retrained)"
-        )
 
 
 def rng_state() -> dict:

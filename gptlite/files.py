@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 # errno -> (the cause in plain words, what to do about it)
@@ -57,6 +60,58 @@ def make_dir(path: str | Path, what: str = "folder") -> Path:
     except OSError as e:
         raise fault(e, f"cannot create {what} {path}") from None
     return path
+
+
+def write_folder(target: str | Path, write: Callable[[Path], None], overwrite: bool = False, what: str = "folder") -> Path | None:
+    """Make `target` hold exactly the files `write(tmp)` writes, all or nothing: they are written into a temporary
+    folder beside it, which then takes its name. A target folder that exists already is refused unless `overwrite`;
+    with it, the earlier folder, whole, moves aside to TARGET-previous-TIME beside it (returned; None if there was
+    none), so nothing in it is lost. A failure (a full disk, an interruption) before the swap leaves the earlier folder
+    untouched and no temporary folder behind. The caller checks every input before calling."""
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise error(errno.EEXIST, f"{what} {target} is a file, not a folder; choose another path")
+    earlier = target.is_dir() and any(target.iterdir())
+    if earlier and not overwrite:
+        names = sorted(p.name for p in target.iterdir())
+        raise FileExistsError(f"{target} already holds {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}; choose "
+                              "a new folder, or pass overwrite (--overwrite) to replace it (the earlier one is kept "
+                              "beside it as TARGET-previous-TIME)")
+    parent = make_dir(target.parent)
+    tmp = parent / f".{target.name}.tmp-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write(tmp)
+        fsync_dir(tmp)
+    except BaseException as e:  # nothing half-written stays behind; the earlier folder is untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, FileExistsError):
+            raise fault(e, f"could not write {what} {target}") from None
+        raise
+    previous = None
+    if target.is_dir():
+        previous = parent / f"{target.name}-previous-{time.strftime('%Y%m%d-%H%M%S')}"
+        if earlier:
+            os.replace(target, previous)  # from here to the next rename, the earlier folder is whole at `previous`
+        else:
+            target.rmdir()
+            previous = None
+    os.replace(tmp, target)
+    fsync_dir(parent)
+    return previous
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a folder's new names durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class FolderLock:

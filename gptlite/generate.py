@@ -28,22 +28,19 @@ stop strings in `generate_text`, which also decodes UTF-8 safely across BPE piec
 
 from __future__ import annotations
 
-import copy
-import math
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
+from gptlite.beam import beam_search
+from gptlite.cpu_decode import packed_for_cpu
+from gptlite.kvcache import KVCache, compiled_decode_step, decode_step, new_cache, prefill, static_cache
+from gptlite.sampling import Sampling, apply_penalties, mask_vocab, sample_next
 from gptlite.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
-    from gptlite.config import GPTConfig
     from gptlite.model import GPT
 
 SLIDE_KEEP = 0.75  # fraction of block_size kept when a window slides
@@ -53,170 +50,7 @@ PAD = -1  # "no token": left padding of ragged prompts, and what a row yields af
 Prompts = torch.Tensor | Sequence[Sequence[int]]
 
 
-class KVCache:
-    """Keys and values of every layer for a fixed batch, preallocated for `max_len` slots and written in
-    place, plus what the next forward call needs (set by `prepare`): the cache slots its tokens go to,
-    their positions and the attention mask. A slot is visible once written, unless it holds padding."""
-
-    def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (batch_size, config.n_head, max_len, config.n_embd // config.n_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (B, H, max_len, D) each
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.max_len = max_len
-        self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
-        self.first = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) each row's first real slot
-        self.padded = False  # whether any row has left padding
-        self.end = 0  # slots written so far (the same for every row)
-        self.slots = torch.zeros(0, dtype=torch.long, device=device)  # (T,) slots of the next call's tokens
-        self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, T) their positions
-        self.mask: torch.Tensor | None = None  # (B, 1, T, S) True where a query may attend to a key
-        self.span = 0  # S, the number of slots the next call attends over
-        self.busy = False  # a compiled generation is using it (see _static_cache)
-
-    def start(self, padding: torch.Tensor) -> None:
-        """Forget the contents; the next prompts have `padding` (B,) pad tokens on their left."""
-        self.first = padding.to(self.first.device)
-        self.padded = bool(padding.any())
-        self.visible.zero_()
-        self.end = 0
-
-    def prepare(self, T: int, full_span: bool = False) -> None:
-        """Set up the next forward call, which writes T tokens per row at slots end..end+T-1. With
-        `full_span` it attends over all max_len slots, so its shapes never change (for CUDA graphs)."""
-        a, b = self.end, self.end + T
-        assert b <= self.max_len, f"KV cache overflow: {b} > {self.max_len}"
-        device = self.visible.device
-        self.slots = torch.arange(a, b, device=device)  # (T,)
-        self.span = self.max_len if full_span else b
-        self.end = b
-        if T == 1:  # decoding: every row's token is real, at position a - first
-            self.pos = (a - self.first)[:, None]  # (B, 1)
-            self.visible[:, a] = True
-            # slots past a are not written yet, so they are not visible: the query sees exactly the visible ones
-            no_mask = not self.padded and not full_span  # one query that sees every key written so far
-            self.mask = None if no_mask else self.visible[:, None, None, : self.span]  # (B, 1, 1, S)
-            return
-        self.pos = (self.slots[None, :] - self.first[:, None]).clamp_min(0)  # (B, T); padding at 0
-        self.visible[:, a:b] = self.slots[None, :] >= self.first[:, None]  # (B, T)
-        keys = torch.arange(self.span, device=device)  # (S,)
-        causal = keys[None, :] <= self.slots[:, None]  # (T, S)
-        # a padding query sees itself, so no softmax row is empty (that would give NaN, not ignorable junk)
-        mask = (self.visible[:, None, : self.span] & causal) | (keys[None, :] == self.slots[:, None])  # (B, T, S)
-        self.mask = mask[:, None]  # (B, 1, T, S)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write layer's k, v (B, H, T, D) at the prepared slots; return its keys and values (B, H, S, D)."""
-        self.k[layer].index_copy_(2, self.slots, k)
-        self.v[layer].index_copy_(2, self.slots, v)
-        return self.k[layer][:, :, : self.span], self.v[layer][:, :, : self.span]
-
-    def repeat_rows(self, n: int) -> None:
-        """Give every row n consecutive copies (n samples of each prompt share one prefill)."""
-        if n > 1:
-            self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
-            self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
-            self.visible, self.first = self.visible.repeat_interleave(n, dim=0), self.first.repeat_interleave(n, dim=0)
-
-    def reorder(self, rows: torch.Tensor) -> None:
-        """Row i takes over the contents of row rows[i] (beam search: each beam follows its parent), in place,
-        so the buffers keep their addresses (CUDA graphs recorded against them stay valid)."""
-        for buffer in self.k + self.v:
-            buffer.copy_(buffer.index_select(0, rows))
-        self.visible.copy_(self.visible.index_select(0, rows))
-        self.first = self.first.index_select(0, rows)
-
-    def same_shape(self, other: KVCache) -> bool:
-        mine, theirs = self.k[0], other.k[0]
-        return (len(self.k), mine.shape, mine.dtype, mine.device) == (len(other.k), theirs.shape, theirs.dtype, theirs.device)
-
-    def copy_from(self, other: KVCache) -> None:
-        """Take over other's contents (same shapes), keeping this cache's buffers where they are."""
-        for mine, theirs in zip(self.k + self.v, other.k + other.v):
-            mine.copy_(theirs)
-        self.visible.copy_(other.visible)
-        self.first, self.padded, self.end = other.first, other.padded, other.end
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen from the logits; checked when built. See `sample_next` and
-    `apply_penalties` for what each control does."""
-
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            optional = name in ("top_k", "top_p") and value is None
-            if not optional and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
-                raise TypeError(f"{name}={value!r} must be a finite number" + (", or None" if name in ("top_k", "top_p") else ""))
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k is not None and (self.top_k < 1 or self.top_k != int(self.top_k)):
-            raise ValueError(f"top_k={self.top_k} must be an integer >= 1, or None for no limit")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1], or None for no limit")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Pick the next token from logits (B, V) -> (B,). temperature=0 is greedy (argmax); top_k keeps the
-    k most likely tokens; top_p keeps the smallest set whose probability reaches p (Holtzman et al., 2019,
-    "The Curious Case of Neural Text Degeneration"). top_k=None and top_p=1 change nothing."""
-    Sampling(temperature, top_k, top_p)  # checks the values
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    seen: torch.Tensor,
-    counts: torch.Tensor,
-    repetition_penalty: float = 1.0,
-    frequency_penalty: float = 0.0,
-) -> torch.Tensor:
-    """Discourage repeats in logits (B, V). repetition_penalty r (Keskar et al., 2019, CTRL): a token that
-    occurs in the prompt or the output so far has its logit divided by r if positive, multiplied by r
-    if negative. frequency_penalty f (OpenAI's): subtract f times the token's count in the output so far.
-    seen (B, V) bool and counts (B, V) float hold those occurrences."""
-    logits = logits.float()
-    if repetition_penalty != 1.0:
-        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    if frequency_penalty != 0.0:
-        logits = logits - frequency_penalty * counts
-    return logits
-
-
-def _prompt_rows(prompts: Prompts, vocab_size: int) -> list[list[int]]:
+def check_prompts(prompts: Prompts, vocab_size: int) -> list[list[int]]:
     """Prompts as lists of ids, checked: a (B, T) tensor with T >= 1, or a sequence of non-empty id lists."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.size(1) == 0:
@@ -235,181 +69,6 @@ def _prompt_rows(prompts: Prompts, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size}); check the tokenizer")
     return rows
 
-
-def _prefill(model: GPT, cache: KVCache, rows: list[list[int]], step: Callable | None = None) -> torch.Tensor:
-    """Run the rows (left-padded to the longest) through the model into an emptied cache; logits (B, V).
-    A compiled `step` (see `compiled_decode_step`) attends over the whole cache, so its shapes are fixed."""
-    T = max(len(r) for r in rows)
-    device = cache.visible.device
-    idx = torch.tensor([[0] * (T - len(r)) + r for r in rows], device=device)  # (B, T); pads are masked
-    cache.start(torch.tensor([T - len(r) for r in rows], device=device))
-    cache.prepare(T, full_span=step is not None)
-    return (step or decode_step)(model, idx, cache)  # (B, V)
-
-
-def decode_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """One decode step: token (B, 1), through the prepared cache, -> logits (B, V)."""
-    return model.step(token, cache)
-
-
-_compiled: dict[str, Callable] = {}  # device type -> decode_step through torch.compile
-_frozen_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its weights' version
-_compiled_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the shapes compiled for it
-# inductor settings for the CPU decode step (see compiled_decode_step); the last two keep the autotuning quiet
-CPU_COMPILE = {
-    "freezing": True,
-    "max_autotune_gemm": True,
-    "cpp_wrapper": True,
-    "autotune_num_choices_displayed": 0,
-    "max_autotune_report_choices_stats": False,
-}
-CUDA_COMPILE = {"coordinate_descent_tuning": True}  # inductor settings for the CUDA decode step
-COMPILE_SETTINGS = {"cpu": CPU_COMPILE, "cuda": CUDA_COMPILE}
-
-
-def compiled_decode_step(model: GPT) -> Callable:
-    """`decode_step` through torch.compile with fixed shapes, compiled on first use for each shape.
-
-    On CUDA, CUDA graphs (mode="reduce-overhead") replay the whole step, and its Triton kernels' launch
-    settings are tuned by coordinate descent (`CUDA_COMPILE`, as gpt-fast does): that is what makes int8
-    weights fast there, the int8-to-bfloat16 conversion fused into a matrix-vector kernel that is tuned for
-    its shape (GPT-2-124M on an H100, batch 1: 390 -> 2,028 tokens/s). On the CPU, each shape compiles
-    with the inductor settings in `CPU_COMPILE`: `freezing` makes the weights constants, prepacked once;
-    `max_autotune_gemm` times MKL against inductor's own C++ GEMM kernels for every matmul shape and
-    keeps the faster (its kernels win, 3-4x, for the few rows of a decode step); `cpp_wrapper` calls the
-    kernels from C++ rather than Python. Measured on a 2-core CPU, float32, batch 1, against freezing
-    alone: GPT-2-124M 36 -> 64 tokens/s; the 4x128 char model 1,130 -> 2,290 (with its slides compiled
-    too, see `_decode_loop`, and `masked_attention`'s math). The price is a longer first call, most of it
-    autotuning (GPT-2-124M: 27 s -> 58 s; char model: 6 s -> 34 s). Frozen weights are read once, when the
-    step compiles, so changing them in place afterwards raises ValueError instead of decoding with stale
-    weights.
-    """
-    weight = model.tok_emb.weight
-    kind = weight.device.type
-    if kind not in _compiled:
-        mode = "reduce-overhead" if kind == "cuda" else None
-        _compiled[kind] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
-    step = _compiled[kind]
-    settings = COMPILE_SETTINGS.get(kind)
-    if settings is None:
-        return step
-    if kind == "cpu":  # only the CPU settings freeze the weights into the compiled step
-        version = sum(p._version for p in model.parameters())
-        if _frozen_versions.setdefault(model, version) != version:
-            raise ValueError(
-                "this model's weights changed in place after compile=True froze them for the CPU; generate with "
-                "compile=False, or call gptlite.generate.reset_compiled() to compile again"
-            )
-    compiled_shapes = _compiled_shapes.setdefault(model, set())
-
-    def tuned_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        shape = (tuple(token.shape), cache.max_len, weight.dtype)
-        if shape in compiled_shapes:  # compiled already: skip the settings patch, which costs ~30 us a step
-            return step(model, token, cache)
-        with torch._inductor.config.patch(settings):  # read when a call compiles
-            logits = step(model, token, cache)
-        compiled_shapes.add(shape)
-        return logits
-
-    return tuned_step
-
-
-def reset_compiled() -> None:
-    """Forget every compiled decode step (this resets all of torch.compile's caches: torch._dynamo.reset)."""
-    torch._dynamo.reset()
-    _compiled.clear()
-    _frozen_versions.clear()
-    _compiled_shapes.clear()
-    _static_caches.clear()
-
-
-class SlabLinear(nn.Module):
-    """An nn.Linear for eager CPU decoding of one row: a matrix-vector product, bound by streaming the weight
-    from memory. The weight is cut into one contiguous slab of output rows per thread and run as a batched
-    matmul, so that each thread streams its own slab from start to end. Layers wider than they are deep
-    (q/k/v, the feed-forward input, the head: N > K) keep their slabs transposed, (K, N/P) each, and multiply
-    the row into them; the others multiply each slab (N/P, K) by the row. On a 2-core AVX2 CPU this was faster
-    than oneDNN on a prepacked weight (`PackedLinear`) at every GPT-2-124M shape: 12-27 GB/s against 9-22 (a
-    plain sum over the same bytes: 16-26). Several rows (a prompt) go through F.linear."""
-
-    def __init__(self, linear: nn.Linear, parts: int | None = None):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        weight = linear.weight.detach()
-        N, K = weight.shape
-        parts = parts or torch.get_num_threads()
-        rows = -(-N // parts)  # output rows per slab; the last slab is padded with zeros
-        if rows * parts != N:
-            weight = torch.cat([weight, weight.new_zeros(rows * parts - N, K)])
-        self.transposed = N > K
-        slabs = weight.view(parts, rows, K)  # a view of the layer's own weight when nothing is padded
-        self.slabs = slabs.transpose(1, 2).contiguous() if self.transposed else slabs  # (P, K, N/P) or (P, N/P, K)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        K = x.size(-1)
-        if x.numel() != K:
-            return F.linear(x, self.weight, self.bias)
-        row = x.reshape(1, 1, K).expand(len(self.slabs), 1, K)  # (P, 1, K)
-        if self.transposed:
-            y = torch.bmm(row, self.slabs)  # (P, 1, N/P)
-        else:
-            y = torch.bmm(self.slabs, row.transpose(1, 2))  # (P, N/P, 1)
-        y = y.reshape(-1)[: self.weight.size(0)].view(*x.shape[:-1], -1)  # (..., N)
-        return y if self.bias is None else y + self.bias
-
-
-class PackedLinear(nn.Module):
-    """An nn.Linear for eager CPU decoding of a batch: its float32 weight packed once into oneDNN's blocked
-    layout, and the matmul run by oneDNN. At eight rows oneDNN on a prepacked weight streams the weights
-    1.3-2.5x faster than `F.linear` (measured on a 2-core AVX2 CPU, GPT-2-124M shapes: 11-14 GB/s against 5-8)."""
-
-    def __init__(self, linear: nn.Linear, rows: int):
-        super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)  # a copy, (N, K)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., N)
-
-
-PACK_MIN_WEIGHTS = 1 << 18  # the 4x128 char model's layers (49K weights) decode 1.3-1.5x faster as they are
-_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its weights' state, layout, view)
-
-
-def packed_for_cpu(model: GPT, rows: int) -> GPT:
-    """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the
-    nn.Linear layers of at least PACK_MIN_WEIGHTS weights, which become `SlabLinear`s for one row and
-    `PackedLinear`s for a batch; smaller layers are bound by per-call overhead, and are left as they are. The
-    view is kept for the next call (the slabs and packed copies cost up to as much memory as the linear
-    weights) and made again when the weights or the thread count change. Other devices and dtypes, and
-    builds without oneDNN, get the model itself."""
-    weight = model.tok_emb.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return model
-    layout = (1 if rows == 1 else 8, torch.get_num_threads())
-    state = (model.training, *((p.data_ptr(), p._version) for p in model.parameters()))
-    kept = _packed.get(model)
-    if kept is not None and kept[:2] == (state, layout):
-        return kept[2]
-
-    def packs(module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS
-
-    def view(module: nn.Module) -> nn.Module:
-        if packs(module):
-            return SlabLinear(module) if rows == 1 else PackedLinear(module, layout[0])
-        if not any(packs(m) for m in module.modules()):
-            return module  # shared as it is
-        clone = copy.copy(module)  # the same parameters and buffers; its own table of submodules
-        clone._modules = {name: view(child) for name, child in module._modules.items()}
-        return clone
-
-    if not any(packs(m) for m in model.modules()):
-        return model
-    _packed[model] = (state, layout, view(model))
-    return _packed[model][2]
-
-
 def generate_tokens(
     model: GPT,
     prompts: Prompts,
@@ -426,20 +85,22 @@ def generate_tokens(
     stop_tokens: Iterable[int] = (),
     extend_context: bool = False,
     compile: bool = False,
+    vocab_limit: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (N,), up to max_new_tokens times.
 
     prompts: a (B, T) tensor, or B lists of token ids of any lengths. Each prompt gives `num_samples`
     consecutive rows (N = B * num_samples), sharing one prefill. A row that samples one of `stop_tokens`
     yields it, then PAD (-1); generation ends when every row has stopped. `seed` (or `generator`) makes
-    sampling reproducible. See the module docstring for `extend_context` and `compile`. Arguments are
-    checked when it is called, before the first token.
+    sampling reproducible. Ids from `vocab_limit` on (the tokenizer's vocab_size, when the model's is padded past
+    it) are never sampled. See the module docstring for `extend_context` and `compile`. Arguments are checked
+    when it is called, before the first token.
     """
     config = model.config
-    sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty)
+    sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, vocab_limit)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    if not isinstance(num_samples, int) or num_samples < 1:
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise ValueError(f"num_samples={num_samples} must be >= 1")
     if extend_context and not model.pos_emb.can_extend:
         raise ValueError(
@@ -448,7 +109,7 @@ def generate_tokens(
         )
     if seed is not None and generator is not None:
         raise ValueError("give seed or generator, not both")
-    rows = _prompt_rows(prompts, config.vocab_size)
+    rows = check_prompts(prompts, config.vocab_size)
     if not extend_context:
         rows = [r[-config.block_size :] for r in rows]  # a prompt longer than the window keeps its end
     rows = [r for r in rows for _ in range(num_samples)]
@@ -486,36 +147,15 @@ def _decode(
     if not compile:
         model = packed_for_cpu(model, len(rows))
 
-    cache = model.new_cache(len(rows) // num_samples, max_len)
-    logits = _prefill(model, cache, rows[::num_samples]).repeat_interleave(num_samples, dim=0)  # (N, V)
+    cache = new_cache(model, len(rows) // num_samples, max_len)
+    logits = prefill(model, cache, rows[::num_samples]).repeat_interleave(num_samples, dim=0)  # (N, V)
     cache.repeat_rows(num_samples)
     if compile:
-        cache = _static_cache(model, cache)
+        cache = static_cache(model, cache)
     try:
         yield from _decode_loop(model, cache, rows, logits, max_new_tokens, sampling, generator, stop_ids, step, compile)
     finally:
         cache.busy = False
-
-
-_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled step's cache
-
-
-def _static_cache(model: GPT, cache: KVCache) -> KVCache:
-    """The cache the compiled step writes into. Its buffers keep their addresses from call to call (one
-    per model, reused while the shapes match), so CUDA graphs recorded against them stay valid instead
-    of being recorded again for every generation; a second generation running at the same time gets
-    its own."""
-    static = _static_caches.get(model)
-    if static is not None and not static.busy and static.same_shape(cache):
-        static.copy_from(cache)
-    else:
-        static = cache
-        for buffer in static.k + static.v:
-            torch._dynamo.mark_static_address(buffer)
-        if model not in _static_caches or not _static_caches[model].busy:
-            _static_caches[model] = static
-    static.busy = True
-    return static
 
 
 def _decode_loop(
@@ -544,6 +184,7 @@ def _decode_loop(
     fed: list[torch.Tensor] = []  # tokens fed since the last prefill, each (N,)
     warned = False
     for i in range(max_new_tokens):
+        logits = mask_vocab(logits, sampling.vocab_limit)
         if sampling.penalized:
             logits = apply_penalties(logits, seen, counts, sampling.repetition_penalty, sampling.frequency_penalty)
         nxt = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)  # (N,)
@@ -573,7 +214,7 @@ def _decode_loop(
         rows = [w if len(w) <= config.block_size else w[-keep:] for w in (r + n for r, n in zip(rows, new))]
         fed = []
         # when every row slid, the prefill has one shape, block_size * SLIDE_KEEP, so it compiles once
-        logits = _prefill(model, cache, rows, step if compile and all(len(r) == keep for r in rows) else None)
+        logits = prefill(model, cache, rows, step if compile and all(len(r) == keep for r in rows) else None)
 
 
 @torch.no_grad()
@@ -608,41 +249,45 @@ def generate(
     return [[*map(int, p), *(t for t in c if t != PAD)] for p, c in zip((p for p in prompts for _ in range(n)), columns)]
 
 
-BEAM_OPTIONS = ("length_penalty", "early_stopping", "num_return_sequences", "stop_tokens", "extend_context", "compile")
+BEAM_OPTIONS = ("length_penalty", "early_stopping", "num_return_sequences", "stop_tokens", "extend_context", "compile",
+                "vocab_limit")
 
 
 def _generate_beams(model: GPT, prompts: Prompts, max_new_tokens: int, temperature: float, top_k: int | None,
                     top_p: float | None, generator: torch.Generator | None, num_beams: int, **kwargs):
     """`generate` with num_beams: the arguments checked, then gptlite.beam.beam_search (or greedy decoding)."""
-    from gptlite.beam import beam_search
-
     problems = []
     if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
         problems.append(f"num_beams={num_beams!r} must be an integer >= 1")
-    if temperature not in (0, 1) or top_k is not None or top_p is not None:
-        problems.append(f"beam search scores the model's own probabilities: temperature={temperature} must be 0 or 1 and "
-                        f"top_k={top_k}, top_p={top_p} None (beam sampling is not supported)")
+    sampled = [f"temperature={temperature} must be 0 or 1"] if temperature not in (0, 1) else []
+    sampled += [f"{name}={value} must be None" for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None]
+    if sampled:
+        problems.append(f"beam search scores the model's own probabilities, so {' and '.join(sampled)} there (beam "
+                        "sampling is not supported)")
     others = sorted(set(kwargs) - set(BEAM_OPTIONS)) + (["generator"] if generator is not None else [])
     if others:
         problems.append(f"{', '.join(others)} cannot be used with num_beams (beam search is deterministic; "
                         "num_return_sequences gives several continuations)")
     n = kwargs.pop("num_return_sequences", 1)
-    if not problems and not 1 <= n <= num_beams:
+    if not isinstance(n, int) or isinstance(n, bool):
+        problems.append(f"num_return_sequences={n!r} must be an integer")
+    elif not problems and not 1 <= n <= num_beams:
         problems.append(f"num_return_sequences={n} must be between 1 and num_beams={num_beams}")
     early_stopping = kwargs.pop("early_stopping", False)
     if early_stopping not in (True, False, "never"):
         problems.append(f"early_stopping={early_stopping!r} must be True, False or 'never'")
-    if max_new_tokens < 0:
-        problems.append(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        problems.append(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if problems:
         raise ValueError("; ".join(problems))
     if num_beams == 1 or max_new_tokens == 0:  # one beam is greedy decoding
         kwargs.pop("length_penalty", None)
         return generate(model, prompts, max_new_tokens, temperature=0, **kwargs)
-    rows = _prompt_rows(prompts, model.config.vocab_size)
+    rows = check_prompts(prompts, model.config.vocab_size)
     new = beam_search(model, rows, max_new_tokens, num_beams, early_stopping=early_stopping, num_return_sequences=n,
                       length_penalty=kwargs.get("length_penalty", 1.0), stop_tokens=list(kwargs.get("stop_tokens", ())),
-                      extend_context=kwargs.get("extend_context", False), compile=kwargs.get("compile", False))
+                      extend_context=kwargs.get("extend_context", False), compile=kwargs.get("compile", False),
+                      vocab_limit=kwargs.get("vocab_limit"))
     full = [[*rows[i // n], *tokens] for i, tokens in enumerate(new)]
     if not isinstance(prompts, torch.Tensor):
         return full
@@ -709,6 +354,7 @@ def generate_text(
     if stop_at_eot and tokenizer.eot_id is not None:
         stop_tokens.add(tokenizer.eot_id)
     streams = [TextStream(tokenizer, stop) for _ in range(len(ids) * kwargs.get("num_samples", 1))]
+    kwargs.setdefault("vocab_limit", tokenizer.vocab_size)
     return _texts(generate_tokens(model, ids, max_new_tokens, stop_tokens=stop_tokens, **kwargs), streams, stop_tokens)
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gptlite.config import GPTConfig
 
 if TYPE_CHECKING:
-    from gptlite.generate import KVCache
+    from gptlite.kvcache import KVCache
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
 
@@ -347,25 +347,38 @@ class GPT(nn.Module):
         return self.norm(x)
 
     def step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Generation: feed idx (B, T) through the cache (see gptlite.generate); logits (B, V) of the last token."""
+        """Generation: feed idx (B, T) through the cache (see gptlite.kvcache); logits (B, V) of the last token."""
         return self.lm_head(self.hidden(idx, cache)[:, -1])  # (B, V)
-
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty KV cache for batch_size rows of up to max_len (default block_size) positions,
-        in the weights' dtype and on their device."""
-        from gptlite.generate import KVCache
-
-        weight = self.tok_emb.weight
-        return KVCache(self.config, batch_size, max_len or self.config.block_size, weight.dtype, weight.device)
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, **overrides) -> GPT:
         """GPT-2's weights ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", downloaded from the Hub) or a local
         directory holding a transformers GPT2LMHeadModel or LlamaForCausalLM, in eval mode; `block_size`
-        (smaller) and `dropout` may be overridden. See gptlite.hf."""
-        from gptlite.hf import from_pretrained
+        (smaller) and `dropout` may be overridden. See gptlite.hf, which reads the checkpoint."""
+        from gptlite.hf import load_pretrained
 
-        return from_pretrained(name_or_dir, **overrides)
+        config, state = load_pretrained(name_or_dir, **overrides)
+        model = cls(config)
+        state = {k: v.to(torch.float32) for k, v in state.items()}
+        model.check_state(state, name_or_dir)
+        model.load_state_dict(state)
+        return model.eval()
+
+    def check_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Check that a state dict holds exactly this model's tensors with their shapes (before load_state_dict,
+        whose errors are tracebacks); a mismatch is one ValueError naming `source` and the first differing tensor."""
+        expected = self.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: the weights do not fit the model its config describes (missing: "
+                f"{', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'}): it comes from "
+                "another program or gptlite version (a sinusoidal-position model saved before gptlite learned the "
+                "table's gain, pos_emb.gain, must be retrained)")
+        wrong = next((k for k, v in state.items() if v.shape != expected[k].shape), None)
+        if wrong is not None:
+            raise ValueError(f"{source}: tensor {wrong} has shape {tuple(state[wrong].shape)} but the config describes "
+                             f"{tuple(expected[wrong].shape)}; the config and the weights do not belong together")
 
     def _check_input(self, idx: torch.Tensor) -> None:
         if not isinstance(idx, torch.Tensor):

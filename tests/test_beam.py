@@ -83,7 +83,7 @@ def test_beams_follow_their_parents_in_the_cache_and_compiled_steps_agree(models
     """The cache rows are reordered, never recomputed: each step feeds one token per beam. A compiled step
     (dynamo's capture, no code generation) gives the same beams."""
     _, model = models
-    module = sys.modules["gptlite.generate"]
+    module = sys.modules["gptlite.kvcache"]
     calls = []
     monkeypatch.setattr(sys.modules["gptlite.beam"], "decode_step", lambda m, t, c: calls.append(t.shape) or m.step(t, c))
     plain = model.generate(PROMPTS, NEW, num_beams=4)
@@ -97,8 +97,10 @@ def test_beams_follow_their_parents_in_the_cache_and_compiled_steps_agree(models
 @pytest.mark.parametrize("kwargs,message", [
     ({"num_beams": 0}, "num_beams=0 must be an integer >= 1"),
     ({"num_beams": 2, "temperature": 0.7}, r"temperature=0.7 must be 0 or 1 .* \(beam sampling is not supported\)"),
-    ({"num_beams": 2, "top_k": 5}, "top_k=5, top_p=None None"),
-    ({"num_beams": 2, "top_p": 0.9}, "top_p=0.9 None"),
+    ({"num_beams": 2, "top_k": 5}, r"top_k=5 must be None there \(beam sampling"),
+    ({"num_beams": 2, "top_p": 0.9}, r"probabilities, so top_p=0.9 must be None there"),
+    ({"num_beams": 2, "num_return_sequences": 2.0}, "num_return_sequences=2.0 must be an integer"),
+    ({"num_beams": -1}, "num_beams=-1 must be an integer >= 1"),
     ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences=3 must be between 1 and num_beams=2"),
     ({"num_beams": 2, "seed": 1}, "seed cannot be used with num_beams"),
     ({"num_beams": 2, "repetition_penalty": 1.2}, "repetition_penalty cannot be used with num_beams"),

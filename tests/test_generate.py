@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from gptlite import GPT
-from gptlite.generate import PAD, SLIDE_KEEP, apply_penalties, generate, generate_tokens, sample_next
+from gptlite.generate import PAD, SLIDE_KEEP, generate, generate_tokens
+from gptlite.kvcache import new_cache
+from gptlite.sampling import apply_penalties, sample_next
 from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
 
 pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:the context reached block_size")]
@@ -66,7 +68,7 @@ def test_ragged_rows_match_their_unpadded_logits(variant):
     """Padding is invisible: a padded row's prefill logits equal the unpadded prompt's forward pass."""
     model = tiny_model(**variant)
     prompts = [[5, 6, 7, 8, 9], [1, 2]]
-    cache = model.new_cache(2)
+    cache = new_cache(model, 2)
     cache.start(torch.tensor([0, 3]))
     cache.prepare(5)
     logits = model.step(tensor([[5, 6, 7, 8, 9], [0, 0, 0, 1, 2]]), cache)
@@ -79,7 +81,7 @@ def test_cache_chunked_prefill_equals_forward(variant):
     model = tiny_model(**variant)
     idx = randint(97, (2, 20))
     full, _ = model(idx)
-    cache = model.new_cache(2)
+    cache = new_cache(model, 2)
     for a, b in [(0, 6), (6, 7), (7, 15), (15, 20)]:
         cache.prepare(b - a)
         logits = model.step(idx[:, a:b], cache)
@@ -124,7 +126,7 @@ def test_static_span_decode_equals_dynamic():
     idx = randint(97, (2, 12))
     logits = []
     for full_span in (False, True):
-        cache = model.new_cache(2, 16)
+        cache = new_cache(model, 2, 16)
         cache.start(torch.tensor([0, 4]))
         cache.prepare(8)
         model.step(idx[:, :8], cache)
@@ -141,7 +143,7 @@ def compile_backend(monkeypatch):
     """compile=True as the test device runs it, with fresh compiled-step state. On the CPU through dynamo's
     graph capture (fullgraph: no breaks) without code generation, which keeps the suite fast (inductor's C++
     kernels are exercised by the benchmark); on CUDA for real: inductor's Triton kernels replayed as CUDA graphs."""
-    module = sys.modules["gptlite.generate"]
+    module = sys.modules["gptlite.kvcache"]
     torch._dynamo.reset()  # each test compiles for new models: start below dynamo's recompile limit (8 per function)
     compiled = {}
     if DEVICE == "cpu":
@@ -161,7 +163,7 @@ def test_compiled_decode_step_traces_as_one_graph_and_matches_eager(compile_back
 def test_compiled_generation_across_slides_equals_full_recompute(compile_backend, monkeypatch):
     """Past block_size the slid windows' prefills go through the compiled step too (one fixed length),
     and the text stays that of the reference; on the CPU each new shape is compiled once with CPU_COMPILE."""
-    module = sys.modules["gptlite.generate"]
+    module = sys.modules["gptlite.kvcache"]
     model = tiny_model()  # block_size 32: windows slide every 8 tokens
     module.compiled_decode_step(model)  # makes the device's compiled step, which the next line wraps
     calls = []
@@ -179,7 +181,7 @@ def test_compiled_generation_across_slides_equals_full_recompute(compile_backend
 
 @cpu_only
 def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(compile_backend):
-    module = sys.modules["gptlite.generate"]
+    module = sys.modules["gptlite.kvcache"]
     model = tiny_model(block_size=256, pos_emb="sinusoidal")
     for prompt_len, new in ((3, 10), (9, 40), (30, 30)):  # cache lengths 12, 48 and 59 all round up to 64
         idx = randint(97, (1, prompt_len))
@@ -191,7 +193,7 @@ def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(compil
 
 def test_compiled_generations_reuse_one_static_cache_unless_running_together(compile_backend):
     """CUDA graphs stay valid only while the cache buffers they write keep their addresses."""
-    module = sys.modules["gptlite.generate"]
+    module = sys.modules["gptlite.kvcache"]
     model = tiny_model()
     idx = randint(97, (2, 5))
     expected = torch.stack(list(generate_tokens(model, idx, 10, temperature=0)), 1)
@@ -220,7 +222,7 @@ def test_compiled_frozen_weights_on_cpu_refuse_to_go_stale(compile_backend, dtyp
     assert model.generate(idx, 3, compile=False).shape == (1, 7)
     with pytest.raises(ValueError, match="weights changed in place after compile=True froze them"):
         model.generate(idx, 3, compile=True)
-    module = sys.modules["gptlite.generate"]
+    module = sys.modules["gptlite.kvcache"]
     step = module._compiled["cpu"]
     module.reset_compiled()  # forgets the frozen weights, so the next call compiles again
     module._compiled["cpu"] = step
@@ -383,12 +385,12 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     prepacked weights, a batch): the same logits as the model's own layers, every other module and tensor
     shared, made again once the weights or the thread count change, and the model itself for other dtypes
     and for small layers."""
-    import gptlite.generate
-    from gptlite.generate import PackedLinear, SlabLinear, packed_for_cpu
+    import gptlite.cpu_decode
+    from gptlite.cpu_decode import PackedLinear, SlabLinear, packed_for_cpu
 
     model = tiny_model(**variant).eval()
     assert packed_for_cpu(model, 1) is model  # 32-wide layers: overhead-bound, left as they are
-    monkeypatch.setattr(gptlite.generate, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
     view = packed_for_cpu(model, 1)
     assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -419,7 +421,7 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
 def test_slab_linear_equals_the_linear_for_any_slab_count(in_features, out_features, bias):
     """Wide layers (transposed slabs) and the others (row slabs), with the last slab padded where the slab
     count does not divide the output width: one row through the slabs, several through F.linear."""
-    from gptlite.generate import SlabLinear
+    from gptlite.cpu_decode import SlabLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)

@@ -11,23 +11,28 @@ model.safetensors.index.json, or pytorch_model.bin). The names "gpt2", "gpt2-med
 "gpt2-xl" are downloaded from the Hub with huggingface_hub.
 
     python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]   # a run's checkpoint -> DIR
+
+This module turns a checkpoint into a GPTConfig and a state dict (`load_pretrained`; GPT.from_pretrained builds the
+model from them) and a model back into files; it never imports gptlite.model.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from gptlite.config import GPTConfig
-from gptlite.files import fault
-from gptlite.model import GPT
+from gptlite.files import write_folder
 from gptlite.tokenizer import EOT, GPT2_PATTERN, TiktokenTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from gptlite.model import GPT
 
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -122,10 +127,7 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig]:
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and its weights")
-    try:
-        c = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    c = read_json(path, "a Hugging Face config.json")
     family = FAMILIES.get(c.get("model_type"))
     if family is None:
         raise ValueError(f"{path}: model_type={c.get('model_type')!r} is not supported; gptlite loads "
@@ -167,19 +169,60 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig]:
     return family, GPTConfig(**config)
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, from safetensors (one file or shards) or a weights-only torch file."""
-    from safetensors.torch import load_file
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a file; anything else is a one-line ValueError naming the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {what} holds one JSON object") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; {what} holds one JSON object")
+    return value
 
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, from safetensors (one file or shards) or a weights-only torch file; a file that
+    cannot be read, a missing shard and non-finite values are one-line errors naming the file."""
     if (directory / "model.safetensors").is_file():
-        return load_file(directory / "model.safetensors")
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(directory / shard).items()}
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{directory} holds none of {', '.join(WEIGHT_FILES)}")
+        files = [directory / "model.safetensors"]
+    elif (directory / "model.safetensors.index.json").is_file():
+        index = directory / "model.safetensors.index.json"
+        weight_map = read_json(index, "a sharded checkpoint's index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map (tensor name -> shard file); save the checkpoint again")
+        files = [directory / name for name in sorted(set(map(str, weight_map.values())))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard {missing[0]}, which is not in {directory}; download it again")
+    elif (directory / "pytorch_model.bin").is_file():
+        files = [directory / "pytorch_model.bin"]
+    else:
+        raise FileNotFoundError(f"{directory} holds none of {', '.join(WEIGHT_FILES)}")
+    weights = {}
+    for path in files:
+        part = read_weight_file(path)
+        bad = next((k for k, v in part.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        if bad is not None:
+            raise ValueError(f"{path}: tensor {bad} holds NaN or infinite values; the checkpoint is damaged")
+        weights.update(part)
+    return weights
+
+
+def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors or weights-only torch file."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors' and torch's errors for a file cut short or of another format
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path} cannot be read ({cause[:200]}); it is cut short or not a weights file: download or "
+                         "save it again") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{path} does not hold a state dict (tensor name -> tensor); save the model's state_dict()")
+    return state
 
 
 def to_gptlite(family: Family, weights: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -228,16 +271,14 @@ def _override(config: GPTConfig, overrides: dict, source: str) -> GPTConfig:
     return GPTConfig(**{**vars(config), **overrides})
 
 
-def from_pretrained(name_or_dir: str, **overrides) -> GPT:
-    """A GPT with the weights of a GPT-2 or Llama checkpoint (see the module docstring), in eval mode. `block_size`
-    may be set smaller (learned positions are cropped, as nanoGPT does) and `dropout` set for fine-tuning."""
+def load_pretrained(name_or_dir: str, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The GPTConfig and the gptlite state dict of a GPT-2 or Llama checkpoint (see the module docstring), for
+    GPT.from_pretrained. `block_size` may be set smaller (learned positions are cropped, as nanoGPT does) and
+    `dropout` set for fine-tuning."""
     directory = checkpoint_dir(name_or_dir)
     family, config = read_config(directory)
     config = _override(config, overrides, name_or_dir)
-    state = to_gptlite(family, read_weights(directory), config)
-    model = GPT(config)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    return model.eval()
+    return config, to_gptlite(family, read_weights(directory), config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,12 +332,20 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
             "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
 
 
-def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False) -> list[Path]:
+def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
+              log: Callable[[str], None] | None = None) -> list[Path]:
     """Write config.json and model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained(directory)`
     loads with the same logits, and, given a GPT-2 BPE tokenizer, the files `AutoTokenizer` reads. Everything is
-    checked before the first write; existing files are replaced only with overwrite=True, each atomically."""
+    checked before the first write, and the folder ends holding exactly these files, all written or none: a folder
+    that holds anything is replaced only with overwrite=True, and then moves aside whole to DIR-previous-TIME (which
+    `log` is told)."""
     from safetensors.torch import save_file
 
+    from gptlite.quantize import Int8Linear
+
+    if isinstance(model.lm_head, Int8Linear):
+        raise ValueError("an int8-quantized model cannot be exported: its weights are rounded; export the float model "
+                         "(quantize after loading, e.g. sample.py --quantize=int8)")
     family = family_of(model.config)
     state = model.state_dict()
     dtype = state["tok_emb.weight"].dtype
@@ -306,30 +355,26 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
         files.update(hf_tokenizer_files(tokenizer, model.config.block_size))
     directory = Path(directory)
     names = ["model.safetensors", *files]
-    present = [n for n in names if (directory / n).exists()]
-    if present and not overwrite:
-        raise FileExistsError(f"{directory} already holds {', '.join(present)}; export to a new directory, or pass "
-                              "overwrite=True (--overwrite) to replace them")
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name in names:
-        path, tmp = directory / name, directory / f"{name}.tmp"
-        try:
-            if name == "model.safetensors":
-                save_file(weights, tmp, metadata={"format": "pt"})
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)  # as any file the user writes (safetensors creates it private)
-            else:
-                tmp.write_text(files[name], encoding="utf-8")
-        except BaseException as e:  # a full disk, an interruption: no half-written file stays behind
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError):
-                raise fault(e, f"could not write {path}") from None
-            raise
-        os.replace(tmp, path)
-        written.append(path)
-    return written
+    if directory.is_dir() and not overwrite:
+        held = sorted(p.name for p in directory.iterdir())
+        present = [n for n in names if n in held] + [n for n in held if n not in names]
+        if present:
+            raise FileExistsError(f"{directory} already holds {', '.join(present[:3])}{' ...' if len(present) > 3 else ''}"
+                                  "; export to a new directory, or pass overwrite=True (--overwrite) to replace it (the "
+                                  "earlier folder is kept beside it as DIR-previous-TIME)")
+
+    def write(folder: Path) -> None:
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(folder / "model.safetensors", 0o666 & ~umask)  # as any file the user writes (safetensors: private)
+        for name, text in files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+
+    previous = write_folder(directory, write, overwrite=True, what="export folder")
+    if previous and log:
+        log(f"moved the earlier contents of {directory} to {previous}")
+    return [directory / name for name in names]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,38 +433,3 @@ def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
               "add_prefix_space": False, "add_bos_token": False, "model_max_length": max_length, "errors": "replace"}
     return {"vocab.json": json.dumps(vocab, ensure_ascii=False), "merges.txt": "#version: 0.2\n" + merges,
             "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gptlite.hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export", help="write a run's checkpoint in Hugging Face's layout")
-    export.add_argument("--out_dir", required=True, help="the training run (its newest checkpoint and tokenizer.json)")
-    export.add_argument("--hf_dir", required=True, help="where config.json, model.safetensors and the tokenizer go")
-    export.add_argument("--overwrite", action="store_true", help="replace files an earlier export left in hf_dir")
-    args = parser.parse_args(argv)
-    from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
-    from gptlite.cli import run_command
-    from gptlite.tokenizer import load_tokenizer
-
-
-    def body() -> int:
-        model = model_from_checkpoint(load_checkpoint(args.out_dir))
-        tokenizer_file = Path(args.out_dir) / "tokenizer.json"
-        tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
-        problem = gpt2_tokenizer_problem(tokenizer) if tokenizer else f"no {tokenizer_file}"
-        if problem:
-            print(f"note: no tokenizer files are written: {problem}")
-            tokenizer = None
-        written = export_hf(model, args.hf_dir, tokenizer, overwrite=args.overwrite)
-        print(f"wrote {', '.join(p.name for p in written)} to {args.hf_dir} ({family_of(model.config).architecture})")
-        return 0
-
-    return run_command("gptlite.hf", body, f"files written to {args.hf_dir} are whole; run it again with --overwrite")
-
-if __name__ == "__main__":
-    sys.exit(main())

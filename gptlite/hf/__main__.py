@@ -1,0 +1,65 @@
+"""python -m gptlite.hf export: a training run's newest checkpoint (and its tokenizer) in Hugging Face's layout.
+
+    python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]
+
+DIR then holds exactly config.json, model.safetensors and, for a GPT-2 BPE tokenizer, its tokenizer files, which
+transformers' AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds anything needs
+--overwrite, and the earlier folder moves aside whole to DIR-previous-TIME; an interrupted export leaves the earlier
+folder as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
+from gptlite.cli import parse, run_command
+from gptlite.config import option
+from gptlite.hf import export_hf, family_of, gpt2_tokenizer_problem
+from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+COMMANDS = ("export",)
+
+
+@dataclass
+class ExportOptions:
+    command: list[str] = option(default_factory=list, help="export", positional=True)
+    out_dir: str = option("", "the training run (its newest checkpoint and tokenizer.json)")
+    hf_dir: str = option("", "where config.json, model.safetensors and the tokenizer files go")
+    overwrite: bool = option(False, "replace what hf_dir holds (the earlier folder moves aside to HF_DIR-previous-TIME)")
+
+
+def export(options: ExportOptions) -> int:
+    if options.command != ["export"]:
+        raise ValueError(f"unknown command {' '.join(options.command) or '(none)'}; use: python -m gptlite.hf export "
+                         "--out_dir=RUN --hf_dir=DIR")
+    missing = [f"--{k}" for k in ("out_dir", "hf_dir") if not getattr(options, k)]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+    run, hf_dir = Path(options.out_dir), Path(options.hf_dir)
+    if os.path.realpath(hf_dir) == os.path.realpath(run) or Path(os.path.realpath(hf_dir)) in Path(os.path.realpath(run)).parents:
+        raise ValueError(f"--hf_dir={hf_dir} holds the run {run} itself; export to a folder outside the run "
+                         f"(e.g. --hf_dir={run}/hf)")
+    model = model_from_checkpoint(load_checkpoint(run))
+    tokenizer_file = run / TOKENIZER_FILE
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    problem = gpt2_tokenizer_problem(tokenizer) if tokenizer else f"no {tokenizer_file}"
+    if problem:
+        print(f"note: no tokenizer files are written: {problem}")
+        tokenizer = None
+    written = export_hf(model, hf_dir, tokenizer, overwrite=options.overwrite, log=print)
+    print(f"wrote {', '.join(p.name for p in written)} to {hf_dir} ({family_of(model.config).architecture})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("gptlite.hf", lambda: export(parse(ExportOptions, argv, "python -m gptlite.hf", __doc__)),
+                       "the export folder is as it was; run it again")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

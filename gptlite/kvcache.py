@@ -1,0 +1,217 @@
+"""The KV cache and the steps that run a model through it: prefill of (ragged) prompts, one-token decode steps,
+and the compiled decode step (`compile=True`).
+
+The cache holds every layer's keys and values for a fixed batch in buffers preallocated with static shapes
+(B, H, max_len, D) (separate tensors, so that writing one layer's never makes a compiled step copy them all).
+Prompts are left-padded to the longest; a mask hides each row's padding and positions count from each row's first
+real token, so a padded row computes what it would alone. Each decode step writes one slot in place.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from gptlite.config import GPTConfig
+    from gptlite.model import GPT
+
+
+class KVCache:
+    """Keys and values of every layer for a fixed batch, preallocated for `max_len` slots and written in
+    place, plus what the next forward call needs (set by `prepare`): the cache slots its tokens go to,
+    their positions and the attention mask. A slot is visible once written, unless it holds padding."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (B, H, max_len, D) each
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.max_len = max_len
+        self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
+        self.first = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) each row's first real slot
+        self.padded = False  # whether any row has left padding
+        self.end = 0  # slots written so far (the same for every row)
+        self.slots = torch.zeros(0, dtype=torch.long, device=device)  # (T,) slots of the next call's tokens
+        self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, T) their positions
+        self.mask: torch.Tensor | None = None  # (B, 1, T, S) True where a query may attend to a key
+        self.span = 0  # S, the number of slots the next call attends over
+        self.busy = False  # a compiled generation is using it (see _static_cache)
+
+    def start(self, padding: torch.Tensor) -> None:
+        """Forget the contents; the next prompts have `padding` (B,) pad tokens on their left."""
+        self.first = padding.to(self.first.device)
+        self.padded = bool(padding.any())
+        self.visible.zero_()
+        self.end = 0
+
+    def prepare(self, T: int, full_span: bool = False) -> None:
+        """Set up the next forward call, which writes T tokens per row at slots end..end+T-1. With
+        `full_span` it attends over all max_len slots, so its shapes never change (for CUDA graphs)."""
+        a, b = self.end, self.end + T
+        assert b <= self.max_len, f"KV cache overflow: {b} > {self.max_len}"
+        device = self.visible.device
+        self.slots = torch.arange(a, b, device=device)  # (T,)
+        self.span = self.max_len if full_span else b
+        self.end = b
+        if T == 1:  # decoding: every row's token is real, at position a - first
+            self.pos = (a - self.first)[:, None]  # (B, 1)
+            self.visible[:, a] = True
+            # slots past a are not written yet, so they are not visible: the query sees exactly the visible ones
+            no_mask = not self.padded and not full_span  # one query that sees every key written so far
+            self.mask = None if no_mask else self.visible[:, None, None, : self.span]  # (B, 1, 1, S)
+            return
+        self.pos = (self.slots[None, :] - self.first[:, None]).clamp_min(0)  # (B, T); padding at 0
+        self.visible[:, a:b] = self.slots[None, :] >= self.first[:, None]  # (B, T)
+        keys = torch.arange(self.span, device=device)  # (S,)
+        causal = keys[None, :] <= self.slots[:, None]  # (T, S)
+        # a padding query sees itself, so no softmax row is empty (that would give NaN, not ignorable junk)
+        mask = (self.visible[:, None, : self.span] & causal) | (keys[None, :] == self.slots[:, None])  # (B, T, S)
+        self.mask = mask[:, None]  # (B, 1, T, S)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer's k, v (B, H, T, D) at the prepared slots; return its keys and values (B, H, S, D)."""
+        self.k[layer].index_copy_(2, self.slots, k)
+        self.v[layer].index_copy_(2, self.slots, v)
+        return self.k[layer][:, :, : self.span], self.v[layer][:, :, : self.span]
+
+    def repeat_rows(self, n: int) -> None:
+        """Give every row n consecutive copies (n samples of each prompt share one prefill)."""
+        if n > 1:
+            self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
+            self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
+            self.visible, self.first = self.visible.repeat_interleave(n, dim=0), self.first.repeat_interleave(n, dim=0)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row i takes over the contents of row rows[i] (beam search: each beam follows its parent), in place,
+        so the buffers keep their addresses (CUDA graphs recorded against them stay valid)."""
+        for buffer in self.k + self.v:
+            buffer.copy_(buffer.index_select(0, rows))
+        self.visible.copy_(self.visible.index_select(0, rows))
+        self.first = self.first.index_select(0, rows)
+
+    def same_shape(self, other: KVCache) -> bool:
+        mine, theirs = self.k[0], other.k[0]
+        return (len(self.k), mine.shape, mine.dtype, mine.device) == (len(other.k), theirs.shape, theirs.dtype, theirs.device)
+
+    def copy_from(self, other: KVCache) -> None:
+        """Take over other's contents (same shapes), keeping this cache's buffers where they are."""
+        for mine, theirs in zip(self.k + self.v, other.k + other.v):
+            mine.copy_(theirs)
+        self.visible.copy_(other.visible)
+        self.first, self.padded, self.end = other.first, other.padded, other.end
+
+
+def new_cache(model: GPT, batch_size: int, max_len: int | None = None) -> KVCache:
+    """An empty KV cache for batch_size rows of up to max_len (default block_size) positions, in the weights' dtype
+    and on their device."""
+    weight = model.tok_emb.weight
+    return KVCache(model.config, batch_size, max_len or model.config.block_size, weight.dtype, weight.device)
+
+
+def prefill(model: GPT, cache: KVCache, rows: list[list[int]], step: Callable | None = None) -> torch.Tensor:
+    """Run the rows (left-padded to the longest) through the model into an emptied cache; logits (B, V).
+    A compiled `step` (see `compiled_decode_step`) attends over the whole cache, so its shapes are fixed."""
+    T = max(len(r) for r in rows)
+    device = cache.visible.device
+    idx = torch.tensor([[0] * (T - len(r)) + r for r in rows], device=device)  # (B, T); pads are masked
+    cache.start(torch.tensor([T - len(r) for r in rows], device=device))
+    cache.prepare(T, full_span=step is not None)
+    return (step or decode_step)(model, idx, cache)  # (B, V)
+
+
+def decode_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decode step: token (B, 1), through the prepared cache, -> logits (B, V)."""
+    return model.step(token, cache)
+
+
+_compiled: dict[str, Callable] = {}  # device type -> decode_step through torch.compile
+_frozen_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its weights' version
+_compiled_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the shapes compiled for it
+_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled step's cache
+# inductor settings for the CPU decode step (see compiled_decode_step); the last two keep the autotuning quiet
+CPU_COMPILE = {
+    "freezing": True,
+    "max_autotune_gemm": True,
+    "cpp_wrapper": True,
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+CUDA_COMPILE = {"coordinate_descent_tuning": True}  # inductor settings for the CUDA decode step
+COMPILE_SETTINGS = {"cpu": CPU_COMPILE, "cuda": CUDA_COMPILE}
+
+
+def compiled_decode_step(model: GPT) -> Callable:
+    """`decode_step` through torch.compile with fixed shapes, compiled on first use for each shape.
+
+    On CUDA, CUDA graphs (mode="reduce-overhead") replay the whole step, and its Triton kernels' launch
+    settings are tuned by coordinate descent (`CUDA_COMPILE`, as gpt-fast does): that is what makes int8
+    weights fast there, the int8-to-bfloat16 conversion fused into a matrix-vector kernel that is tuned for
+    its shape (GPT-2-124M on an H100, batch 1: 390 -> 2,028 tokens/s). On the CPU, each shape compiles
+    with the inductor settings in `CPU_COMPILE`: `freezing` makes the weights constants, prepacked once;
+    `max_autotune_gemm` times MKL against inductor's own C++ GEMM kernels for every matmul shape and
+    keeps the faster (its kernels win, 3-4x, for the few rows of a decode step); `cpp_wrapper` calls the
+    kernels from C++ rather than Python. Measured on a 2-core CPU, float32, batch 1, against freezing
+    alone: GPT-2-124M 36 -> 64 tokens/s; the 4x128 char model 1,130 -> 2,290 (with its slides compiled
+    too, see `_decode_loop`, and `masked_attention`'s math). The price is a longer first call, most of it
+    autotuning (GPT-2-124M: 27 s -> 58 s; char model: 6 s -> 34 s). Frozen weights are read once, when the
+    step compiles, so changing them in place afterwards raises ValueError instead of decoding with stale
+    weights.
+    """
+    weight = model.tok_emb.weight
+    kind = weight.device.type
+    if kind not in _compiled:
+        mode = "reduce-overhead" if kind == "cuda" else None
+        _compiled[kind] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
+    step = _compiled[kind]
+    settings = COMPILE_SETTINGS.get(kind)
+    if settings is None:
+        return step
+    if kind == "cpu":  # only the CPU settings freeze the weights into the compiled step
+        version = sum(p._version for p in model.parameters())
+        if _frozen_versions.setdefault(model, version) != version:
+            raise ValueError(
+                "this model's weights changed in place after compile=True froze them for the CPU; generate with "
+                "compile=False, or call gptlite.kvcache.reset_compiled() to compile again"
+            )
+    compiled_shapes = _compiled_shapes.setdefault(model, set())
+
+    def tuned_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        shape = (tuple(token.shape), cache.max_len, weight.dtype)
+        if shape in compiled_shapes:  # compiled already: skip the settings patch, which costs ~30 us a step
+            return step(model, token, cache)
+        with torch._inductor.config.patch(settings):  # read when a call compiles
+            logits = step(model, token, cache)
+        compiled_shapes.add(shape)
+        return logits
+
+    return tuned_step
+
+
+def reset_compiled() -> None:
+    """Forget every compiled decode step (this resets all of torch.compile's caches: torch._dynamo.reset)."""
+    torch._dynamo.reset()
+    _compiled.clear()
+    _frozen_versions.clear()
+    _compiled_shapes.clear()
+    _static_caches.clear()
+
+
+def static_cache(model: GPT, cache: KVCache) -> KVCache:
+    """The cache the compiled step writes into. Its buffers keep their addresses from call to call (one
+    per model, reused while the shapes match), so CUDA graphs recorded against them stay valid instead
+    of being recorded again for every generation; a second generation running at the same time gets
+    its own."""
+    static = _static_caches.get(model)
+    if static is not None and not static.busy and static.same_shape(cache):
+        static.copy_from(cache)
+    else:
+        static = cache
+        for buffer in static.k + static.v:
+            torch._dynamo.mark_static_address(buffer)
+        if model not in _static_caches or not _static_caches[model].busy:
+            _static_caches[model] = static
+    static.busy = True
+    return static

@@ -1,0 +1,99 @@
+"""Sampling controls: how the next token is chosen from a step's logits (temperature, top-k, top-p, penalties),
+drawing from an explicit `torch.Generator` so that a seed reproduces the text."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen from the logits; checked when built. See `sample_next` and
+    `apply_penalties` for what each control does."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    vocab_limit: int | None = None  # ids from this one on are never sampled (see mask_vocab)
+
+    def __post_init__(self) -> None:
+        if self.vocab_limit is not None and (not isinstance(self.vocab_limit, int) or self.vocab_limit < 1):
+            raise ValueError(f"vocab_limit={self.vocab_limit!r} must be an integer >= 1, or None for every id")
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            optional = name in ("top_k", "top_p") and value is None
+            if not optional and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
+                raise TypeError(f"{name}={value!r} must be a finite number" + (", or None" if name in ("top_k", "top_p") else ""))
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k is not None and (self.top_k < 1 or self.top_k != int(self.top_k)):
+            raise ValueError(f"top_k={self.top_k} must be an integer >= 1, or None for no limit")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1], or None for no limit")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick the next token from logits (B, V) -> (B,). temperature=0 is greedy (argmax); top_k keeps the
+    k most likely tokens; top_p keeps the smallest set whose probability reaches p (Holtzman et al., 2019,
+    "The Curious Case of Neural Text Degeneration"). top_k=None and top_p=1 change nothing."""
+    Sampling(temperature, top_k, top_p)  # checks the values
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+) -> torch.Tensor:
+    """Discourage repeats in logits (B, V). repetition_penalty r (Keskar et al., 2019, CTRL): a token that
+    occurs in the prompt or the output so far has its logit divided by r if positive, multiplied by r
+    if negative. frequency_penalty f (OpenAI's): subtract f times the token's count in the output so far.
+    seen (B, V) bool and counts (B, V) float hold those occurrences."""
+    logits = logits.float()
+    if repetition_penalty != 1.0:
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if frequency_penalty != 0.0:
+        logits = logits - frequency_penalty * counts
+    return logits
+
+
+def mask_vocab(logits: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """logits (B, V) with the ids from `limit` on at -inf, so they are never sampled: a model's vocabulary padded past
+    its tokenizer's (GPT-2's 50,257 ids in a 50,304-wide head) has ids that decode to nothing. limit=None keeps all."""
+    if limit is None or limit >= logits.size(-1):
+        return logits
+    return logits.index_fill(-1, torch.arange(limit, logits.size(-1), device=logits.device), float("-inf"))
