@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -353,10 +355,6 @@ def resolve_config(argv: list[str]) -> TrainConfig:
     return build_config(values)
 
 
-# ---------------------------------------------------------------------------------------------
-# The training loop
-
-
 def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     """Train according to cfg; returns a summary (steps, logged losses, val losses, why it stopped early)."""
     if not cfg.data_dir:
@@ -365,265 +363,406 @@ def main(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         return train(cfg, argv, *session, cleanup)
 
 
+# ---------------------------------------------------------------------------------------------
+# The run, phase by phase
+
+
+@dataclass
+class Run:
+    """What the phases of one training run share: where it runs, its data, its model and optimizers, its place in
+    the schedule. It lives in train()'s frame, so the model and optimizers are gone when train() ends, before the
+    process group is (see training_session)."""
+
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    log: Callable[..., None]
+    device: str
+    dtype: torch.dtype
+    autocast: contextlib.AbstractContextManager
+    t_start: float
+    train_loader: ShardLoader | None = None
+    val_loader: ShardLoader | None = None
+    lengths: torch.Tensor | None = None  # each token's bytes, for the val bits per byte (None: unknown)
+    total_batch: int = 0  # tokens per optimizer step
+    n_params: int = 0
+    flops_per_token: float = 0.0
+    grad_accum: int = 1  # micro-steps per optimizer step
+    model: torch.nn.Module | None = None  # as built: what is saved and evaluated
+    train_model: torch.nn.Module | None = None  # compiled and/or wrapped in DDP: what is trained
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    scaler: torch.amp.GradScaler | None = None
+    step: int = 0
+    best_val: float = float("inf")
+    resumed: bool = False  # from a checkpoint of this run folder
+    metrics: MetricsLog | None = None
+    wandb: object | None = None
+    wandb_id: str | None = None  # the wandb run a resumed run continues
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+
 def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, world_size: int,
           signals: StopSignals, cleanup: contextlib.ExitStack) -> dict:
-    """`main` inside its session: set up, data, run folder, model, optimizer, resume, loop, finish. The model and
-    optimizer live in this function's frame, so they are gone when it ends, before the process group is."""
-    t_start = time.time()
-    master = rank == 0
-    log = functools.partial(print, flush=True) if master else (lambda *a, **k: None)
+    """`main` inside its session: set up, data, model and run folder, optimizer, resume, loop, finish. Every input is
+    checked before the run folder is touched: a fresh run claims it only once its weights have loaded."""
+    run = set_up(cfg, rank, local_rank, world_size)
+    load_data(run)
+    ckpt = None
+    if cfg.resume:  # the run folder first: its checkpoint says whether pretrained weights are needed at all
+        claim(run, cleanup)
+        ckpt = newest_checkpoint(run)
+    run.model = build_model(run, pretrained=bool(cfg.init_from) and ckpt is None)
+    if not cfg.resume:
+        claim(run, cleanup)
+    make_optimizer(run)
+    if ckpt:
+        resume_from(run, ckpt)
+    ckpt = None  # free its memory
+    announce(run, argv)
+    wrap(run)
+    summary = loop(run, signals, Checkpointer(run, argv))
+    if run.master:
+        run.metrics.close()
+    if run.wandb:
+        run.wandb.finish()
+    return summary
+
+
+def set_up(cfg: TrainConfig, rank: int, local_rank: int, world_size: int) -> Run:
+    """The device (TF32 matmuls on CUDA) and the autocast precision; rank 0 alone prints."""
     device = pick_device(cfg.device, local_rank)
-    device_type = device.split(":")[0]
-    if device_type == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     dtype = getattr(torch, pick_dtype(cfg.dtype, device))
-    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.split(":")[0], dtype=dtype)
+    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
+    return Run(cfg, rank, world_size, log, device, dtype, autocast, t_start=time.time())
 
-    # data: every problem is found here, before the first step
+
+def load_data(run: Run) -> None:
+    """The batch arithmetic, the train and val loaders and the tokens' byte lengths: every problem of the data is
+    found here, before the first step."""
+    cfg = run.cfg
     B, T = cfg.batch_size, cfg.model.block_size
-    tokens_per_micro = B * T * world_size
-    total_batch = cfg.total_batch_size or tokens_per_micro
-    if total_batch % tokens_per_micro:
+    tokens_per_micro = B * T * run.world_size
+    run.total_batch = cfg.total_batch_size or tokens_per_micro
+    if run.total_batch % tokens_per_micro:
         raise ValueError(
-            f"total_batch_size={total_batch} is not a multiple of batch_size*block_size*world_size="
-            f"{B}*{T}*{world_size}={tokens_per_micro}; set total_batch_size to a multiple of {tokens_per_micro}"
+            f"total_batch_size={run.total_batch} is not a multiple of batch_size*block_size*world_size="
+            f"{B}*{T}*{run.world_size}={tokens_per_micro}; set total_batch_size to a multiple of {tokens_per_micro}"
         )
-    grad_accum = total_batch // tokens_per_micro
-    train_loader, val_loader = make_loaders(cfg, rank, world_size)
+    run.grad_accum = run.total_batch // tokens_per_micro
+    run.train_loader, run.val_loader = make_loaders(cfg, run.rank, run.world_size)
     tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
-    lengths = None  # each token's bytes, for the val bits per byte (unknown without the data's tokenizer)
     if tokenizer_file.is_file():
-        lengths = byte_lengths(load_tokenizer(tokenizer_file), cfg.model.vocab_size).to(device)
+        run.lengths = byte_lengths(load_tokenizer(tokenizer_file), cfg.model.vocab_size).to(run.device)
 
-    # the run folder: this run's alone from here on (rank 0 holds its lock until the run ends)
-    out_dir = Path(cfg.out_dir)
+
+def claim(run: Run, cleanup: contextlib.ExitStack) -> None:
+    """The run folder becomes this run's alone (rank 0 holds its lock until the run ends); a refusal on rank 0
+    ends every rank."""
     problem, lock = None, None
-    if master:
+    if run.master:
         try:
-            lock = claim_run_folder(out_dir, cfg, log)
+            lock = claim_run_folder(run.out_dir, run.cfg, run.log)
         except (ValueError, OSError) as e:
             problem = str(e)
-    stop_together(problem, world_size)
+    stop_together(problem, run.world_size)
     if lock:
         cleanup.callback(lock.release)
-    ckpt = None
-    if cfg.resume:
-        try:
-            ckpt = load_checkpoint(out_dir, on_fallback=log)
-        except FileNotFoundError:
-            log(f"no checkpoint in {out_dir}; starting from scratch")
 
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
-    if cfg.init_from and not ckpt:
+
+def newest_checkpoint(run: Run) -> dict | None:
+    """The run folder's newest intact checkpoint, or None (then the run starts from scratch, and says so)."""
+    try:
+        return load_checkpoint(run.out_dir, on_fallback=run.log)
+    except FileNotFoundError:
+        run.log(f"no checkpoint in {run.out_dir}; starting from scratch")
+        return None
+
+
+def build_model(run: Run, pretrained: bool) -> GPT:
+    """The model on its device: cfg.init_from's weights when `pretrained`, else fresh ones (the same on every rank:
+    FSDP does not broadcast them). Under FSDP each block is sharded, then the rest."""
+    cfg = run.cfg
+    torch.manual_seed(cfg.seed)
+    if pretrained:
         model = GPT.from_pretrained(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
-        model = model.train().to(device)
+        model = model.train().to(run.device)
     else:
-        model = GPT(cfg.model).to(device)
-    torch.manual_seed(cfg.seed + rank)  # a different dropout stream per rank
-    n_params, flops_per_token = model.num_params(), model.flops_per_token()
-    fsdp = cfg.fsdp and world_size > 1
-    if fsdp:
+        model = GPT(cfg.model).to(run.device)
+    torch.manual_seed(cfg.seed + run.rank)  # a different dropout stream per rank
+    run.n_params, run.flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
+    if cfg.fsdp and run.world_size > 1:
         from torch.distributed.fsdp import fully_shard  # torch >= 2.6
 
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)  # the rest: the token embedding (tied to the head), positions, the final norm
-    optimizers = make_optimizers(model, cfg, device_type)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-    step, best_val = 0, float("inf")
-    if ckpt:
-        model.check_state(ckpt["model"], f"the checkpoint in {out_dir}")
-        load_training_state(model, optimizers, ckpt)
-        if ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
-        train_loader.restore(ckpt["loader"])
-        step, best_val = int(ckpt["step"]), float(ckpt["best_val_loss"])
-        if len(ckpt["rng"]) == world_size:
-            set_rng_state(ckpt["rng"][rank])
-        else:
-            log(f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
-                f"world_size={world_size}: the data continues where it stopped, dropout's random streams "
-                "start afresh")
-        log(f"resumed from {out_dir} at step {step}")
-        if world_size > 1:
-            dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
-        for path in discard_damaged(out_dir, step) if master else []:
-            log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
+    return model
 
-    if master:
-        if tokenizer_file.is_file():  # sample.py decodes with the copy in out_dir (copied whole, then renamed)
-            tmp = out_dir / f"{TOKENIZER_FILE}.tmp"
-            try:
-                shutil.copyfile(tokenizer_file, tmp)
-            except OSError as e:
-                tmp.unlink(missing_ok=True)
-                raise fault(e, f"could not copy {tokenizer_file} into {out_dir}") from None
-            os.replace(tmp, out_dir / TOKENIZER_FILE)
-        log("config: " + json.dumps(config_to_dict(cfg)))
-        log(
-            f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-            f" | world {world_size}{' (fsdp)' if fsdp else ''} | {total_batch} tokens/step = {grad_accum}"
-            f" micro-steps of {B}x{T} per rank"
-        )
-    metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if ckpt else None) if master else None
-    run = None
-    if cfg.wandb_log and master:
+
+def make_optimizer(run: Run) -> None:
+    """AdamW (and Muon with optimizer="muon"), and the fp16 loss scaler (a no-op in other precisions)."""
+    run.optimizers = make_optimizers(run.model, run.cfg, run.device_type)
+    run.scaler = torch.amp.GradScaler(run.device_type, enabled=run.dtype == torch.float16)
+
+
+def resume_from(run: Run, ckpt: dict) -> None:
+    """Weights, optimizer state, loss scale, data position, step, best val loss and random streams from ckpt; then
+    rank 0 deletes damaged step files newer than it."""
+    run.model.check_state(ckpt["model"], f"the checkpoint in {run.out_dir}")
+    load_training_state(run.model, run.optimizers, ckpt)
+    if ckpt["scaler"]:
+        run.scaler.load_state_dict(ckpt["scaler"])
+    run.train_loader.restore(ckpt["loader"])
+    run.step, run.best_val = int(ckpt["step"]), float(ckpt["best_val_loss"])
+    run.resumed, run.wandb_id = True, ckpt["meta"].get("wandb_run_id")
+    if len(ckpt["rng"]) == run.world_size:
+        set_rng_state(ckpt["rng"][run.rank])
+    else:
+        run.log(f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
+                f"world_size={run.world_size}: the data continues where it stopped, dropout's random streams start "
+                "afresh")
+    run.log(f"resumed from {run.out_dir} at step {run.step}")
+    if run.world_size > 1:
+        dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
+    for path in discard_damaged(run.out_dir, run.step) if run.master else []:
+        run.log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
+
+
+def announce(run: Run, argv: list[str] | None) -> None:
+    """Rank 0: copy the data's tokenizer into the run folder (sample.py decodes with it), print the config and the
+    model line, open the metrics file and wandb."""
+    cfg = run.cfg
+    if not run.master:
+        return
+    tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
+    if tokenizer_file.is_file():  # copied whole, then renamed
+        tmp = run.out_dir / f"{TOKENIZER_FILE}.tmp"
+        try:
+            shutil.copyfile(tokenizer_file, tmp)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise fault(e, f"could not copy {tokenizer_file} into {run.out_dir}") from None
+        os.replace(tmp, run.out_dir / TOKENIZER_FILE)
+    run.log("config: " + json.dumps(config_to_dict(cfg)))
+    fsdp = " (fsdp)" if cfg.fsdp and run.world_size > 1 else ""
+    run.log(f"model: {run.n_params / 1e6:.2f}M parameters | device {run.device}, "
+            f"{str(run.dtype).removeprefix('torch.')} | world {run.world_size}{fsdp} | {run.total_batch} tokens/step = "
+            f"{run.grad_accum} micro-steps of {cfg.batch_size}x{cfg.model.block_size} per rank")
+    run.metrics = MetricsLog(run.out_dir / METRICS_FILE, resume_step=run.step if run.resumed else None)
+    if cfg.wandb_log:
         import wandb
 
-        run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config_to_dict(cfg),
-                         id=ckpt["meta"].get("wandb_run_id") if ckpt else None, resume="allow")
-    ckpt = None  # free its memory
+        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config_to_dict(cfg),
+                               id=run.wandb_id, resume="allow")
 
-    train_model = model
-    if cfg.compile:
-        reason = compile_unavailable(device_type)
+
+def wrap(run: Run) -> None:
+    """What trains: the model compiled (if asked and possible) and, with several processes and no FSDP, in DDP."""
+    run.train_model = run.model
+    if run.cfg.compile:
+        reason = compile_unavailable(run.device_type)
         if reason:
-            log(f"warning: torch.compile is unavailable ({reason}); training uncompiled")
+            run.log(f"warning: torch.compile is unavailable ({reason}); training uncompiled")
         else:
-            train_model = torch.compile(model)
-    if world_size > 1 and not fsdp:
-        train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
-    meta = {"git_commit": git_commit(), "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
-            "wandb_run_id": run.id if run else None}
+            run.train_model = torch.compile(run.model)
+    if run.world_size > 1 and not run.cfg.fsdp:
+        device_ids = [torch.device(run.device)] if run.device_type == "cuda" else None
+        run.train_model = DDP(run.train_model, device_ids=device_ids)
 
-    def record(**row) -> None:
-        if master:
-            metrics.write(**row)
-            if run:
-                run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=row["step"])
 
-    def checkpoint(val_loss: float | None) -> None:
-        """Save (rank 0), unless the weights went non-finite: a good checkpoint is never replaced by a NaN one."""
-        nonlocal best_val
-        model_state, optimizer_state = get_state_dict(model, optimizers, options=FULL_STATE)  # collective
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+class Checkpointer:
+    """Saves the run (rank 0 writes; every rank takes part in gathering the state), unless the weights went
+    non-finite: a good checkpoint is never replaced by a NaN one."""
+
+    def __init__(self, run: Run, argv: list[str] | None):
+        self.run = run
+        self.meta = {"git_commit": git_commit(),
+                     "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
+                     "wandb_run_id": run.wandb.id if run.wandb else None}
+
+    def save(self, val_loss: float | None) -> None:
+        run = self.run
+        model_state, optimizer_state = get_state_dict(run.model, run.optimizers, options=FULL_STATE)  # collective
         rngs = [rng_state()]
-        if world_size > 1:
-            rngs = [None] * world_size
+        if run.world_size > 1:
+            rngs = [None] * run.world_size
             dist.all_gather_object(rngs, rng_state())
-        if not master:
+        if not run.master:
             return
         bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
-            log(f"step {step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
-                f"the latest good checkpoint stays in {out_dir}")
+            run.log(f"step {run.step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
+                    f"the latest good checkpoint stays in {run.out_dir}")
             return
-        best = val_loss is not None and val_loss < best_val
+        best = val_loss is not None and val_loss < run.best_val
         payload = {
-            "config": config_to_dict(cfg),
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scaler": scaler.state_dict(),
-            "step": step,
-            "loader": train_loader.state(),
-            "world_size": world_size,
-            "rng": rngs,
-            "best_val_loss": val_loss if best else best_val,
-            "val_loss": val_loss,
-            "meta": meta,
+            "config": config_to_dict(run.cfg), "model": model_state, "optimizer": optimizer_state,
+            "scaler": run.scaler.state_dict(), "step": run.step, "loader": run.train_loader.state(),
+            "world_size": run.world_size, "rng": rngs, "best_val_loss": val_loss if best else run.best_val,
+            "val_loss": val_loss, "meta": self.meta,
         }
         try:
-            path = save_run_checkpoint(out_dir, payload, keep_last=cfg.keep_last, best=best)
+            path = save_run_checkpoint(run.out_dir, payload, keep_last=run.cfg.keep_last, best=best)
         except OSError as e:  # e.g. a full disk: nothing half-written is left, the previous checkpoint is whole
-            raise error(e.errno, f"step {step}: {e}; the latest good checkpoint stays in {out_dir}: fix that, then "
-                                 "continue with --resume") from None
-        best_val = payload["best_val_loss"]
-        log(f"step {step:5d} | saved {path}{' (best val loss)' if best else ''}")
+            raise error(e.errno, f"step {run.step}: {e}; the latest good checkpoint stays in {run.out_dir}: fix that, "
+                                 "then continue with --resume") from None
+        run.best_val = payload["best_val_loss"]
+        run.log(f"step {run.step:5d} | saved {path}{' (best val loss)' if best else ''}")
 
-    history: list[tuple[int, float]] = []
-    val_history: list[tuple[int, float]] = []
-    stopped, skipped, first_step = None, 0, step
-    t_last, steps_since = time.perf_counter(), 0
-    minutes = 0.0  # wall-clock minutes since the start, the mean over ranks (for lr_schedule="time")
-    signals.install()
-    while step < cfg.max_iters:
-        lr = lr_at(step, cfg, minutes)
-        for group in (group for opt in optimizers for group in opt.param_groups):
-            group["lr"] = lr * group["lr_ratio"]
+
+@dataclass
+class StepStats:
+    """One optimizer step, as every rank agrees on it: the global mean loss, the gradient norm, whether any rank
+    was asked to stop or ran out of time, and the wall-clock minutes since the start (the mean over ranks)."""
+
+    loss: float
+    grad_norm: float
+    finite: bool  # an update was made (with fp16 a scaler-skipped overflow counts as made: it is no fault)
+    stop: bool
+    timed_out: bool
+    minutes: float
+
+
+def optimizer_step(run: Run, signals: StopSignals, lr: float) -> StepStats:
+    """Set the learning rates, accumulate gradients, unscale and clip them, agree across ranks (one all-reduce and
+    one host sync), then step every optimizer unless the loss or the gradient norm is not finite."""
+    cfg = run.cfg
+    for group in (group for opt in run.optimizers for group in opt.param_groups):
+        group["lr"] = lr * group["lr_ratio"]
+    loss = accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.device, run.autocast, run.scaler)
+    for opt in run.optimizers:
+        run.scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+        grad_norm = grad_norm.full_tensor()
+    elapsed = (time.time() - run.t_start) / 60
+    timed_out = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
+    votes = torch.tensor([float(bool(signals) or timed_out), float(timed_out), elapsed], device=run.device)
+    stats = torch.cat([torch.stack([loss, grad_norm.float()]), votes])
+    if run.world_size > 1:
+        dist.all_reduce(stats)
+        stats /= run.world_size
+    loss_value, norm, stop, time_votes, minutes = stats.tolist()
+    finite = math.isfinite(loss_value) and (run.scaler.is_enabled() or math.isfinite(norm))
+    # with fp16, gradients that overflowed skip the step of every optimizer (the scaler alone decides per
+    # optimizer: Muon could step while AdamW skips) and scaler.update() lowers the scale
+    if finite and math.isfinite(norm):
+        for opt in run.optimizers:
+            run.scaler.step(opt)
+    run.scaler.update()
+    for opt in run.optimizers:
+        opt.zero_grad(set_to_none=True)
+    run.step += 1
+    return StepStats(loss_value, norm, finite, stop > 0, time_votes > 0, minutes)
+
+
+def loop(run: Run, signals: StopSignals, checkpointer: Checkpointer) -> dict:
+    """Optimizer steps until max_iters, a stop signal or the time budget; a log line every log_interval steps, an
+    evaluation and a checkpoint every eval_interval steps and at the end, a checkpoint on a stop. Returns the
+    summary main() gives."""
+    cfg = run.cfg
+    history, val_history = [], []
+    stopped, skipped, first_step = None, 0, run.step
+    t_last, steps_since, minutes = time.perf_counter(), 0, 0.0
+    signals.install()  # from here a signal finishes the step and saves
+    while run.step < cfg.max_iters:
+        lr = lr_at(run.step, cfg, minutes)
         try:
-            loss = accumulate_gradients(train_model, train_loader, grad_accum, device, autocast, scaler)
+            stats = optimizer_step(run, signals, lr)
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
-            if step == first_step and "out of memory" in str(e):
-                raise ValueError(out_of_memory_advice(cfg, total_batch)) from None
+            if run.step == first_step and "out of memory" in str(e):
+                raise ValueError(out_of_memory_advice(cfg, run.total_batch)) from None
             raise
-        for opt in optimizers:
-            scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-            grad_norm = grad_norm.full_tensor()
-        elapsed = (time.time() - t_start) / 60
-        timed_out = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
-        # one all-reduce and one host sync per step: the global mean loss, the grad norm (already equal on all
-        # ranks), whether any rank was asked to stop and the minutes elapsed, so that all ranks take the same
-        # decisions and learning rates
-        votes = torch.tensor([float(bool(signals) or timed_out), float(timed_out), elapsed], device=device)
-        stats = torch.cat([torch.stack([loss, grad_norm.float()]), votes])
-        if world_size > 1:
-            dist.all_reduce(stats)
-            stats /= world_size
-        loss_value, grad_norm_value, stop_votes, time_votes, minutes = stats.tolist()
-        last = step + 1 == cfg.max_iters or time_votes > 0  # the time budget ends with a full evaluation
-        finite = math.isfinite(loss_value) and (scaler.is_enabled() or math.isfinite(grad_norm_value))
-        # with fp16, gradients that overflowed skip the step of every optimizer (the scaler alone decides per
-        # optimizer: Muon could step while AdamW skips) and scaler.update() lowers the scale
-        if finite and math.isfinite(grad_norm_value):
-            for opt in optimizers:
-                scaler.step(opt)
-        scaler.update()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        step += 1
-        steps_since += 1
-
-        if not finite:
+        minutes, steps_since = stats.minutes, steps_since + 1
+        last = run.step == cfg.max_iters or stats.timed_out  # the time budget ends with a full evaluation
+        if not stats.finite:
             skipped += 1
-            record(step=step, event="nonfinite", loss=loss_value, grad_norm=grad_norm_value)
-            problem = f"step {step}: loss {loss_value}, gradient norm {grad_norm_value} are not finite"
-            if cfg.on_nan == "stop":
-                raise FloatingPointError(
-                    f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {out_dir}; "
-                    "resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
-                )
-            log(f"{problem}; skipped this update (on_nan=skip)")
-        elif step % cfg.log_interval == 0 or last:
+            skip_or_stop(run, stats)
+        elif run.step % cfg.log_interval == 0 or last:
             dt = (time.perf_counter() - t_last) / steps_since
             t_last, steps_since = time.perf_counter(), 0
-            tokens_per_s = total_batch / dt
-            step_mfu = mfu(flops_per_token, tokens_per_s / world_size, peak)
-            history.append((step, loss_value))
-            log(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {grad_norm_value:.3f} | "
-                f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
-                + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%"))
-            record(step=step, tokens=step * total_batch, loss=loss_value, lr=lr, grad_norm=grad_norm_value,
-                   ms_per_step=dt * 1000, tokens_per_s=tokens_per_s, mfu=step_mfu)
-
-        if step % cfg.eval_interval == 0 or last:
-            # the model as built, not train_model: compiling a second, eval-mode graph cost more than it saved
-            # (8 s for the char GPU recipe, whose evaluation then took 0.1 s; DDP adds nothing without gradients)
-            val_loss, val_bpb = evaluate(model, val_loader, cfg.eval_iters, device, autocast, lengths)
-            val_history.append((step, val_loss))
-            log(f"step {step:5d} | val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}"))
-            record(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
-            checkpoint(val_loss)
+            history.append((run.step, stats.loss))
+            log_step(run, stats, lr, dt)
+        if run.step % cfg.eval_interval == 0 or last:
+            val_history.append((run.step, evaluate_and_save(run, checkpointer)))
             t_last = time.perf_counter()  # evaluation time is not training time
-        elif stop_votes > 0:
-            checkpoint(None)
-        if stop_votes > 0 and step < cfg.max_iters:
+        elif stats.stop:
+            checkpointer.save(None)
+        if stats.stop and run.step < cfg.max_iters:
             stopped = (signal.Signals(signals[0]).name if signals
-                       else f"max_minutes={cfg.max_minutes:g}" if timed_out else "a stop request on another rank")
-            resume = f"python train.py --out_dir={shlex.quote(str(out_dir))} --resume"
-            log(f"stopped after step {step} ({stopped}) with a checkpoint in {out_dir}; continue with: {resume}"
-                + (" (under torchrun, with the same launch options)" if world_size > 1 else ""))
+                       else f"max_minutes={cfg.max_minutes:g}" if stats.timed_out else "a stop request on another rank")
+            resume = f"python train.py --out_dir={shlex.quote(str(run.out_dir))} --resume"
+            run.log(f"stopped after step {run.step} ({stopped}) with a checkpoint in {run.out_dir}; continue with: "
+                    f"{resume}" + (" (under torchrun, with the same launch options)" if run.world_size > 1 else ""))
             break
-
-    if master:
-        metrics.close()
-    if run:
-        run.finish()
-    return {"step": step, "history": history, "val_history": val_history, "best_val_loss": best_val,
+    return {"step": run.step, "history": history, "val_history": val_history, "best_val_loss": run.best_val,
             "stopped": stopped, "signal": signals[0] if stopped and signals else None, "skipped_steps": skipped}
+
+
+def record(run: Run, **row) -> None:
+    """A row of metrics.jsonl (and of wandb), on rank 0."""
+    if run.master:
+        run.metrics.write(**row)
+        if run.wandb:
+            run.wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=row["step"])
+
+
+def skip_or_stop(run: Run, stats: StepStats) -> None:
+    """A step whose loss or gradient norm is not finite made no update: say so, or stop with on_nan=stop."""
+    record(run, step=run.step, event="nonfinite", loss=stats.loss, grad_norm=stats.grad_norm)
+    problem = f"step {run.step}: loss {stats.loss}, gradient norm {stats.grad_norm} are not finite"
+    if run.cfg.on_nan == "stop":
+        raise FloatingPointError(
+            f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {run.out_dir}; resume "
+            "with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps")
+    run.log(f"{problem}; skipped this update (on_nan=skip)")
+
+
+def log_step(run: Run, stats: StepStats, lr: float, dt: float) -> None:
+    """The log line and metrics row of a step: loss, learning rate, gradient norm, time per step, tokens/s, MFU."""
+    tokens_per_s = run.total_batch / dt
+    peak = peak_flops(torch.cuda.get_device_name(run.device)) if run.device_type == "cuda" else None
+    step_mfu = mfu(run.flops_per_token, tokens_per_s / run.world_size, peak)
+    run.log(f"step {run.step:5d} | loss {stats.loss:.4f} | lr {lr:.2e} | grad norm {stats.grad_norm:.3f} | "
+            f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
+            + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%"))
+    record(run, step=run.step, tokens=run.step * run.total_batch, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
+           ms_per_step=dt * 1000, tokens_per_s=tokens_per_s, mfu=step_mfu)
+
+
+def evaluate_and_save(run: Run, checkpointer: Checkpointer) -> float:
+    """The val loss (and bits per byte) of the model as built, logged and recorded, then a checkpoint; returns the
+    loss. Not train_model: compiling a second, eval-mode graph cost more than it saved (8 s for the char GPU recipe,
+    whose evaluation then took 0.1 s; DDP adds nothing without gradients)."""
+    val_loss, val_bpb = evaluate(run.model, run.val_loader, run.cfg.eval_iters, run.device, run.autocast, run.lengths)
+    run.log(f"step {run.step:5d} | val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}"))
+    record(run, step=run.step, tokens=run.step * run.total_batch, val_loss=val_loss, val_bpb=val_bpb)
+    checkpointer.save(val_loss)
+    return val_loss
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
 
 
 def cli(argv: list[str]) -> int:
