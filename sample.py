@@ -15,35 +15,55 @@ With --num_beams the `num_samples` best beams are printed when the search ends (
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gptlite.checkpoint import load_model
-from gptlite.cli import run_command
+from gptlite.cli import parse, pick_device, pick_dtype, run_command
+from gptlite.config import option
 from gptlite.generate import generate, generate_text
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40 + "\n"
-UNSET = object()  # a flag the command line did not give
 
 
-def optional(cast):
-    """argparse type accepting 'None' for no limit."""
-    return lambda s: None if s.lower() == "none" else cast(s)
-
-
-def boolean(s: str) -> bool:
-    """argparse type for true/false flags (`--compile` alone also means true)."""
-    if s.lower() in ("true", "1", "yes", "on"):
-        return True
-    if s.lower() in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"{s!r} is not a boolean; use true or false")
+@dataclass
+class SampleOptions:
+    out_dir: str = option("out", "the training run's directory (holds ckpt.pt)")
+    init_from: str = option("", "sample from pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a "
+                                "Hugging Face directory (GPT-2 or Llama)")
+    tokenizer: str = option("", "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
+                                "tokenizer.json; GPT-2's BPE with --init_from)")
+    start: str = option("\n", "prompt text, or FILE:path to read it from a file")
+    num_samples: int = option(3, "samples to print")
+    max_new_tokens: int = option(500, "tokens to generate per sample")
+    temperature: float | None = option(None, "0 = greedy (default 0.8; 1 with --num_beams)")
+    top_k: int | None = option(200, "keep the k most likely tokens (None = all; None by default with --num_beams)")
+    top_p: float | None = option(None, "nucleus sampling threshold (None = off)")
+    repetition_penalty: float = option(1.0, "CTRL's penalty on seen tokens (1 = off)")
+    frequency_penalty: float = option(0.0, "subtracted per earlier occurrence (0 = off)")
+    num_beams: int = option(1, "beam search with this many beams (1 = sample)")
+    length_penalty: float = option(1.0, "beam search: a hypothesis scores its log-probability / length ** length_penalty")
+    early_stopping: str = option("false", "beam search: true, false (transformers' heuristic) or never")
+    stop: list[str] = option(default_factory=list, help="stop a sample before this text (repeatable; backslash escapes "
+                                                         "such as \\n work)")
+    stop_at_eot: bool = option(True, "stop a sample at the end-of-text token, if the tokenizer has one")
+    batch_size: int = option(8, "samples generated together")
+    seed: int = option(1337, "the sampling seed")
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = option("auto", "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    compile: bool = option(False, "torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); the "
+                                  "first call compiles")
+    quantize: str = option("", "int8: weight-only int8 weights (a quarter of float32's bytes; fastest with --compile)",
+                           choices=("", "int8"))
+    extend_context: bool = option(False, "sinusoidal or rope positions: run past block_size instead of sliding the "
+                                         "window")
 
 
 def unescape(s: str) -> str:
@@ -60,23 +80,27 @@ def read_prompt(start: str) -> str:
     return start
 
 
-def resolve(args: argparse.Namespace) -> None:
-    """Fill in device and dtype `auto`, and check the values argparse cannot."""
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={args.device} but CUDA is not available; use --device=cpu")
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+def resolve(args: SampleOptions) -> None:
+    """Fill in device and dtype `auto` and the defaults that depend on --num_beams, and check the values the
+    parser cannot."""
+    args.device = pick_device(args.device)
+    args.dtype = pick_dtype(args.dtype, args.device)
     if args.num_samples < 1 or args.batch_size < 1:
         raise ValueError(f"num_samples={args.num_samples} and batch_size={args.batch_size} must be >= 1")
+    if args.num_beams < 1:
+        raise ValueError(f"num_beams={args.num_beams} must be >= 1 (1 samples, more search that many beams)")
+    early = args.early_stopping.lower()
+    if early not in ("true", "false", "never", "1", "0", "yes", "no", "on", "off"):
+        raise ValueError(f"early_stopping={args.early_stopping!r} must be true, false or never")
+    args.early_stopping = "never" if early == "never" else early in ("true", "1", "yes", "on")
+    args.stop = [unescape(s) for s in args.stop]
     beams = args.num_beams > 1  # beam search scores the model's own probabilities: no temperature, no top-k
     if beams and args.num_samples > args.num_beams:
         raise ValueError(f"num_samples={args.num_samples} must be <= num_beams={args.num_beams}: the best beams are printed")
-    if args.temperature is UNSET:
+    if args.temperature is None:
         args.temperature = 1.0 if beams else 0.8
-    if args.top_k is UNSET:
-        args.top_k = None if beams else 200
+    if beams and "top_k" not in getattr(args, "given", ()):
+        args.top_k = None
 
 
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -87,7 +111,7 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
     sys.stderr.flush()
 
 
-def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace) -> None:
+def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions) -> None:
     """Sample `num_samples` continuations, `batch_size` at a time, the first of each batch streamed."""
     options = {
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
@@ -107,7 +131,7 @@ def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.
         sys.stdout.write("\n" + "".join(SEPARATOR + prompt + text + "\n" for text in texts[1:]))
 
 
-def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace) -> None:
+def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions) -> None:
     """The `num_samples` best continuations by beam search, best first, cut at the end-of-text token (if
     stop_at_eot) and before the first stop string."""
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
@@ -117,7 +141,7 @@ def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Na
     rows = generate(model, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                     num_beams=args.num_beams, num_return_sequences=args.num_samples, length_penalty=args.length_penalty,
                     early_stopping=args.early_stopping, stop_tokens=stops, extend_context=args.extend_context,
-                    compile=args.compile, **refused)
+                    compile=args.compile, vocab_limit=tokenizer.vocab_size, **refused)
     texts = []
     for row in rows:
         new = row[len(ids) :]
@@ -128,46 +152,12 @@ def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Na
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", default="out", help="the training run's directory (holds ckpt.pt)")
-    parser.add_argument("--init_from", default="", help="sample from pretrained weights instead: gpt2, gpt2-medium, "
-                        "gpt2-large, gpt2-xl or a Hugging Face directory (GPT-2 or Llama)")
-    parser.add_argument("--tokenizer", default="", help="a tokenizer.json, .tiktoken ranks file or tiktoken name "
-                        "(default: the run's tokenizer.json; GPT-2's BPE with --init_from)")
-    parser.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
-    parser.add_argument("--num_samples", type=int, default=3)
-    parser.add_argument("--max_new_tokens", type=int, default=500)
-    parser.add_argument("--temperature", type=float, default=UNSET, help="0 = greedy (default 0.8; 1 with --num_beams)")
-    parser.add_argument("--top_k", type=optional(int), default=UNSET,
-                        help="keep the k most likely tokens (None = all; default 200, None with --num_beams)")
-    parser.add_argument("--top_p", type=optional(float), default=None, help="nucleus sampling threshold (None = off)")
-    parser.add_argument("--repetition_penalty", type=float, default=1.0, help="CTRL's penalty on seen tokens (1 = off)")
-    parser.add_argument("--frequency_penalty", type=float, default=0.0, help="subtracted per earlier occurrence (0 = off)")
-    parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams (1 = sample)")
-    parser.add_argument("--length_penalty", type=float, default=1.0,
-                        help="beam search: a hypothesis scores its log-probability / length ** length_penalty")
-    parser.add_argument("--early_stopping", type=lambda s: s if s == "never" else boolean(s), default=False,
-                        help="beam search: true, false (transformers' heuristic) or never")
-    parser.add_argument("--stop", action="append", default=[], type=unescape,
-                        help="stop a sample before this text (repeatable; backslash escapes such as \\n work)")
-    parser.add_argument("--stop_at_eot", type=boolean, nargs="?", const=True, default=True,
-                        help="stop a sample at the end-of-text token, if the tokenizer has one")
-    parser.add_argument("--batch_size", type=int, default=8, help="samples generated together")
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights' precision; auto = bfloat16 on CUDA, float32 elsewhere")
-    parser.add_argument("--compile", type=boolean, nargs="?", const=True, default=False,
-                        help="torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); "
-                             "the first call compiles")
-    parser.add_argument("--quantize", default="", choices=["", "int8"],
-                        help="int8: weight-only int8 weights (a quarter of float32's bytes; fastest with --compile)")
-    parser.add_argument("--extend_context", type=boolean, nargs="?", const=True, default=False,
-                        help="sinusoidal or rope positions: run past block_size instead of sliding the window")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        args = parse(SampleOptions, argv, "sample.py", __doc__)
         warnings.showwarning = show_warning
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch's own, inside compile
         resolve(args)
         model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
         model = model.to(args.device, getattr(torch, args.dtype)).eval()
@@ -178,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_command("sample.py", body, "nothing to save")
+
 
 if __name__ == "__main__":
     sys.exit(main())

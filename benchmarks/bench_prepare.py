@@ -36,7 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gptlite.prepare import default_workers, download  # noqa: E402
+from gptlite.download import download  # noqa: E402
+from gptlite.prepare.workers import default_workers  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
 SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")  # as tests/conftest.py

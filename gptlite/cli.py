@@ -216,9 +216,10 @@ def _interrupt(signum, frame) -> None:
     raise Interrupted(signum)
 
 
-def run_command(prog: str, body: Callable[[], int], on_interrupt: str = "nothing was saved") -> int:
+def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable[[], str] = "nothing was saved") -> int:
     """body()'s exit code, with one-line errors and clean interruptions (see the module docstring), and --help
-    printed. `on_interrupt` completes the line printed then (what was kept, how to continue)."""
+    printed. `on_interrupt` (or what it returns, when called then) completes the line printed on an interruption:
+    what was kept, how to continue."""
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return body()
@@ -227,7 +228,8 @@ def run_command(prog: str, body: Callable[[], int], on_interrupt: str = "nothing
         return 0
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        print(f"\n{prog}: interrupted ({signal.Signals(signum).name}); {on_interrupt}", file=sys.stderr)
+        kept = on_interrupt() if callable(on_interrupt) else on_interrupt
+        print(f"\n{prog}: interrupted ({signal.Signals(signum).name}); {kept}", file=sys.stderr)
         return 128 + signum
     except USER_ERRORS as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -18,16 +18,19 @@ ending's bytes instead, so its figures differ.)
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from gptlite.cli import parse, pick_device, pick_dtype, run_command
+from gptlite.config import option
+from gptlite.files import fault
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
 
@@ -102,29 +105,40 @@ def read_hellaswag(path: str | Path, limit: int | None = None) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"HellaSwag file {path} does not exist; download {HELLASWAG_URL} and pass its path")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             where = f"{path} line {n}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not JSON ({e.msg}); HellaSwag files hold one JSON object per line") from None
-            missing = [k for k in ("ctx", "endings", "label") if not isinstance(row, dict) or k not in row]
-            if missing:
-                raise ValueError(f"{where} has no field '{missing[0]}'; a HellaSwag row holds ctx, endings and label")
-            endings, label = row["endings"], row["label"]
-            if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
-                raise ValueError(f"{where}: endings must be a list of 4 strings, got {str(endings)[:80]}")
-            if not (isinstance(row["ctx"], str) and str(label) in ("0", "1", "2", "3")):
-                raise ValueError(f"{where}: ctx must be a string and label one of 0, 1, 2, 3 (got {label!r})")
-            rows.append({"ctx": row["ctx"], "endings": endings, "label": int(label)})
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where} is not UTF-8 text; HellaSwag files are UTF-8 JSON lines") from None
+            if not line.strip():
+                continue
+            rows.append(hellaswag_row(line, where))
             if limit is not None and len(rows) == limit:
                 break
     if not rows:
         raise ValueError(f"{path} holds no HellaSwag examples")
     return rows
+
+
+def hellaswag_row(line: str, where: str) -> dict:
+    """One line of a HellaSwag file, checked: {"ctx", "endings", "label"}; errors name `where` and the field."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON ({e.msg}); HellaSwag files hold one JSON object per line") from None
+    missing = [k for k in ("ctx", "endings", "label") if not isinstance(row, dict) or k not in row]
+    if missing:
+        raise ValueError(f"{where} has no field '{missing[0]}'; a HellaSwag row holds ctx, endings and label")
+    endings, label, ctx = row["endings"], row["label"], row["ctx"]
+    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+        raise ValueError(f"{where}: endings must be a list of 4 strings, got {str(endings)[:80]}")
+    if not isinstance(ctx, str) or not ctx:
+        raise ValueError(f"{where}: ctx must be a non-empty string (the context the endings continue), got {ctx!r:.80}")
+    if isinstance(label, bool) or str(label) not in ("0", "1", "2", "3"):
+        raise ValueError(f"{where}: label must be one of 0, 1, 2, 3 (got {label!r})")
+    return {"ctx": ctx, "endings": endings, "label": int(label)}
 
 
 def ending_rows(tokenizer: Tokenizer, example: dict, block_size: int) -> list[tuple[list[int], int]]:
@@ -184,44 +198,46 @@ def hellaswag(model: GPT, tokenizer: Tokenizer, path: str | Path, limit: int | N
 # The command
 
 
+@dataclass
+class EvaluateOptions:
+    out_dir: str = option("", "a training run (its newest checkpoint and tokenizer)")
+    init_from: str = option("", "pretrained weights instead: gpt2[-medium|-large|-xl] or a Hugging Face directory")
+    tokenizer: str = option("", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE "
+                                "for GPT-2)")
+    task: str = option("val", "comma-separated: val, hellaswag")
+    data_dir: str = option("", "val: the shards whose val split to score (default: the run's)")
+    text: str = option("", "val: score this text file instead of val shards")
+    hellaswag_file: str = option(str(HELLASWAG_FILE), f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when "
+                                                      "missing)")
+    limit: int | None = option(None, "hellaswag: the first N examples only")
+    batch_size: int = option(8, "windows (val) or examples (hellaswag) per forward")
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = option("auto", "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    json: str = option("", "also write the results to this JSON file")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gptlite.evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", default="", help="a training run (its newest checkpoint and tokenizer)")
-    parser.add_argument("--init_from", default="", help="pretrained weights instead: gpt2[-medium|-large|-xl] or a "
-                        "Hugging Face directory")
-    parser.add_argument("--tokenizer", default="", help="a tokenizer.json, .tiktoken file or tiktoken name (default: "
-                        "the run's; GPT-2's BPE for GPT-2)")
-    parser.add_argument("--task", default="val", help="comma-separated: val, hellaswag")
-    parser.add_argument("--data_dir", default="", help="val: the shards whose val split to score (default: the run's)")
-    parser.add_argument("--text", default="", help="val: score this text file instead of val shards")
-    parser.add_argument("--hellaswag_file", default=str(HELLASWAG_FILE),
-                        help=f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when missing)")
-    parser.add_argument("--limit", type=int, default=None, help="hellaswag: the first N examples only")
-    parser.add_argument("--batch_size", type=int, default=8, help="windows (val) or examples (hellaswag) per forward")
-    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights' precision; auto = bfloat16 on CUDA, float32 elsewhere")
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        args = parse(EvaluateOptions, argv, "python -m gptlite.evaluate", __doc__)
         results = run(args)
         if args.json:
             tmp = Path(f"{args.json}.tmp")
-            tmp.write_text(json.dumps(results, indent=1) + "\n")
-            tmp.replace(args.json)
+            try:
+                tmp.write_text(json.dumps(results, indent=1) + "\n")
+                tmp.replace(args.json)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise fault(e, f"could not write {args.json}") from None
         return 0
-
-    from gptlite.cli import run_command
 
     return run_command("gptlite.evaluate", body, "nothing was written")
 
 
-def run(args: argparse.Namespace) -> dict:
-    """The command's work: check every argument, load the model once, run each task, print one line per task."""
-    from gptlite.checkpoint import load_checkpoint, load_model
-
+def check(args: EvaluateOptions) -> list[str]:
+    """Every argument, checked before the model loads: the tasks."""
     tasks = args.task.split(",")
     problems = [f"--task: unknown {t!r} (val, hellaswag)" for t in tasks if t not in ("val", "hellaswag")]
     if bool(args.out_dir) == bool(args.init_from):
@@ -230,36 +246,30 @@ def run(args: argparse.Namespace) -> dict:
         problems.append(f"--limit={args.limit} and --batch_size={args.batch_size} must be >= 1")
     if "val" in tasks and args.init_from and not (args.data_dir or args.text):
         problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
+    if args.text and not Path(args.text).is_file():
+        problems.append(f"text file {args.text} does not exist")
+    folder = Path(args.json).parent if args.json else None
+    if folder is not None and not folder.is_dir():
+        problems.append(f"--json={args.json}: folder {folder} does not exist; create it or write the results elsewhere")
     if problems:
         raise ValueError("; ".join(problems))
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return tasks
+
+
+def run(args: EvaluateOptions) -> dict:
+    """The command's work: check every argument, load the model once, run each task, print one line per task."""
+    from gptlite.checkpoint import load_model
+
+    tasks = check(args)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
     model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
     model = model.to(device, getattr(torch, dtype)).eval()
-    source = args.out_dir or args.init_from
-    results = {"model": source, "device": device, "dtype": dtype}
+    results = {"model": args.out_dir or args.init_from, "device": device, "dtype": dtype}
     for task in tasks:
         start = time.perf_counter()
         if task == "val":
-            if args.text:
-                text = Path(args.text)
-                if not text.is_file():
-                    raise FileNotFoundError(f"text file {text} does not exist")
-                streams, what = [torch.tensor(tokenizer.encode(text.read_text(encoding="utf-8")))], str(text)
-            else:
-                from gptlite.data import check_vocab, find_shards, read_shard
-
-                data_dir = args.data_dir or load_checkpoint(args.out_dir)["config"]["data_dir"]
-                files = find_shards(data_dir, "val")
-                check_vocab(files, model.config.vocab_size)
-                streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]
-                what = f"{data_dir} val split"
-            lengths = byte_lengths(tokenizer, model.config.vocab_size)
-            loss, bpb, n = evaluate_windows(model, streams, args.batch_size, lengths, progress=True)
+            loss, bpb, n, what = score_val(args, model, tokenizer)
             seconds = time.perf_counter() - start
             results["val"] = {"loss": loss, "bpb": bpb, "tokens": n, "on": what, "seconds": seconds}
             print(f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
@@ -267,7 +277,7 @@ def run(args: argparse.Namespace) -> dict:
         else:
             path = Path(args.hellaswag_file)
             if not path.is_file() and path == HELLASWAG_FILE:
-                from gptlite.prepare import download
+                from gptlite.download import download
 
                 download(HELLASWAG_URL, path)
             scores = hellaswag(model, tokenizer, path, args.limit, args.batch_size)
@@ -276,6 +286,28 @@ def run(args: argparse.Namespace) -> dict:
             print(f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
                   f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)")
     return results
+
+
+def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[float, float | None, int, str]:
+    """(loss, bpb, tokens scored, what was scored) of --text or of the val split of --data_dir (default: the run's)."""
+    if args.text:
+        ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
+        if len(ids) < 2:
+            raise ValueError(f"text file {args.text} gives {len(ids)} token(s); scoring needs at least 2 (one to predict "
+                             "from, one to predict)")
+        streams, what = [torch.tensor(ids)], args.text
+    else:
+        from gptlite.checkpoint import load_checkpoint
+        from gptlite.data import check_vocab, find_shards, read_shard
+
+        data_dir = args.data_dir or load_checkpoint(args.out_dir)["config"]["data_dir"]
+        files = find_shards(data_dir, "val")
+        check_vocab(files, model.config.vocab_size, fix="score data prepared with the model's own tokenizer")
+        streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]
+        what = f"{data_dir} val split"
+    lengths = byte_lengths(tokenizer, model.config.vocab_size)
+    loss, bpb, n = evaluate_windows(model, streams, args.batch_size, lengths, progress=True)
+    return loss, bpb, n, what
 
 
 if __name__ == "__main__":

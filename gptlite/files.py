@@ -13,6 +13,7 @@ filesystem and its mount options, so on a cluster give every job its own out_dir
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import socket
@@ -112,6 +113,16 @@ def fsync_dir(folder: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class FolderLock:

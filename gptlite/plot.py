@@ -1,6 +1,6 @@
 """Loss curves of one or more runs, from their metrics.jsonl, overlaid in one PNG with matplotlib.
 
-    python -m gptlite.plot RUN [RUN ...] [--x=step|tokens] [--log] [--out=loss.png]
+    python -m gptlite.plot RUN [RUN ...] [--x=step|tokens] [--log] [--out=loss.png|.pdf|.svg]
 
 Each run gets one colour: its train loss as a line, its val loss as dots joined by a dashed line, and, when
 the runs logged it, val bits per byte in a second panel. `--x=tokens` puts tokens trained on along the x
@@ -10,39 +10,58 @@ axis (runs of different batch sizes compare), `--log` makes both axes logarithmi
 
 from __future__ import annotations
 
-import argparse
 import math
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from gptlite.cli import parse, run_command
+from gptlite.config import option
+from gptlite.files import fault
 from gptlite.metrics import METRICS_FILE, read_metrics
 
 
-def run_rows(run: str | Path) -> tuple[str, list[dict]]:
-    """(label, metrics rows) of a run directory, or of a metrics.jsonl file given directly."""
+def metrics_path(run: str | Path) -> Path:
+    """A run directory's metrics.jsonl, or a metrics file given directly."""
     path = Path(run)
-    path = path / METRICS_FILE if path.is_dir() or not path.suffix else path
+    return path / METRICS_FILE if path.is_dir() or not path.suffix else path
+
+
+def run_rows(run: str | Path) -> tuple[str, list[dict]]:
+    """(label, metrics rows) of a run directory, or of a metrics.jsonl file given directly. Rows that are not JSON
+    objects with a numeric step are refused, naming the file."""
+    path = metrics_path(run)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass a training run's out_dir")
     rows = read_metrics(path)
-    if not any(math.isfinite(r.get("loss", math.nan)) or r.get("val_loss") is not None for r in rows):
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict) or not is_number(r.get("step"))), None)
+    if bad is not None:
+        raise ValueError(f"{path}: row {bad + 1} is not a metrics row (a JSON object with a numeric step): "
+                         f"{str(rows[bad])[:80]}; pass a metrics.jsonl that train.py wrote")
+    if not any(curve(rows, key, "step")[0] for key in ("loss", "val_loss")):
         raise ValueError(f"{path} has no finite loss values to plot")
     return (path.parent.name if path.name == METRICS_FILE else path.stem), rows
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def curve(rows: list[dict], key: str, x: str) -> tuple[list[float], list[float]]:
-    """The (x, y) points of rows that have a finite `key`."""
-    points = [(r[x], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    """The (x, y) points of rows whose `key` and x value are finite numbers."""
+    points = [(r[x], r[key]) for r in rows if is_number(r.get(key)) and is_number(r.get(x))]
     return [p[0] for p in points], [p[1] for p in points]
 
 
 def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: bool = False) -> Path:
-    """Draw the runs' curves (see the module docstring) to the PNG `out`; returns its path."""
+    """Draw the runs' curves (see the module docstring) to `out` (.png, .pdf or .svg); returns its path."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("gptlite.plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from None
+    check_out([str(r) for r in runs], Path(out))
     labelled = [run_rows(run) for run in runs]
     if x == "tokens":
         old = [label for label, rows in labelled if not any("tokens" in r for r in rows)]
@@ -71,27 +90,51 @@ def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: boo
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
-        fig.savefig(tmp, format="png", dpi=100)
-    except BaseException:  # a full disk, an interruption: no half-written file stays behind
+        fig.savefig(tmp, format=FORMATS[out.suffix.lower()], dpi=100)
+    except BaseException as e:  # a full disk, an interruption: no half-written file stays behind
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise fault(e, f"could not write {out}") from None
         raise
     tmp.replace(out)
     return out
 
 
+FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}  # the file's ending says its format
+
+
+def check_out(runs: list[str], out: Path) -> None:
+    """The plot's file: a known format, in an existing folder, never one of the runs' own files."""
+    if out.suffix.lower() not in FORMATS:
+        raise ValueError(f"--out={out}: the ending {out.suffix or '(none)'} names no format; use .png, .pdf or .svg")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"--out={out}: folder {out.parent} does not exist; create it or plot elsewhere")
+    if out.is_dir():
+        raise IsADirectoryError(f"--out={out} is a folder; give the plot's file name, e.g. {out / 'loss.png'}")
+    inputs = {os.path.realpath(metrics_path(run)) for run in runs}
+    if os.path.realpath(out) in inputs:
+        raise ValueError(f"--out={out} is one of the metrics files plotted; it would be overwritten: choose another "
+                         "name, e.g. loss.png")
+
+
+@dataclass
+class PlotOptions:
+    runs: list[str] = option(default_factory=list, help="training runs' out_dirs (or metrics.jsonl files)",
+                             positional=True)
+    x: str = option("step", "the x axis", choices=("step", "tokens"))
+    log: bool = option(False, "logarithmic axes")
+    out: str = option("", "the plot: .png, .pdf or .svg (default: RUN/loss.png for one run, loss.png here for several)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gptlite.plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="training runs' out_dirs (or metrics.jsonl files)")
-    parser.add_argument("--x", default="step", choices=["step", "tokens"], help="the x axis")
-    parser.add_argument("--log", action="store_true", help="logarithmic axes")
-    parser.add_argument("--out", help="the PNG (default: RUN/loss.png for one run, loss.png here for several)")
-    args = parser.parse_args(argv)
-    out = args.out or (Path(args.runs[0]) / "loss.png" if len(args.runs) == 1 and Path(args.runs[0]).is_dir()
-                       else Path("loss.png"))
-    from gptlite.cli import run_command
+    argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        args = parse(PlotOptions, argv, "python -m gptlite.plot", __doc__)
+        if not args.runs:
+            raise ValueError("give at least one run: python -m gptlite.plot RUN [RUN ...]")
+        one = len(args.runs) == 1 and Path(args.runs[0]).is_dir()
+        out = args.out or (Path(args.runs[0]) / "loss.png" if one else Path("loss.png"))
         print(f"wrote {plot_runs(args.runs, out, args.x, args.log)}")
         return 0
 

@@ -144,8 +144,9 @@ def find_shards(spec: str | Path, split: str) -> list[Path]:
     return files
 
 
-def check_vocab(files: list[Path], vocab_size: int, chunk: int = 1 << 24) -> None:
-    """Raise ValueError naming the shard if any token id is >= vocab_size (scans in bounded chunks)."""
+def check_vocab(files: list[Path], vocab_size: int, chunk: int = 1 << 24, fix: str = "") -> None:
+    """Raise ValueError naming the shard if any token id is >= vocab_size (scans in bounded chunks); `fix` is the
+    advice (default: train.py's)."""
     for path in files:
         tokens = read_shard(path)
         if tokens.dtype == np.uint16 and vocab_size >= UINT16_VOCAB:
@@ -155,5 +156,89 @@ def check_vocab(files: list[Path], vocab_size: int, chunk: int = 1 << 24) -> Non
             if hi >= vocab_size:
                 raise ValueError(
                     f"shard {path} holds token id {hi} but the model's vocab_size is {vocab_size}; "
-                    f"set --vocab_size to at least {hi + 1} or re-tokenize the data"
+                    + (fix or f"set --vocab_size to at least {hi + 1} or re-tokenize the data")
                 )
+
+
+# ---------------------------------------------------------------------------------------------
+# writing a split's shards as tokens arrive (data preparation)
+
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def token_dtype(vocab_size: int, dtype: str = "auto") -> np.dtype:
+    """uint16 for vocabularies up to 65,536 ids, else uint32; an explicit dtype must hold every id."""
+    name = ("uint16" if vocab_size <= 2**16 else "uint32") if dtype == "auto" else dtype
+    limit = 2 ** (8 * DTYPES[name].itemsize)
+    if vocab_size > limit:
+        raise ValueError(f"the tokenizer's {vocab_size:,} ids do not fit {name} (at most {limit:,}); use dtype uint32 or auto")
+    return DTYPES[name]
+
+
+class ShardWriter:
+    """Appends one split's tokens to its open shard, `{split}_{i:06d}.bin.tmp`. A full shard gets its
+    header, is synced and checksummed, and takes its final name at `commit()`, once progress.json lists it."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
+        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        magic = next(m for m, (_, d) in FORMATS.items() if d == dtype)
+        self.header = np.zeros(HEADER_INTS, dtype="<i4")  # llm.c's: magic, version, token count, zeros
+        self.header[:2] = magic, FORMATS[magic][0]
+        state = state or {"shards": [], "open_tokens": 0}
+        self.shards: list[dict] = list(state["shards"])  # finished: {"file", "tokens", "sha256"}
+        self.pending: list[dict] = []  # finished, final name not yet taken
+        self.fill, self.file = state["open_tokens"], None
+        if self.fill:  # continue the open shard, dropping tokens written after the last checkpoint
+            self.file = open(self.tmp_path(len(self.shards)), "r+b")
+            self.file.truncate(self.header.nbytes + self.fill * dtype.itemsize)
+            self.file.seek(0, os.SEEK_END)
+
+    def header_bytes(self, count: int) -> bytes:
+        self.header[2] = count
+        return self.header.tobytes()
+
+    def tmp_path(self, index: int) -> Path:
+        return self.out_dir / f"{self.split}_{index:06d}.bin.tmp"
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards + self.pending) + self.fill
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.file is None:
+                self.file = open(self.tmp_path(len(self.shards) + len(self.pending)), "wb")
+                self.file.write(self.header_bytes(0))  # the count is filled in when the shard is full
+            n = min(len(tokens), self.shard_tokens - self.fill)
+            self.file.write(tokens[:n].tobytes())
+            self.fill, tokens = self.fill + n, tokens[n:]
+            if self.fill == self.shard_tokens:
+                self.close_shard()
+
+    def close_shard(self) -> None:
+        self.file.seek(0)
+        self.file.write(self.header_bytes(self.fill))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        tmp = Path(self.file.name)
+        self.pending.append({"file": tmp.name.removesuffix(".tmp"), "tokens": self.fill, "sha256": file_sha256(tmp)})
+        self.file, self.fill = None, 0
+
+    def state(self) -> dict:
+        """What progress.json records: finished shards (renamed or not) and the open shard's token count."""
+        if self.file is not None:
+            self.file.flush()  # so the recorded count is on disk if this process dies
+        return {"shards": self.shards + self.pending, "open_tokens": self.fill}
+
+    def commit(self) -> None:
+        """Give finished shards their final names (after progress.json has recorded them)."""
+        for shard in self.pending:
+            os.replace(self.out_dir / (shard["file"] + ".tmp"), self.out_dir / shard["file"])
+        self.shards += self.pending
+        self.pending = []
+
+    def finish(self) -> None:
+        """Close the last, partly filled shard (its final name comes at the next commit)."""
+        if self.fill:
+            self.close_shard()

@@ -120,12 +120,22 @@ def test_hellaswag_equals_a_plain_reference_scorer(gpt2_tokenizer, tmp_path):
     ("not json", r"line 2 is not JSON \(Expecting value\)"),
     ('{"ctx": "a", "label": 0}', r"line 2 has no field 'endings'; a HellaSwag row holds ctx, endings and label"),
     ('{"ctx": "a", "endings": ["x", "y"], "label": 0}', r"line 2: endings must be a list of 4 strings"),
-    ('{"ctx": "a", "endings": ["w", "x", "y", "z"], "label": 7}', r"line 2: ctx must be a string and label one of 0, 1, 2, 3 \(got 7\)"),
+    ('{"ctx": "a", "endings": ["w", "x", "y", "z"], "label": 7}', r"line 2: label must be one of 0, 1, 2, 3 \(got 7\)"),
+    ('{"ctx": null, "endings": ["w", "x", "y", "z"], "label": 2}', r"line 2: ctx must be a non-empty string .*got None"),
+    ('{"ctx": "", "endings": ["w", "x", "y", "z"], "label": 2}', r"line 2: ctx must be a non-empty string"),
+    ('{"ctx": "a", "endings": ["w", "x", "y", "z"], "label": true}', r"line 2: label must be one of 0, 1, 2, 3"),
 ])
 def test_a_bad_hellaswag_row_is_named(tmp_path, line, message):
     path = tmp_path / "h.jsonl"
     path.write_text(json.dumps(EXAMPLES[0]) + "\n" + line + "\n")
     with pytest.raises(ValueError, match=re.escape(str(path)) + " " + message):
+        read_hellaswag(path)
+
+
+def test_a_hellaswag_row_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "h.jsonl"
+    path.write_bytes(json.dumps(EXAMPLES[0]).encode() + b"\n" + b'{"ctx": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r" line 2 is not UTF-8 text"):
         read_hellaswag(path)
 
 

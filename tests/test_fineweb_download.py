@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gptlite.data import read_shard, verify_manifest, write_shard
-from gptlite.prepare import download_token_shards
+from gptlite.download import download_token_shards
 from gptlite.tokenizer import load_tokenizer
 from tests.conftest import ROOT, shared_file
 

@@ -116,7 +116,7 @@ def test_split_never_cuts_a_character(tmp_path, spec):
 @pytest.mark.parametrize("block_bytes", [5, 16, 64])
 def test_small_read_blocks_keep_text_exact(tmp_path, monkeypatch, block_bytes):
     """Blocks cut at line ends or character starts, many of them: the text still comes back byte for byte."""
-    monkeypatch.setattr(gptlite.prepare, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", block_bytes)
     monkeypatch.setattr(gptlite.prepare, "BATCH_BLOCKS", 3)
     text = UNICODE_TEXT + "no newline at the end: 🙂🙂🙂 日本"
     src = write(tmp_path / "u.txt", text)

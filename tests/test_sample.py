@@ -1,12 +1,12 @@
 """sample.py on a tiny random checkpoint: streaming, samples, stop strings, errors."""
 
-import argparse
 import re
 
 import pytest
 import torch
 
 import sample
+from gptlite.cli import parse
 from gptlite.checkpoint import save_checkpoint
 from gptlite.config import build_config, config_to_dict
 from gptlite.tokenizer import CharTokenizer
@@ -104,12 +104,12 @@ def test_errors_are_one_line_on_stderr(run_dir, capsys, args, message):
 
 def test_argument_errors(monkeypatch):
     with pytest.raises(ValueError, match="num_samples=0 and batch_size=8 must be >= 1"):
-        sample.resolve(argparse.Namespace(device="cpu", dtype="auto", num_samples=0, batch_size=8))
+        sample.resolve(sample.SampleOptions(device="cpu", dtype="auto", num_samples=0, batch_size=8))
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(ValueError, match="device=cuda but CUDA is not available; use --device=cpu"):
-        sample.resolve(argparse.Namespace(device="cuda", dtype="auto", num_samples=1, batch_size=8))
-    with pytest.raises(argparse.ArgumentTypeError, match="'maybe' is not a boolean; use true or false"):
-        sample.boolean("maybe")
+    with pytest.raises(ValueError, match="device=cuda but CUDA is not available here; use --device=cpu"):
+        sample.resolve(sample.SampleOptions(device="cuda", dtype="auto", num_samples=1, batch_size=8))
+    with pytest.raises(ValueError, match="'maybe' is not a boolean; use true or false"):
+        parse(sample.SampleOptions, ["--compile=maybe"])
 
 
 @pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])

@@ -8,32 +8,38 @@ modded-nanogpt trains on, so training can start without tokenizing. Needs pip in
 Run it again after an interruption: finished files are kept. Then train with --data_dir=data/fineweb10B.
 """
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from gptlite.cli import run_command  # noqa: E402
-from gptlite.prepare import TOKEN_SHARDS, download_token_shards  # noqa: E402
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
+from gptlite.download import TOKEN_SHARDS, download_token_shards  # noqa: E402
+
+
+@dataclass
+class DownloadOptions:
+    dataset: str = option("fineweb10B", "the token-shard dataset", choices=tuple(TOKEN_SHARDS))
+    train_shards: int = option(8, "train shards of 100M tokens (modded-nanogpt's speedrun uses 8)")
+    out_dir: str = option("", "default: data/<dataset>")
+    tokenizer: str = option("gpt2", "written as tokenizer.json: gpt2, or a local gpt2.tiktoken offline")
+    revision: str | None = option(None, "a commit of the Hugging Face repository, to pin the data")
+
+
+def run(args: DownloadOptions) -> int:
+    out_dir = Path(args.out_dir or ROOT / "data" / args.dataset)
+    download_token_shards(args.dataset, out_dir, args.train_shards, args.tokenizer, args.revision)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", default="fineweb10B", choices=list(TOKEN_SHARDS))
-    parser.add_argument("--train_shards", type=int, default=8, help="train shards of 100M tokens (modded-nanogpt's speedrun uses 8)")
-    parser.add_argument("--out_dir", help="default: data/<dataset>")
-    parser.add_argument("--tokenizer", default="gpt2", help="written as tokenizer.json: gpt2, or a local gpt2.tiktoken offline")
-    parser.add_argument("--revision", help="a commit of the Hugging Face repository, to pin the data")
-    args = parser.parse_args(argv)
-    out_dir = Path(args.out_dir or ROOT / "data" / args.dataset)
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("fineweb/download.py", lambda: run(parse(DownloadOptions, argv, "data/fineweb/download.py",
+                                                                __doc__)), "finished files are kept: run it again to continue")
 
-    def body() -> int:
-        download_token_shards(args.dataset, out_dir, args.train_shards, args.tokenizer, args.revision)
-        return 0
-
-    return run_command("fineweb/download.py", body, f"finished files are kept: run it again to continue in {out_dir}")
 
 if __name__ == "__main__":
     sys.exit(main())

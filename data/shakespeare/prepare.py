@@ -7,34 +7,41 @@
 The split is the standard one: the first 90% of the text trains, the last 10% validates.
 """
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from gptlite.cli import run_command  # noqa: E402
-from gptlite.prepare import download, prepare  # noqa: E402
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
+from gptlite.download import download  # noqa: E402
+from gptlite.prepare import prepare  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", help="a local copy of tinyshakespeare.txt (skips the download)")
-    parser.add_argument("--tokenizer", default="char", help="char, byte, gpt2 or a .tiktoken ranks file")
-    parser.add_argument("--out_dir", help="default: data/shakespeare_<tokenizer>")
-    args = parser.parse_args(argv)
+@dataclass
+class ShakespeareOptions:
+    input: str = option("", "a local copy of tinyshakespeare.txt (skips the download)")
+    tokenizer: str = option("char", "char, byte, gpt2 or a .tiktoken ranks file")
+    out_dir: str = option("", "default: data/shakespeare_<tokenizer>")
+
+
+def run(args: ShakespeareOptions) -> int:
     name = "gpt2" if args.tokenizer.endswith(".tiktoken") else args.tokenizer
     out_dir = Path(args.out_dir or ROOT / "data" / f"shakespeare_{name}")
+    source = Path(args.input) if args.input else download(URL, ROOT / "data" / "shakespeare" / "input.txt")
+    prepare([str(source)], args.tokenizer, out_dir, val_fraction=0.1)
+    return 0
 
-    def body() -> int:
-        source = Path(args.input) if args.input else download(URL, ROOT / "data" / "shakespeare" / "input.txt")
-        prepare([str(source)], args.tokenizer, out_dir, val_fraction=0.1)
-        return 0
 
-    return run_command("shakespeare/prepare.py", body, f"run it again to continue in {out_dir}")
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("shakespeare/prepare.py", lambda: run(parse(ShakespeareOptions, argv, "data/shakespeare/prepare.py",
+                                                                   __doc__)), "run it again to continue where it stopped")
+
 
 if __name__ == "__main__":
     sys.exit(main())
