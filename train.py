@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gptlite.checkpoint import (discard_damaged, holds_run, load_checkpoint, remove_leftovers,
                                  rng_state, run_files, save_run_checkpoint, set_rng_state)
 from gptlite.cli import config_help, parse_args, pick_device, pick_dtype
-from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, read_toml
+from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, flat_fields, read_toml, unknown_key
 from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
@@ -165,7 +165,8 @@ def make_loaders(cfg: TrainConfig, rank: int, world_size: int) -> tuple[ShardLoa
         for path in files:
             if len(read_shard(path)) == 0:
                 raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
-        check_vocab(files, cfg.model.vocab_size)
+        check_vocab(files, cfg.model.vocab_size, fix=f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the "
+                    "pretrained model knows" if cfg.init_from else "")
         try:
             loaders.append(ShardLoader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank,
                                        world_size=world_size))
@@ -324,6 +325,9 @@ def resolve_config(argv: list[str]) -> TrainConfig:
     pretrained model's shape; otherwise vocab_size comes from the data."""
     toml_path, overrides = parse_args(argv)
     values = {**(read_toml(toml_path) if toml_path else {}), **overrides}
+    unknown = [unknown_key(k, flat_fields()) for k in values if k not in flat_fields()]
+    if unknown:  # before anything is read: a typo is named first
+        raise ValueError("; ".join(unknown))
     if values.get("init_from") in ("scratch", "resume"):  # nanoGPT's values, which mean the same here
         if values.pop("init_from") == "resume":
             values.setdefault("resume", "true")

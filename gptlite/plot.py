@@ -105,16 +105,16 @@ FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}  # the file's ending say
 
 def check_out(runs: list[str], out: Path) -> None:
     """The plot's file: a known format, in an existing folder, never one of the runs' own files."""
+    inputs = {os.path.realpath(metrics_path(run)) for run in runs}
+    if os.path.realpath(out) in inputs:
+        raise ValueError(f"--out={out} is one of the metrics files plotted; it would be overwritten: choose another "
+                         "name, e.g. loss.png")
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"--out={out}: the ending {out.suffix or '(none)'} names no format; use .png, .pdf or .svg")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"--out={out}: folder {out.parent} does not exist; create it or plot elsewhere")
     if out.is_dir():
         raise IsADirectoryError(f"--out={out} is a folder; give the plot's file name, e.g. {out / 'loss.png'}")
-    inputs = {os.path.realpath(metrics_path(run)) for run in runs}
-    if os.path.realpath(out) in inputs:
-        raise ValueError(f"--out={out} is one of the metrics files plotted; it would be overwritten: choose another "
-                         "name, e.g. loss.png")
 
 
 @dataclass

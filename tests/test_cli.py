@@ -1,0 +1,84 @@
+"""The one command-line parser: dataclass options, --key=value and --key value, lists, positionals, TOML, help,
+did-you-mean; and that no other module imports a parser library."""
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from gptlite.cli import HelpRequested, parse, run_command
+from gptlite.config import option
+from tests.conftest import ROOT
+
+
+@dataclass
+class Options:
+    runs: list[str] = option(default_factory=list, help="the runs", positional=True)
+    out_dir: str = option("out", "where it goes")
+    steps: int = option(10, "how many")
+    rate: float | None = option(None, "how fast (none = auto)")
+    flag: bool = option(False, "a switch")
+    input: list[str] = option(default_factory=list, help="files")
+    kind: str = option("a", "which", choices=("a", "b"))
+
+
+def test_both_spellings_lists_and_positionals():
+    o = parse(Options, ["r1", "--out_dir=x", "--steps", "3", "--rate", "-0.5", "--flag", "r2", "--input", "f1", "f2",
+                        "--input=f3", "--kind", "b"])
+    assert (o.runs, o.out_dir, o.steps, o.rate, o.flag, o.input, o.kind) == (
+        ["r1", "r2"], "x", 3, -0.5, True, ["f1", "f2", "f3"], "b")
+    assert o.given == {"runs", "out_dir", "steps", "rate", "flag", "input", "kind"}
+    o = parse(Options, ["--flag", "false", "--rate=none", "--out-dir", "y"])
+    assert (o.flag, o.rate, o.out_dir, o.steps) == (False, None, "y", 10) and o.given == {"flag", "rate", "out_dir"}
+
+
+def test_a_toml_file_sits_between_defaults_and_the_command_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('steps = 7\nout_dir = "from_toml"\n')
+    o = parse(Options, [str(path), "--out_dir=cli"])
+    assert (o.steps, o.out_dir) == (7, "cli")
+
+
+def test_every_problem_is_reported_together_with_did_you_mean():
+    with pytest.raises(ValueError) as e:
+        parse(Options, ["--stpes=3", "--rate=fast", "--kind=c", "--flag=maybe"])
+    message = str(e.value)
+    assert "unknown option '--stpes'; did you mean '--steps'?" in message
+    assert "rate='fast' is not a number" in message and "kind='c' must be one of a, b" in message
+    assert "flag='maybe' is not a boolean; use true or false" in message
+    with pytest.raises(ValueError, match="--steps needs a value: --steps=VALUE"):
+        parse(Options, ["--steps"])
+
+
+def test_help_lists_every_option_with_its_default_and_help():
+    with pytest.raises(HelpRequested) as e:
+        parse(Options, ["--help"], "prog", "The doc.")
+    text = str(e.value)
+    assert text.startswith("The doc.") and "--steps=10  how many" in text and "RUNS ..." in text
+    assert "--kind='a'  which (one of a, b)" in text
+    assert run_command("prog", lambda: parse(Options, ["-h"], "prog", "The doc.")) == 0
+
+
+def test_only_cli_imports_a_command_line_parser_library():
+    out = subprocess.run([sys.executable, "scripts/layout_report.py", "--no-tests"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert "files importing a command-line parser library: 0 (none)" in out.stdout, out.stdout
+    assert "gptlite modules in import cycles: 0" in out.stdout, out.stdout
+    tree = ast.parse((ROOT / "gptlite" / "cli.py").read_text())
+    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.dump(n) for n in tree.body)
+
+
+@pytest.mark.parametrize("command,typo,meant", [
+    (["sample.py"], "--out_dirr=x", "out_dir"), (["data/prepare.py"], "--out_dirr=x", "out_dir"),
+    (["train.py"], "--out_dirr=x", "out_dir"), (["-m", "gptlite.evaluate"], "--out_dirr=x", "out_dir"),
+    (["-m", "gptlite.plot"], "--outt=x.png", "out"), (["-m", "gptlite.hf"], "--hf_dirr=x", "hf_dir"),
+])
+def test_every_command_has_help_and_did_you_mean(command, typo, meant):
+    path = [str(ROOT / command[0])] if command[0].endswith(".py") else command
+    out = subprocess.run([sys.executable, *path, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "--" in out.stdout and "Traceback" not in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, *path, typo], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and f"did you mean '{meant}'?" in out.stderr.replace("'--", "'"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
