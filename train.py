@@ -35,7 +35,7 @@ from gptlite.checkpoint import (discard_damaged, holds_run, load_checkpoint, rem
                                  rng_state, run_files, save_run_checkpoint, set_rng_state)
 from gptlite.cli import config_help, parse_args, pick_device, pick_dtype
 from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, flat_fields, read_toml, unknown_key
-from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard
+from gptlite.data import ChatLoader, ShardLoader, check_vocab, find_shards, is_chat_data, read_shard
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 from gptlite.optim import Muon, block_matrices
@@ -158,7 +158,8 @@ def load_training_state(model: torch.nn.Module, optimizers: list[torch.optim.Opt
 def make_loaders(cfg: TrainConfig, rank: int, world_size: int) -> tuple[ShardLoader, ShardLoader]:
     """Train and val loaders over data_dir's shards, after checking that no shard is empty, every token id
     is below vocab_size and each split holds at least one global batch. Rank r reads the r-th slice of
-    every global batch, so ranks never read the same window."""
+    every global batch, so ranks never read the same window. Shards with roles files (data/prepare.py --chat)
+    give whole conversations whose assistant tokens alone are targets (ChatLoader)."""
     loaders = []
     for split, seed in (("train", cfg.seed), ("val", cfg.seed + 1)):
         files = find_shards(cfg.data_dir, split)
@@ -167,9 +168,10 @@ def make_loaders(cfg: TrainConfig, rank: int, world_size: int) -> tuple[ShardLoa
                 raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
         check_vocab(files, cfg.model.vocab_size, fix=f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the "
                     "pretrained model knows" if cfg.init_from else "")
+        loader = ChatLoader if is_chat_data(files) else ShardLoader
         try:
-            loaders.append(ShardLoader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank,
-                                       world_size=world_size))
+            loaders.append(loader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank,
+                                  world_size=world_size))
         except ValueError as e:
             raise ValueError(f"{split} split: {e}") from None
     return loaders[0], loaders[1]
@@ -195,21 +197,49 @@ def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device
                          ) -> torch.Tensor:
     """Forward and backward over `grad_accum` micro-batches from `loader`; returns their mean loss (0-dim).
 
-    The gradients are those of the mean loss over all micro-batches, the same as one batch `grad_accum`
-    times larger. Under DDP or FSDP, gradients are reduced across ranks on the last micro-step only."""
+    The gradients are those of the mean loss over all micro-batches, the same as one batch `grad_accum` times
+    larger. Conversations (a ChatLoader) average the loss over every target token of the step, on every rank: a
+    micro-batch with fewer assistant tokens weighs less. Under DDP or FSDP, gradients are reduced across ranks on
+    the last micro-step only."""
+    if isinstance(loader, ChatLoader):
+        return accumulate_over_targets(model, [loader.next_batch() for _ in range(grad_accum)], device, autocast,
+                                       scaler)
     loss_sum = torch.zeros((), device=device)
     for micro in range(grad_accum):
         x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())  # (B, T) each
-        last = micro == grad_accum - 1
-        if isinstance(model, DDP):
-            model.require_backward_grad_sync = last
-        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(last)
+        sync_on_last(model, micro == grad_accum - 1)
         with autocast:
             _, loss = model(x, y)
         scaler.scale(loss / grad_accum).backward()
         loss_sum += loss.detach()
     return loss_sum / grad_accum
+
+
+def accumulate_over_targets(model: torch.nn.Module, batches: list, device: str, autocast, scaler) -> torch.Tensor:
+    """accumulate_gradients for batches whose targets are partly -1: each micro-batch's summed loss over the step's
+    target count (all-reduced across ranks, times world_size, which DDP's mean over ranks divides away)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total = torch.tensor(float(sum(int((y >= 0).sum()) for _, y in batches)), device=device)
+    if world > 1:
+        dist.all_reduce(total)
+    scale = world / total.clamp_min(1.0)
+    loss_sum = torch.zeros((), device=device)
+    for micro, (x, y) in enumerate(batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, L) each
+        sync_on_last(model, micro == len(batches) - 1)
+        with autocast:
+            _, loss = model(x, y, reduction="sum")
+        scaler.scale(loss * scale).backward()
+        loss_sum += loss.detach() * scale
+    return loss_sum
+
+
+def sync_on_last(model: torch.nn.Module, last: bool) -> None:
+    """Under DDP or FSDP, reduce gradients across ranks on the step's last micro-batch only."""
+    if isinstance(model, DDP):
+        model.require_backward_grad_sync = last
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""The memory-mapped, resumable batch loader over token shards (their file format is in gptlite.shards)."""
+"""The memory-mapped, resumable batch loaders over token shards (their file format is in gptlite.shards): windows of
+a token stream for pretraining (`ShardLoader`), whole conversations for fine-tuning on chats (`ChatLoader`)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from gptlite.shards import (  # noqa: F401  (the shard format's names, importabl
     HEADER_INTS,
     MANIFEST,
     PROGRESS,
+    START,
+    TARGET,
     UINT16_VOCAB,
     check_vocab,
     file_sha256,
     find_shards,
+    read_roles,
     read_shard,
+    roles_path,
     verify_manifest,
     write_shard,
 )
@@ -125,3 +130,97 @@ class ShardLoader:
         self.epoch, self.shard = int(state["epoch"]), int(state["shard"])
         self._plan_epoch()
         self.index = int(state["index"])
+
+
+class ChatLoader:
+    """Yields (x, y) batches of whole conversations, one per row, from shards with roles files (data/prepare.py
+    --chat): x the conversation's tokens but the last, y the next tokens where they are targets (an assistant's
+    tokens and end-of-turn) and -1 elsewhere, both right-padded (x with 0, y with -1) to the batch's longest row
+    rounded up to PAD_MULTIPLE (at most block_size). A row never holds two conversations, so none attends across
+    a conversation boundary, and no attention mask is needed: the causal one hides the padding that follows.
+
+    Every epoch visits the conversations in a seeded order; a global batch is world_size * batch_size of them, of
+    which rank r takes the r-th slice. The position (epoch, index) is all the state: `state()` / `restore()`."""
+
+    PAD_MULTIPLE = 32  # rows are padded to a multiple of this: few distinct shapes, little padding
+
+    def __init__(self, files: list[Path], batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        self.files = list(files)
+        self.tokens = [read_shard(p) for p in self.files]
+        self.roles = [read_roles(roles_path(p), len(t)) for p, t in zip(self.files, self.tokens)]
+        self.batch_size, self.block_size = batch_size, block_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.conversations = np.array([(s, a, b) for s, roles in enumerate(self.roles) for a, b in spans(roles)],
+                                      dtype=np.int64).reshape(-1, 3)  # (N, 3): shard, start, end
+        need = batch_size * world_size
+        if len(self.conversations) < need:
+            raise ValueError(f"{len(self.conversations)} conversations in {len(self.files)} shard(s) ({self.files[0]}...)"
+                             f" are fewer than one batch of {need}; use more data or a smaller batch_size")
+        self.targets = int(sum(int((r & TARGET).astype(bool).sum()) for r in self.roles))
+        self.epoch, self.index = 0, 0
+        self.order = self._order()
+
+    def _order(self) -> np.ndarray:
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.conversations))
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (x, y), each (batch_size, L) int64 with L <= block_size."""
+        picks = []
+        for _ in range(self.batch_size * self.world_size):
+            if self.index == len(self.order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self.order = self._order()
+            picks.append(int(self.order[self.index]))
+            self.index += 1
+        return self._gather(picks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+
+    def every_window(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every conversation once, in file order, this rank's share of each global batch (the last may be short or
+        empty); it does not move the position."""
+        step = self.batch_size * self.world_size
+        for first in range(0, len(self.conversations), step):
+            mine = list(range(first + self.rank * self.batch_size,
+                              min(first + (self.rank + 1) * self.batch_size, len(self.conversations))))
+            if mine:
+                yield self._gather(mine)
+
+    def _gather(self, picks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for shard, start, end in self.conversations[picks]:
+            end = min(end, start + self.block_size + 1)  # prepare cut or dropped longer ones; never more than a window
+            tokens = self.tokens[shard][start:end].astype(np.int64)
+            targets = np.where(self.roles[shard][start + 1 : end] & TARGET, tokens[1:], -1)
+            rows.append((tokens[:-1], targets))
+        width = min(self.block_size, -(-max(len(x) for x, _ in rows) // self.PAD_MULTIPLE) * self.PAD_MULTIPLE)
+        x = torch.zeros(len(rows), width, dtype=torch.long)  # (B, L)
+        y = torch.full((len(rows), width), -1, dtype=torch.long)  # (B, L)
+        for i, (tokens, targets) in enumerate(rows):
+            x[i, : len(tokens)] = torch.from_numpy(tokens)
+            y[i, : len(targets)] = torch.from_numpy(targets)
+        return x, y
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state(self) -> dict[str, int]:
+        """The exact position, to store in a checkpoint."""
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Continue from a position returned by `state()` (on a loader built with the same files and seed)."""
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.order = self._order()
+
+
+def spans(roles: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of every conversation in a shard's roles: from one START byte to the next, or the end."""
+    starts = np.flatnonzero(roles & START)
+    ends = np.append(starts[1:], len(roles))
+    return [(int(a), int(b)) for a, b in zip(starts, ends) if b - a >= 2]
+
+
+def is_chat_data(files: list[Path]) -> bool:
+    """Whether shards come with roles files (a chat preparation)."""
+    return bool(files) and all(roles_path(p).is_file() for p in files)

@@ -55,13 +55,15 @@ def byte_lengths(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
 
 def loss_sums(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """Sums over a batch, x and y (B, T): (cross-entropy of every target in nats, targets, cross-entropy of the
-    targets that decode to bytes, those bytes); the last two are 0 without `lengths` (see byte_lengths)."""
+    targets that decode to bytes, those bytes); the last two are 0 without `lengths` (see byte_lengths). Targets of
+    -1 (a conversation's non-assistant tokens, padding) count nowhere."""
     logits, _ = model(x)  # (B, T, V)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")  # (B*T,)
-    sums = torch.stack([ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)])
+    y = y.flatten()  # (B*T,)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), y, ignore_index=-1, reduction="none")  # (B*T,), 0 where -1
+    sums = torch.stack([ce.sum(), (y >= 0).sum().float()])
     if lengths is None:
         return torch.cat([sums, torch.zeros(2, device=ce.device)])
-    nbytes = lengths[y.flatten()]  # (B*T,)
+    nbytes = torch.where(y >= 0, lengths[y.clamp_min(0)], 0)  # (B*T,)
     text = torch.where(nbytes > 0, ce, torch.zeros_like(ce)).sum()
     return torch.cat([sums, torch.stack([text, nbytes.sum().float()])])
 

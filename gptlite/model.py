@@ -322,15 +322,17 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, V) and the mean cross-entropy against targets (B, T),
-        where target -1 is ignored; loss is None without targets."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T), where target -1 is
+        ignored: its mean over the other targets, or with reduction="sum" its sum; loss is None without targets."""
         if targets is not None:
             self._check_targets(idx, targets)
         logits = self.lm_head(self.hidden(idx))  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=reduction)
         return logits, loss
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

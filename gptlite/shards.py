@@ -25,6 +25,11 @@ FORMATS = {  # magic -> (version, token dtype)
     20240801: (7, np.dtype("<u4")),
 }
 UINT16_VOCAB = 2**16
+# A conversation's data (data/prepare.py --chat) has beside each token shard `x.bin` a roles file `x.roles` in the
+# same layout, magic ROLES_MAGIC, one byte per token: bit TARGET marks a token the model learns to predict (an
+# assistant's), bit START the first token of a conversation. Token shards stay llm.c's.
+ROLES_MAGIC, ROLES_VERSION = 20241124, 1
+TARGET, START = 1, 2
 
 
 def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int) -> None:
@@ -41,6 +46,20 @@ def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: in
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype(dtype, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_roles(path: str | Path, roles: np.ndarray | list[int]) -> None:
+    """Write a roles file (see ROLES_MAGIC) atomically, one byte per token of its shard."""
+    roles = np.asarray(roles, dtype=np.uint8)
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (ROLES_MAGIC, ROLES_VERSION, roles.size)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes() + roles.tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -75,6 +94,31 @@ def read_shard(path: str | Path) -> np.memmap:
     if count == 0:
         return np.zeros(0, dtype=dtype)  # np.memmap cannot map zero bytes
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def roles_path(shard: str | Path) -> Path:
+    """The roles file beside a token shard: train_000000.bin -> train_000000.roles."""
+    return Path(shard).with_suffix(".roles")
+
+
+def read_roles(path: str | Path, tokens: int) -> np.ndarray:
+    """Memory-map a roles file after checking its header and that it has one byte per token of its shard."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"roles file {path} does not exist; a chat data folder has one beside each shard: "
+                                "prepare the data again with data/prepare.py --chat")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    size = path.stat().st_size
+    if len(header) < 3 or int(header[0]) != ROLES_MAGIC or int(header[1]) != ROLES_VERSION:
+        raise ValueError(f"{path} is not a gptlite roles file (magic {ROLES_MAGIC}, version {ROLES_VERSION}); "
+                         "prepare the data again with data/prepare.py --chat")
+    count = int(header[2])
+    if count != tokens or size != HEADER_BYTES + count:
+        raise ValueError(f"{path} holds {size - HEADER_BYTES} role bytes (header: {count}) for a shard of {tokens} "
+                         "tokens; prepare the data again (--overwrite)")
+    if count == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
 def file_sha256(path: str | Path) -> str:
@@ -179,11 +223,12 @@ class ShardWriter:
     """Appends one split's tokens to its open shard, `{split}_{i:06d}.bin.tmp`. A full shard gets its
     header, is synced and checksummed, and takes its final name at `commit()`, once progress.json lists it."""
 
+    suffix = ".bin"
+
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
-        magic = next(m for m, (_, d) in FORMATS.items() if d == dtype)
         self.header = np.zeros(HEADER_INTS, dtype="<i4")  # llm.c's: magic, version, token count, zeros
-        self.header[:2] = magic, FORMATS[magic][0]
+        self.header[:2] = self.magic_and_version()
         state = state or {"shards": [], "open_tokens": 0}
         self.shards: list[dict] = list(state["shards"])  # finished: {"file", "tokens", "sha256"}
         self.pending: list[dict] = []  # finished, final name not yet taken
@@ -193,12 +238,16 @@ class ShardWriter:
             self.file.truncate(self.header.nbytes + self.fill * dtype.itemsize)
             self.file.seek(0, os.SEEK_END)
 
+    def magic_and_version(self) -> tuple[int, int]:
+        magic = next(m for m, (_, d) in FORMATS.items() if d == self.dtype)
+        return magic, FORMATS[magic][0]
+
     def header_bytes(self, count: int) -> bytes:
         self.header[2] = count
         return self.header.tobytes()
 
     def tmp_path(self, index: int) -> Path:
-        return self.out_dir / f"{self.split}_{index:06d}.bin.tmp"
+        return self.out_dir / f"{self.split}_{index:06d}{self.suffix}.tmp"
 
     @property
     def tokens(self) -> int:
@@ -242,3 +291,16 @@ class ShardWriter:
         """Close the last, partly filled shard (its final name comes at the next commit)."""
         if self.fill:
             self.close_shard()
+
+
+class RolesWriter(ShardWriter):
+    """The roles files of a chat preparation, written as ShardWriter writes token shards and in step with them (the
+    same shard_tokens: `{split}_{i:06d}.roles` holds the roles of `{split}_{i:06d}.bin`)."""
+
+    suffix = ".roles"
+
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int, state: dict | None = None):
+        super().__init__(out_dir, split, np.dtype(np.uint8), shard_tokens, state)
+
+    def magic_and_version(self) -> tuple[int, int]:
+        return ROLES_MAGIC, ROLES_VERSION
