@@ -31,16 +31,26 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptlite.checkpoint import (discard_damaged, holds_run, load_checkpoint, remove_leftovers,
-                                 rng_state, run_files, save_run_checkpoint, set_rng_state)
+from gptlite.checkpoint import (
+    discard_damaged,
+    holds_run,
+    load_checkpoint,
+    remove_leftovers,
+    rng_state,
+    run_files,
+    save_run_checkpoint,
+    set_rng_state,
+)
 from gptlite.cli import config_help, parse_args, pick_device, pick_dtype
 from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, flat_fields, read_toml, unknown_key
 from gptlite.data import ChatLoader, ShardLoader, check_vocab, find_shards, is_chat_data, read_shard
+from gptlite.evaluate import byte_lengths, loss_and_bpb, loss_sums
+from gptlite.files import FolderLock, error, fault, make_dir
+from gptlite.hf import fingerprint
+from gptlite.lora import add_lora, lora_state_dict
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 from gptlite.optim import Muon, block_matrices
-from gptlite.evaluate import byte_lengths, loss_and_bpb, loss_sums
-from gptlite.files import FolderLock, error, fault, make_dir
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 # what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
@@ -125,6 +135,7 @@ def make_optimizers(model: GPT, cfg: TrainConfig, device_type: str) -> list[torc
     `lr_ratio` is its peak learning rate over learning_rate: the schedule scales all of them alike."""
     params = [p for p in model.parameters() if p.requires_grad]
     splits = block_matrices(model) if cfg.optimizer == "muon" else {}  # parameter -> logical matrices in it
+    splits = {p: split for p, split in splits.items() if p.requires_grad}  # LoRA: the adapters, never frozen weights
     rest = [p for p in params if p not in splits]
     groups = [
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_ratio": 1.0},
@@ -143,13 +154,15 @@ def make_optimizers(model: GPT, cfg: TrainConfig, device_type: str) -> list[torc
     return optimizers
 
 
-def load_training_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ckpt: dict) -> None:
+def load_training_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ckpt: dict,
+                        strict: bool = True) -> None:
     """Load a checkpoint's weights and optimizer state (moments, momentum buffers, step counts). Every group's
     hyperparameters (lr_ratio, weight decay, betas, momentum) stay those of this run's config: one changed with
-    --key=value on --resume takes effect, and a checkpoint saved before groups had an lr_ratio loads."""
+    --key=value on --resume takes effect, and a checkpoint saved before groups had an lr_ratio loads. `strict=False`
+    loads a LoRA checkpoint's adapters into a model whose frozen weights came from elsewhere."""
     hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
     set_state_dict(model, optimizers, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=True, strict=strict))  # a LoRA checkpoint: adapters only
     for opt, groups in zip(optimizers, hyper):
         for group, values in zip(opt.param_groups, groups):
             group.update(values)
@@ -375,6 +388,10 @@ def resolve_config(argv: list[str]) -> TrainConfig:
         ]
         if changed:
             raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
+        lora = [f"{k}={values[k]} (checkpoint has {saved.get(k)})" for k in ("lora_rank", "lora_targets", "init_from")
+                if k in values and saved.get("lora_rank") and str(values[k]) != str(saved.get(k))]
+        if lora:
+            raise ValueError(f"cannot change the adapters on --resume of the LoRA run in {out_dir}: {', '.join(lora)}")
         if "optimizer" in values and values["optimizer"] != saved.get("optimizer", "adamw"):
             raise ValueError(f"cannot change the optimizer on --resume from {out_dir}: optimizer={values['optimizer']} "
                              f"(checkpoint has {saved.get('optimizer', 'adamw')}, whose state it holds); drop "
@@ -429,6 +446,7 @@ class Run:
     step: int = 0
     best_val: float = float("inf")
     resumed: bool = False  # from a checkpoint of this run folder
+    lora: dict | None = None  # a LoRA run's base (init_from and its sha256) and adapters, saved in its checkpoints
     metrics: MetricsLog | None = None
     wandb: object | None = None
     wandb_id: str | None = None  # the wandb run a resumed run continues
@@ -456,9 +474,13 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
     if cfg.resume:  # the run folder first: its checkpoint says whether pretrained weights are needed at all
         claim(run, cleanup)
         ckpt = newest_checkpoint(run)
-    run.model = build_model(run, pretrained=bool(cfg.init_from) and ckpt is None)
+    # pretrained weights unless a checkpoint holds them all (a LoRA checkpoint holds its adapters only)
+    run.model = build_model(run, pretrained=bool(cfg.init_from) and (ckpt is None or "lora" in ckpt))
+    if cfg.lora_rank:
+        adapt(run, ckpt)
     if not cfg.resume:
         claim(run, cleanup)
+    shard(run)
     make_optimizer(run)
     if ckpt:
         resume_from(run, ckpt)
@@ -530,7 +552,7 @@ def newest_checkpoint(run: Run) -> dict | None:
 
 def build_model(run: Run, pretrained: bool) -> GPT:
     """The model on its device: cfg.init_from's weights when `pretrained`, else fresh ones (the same on every rank:
-    FSDP does not broadcast them). Under FSDP each block is sharded, then the rest."""
+    FSDP does not broadcast them)."""
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
     if pretrained:
@@ -540,13 +562,35 @@ def build_model(run: Run, pretrained: bool) -> GPT:
         model = GPT(cfg.model).to(run.device)
     torch.manual_seed(cfg.seed + run.rank)  # a different dropout stream per rank
     run.n_params, run.flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
-    if cfg.fsdp and run.world_size > 1:
+    return model
+
+
+def shard(run: Run) -> None:
+    """Under FSDP, each block is sharded, then the rest of the model (adapters included)."""
+    if run.cfg.fsdp and run.world_size > 1:
         from torch.distributed.fsdp import fully_shard  # torch >= 2.6
 
-        for block in model.blocks:
+        for block in run.model.blocks:
             fully_shard(block)
-        fully_shard(model)  # the rest: the token embedding (tied to the head), positions, the final norm
-    return model
+        fully_shard(run.model)  # the rest: the token embedding (tied to the head), positions, the final norm
+
+
+def adapt(run: Run, ckpt: dict | None) -> None:
+    """LoRA: freeze the pretrained model and add adapters to it (before FSDP would shard it: see build_model), after
+    checking that its weights are the ones a resumed run's adapters were trained on."""
+    cfg = run.cfg
+    base = fingerprint(cfg.init_from)
+    if ckpt and ckpt["lora"]["sha256"] != base:
+        raise ValueError(f"the base weights of --init_from={cfg.init_from} are not the ones this LoRA run in "
+                         f"{run.out_dir} started from (sha256 {base[:12]}..., the run's {ckpt['lora']['sha256'][:12]}...); "
+                         "put the original weights back there, or start a new run")
+    targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+    add_lora(run.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets)
+    run.lora = {"base": cfg.init_from, "sha256": base, "rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
+                "targets": list(targets)}
+    trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+    run.log(f"LoRA: {trainable:,} trainable parameters in adapters of rank {cfg.lora_rank} on {', '.join(targets)}; "
+            f"the {run.n_params:,} of {cfg.init_from} stay frozen")
 
 
 def make_optimizer(run: Run) -> None:
@@ -558,8 +602,9 @@ def make_optimizer(run: Run) -> None:
 def resume_from(run: Run, ckpt: dict) -> None:
     """Weights, optimizer state, loss scale, data position, step, best val loss and random streams from ckpt; then
     rank 0 deletes damaged step files newer than it."""
-    run.model.check_state(ckpt["model"], f"the checkpoint in {run.out_dir}")
-    load_training_state(run.model, run.optimizers, ckpt)
+    state = run.model.state_dict()
+    run.model.check_state({**state, **ckpt["model"]} if run.lora else ckpt["model"], f"the checkpoint in {run.out_dir}")
+    load_training_state(run.model, run.optimizers, ckpt, strict=not run.lora)
     if ckpt["scaler"]:
         run.scaler.load_state_dict(ckpt["scaler"])
     run.train_loader.restore(ckpt["loader"])
@@ -649,11 +694,13 @@ class Checkpointer:
                     f"the latest good checkpoint stays in {run.out_dir}")
             return
         best = val_loss is not None and val_loss < run.best_val
+        if run.lora:  # the adapters alone: the base weights stay where init_from names them
+            model_state = lora_state_dict(model_state)
         payload = {
             "config": config_to_dict(run.cfg), "model": model_state, "optimizer": optimizer_state,
             "scaler": run.scaler.state_dict(), "step": run.step, "loader": run.train_loader.state(),
             "world_size": run.world_size, "rng": rngs, "best_val_loss": val_loss if best else run.best_val,
-            "val_loss": val_loss, "meta": self.meta,
+            "val_loss": val_loss, "meta": self.meta, **({"lora": run.lora} if run.lora else {}),
         }
         try:
             path = save_run_checkpoint(run.out_dir, payload, keep_last=run.cfg.keep_last, best=best)

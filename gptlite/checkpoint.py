@@ -34,6 +34,7 @@ import torch
 
 from gptlite.config import GPTConfig, build_config
 from gptlite.files import fault, fsync_dir, make_dir
+from gptlite.lora import add_lora, merge_lora
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 
@@ -276,12 +277,36 @@ def load_checkpoint(
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
-    """Build the GPT described by a checkpoint's config and load its weights."""
+    """Build the GPT described by a checkpoint's config and load its weights. A LoRA run's checkpoint holds its
+    adapters alone: its base model is loaded from where init_from names it (checked against the sha256 the run
+    recorded) and the adapters merged into it."""
+    if "lora" in ckpt:
+        return lora_model(ckpt)
     model_config: GPTConfig = build_config(ckpt["config"]).model
     model = GPT(model_config)
     model.check_state(ckpt["model"], "the checkpoint")
     model.load_state_dict(ckpt["model"])
     return model
+
+
+def lora_model(ckpt: dict, merge: bool = True) -> GPT:
+    """The base model of a LoRA checkpoint with its adapters, merged into its weights (or as LoRALinear layers)."""
+    from gptlite.hf import fingerprint
+
+    lora, config = ckpt["lora"], build_config(ckpt["config"])
+    try:
+        base = fingerprint(lora["base"])
+    except (OSError, ConnectionError) as e:
+        raise FileNotFoundError(f"the LoRA run's base model {lora['base']} cannot be read ({e}); its adapters need it "
+                                "where --init_from named it") from None
+    if base != lora["sha256"]:
+        raise ValueError(f"the base weights in {lora['base']} are not the ones this LoRA run was trained on (sha256 "
+                         f"{base[:12]}..., the run's {lora['sha256'][:12]}...); put the original weights back there")
+    model = GPT.from_pretrained(lora["base"], block_size=config.model.block_size)
+    add_lora(model, lora["rank"], lora["alpha"], 0.0, tuple(lora["targets"]))
+    model.check_state({**model.state_dict(), **ckpt["model"]}, "the LoRA checkpoint")
+    model.load_state_dict(ckpt["model"], strict=False)
+    return merge_lora(model).requires_grad_(True) if merge else model
 
 
 def load_model(out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = "") -> tuple[GPT, Tokenizer]:

@@ -114,6 +114,13 @@ class TrainConfig:
                                     "out_dir/previous-TIME/ first")
     init_from: str = option("", "start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a "
                                 "Hugging Face directory; the model's shape comes from it ('' = from scratch)")
+    # LoRA: freeze the pretrained model and train low-rank adapters (gptlite/lora.py) on these layers
+    lora_rank: int | None = option(None, "train LoRA adapters of this rank on a frozen --init_from model (none = "
+                                         "train every weight)")
+    lora_alpha: float = option(16.0, "LoRA's scale: the update is (lora_alpha / lora_rank) B A")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input")
+    lora_targets: str = option("attn.qkv,attn.out_proj,ffn.fc,ffn.out_proj",
+                               "comma-separated ends of the layer names that get adapters")
     # batch
     batch_size: int = option(12, "sequences per device per micro-step")
     total_batch_size: int = option(0, "tokens per optimizer step across all devices (0 = one micro-step, no "
@@ -189,6 +196,13 @@ class TrainConfig:
             problems.append("lr_schedule='time' decays over the time budget; set max_minutes > 0")
         if self.on_nan not in ("skip", "stop"):
             problems.append(f"on_nan={self.on_nan!r} must be skip or stop")
+        if self.lora_rank is not None:
+            if self.lora_rank < 1:
+                problems.append(f"lora_rank={self.lora_rank} must be >= 1 (leave it out to train every weight)")
+            if not self.init_from:
+                problems.append("lora_rank needs --init_from: LoRA adapts a pretrained model, whose weights stay frozen")
+            if not 0 <= self.lora_dropout < 1:
+                problems.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.fsdp and self.dtype == "float16":
             problems.append("fsdp=true trains in bfloat16 or float32, not float16 (no sharded loss scaler here); "
                             "use dtype=bfloat16")

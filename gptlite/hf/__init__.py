@@ -252,6 +252,28 @@ def to_gptlite(family: Family, weights: dict[str, torch.Tensor], config: GPTConf
     return state
 
 
+def fingerprint(name_or_dir: str) -> str:
+    """The sha256 of a checkpoint's config.json and weight files, in name order: what a LoRA run records of its base
+    weights, to find out when they are not the ones its adapters were trained on."""
+    import hashlib
+
+    directory = checkpoint_dir(name_or_dir)
+    names = ["config.json", *WEIGHT_FILES]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names += sorted(set(map(str, read_json(index, "a sharded checkpoint's index").get("weight_map", {}).values())))
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        raise FileNotFoundError(f"{directory} holds none of {', '.join(WEIGHT_FILES)}")
+    digest = hashlib.sha256()
+    for name in names:
+        if (directory / name).is_file():
+            digest.update(name.encode())
+            with open(directory / name, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
 def pretrained_config(name_or_dir: str, **overrides) -> GPTConfig:
     """The GPTConfig of a pretrained checkpoint (downloading only its config.json), with `block_size` (at most
     the checkpoint's) and `dropout` overridden if given."""
@@ -339,8 +361,6 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
     checked before the first write, and the folder ends holding exactly these files, all written or none: a folder
     that holds anything is replaced only with overwrite=True, and then moves aside whole to DIR-previous-TIME (which
     `log` is told)."""
-    from safetensors.torch import save_file
-
     from gptlite.quantize import Int8Linear
 
     if isinstance(model.lm_head, Int8Linear):
@@ -364,10 +384,7 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
                                   "earlier folder is kept beside it as DIR-previous-TIME)")
 
     def write(folder: Path) -> None:
-        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(folder / "model.safetensors", 0o666 & ~umask)  # as any file the user writes (safetensors: private)
+        save_weights(weights, folder / "model.safetensors")
         for name, text in files.items():
             (folder / name).write_text(text, encoding="utf-8")
 
@@ -375,6 +392,16 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
     if previous and log:
         log(f"moved the earlier contents of {directory} to {previous}")
     return [directory / name for name in names]
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file, readable as any file the user writes (safetensors creates it private)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 # ---------------------------------------------------------------------------------------------

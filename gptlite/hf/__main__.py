@@ -1,11 +1,13 @@
 """python -m gptlite.hf export: a training run's newest checkpoint (and its tokenizer) in Hugging Face's layout.
 
     python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]
+    python -m gptlite.hf export --out_dir=LORA_RUN --hf_dir=DIR --adapter   # a PEFT adapter of a LoRA run
 
 DIR then holds exactly config.json, model.safetensors and, for a GPT-2 BPE tokenizer, its tokenizer files, which
 transformers' AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds anything needs
 --overwrite, and the earlier folder moves aside whole to DIR-previous-TIME; an interrupted export leaves the earlier
-folder as it was.
+folder as it was. A LoRA run exports as its merged model, or with --adapter as a PEFT adapter
+(adapter_config.json, adapter_model.safetensors) for its base model.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
+from gptlite.checkpoint import load_checkpoint, lora_model, model_from_checkpoint
 from gptlite.cli import parse, run_command
 from gptlite.config import option
 from gptlite.hf import export_hf, family_of, gpt2_tokenizer_problem
+from gptlite.hf.adapter import export_adapter
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 COMMANDS = ("export",)
@@ -30,6 +33,7 @@ class ExportOptions:
     out_dir: str = option("", "the training run (its newest checkpoint and tokenizer.json)")
     hf_dir: str = option("", "where config.json, model.safetensors and the tokenizer files go")
     overwrite: bool = option(False, "replace what hf_dir holds (the earlier folder moves aside to HF_DIR-previous-TIME)")
+    adapter: bool = option(False, "a LoRA run: write its adapters as a PEFT adapter instead of the merged model")
 
 
 def export(options: ExportOptions) -> int:
@@ -43,7 +47,14 @@ def export(options: ExportOptions) -> int:
     if os.path.realpath(hf_dir) == os.path.realpath(run) or Path(os.path.realpath(hf_dir)) in Path(os.path.realpath(run)).parents:
         raise ValueError(f"--hf_dir={hf_dir} holds the run {run} itself; export to a folder outside the run "
                          f"(e.g. --hf_dir={run}/hf)")
-    model = model_from_checkpoint(load_checkpoint(run))
+    ckpt = load_checkpoint(run)
+    if options.adapter:
+        if "lora" not in ckpt:
+            raise ValueError(f"{run} is not a LoRA run (trained without --lora_rank); export it without --adapter")
+        written = export_adapter(lora_model(ckpt, merge=False), hf_dir, ckpt["lora"]["base"], options.overwrite, print)
+        print(f"wrote {', '.join(p.name for p in written)} to {hf_dir} (a PEFT adapter for {ckpt['lora']['base']})")
+        return 0
+    model = model_from_checkpoint(ckpt)
     tokenizer_file = run / TOKENIZER_FILE
     tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
     problem = gpt2_tokenizer_problem(tokenizer) if tokenizer else f"no {tokenizer_file}"
