@@ -1,0 +1,66 @@
+"""RowCache: the keys and values of every layer for `rows` requests at once, each row at its own length.
+
+A request owns one row from its prefill to its last token. Decoding feeds the newest token of rows 0..n-1
+(the engine keeps the running rows first, so a step costs the running rows, not every row); each row writes
+its keys and values at its own length, attends over its own slots only, and counts positions from its own
+first token. The model reads the cache through `update`, `mask` and `pos` (see gptlite.model).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from gptlite.config import GPTConfig
+
+
+def kv_shape(config: GPTConfig) -> tuple[int, int]:
+    """(key/value heads, head width) of the model's attention: the one place the cache's shape comes from."""
+    return config.n_head, config.n_embd // config.n_head
+
+
+class RowCache:
+    """Per-layer keys and values (rows, H, max_len, D), written in place; `prepare` sets up the next call."""
+
+    def __init__(self, config: GPTConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        heads, width = kv_shape(config)
+        shape = (rows, heads, max_len, width)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (R, H, L, D) each
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.rows, self.max_len, self.device = rows, max_len, torch.device(device)
+        self.span = 0  # S: slots the next call attends over
+        self.selected = slice(0, 0)  # the rows the next call runs
+        self.row_ids = torch.zeros(0, 1, dtype=torch.long)  # (n, 1) their indices
+        self.slots = torch.zeros(0, 0, dtype=torch.long)  # (n, T) where their tokens go
+        self.pos = self.slots  # (n, T) the tokens' positions: a row's first token is at slot 0, position 0
+        self.mask: torch.Tensor | None = None  # (n, 1, T, S) True where a query may see a key
+
+    def prepare(self, first: int, lengths: list[int], T: int) -> None:
+        """The next forward call feeds T tokens to each of rows first..first+n-1 (n = len(lengths)), whose
+        caches hold lengths[i] tokens; row i's tokens go to slots lengths[i]..lengths[i]+T-1."""
+        n = len(lengths)
+        assert first + n <= self.rows and max(lengths) + T <= self.max_len, "RowCache overflow"
+        lens = torch.tensor(lengths, device=self.device)  # (n,)
+        self.selected = slice(first, first + n)
+        self.row_ids = torch.arange(first, first + n, device=self.device)[:, None]  # (n, 1)
+        self.slots = lens[:, None] + torch.arange(T, device=self.device)  # (n, T)
+        self.pos = self.slots
+        self.span = max(lengths) + T
+        if n == 1 and T == 1:  # one query that sees every slot up to its own
+            self.mask = None
+            return
+        keys = torch.arange(self.span, device=self.device)  # (S,)
+        self.mask = (keys[None, None, :] <= self.slots[:, :, None])[:, None]  # (n, 1, T, S): causal, own slots only
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer's k, v (n, H, T, D) at the prepared slots; return its keys and values (n, H, S, D)."""
+        self.k[layer][self.row_ids, :, self.slots] = k.transpose(1, 2)  # indexed as (n, T, H, D)
+        self.v[layer][self.row_ids, :, self.slots] = v.transpose(1, 2)
+        return self.k[layer][self.selected, :, : self.span], self.v[layer][self.selected, :, : self.span]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Row dst takes over the first `length` slots of row src (the engine keeps its running rows first)."""
+        for buffer in self.k + self.v:
+            buffer[dst, :, :length] = buffer[src, :, :length]
