@@ -1,0 +1,235 @@
+"""The HTTP side: a FastAPI app that speaks OpenAI's API over an `Engine`, and serves the chat page.
+
+    GET  /                      the chat page (gptlite/serve/chat.html)
+    GET  /v1/models             the one model served, with `chat` (whether it has a chat template) and `context`
+    POST /v1/completions        prompt -> text
+    POST /v1/chat/completions   messages, rendered with the tokenizer's chat template -> the assistant's reply
+
+Admission: at most max_batch + max_waiting completions are in flight (running or queued for a row); past that
+a request gets a 429, or with `wait_when_full` waits for room, holding no cache row while it waits. A streamed
+request whose client goes away is cancelled, which frees its row before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from importlib import resources
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from gptlite.serve.engine import Job, Params, Piece
+from gptlite.serve.protocol import (APIError, ChatRequest, CompletionRequest, GenerationRequest, chat_completion, chunk,
+                                    completion, new_id, parse_body, sse, usage)
+
+if TYPE_CHECKING:
+    from gptlite.serve.engine import Engine
+    from gptlite.tokenizer import Tokenizer
+
+WAIT_POLL = 0.02  # seconds between looks for room, with wait_when_full
+
+
+class Generation:
+    """One request's jobs, their pieces handed from the engine's thread to the event loop as (job index, Piece)."""
+
+    def __init__(self, jobs: list[tuple[list[int], Params]]):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Piece]] = asyncio.Queue()
+        self.jobs = [Job(prompt, params, self.emitter(i)) for i, (prompt, params) in enumerate(jobs)]
+        self.open = len(self.jobs)
+        self.tokens = [0] * len(self.jobs)  # tokens each job has generated
+
+    def emitter(self, index: int):
+        def emit(piece: Piece) -> None:  # on the engine's thread
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, piece))
+            except RuntimeError:  # the event loop has closed: nobody is listening
+                self.jobs[index].cancel()
+        return emit
+
+    async def next(self) -> tuple[int, Piece]:
+        index, piece = await self.queue.get()
+        self.tokens[index] = piece.tokens
+        self.open -= piece.finish_reason is not None
+        return index, piece
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+
+class Server:
+    """The app's state: the engine, the tokenizer, the model's name, and how many completions are in flight."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int, wait_when_full: bool):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.limit = engine.max_batch + max_waiting
+        self.wait_when_full = wait_when_full
+        self.in_flight = 0
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist here; this server has '{self.model_name}'",
+                           "model", "model_not_found")
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's ids; an empty prompt starts from the end-of-text token (else id 0), as sample.py does."""
+        eot = self.tokenizer.eot_id
+        return self.tokenizer.encode(text) or [eot if eot is not None else 0]
+
+    def stop_tokens(self) -> tuple[int, ...]:
+        """Ids that end a completion: end of text, and the end of a turn where the tokenizer has one."""
+        ids = (self.tokenizer.eot_id, getattr(self.tokenizer, "end_of_turn_id", None))
+        return tuple(i for i in ids if i is not None)
+
+    def jobs(self, body: GenerationRequest, prompts: list[list[int]], param: str) -> list[tuple[list[int], Params]]:
+        """Each prompt n times with its Params, checked against the context and the batch."""
+        if len(prompts) * body.n > self.engine.max_batch:
+            raise APIError(400, f"n={body.n} x {len(prompts)} prompt(s) asks for {len(prompts) * body.n} completions "
+                           f"at once; this server runs at most {self.engine.max_batch} (its --max_batch)", "n")
+        context, stops, out = self.engine.max_len, body.stops(), []
+        for prompt in prompts:
+            if len(prompt) >= context:
+                raise APIError(400, f"the prompt has {len(prompt)} tokens, but this model's context is {context} tokens "
+                               "with at least one left to generate; shorten the prompt", param, "context_length_exceeded")
+            room = context - len(prompt)
+            asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
+            default = type(body).model_fields["max_tokens"].default  # completions 16; chat: the rest of the context
+            max_tokens = asked if asked is not None else min(default or room, room)
+            if max_tokens > room:
+                raise APIError(400, f"the prompt's {len(prompt)} tokens plus max_tokens={max_tokens} exceed this model's "
+                               f"context of {context} tokens; ask for at most {room}", "max_tokens", "context_length_exceeded")
+            params = Params(max_tokens, body.temperature, body.top_p if body.top_p < 1 else None, stops,
+                            self.stop_tokens(), body.seed)
+            out += [(prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + j))
+                    for j in range(body.n)]
+        return out
+
+    async def admit(self, k: int) -> None:
+        """Take room for k completions, or raise a 429 (or wait, with wait_when_full)."""
+        while self.in_flight + k > self.limit:
+            if not self.wait_when_full:
+                raise APIError(429, f"the server is full ({self.in_flight} completions running or queued, at most "
+                               f"{self.limit}); retry shortly", None, "server_full", "rate_limit_error")
+            await asyncio.sleep(WAIT_POLL)
+        self.in_flight += k
+
+    async def respond(self, body: GenerationRequest, prompts: list[list[int]], chat: bool, param: str):
+        """Run the request's jobs; a JSON response, or a stream of server-sent events."""
+        jobs = self.jobs(body, prompts, param)
+        await self.admit(len(jobs))
+        gen = Generation(jobs)
+        streaming = False
+        try:
+            for job in gen.jobs:
+                self.engine.submit(job)
+            first = await gen.next()
+            if first[1].error:
+                raise APIError(500, first[1].error, None, None, "server_error")
+            prompt_tokens = sum(len(p) for p in prompts)
+            if body.stream:
+                streaming = True  # the stream owns the jobs from here
+                return StreamingResponse(self.stream(gen, first, body, chat, prompt_tokens), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return JSONResponse(await self.collect(gen, first, body, chat, prompt_tokens))
+        finally:
+            if not streaming:
+                gen.cancel()
+                self.in_flight -= len(gen.jobs)
+
+    async def collect(self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool,
+                      prompt_tokens: int) -> dict:
+        n = len(gen.jobs)
+        texts, reasons = [""] * n, [""] * n
+        index, piece = first
+        while True:
+            if piece.error:
+                raise APIError(500, piece.error, None, None, "server_error")
+            texts[index] += piece.text
+            reasons[index] = piece.finish_reason or reasons[index]
+            if not gen.open:
+                break
+            index, piece = await gen.next()
+        build = chat_completion if chat else completion
+        return build(new_id("chatcmpl" if chat else "cmpl"), body.model, texts, reasons, usage(prompt_tokens, sum(gen.tokens)))
+
+    async def stream(self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool,
+                     prompt_tokens: int):
+        """Server-sent events: each choice's pieces as chunks, the usage chunk if asked, then [DONE]."""
+        rid, started = new_id("chatcmpl" if chat else "cmpl"), set()
+        try:
+            index, piece = first
+            while True:
+                if piece.error:
+                    yield sse(APIError(500, piece.error, None, None, "server_error").body())
+                    return
+                if chat and index not in started:
+                    started.add(index)
+                    yield sse(chunk(rid, body.model, chat, index, "", None, first=True))
+                if piece.text or piece.finish_reason:
+                    yield sse(chunk(rid, body.model, chat, index, piece.text, piece.finish_reason))
+                if not gen.open:
+                    break
+                index, piece = await gen.next()
+            if body.stream_options and body.stream_options.include_usage:
+                yield sse(chunk(rid, body.model, chat, None, None, None, use=usage(prompt_tokens, sum(gen.tokens))))
+            yield sse("[DONE]")
+        finally:  # finished, or the client went away: either way the rows are freed
+            gen.cancel()
+            self.in_flight -= len(gen.jobs)
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int | None = None,
+               wait_when_full: bool = False) -> FastAPI:
+    """The app serving `engine` (started and closed by the caller) as `model_name`; max_waiting defaults to max_batch."""
+    server = Server(engine, tokenizer, model_name, engine.max_batch if max_waiting is None else max_waiting, wait_when_full)
+    app = FastAPI(title="gptlite", docs_url=None, redoc_url=None, openapi_url=None)  # no pages that load scripts from a CDN
+    app.state.server = server
+    page = resources.files("gptlite.serve").joinpath("chat.html").read_text(encoding="utf-8")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), status_code=500)
+
+    @app.get("/")
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "gptlite",
+                "chat": getattr(tokenizer, "chat_template", None) is not None, "context": engine.max_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_body(await request.body(), CompletionRequest)
+        server.check_model(body.model)
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not texts:
+            raise APIError(400, "prompt is an empty list; give a string or a list of strings", "prompt")
+        return await server.respond(body, [server.encode(t) for t in texts], chat=False, param="prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse_body(await request.body(), ChatRequest)
+        server.check_model(body.model)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise APIError(400, f"the model '{model_name}' has no chat template, so it cannot render messages; use "
+                           "/v1/completions with a plain prompt", "messages", "no_chat_template")
+        ids = tokenizer.apply_chat_template([m.as_dict() for m in body.messages], add_generation_prompt=True)
+        return await server.respond(body, [ids], chat=True, param="messages")
+
+    return app

@@ -1,0 +1,153 @@
+"""OpenAI's API shapes: the request bodies of /v1/completions and /v1/chat/completions, checked, and the
+responses, chunks and errors the official `openai` client reads.
+
+Bodies are checked strictly (a string where a number belongs is an error, as OpenAI's API has it); fields
+this server does not implement are refused when they ask for something (`logprobs`, penalties, tools...)
+and ignored when they ask for nothing, so a client's defaults pass.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
+               "frequency_penalty", "tools", "functions", "tool_choice", "response_format")
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+
+
+class APIError(Exception):
+    """An error a request gets back, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise APIError(400, f"stop has {len(stops)} strings; give at most {MAX_STOP}", "stop")
+        return tuple(s for s in stops if s)
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+    @model_validator(mode="after")
+    def newer_name(self) -> ChatRequest:
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens  # sets it in model_fields_set too
+        return self
+
+
+def parse_body(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
+    """The request body as `model`, or a 400 APIError naming the first problem and its field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        given = "" if first["type"] == "missing" else f", got {json.dumps(first.get('input'))[:80]}"
+        raise APIError(400, f"{param}: {first['msg']}{given}", param) from None
+    for name in UNSUPPORTED:
+        if (request.model_extra or {}).get(name) not in (None, False, 0, [], {}):
+            raise APIError(400, f"{name} is not supported by this server; leave it out", name)
+    return request
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
+    choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": use}
+
+
+def chat_completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
+    choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+               for i, (t, r) in enumerate(zip(texts, reasons))]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": use}
+
+
+def chunk(rid: str, model: str, chat: bool, index: int | None, text: str | None, reason: str | None,
+          first: bool = False, use: dict | None = None) -> dict:
+    """One streamed chunk of a choice (index None: the closing usage chunk, which has no choices)."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": index, "delta": delta if text is not None else {}, "logprobs": None, "finish_reason": reason}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [] if index is None else [choice]}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,208 @@
+"""gptlite.serve through the official `openai` client (and raw HTTP for bodies it would not send), against a tiny
+model served on a free local port: greedy text, streaming, stop strings, n and seeds, concurrency, every bad
+input's 4xx in OpenAI's error shape, a failing model's 500, disconnects, a full queue, and chat templates."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from gptlite.serve.__main__ import ServeOptions
+from tests.serving import MODEL, Served, slow_steps
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served(max_batch=8)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_models_lists_the_one_model(client):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.owned_by == "gptlite"
+
+
+def test_completion_is_the_models_greedy_text(served, client):
+    r = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0)
+    (choice,) = r.choices
+    assert choice.text == served.greedy("ROMEO:", 30)
+    assert choice.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 30, 36)
+
+
+def test_stream_chunks_join_to_the_whole_text(client):
+    args = dict(model=MODEL, prompt="Hello", max_tokens=40, temperature=0)
+    whole = client.completions.create(**args).choices[0].text
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 40 and chunks[-1].usage.prompt_tokens == 5
+
+
+def test_stop_strings_cut_the_text(served, client):
+    greedy = served.greedy("ROMEO:", 30)
+    stop = greedy[10:12]
+    r = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0, stop=[stop, "\u00e9\u00e9"])
+    assert r.choices[0].text == greedy[: greedy.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_n_choices_and_seeds_reproduce(client):
+    args = dict(model=MODEL, prompt=["To be", "or not"], max_tokens=12, temperature=1.0, n=3, seed=7)
+    first, again = client.completions.create(**args), client.completions.create(**args)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == list(range(6)) and texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1 and first.usage.completion_tokens == 6 * 12 and first.usage.prompt_tokens == 5 + 6
+    other = client.completions.create(**{**args, "seed": 8})
+    assert [c.text for c in other.choices] != texts
+
+
+def test_eight_concurrent_streams_all_finish_with_their_greedy_text(served, client):
+    prompts = ["ROMEO:", "a", "The quick brown", "To be or not to be", "x", "Hello, world", "JULIET: O", "12345"]
+
+    def run(prompt: str) -> str:
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in stream)
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(run, prompts))
+    assert texts == [served.greedy(p, 40) for p in prompts]
+
+
+def post(served, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(served.url + path, timeout=30, **kwargs)
+
+
+GOOD = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error's param, a phrase of its message)
+    "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
+    "not an object": ("/v1/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+    "missing prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt", "Field required"),
+    "missing model": ("/v1/completions", {"prompt": "Hi"}, 400, "model", "Field required"),
+    "max_tokens a string": ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
+    "temperature a string": ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "valid number"),
+    "max_tokens 0": ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    "temperature 3": ("/v1/completions", {**GOOD, "temperature": 3}, 400, "temperature", "less than or equal to 2"),
+    "prompt past the context": ("/v1/completions", {**GOOD, "prompt": "x" * 200}, 400, "prompt", "context is 128"),
+    "max_tokens past the context": ("/v1/completions", {**GOOD, "max_tokens": 200}, 400, "max_tokens", "at most 126"),
+    "unknown model": ("/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model", "does not exist"),
+    "n too large": ("/v1/completions", {**GOOD, "n": 9}, 400, "n", "at most 8"),
+    "too many stops": ("/v1/completions", {**GOOD, "stop": list("abcde")}, 400, "stop", "at most 4"),
+    "logprobs": ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs", "not supported"),
+    "chat without messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
+    "a message's role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, 400,
+                         "messages.0.role", "Input should be"),
+    "unknown path": ("/v1/embeddings", {}, 404, None, "Not Found"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_gets_its_4xx_and_the_server_goes_on(served, client, name):
+    path, body, status, param, phrase = BAD_INPUTS[name]
+    r = post(served, path, content=body) if isinstance(body, bytes) else post(served, path, json=body)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and phrase in error["message"]
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+
+
+def test_the_openai_client_raises_on_a_4xx(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="Hi")
+
+
+def test_an_error_inside_the_model_is_a_500_and_the_server_goes_on(served, client, monkeypatch):
+    step, calls = served.engine.step, []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the model broke")
+        return step(*args)
+
+    monkeypatch.setattr(served.engine, "step", fails_once)
+    with pytest.raises(openai.InternalServerError, match="the model broke"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=5)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=5).choices[0].finish_reason == "length"
+    assert wait_for(lambda: served.engine.active == 0)  # the row is freed just after its last piece is sent
+
+
+def wait_for(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_a_disconnected_stream_frees_its_row(served, monkeypatch):
+    slow_steps(monkeypatch, served.engine, 0.02)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 120, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert [next(lines) for _ in range(6)][0].startswith("data: ")
+        assert served.engine.active == 1
+    assert wait_for(lambda: served.engine.active == 0, 1.0)  # long before its 120 tokens (2.4 s) were done
+    assert served.app.state.server.in_flight == 0
+
+
+def test_past_max_batch_plus_max_waiting_a_request_gets_a_429(served, client, monkeypatch):
+    slow_steps(monkeypatch, served.engine, 0.02)
+    monkeypatch.setattr(served.app.state.server, "limit", 1)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 60, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response
+        next(lines)
+        with pytest.raises(openai.RateLimitError, match="the server is full"):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    monkeypatch.setattr(served.app.state.server, "wait_when_full", True)
+    with ThreadPoolExecutor(2) as pool:  # waiting instead: both finish, one after the other
+        texts = list(pool.map(lambda _: client.completions.create(**GOOD).choices[0].text, range(2)))
+    assert len(texts) == 2
+
+
+def test_chat_renders_the_template_and_streams(served, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    prompt = served.tokenizer.render(messages, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(served.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    assert r.choices[0].message.content == served.greedy(prompt, 20) and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    default = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)  # the rest of the context
+    assert default.usage.completion_tokens == 128 - r.usage.prompt_tokens and default.choices[0].finish_reason == "length"
+
+
+def test_chat_without_a_template_is_a_400_that_says_so(served, client, monkeypatch):
+    monkeypatch.setattr(served.tokenizer, "chat_template", None)
+    with pytest.raises(openai.BadRequestError, match="has no chat template"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert client.models.list().data[0].chat is False
+
+
+def test_the_page_is_served(served):
+    r = httpx.get(served.url + "/")
+    assert r.status_code == 200 and "/v1/chat/completions" in r.text and "http" not in r.text.replace("http-equiv", "")
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="give one of --out_dir=RUN"):
+        ServeOptions()
+    with pytest.raises(ValueError, match="max_batch=0 must be >= 1"):
+        ServeOptions(out_dir="run", max_batch=0)
