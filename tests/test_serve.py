@@ -206,3 +206,49 @@ def test_options_are_checked():
         ServeOptions()
     with pytest.raises(ValueError, match="max_batch=0 must be >= 1"):
         ServeOptions(out_dir="run", max_batch=0)
+
+
+def test_the_command_serves_a_run_folder_until_interrupted(tmp_path):
+    """python -m gptlite.serve --out_dir=RUN: a completion through the openai client, then SIGINT ends it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from gptlite.checkpoint import save_checkpoint
+    from gptlite.config import build_config, config_to_dict
+    from tests.conftest import ROOT, tiny_model
+    from tests.serving import CHARS, TemplateTokenizer, free_port
+
+    cfg = build_config({"vocab_size": 97, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32})
+    save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(cfg), "model": tiny_model().state_dict()})
+    TemplateTokenizer(CHARS).save(tmp_path / "tokenizer.json")
+    port = free_port()
+    cmd = [sys.executable, "-m", "gptlite.serve", f"--out_dir={tmp_path}", f"--port={port}", "--device=cpu"]
+    server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                (card,) = client.models.list().data
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        assert card.id == tmp_path.name and card.chat is False  # a saved tokenizer.json has no chat template
+        r = client.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0)
+        assert r.usage.completion_tokens == 10
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=30)
+    assert server.returncode == 128 + signal.SIGINT and "gptlite.serve: interrupted (SIGINT)" in err
+
+
+def test_the_command_refuses_bad_options_in_one_line(capsys):
+    from gptlite.serve.__main__ import main
+
+    assert main(["--out_dir=run", "--max_batch=0", "--when_full=later"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "when_full='later' must be one of reject, wait" in err
+    assert main(["--help"]) == 0 and "--max_batch=16" in capsys.readouterr().out

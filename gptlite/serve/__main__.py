@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
         options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
         engine, app = build(options)
+        server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level))
         try:
-            uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
+            server.run()  # after a graceful shutdown on SIGINT/SIGTERM it raises the signal again, for run_command
         finally:
             engine.close()
         return 0

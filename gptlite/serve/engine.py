@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.generate import TextStream, packed_for_cpu, sample_next
+from gptlite.cpu_decode import packed_for_cpu
+from gptlite.generate import TextStream
+from gptlite.sampling import mask_vocab, sample_next
 from gptlite.serve.rows import RowCache
 
 if TYPE_CHECKING:
@@ -93,7 +95,7 @@ class Engine:
         weight = model.tok_emb.weight
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.max_len = min(max_len or config.block_size, config.block_size)  # a row's prompt + completion
-        self.cache = RowCache(config, max_batch, self.max_len, weight.dtype, weight.device)
+        self.cache = RowCache(config, max_batch, self.max_len, weight.dtype, weight.device, always_mask=compile)
         self.vocab = min(tokenizer.vocab_size, config.vocab_size)  # ids past the tokenizer's are never sampled
         if compile:  # the plain modules, which inductor compiles
             self.one = self.many = model
@@ -183,7 +185,7 @@ class Engine:
 
     def sample(self, logits: torch.Tensor, rows: list[Row]) -> None:
         """Pick each row's next token from logits (n, V), and emit it."""
-        logits = logits[:, : self.vocab]  # (n, V') the tokenizer's ids only
+        logits = mask_vocab(logits, self.vocab)  # (n, V): never an id the tokenizer lacks
         greedy = logits.argmax(dim=-1).tolist()
         for i, row in enumerate(rows):
             p = row.job.params

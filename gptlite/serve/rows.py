@@ -24,8 +24,10 @@ def kv_shape(config: GPTConfig) -> tuple[int, int]:
 class RowCache:
     """Per-layer keys and values (rows, H, max_len, D), written in place; `prepare` sets up the next call."""
 
-    def __init__(self, config: GPTConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: GPTConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 always_mask: bool = False):
         heads, width = kv_shape(config)
+        self.always_mask = always_mask  # a mask even where none is needed (a compiled step then has one graph less)
         shape = (rows, heads, max_len, width)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (R, H, L, D) each
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
@@ -48,7 +50,7 @@ class RowCache:
         self.slots = lens[:, None] + torch.arange(T, device=self.device)  # (n, T)
         self.pos = self.slots
         self.span = max(lengths) + T
-        if n == 1 and T == 1:  # one query that sees every slot up to its own
+        if n == 1 and T == 1 and not self.always_mask:  # one query that sees every slot up to its own
             self.mask = None
             return
         keys = torch.arange(self.span, device=self.device)  # (S,)

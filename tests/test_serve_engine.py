@@ -1,0 +1,127 @@
+"""The continuous-batching engine without HTTP: greedy text equal to GPT.generate's for requests that join and
+leave a running batch, rows freed and compacted mid-flight, stop tokens, the tokenizer's vocabulary, compile."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gptlite.serve.engine import Engine, Job, Params
+from gptlite.serve.rows import RowCache, kv_shape
+from gptlite.tokenizer import CharTokenizer
+from tests.conftest import VARIANTS, tiny_model
+from tests.serving import CHARS
+
+PROMPTS = ["ROMEO:", "a", "The quick brown", "To be or not to", "x", "Hello, world", "JULIET: O", "12345", "zz"]
+
+
+class Collect:
+    """Jobs' pieces, gathered; `wait` until every job has finished."""
+
+    def __init__(self, engine: Engine, tokenizer, prompts: list[str], params: Params, on_piece=None):
+        self.pieces: list[list] = [[] for _ in prompts]
+        self.left = len(prompts)
+        self.done = threading.Event()
+        self.on_piece = on_piece
+        self.jobs = [Job(tokenizer.encode(p), params, self.emitter(i)) for i, p in enumerate(prompts)]
+        for job in self.jobs:
+            engine.submit(job)
+
+    def emitter(self, i: int):
+        def emit(piece) -> None:
+            self.pieces[i].append(piece)
+            if self.on_piece:
+                self.on_piece(i, piece)
+            if piece.finish_reason:
+                self.left -= 1
+                if self.left == 0:
+                    self.done.set()
+        return emit
+
+    def wait(self) -> list[str]:
+        assert self.done.wait(60), "the engine did not finish"
+        return ["".join(p.text for p in pieces) for pieces in self.pieces]
+
+
+def greedy(model, tokenizer, prompt: str, n: int) -> str:
+    ids = tokenizer.encode(prompt)
+    return tokenizer.decode(model.generate(torch.tensor([ids]), n, temperature=0)[0, len(ids):].tolist())
+
+
+@pytest.mark.parametrize("name", ["learned", "rope", "gpt2", "llama"])
+def test_requests_joining_a_running_batch_decode_their_greedy_text(name):
+    """Nine requests on four rows: they queue, join the batch as rows free up, and each decodes what it would alone."""
+    model, tokenizer = tiny_model(**VARIANTS[name]), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=4).start()
+    try:
+        texts = Collect(engine, tokenizer, PROMPTS, Params(max_tokens=15, temperature=0)).wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 15) for p in PROMPTS]
+    assert engine.active == 0
+
+
+def test_a_cancelled_row_is_freed_and_the_others_go_on_unchanged():
+    """Cancelling the first of three running rows moves the last into its place; every survivor's text is intact."""
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=3).start()
+    prompts = ["ROMEO:", "Hello", "x"]
+
+    def cancel_first(i, piece):
+        if i == 0 and piece.tokens == 3:
+            collect.jobs[0].cancel()
+
+    try:
+        collect = Collect(engine, tokenizer, prompts, Params(max_tokens=20, temperature=0), cancel_first)
+        collect.left -= 1  # the cancelled job never finishes
+        texts = collect.wait()
+    finally:
+        engine.close()
+    assert len(collect.pieces[0]) == 3 and collect.pieces[0][-1].finish_reason is None
+    assert texts[1:] == [greedy(model, tokenizer, p, 20) for p in prompts[1:]]
+
+
+def test_a_stop_token_ends_the_request_without_its_text():
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    whole = greedy(model, tokenizer, "ROMEO:", 10)
+    engine = Engine(model, tokenizer, max_batch=2).start()
+    try:
+        collect = Collect(engine, tokenizer, ["ROMEO:"], Params(10, 0, stop_tokens=tuple(tokenizer.encode(whole[4]))))
+        (text,) = collect.wait()
+    finally:
+        engine.close()
+    assert text == whole[: whole.index(whole[4])] and collect.pieces[0][-1].finish_reason == "stop"
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
+    """A model whose vocabulary is padded past its tokenizer's (97 ids, 60 characters): every sample decodes."""
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS[:60])
+    engine = Engine(model, tokenizer, max_batch=4).start()
+    try:
+        collect = Collect(engine, tokenizer, ["ABC"] * 4, Params(max_tokens=25, temperature=2.0, seed=1))
+        texts = collect.wait()
+    finally:
+        engine.close()
+    assert all(pieces[-1].finish_reason == "length" for pieces in collect.pieces)
+    assert all(len(t) == 25 and set(t) <= set(CHARS[:60]) for t in texts)
+
+
+def test_the_cache_shape_comes_from_one_function():
+    config = tiny_model().config
+    cache = RowCache(config, rows=3, max_len=16, dtype=torch.float32, device="cpu")
+    assert kv_shape(config) == (4, 8) and cache.k[0].shape == (3, 4, 16, 8) and len(cache.v) == config.n_layer
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_steps_decode_the_same_greedy_text():
+    """Three graphs compile (prefill, one row, several rows; dynamic sizes past 1), then serve every request."""
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    prompts = [p for p in PROMPTS if len(p) > 1][:5]  # a one-token prompt would compile a graph of its own
+    engine = Engine(model, tokenizer, max_batch=4, compile=True).start()
+    try:
+        texts = Collect(engine, tokenizer, prompts, Params(max_tokens=10, temperature=0)).wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 10) for p in prompts]
