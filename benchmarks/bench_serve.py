@@ -53,6 +53,7 @@ class BenchOptions:
     max_tokens: int = option(64, "completion tokens per request")
     tokenizer: str = option("", "GPT-2's .tiktoken ranks file (default: ../shared/tokenizers/gpt2.tiktoken)")
     port: int = option(8765, "the server's port")
+    compile: bool = option(False, "start the server with --compile (its first requests compile, before the timing)")
     json: str = option("", "also write the results here")
 
 
@@ -110,12 +111,12 @@ def memory(pid: int) -> dict[str, int]:
     return {k: int(fields[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}
 
 
-def start_server(run: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(run: Path, port: int, log: Path, compile: bool) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "gptlite.serve", f"--out_dir={run}", "--model_name=bench", f"--port={port}",
-           "--max_batch=16", "--log_level=warning"]
+           "--max_batch=16", "--log_level=warning", f"--compile={compile}"]
     server = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
+    deadline = time.time() + 600
     while True:
         try:
             httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).raise_for_status()
@@ -175,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(tmp)
             make_run(run, ranks)
-            server = start_server(run, options.port, run / "server.log")
+            server = start_server(run, options.port, run / "server.log", options.compile)
             try:
                 url = f"http://127.0.0.1:{options.port}"
-                run_level(url, 2, 8, concurrent=True)  # warm up both paths
+                run_level(url, 1, 8, concurrent=False)  # warm up (or compile) the one-row path
+                run_level(url, 2, 8, concurrent=True)  # and the batch's
                 results, mem = measure(options, url, server.pid)
             finally:
                 server.terminate()

@@ -104,6 +104,9 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
     "chat without messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
     "a message's role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, 400,
                          "messages.0.role", "Input should be"),
+    "a character the tokenizer lacks": ("/v1/completions", {**GOOD, "prompt": "\u2603"}, 400, "prompt", "not in this char"),
+    "a message the tokenizer cannot encode": ("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "\u2603"}]}, 400, "messages", "not in this char"),
     "unknown path": ("/v1/embeddings", {}, 404, None, "Not Found"),
 }
 

@@ -125,3 +125,13 @@ def test_compiled_steps_decode_the_same_greedy_text():
     finally:
         engine.close()
     assert texts == [greedy(model, tokenizer, p, 10) for p in prompts]
+
+
+def test_an_int8_model_decodes_its_own_greedy_text():
+    model, tokenizer = tiny_model().quantize("int8"), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=3).start()
+    try:
+        texts = Collect(engine, tokenizer, PROMPTS[:4], Params(max_tokens=12, temperature=0)).wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]

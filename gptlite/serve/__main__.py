@@ -39,9 +39,9 @@ class ServeOptions:
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = option("auto", "the weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
                         choices=("auto", "float32", "bfloat16", "float16"))
-    compile: bool = option(False, "torch.compile the model's prefill and decode steps with dynamic shapes (the "
-                                  "first requests of each kind compile); without it, float32 on the CPU runs "
-                                  "sample.py's packed layers")
+    compile: bool = option(False, "torch.compile the prefill and decode steps, dynamic shapes (the first requests "
+                                  "compile three graphs); for GPUs: on a CPU the default eager path, sample.py's "
+                                  "slab and packed layers, decodes faster (docs/serve.md)")
     quantize: str = option("", "int8: weight-only int8 weights", choices=("", "int8"))
     log_level: str = option("info", "uvicorn's log level", choices=("critical", "error", "warning", "info", "debug"))
 

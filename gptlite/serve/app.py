@@ -78,7 +78,17 @@ class Server:
     def encode(self, text: str) -> list[int]:
         """A prompt's ids; an empty prompt starts from the end-of-text token (else id 0), as sample.py does."""
         eot = self.tokenizer.eot_id
-        return self.tokenizer.encode(text) or [eot if eot is not None else 0]
+        try:
+            return self.tokenizer.encode(text) or [eot if eot is not None else 0]
+        except ValueError as e:  # e.g. a character a char tokenizer never saw
+            raise APIError(400, str(e), "prompt") from None
+
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        """The messages' ids through the tokenizer's chat template, ending where the assistant's reply begins."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:  # a template's own rules (e.g. roles that must alternate), or an unknown character
+            raise APIError(400, str(e), "messages") from None
 
     def stop_tokens(self) -> tuple[int, ...]:
         """Ids that end a completion: end of text, and the end of a turn where the tokenizer has one."""
@@ -229,7 +239,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, max_waitin
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(400, f"the model '{model_name}' has no chat template, so it cannot render messages; use "
                            "/v1/completions with a plain prompt", "messages", "no_chat_template")
-        ids = tokenizer.apply_chat_template([m.as_dict() for m in body.messages], add_generation_prompt=True)
-        return await server.respond(body, [ids], chat=True, param="messages")
+        return await server.respond(body, [server.render([m.as_dict() for m in body.messages])], chat=True,
+                                    param="messages")
 
     return app
