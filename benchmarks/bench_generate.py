@@ -28,7 +28,6 @@ script that prints a table, not a test.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -38,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -46,6 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from gptlite import GPT, GPTConfig  # noqa: E402
+from gptlite.cli import parse, pick_dtype, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
 from gptlite.generate import generate  # noqa: E402
 
 MODELS = {
@@ -98,37 +100,43 @@ def dtype_name(dtype: torch.dtype) -> str:
 PATHS = ("default", "compile", "int8", "int8+compile")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="gpt2,char", help="comma-separated: gpt2, char")
-    parser.add_argument("--batch_sizes", default="1,8")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated: {', '.join(PATHS)}")
-    parser.add_argument("--prompt_len", type=int, default=16)
-    parser.add_argument("--new_tokens", type=int, default=128)
-    parser.add_argument("--device", default="auto", help="auto (cuda if there is one, else cpu), cpu, cuda")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights of every model; auto = bfloat16 on CUDA, float32 on the CPU")
-    parser.add_argument("--hf_dtype", default="same", choices=["same", "float32", "bfloat16", "float16"],
-                        help="Hugging Face model's weights (same = --dtype)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steady calls per path (the median is shown)")
-    parser.add_argument("--naive_max_batch", type=int, default=1,
-                        help="time the naive loop (once) up to this batch size for gpt2 (it takes minutes); 0 = never")
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads on the CPU (0 = torch's default)")
-    parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams (no naive loop); "
-                        "tokens/s counts the returned sequence's tokens")
-    parser.add_argument("--cache_dir", default="", help="inductor cache folder (default: a new, empty one)")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
-    args = parser.parse_args(argv)
+@dataclass
+class Options:
+    models: str = option("gpt2,char", "comma-separated: gpt2, char")
+    batch_sizes: str = option("1,8", "comma-separated batch sizes")
+    paths: str = option(",".join(PATHS), f"comma-separated: {', '.join(PATHS)}")
+    prompt_len: int = option(16, "prompt tokens")
+    new_tokens: int = option(128, "new tokens per row")
+    device: str = option("auto", "auto (cuda if there is one, else cpu), cpu, cuda")
+    dtype: str = option("auto", "weights of every model; auto = bfloat16 on CUDA, float32 on the CPU",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    hf_dtype: str = option("same", "Hugging Face model's weights (same = --dtype)",
+                           choices=("same", "float32", "bfloat16", "float16"))
+    repeats: int = option(3, "timed steady calls per path (the median is shown)")
+    naive_max_batch: int = option(1, "time the naive loop (once) up to this batch size for gpt2 (it takes minutes); "
+                                     "0 = never")
+    threads: int = option(0, "torch.set_num_threads on the CPU (0 = torch's default)")
+    num_beams: int = option(1, "beam search with this many beams (no naive loop); tokens/s counts the returned "
+                               "sequence's tokens")
+    cache_dir: str = option("", "inductor cache folder (default: a new, empty one)")
+    json: str | None = option(None, "also write the rows to this JSON file")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("bench_generate.py", lambda: run(parse(Options, argv, "bench_generate.py", __doc__)))
+
+
+def run(args: Options) -> int:
     paths = args.paths.split(",")
     if any(p not in PATHS for p in paths):
-        parser.error(f"--paths={args.paths!r}: choose from {', '.join(PATHS)}")
+        raise ValueError(f"--paths={args.paths!r}: choose from {', '.join(PATHS)}")
     if not args.cache_dir:
         args.cache_dir = tempfile.mkdtemp(prefix="bench_generate_inductor_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir  # read when something compiles
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = getattr(torch, ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype)
+    dtype = getattr(torch, pick_dtype(args.dtype, device))
     hf_dtype = dtype if args.hf_dtype == "same" else getattr(torch, args.hf_dtype)
-
     if args.threads:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
@@ -141,54 +149,63 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("-" * len(header))
     results = []
-    beams = {"num_beams": args.num_beams} if args.num_beams > 1 else {}
     for model_name in args.models.split(","):
-        shape = MODELS[model_name]
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**shape)).to(device, dtype).eval()
-        models = {"default": model, "compile": model}
-        if any(p.startswith("int8") for p in paths):
-            int8 = copy.deepcopy(model).quantize("int8")
-            models |= {"int8": int8, "int8+compile": int8}
-        hf = hf_model(shape, hf_dtype, device) if model_name == "gpt2" else None
-        for batch in map(int, args.batch_sizes.split(",")):
-            idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
-            tokens = batch * args.new_tokens
-            calls = {p: partial(generate, models[p], idx, args.new_tokens, temperature=0, compile="compile" in p, **beams)
-                     for p in paths}
-            if hf is not None:
-                calls["hf"] = partial(hf_generate, hf, idx, args.new_tokens, args.num_beams)
-            first = {name: seconds(call, device)[0] for name, call in calls.items()}
-            times: dict[str, list[float]] = {name: [] for name in calls}
-            outputs = {}
-            for _ in range(args.repeats):  # in turn, so that a slower or faster spell of the machine hits them all
-                for name, call in calls.items():
-                    t, outputs[name] = seconds(call, device)
-                    times[name].append(t)
-            rate = {name: tokens / statistics.median(t) for name, t in times.items() if t}
-            naive = None
-            if not beams and (model_name != "gpt2" or batch <= args.naive_max_batch):
-                naive_generate(model, idx, 4)  # warm-up
-                t, out = seconds(partial(naive_generate, model, idx, args.new_tokens), device)
-                naive = tokens / t
-                if "default" in outputs and not torch.equal(outputs["default"], out):
-                    same = (outputs["default"] == out).float().mean().item()  # greedy ties can flip in low precision
-                    print(f"  note: default and naive greedy tokens agree on {same:.1%} of positions")
-            for p in paths:
-                row = {"model": model_name, "batch": batch, "path": p, "compiled": "compile" in p, "dtype": dtype_name(dtype),
-                       "num_beams": args.num_beams, "first_call_s": first[p],
-                       "tokens_per_s": {"gptlite": rate.get(p), "hf": rate.get("hf"), "naive": naive}}
-                row["vs_hf"] = rate[p] / rate["hf"] if p in rate and "hf" in rate else None
-                results.append(row)
-                print_row(row)
-            if "hf" in rate:
-                print(f"{model_name:6} {batch:>5} {'HF generate':>20} {first['hf']:>12.1f} {rate['hf']:>12.1f}")
+        results += measure_model(args, model_name, paths, device, dtype, hf_dtype)
     if "compile" in paths and not os.environ.get("BENCH_GENERATE_SECOND_PROCESS"):
         results += second_process(args)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": results}, indent=1))
     if "gpt2" in args.models and hf_model(MODELS["char"], dtype, "cpu") is None:
         print('Hugging Face rows need transformers: pip install -e ".[bench]" (or pip install transformers)')
+    return 0
+
+
+def measure_model(args: Options, model_name: str, paths: list[str], device: str, dtype: torch.dtype,
+                  hf_dtype: torch.dtype) -> list[dict]:
+    """Every path at every batch size for one model shape, taking turns with HF; prints a row each."""
+    shape = MODELS[model_name]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape)).to(device, dtype).eval()
+    models = {"default": model, "compile": model}
+    if any(p.startswith("int8") for p in paths):
+        int8 = copy.deepcopy(model).quantize("int8")
+        models |= {"int8": int8, "int8+compile": int8}
+    hf = hf_model(shape, hf_dtype, device) if model_name == "gpt2" else None
+    beams = {"num_beams": args.num_beams} if args.num_beams > 1 else {}
+    results = []
+    for batch in map(int, args.batch_sizes.split(",")):
+        idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
+        tokens = batch * args.new_tokens
+        calls = {p: partial(generate, models[p], idx, args.new_tokens, temperature=0, compile="compile" in p, **beams)
+                 for p in paths}
+        if hf is not None:
+            calls["hf"] = partial(hf_generate, hf, idx, args.new_tokens, args.num_beams)
+        first = {name: seconds(call, device)[0] for name, call in calls.items()}
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        outputs = {}
+        for _ in range(args.repeats):  # in turn, so that a slower or faster spell of the machine hits them all
+            for name, call in calls.items():
+                t, outputs[name] = seconds(call, device)
+                times[name].append(t)
+        rate = {name: tokens / statistics.median(t) for name, t in times.items() if t}
+        naive = None
+        if not beams and (model_name != "gpt2" or batch <= args.naive_max_batch):
+            naive_generate(model, idx, 4)  # warm-up
+            t, out = seconds(partial(naive_generate, model, idx, args.new_tokens), device)
+            naive = tokens / t
+            if "default" in outputs and not torch.equal(outputs["default"], out):
+                same = (outputs["default"] == out).float().mean().item()  # greedy ties can flip in low precision
+                print(f"  note: default and naive greedy tokens agree on {same:.1%} of positions")
+        for p in paths:
+            row = {"model": model_name, "batch": batch, "path": p, "compiled": "compile" in p, "dtype": dtype_name(dtype),
+                   "num_beams": args.num_beams, "first_call_s": first[p],
+                   "tokens_per_s": {"gptlite": rate.get(p), "hf": rate.get("hf"), "naive": naive}}
+            row["vs_hf"] = rate[p] / rate["hf"] if p in rate and "hf" in rate else None
+            results.append(row)
+            print_row(row)
+        if "hf" in rate:
+            print(f"{model_name:6} {batch:>5} {'HF generate':>20} {first['hf']:>12.1f} {rate['hf']:>12.1f}")
+    return results
 
 
 def print_row(row: dict) -> None:
@@ -202,7 +219,7 @@ def print_row(row: dict) -> None:
           f"{vs_hf:>6} {naive:>11} {vs_naive:>8}", flush=True)
 
 
-def second_process(args) -> list[dict]:
+def second_process(args: Options) -> list[dict]:
     """Each batch size's first compiled call in a new process that finds this one's inductor cache."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "second.json"
@@ -224,4 +241,4 @@ def second_process(args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

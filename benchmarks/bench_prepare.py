@@ -22,7 +22,6 @@ Prints a table; asserts nothing.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -31,11 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
 from gptlite.download import download  # noqa: E402
 from gptlite.prepare.workers import default_workers  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
@@ -147,15 +149,24 @@ def per_byte_ratio(small: dict, large: dict, kind: str) -> float:
     return (large[kind]["seconds"] / large["text_bytes"]) / (small[kind]["seconds"] / small["text_bytes"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes_mb", type=float, nargs=2, default=[14, 56], help="the two corpus sizes, in MB")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (the fastest is reported)")
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
-    parser.add_argument("--tokenizer", default=str(GPT2_RANKS) if GPT2_RANKS.is_file() else "gpt2")
-    parser.add_argument("--source", type=Path, default=SHAKESPEARE, help="the text to repeat")
-    args = parser.parse_args()
+@dataclass
+class Options:
+    sizes_mb: list[float] = option(default_factory=lambda: [14.0, 56.0], help="the two corpus sizes, in MB")
+    repeats: int = option(3, "runs per measurement (the fastest is reported)")
+    formats: list[str] = option(default_factory=lambda: list(FORMATS), help=f"some of {', '.join(FORMATS)}")
+    tokenizer: str = option(str(GPT2_RANKS) if GPT2_RANKS.is_file() else "gpt2", "the tokenizer spec")
+    source: str = option(str(SHAKESPEARE), "the text to repeat")
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("bench_prepare.py", lambda: run(parse(Options, argv, "bench_prepare.py", __doc__)))
+
+
+def run(args: Options) -> int:
+    if len(args.sizes_mb) != 2 or any(f not in FORMATS for f in args.formats):
+        raise ValueError(f"--sizes_mb takes two sizes and --formats some of {', '.join(FORMATS)}")
+    args.source = Path(args.source)
     formats = list(args.formats)
     if "parquet" in formats and importlib.util.find_spec("pyarrow") is None:
         formats.remove("parquet")
@@ -182,7 +193,8 @@ def main() -> None:
         run = best([run_prepare(small_file, tmp / "out", args.tokenizer) for _ in range(args.repeats)])
         print(f"\n100 KB text file: the whole command {run['seconds']:.2f} s (target <= 0.8 s), peak RSS {run['rss_mb']:.0f} MB")
         print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

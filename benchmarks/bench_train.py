@@ -19,7 +19,6 @@ on the whole val split and the wall-clock time of each run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import math
@@ -27,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gptlite import GPT, GPTConfig  # noqa: E402
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
 
 SHAPES = {  # name: (n_layer, n_head, n_embd, vocab_size, block_size, batch_size)
     "tiny": (4, 4, 128, 65, 64, 12),
@@ -159,19 +161,26 @@ def compare_optimizers(names: list[str], tokens: int, muon_lr: float) -> None:
         print(f"{name:10s} {peak:8g} {train_loss:11.4f} {summary['val_history'][-1][1]:9.4f} {seconds:8.1f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="tiny,124m")
-    parser.add_argument("--dtypes", default="float32", help="comma list: float32, bfloat16 (CPU autocast)")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps (default: 30 tiny, 5 124m)")
-    parser.add_argument("--optimizers", default="", help="comma list (adamw, muon): compare losses instead")
-    parser.add_argument("--tokens", type=int, default=1_000_000, help="training tokens per optimizer (--optimizers)")
-    parser.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak learning rate (--optimizers)")
-    args = parser.parse_args()
+@dataclass
+class Options:
+    shapes: str = option("tiny,124m", "comma list: tiny, 124m")
+    dtypes: str = option("float32", "comma list: float32, bfloat16 (CPU autocast)")
+    steps: int = option(0, "timed steps (default: 30 tiny, 5 124m)")
+    optimizers: str = option("", "comma list (adamw, muon): compare losses instead")
+    tokens: int = option(1_000_000, "training tokens per optimizer (--optimizers)")
+    muon_lr: float = option(0.02, "Muon's peak learning rate (--optimizers)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("bench_train.py", lambda: run(parse(Options, argv, "bench_train.py", __doc__)))
+
+
+def run(args: Options) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.optimizers:
         compare_optimizers(args.optimizers.split(","), args.tokens, args.muon_lr)
-        return
+        return 0
     for shape in args.shapes.split(","):
         steps = args.steps or (30 if shape == "tiny" else 5)
         warmup = 5 if shape == "tiny" else 1
@@ -187,7 +196,8 @@ def main() -> None:
                 params = sum(p.numel() for p in models[name][0].parameters()) / 1e6
                 vs_hf = f"{rate / rates['hf-gpt2']:.2f}x" if "hf-gpt2" in rates else "n/a"
                 print(f"{name:10s} {dtype_name:9s} {params:8.2f}M {rate:10.0f} {vs_hf:>11s} {rate / rates['naive']:8.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,7 +20,6 @@ script itself; its figures mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.util
 import json
@@ -33,12 +32,16 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # gptlite from this checkout, installed or not (row 6 looks for a module of it)
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
+
 CHECKS = ("tests", "recipe", "mfu", "generate", "sample", "hellaswag")
 RECIPE = "configs/shakespeare_char_gpu.toml"
 MFU_CONFIG = "configs/gpt2_124m.toml"
@@ -268,19 +271,27 @@ def header(smoke: bool) -> dict:
             "commit": commit or "unknown", "smoke": smoke}
 
 
+@dataclass
+class Options:
+    corpus: str = option(help="tiny Shakespeare as a text file")
+    tiktoken: str = option(help="the GPT-2 BPE ranks as a .tiktoken file")
+    json: str | None = option(None, "write the report here as JSON (rewritten after every row)")
+    work_dir: str = option(str(ROOT / "out" / "gpu_report"), "data, runs and logs (nothing there is deleted)")
+    checks: str = option(",".join(CHECKS), "comma-separated rows to run, in the order given (sample uses the newest "
+                                           "recipe run)")
+    mfu_batch_sizes: str = option("64,32,16", "row 3 takes the first that fits in memory")
+    mfu_iters: int = option(60, "row 3's training steps")
+    timeout: float = option(600.0, "seconds each command may run")
+    smoke: bool = option(False, "tiny versions of every row, on any device (checks the script)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, required=True, help="tiny Shakespeare as a text file")
-    parser.add_argument("--tiktoken", type=Path, required=True, help="the GPT-2 BPE ranks as a .tiktoken file")
-    parser.add_argument("--json", help="write the report here as JSON (rewritten after every row)")
-    parser.add_argument("--work_dir", type=Path, default=ROOT / "out" / "gpu_report",
-                        help="data, runs and logs (nothing there is deleted)")
-    parser.add_argument("--checks", default=",".join(CHECKS), help="comma-separated rows to run, in the order given (sample uses the newest recipe run)")
-    parser.add_argument("--mfu_batch_sizes", default="64,32,16", help="row 3 takes the first that fits in memory")
-    parser.add_argument("--mfu_iters", type=int, default=60, help="row 3's training steps")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds each command may run")
-    parser.add_argument("--smoke", action="store_true", help="tiny versions of every row, on any device (checks the script)")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("gpu_report.py", lambda: report_all(parse(Options, argv, "gpu_report.py", __doc__)))
+
+
+def report_all(args: Options) -> int:
+    args.corpus, args.tiktoken, args.work_dir = Path(args.corpus), Path(args.tiktoken), Path(args.work_dir)
     checks = args.checks.split(",")
     problems = [f"--checks: unknown {c!r} (choose from {', '.join(CHECKS)})" for c in checks if c not in CHECKS]
     problems += [f"--{name} {path} does not exist" for name, path in (("corpus", args.corpus), ("tiktoken", args.tiktoken))
@@ -288,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.smoke:
         problems.append("CUDA is not available here; this report measures an NVIDIA GPU (--smoke runs it anywhere)")
     if problems:
-        print(f"gpu_report.py: error: {'; '.join(problems)}", file=sys.stderr)
-        return 2
+        raise ValueError("; ".join(problems))
     args.corpus, args.tiktoken = args.corpus.resolve(), args.tiktoken.resolve()
     args.mfu_batch_sizes = [int(b) for b in args.mfu_batch_sizes.split(",")]
     if args.smoke:
