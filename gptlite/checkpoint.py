@@ -312,8 +312,9 @@ def lora_model(ckpt: dict, merge: bool = True) -> GPT:
 def load_model(out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = "") -> tuple[GPT, Tokenizer]:
     """A model to sample from or evaluate, on the CPU in float32, with its tokenizer: a run's newest checkpoint
     (out_dir), or pretrained weights (init_from: see GPT.from_pretrained). The tokenizer is `tokenizer` (a
-    tokenizer.json, .tiktoken file or tiktoken name) if given, else the run's tokenizer.json (in out_dir, or
-    beside its training data), else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken.
+    tokenizer.json or a folder holding one, a .tiktoken file or tiktoken name) if given, else the run's
+    tokenizer.json (in out_dir, or beside its training data), else a pretrained directory's own tokenizer.json,
+    else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken.
     quantize="int8" quantizes the weights for inference (see gptlite.quantize)."""
     from gptlite.quantize import check_mode
 
@@ -327,9 +328,12 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
         model = GPT.from_pretrained(init_from)
         if tokenizer:
             return model, tokenizer_from_spec(tokenizer)
+        if (Path(init_from) / TOKENIZER_FILE).is_file():  # a model directory's own tokenizer
+            return model, load_tokenizer(init_from)
         if model.config.vocab_size != 50257:
             raise ValueError(f"{init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown to "
-                             "gptlite; pass a tokenizer (--tokenizer=PATH: a gptlite tokenizer.json or a .tiktoken file)")
+                             "gptlite (no tokenizer.json beside its weights); pass one (--tokenizer=PATH: a "
+                             "tokenizer.json, a folder holding one, or a .tiktoken file)")
         return model, get_tokenizer("gpt2")
     out_dir = Path(out_dir)
     ckpt = load_checkpoint(out_dir)

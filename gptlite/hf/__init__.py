@@ -29,7 +29,7 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.files import write_folder
-from gptlite.tokenizer import EOT, GPT2_PATTERN, TiktokenTokenizer, Tokenizer
+from gptlite.tokenizer import EOT, GPT2_PATTERN, HFTokenizer, TiktokenTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
@@ -335,9 +335,11 @@ def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConf
 
 def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: Tokenizer | None) -> dict:
     """config.json for transformers."""
-    eot = tokenizer.eot_id if tokenizer is not None else None
+    eos = tokenizer.eot_id if tokenizer is not None else None
+    bos = tokenizer.bos_id if isinstance(tokenizer, HFTokenizer) else eos
+    eos = tokenizer.eos_id if isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id is not None else eos
     common = {"architectures": [family.architecture], "model_type": family.model_type, "vocab_size": config.vocab_size,
-              "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot,
+              "tie_word_embeddings": True, "bos_token_id": bos, "eos_token_id": eos,
               "torch_dtype": str(dtype).removeprefix("torch."), "initializer_range": 0.02}
     if family is GPT2:
         return {**common, "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
@@ -436,7 +438,10 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 def gpt2_tokenizer_problem(tokenizer: Tokenizer) -> str | None:
-    """Why transformers' GPT-2 tokenizer cannot reproduce `tokenizer` (None when it can)."""
+    """Why the export cannot give transformers `tokenizer` (None when it can): a Hugging Face tokenizer goes as it
+    is; a tiktoken one as GPT-2's tokenizer, which reproduces byte-pair encodings with GPT-2's split pattern only."""
+    if isinstance(tokenizer, HFTokenizer):
+        return None
     if not (isinstance(tokenizer, TiktokenTokenizer) and tokenizer.enc._pat_str == GPT2_PATTERN):
         return (f"transformers' GPT-2 tokenizer reproduces byte-pair encodings with GPT-2's split pattern only; this "
                 f"tokenizer is {tokenizer.kind}{'' if tokenizer.kind != 'tiktoken' else ' with another pattern'}")
@@ -447,10 +452,15 @@ def gpt2_tokenizer_problem(tokenizer: Tokenizer) -> str | None:
 
 
 def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
-    """vocab.json, merges.txt and tokenizer_config.json of a GPT-2 tokenizer with the same ids as `tokenizer`."""
+    """The files transformers' AutoTokenizer reads, with the same ids as `tokenizer`: a Hugging Face tokenizer's
+    tokenizer.json and tokenizer_config.json, or GPT-2's vocab.json, merges.txt and tokenizer_config.json."""
     problem = gpt2_tokenizer_problem(tokenizer)
     if problem:
         raise ValueError(f"the tokenizer cannot be written for transformers: {problem}")
+    if isinstance(tokenizer, HFTokenizer):
+        from gptlite.tokenizer.trainer import hf_files
+
+        return hf_files(tokenizer, max_length)
     ranks = tokenizer.enc._mergeable_ranks
     chars = bytes_to_unicode()
     text = lambda token: "".join(chars[b] for b in token)  # noqa: E731
