@@ -55,7 +55,9 @@ from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 # what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
 MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "bias", "pos_emb",
-                    "rope_theta", "norm", "norm_eps", "ffn")
+                    "rope_theta", "norm", "norm_eps", "ffn", "n_kv_head", "head_dim", "tie_embeddings", "qkv_bias",
+                    "qk_norm", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                    "rope_original_context")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
@@ -147,7 +149,7 @@ def make_optimizers(model: GPT, cfg: TrainConfig, device_type: str) -> list[torc
     if splits:
         ratio = cfg.muon_lr / cfg.learning_rate if cfg.learning_rate else 0.0  # learning_rate=0 moves nothing
         groups = [{"params": [p for p, s in splits.items() if s == split], "split": split, "lr_ratio": ratio}
-                  for split in sorted(set(splits.values()))]
+                  for split in sorted(set(splits.values()), key=lambda s: (isinstance(s, tuple), s))]
         ns_dtype = torch.bfloat16 if device_type == "cuda" else torch.float32  # see gptlite.optim.Muon
         optimizers.append(Muon(groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                                weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype))
@@ -556,7 +558,8 @@ def build_model(run: Run, pretrained: bool) -> GPT:
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
     if pretrained:
-        model = GPT.from_pretrained(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
+        model = GPT.from_pretrained(cfg.init_from, torch.float32, block_size=cfg.model.block_size,
+                                    dropout=cfg.model.dropout)  # float32 master weights; autocast does the rest
         model = model.train().to(run.device)
     else:
         model = GPT(cfg.model).to(run.device)
@@ -677,7 +680,8 @@ class Checkpointer:
         self.run = run
         self.meta = {"git_commit": git_commit(),
                      "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
-                     "wandb_run_id": run.wandb.id if run.wandb else None}
+                     "wandb_run_id": run.wandb.id if run.wandb else None,
+                     "hf_architecture": getattr(run.model, "source_architecture", None)}
 
     def save(self, val_loss: float | None) -> None:
         run = self.run

@@ -302,7 +302,7 @@ def lora_model(ckpt: dict, merge: bool = True) -> GPT:
     if base != lora["sha256"]:
         raise ValueError(f"the base weights in {lora['base']} are not the ones this LoRA run was trained on (sha256 "
                          f"{base[:12]}..., the run's {lora['sha256'][:12]}...); put the original weights back there")
-    model = GPT.from_pretrained(lora["base"], block_size=config.model.block_size)
+    model = GPT.from_pretrained(lora["base"], torch.float32, block_size=config.model.block_size)
     add_lora(model, lora["rank"], lora["alpha"], 0.0, tuple(lora["targets"]))
     model.check_state({**model.state_dict(), **ckpt["model"]}, "the LoRA checkpoint")
     model.load_state_dict(ckpt["model"], strict=False)

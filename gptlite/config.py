@@ -25,6 +25,7 @@ else:  # Python 3.10
 POS_EMB_CHOICES = ("learned", "sinusoidal", "rope")
 NORM_CHOICES = ("layernorm", "rmsnorm")
 FFN_CHOICES = ("swiglu", "gelu")
+ROPE_SCALING_CHOICES = ("", "llama3")
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 
 
@@ -56,6 +57,29 @@ class GPTConfig:
     ffn: str = option("swiglu", "feed-forward: swiglu (Llama) or gelu (GPT-2's MLP)", choices=FFN_CHOICES)
     ffn_hidden: int | None = option(None, "feed-forward width (none: 4 * n_embd for gelu, the same parameter count "
                                           "for swiglu)")
+    # the options of today's open models (all off by default: gptlite's own model is unchanged)
+    n_kv_head: int | None = option(None, "key/value heads: fewer than n_head is grouped-query attention, whose KV "
+                                         "cache is that much smaller (none = n_head)")
+    head_dim: int | None = option(None, "the width of a head (none = n_embd / n_head; Qwen3 sets its own)")
+    tie_embeddings: bool = option(True, "the output head is the token embedding (false: a head of its own)")
+    qkv_bias: bool = option(False, "biases on q, k and v only (Qwen2)")
+    qk_norm: bool = option(False, "RMSNorm on each head's q and k before the rotation (Qwen3)")
+    rope_scaling: str = option("", "RoPE's frequencies scaled as Llama 3.1 does: llama3 ('' = none)",
+                               choices=ROPE_SCALING_CHOICES)
+    rope_factor: float = option(8.0, "llama3 scaling: how much longer the context than the original")
+    rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
+    rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original / this are kept")
+    rope_original_context: int = option(8192, "llama3 scaling: the context the model was first trained on")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_width(self) -> int:
+        """The width of every q, k and v head: head_dim, or n_embd / n_head."""
+        return self.head_dim or self.n_embd // self.n_head
 
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.n_embd, int) and self.n_embd > 0:
@@ -67,24 +91,38 @@ class GPTConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        if not isinstance(self.bias, bool):
-            problems.append(f"bias={self.bias!r} must be true or false")
-        if not problems and self.n_embd % self.n_head != 0:
+        for name in ("bias", "tie_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        for name in ("n_kv_head", "head_dim", "rope_original_context"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                problems.append(f"{name}={value!r} must be a positive integer" + (", or none" if name != "rope_original_context" else ""))
+        if not problems and self.n_head % self.kv_heads:
+            problems.append(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}: each key/value head "
+                            "serves the same number of query heads")
+        if self.rope_scaling and self.pos_emb != "rope":
+            problems.append(f"rope_scaling={self.rope_scaling!r} needs pos_emb='rope'")
+        if self.rope_scaling and not (self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            problems.append(f"llama3 scaling needs rope_factor >= 1 and 0 < rope_low_freq_factor < rope_high_freq_factor, "
+                            f"got {self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
+        if not problems and self.head_dim is None and self.n_embd % self.n_head != 0:
             problems.append(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                 f"choose n_embd as a multiple of n_head (e.g. n_embd={self.n_head * max(1, round(self.n_embd / self.n_head))})"
             )
         if not problems and self.pos_emb == "sinusoidal" and (self.n_embd % 2) != 0:
             problems.append(f"n_embd={self.n_embd} must be even for pos_emb='sinusoidal'")
-        if not problems and self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2 != 0:
-            problems.append(f"the head width n_embd / n_head = {self.n_embd // self.n_head} must be even for "
+        if not problems and self.pos_emb == "rope" and self.head_width % 2 != 0:
+            problems.append(f"the head width n_embd / n_head = {self.head_width} must be even for "
                             "pos_emb='rope', which rotates pairs of its coordinates; change n_embd or n_head")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
-        for name, choices in (("pos_emb", POS_EMB_CHOICES), ("norm", NORM_CHOICES), ("ffn", FFN_CHOICES)):
+        for name, choices in (("pos_emb", POS_EMB_CHOICES), ("norm", NORM_CHOICES), ("ffn", FFN_CHOICES),
+                              ("rope_scaling", ROPE_SCALING_CHOICES)):
             if getattr(self, name) not in choices:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(choices)}")
-        for name in ("rope_theta", "norm_eps"):
+        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")

@@ -26,8 +26,8 @@ class KVCache:
     their positions and the attention mask. A slot is visible once written, unless it holds padding."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (batch_size, config.n_head, max_len, config.n_embd // config.n_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (B, H, max_len, D) each
+        shape = (batch_size, config.kv_heads, max_len, config.head_width)  # only n_kv_head heads: GQA's saving
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (B, KV, max_len, D) each
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.max_len = max_len
         self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)

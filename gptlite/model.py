@@ -5,9 +5,13 @@ Each variant is one module class, picked once from a registry when the model is 
     norm     NORMS      layernorm | rmsnorm (Llama)
     ffn      FFNS       swiglu (Llama) | gelu (GPT-2's MLP)
 
+The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
+own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
+(qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3").
+
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
-    H = n_head, D = C // H head width, F = ffn_hidden, V = vocab_size.
+    H = n_head, KV = n_kv_head (H by default), D = head width (C // H by default), F = ffn_hidden, V = vocab_size.
 """
 
 from __future__ import annotations
@@ -101,8 +105,10 @@ class RotaryPositions(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        D = config.n_embd // config.n_head
+        D = config.head_width
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # (D/2,)
+        if config.rope_scaling == "llama3":
+            inv_freq = llama3_scaled(inv_freq, config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -124,6 +130,19 @@ class RotaryPositions(nn.Module):
 
     def extend(self, n_pos: int) -> None:
         """Every position has its angles already."""
+
+
+def llama3_scaled(inv_freq: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (Meta's reference code, and transformers' rope_type "llama3"): frequencies whose
+    wavelength is longer than original_context / low_freq_factor are divided by factor, those shorter than
+    original_context / high_freq_factor kept, and the ones between blended smoothly; (D/2,) -> (D/2,)."""
+    wavelen = 2 * math.pi / inv_freq
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    slow = torch.where(wavelen > config.rope_original_context / low, inv_freq / config.rope_factor, inv_freq)
+    smooth = (config.rope_original_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * slow / config.rope_factor + smooth * slow
+    between = (wavelen >= config.rope_original_context / high) & (wavelen <= config.rope_original_context / low)
+    return torch.where(between, blended, slow)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -150,11 +169,12 @@ class RMSNorm(nn.Module):
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight (+ bias if
     config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, dim: int | None = None, bias: bool | None = None):
         super().__init__()
+        dim = dim or config.n_embd
         self.eps = config.norm_eps
-        self.weight = nn.Parameter(torch.ones(config.n_embd))
-        self.bias = nn.Parameter(torch.zeros(config.n_embd)) if config.bias else None
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if (config.bias if bias is None else bias) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
@@ -169,39 +189,63 @@ NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with a causal mask, through PyTorch's fused SDPA kernels."""
+    """Multi-head self-attention with a causal mask, through PyTorch's fused SDPA kernels. With n_kv_head < n_head
+    (grouped-query attention; Ainslie et al., 2023) each key/value head serves n_head / n_kv_head query heads, and
+    the KV cache holds only n_kv_head heads. q, k and v come from one fused projection (rows q, then k, then v)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_width
+        self.sizes = (config.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
+        self.out_proj = nn.Linear(self.sizes[0], config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        self.qk_norm = QKNorm(config) if config.qk_norm else None  # Qwen3: each head's q and k through an RMSNorm
         self.rotate = POSITIONS[config.pos_emb].rotate  # RoPE rotates q and k; the other schemes do nothing here
 
     def forward(self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D) each
-                   for t in self.qkv(x).split(C, dim=-1))  # split's backward writes one contiguous gradient
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # split's backward writes one contiguous gradient
+        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
+        k, v = (t.view(B, T, self.n_kv_head, self.head_dim) for t in (k, v))  # (B, T, KV, D) each
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D) x 2
         q, k = self.rotate(q, k, rot)
+        grouped = self.n_kv_head != self.n_head
         if cache is None:  # training and scoring: each position sees itself and the positions before it
             dropout = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
         else:  # generation: earlier keys and values come from layer's cache, whose mask says which to see
-            k, v = cache.update(layer, k, v)  # (B, H, S, D)
+            k, v = cache.update(layer, k, v)  # (B, KV, S, D)
             y = masked_attention(q, k, v, cache.mask)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
         return self.resid_drop(self.out_proj(y))
 
 
+class QKNorm(nn.Module):
+    """RMSNorm over each head's q and over each head's k (Qwen3), one weight of head_dim for each."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.q_norm = RMSNorm(config, config.head_width, bias=False)
+        self.k_norm = RMSNorm(config, config.head_width, bias=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)  # (B, T, H, D), (B, T, KV, D)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) where mask, else -inf) v for q (B, H, T, D), k and v (B, H, S, D), mask
-    (B, 1, T, S) or None. SDPA's kernel runs it, except in a torch.compile'd step on the CPU, where the
+    """softmax(q k^T / sqrt(D) where mask, else -inf) v for q (B, H, T, D), k and v (B, KV, S, D) (KV divides H:
+    each key/value head serves H / KV query heads), mask (B, 1, T, S) or None. SDPA's kernel runs it, except in a torch.compile'd step on the CPU, where the
     math written out lets inductor fuse it with its neighbours (1.6x faster decode steps for the 4x128 char
     model than SDPA's kernel inside the compiled graph)."""
+    grouped = q.size(1) != k.size(1)  # grouped-query attention: k and v have fewer heads
     if not (torch.compiler.is_compiling() and q.device.type == "cpu"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+    if grouped:
+        k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))  # (B, H, S, D) each
     scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -297,7 +341,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder-only Transformer language model whose output head is tied to the token embedding."""
+    """A decoder-only Transformer language model whose output head is tied to the token embedding (unless
+    config.tie_embeddings is false)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -308,7 +353,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = NORMS[config.norm](config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf, 2017): one tensor
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf, 2017): one tensor
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer), two per block
         for name, p in self.named_parameters():
@@ -353,17 +399,23 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden(idx, cache)[:, -1])  # (B, V)
 
     @classmethod
-    def from_pretrained(cls, name_or_dir: str, **overrides) -> GPT:
+    def from_pretrained(cls, name_or_dir: str, dtype: torch.dtype | None = None, **overrides) -> GPT:
         """GPT-2's weights ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", downloaded from the Hub) or a local
-        directory holding a transformers GPT2LMHeadModel or LlamaForCausalLM, in eval mode; `block_size`
-        (smaller) and `dropout` may be overridden. See gptlite.hf, which reads the checkpoint."""
+        directory holding a transformers GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+        MistralForCausalLM, in eval mode; `block_size` (smaller) and `dropout` may be overridden. See gptlite.hf,
+        which reads the checkpoint. `dtype=None` keeps the checkpoint's dtype. One copy of the weights is held: the
+        model is built on the meta device and takes the tensors as they are read, one by one."""
         from gptlite.hf import load_pretrained
 
-        config, state = load_pretrained(name_or_dir, **overrides)
-        model = cls(config)
-        state = {k: v.to(torch.float32) for k, v in state.items()}
+        config, state, architecture = load_pretrained(name_or_dir, dtype, **overrides)
+        with torch.device("meta"):
+            model = cls(config)
+        model.pos_emb = POSITIONS[config.pos_emb](config)  # its buffers are computed, not loaded
         model.check_state(state, name_or_dir)
-        model.load_state_dict(state)
+        model.load_state_dict(state, assign=True)
+        if config.tie_embeddings:
+            model.lm_head.weight = model.tok_emb.weight
+        model.source_architecture = architecture  # how it exports back (gptlite.hf.export_hf)
         return model.eval()
 
     def check_state(self, state: dict[str, torch.Tensor], source: str) -> None:
@@ -442,9 +494,12 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward): 6N for the matmuls plus 12*L*C*T for attention
-        scores and values (PaLM, Chowdhery et al. 2022, appendix B). T defaults to block_size. RoPE's
-        rotations and the norms are elementwise work, left out as the formula does."""
+        """Training FLOPs per token (forward + backward): 6N for the matmuls plus 12*L*H*D*T for attention
+        scores and values (PaLM, Chowdhery et al. 2022, appendix B; H*D = C by default). T defaults to block_size.
+        RoPE's rotations and the norms are elementwise work, left out as the formula does."""
         T = seq_len or self.config.block_size
         cfg = self.config
-        return 6 * self.num_params(exclude_positions=True) + 12 * cfg.n_layer * cfg.n_embd * T
+        n = self.num_params(exclude_positions=True)
+        if not cfg.tie_embeddings:  # an untied embedding is a lookup: no matmul
+            n -= self.tok_emb.weight.numel()
+        return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_width * T

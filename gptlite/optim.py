@@ -40,14 +40,23 @@ def newton_schulz(g: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = N
     return x.mT if tall else x  # (..., rows, cols)
 
 
-def orthogonalise(updates: list[Tensor], split: int = 1, dtype: torch.dtype = torch.bfloat16) -> list[Tensor]:
+Split = int | tuple[int, ...]  # a parameter's logical matrices: that many of equal rows, or their row counts
+
+
+def row_sizes(rows: int, split: Split) -> list[int]:
+    return [rows // split] * split if isinstance(split, int) else list(split)
+
+
+def orthogonalise(updates: list[Tensor], split: Split = 1, dtype: torch.dtype = torch.bfloat16,
+                  scaled: bool = False) -> list[Tensor]:
     """Updates (rows, cols), each `split` logical matrices stacked along dim 0 -> each logical matrix's
-    newton_schulz in dtype, stacked again. Matrices of one shape go through one batched iteration (a few
+    newton_schulz in dtype (times its lr_scale if `scaled`), stacked again. Matrices of one shape go through one batched iteration (a few
     bmm calls instead of a few mm calls per matrix: for the 2x128 char model's Muon step 3x less time on
     the CPU, where small matmuls are overhead). A DTensor (a parameter sharded by FSDP2) is gathered whole on
     every rank first and this rank's shard of the result returned: simple, not fast (every rank repeats it)."""
     whole = [u.full_tensor() if hasattr(u, "full_tensor") else u for u in updates]  # (rows, cols) each
-    chunks = [m for u in whole for m in u.chunk(split)]
+    n = len(row_sizes(whole[0].size(0), split)) if whole else 0  # logical matrices per update
+    chunks = [m for u in whole for m in u.split(row_sizes(u.size(0), split))]
     shapes: dict[torch.Size, list[int]] = {}
     for i, m in enumerate(chunks):
         shapes.setdefault(m.shape, []).append(i)
@@ -56,8 +65,8 @@ def orthogonalise(updates: list[Tensor], split: int = 1, dtype: torch.dtype = to
         batch = newton_schulz(chunks[same[0]], dtype)[None] if len(same) == 1 else \
             newton_schulz(torch.stack([chunks[i] for i in same]), dtype)  # (n, rows, cols)
         for i, m in zip(same, batch):
-            done[i] = m
-    results = [torch.cat(done[k * split : (k + 1) * split]) for k in range(len(updates))]  # (rows, cols) each
+            done[i] = m * lr_scale(m.shape) if scaled else m
+    results = [torch.cat(done[k * n : (k + 1) * n]) for k in range(len(updates))]  # (rows, cols) each
     for k, u in enumerate(updates):
         if hasattr(u, "full_tensor"):
             from torch.distributed.tensor import distribute_tensor
@@ -105,8 +114,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "split": 1})
         self.ns_dtype = ns_dtype  # not a group value: checkpoints hold plain values only
         for group in self.param_groups:
+            split = group["split"]
             for p in group["params"]:
-                if p.dim() != 2 or p.size(0) % group["split"]:
+                if p.dim() != 2 or (p.size(0) % split if isinstance(split, int) else sum(split) != p.size(0)):
                     raise ValueError(f"Muon takes 2-D parameters whose rows split into {group['split']} equal "
                                      f"matrices, got shape {tuple(p.shape)}; give other parameters to AdamW")
 
@@ -127,9 +137,10 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 nesterov.append(p.grad.lerp(buf, momentum))
-            for p, update in zip(params, orthogonalise(nesterov, split, self.ns_dtype)):  # (rows, cols) each
+            uneven = not isinstance(split, int)  # matrices of different rows (GQA's q, k, v): each scaled apart
+            for p, update in zip(params, orthogonalise(nesterov, split, self.ns_dtype, scaled=uneven)):  # (rows, cols)
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * lr_scale(p.shape, split))
+                p.add_(update, alpha=-lr * (1.0 if uneven else lr_scale(p.shape, split)))
         return loss
 
 
@@ -139,7 +150,8 @@ def block_matrices(model: GPT) -> dict[Tensor, int]:
     splits = {}
     for block in model.blocks:
         splits.update({p: 1 for p in block.parameters() if p.dim() == 2})
-        splits[block.attn.qkv.weight] = 3  # (3C, C): rows q, then k, then v (see CausalSelfAttention.forward)
+        sizes = block.attn.sizes  # rows q, then k, then v (see CausalSelfAttention); fewer k, v rows with GQA
+        splits[block.attn.qkv.weight] = 3 if len(set(sizes)) == 1 else tuple(sizes)
         if isinstance(block.ffn, SwiGLU):
             splits[block.ffn.fc.weight] = 2  # (2F, C): rows W1 (the gate), then W3
     return splits

@@ -56,21 +56,28 @@ class Int8Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """The token embedding on the output head's int8 table (weight tying survives quantization): a row is
-    looked up and dequantized."""
+    """The token embedding as an int8 table: a row is looked up and dequantized. With a tied head the table is the
+    output head's (weight tying survives quantization: `head` is that Int8Linear, not registered twice); an untied
+    embedding owns its table."""
 
-    def __init__(self, head: Int8Linear):
+    def __init__(self, head: Int8Linear, owned: bool = False):
         super().__init__()
-        self.head = [head]  # a plain list: the table belongs to the head, not registered twice
+        if owned:
+            self.table = head  # registered: moves and saves with the model
+        else:
+            self.head = [head]  # a plain list: the table belongs to the head
+
+    def _table(self) -> Int8Linear:
+        return self.table if "table" in self._modules else self.head[0]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        head = self.head[0]
-        return head.weight[idx].to(head.scale.dtype) * head.scale[idx, None]  # (..., C)
+        table = self._table()
+        return table.weight[idx].to(table.scale.dtype) * table.scale[idx, None]  # (..., C)
 
     @property
     def weight(self) -> torch.Tensor:
         """The scales: their dtype and device are the model's, what new KV caches and generators take."""
-        return self.head[0].scale
+        return self._table().scale
 
 
 def check_mode(mode: str) -> None:
@@ -91,6 +98,9 @@ def quantize(model: GPT, mode: str = "int8") -> GPT:
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, Int8Linear.from_linear(child))
+    tied = model.lm_head.weight is model.tok_emb.weight
+    embedding = model.tok_emb.weight
     model.lm_head = Int8Linear.from_linear(model.lm_head)
-    model.tok_emb = Int8Embedding(model.lm_head)
+    model.tok_emb = (Int8Embedding(model.lm_head) if tied else
+                     Int8Embedding(Int8Linear(*quantize_rows(embedding), None), owned=True))  # (V, C) rows as a head's
     return model.eval().requires_grad_(False)

@@ -108,6 +108,13 @@ VARIANTS = {
     "rmsnorm": {"norm": "rmsnorm"},
     "gpt2": {"ffn": "gelu", "bias": True},  # learned positions, LayerNorm and linears with biases, GELU MLP
     "llama": {"pos_emb": "rope", "norm": "rmsnorm", "rope_theta": 500.0},  # SwiGLU, no biases
+    # today's open models: grouped-query attention, an untied head, Qwen2's q/k/v biases, Qwen3's q/k norms and head
+    # width, Llama 3's RoPE scaling (its original context shorter than the tiny models' block_size of 32)
+    "gqa-untied": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 2, "tie_embeddings": False},
+    "qwen2": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 1, "qkv_bias": True},
+    "qwen3": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 2, "qk_norm": True, "head_dim": 16},
+    "llama3": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 2, "rope_scaling": "llama3", "rope_factor": 4.0,
+               "rope_original_context": 16},
 }
 
 

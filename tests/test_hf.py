@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 import train
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_checkpoint
-from gptlite.hf import GPT2_NAMES, bpe_merges, export_hf, hf_tokenizer_files
+from gptlite.hf import GPT2_NAMES, export_hf
+from gptlite.hf.tokenizer_files import bpe_merges, hf_tokenizer_files
 from gptlite.prepare import prepare
 from gptlite.tokenizer import CharTokenizer, get_tokenizer
 from tests.conftest import ROOT, shared_file
@@ -127,12 +128,15 @@ def test_other_models_are_refused_naming_the_exportable_switches(tmp_path):
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: hf_llama(num_key_value_heads=2), r"grouped-query attention \(2 key/value heads for 4 query heads\)"),
-    (lambda: hf_llama(tie_word_embeddings=False), r"an untied output head \(tie_word_embeddings=false\)"),
+    (lambda: hf_llama(attention_bias=True), r"biases on the attention's projections, its output's too"),
+    (lambda: hf_llama(mlp_bias=True), r"biases in the feed-forward \(mlp_bias=true\)"),
+    (lambda: hf_llama(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0,
+                                       "original_max_position_embeddings": 32}), r"RoPE scaling of type 'yarn'"),
     (lambda: hf_gpt2(activation_function="relu"), r"activation_function='relu'"),
-    (lambda: randomized(transformers.MistralForCausalLM(transformers.MistralConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=V))), r"model_type='mistral' is not supported; gptlite loads GPT2LMHeadModel \(gpt2\), LlamaForCausalLM"),
+    (lambda: randomized(transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=8, vocab_size=V))), r"model_type='gemma' is Gemma's scaled embeddings and GeGLU feed-forward, which "
+                                     r"gptlite does not have; gptlite loads GPT2LMHeadModel \(gpt2\), LlamaForCausalLM"),
 ])
 def test_checkpoints_gptlite_cannot_hold_are_refused_in_one_line(tmp_path, make, message):
     make().save_pretrained(tmp_path)

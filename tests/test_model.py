@@ -142,7 +142,7 @@ def test_gelu_mlp_matches_gpt2s_formula():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_bias_applies_to_every_linear_and_norm_of_every_variant(bias):
-    for overrides in VARIANTS.values():
+    for overrides in (v for v in VARIANTS.values() if not (v.get("qkv_bias") or v.get("qk_norm"))):  # see below
         model = GPT(tiny_config(**{**overrides, "bias": bias}))
         layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm, RMSNorm))]
         assert len(layers) == 2 * 6 + 2  # per block: 2 norms, qkv, 2 out_proj, fc; the final norm; the head
@@ -151,8 +151,18 @@ def test_bias_applies_to_every_linear_and_norm_of_every_variant(bias):
             assert has_bias == (bias and m is not model.lm_head), (overrides, m)  # the tied head never has one
 
 
+def test_qkv_bias_and_qk_norm_add_their_own_parameters_only():
+    """Qwen2's biases sit on q, k and v alone; Qwen3's norms are one RMSNorm of head width each for q and k."""
+    model = GPT(tiny_config(**VARIANTS["qwen2"]))
+    assert [n for n, p in model.named_parameters() if n.endswith("bias")] == [f"blocks.{i}.attn.qkv.bias" for i in (0, 1)]
+    model = GPT(tiny_config(**VARIANTS["qwen3"]))
+    norms = {n: p.shape for n, p in model.named_parameters() if "qk_norm" in n}
+    assert norms == {f"blocks.{i}.attn.qk_norm.{w}_norm.weight": (16,) for i in (0, 1) for w in "qk"}
+
+
 def test_every_variant_compiles_as_one_graph(variant):
     """No graph breaks in training's forward (dynamo's capture, without code generation)."""
+    torch._dynamo.reset()  # each variant is new code to dynamo: start below its recompile limit (8 per function)
     model = tiny_model(**variant)
     idx = randint(97, (2, 9))
     compiled = torch.compile(model, backend="eager", fullgraph=True)

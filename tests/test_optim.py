@@ -91,11 +91,14 @@ def test_only_the_matrices_inside_the_blocks_go_to_muon(name):
     names = {p: n for n, p in model.named_parameters()}
     split = {names[p]: group["split"] for group in muon.param_groups for p in group["params"]}
     fc = 2 if cfg.model.ffn == "swiglu" else 1
+    q, kv = cfg.model.n_head * cfg.model.head_width, cfg.model.kv_heads * cfg.model.head_width
+    qkv = 3 if q == kv else (q, kv, kv)  # grouped-query attention: q, k and v of their own row counts
     assert split == {f"blocks.{i}.{n}": s for i in range(cfg.model.n_layer)
-                     for n, s in (("attn.qkv.weight", 3), ("attn.out_proj.weight", 1), ("ffn.fc.weight", fc),
+                     for n, s in (("attn.qkv.weight", qkv), ("attn.out_proj.weight", 1), ("ffn.fc.weight", fc),
                                   ("ffn.out_proj.weight", 1))}
     matrices, vectors = ({names[p] for p in group["params"]} for group in adamw.param_groups)
-    assert matrices == {"tok_emb.weight"} | ({"pos_emb.table.weight"} if cfg.model.pos_emb == "learned" else set())
+    assert matrices == {"tok_emb.weight"} | ({"pos_emb.table.weight"} if cfg.model.pos_emb == "learned" else set()) | (
+        set() if cfg.model.tie_embeddings else {"lm_head.weight"})
     assert vectors == {n for n, p in model.named_parameters() if p.dim() == 1}  # norms, biases, sinusoidal gain
     assert len(names) == len(split) + len(matrices) + len(vectors)  # every parameter once (the head is tok_emb)
     assert [(g["weight_decay"], g["lr_ratio"]) for g in adamw.param_groups] == [(0.1, 1.0), (0.0, 1.0)]

@@ -1,25 +1,28 @@
-"""Hugging Face's layout: GPT-2 and Llama checkpoints in (`from_pretrained`), gptlite models out (`export_hf`).
+"""Hugging Face's layout: checkpoints in (`load_pretrained`), gptlite models out (`export_hf`).
 
-Everything that speaks transformers' names lives here, so the model never learns them. Two architectures
-map onto gptlite's switches, weight for weight:
-    GPT2LMHeadModel   pos_emb="learned", norm="layernorm", ffn="gelu" (GPT-2 has biases everywhere; a
-                      model with bias=False exports zeros for them)
-    LlamaForCausalLM  pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False; a tied head and as many
-                      key/value heads as query heads (no grouped-query attention)
-A checkpoint directory holds config.json and model.safetensors (or shards listed in
-model.safetensors.index.json, or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and
-"gpt2-xl" are downloaded from the Hub with huggingface_hub.
+Everything that speaks transformers' names lives here, so the model never learns them. Five architectures map
+onto gptlite's switches, weight for weight:
+    GPT2LMHeadModel     pos_emb="learned", norm="layernorm", ffn="gelu" (GPT-2 has biases everywhere; a model with
+                        bias=False exports zeros for them)
+    LlamaForCausalLM    pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, with grouped-query attention
+                        (n_kv_head), its own head width (head_dim), a tied or untied head, Llama 3's RoPE scaling:
+                        Llama 2/3.x, SmolLM2, TinyLlama
+    MistralForCausalLM  the same layout (the context at most its sliding window)
+    Qwen2ForCausalLM    the same, with biases on q, k and v (qkv_bias)
+    Qwen3ForCausalLM    the same, with RMSNorm on each head's q and k (qk_norm)
+A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
+or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
+This module turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds
+the model from them, holding one copy of the weights), and a model back into files; it never imports
+gptlite.model.
 
     python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]   # a run's checkpoint -> DIR
-
-This module turns a checkpoint into a GPTConfig and a state dict (`load_pretrained`; GPT.from_pretrained builds the
-model from them) and a model back into files; it never imports gptlite.model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,75 +32,93 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.files import write_folder
-from gptlite.tokenizer import EOT, GPT2_PATTERN, HFTokenizer, TiktokenTokenizer, Tokenizer
+from gptlite.hf.tokenizer_files import gpt2_tokenizer_problem, hf_tokenizer_files
+from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json, save_weights
+from gptlite.tokenizer import HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
 
+__all__ = ["GPT2_NAMES", "export_hf", "family_of", "fingerprint", "gpt2_tokenizer_problem", "hf_tokenizer_files",
+           "load_pretrained", "pretrained_config", "read_json", "save_weights"]
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # buffers some checkpoints store beside their weights (GPT-2's causal masks, old Llamas' RoPE frequencies)
 BUFFERS = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")
+Entry = tuple[str, tuple[str, ...], bool]  # gptlite name, transformers names concatenated along dim 0, transposed
 
 
 @dataclass(frozen=True)
 class Family:
-    """How one transformers architecture names gptlite's weights. Each entry is (gptlite name, its names in
-    transformers, transposed): several names are concatenated along dim 0 (Llama's q, k, v into gptlite's
-    qkv), and GPT-2's Conv1D layers store their matrices transposed."""
+    """One transformers architecture: its class, model_type, what save_pretrained puts before its names, and the
+    blocks' prefix (with {i})."""
 
     architecture: str
     model_type: str
-    top: tuple[tuple[str, tuple[str, ...], bool], ...]
-    layer: tuple[tuple[str, tuple[str, ...], bool], ...]
-    layer_prefix: str  # with {i} for the block's index
-    prefix: str  # what save_pretrained puts before the names above ("" for Llama, whose names carry "model.")
+    prefix: str
+    layers: str
 
 
-GPT2 = Family(
-    architecture="GPT2LMHeadModel",
-    model_type="gpt2",
-    top=(("tok_emb.weight", ("wte.weight",), False), ("pos_emb.table.weight", ("wpe.weight",), False),
-         ("norm.weight", ("ln_f.weight",), False), ("norm.bias", ("ln_f.bias",), False)),
-    layer=(("attn_norm.weight", ("ln_1.weight",), False), ("attn_norm.bias", ("ln_1.bias",), False),
-           ("attn.qkv.weight", ("attn.c_attn.weight",), True), ("attn.qkv.bias", ("attn.c_attn.bias",), False),
-           ("attn.out_proj.weight", ("attn.c_proj.weight",), True), ("attn.out_proj.bias", ("attn.c_proj.bias",), False),
-           ("ffn_norm.weight", ("ln_2.weight",), False), ("ffn_norm.bias", ("ln_2.bias",), False),
-           ("ffn.fc.weight", ("mlp.c_fc.weight",), True), ("ffn.fc.bias", ("mlp.c_fc.bias",), False),
-           ("ffn.out_proj.weight", ("mlp.c_proj.weight",), True), ("ffn.out_proj.bias", ("mlp.c_proj.bias",), False)),
-    layer_prefix="h.{i}.",
-    prefix="transformer.",
-)
-LLAMA = Family(
-    architecture="LlamaForCausalLM",
-    model_type="llama",
-    top=(("tok_emb.weight", ("model.embed_tokens.weight",), False), ("norm.weight", ("model.norm.weight",), False)),
-    layer=(("attn_norm.weight", ("input_layernorm.weight",), False),
-           ("attn.qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), False),
-           ("attn.out_proj.weight", ("self_attn.o_proj.weight",), False),
-           ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
-           # SwiGLU's fc: its first half is the gate (through silu), the second the value
-           ("ffn.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), False),
-           ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False)),
-    layer_prefix="model.layers.{i}.",
-    prefix="",
-)
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA)}
-EXPORTABLE = ("GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (ffn='swiglu', norm='rmsnorm', "
-              "pos_emb='rope', bias=False)")
+GPT2 = Family("GPT2LMHeadModel", "gpt2", "transformer.", "h.{i}.")
+LLAMA = Family("LlamaForCausalLM", "llama", "", "model.layers.{i}.")
+MISTRAL = Family("MistralForCausalLM", "mistral", "", "model.layers.{i}.")
+QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "", "model.layers.{i}.")
+QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
+FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
+UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
+    "gemma": "Gemma's scaled embeddings and GeGLU feed-forward", "gemma2": "Gemma 2's soft-capped logits",
+    "gemma3": "Gemma 3's scaled embeddings and sliding-window layers", "mixtral": "Mixtral's mixture of experts",
+    "qwen2_moe": "a mixture of experts", "qwen3_moe": "a mixture of experts", "phi3": "Phi-3's fused qkv layout",
+}
+EXPORTABLE = ("GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
+              "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
+              "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's")
 
 
-def entries(family: Family, n_layer: int) -> list[tuple[str, tuple[str, ...], bool]]:
-    """Every weight of a model with n_layer blocks: (gptlite name, transformers names, transposed)."""
-    out = list(family.top)
-    for i in range(n_layer):
-        p = family.layer_prefix.format(i=i)
-        out += [(f"blocks.{i}.{ours}", tuple(p + t for t in theirs), transposed) for ours, theirs, transposed in family.layer]
+def entries(family: Family, config: GPTConfig) -> list[Entry]:
+    """Every weight of a model of `config` in `family`: (gptlite name, transformers names, transposed)."""
+    if family is GPT2:
+        top = [("tok_emb.weight", ("wte.weight",), False), ("pos_emb.table.weight", ("wpe.weight",), False),
+               ("norm.weight", ("ln_f.weight",), False), ("norm.bias", ("ln_f.bias",), False)]
+        layer = [("attn_norm", "ln_1", False), ("attn.qkv", "attn.c_attn", True), ("attn.out_proj", "attn.c_proj", True),
+                 ("ffn_norm", "ln_2", False), ("ffn.fc", "mlp.c_fc", True), ("ffn.out_proj", "mlp.c_proj", True)]
+        layer = [(f"{ours}.{p}", (f"{theirs}.{p}",), transposed and p == "weight")
+                 for ours, theirs, transposed in layer for p in ("weight", "bias")]
+    else:
+        top = [("tok_emb.weight", ("model.embed_tokens.weight",), False), ("norm.weight", ("model.norm.weight",), False)]
+        attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        layer = [("attn_norm.weight", ("input_layernorm.weight",), False),
+                 ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
+                 *([("attn.qkv.bias", tuple(f"{t}.bias" for t in attn), False)] if config.qkv_bias else []),
+                 ("attn.out_proj.weight", ("self_attn.o_proj.weight",), False),
+                 *([("attn.qk_norm.q_norm.weight", ("self_attn.q_norm.weight",), False),
+                    ("attn.qk_norm.k_norm.weight", ("self_attn.k_norm.weight",), False)] if config.qk_norm else []),
+                 ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
+                 # SwiGLU's fc: its first half is the gate (through silu), the second the value
+                 ("ffn.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), False),
+                 ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False)]
+    if not config.tie_embeddings:
+        top.append(("lm_head.weight", ("lm_head.weight",), False))
+    out = list(top)
+    for i in range(config.n_layer):
+        p = family.layers.format(i=i)
+        out += [(f"blocks.{i}.{ours}", tuple(p + t for t in theirs), transposed) for ours, theirs, transposed in layer]
     return out
 
 
+def part_sizes(ours: str, config: GPTConfig) -> list[int]:
+    """The rows of each transformers tensor that a fused gptlite tensor stacks (q, k, v; the gate and value)."""
+    if "attn.qkv" in ours:
+        return [config.n_head * config.head_width] + [config.kv_heads * config.head_width] * 2
+    return [config.ffn_hidden] * 2
+
+
+def their_name(family: Family, name: str) -> str:
+    """A transformers name as save_pretrained writes it (GPT-2's blocks under "transformer.", its head not)."""
+    return name if name.startswith("lm_head.") else family.prefix + name
+
+
 # ---------------------------------------------------------------------------------------------
-# In: a transformers checkpoint -> GPT
+# In: a transformers checkpoint -> a GPTConfig and a state dict
 
 
 def checkpoint_dir(name_or_dir: str, weights: bool = True) -> Path:
@@ -122,141 +143,157 @@ def checkpoint_dir(name_or_dir: str, weights: bool = True) -> Path:
         raise ConnectionError(f"could not download {name_or_dir} from the Hugging Face Hub ({type(e).__name__}); {offline}") from None
 
 
-def read_config(directory: Path) -> tuple[Family, GPTConfig]:
-    """The family and the GPTConfig of directory/config.json; what gptlite cannot hold is refused in one line."""
+def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
+    """The family, the GPTConfig and the attention window (None: none) of directory/config.json; what gptlite cannot
+    hold is refused in one line naming it."""
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and its weights")
     c = read_json(path, "a Hugging Face config.json")
-    family = FAMILIES.get(c.get("model_type"))
+    kind = c.get("model_type")
+    family = FAMILIES.get(kind)
     if family is None:
-        raise ValueError(f"{path}: model_type={c.get('model_type')!r} is not supported; gptlite loads "
+        what = f"{UNSUPPORTED[kind]}, which gptlite does not have" if kind in UNSUPPORTED else "not supported"
+        raise ValueError(f"{path}: model_type={kind!r} is {what}; gptlite loads "
                          f"{', '.join(f'{f.architecture} ({f.model_type})' for f in FAMILIES.values())}")
-    unsupported = []
-    if c.get("tie_word_embeddings", True) is False:
-        unsupported.append("an untied output head (tie_word_embeddings=false)")
     try:
-        if family is GPT2:
-            if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-                unsupported.append(f"activation_function={c['activation_function']!r} (gptlite's GELU is GPT-2's tanh "
-                                   "approximation, gelu_new)")
-            if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
-                unsupported.append("attention scaled other than by 1/sqrt(head width)")
-            config = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"], n_head=c["n_head"],
-                          n_embd=c["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
-                          norm_eps=c.get("layer_norm_epsilon", 1e-5), ffn="gelu", ffn_hidden=c.get("n_inner") or 4 * c["n_embd"])
-        else:
-            heads, kv_heads = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
-            rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-            if kv_heads != heads:
-                unsupported.append(f"grouped-query attention ({kv_heads} key/value heads for {heads} query heads)")
-            if c.get("attention_bias") or c.get("mlp_bias"):
-                unsupported.append("biases in the attention or MLP layers")
-            if c.get("hidden_act", "silu") != "silu":
-                unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                unsupported.append(f"RoPE scaling of type {rope.get('rope_type', rope.get('type'))!r}")
-            if c.get("head_dim") not in (None, c["hidden_size"] // heads):
-                unsupported.append(f"head_dim={c['head_dim']} other than hidden_size / num_attention_heads")
-            config = dict(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=c["num_hidden_layers"],
-                          n_head=heads, n_embd=c["hidden_size"], bias=False, pos_emb="rope",
-                          rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), norm="rmsnorm",
-                          norm_eps=c.get("rms_norm_eps", 1e-6), ffn="swiglu", ffn_hidden=c["intermediate_size"])
+        values, window, unsupported = (gpt2_values if family is GPT2 else llama_values)(c, family)
     except KeyError as e:
         raise ValueError(f"{path} has no {e.args[0]}, which a {family.architecture} config needs") from None
     if unsupported:
         raise ValueError(f"{path}: gptlite cannot hold this {family.architecture}: {'; '.join(unsupported)}")
-    return family, GPTConfig(**config)
+    return family, GPTConfig(**values), window
 
 
-def read_json(path: Path, what: str) -> dict:
-    """A JSON object from a file; anything else is a one-line ValueError naming the file."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); {what} holds one JSON object") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; {what} holds one JSON object")
-    return value
+def gpt2_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
+    unsupported = []
+    if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        unsupported.append(f"activation_function={c['activation_function']!r} (gptlite's GELU is GPT-2's tanh "
+                           "approximation, gelu_new)")
+    if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
+        unsupported.append("attention scaled other than by 1/sqrt(head width)")
+    values = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"], n_head=c["n_head"],
+                  n_embd=c["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
+                  norm_eps=c.get("layer_norm_epsilon", 1e-5), ffn="gelu", ffn_hidden=c.get("n_inner") or 4 * c["n_embd"],
+                  tie_embeddings=c.get("tie_word_embeddings", True) is not False)
+    return values, None, unsupported
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, from safetensors (one file or shards) or a weights-only torch file; a file that
-    cannot be read, a missing shard and non-finite values are one-line errors naming the file."""
-    if (directory / "model.safetensors").is_file():
-        files = [directory / "model.safetensors"]
-    elif (directory / "model.safetensors.index.json").is_file():
-        index = directory / "model.safetensors.index.json"
-        weight_map = read_json(index, "a sharded checkpoint's index").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map (tensor name -> shard file); save the checkpoint again")
-        files = [directory / name for name in sorted(set(map(str, weight_map.values())))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shard {missing[0]}, which is not in {directory}; download it again")
-    elif (directory / "pytorch_model.bin").is_file():
-        files = [directory / "pytorch_model.bin"]
-    else:
-        raise FileNotFoundError(f"{directory} holds none of {', '.join(WEIGHT_FILES)}")
-    weights = {}
-    for path in files:
-        part = read_weight_file(path)
-        bad = next((k for k, v in part.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
-        if bad is not None:
-            raise ValueError(f"{path}: tensor {bad} holds NaN or infinite values; the checkpoint is damaged")
-        weights.update(part)
-    return weights
+def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
+    """The switches of the Llama layout's families, and what of the config they cannot hold."""
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    kv_heads, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or hidden // heads
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    values = dict(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=c["num_hidden_layers"],
+                  n_head=heads, n_kv_head=kv_heads if kv_heads != heads else None, n_embd=hidden,
+                  head_dim=head_dim if head_dim * heads != hidden else None, bias=False, pos_emb="rope",
+                  rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), norm="rmsnorm",
+                  norm_eps=c.get("rms_norm_eps", 1e-6), ffn="swiglu", ffn_hidden=c["intermediate_size"],
+                  tie_embeddings=bool(c.get("tie_word_embeddings", False)), qkv_bias=family is QWEN2,
+                  qk_norm=family is QWEN3)
+    unsupported = []
+    if c.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
+    if c.get("attention_bias") and family is not QWEN2:
+        unsupported.append("biases on the attention's projections, its output's too (attention_bias=true)")
+    if c.get("mlp_bias"):
+        unsupported.append("biases in the feed-forward (mlp_bias=true)")
+    if rope_type == "llama3":
+        values.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                      rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_context=int(rope["original_max_position_embeddings"]))
+    elif rope_type != "default":
+        unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's)")
+    window = c.get("sliding_window") if family is MISTRAL or c.get("use_sliding_window") else None
+    if family in (QWEN2, QWEN3) and c.get("use_sliding_window"):
+        unsupported.append("sliding-window attention in some layers (use_sliding_window=true)")
+    if window:
+        values["block_size"] = min(values["block_size"], window)  # within the window, attention is exact
+    return values, window, unsupported
 
 
-def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors or weights-only torch file."""
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # safetensors' and torch's errors for a file cut short or of another format
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path} cannot be read ({cause[:200]}); it is cut short or not a weights file: download or "
-                         "save it again") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise ValueError(f"{path} does not hold a state dict (tensor name -> tensor); save the model's state_dict()")
-    return state
-
-
-def to_gptlite(family: Family, weights: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """A transformers state dict -> gptlite's, for a model of `config`; refuses missing and unknown weights."""
-    weights = {k.removeprefix(family.prefix): v for k, v in weights.items()}  # the Hub's gpt2 has no prefix
+def to_gptlite(family: Family, weights: Weights, config: GPTConfig, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """A transformers checkpoint -> gptlite's state dict for a model of `config`, read and converted tensor by
+    tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights."""
+    names = {n.removeprefix(family.prefix): n for n in weights.names()}  # the Hub's gpt2 has no prefix
     state, used = {}, set()
-    for ours, theirs, transposed in entries(family, config.n_layer):
-        missing = [t for t in theirs if t not in weights]
+    for ours, theirs, transposed in entries(family, config):
+        missing = [t for t in theirs if t not in names]
         if missing:
             raise ValueError(f"the checkpoint has no {missing[0]}, which a {family.architecture} of "
                              f"{config.n_layer} layers needs")
-        w = torch.cat([weights[t] for t in theirs])
-        state[ours] = w.t() if transposed else w
+        state[ours] = read_fused(weights, [names[t] for t in theirs], transposed, dtype)
         used.update(theirs)
     if "pos_emb.table.weight" in state:  # a smaller block_size keeps the first positions
-        state["pos_emb.table.weight"] = state["pos_emb.table.weight"][: config.block_size]
-    embedding = family.top[0][1][0]
-    head = weights.get("lm_head.weight")
-    if head is not None and not torch.equal(head, weights[embedding]):
-        raise ValueError("the checkpoint's lm_head.weight differs from its token embedding: gptlite ties the two "
-                         "and cannot hold an untied head")
-    unknown = sorted(k for k in weights if k not in used and k != "lm_head.weight" and not k.endswith(BUFFERS))
+        state["pos_emb.table.weight"] = state["pos_emb.table.weight"][: config.block_size].clone()
+    if config.tie_embeddings and "lm_head.weight" in names:
+        head = weights.pop(names["lm_head.weight"])
+        if not torch.equal(head.to(state["tok_emb.weight"].dtype), state["tok_emb.weight"]):
+            raise ValueError("the checkpoint's lm_head.weight differs from its token embedding though its config ties "
+                             "them (tie_word_embeddings)")
+        used.add("lm_head.weight")
+    unknown = sorted(n for n in names if n not in used and not n.endswith(BUFFERS))
     if unknown:
         raise ValueError(f"the checkpoint has weights a {family.architecture} of gptlite's kind does not: "
                          f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
-    state["lm_head.weight"] = state["tok_emb.weight"]
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
     return state
+
+
+def read_fused(weights: Weights, names: list[str], transposed: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensors `names` stacked along dim 0 (gptlite's fused q/k/v, gate/up), or one tensor transposed (GPT-2's
+    Conv1D), each read straight into its place in one tensor allocated once (in `dtype`, or the checkpoint's)."""
+    if transposed:
+        (name,) = names
+        return weights.pop(name).t().to(dtype or None).contiguous()
+    shapes = [weights.shape(n) for n in names]
+    out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype or weights.dtype(names[0]))  # (rows, ...)
+    row = 0
+    for name, shape in zip(names, shapes):
+        weights.pop(name, out=out[row : row + shape[0]])
+        row += shape[0]
+    return out
+
+
+def pretrained_config(name_or_dir: str, **overrides) -> GPTConfig:
+    """The GPTConfig of a pretrained checkpoint (downloading only its config.json), with `block_size` (at most
+    the checkpoint's) and `dropout` overridden if given."""
+    _, config, window = read_config(checkpoint_dir(name_or_dir, weights=False))
+    return _override(config, overrides, name_or_dir, window)
+
+
+def _override(config: GPTConfig, overrides: dict, source: str, window: int | None) -> GPTConfig:
+    wrong = sorted(set(overrides) - {"block_size", "dropout"})
+    if wrong:
+        raise ValueError(f"{source}: the pretrained model fixes {', '.join(wrong)}; only block_size (smaller) and "
+                         "dropout can be changed")
+    block_size = overrides.get("block_size", config.block_size)
+    if config.pos_emb == "learned" and block_size > config.block_size:
+        raise ValueError(f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
+                         f"use block_size <= {config.block_size}")
+    if window and block_size > window:
+        raise ValueError(f"{source}: its sliding window {window} is shorter than block_size={block_size}; gptlite "
+                         f"attends to the whole context: use block_size <= {window}")
+    return GPTConfig(**{**vars(config), **overrides})
+
+
+def load_pretrained(name_or_dir: str, dtype: torch.dtype | None = None, **overrides
+                    ) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
+    """The GPTConfig, the gptlite state dict (in `dtype`, or the checkpoint's own) and the transformers class of a
+    checkpoint (see the module docstring), for GPT.from_pretrained. `block_size` may be set smaller (learned
+    positions are cropped, as nanoGPT does) and `dropout` set for fine-tuning."""
+    directory = checkpoint_dir(name_or_dir)
+    family, config, window = read_config(directory)
+    config = _override(config, overrides, name_or_dir, window)
+    return config, to_gptlite(family, Weights(directory), config, dtype), family.architecture
 
 
 def fingerprint(name_or_dir: str) -> str:
     """The sha256 of a checkpoint's config.json and weight files, in name order: what a LoRA run records of its base
     weights, to find out when they are not the ones its adapters were trained on."""
-    import hashlib
-
     directory = checkpoint_dir(name_or_dir)
     names = ["config.json", *WEIGHT_FILES]
     index = directory / "model.safetensors.index.json"
@@ -274,62 +311,41 @@ def fingerprint(name_or_dir: str) -> str:
     return digest.hexdigest()
 
 
-def pretrained_config(name_or_dir: str, **overrides) -> GPTConfig:
-    """The GPTConfig of a pretrained checkpoint (downloading only its config.json), with `block_size` (at most
-    the checkpoint's) and `dropout` overridden if given."""
-    _, config = read_config(checkpoint_dir(name_or_dir, weights=False))
-    return _override(config, overrides, name_or_dir)
-
-
-def _override(config: GPTConfig, overrides: dict, source: str) -> GPTConfig:
-    wrong = sorted(set(overrides) - {"block_size", "dropout"})
-    if wrong:
-        raise ValueError(f"{source}: the pretrained model fixes {', '.join(wrong)}; only block_size (smaller) and "
-                         "dropout can be changed")
-    block_size = overrides.get("block_size", config.block_size)
-    if config.pos_emb == "learned" and block_size > config.block_size:
-        raise ValueError(f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
-                         f"use block_size <= {config.block_size}")
-    return GPTConfig(**{**vars(config), **overrides})
-
-
-def load_pretrained(name_or_dir: str, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The GPTConfig and the gptlite state dict of a GPT-2 or Llama checkpoint (see the module docstring), for
-    GPT.from_pretrained. `block_size` may be set smaller (learned positions are cropped, as nanoGPT does) and
-    `dropout` set for fine-tuning."""
-    directory = checkpoint_dir(name_or_dir)
-    family, config = read_config(directory)
-    config = _override(config, overrides, name_or_dir)
-    return config, to_gptlite(family, read_weights(directory), config)
-
-
 # ---------------------------------------------------------------------------------------------
 # Out: GPT -> a directory transformers loads
 
 
-def family_of(config: GPTConfig) -> Family:
-    """The transformers architecture a model's switches map to; others are refused, naming the switches that do."""
-    switches = (config.pos_emb, config.norm, config.ffn)
-    if switches == ("learned", "layernorm", "gelu"):
-        return GPT2
-    if switches == ("rope", "rmsnorm", "swiglu") and not config.bias:
-        return LLAMA
+def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
+    """The transformers architecture a model's switches map to (Mistral, which has Llama's, when `architecture` names
+    it); others are refused, naming the switches that export."""
+    if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
+        extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
+        if not extra:
+            return GPT2
+    elif (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias:
+        family = QWEN3 if config.qk_norm else QWEN2 if config.qkv_bias else LLAMA
+        if family is LLAMA and architecture == MISTRAL.architecture and not config.rope_scaling:
+            family = MISTRAL
+        if not (config.qk_norm and config.qkv_bias) and not (config.rope_scaling and family is not LLAMA):
+            return family
     raise ValueError(f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
-                     f"bias={config.bias} has no transformers architecture; exportable are {EXPORTABLE}")
+                     f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
+                     f"rope_scaling={config.rope_scaling!r} has no transformers architecture; exportable are {EXPORTABLE}")
 
 
 def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """gptlite's state dict -> the transformers names (tied head left out, as save_pretrained does; GPT-2's
+    """gptlite's state dict -> the transformers names (a tied head left out, as save_pretrained does; GPT-2's
     biases as zeros where the model has none)."""
     out = {}
-    for ours, theirs, transposed in entries(family, config.n_layer):
+    for ours, theirs, transposed in entries(family, config):
         w = state.get(ours)
         if w is None:  # a bias of a bias=False model: GPT-2 has them, so they are zeros
             weight = state[ours.removesuffix("bias") + "weight"]
             w = torch.zeros(weight.size(0), dtype=weight.dtype)
         w = w.t() if transposed else w
-        for name, part in zip(theirs, w.chunk(len(theirs))):
-            out[family.prefix + name] = part.detach().to("cpu").contiguous().clone()
+        parts = w.split(part_sizes(ours, config)) if len(theirs) > 1 else (w,)
+        for name, part in zip(theirs, parts):
+            out[their_name(family, name)] = part.detach().to("cpu").contiguous().clone()
     return out
 
 
@@ -339,36 +355,44 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
     bos = tokenizer.bos_id if isinstance(tokenizer, HFTokenizer) else eos
     eos = tokenizer.eos_id if isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id is not None else eos
     common = {"architectures": [family.architecture], "model_type": family.model_type, "vocab_size": config.vocab_size,
-              "tie_word_embeddings": True, "bos_token_id": bos, "eos_token_id": eos,
+              "tie_word_embeddings": config.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
               "torch_dtype": str(dtype).removeprefix("torch."), "initializer_range": 0.02}
     if family is GPT2:
         return {**common, "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
                 "n_head": config.n_head, "n_inner": config.ffn_hidden, "activation_function": "gelu_new",
                 "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
                 "attn_pdrop": config.dropout, "scale_attn_weights": True}
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling == "llama3":
+        rope = {**rope, "rope_type": "llama3", "factor": config.rope_factor, "low_freq_factor": config.rope_low_freq_factor,
+                "high_freq_factor": config.rope_high_freq_factor,
+                "original_max_position_embeddings": config.rope_original_context}
+    windows = {"sliding_window": None, **({"use_sliding_window": False, "max_window_layers": config.n_layer}
+                                          if family in (QWEN2, QWEN3) else {})}
     return {**common, "hidden_size": config.n_embd, "intermediate_size": config.ffn_hidden,
             "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-            "num_key_value_heads": config.n_head, "head_dim": config.n_embd // config.n_head,
+            "num_key_value_heads": config.kv_heads, "head_dim": config.head_width,
             "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
-            # transformers < 5 reads rope_theta, 5 and later rope_parameters
-            "rope_theta": config.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
+            # transformers < 5 reads rope_theta and rope_scaling, 5 and later rope_parameters
+            "rope_theta": config.rope_theta, "rope_scaling": rope if config.rope_scaling else None,
+            "rope_parameters": rope, **(windows if family is not LLAMA else {})}
 
 
 def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
-              log: Callable[[str], None] | None = None) -> list[Path]:
+              log: Callable[[str], None] | None = None, architecture: str | None = None) -> list[Path]:
     """Write config.json and model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained(directory)`
-    loads with the same logits, and, given a GPT-2 BPE tokenizer, the files `AutoTokenizer` reads. Everything is
-    checked before the first write, and the folder ends holding exactly these files, all written or none: a folder
-    that holds anything is replaced only with overwrite=True, and then moves aside whole to DIR-previous-TIME (which
-    `log` is told)."""
+    loads with the same logits, as the class its switches map to (`architecture`, by default the one the model was
+    loaded from, tells Mistral from Llama), and, given a tokenizer transformers can reproduce, its files. Everything
+    is checked before the first write, and the folder ends holding exactly these files, all written or none: a
+    folder that holds anything is replaced only with overwrite=True, and then moves aside whole to
+    DIR-previous-TIME (which `log` is told)."""
     from gptlite.quantize import Int8Linear
 
     if isinstance(model.lm_head, Int8Linear):
         raise ValueError("an int8-quantized model cannot be exported: its weights are rounded; export the float model "
                          "(quantize after loading, e.g. sample.py --quantize=int8)")
-    family = family_of(model.config)
+    family = family_of(model.config, architecture or getattr(model, "source_architecture", None))
     state = model.state_dict()
     dtype = state["tok_emb.weight"].dtype
     weights = from_gptlite(family, state, model.config)
@@ -394,79 +418,3 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
     if previous and log:
         log(f"moved the earlier contents of {directory} to {previous}")
     return [directory / name for name in names]
-
-
-def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """A safetensors file, readable as any file the user writes (safetensors creates it private)."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, path, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-# ---------------------------------------------------------------------------------------------
-# GPT-2's tokenizer files, from tiktoken ranks
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map of the 256 byte values to printable characters, in which vocab.json and merges.txt are written."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-
-
-def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merge list that tiktoken's ranks encode: token r (of two bytes or more) is the merge of the two parts
-    that byte-pair encoding with the ranks below r leaves of it."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) == 1:
-            continue
-        parts = [bytes([b]) for b in token]
-        while len(parts) > 2:
-            pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-            best, i = min(pairs)
-            if best >= rank:
-                break
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) != 2:
-            raise ValueError(f"the ranks are not a byte-pair merge list: token {rank} ({token!r}) is no merge of two tokens")
-        merges.append((parts[0], parts[1]))
-    return merges
-
-
-def gpt2_tokenizer_problem(tokenizer: Tokenizer) -> str | None:
-    """Why the export cannot give transformers `tokenizer` (None when it can): a Hugging Face tokenizer goes as it
-    is; a tiktoken one as GPT-2's tokenizer, which reproduces byte-pair encodings with GPT-2's split pattern only."""
-    if isinstance(tokenizer, HFTokenizer):
-        return None
-    if not (isinstance(tokenizer, TiktokenTokenizer) and tokenizer.enc._pat_str == GPT2_PATTERN):
-        return (f"transformers' GPT-2 tokenizer reproduces byte-pair encodings with GPT-2's split pattern only; this "
-                f"tokenizer is {tokenizer.kind}{'' if tokenizer.kind != 'tiktoken' else ' with another pattern'}")
-    ranks = tokenizer.enc._mergeable_ranks
-    if tokenizer.enc._special_tokens != {EOT: len(ranks)} or sorted(ranks.values()) != list(range(len(ranks))):
-        return "its ids are not ranks 0..N-1 followed by <|endoftext|>, as GPT-2's vocab.json lays them out"
-    return None
-
-
-def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
-    """The files transformers' AutoTokenizer reads, with the same ids as `tokenizer`: a Hugging Face tokenizer's
-    tokenizer.json and tokenizer_config.json, or GPT-2's vocab.json, merges.txt and tokenizer_config.json."""
-    problem = gpt2_tokenizer_problem(tokenizer)
-    if problem:
-        raise ValueError(f"the tokenizer cannot be written for transformers: {problem}")
-    if isinstance(tokenizer, HFTokenizer):
-        from gptlite.tokenizer.trainer import hf_files
-
-        return hf_files(tokenizer, max_length)
-    ranks = tokenizer.enc._mergeable_ranks
-    chars = bytes_to_unicode()
-    text = lambda token: "".join(chars[b] for b in token)  # noqa: E731
-    vocab = {text(token): rank for token, rank in ranks.items()} | {EOT: tokenizer.eot_id}
-    merges = "".join(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
-    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
-              "add_prefix_space": False, "add_bos_token": False, "model_max_length": max_length, "errors": "replace"}
-    return {"vocab.json": json.dumps(vocab, ensure_ascii=False), "merges.txt": "#version: 0.2\n" + merges,
-            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}

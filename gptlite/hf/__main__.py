@@ -61,8 +61,10 @@ def export(options: ExportOptions) -> int:
     if problem:
         print(f"note: no tokenizer files are written: {problem}")
         tokenizer = None
-    written = export_hf(model, hf_dir, tokenizer, overwrite=options.overwrite, log=print)
-    print(f"wrote {', '.join(p.name for p in written)} to {hf_dir} ({family_of(model.config).architecture})")
+    written = export_hf(model, hf_dir, tokenizer, overwrite=options.overwrite, log=print,
+                        architecture=ckpt.get("meta", {}).get("hf_architecture"))
+    family = family_of(model.config, ckpt.get("meta", {}).get("hf_architecture"))
+    print(f"wrote {', '.join(p.name for p in written)} to {hf_dir} ({family.architecture})")
     return 0
 
 

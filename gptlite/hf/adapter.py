@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptlite.files import write_folder
-from gptlite.hf import GPT2, entries, family_of, save_weights
+from gptlite.hf import GPT2, entries, family_of, part_sizes, save_weights, their_name
 from gptlite.lora import lora_layers
 
 if TYPE_CHECKING:
@@ -25,16 +25,17 @@ if TYPE_CHECKING:
 
 def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
     """The PEFT state dict of the model's LoRA layers (transformers' names) and the transformers modules they adapt."""
-    family = family_of(model.config)
-    names = {ours.removesuffix(".weight"): theirs for ours, theirs, _ in entries(family, model.config.n_layer)}
+    family = family_of(model.config, getattr(model, "source_architecture", None))
+    names = {ours.removesuffix(".weight"): theirs for ours, theirs, _ in entries(family, model.config)}
     tensors, modules = {}, []
     for name, layer in lora_layers(model).items():
         if name not in names:
             raise ValueError(f"the adapter on {name} has no place in a {family.architecture} adapter; train adapters on "
                              "attn.qkv, attn.out_proj, ffn.fc and ffn.out_proj only")
         theirs = names[name]
-        for their, rows in zip(theirs, layer.lora_B.detach().chunk(len(theirs))):  # (out / n, r) each
-            module = family.prefix + their.removesuffix(".weight")
+        sizes = part_sizes(name, model.config) if len(theirs) > 1 else [layer.out_features]
+        for their, rows in zip(theirs, layer.lora_B.detach().split(sizes)):  # (out_i, r) each
+            module = their_name(family, their).removesuffix(".weight")
             tensors[f"base_model.model.{module}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous().clone()
             tensors[f"base_model.model.{module}.lora_B.weight"] = rows.cpu().contiguous().clone()
             modules.append(module)

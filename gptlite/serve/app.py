@@ -22,8 +22,19 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from gptlite.serve.engine import Job, Params, Piece
-from gptlite.serve.protocol import (APIError, ChatRequest, CompletionRequest, GenerationRequest, chat_completion, chunk,
-                                    completion, new_id, parse_body, sse, usage)
+from gptlite.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    chat_completion,
+    chunk,
+    completion,
+    new_id,
+    parse_body,
+    sse,
+    usage,
+)
 
 if TYPE_CHECKING:
     from gptlite.serve.engine import Engine

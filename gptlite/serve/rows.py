@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def kv_shape(config: GPTConfig) -> tuple[int, int]:
     """(key/value heads, head width) of the model's attention: the one place the cache's shape comes from."""
-    return config.n_head, config.n_embd // config.n_head
+    return config.kv_heads, config.head_width
 
 
 class RowCache:

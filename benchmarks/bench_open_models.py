@@ -1,0 +1,171 @@
+"""Today's open models, measured on a SmolLM2-360M-shaped checkpoint (random weights from transformers: hidden 960,
+32 layers, 15 heads, 5 key/value heads, SwiGLU 2,560, vocabulary 49,152, tied):
+
+1. loading memory: each loader in a fresh process, the peak RSS of loading plus one forward pass above the RSS
+   after the imports, against the loaded model's bytes, in bfloat16 and float32 (ours: GPT.from_pretrained with
+   dtype=None; transformers: AutoModelForCausalLM.from_pretrained with dtype="auto");
+2. decode tokens/s at batch 1 and 8, float32, greedy: the GQA model against the same weights with n_kv_head =
+   n_head (k and v heads repeated: the same function, a 3x larger cache), and against transformers' generate.
+3. the largest logit difference against transformers for each family (the tests' tiny random models).
+
+    python benchmarks/bench_open_models.py [--parts=memory,decode,logits] [--prompt=512] [--new_tokens=32]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
+
+SHAPE = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+             num_key_value_heads=5, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
+             rms_norm_eps=1e-5, tie_word_embeddings=True)
+LOAD = """
+import resource, sys, torch
+{imports}
+def rss():
+    return {{k: int(v.split()[0]) for k, v in (l.split(":") for l in open("/proc/self/status")) if k in ("VmRSS", "VmHWM")}}
+base = rss()["VmRSS"]
+model = {load}
+with torch.no_grad():
+    model(torch.randint(0, 49152, (1, 64)))
+nbytes = sum(p.numel() * p.element_size() for p in {{id(p): p for p in model.parameters()}}.values())
+print(rss()["VmHWM"] - base, nbytes // 1024)
+"""
+LOADERS = {
+    "gptlite": ("from gptlite import GPT", "GPT.from_pretrained(sys.argv[1])"),
+    "transformers": ("import transformers", "transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], "
+                                            "dtype='auto').eval()"),
+}
+
+
+@dataclass
+class Options:
+    parts: str = option("memory,decode,logits", "comma-separated: memory, decode, logits")
+    prompt: int = option(512, "decode: prompt tokens")
+    new_tokens: int = option(32, "decode: new tokens per row")
+    batch_sizes: str = option("1,8", "decode: batch sizes")
+
+
+def save_checkpoints(folder: Path) -> dict[str, Path]:
+    """The 360M shape in bfloat16 and float32, saved by transformers."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).eval()
+    out = {"float32": folder / "float32", "bfloat16": folder / "bfloat16"}
+    model.save_pretrained(out["float32"])
+    model.to(torch.bfloat16).save_pretrained(out["bfloat16"])
+    return out
+
+
+def memory(dirs: dict[str, Path]) -> None:
+    print(f"{'loader':14} {'dtype':9} {'model MB':>9} {'peak above imports MB':>22} {'ratio':>6}")
+    for dtype, directory in dirs.items():
+        for name, (imports, load) in LOADERS.items():
+            code = LOAD.format(imports=imports, load=load)
+            out = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True,
+                                 cwd=ROOT, check=True).stdout.split()
+            peak, model = int(out[0]) / 1024, int(out[1]) / 1024
+            print(f"{name:14} {dtype:9} {model:9.0f} {peak:22.0f} {peak / model:6.2f}x", flush=True)
+
+
+def decode(directory: Path, args: Options) -> None:
+    import torch
+    import transformers
+
+    from gptlite import GPT
+    from gptlite.generate import generate
+
+    gqa = GPT.from_pretrained(str(directory), torch.float32)
+    full = GPT.from_pretrained(str(directory), torch.float32)
+    full = widened(full)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    print(f"\ndecode, float32, prompt {args.prompt}, {args.new_tokens} new tokens, tokens/s (the best of 2 calls)")
+    print(f"{'batch':>5} {'GQA (5 kv heads)':>17} {'n_kv_head = n_head':>19} {'transformers':>13}")
+    for batch in map(int, args.batch_sizes.split(",")):
+        idx = torch.randint(0, 49152, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
+        calls = {"gqa": lambda: generate(gqa, idx, args.new_tokens, temperature=0),
+                 "full": lambda: generate(full, idx, args.new_tokens, temperature=0),
+                 "hf": lambda: hf.generate(idx, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                           do_sample=False, pad_token_id=0)}
+        rates = {name: 0.0 for name in calls}
+        for _ in range(2):  # in turn
+            for name, call in calls.items():
+                start = time.perf_counter()
+                with torch.no_grad():
+                    call()
+                rates[name] = max(rates[name], batch * args.new_tokens / (time.perf_counter() - start))
+        print(f"{batch:>5} {rates['gqa']:17.1f} {rates['full']:19.1f} {rates['hf']:13.1f}", flush=True)
+
+
+def widened(model):
+    """The same function with n_kv_head = n_head: each key/value head's rows repeated for its query heads."""
+    import dataclasses
+
+    import torch
+
+    from gptlite import GPT
+
+    config = model.config
+    wide = GPT(dataclasses.replace(config, n_kv_head=None))
+    state = model.state_dict()
+    group, q = config.n_head // config.kv_heads, config.n_head * config.head_width
+    for i in range(config.n_layer):
+        w = state[f"blocks.{i}.attn.qkv.weight"]
+        k, v = (t.view(config.kv_heads, config.head_width, -1).repeat_interleave(group, 0).flatten(0, 1)
+                for t in w[q:].chunk(2))
+        state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([w[:q], k, v])
+    wide.load_state_dict(state)
+    return wide.eval()
+
+
+def logits() -> None:
+    import torch
+
+    from gptlite import GPT
+    from tests.test_open_models import FAMILIES, ids, randomized
+
+    print("\nlargest |logit difference| against transformers, float32, 2 x 40 tokens")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (cls, config) in FAMILIES.items():
+            hf = randomized(cls(config))
+            hf.save_pretrained(Path(tmp) / name)
+            with torch.no_grad():
+                diff = (GPT.from_pretrained(str(Path(tmp) / name))(ids())[0] - hf(ids()).logits).abs().max().item()
+            print(f"  {name:14} {diff:.2e}")
+
+
+def run(args: Options) -> int:
+    parts = args.parts.split(",")
+    with tempfile.TemporaryDirectory(prefix="gptlite_bench_open_models_") as tmp:
+        if "memory" in parts or "decode" in parts:
+            dirs = save_checkpoints(Path(tmp))
+            print(json.dumps(SHAPE))
+        if "memory" in parts:
+            memory(dirs)
+        if "decode" in parts:
+            decode(dirs["float32"], args)
+    if "logits" in parts:
+        logits()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("bench_open_models.py", lambda: run(parse(Options, argv, "bench_open_models.py", __doc__)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

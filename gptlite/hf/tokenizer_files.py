@@ -1,0 +1,70 @@
+"""The tokenizer files of an export: what transformers' AutoTokenizer reads, with the same ids as gptlite's tokenizer:
+a Hugging Face tokenizer's own tokenizer.json and tokenizer_config.json, or, for GPT-2's tiktoken BPE, GPT-2's
+vocab.json and merges.txt rebuilt from the ranks."""
+
+from __future__ import annotations
+
+import json
+
+from gptlite.tokenizer import EOT, GPT2_PATTERN, HFTokenizer, TiktokenTokenizer, Tokenizer
+from gptlite.tokenizer.huggingface import byte_decoder
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 byte values to printable characters, in which vocab.json and merges.txt are written."""
+    return {b: c for c, b in byte_decoder().items()}
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list that tiktoken's ranks encode: token r (of two bytes or more) is the merge of the two parts
+    that byte-pair encoding with the ranks below r leaves of it."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) == 1:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            best, i = min(pairs)
+            if best >= rank:
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) != 2:
+            raise ValueError(f"the ranks are not a byte-pair merge list: token {rank} ({token!r}) is no merge of two tokens")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def gpt2_tokenizer_problem(tokenizer: Tokenizer) -> str | None:
+    """Why the export cannot give transformers `tokenizer` (None when it can): a Hugging Face tokenizer goes as it
+    is; a tiktoken one as GPT-2's tokenizer, which reproduces byte-pair encodings with GPT-2's split pattern only."""
+    if isinstance(tokenizer, HFTokenizer):
+        return None
+    if not (isinstance(tokenizer, TiktokenTokenizer) and tokenizer.enc._pat_str == GPT2_PATTERN):
+        return (f"transformers' GPT-2 tokenizer reproduces byte-pair encodings with GPT-2's split pattern only; this "
+                f"tokenizer is {tokenizer.kind}{'' if tokenizer.kind != 'tiktoken' else ' with another pattern'}")
+    ranks = tokenizer.enc._mergeable_ranks
+    if tokenizer.enc._special_tokens != {EOT: len(ranks)} or sorted(ranks.values()) != list(range(len(ranks))):
+        return "its ids are not ranks 0..N-1 followed by <|endoftext|>, as GPT-2's vocab.json lays them out"
+    return None
+
+
+def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
+    """The files transformers' AutoTokenizer reads, with the same ids as `tokenizer`: a Hugging Face tokenizer's
+    tokenizer.json and tokenizer_config.json, or GPT-2's vocab.json, merges.txt and tokenizer_config.json."""
+    problem = gpt2_tokenizer_problem(tokenizer)
+    if problem:
+        raise ValueError(f"the tokenizer cannot be written for transformers: {problem}")
+    if isinstance(tokenizer, HFTokenizer):
+        from gptlite.tokenizer.trainer import hf_files
+
+        return hf_files(tokenizer, max_length)
+    ranks = tokenizer.enc._mergeable_ranks
+    chars = bytes_to_unicode()
+    text = lambda token: "".join(chars[b] for b in token)  # noqa: E731
+    vocab = {text(token): rank for token, rank in ranks.items()} | {EOT: tokenizer.eot_id}
+    merges = "".join(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
+              "add_prefix_space": False, "add_bos_token": False, "model_max_length": max_length, "errors": "replace"}
+    return {"vocab.json": json.dumps(vocab, ensure_ascii=False), "merges.txt": "#version: 0.2\n" + merges,
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}

@@ -1,0 +1,125 @@
+"""Today's open models in and out, against transformers itself: Llama with grouped-query attention, an untied Llama
+(TinyLlama's kind), Llama 3's RoPE scaling, Qwen2, Qwen3 and Mistral, built with random weights (every parameter,
+norms and biases too), saved with save_pretrained: equal logits, equal greedy tokens, export back into the same
+class; sharded and torch files; the checkpoint's dtype kept; the directory's tokenizer used."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from gptlite import GPT
+from gptlite.hf import export_hf
+from tests.conftest import ROOT
+from tests.test_hf import randomized
+
+transformers.logging.set_verbosity_error()
+V, T = 97, 64
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=V,
+              max_position_embeddings=T, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+FAMILIES = {  # name -> (transformers class, its config)
+    "llama-gqa": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=2, rope_theta=500.0, tie_word_embeddings=True)),
+    "llama-untied": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=1, tie_word_embeddings=False)),
+    "llama3-scaled": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=2, rope_parameters=LLAMA3, tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        **COMMON, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False, use_sliding_window=False)),
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        **COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)),
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(
+        **COMMON, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False)),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    cls, config = FAMILIES[request.param]
+    model = randomized(cls(config))
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(directory)
+    return request.param, model, directory
+
+
+def ids(batch: int = 2, length: int = 40) -> torch.Tensor:
+    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path):
+    """40 tokens: past llama3's original context of 16, where its scaling acts."""
+    name, hf, directory = saved
+    ours = GPT.from_pretrained(str(directory))
+    with torch.no_grad():
+        expected = hf(ids()).logits
+        torch.testing.assert_close(ours(ids())[0], expected, atol=1e-4, rtol=0)
+        prompt = ids(1, 8)
+        greedy = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(prompt, 20, temperature=0), greedy)
+    export_hf(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids()).logits, expected, atol=1e-4, rtol=0)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] == hf.config.tie_word_embeddings
+
+
+def test_the_kv_cache_holds_only_the_key_value_heads(saved):
+    name, hf, directory = saved
+    from gptlite.kvcache import new_cache
+
+    model = GPT.from_pretrained(str(directory))
+    cache = new_cache(model, 3, 16)
+    assert cache.k[0].shape == (3, hf.config.num_key_value_heads, 16, model.config.head_width)
+
+
+def test_sharded_torch_and_bfloat16_checkpoints(tmp_path):
+    cls, config = FAMILIES["llama-gqa"]
+    hf = randomized(cls(config))
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "sharded" / "config.json").read_text())
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    with torch.no_grad():
+        expected = hf(ids()).logits
+        for folder in ("sharded", "bin"):
+            torch.testing.assert_close(GPT.from_pretrained(str(tmp_path / folder))(ids())[0], expected, atol=1e-4, rtol=0)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    kept = GPT.from_pretrained(str(tmp_path / "bf16"))
+    assert all(p.dtype == torch.bfloat16 for p in kept.parameters())
+    assert all(p.dtype == torch.float32 for p in GPT.from_pretrained(str(tmp_path / "bf16"), torch.float32).parameters())
+
+
+def test_a_sliding_window_bounds_the_context(tmp_path):
+    config = transformers.MistralConfig(**{**COMMON, "max_position_embeddings": 256}, num_key_value_heads=2,
+                                        sliding_window=48)
+    randomized(transformers.MistralForCausalLM(config)).save_pretrained(tmp_path)
+    assert GPT.from_pretrained(str(tmp_path)).config.block_size == 48
+    with pytest.raises(ValueError, match=r"its sliding window 48 is shorter than block_size=64; gptlite attends to the "
+                                         r"whole context: use block_size <= 48"):
+        GPT.from_pretrained(str(tmp_path), block_size=64)
+
+
+def test_init_from_a_model_directory_needs_no_tokenizer_flag(tmp_path):
+    """The directory's tokenizer.json becomes the model's tokenizer, with its end-of-sequence token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    cls, config = FAMILIES["qwen2"]
+    randomized(cls(config)).save_pretrained(tmp_path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["To be or not to be, that is the question."] * 50,
+                            trainers.BpeTrainer(vocab_size=V, special_tokens=["<|endoftext|>"], show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:90]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--init_from={tmp_path}", "--start=To be",
+                             "--num_samples=1", "--max_new_tokens=10", "--device=cpu"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.startswith("To be"), result.stderr
