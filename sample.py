@@ -3,6 +3,7 @@
     python sample.py --out_dir=OUT [--start=TEXT | --start=FILE:prompt.txt] [--num_samples=3]
     python sample.py --init_from=gpt2 [--tokenizer=gpt2.tiktoken] [--start=TEXT] ...   # no training needed
     python sample.py --out_dir=OUT --num_beams=4 [--num_samples=2] [--length_penalty=1.0]  # beam search
+    python sample.py --out_dir=OUT --chat [--system=TEXT]     # a conversation: a user turn per line of stdin
                      [--max_new_tokens=500] [--temperature=0.8] [--top_k=200] [--top_p=None]
                      [--repetition_penalty=1.0] [--frequency_penalty=0.0] [--stop=STRING ...]
                      [--stop_at_eot=true] [--batch_size=8] [--seed=1337] [--device=auto] [--dtype=auto]
@@ -25,8 +26,10 @@ import torch
 from gptlite.checkpoint import load_model
 from gptlite.cli import parse, pick_device, pick_dtype, run_command
 from gptlite.config import option
+from gptlite.conversation import Conversation
 from gptlite.generate import generate, generate_text
 from gptlite.model import GPT
+from gptlite.sampling import Sampling
 from gptlite.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40 + "\n"
@@ -64,6 +67,9 @@ class SampleOptions:
                            choices=("", "int8"))
     extend_context: bool = option(False, "sinusoidal or rope positions: run past block_size instead of sliding the "
                                          "window")
+    chat: bool = option(False, "hold a conversation: each line on stdin is a user turn, the reply streams to stdout; "
+                               "it ends at the end of input or Ctrl-C")
+    system: str = option("", "--chat: the system prompt")
 
 
 def unescape(s: str) -> str:
@@ -151,6 +157,25 @@ def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptio
     sys.stdout.write(SEPARATOR.join(prompt + text + "\n" for text in texts))
 
 
+def chat(model: GPT, tokenizer: Tokenizer, args: SampleOptions) -> int:
+    """The conversation loop of --chat: a user turn per line of stdin, the reply streamed (see gptlite.conversation)."""
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    conversation = Conversation(model, tokenizer, sampling, args.max_new_tokens, args.system, generator)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        for piece in conversation.reply(line.rstrip("\n")):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
@@ -163,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         model = model.to(args.device, getattr(torch, args.dtype)).eval()
         if args.quantize:
             model.quantize(args.quantize)
+        if args.chat:
+            return chat(model, tokenizer, args)
         prompt = read_prompt(args.start)
         (print_beams if args.num_beams > 1 else print_samples)(model, tokenizer, prompt, args)
         return 0

@@ -4,6 +4,7 @@ train/val token shards + tokenizer.json + manifest.json.
     python data/prepare.py --input PATH_OR_URL [more ...] --tokenizer SPEC --out_dir DIR [--val_fraction F]
     python data/prepare.py --input 'dump/*.jsonl' --text_field content --tokenizer gpt2 --out_dir DIR
     python data/prepare.py --hf_dataset HuggingFaceFW/fineweb-edu --hf_name sample-10BT --tokenizer gpt2 --out_dir DIR
+    python data/prepare.py --input chats.jsonl --chat --tokenizer DIR --out_dir DIR2 # conversations {"messages": [...]}
     python data/prepare.py --verify --out_dir DIR          # check DIR's shards against its manifest
 
 SPEC: byte | char | a tiktoken encoding name (gpt2, cl100k_base, o200k_base, ...) | path/to/ranks.tiktoken
@@ -34,6 +35,13 @@ class PrepareOptions:
     hf_dataset: str | None = option(None, "a Hugging Face dataset to stream (needs pip install -e '.[data]')")
     hf_name: str | None = option(None, "its configuration, e.g. sample-10BT")
     hf_split: str = option("train", "its split to read")
+    chat: bool = option(False, "records hold conversations (--messages_field): render them with the tokenizer's chat "
+                               "template and train on the assistant's turns only")
+    messages_field: str = option("messages", "--chat: the field of a record that holds its list of "
+                                             "{role, content} messages")
+    block_size: int = option(0, "--chat: a conversation longer than block_size + 1 tokens is cut or dropped (0: "
+                                "no limit)")
+    too_long: str = option("drop", "--chat: what happens to a conversation longer than block_size", choices=("drop", "cut"))
     overwrite: bool = option(False, "start afresh even if out_dir is complete or half done")
     verify: bool = option(False, "only check out_dir's shards against its manifest.json")
 
@@ -53,6 +61,7 @@ def run(args: PrepareOptions) -> int:
         args.input, args.tokenizer, args.out_dir, args.val_fraction, args.shard_tokens, args.overwrite,
         text_field=args.text_field, workers=args.workers, dtype=args.dtype,
         hf_dataset=args.hf_dataset, hf_name=args.hf_name, hf_split=args.hf_split,
+        chat=args.chat, messages_field=args.messages_field, block_size=args.block_size, too_long=args.too_long,
     )
     return 0
 

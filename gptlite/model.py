@@ -64,10 +64,8 @@ class SinusoidalPositions(AdditivePositions):
     """The fixed sin/cos table of "Attention Is All You Need" (Vaswani et al., 2017), section 3.5:
     PE[p, 2i] = sin(p / 10000^(2i/C)), PE[p, 2i+1] = cos(p / 10000^(2i/C)), a buffer, added times a learned
     gain per channel, `gain` (C,). The gain starts where a learned table starts (vectors of std 0.02; the
-    table's RMS is 1/sqrt(2)): added as it is, the table swamps token embeddings of std 0.02. Measured on
-    the 90-second CPU recipe at 2,300 steps (val loss, one run each; learned positions 1.681): one gain per
-    channel 1.683, one scalar gain 1.719 (2.236 starting at 0.2); in 90 s, against 1.690 for learned: the
-    raw table 2.411, token embeddings scaled by sqrt(C) as in the paper's section 3.4 1.743."""
+    table's RMS is 1/sqrt(2)): added as it is, the table swamps token embeddings of std 0.02 (what was measured:
+    docs/training.md, model variants)."""
 
     can_extend = True
 
@@ -237,10 +235,9 @@ class QKNorm(nn.Module):
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) where mask, else -inf) v for q (B, H, T, D), k and v (B, KV, S, D) (KV divides H:
-    each key/value head serves H / KV query heads), mask (B, 1, T, S) or None. SDPA's kernel runs it, except in a torch.compile'd step on the CPU, where the
-    math written out lets inductor fuse it with its neighbours (1.6x faster decode steps for the 4x128 char
-    model than SDPA's kernel inside the compiled graph)."""
+    """softmax(q k^T / sqrt(D) where mask, else -inf) v for q (B, H, T, D), k and v (B, KV, S, D) (each key/value
+    head serves H / KV query heads), mask (B, 1, T, S) or None. SDPA's kernel runs it, except in a compiled step on
+    the CPU, where the math written out lets inductor fuse it with its neighbours (1.6x faster decode steps)."""
     grouped = q.size(1) != k.size(1)  # grouped-query attention: k and v have fewer heads
     if not (torch.compiler.is_compiling() and q.device.type == "cpu"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
@@ -283,8 +280,7 @@ def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
 
 class SwiGLUGate(torch.autograd.Function):
     """silu(gate) * value, the same math as chunking h, but the backward writes both halves' gradients into
-    one (B, T, 2F) tensor, where chunk's backward would concatenate two: a cat per block, about 3% of an
-    eager training step of the 4x128 model on a CPU."""
+    one (B, T, 2F) tensor, where chunk's backward would concatenate two (3% of a small eager step on a CPU)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
@@ -443,10 +439,8 @@ class GPT(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}; a single sequence is idx[None]")
         if idx.size(1) > self.config.block_size:
-            raise ValueError(
-                f"sequence of length {idx.size(1)} is longer than block_size={self.config.block_size}; "
-                "crop the input or train a model with a larger block_size"
-            )
+            raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size={self.config.block_size}; "
+                             "crop the input or train a model with a larger block_size")
         if torch.compiler.is_compiling() or idx.numel() == 0:
             return  # value checks would break the graph; the data loader checks ids before training
         lo, hi = int(idx.min()), int(idx.max())

@@ -158,6 +158,12 @@ def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
                 "prepare the data again (--overwrite)"
             )
         expected = manifest.get("sha256", {}).get(shard["file"])
+        if manifest.get("chat"):
+            read_roles(roles_path(shard_path), len(tokens))  # a chat preparation's roles: there, and of its length
+            roles_sha = manifest["sha256"].get(roles_path(shard_path).name)
+            if checksums and roles_sha and file_sha256(roles_path(shard_path)) != roles_sha:
+                raise ValueError(f"roles file {roles_path(shard_path)} does not match its sha256 in the manifest; "
+                                 "prepare the data again (--overwrite)")
         if checksums and expected and file_sha256(shard_path) != expected:
             raise ValueError(
                 f"shard {shard_path} does not match its sha256 in the manifest ({expected[:12]}...): the file "

@@ -13,6 +13,7 @@ import uvicorn
 from gptlite.serve.app import create_app
 from gptlite.serve.engine import Engine
 from gptlite.tokenizer import CharTokenizer
+from gptlite.tokenizer.chat import render
 from tests.conftest import tiny_model
 
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n\u00e9"  # 97 characters, the tiny model's vocabulary
@@ -20,16 +21,13 @@ MODEL = "tiny"
 
 
 class TemplateTokenizer(CharTokenizer):
-    """A char tokenizer with a trivial chat template: "role: content\\n" per message, then "assistant: "
-    (the interface the chat-template issue gives gptlite's tokenizers)."""
+    """A char tokenizer with a small chat template: "role: content\\n" per message, then "assistant: "."""
 
-    chat_template = "{role}: {content}\\n"
+    chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant: {% endif %}")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt))
+        return render(self.chat_template, messages, add_generation_prompt)
 
 
 def free_port() -> int:

@@ -192,6 +192,37 @@ def test_chat_renders_the_template_and_streams(served, client):
     assert default.usage.completion_tokens == 128 - r.usage.prompt_tokens and default.choices[0].finish_reason == "length"
 
 
+def test_chat_renders_a_model_directorys_template_as_transformers_does(tmp_path):
+    """A Hugging Face tokenizer with its template: the prompt is transformers' apply_chat_template, and a reply ends
+    at the template's end-of-turn token."""
+    import transformers
+
+    from gptlite.serve.app import create_app
+    from gptlite.serve.engine import Engine
+    from gptlite.tokenizer import get_tokenizer
+    from tests.conftest import tiny_model
+    from tests.serving import Running
+    from tests.test_chat import CONVERSATION, QWEN_LIKE, model_dir
+
+    folder = model_dir(tmp_path, QWEN_LIKE, "jinja")
+    tokenizer = get_tokenizer(str(folder))
+    model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=128)
+    engine = Engine(model, tokenizer, max_batch=2).start()
+    running = Running(create_app(engine, tokenizer, MODEL))
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        messages = CONVERSATION[:4]
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+        expected = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True)
+        expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+        assert r.usage.prompt_tokens == len(expected) == len(tokenizer.apply_chat_template(messages, True))
+        assert tokenizer.end_of_turn_id == tokenizer.token_id("<|im_end|>")
+    finally:
+        running.stop()
+        engine.close()
+
+
 def test_chat_without_a_template_is_a_400_that_says_so(served, client, monkeypatch):
     monkeypatch.setattr(served.tokenizer, "chat_template", None)
     with pytest.raises(openai.BadRequestError, match="has no chat template"):
@@ -239,7 +270,7 @@ def test_the_command_serves_a_run_folder_until_interrupted(tmp_path):
             except openai.APIConnectionError:
                 assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.2)
-        assert card.id == tmp_path.name and card.chat is False  # a saved tokenizer.json has no chat template
+        assert card.id == tmp_path.name and card.chat is True  # the saved tokenizer.json keeps its chat template
         r = client.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0)
         assert r.usage.completion_tokens == 10
     finally:

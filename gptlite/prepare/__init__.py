@@ -55,7 +55,7 @@ from gptlite.prepare.sources import (
     resolve_sources,
 )
 from gptlite.prepare.workers import SPLITS, default_workers, split_batch, tokenize
-from gptlite.shards import DTYPES, MANIFEST, PROGRESS, ShardWriter, token_dtype
+from gptlite.shards import DTYPES, MANIFEST, PROGRESS, RolesWriter, ShardWriter, token_dtype
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer
 
 BATCH_BLOCKS = 1  # a batch for one worker holds at most this many blocks' worth (small: the last batches end together)
@@ -78,6 +78,10 @@ def prepare(
     hf_dataset: str | None = None,
     hf_name: str | None = None,
     hf_split: str = "train",
+    chat: bool = False,
+    messages_field: str = "messages",
+    block_size: int = 0,
+    too_long: str = "drop",
 ) -> dict:
     """Tokenize the inputs into out_dir/{train,val}_*.bin, tokenizer.json and manifest.json; return the manifest.
 
@@ -85,26 +89,34 @@ def prepare(
     data files of that dataset (e.g. hf_dataset="json" and a list of .jsonl files), else may be empty.
     workers: tokenizing processes (default: one per core; never more than there are batches of input).
     dtype: "auto" (uint16 up to 65,536 ids, else uint32), "uint16" or "uint32".
+    chat: the records' `messages_field` holds conversations, rendered with the tokenizer's chat template (ChatML
+    for a tokenizer without one); a roles file beside each shard marks the assistant's tokens, which alone are
+    trained on (see gptlite.data.ChatLoader). A conversation longer than block_size + 1 tokens (0: no limit) is
+    cut to it or dropped (too_long="cut" or "drop"); one without an assistant turn is left out; both are counted.
     An interrupted run continues where it stopped when called again with the same arguments.
     """
     check_settings(inputs, val_fraction, shard_tokens, dtype, workers, hf_dataset)
+    chat_options = check_chat(chat, tokenizer_spec, block_size, too_long)
+    field = messages_field if chat else text_field
     out_dir = Path(out_dir)
     sources = resolve_sources(inputs, out_dir / "downloads", hf_dataset, hf_name, hf_split)
     settings = {"sources": sources, "tokenizer": tokenizer_spec, "val_fraction": val_fraction,
-                "shard_tokens": shard_tokens, "text_field": text_field, "dtype": dtype}
+                "shard_tokens": shard_tokens, "text_field": field, "dtype": dtype, "chat": chat_options}
     manifest = finished_manifest(out_dir, settings)
     if manifest is not None and not overwrite:
         log(f"{out_dir} is already prepared from these inputs ({manifest['train_tokens']:,} train, "
             f"{manifest['val_tokens']:,} val tokens); nothing to do")
         return manifest
-    check_sources(sources, text_field)
-    total = input_bytes(sources, text_field)
+    check_sources(sources, field, chat)
+    total = input_bytes(sources, field)
     if total == 0:
         raise ValueError(f"the inputs ({', '.join(inputs)}) are empty; there is no text to tokenize")
 
     tokenizer, progress = start_or_resume(out_dir, settings, overwrite, log)
     tokens_dtype = np.dtype(progress["dtype"])
     writers = {s: ShardWriter(out_dir, s, tokens_dtype, shard_tokens, progress[s]) for s in SPLITS}
+    if chat:
+        writers |= {f"{s}_roles": RolesWriter(out_dir, s, shard_tokens, progress.get(f"{s}_roles")) for s in SPLITS}
     workers = workers or default_workers()
     if total is not None:  # a worker only where it has enough batches to repay its start
         batches = (total - progress["bytes"]) / (reading.BLOCK_BYTES * BATCH_BLOCKS)
@@ -112,14 +124,15 @@ def prepare(
     log(f"tokenizing {len(sources)} source(s), {'?' if total is None else f'{total / 1e6:.1f}'} MB, with "
         f"{tokenizer_spec} (vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}")
     start, bytes_before = time.perf_counter(), progress["bytes"]
-    pieces = iter_pieces(sources, progress["cursor"], val_fraction, text_field)
+    pieces = iter_pieces(sources, progress["cursor"], val_fraction, field)
     tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction=val_fraction,
-                         text_field=text_field)
+                         text_field=field, chat=chat_options)
     seconds = time.perf_counter() - start
 
     counts = {s: writers[s].tokens for s in SPLITS}
     if not counts["train"] and not counts["val"]:
-        raise ValueError(f"the inputs ({', '.join(inputs) or hf_dataset}) hold no text; there is nothing to tokenize")
+        what = "conversation with an assistant turn" if chat else "text"
+        raise ValueError(f"the inputs ({', '.join(inputs) or hf_dataset}) hold no {what}; there is nothing to tokenize")
     if not counts["train"] or not counts["val"]:
         raise ValueError(f"the corpus is too small to split with val_fraction={val_fraction}; add text or change it")
     manifest = build_manifest(settings, tokenizer, writers, progress)
@@ -127,6 +140,18 @@ def prepare(
     (out_dir / PROGRESS).unlink()
     log_summary(log, manifest, progress["bytes"] - bytes_before, seconds)
     return manifest
+
+
+def check_chat(chat: bool, tokenizer_spec: str, block_size: int, too_long: str) -> dict | None:
+    """A chat preparation's settings, checked."""
+    if not chat:
+        return None
+    if tokenizer_spec == "char":
+        raise ValueError("--chat needs a tokenizer that encodes any text (byte, a BPE or a model's tokenizer.json); "
+                         "char learns only the characters of its corpus")
+    if block_size < 0 or too_long not in ("cut", "drop"):
+        raise ValueError(f"block_size={block_size} must be >= 0 (0: no limit) and too_long={too_long!r} cut or drop")
+    return {"block_size": block_size, "too_long": too_long}
 
 
 def check_settings(inputs: list[str], val_fraction: float, shard_tokens: int, dtype: str, workers: int | None,
@@ -153,6 +178,8 @@ def start_or_resume(out_dir: Path, settings: dict, overwrite: bool, log) -> tupl
         log(f"resuming {out_dir} after {progress['bytes'] / 1e6:.1f} MB and {progress['documents']:,} documents")
         return load_tokenizer(out_dir / TOKENIZER_FILE), progress
     tokenizer = build_tokenizer(settings["tokenizer"], settings["sources"], settings["text_field"])
+    if settings["chat"]:
+        tokenizer.use_default_template()  # ChatML's markers, if it has no template: recorded in tokenizer.json
     tokens_dtype = token_dtype(tokenizer.vocab_size, settings["dtype"])
     make_dir(out_dir)
     clear_preparation(out_dir, log)
@@ -168,23 +195,29 @@ def new_progress(key: str, dtype: np.dtype) -> dict:
 
 def tokenize_into_shards(
     pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, writers: dict[str, ShardWriter], progress: dict,
-    out_dir: Path, total: int | None, *, val_fraction: float, text_field: str,
+    out_dir: Path, total: int | None, *, val_fraction: float, text_field: str, chat: dict | None = None,
 ) -> None:
     """Tokenize the pieces batch by batch into the writers, checkpointing progress after each batch."""
     batches = batched(pieces, reading.BLOCK_BYTES * BATCH_BLOCKS)
     dtype = writers["train"].dtype
     with progress_bar(total, progress["bytes"]) as bar:
-        for batch, encoded in tokenize(batches, tokenizer, out_dir / TOKENIZER_FILE, text_field, dtype, workers):
+        for batch, encoded in tokenize(batches, tokenizer, out_dir / TOKENIZER_FILE, text_field, dtype, workers, chat):
             records = progress["cursor"]["records"]
-            parts, n_records = split_batch(batch, encoded, records, val_fraction)
+            parts, roles, n_records = split_batch(batch, encoded, records, val_fraction)
             for split in SPLITS:
                 for tokens in parts[split]:
                     writers[split].write(tokens)
+                for r in roles[split]:
+                    writers[f"{split}_roles"].write(r)
+            if chat:
+                for e in encoded:
+                    progress["conversations"] = {k: progress.get("conversations", {}).get(k, 0) + v
+                                                 for k, v in e.counts.items()}
             n_bytes = sum(p.n_bytes for p in batch)
             progress["cursor"] = {**batch[-1].cursor, "records": records + n_records}
             progress["documents"] += n_records + sum(p.starts_doc for p in batch if p.kind == "text")
             progress["bytes"] += n_bytes
-            progress["replaced"] += sum(replaced for _, _, replaced in encoded)
+            progress["replaced"] += sum(e.replaced for e in encoded)
             save_progress(out_dir, progress, writers)
             bar.set_postfix(docs=f"{progress['documents']:,}", tokens=f"{sum(w.tokens for w in writers.values()):,}", refresh=False)
             bar.update(n_bytes)
@@ -196,17 +229,19 @@ def tokenize_into_shards(
 def build_manifest(settings: dict, tokenizer: Tokenizer, writers: dict[str, ShardWriter], progress: dict) -> dict:
     """What manifest.json records: the settings, the tokenizer, every shard with its tokens and sha256, counts."""
     shards = writers["train"].shards + writers["val"].shards
+    roles = writers["train_roles"].shards + writers["val_roles"].shards if "train_roles" in writers else []
     return {
         **settings,
         "vocab_size": tokenizer.vocab_size,
         "token_dtype": writers["train"].dtype.name,
         "eot_id": tokenizer.eot_id,
         "shards": [{"file": s["file"], "tokens": s["tokens"]} for s in shards],
-        "sha256": {s["file"]: s["sha256"] for s in shards},
+        "sha256": {s["file"]: s["sha256"] for s in shards + roles},
         "train_tokens": writers["train"].tokens,
         "val_tokens": writers["val"].tokens,
         "documents": progress["documents"],
         "replaced": progress["replaced"],
+        **({"conversations": progress.get("conversations", {})} if roles else {}),
     }
 
 
@@ -222,6 +257,10 @@ def log_summary(log, manifest: dict, n_bytes: int, seconds: float) -> None:
     tokens, docs = manifest["train_tokens"] + manifest["val_tokens"], manifest["documents"]
     n_train = sum(s["file"].startswith("train") for s in manifest["shards"])
     replaced = f"; replaced {manifest['replaced']:,} undecodable byte sequence(s) with U+FFFD" if manifest["replaced"] else ""
+    if "conversations" in manifest:
+        c = manifest["conversations"]
+        log(f"{c.get('kept', 0):,} conversations kept ({c.get('cut', 0):,} cut to block_size), "
+            f"{c.get('too_long', 0):,} left out as too long, {c.get('no_assistant', 0):,} without an assistant turn")
     log(
         f"{docs:,} documents, {tokens:,} tokens ({tokens / max(docs, 1):,.1f} per document; {manifest['train_tokens']:,} train, "
         f"{manifest['val_tokens']:,} val) in {n_train} train + {len(manifest['shards']) - n_train} val shard(s); "

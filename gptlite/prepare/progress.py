@@ -38,9 +38,13 @@ def finished_manifest(out_dir: Path, settings: dict) -> dict | None:
     return manifest if all((out_dir / s["file"]).is_file() for s in manifest["shards"]) else None
 
 
+WRITERS = ("train", "val", "train_roles", "val_roles")  # progress.json's writers: token shards, a chat's roles files
+
+
 def shard_files(out_dir: Path) -> list[Path]:
-    """Every shard and temporary shard of a preparation in out_dir."""
-    return [p for split in SPLITS for pattern in ("_*.bin", "_*.bin.tmp") for p in out_dir.glob(split + pattern)]
+    """Every shard, roles file and temporary one of a preparation in out_dir."""
+    patterns = ("_*.bin", "_*.bin.tmp", "_*.roles", "_*.roles.tmp")
+    return [p for split in SPLITS for pattern in patterns for p in out_dir.glob(split + pattern)]
 
 
 def restore(out_dir: Path, progress: dict) -> bool:
@@ -48,8 +52,9 @@ def restore(out_dir: Path, progress: dict) -> bool:
     remove shards written after it, cut the open shards back to their recorded length. False (and nothing
     changed) if the files on disk cannot give that state; then the preparation starts afresh."""
     keep: dict[Path, Path | None] = {}  # file to keep -> name to move it to
-    for split in SPLITS:
-        shards, open_tokens = progress[split]["shards"], progress[split]["open_tokens"]
+    for key in (k for k in WRITERS if k in progress):
+        split, roles = key.removesuffix("_roles"), key.endswith("_roles")
+        shards, open_tokens = progress[key]["shards"], progress[key]["open_tokens"]
         for shard in shards:
             final = out_dir / shard["file"]
             tmp = final.with_name(final.name + ".tmp")
@@ -60,8 +65,9 @@ def restore(out_dir: Path, progress: dict) -> bool:
             else:
                 return False
         if open_tokens:
-            tmp = out_dir / f"{split}_{len(shards):06d}.bin.tmp"
-            if not tmp.is_file() or tmp.stat().st_size < HEADER_BYTES + open_tokens * np.dtype(progress["dtype"]).itemsize:
+            tmp = out_dir / f"{split}_{len(shards):06d}{'.roles' if roles else '.bin'}.tmp"
+            itemsize = 1 if roles else np.dtype(progress["dtype"]).itemsize
+            if not tmp.is_file() or tmp.stat().st_size < HEADER_BYTES + open_tokens * itemsize:
                 return False
             keep[tmp] = None
     for path in shard_files(out_dir):

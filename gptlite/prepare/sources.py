@@ -322,8 +322,10 @@ def parse_json(line: str):
     return json.loads(line)
 
 
-def jsonl_texts(block: bytes, field: str, origin: tuple) -> Iterator[tuple[str, int]]:
-    """(text, replaced) per non-blank line of a block of whole JSONL lines."""
+def jsonl_records(block: bytes, field: str, origin: tuple, flag: str = "--text_field"
+                  ) -> Iterator[tuple[object, int, int]]:
+    """(the field's value, replaced byte sequences, line index in the block) per non-blank line of a block of whole
+    JSONL lines; `flag` is the option that names the field, for the error of a record without it."""
     try:
         lines, replaced = block.decode("utf-8").split("\n"), None
     except UnicodeDecodeError:  # rare: decode line by line, so that each record counts its own
@@ -338,9 +340,30 @@ def jsonl_texts(block: bytes, field: str, origin: tuple) -> Iterator[tuple[str, 
             raise ValueError(f"{record_name(origin, i)} is not JSON ({e.msg}); fix or remove that line") from None
         if not isinstance(record, dict) or field not in record:
             found = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-            raise ValueError(f"{record_name(origin, i)} has no field '{field}' (found: {found}); pass --text_field with the field that holds the text")
-        text, bad = field_text(record[field], field, lambda: record_name(origin, i))
-        yield text, bad + (replaced[i] if replaced else 0)
+            raise ValueError(f"{record_name(origin, i)} has no field '{field}' (found: {found}); pass {flag} with the "
+                             "field that holds it")
+        yield record[field], (replaced[i] if replaced else 0), i
+
+
+def jsonl_texts(block: bytes, field: str, origin: tuple) -> Iterator[tuple[str, int]]:
+    """(text, replaced) per non-blank line of a block of whole JSONL lines."""
+    for value, replaced, i in jsonl_records(block, field, origin):
+        text, bad = field_text(value, field, lambda: record_name(origin, i))
+        yield text, bad + replaced
+
+
+def piece_records(kind: str, data, origin: tuple, field: str) -> Iterator[tuple[object, Callable[[], str]]]:
+    """(the field's value, a function naming the record) per record of a JSONL or Arrow piece (a chat preparation's
+    conversations; a text file holds none)."""
+    if kind == "text":
+        raise ValueError("--chat reads records (JSONL, Parquet or a Hugging Face dataset) whose field holds the "
+                         "messages; a text file holds no conversations")
+    if kind == "jsonl":
+        for value, _, i in jsonl_records(data, field, origin, "--messages_field"):
+            yield value, (lambda i=i: record_name(origin, i))
+    else:
+        for i, value in enumerate(arrow_values(data)):
+            yield value, (lambda i=i: record_name(origin, i))
 
 
 def arrow_values(column) -> list:
@@ -368,17 +391,27 @@ def piece_texts(kind: str, data, origin: tuple, field: str) -> Iterator[tuple[st
             yield text, replaced
 
 
-def check_sources(sources: list[dict], text_field: str) -> None:
-    """Fail before any work if an input cannot be read or a record input lacks the text field (the first
-    record of each is parsed here, the rest in the workers)."""
+def check_sources(sources: list[dict], field: str, chat: bool = False) -> None:
+    """Fail before any work if an input cannot be read or a record input lacks the field (the first record of
+    each is parsed here, the rest in the workers); a chat preparation takes records only, and checks the first
+    one's messages."""
+    from gptlite.tokenizer.chat import check_messages
+
     for source in sources:
-        if source["format"] == "text":
+        if source["format"] == "text" and not chat:
             with open_input(source["path"]) as f:
                 f.read(1)
-        else:
-            piece = next(iter_pieces([source], START, 0.1, text_field), None)  # (val_fraction: text only)
-            if piece is not None:
-                next(piece_texts(piece.kind, piece.data, piece.origin, text_field), None)
+            continue
+        if source["format"] == "text":
+            raise ValueError(f"--chat reads records (JSONL, Parquet or a Hugging Face dataset) whose '{field}' holds the "
+                             f"messages; {source['path']} is a text file")
+        piece = next(iter_pieces([source], START, 0.1, field), None)  # (val_fraction: text only)
+        if piece is not None and chat:
+            value, where = next(piece_records(piece.kind, piece.data, piece.origin, field), (None, None))
+            if where is not None:
+                check_messages(value, where())
+        elif piece is not None:
+            next(piece_texts(piece.kind, piece.data, piece.origin, field), None)
 
 
 def document_texts(sources: list[dict], text_field: str) -> Iterator[str]:

@@ -54,18 +54,25 @@ def get_tokenizer(spec: str, text: str | Iterable[str] | None = None) -> Tokeniz
 
 
 def tokenizer_from_dict(d: dict, source: str = "tokenizer JSON") -> Tokenizer:
-    """Rebuild a tokenizer from `Tokenizer.to_dict()` output."""
+    """Rebuild a tokenizer from what `Tokenizer.save` wrote: its kind, and its chat template and added special
+    tokens."""
     kind = d.get("type") if isinstance(d, dict) else None
     if kind == "byte":
-        return ByteTokenizer()
-    if kind == "char":
-        return CharTokenizer(d["chars"])
-    if kind == "tiktoken":
+        tokenizer = ByteTokenizer()
+    elif kind == "char":
+        tokenizer = CharTokenizer(d["chars"])
+    elif kind == "tiktoken":
         ranks = {base64.b64decode(token): rank for token, rank in d["mergeable_ranks"].items()}
-        return TiktokenTokenizer(tiktoken_encoding(d["name"], d["pat_str"], ranks, d["special_tokens"]))
-    if kind == "huggingface":
-        return HFTokenizer(d["tokenizer"], d.get("bos"), d.get("eos"), d.get("stop", ()), d.get("chat_template"))
-    raise ValueError(f"{source} has unknown tokenizer type {kind!r}; expected byte, char, tiktoken or huggingface")
+        tokenizer = TiktokenTokenizer(tiktoken_encoding(d["name"], d["pat_str"], ranks, d["special_tokens"]))
+    elif kind == "huggingface":
+        tokenizer = HFTokenizer(d["tokenizer"], d.get("bos"), d.get("eos"), d.get("stop", ()), d.get("chat_template"))
+    else:
+        raise ValueError(f"{source} has unknown tokenizer type {kind!r}; expected byte, char, tiktoken or huggingface")
+    tokenizer.chat_template = d.get("chat_template") or tokenizer.chat_template
+    for text, i in sorted((d.get("added") or {}).items(), key=lambda item: item[1]):
+        if tokenizer.add_special(text) != i:
+            raise ValueError(f"{source}: its added token {text!r} should have id {i}; the file is damaged")
+    return tokenizer
 
 
 def tokenizer_from_spec(spec: str) -> Tokenizer:

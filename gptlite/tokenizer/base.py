@@ -4,8 +4,10 @@ that need no file (bytes and characters), and the streaming decoder."""
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,11 +18,98 @@ TOKENIZER_FILE = "tokenizer.json"  # beside a data folder's shards, and copied i
 
 
 class Tokenizer:
-    """The interface every tokenizer implements."""
+    """The interface every tokenizer implements, and conversations on top of it (see gptlite.tokenizer.chat)."""
 
     kind: str
     vocab_size: int
     eot_id: int | None = None
+    chat_template: str | None = None  # the tokenizer's own; None: gptlite's default, ChatML
+    added: dict[str, int]  # special tokens gptlite added past the vocabulary (ChatML's markers), text -> id
+
+    def __getattr__(self, name: str):
+        if name == "added":  # a tokenizer made before any was added
+            self.added = {}
+            return self.added
+        raise AttributeError(name)
+
+    # -- conversations --------------------------------------------------------------------------------
+
+    def add_special(self, text: str) -> int:
+        """The id of a special token: the tokenizer's own, or a new one past the vocabulary (recorded in its file)."""
+        own = self.special_id(text)
+        if own is not None:
+            return own
+        self.added[text] = self.vocab_size
+        self.vocab_size += 1
+        return self.added[text]
+
+    def special_id(self, text: str) -> int | None:
+        """A special token's id, if the tokenizer knows it (its own, or one gptlite added)."""
+        return self.added.get(text)
+
+    def special_texts(self) -> dict[str, str | None]:
+        """What a chat template may name: bos_token, eos_token (transformers passes the same)."""
+        return {"bos_token": None, "eos_token": None}
+
+    def use_default_template(self) -> None:
+        """A tokenizer without a chat template gets ChatML, its two markers special tokens (added if need be)."""
+        from gptlite.tokenizer.chat import CHATML, IM_END, IM_START
+
+        if self.chat_template is None:
+            self.add_special(IM_START)
+            self.add_special(IM_END)
+            self.chat_template = CHATML
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        """The token that ends an assistant's turn: ChatML's <|im_end|>, else the end-of-sequence token."""
+        from gptlite.tokenizer.chat import IM_END
+
+        own = self.special_id(IM_END)
+        return own if own is not None else getattr(self, "eos_id", None) or self.eot_id
+
+    def encode_special(self, text: str) -> tuple[list[int], list[int]]:
+        """(ids, the character offset where each token starts) of text in which the added special tokens are
+        special; ordinary text between them is encoded as `encode` does."""
+        ids, starts, pos = [], [], 0
+        pattern = "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) if self.added else None
+        for match in re.finditer(pattern, text) if pattern else ():
+            part_ids, part_starts = self.encode_offsets(text[pos : match.start()])
+            ids += part_ids + [self.added[match.group()]]
+            starts += [pos + s for s in part_starts] + [match.start()]
+            pos = match.end()
+        part_ids, part_starts = self.encode_offsets(text[pos:])
+        return ids + part_ids, starts + [pos + s for s in part_starts]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """encode(text) and the character offset where each token starts (from the tokens' bytes)."""
+        ids = self.encode(text)
+        ends = list(itertools.accumulate(len(self.token_bytes([i])) for i in ids))
+        byte_starts = [0, *ends[:-1]] if ids else []
+        to_char = char_of_byte(text)
+        return ids, [to_char[min(b, len(to_char) - 1)] for b in byte_starts]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """The ids of a conversation rendered with the tokenizer's chat template (transformers' ids for a model
+        directory's template), or ChatML for a tokenizer without one."""
+        from gptlite.tokenizer.chat import check_messages, render
+
+        self.use_default_template()
+        text = render(self.chat_template, check_messages(messages), add_generation_prompt, self.special_texts())
+        return self.encode_special(text)[0]
+
+    def chat_targets(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """A conversation's ids and, for each, whether it is a target: part of an assistant's turn (its content and
+        end-of-turn token), what fine-tuning learns to predict."""
+        from gptlite.tokenizer.chat import IM_END, assistant_spans, check_messages
+
+        self.use_default_template()
+        end = IM_END if self.special_id(IM_END) is not None else self.special_texts().get("eos_token")
+        text, spans = assistant_spans(self.chat_template, check_messages(messages), self.special_texts(), end)
+        ids, starts = self.encode_special(text)
+        return ids, [any(a <= s < b for a, b in spans) for s in starts]
+
+    # -- text ------------------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -44,6 +133,20 @@ class Tokenizer:
         return (np.concatenate(ids) if ids else np.empty(0, dtype=np.uint32)), lengths
 
     def token_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes the ids stand for (an added special token: its text)."""
+        if not self.added:
+            return self._token_bytes(ids)
+        text = {i: t.encode("utf-8") for t, i in self.added.items()}
+        out, run = [], []
+        for i in ids:
+            if i in text:
+                out += [self._token_bytes(run), text[i]]
+                run = []
+            else:
+                run.append(i)
+        return b"".join([*out, self._token_bytes(run)])
+
+    def _token_bytes(self, ids: Iterable[int]) -> bytes:
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -57,7 +160,8 @@ class Tokenizer:
         """Write the tokenizer as JSON, atomically."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        d = {"vocab_size": self.vocab_size, "eot_id": self.eot_id, **self.to_dict()}
+        d = {"vocab_size": self.vocab_size, "eot_id": self.eot_id, **self.to_dict(), "chat_template": self.chat_template,
+             "added": self.added}
         tmp.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
         os.replace(tmp, path)
 
@@ -70,7 +174,7 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def token_bytes(self, ids: Iterable[int]) -> bytes:
+    def _token_bytes(self, ids: Iterable[int]) -> bytes:
         return bytes(ids)
 
     def to_dict(self) -> dict:
@@ -98,11 +202,17 @@ class CharTokenizer(Tokenizer):
                 "use only characters from the training corpus"
             ) from None
 
-    def token_bytes(self, ids: Iterable[int]) -> bytes:
+    def _token_bytes(self, ids: Iterable[int]) -> bytes:
         return "".join(self.chars[i] for i in ids).encode("utf-8")
 
     def to_dict(self) -> dict:
         return {"type": "char", "chars": "".join(self.chars)}
+
+
+def char_of_byte(text: str) -> list[int]:
+    """For each UTF-8 byte of text (and one past the end), the index of the character it belongs to."""
+    out = [i for i, c in enumerate(text) for _ in range(len(c.encode("utf-8", errors="surrogatepass")))]
+    return out + [len(text)]
 
 
 class StreamDecoder:

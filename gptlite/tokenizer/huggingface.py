@@ -55,8 +55,8 @@ class HFTokenizer(Tokenizer):
         self.stop = [s for s in dict.fromkeys([*stop, *([eos] if eos else [])]) if self.token_id(s) is not None]
         self.stop_ids = [self.token_id(s) for s in self.stop]  # the tokens that end a reply (eos and its kind)
         self._bytes = self.byte_table()
-        self.added = {t["content"] for t in spec.get("added_tokens", [])}
-        self.fast = tiktoken_fast_path(spec, self._bytes, self.added)  # the same ids, several times faster
+        self.added_tokens = {t["content"] for t in spec.get("added_tokens", [])}
+        self.fast = tiktoken_fast_path(spec, self._bytes, self.added_tokens)  # the same ids, several times faster
 
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.tok.token_to_id(text)
@@ -83,12 +83,12 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         if self.fast is not None:
-            return self.fast.encode(text, allowed_special=self.added)
+            return self.fast.encode(text, allowed_special=self.added_tokens)
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if self.fast is not None:
-            return self.fast.encode_batch(texts, allowed_special=self.added)
+            return self.fast.encode_batch(texts, allowed_special=self.added_tokens)
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode_documents(self, texts: list[str], eot: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -100,13 +100,24 @@ class HFTokenizer(Tokenizer):
         flat = np.fromiter((t for ids in encoded for t in (*head, *ids)), dtype=np.uint32, count=int(lengths.sum()))
         return flat, lengths
 
-    def token_bytes(self, ids: Iterable[int]) -> bytes:
+    def _token_bytes(self, ids: Iterable[int]) -> bytes:
         return b"".join(self._bytes[i] for i in ids)
 
     def decode(self, ids: Iterable[int]) -> str:
-        if is_byte_level(self.spec):
+        if is_byte_level(self.spec) or self.added:
             return super().decode(ids)
         return self.tok.decode(list(ids), skip_special_tokens=False)  # its decoder knows its spaces
+
+    def special_id(self, text: str) -> int | None:
+        return self.added.get(text, self.token_id(text) if text in self.added_tokens else None)
+
+    def special_texts(self) -> dict[str, str | None]:
+        return {"bos_token": self.bos, "eos_token": self.eos}
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """The Rust library's own character offsets (exact for every kind of tokenizer)."""
+        encoding = self.tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
 
     def to_dict(self) -> dict:
         return {"type": "huggingface", "tokenizer": self.spec, "bos": self.bos, "eos": self.eos, "stop": self.stop,

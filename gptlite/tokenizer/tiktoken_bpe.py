@@ -57,7 +57,7 @@ class TiktokenTokenizer(Tokenizer):
         starts = np.flatnonzero(tokens == self.eot_id)  # (len(texts),): ordinary text never encodes to a special id
         return tokens, np.diff(starts, append=len(tokens))
 
-    def token_bytes(self, ids: Iterable[int]) -> bytes:
+    def _token_bytes(self, ids: Iterable[int]) -> bytes:
         return self.enc.decode_bytes(list(ids))
 
     def to_dict(self) -> dict:

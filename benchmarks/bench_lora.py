@@ -1,0 +1,83 @@
+"""LoRA against full fine-tuning: the peak RSS of train.py fine-tuning a SmolLM2-360M-shaped model (random weights
+from transformers, float32, block 1024, batch 1, a few steps on bytes of tiny Shakespeare), each a whole command in
+a fresh process, and its time per step.
+
+    python benchmarks/bench_lora.py [--steps=3] [--lora_rank=8] [--corpus=tinyshakespeare.txt]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
+
+SHAPE = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+             num_key_value_heads=5, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
+             rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+@dataclass
+class Options:
+    steps: int = option(3, "optimizer steps per run")
+    lora_rank: int = option(8, "the adapters' rank")
+    corpus: str = option(str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"), "the text to fine-tune on")
+
+
+def measured(command: list[str]) -> tuple[float, float, str]:
+    """(peak RSS in MB, seconds, stdout) of a command in a fresh process."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    if status:
+        raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{out[-2000:]}")
+    return usage.ru_maxrss / 1024, time.perf_counter() - start, out
+
+
+def run(args: Options) -> int:
+    import torch
+    import transformers
+
+    from gptlite.prepare import prepare
+
+    with tempfile.TemporaryDirectory(prefix="gptlite_bench_lora_") as tmp:
+        tmp = Path(tmp)
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(tmp / "base")
+        prepare([args.corpus], "byte", tmp / "data", log=lambda *a: None)
+        common = [sys.executable, "train.py", f"--init_from={tmp / 'base'}", f"--data_dir={tmp / 'data'}",
+                  "--block_size=1024", "--batch_size=1", f"--max_iters={args.steps}", f"--eval_interval={args.steps}",
+                  "--eval_iters=1", "--log_interval=1", "--warmup_iters=0", "--device=cpu", "--dtype=float32"]
+        print(f"SmolLM2-360M shape, float32, block 1024, batch 1, {args.steps} steps; peak RSS of the whole command")
+        print(f"{'run':24} {'peak RSS MB':>12} {'s/step (last)':>14} {'trainable':>12}")
+        rows = {}
+        for name, extra in (("full fine-tuning", []), (f"LoRA rank {args.lora_rank}", [f"--lora_rank={args.lora_rank}"])):
+            peak, _, out = measured([*common, f"--out_dir={tmp / name.split()[0]}", *extra])
+            step_ms = float(re.findall(r"\| +([\d.]+) ms/step", out)[-1])
+            trainable = re.search(r"LoRA: ([\d,]+) trainable", out)
+            rows[name] = peak
+            print(f"{name:24} {peak:12.0f} {step_ms / 1000:14.1f} {trainable.group(1) if trainable else 'all':>12}",
+                  flush=True)
+        full, lora = rows.values()
+        print(f"LoRA / full: {lora / full:.2f}x the peak memory")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("bench_lora.py", lambda: run(parse(Options, argv, "bench_lora.py", __doc__)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
