@@ -82,7 +82,10 @@ def read_prompt(start: str) -> str:
         path = Path(start[5:])
         if not path.is_file():
             raise FileNotFoundError(f"prompt file {path} does not exist")
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.start}); give a text file") from None
     return start
 
 
@@ -95,6 +98,12 @@ def resolve(args: SampleOptions) -> None:
         raise ValueError(f"num_samples={args.num_samples} and batch_size={args.batch_size} must be >= 1")
     if args.num_beams < 1:
         raise ValueError(f"num_beams={args.num_beams} must be >= 1 (1 samples, more search that many beams)")
+    given = getattr(args, "given", ())
+    unused = [f"--{k}" for k in ("num_beams", "start", "stop", "num_samples", "batch_size") if k in given]
+    if args.chat and unused:
+        raise ValueError(f"--chat reads its prompts from stdin and samples one reply at a time; drop {', '.join(unused)}")
+    if args.system and not args.chat:
+        raise ValueError("--system is the system prompt of a --chat conversation; add --chat, or put it in --start")
     early = args.early_stopping.lower()
     if early not in ("true", "false", "never", "1", "0", "yes", "no", "on", "off"):
         raise ValueError(f"early_stopping={args.early_stopping!r} must be true, false or never")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gptlite.config import GPTConfig, TrainConfig, convert, flat_fields, read_toml, unknown_key
+from gptlite.files import CAUSES
 
 USER_ERRORS = (ValueError, TypeError, OSError, ConnectionError, ImportError)  # OSError covers missing files
 BOOL_WORDS = ("true", "false", "1", "0", "yes", "no", "on", "off")
@@ -216,6 +217,16 @@ def _interrupt(signum, frame) -> None:
     raise Interrupted(signum)
 
 
+def in_words(e: Exception) -> str:
+    """An error's message; an OSError that no command described (e.g. "[Errno 28] No space left on device" from
+    a write deep in a library) gets its cause in plain words, its path and the fix."""
+    if isinstance(e, OSError) and str(e).startswith("[Errno"):
+        where = f"{e.filename}: " if e.filename else ""
+        cause, fix = CAUSES.get(e.errno, (e.strerror or str(e), "check the path and the disk"))
+        return f"{where}{cause}; {fix}"
+    return str(e)
+
+
 def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable[[], str] = "nothing was saved") -> int:
     """body()'s exit code, with one-line errors and clean interruptions (see the module docstring), and --help
     printed. `on_interrupt` (or what it returns, when called then) completes the line printed on an interruption:
@@ -227,12 +238,13 @@ def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable
         print(str(e))
         return 0
     except KeyboardInterrupt as e:
+        previous = dict.fromkeys(previous, signal.SIG_IGN)  # the command ends: a second Ctrl-C is not a traceback
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         kept = on_interrupt() if callable(on_interrupt) else on_interrupt
         print(f"\n{prog}: interrupted ({signal.Signals(signum).name}); {kept}", file=sys.stderr)
         return 128 + signum
     except USER_ERRORS as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {in_words(e)}", file=sys.stderr)
         return 2
     finally:
         for s, handler in previous.items():

@@ -194,6 +194,8 @@ class TrainConfig:
     dtype: str = option("auto", "autocast precision: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16, "
                                 "float16")
     compile: bool = option(False, "torch.compile the model")
+    activation_checkpointing: bool = option(False, "keep each block's input only and recompute the block in backward: "
+                                                   "activations no longer grow with depth, for ~1/3 more compute")
     fsdp: bool = option(False, "under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
     seed: int = option(1337, "the seed of the initial weights, the data order and dropout")
     # faults

@@ -4,6 +4,7 @@ are), and streams the reply until the template's end-of-turn token."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,9 @@ class Conversation:
         while len(ids) > limit and len(self.messages) > 1 + (self.messages[0]["role"] == "system"):
             del self.messages[1 if self.messages[0]["role"] == "system" else 0]
             ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        if len(ids) > limit:
+            warnings.warn(f"this turn takes {len(ids)} tokens, more than the {limit} the model's context (block_size="
+                          f"{self.model.config.block_size}) leaves beside a reply: its first {len(ids) - limit} are left out")
         return ids[-limit:]
 
     def prefill(self, ids: list[int]) -> torch.Tensor:

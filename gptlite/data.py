@@ -3,6 +3,7 @@ a token stream for pretraining (`ShardLoader`), whole conversations for fine-tun
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,5 +223,15 @@ def spans(roles: np.ndarray) -> list[tuple[int, int]]:
 
 
 def is_chat_data(files: list[Path]) -> bool:
-    """Whether shards come with roles files (a chat preparation)."""
-    return bool(files) and all(roles_path(p).is_file() for p in files)
+    """Whether shards come with roles files (a chat preparation). Roles files beside some shards only, or none
+    in a folder whose manifest.json says --chat, are an error: training on every token would be silently wrong."""
+    with_roles = [roles_path(p).is_file() for p in files]
+    try:
+        chat = bool(files) and bool(json.loads((files[0].parent / "manifest.json").read_text()).get("chat"))
+    except (OSError, ValueError, AttributeError):  # no manifest (shards from elsewhere), or not one of ours
+        chat = False
+    if (chat or any(with_roles)) and not all(with_roles):
+        missing = roles_path(files[with_roles.index(False)])
+        raise FileNotFoundError(f"{missing} is missing: {files[0].parent} holds conversations (data/prepare.py --chat) "
+                                "whose roles files mark what to train on; prepare the data again")
+    return bool(files) and all(with_roles)

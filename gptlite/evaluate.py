@@ -253,9 +253,22 @@ def check(args: EvaluateOptions) -> list[str]:
     folder = Path(args.json).parent if args.json else None
     if folder is not None and not folder.is_dir():
         problems.append(f"--json={args.json}: folder {folder} does not exist; create it or write the results elsewhere")
+    elif args.json and Path(args.json).exists() and not earlier_results(Path(args.json)):
+        problems.append(f"--json={args.json} exists and is not an earlier result of this command (an input, a "
+                        "checkpoint?); write the results to another file")
     if problems:
         raise ValueError("; ".join(problems))
     return tasks
+
+
+def earlier_results(path: Path) -> bool:
+    """True if path holds what --json writes (a JSON object naming the model, device and dtype): only such a file
+    is replaced, never an input or a checkpoint given there by mistake."""
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(results, dict) and {"model", "device", "dtype"} <= results.keys()
 
 
 def run(args: EvaluateOptions) -> dict:

@@ -57,6 +57,9 @@ class LoRALinear(nn.Linear):
 def check_lora(model: GPT, rank: int, targets: tuple[str, ...] = TARGETS) -> list[str]:
     """The names of the layers `targets` select; a rank outside 1..min(in, out) or a target that names no linear
     layer is a one-line ValueError."""
+    if not targets or not all(targets):
+        raise ValueError(f"lora_targets={','.join(targets)!r} names no layer; choose among {', '.join(TARGETS)} "
+                         "(and lm_head)")
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.endswith(targets)]
     unmatched = [t for t in targets if not any(name.endswith(t) for name in names)]
     if unmatched:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from gptlite.config import GPTConfig
 
@@ -338,7 +339,10 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """A decoder-only Transformer language model whose output head is tied to the token embedding (unless
-    config.tie_embeddings is false)."""
+    config.tie_embeddings is false). `checkpoint_blocks` (train.py's --activation_checkpointing) trades a second
+    forward pass of each block in backward for its activations: training memory no longer grows with depth."""
+
+    checkpoint_blocks = False
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -386,8 +390,9 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,) or (B, T)
         x = self.drop(self.pos_emb(self.tok_emb(idx), pos))  # (B, T, C)
         rot = self.pos_emb.rotation(pos)  # once for every layer
-        for i, block in enumerate(self.blocks):
-            x = block(x, rot, cache, i)
+        recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
+        for i, block in enumerate(self.blocks):  # recompute: keep each block's input only, redo it in backward
+            x = checkpoint(block, x, rot, use_reentrant=False) if recompute else block(x, rot, cache, i)
         return self.norm(x)
 
     def step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:

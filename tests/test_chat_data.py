@@ -1,6 +1,8 @@
 """Conversations as training data: roles files beside the token shards, whole conversations per row with only the
 assistant's tokens as targets, the loss averaged over target tokens, exact resume."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 import train
 from gptlite import GPT
 from gptlite.config import build_config
-from gptlite.data import ChatLoader, read_roles
+from gptlite.data import ChatLoader, find_shards, is_chat_data, read_roles
 from gptlite.shards import START, TARGET, roles_path, write_roles, write_shard
 from tests.conftest import tiny_config
 
@@ -66,6 +68,17 @@ def test_roles_files_are_checked_against_their_shard(chat_data, tmp_path):
     (tmp_path / "bad.roles").write_bytes(b"\0" * 2000)
     with pytest.raises(ValueError, match=r"bad\.roles is not a gptlite roles file"):
         read_roles(tmp_path / "bad.roles", 976)
+
+
+def test_a_chat_folder_without_its_roles_files_is_refused_not_trained_on_every_token(chat_data, tmp_path):
+    data, _, _ = chat_data
+    copy = tmp_path / "copy"
+    shutil.copytree(data, copy)
+    (copy / "manifest.json").write_text('{"chat": {"block_size": 0, "too_long": "drop"}}')  # what --chat records
+    assert is_chat_data(find_shards(copy, "train"))
+    roles_path(copy / "train_000000.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"train_000000\.roles is missing: .* holds conversations"):
+        is_chat_data(find_shards(copy, "train"))
 
 
 def test_the_loss_is_averaged_over_every_target_token_of_the_step(chat_data):

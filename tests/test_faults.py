@@ -248,6 +248,13 @@ def test_a_beam_count_below_1_is_refused(tmp_path, beams):
     assert f"num_beams={beams} must be >= 1" in line
 
 
+def test_a_run_never_goes_into_its_own_data_folder(char_data):
+    before = sorted(p.name for p in char_data.iterdir())
+    result = run(f"--data_dir={char_data}", f"--out_dir={char_data}", "--overwrite", script="train.py")
+    assert "out_dir and data_dir are the same folder" in one_line(result, "train.py")
+    assert sorted(p.name for p in char_data.iterdir()) == before
+
+
 # ---------------------------------------------------------------------------------------------
 # Muon's and every other float setting: finite, in range, checked at start-up
 
@@ -311,3 +318,131 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path):
                                         f"--json={tmp_path / 'r.json'}", script="gptlite.evaluate").returncode == 0
                                     and (tmp_path / "r.json").read_text())["val"]["loss"])
     assert os.path.getsize(tmp_path / "r.json") > 0
+    assert run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", f"--json={tmp_path / 'r.json'}",
+               script="gptlite.evaluate").returncode == 0  # an earlier result is replaced
+    for given in ("ckpt.pt", "t.txt", "tokenizer.json"):  # inputs never are
+        before = (tmp_path / given).read_bytes()
+        line = one_line(run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", f"--json={tmp_path / given}",
+                            script="gptlite.evaluate"), "gptlite.evaluate")
+        assert "exists and is not an earlier result of this command" in line
+        assert (tmp_path / given).read_bytes() == before
+
+
+def test_prepare_never_takes_an_input_from_inside_its_out_dir(tmp_path):
+    from gptlite.prepare import prepare
+
+    out = tmp_path / "out"
+    prepare([str(write_text(tmp_path / "a.txt"))], "byte", out, log=lambda *a: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    shard = next(out.glob("train_*.bin"))
+    with pytest.raises(ValueError, match=f"input {shard} lies inside --out_dir {out}"):
+        prepare([str(shard)], "byte", out, overwrite=True, log=lambda *a: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing deleted before the refusal
+    with pytest.raises(ValueError, match=f"--out_dir {tmp_path / 'shards'} lies inside the input folder {tmp_path}"):
+        prepare([str(tmp_path)], "byte", tmp_path / "shards", log=lambda *a: None)
+
+
+def test_a_full_disk_while_preparing_is_one_line_and_the_same_command_resumes(tmp_path, monkeypatch):
+    from gptlite.prepare import prepare
+    from gptlite.shards import ShardWriter
+
+    src, out = write_text(tmp_path / "a.txt"), tmp_path / "out"
+    real = ShardWriter.write
+
+    def full(self, tokens):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ShardWriter, "write", full)
+    with pytest.raises(OSError, match=f"could not write the shards in {out} .*: no space left on device; free space"):
+        prepare([str(src)], "byte", out, log=lambda *a: None)
+    monkeypatch.setattr(ShardWriter, "write", real)
+    assert prepare([str(src)], "byte", out, log=lambda *a: None)["train_tokens"] > 0
+
+
+def test_an_os_error_no_command_described_is_put_in_words():
+    from gptlite.cli import in_words
+
+    assert in_words(OSError(errno.ENOSPC, "No space left on device")) == (
+        "no space left on device; free space or use a folder on another disk")
+    assert in_words(OSError(errno.EACCES, "Permission denied", "/x/y")) == (
+        "/x/y: permission denied; use a folder you can write to")
+
+
+def write_text(path):
+    path.write_text("To be, or not to be, that is the question.\n" * 200)
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chat", "--num_beams=2"], "--chat reads its prompts from stdin and samples one reply at a time; drop --num_beams"),
+    (["--chat", "--start=hi", "--num_samples=2"], "drop --start, --num_samples"),
+    (["--system=Be brief."], "--system is the system prompt of a --chat conversation; add --chat"),
+])
+def test_sample_refuses_options_its_mode_would_ignore(tmp_path, capsys, args, message):
+    import sample
+
+    assert sample.main([f"--out_dir={tmp_path}", "--device=cpu", *args]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("sample.py: error: ") and message in line and "\n" not in line
+
+
+def test_a_prompt_file_that_is_not_text_is_named(tmp_path):
+    import sample
+
+    (tmp_path / "p.bin").write_bytes(b"ok\x88\x00")
+    with pytest.raises(ValueError, match=f"prompt file {tmp_path / 'p.bin'} is not UTF-8 text"):
+        sample.read_prompt(f"FILE:{tmp_path / 'p.bin'}")
+
+
+def test_a_full_disk_under_safetensors_is_one_line_and_keeps_the_earlier_export(tmp_path):
+    """A real full disk (a 64 KiB tmpfs, as root) under the export's safetensors writer: one line, the earlier
+    export whole."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    from gptlite.hf import export_hf
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        (disk / "hf").mkdir()
+        (disk / "hf" / "config.json").write_text("{}")
+        with pytest.raises(OSError, match=r"could not write export folder .*hf: no space left on device; free space"):
+            export_hf(tiny_model(**LLAMA), disk / "hf", overwrite=True)
+        assert [p.name for p in disk.iterdir()] == ["hf"] and (disk / "hf" / "config.json").read_text() == "{}"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_tokenizer_write_that_fails_changes_nothing(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from gptlite.tokenizer.trainer import write_files
+
+    (tmp_path / "tokenizer.json").write_text("old")
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == ".tokenizer.json.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError, match=r"could not write the tokenizer files in .* \(nothing there changed\): no space"):
+        write_files(tmp_path, {"tokenizer.json": "new", "tokenizer_config.json": "{}"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+    assert (tmp_path / "tokenizer.json").read_text() == "old"
+
+
+def test_serve_names_an_address_it_cannot_listen_on_before_loading(tmp_path, capsys):
+    import socket
+
+    from gptlite.serve.__main__ import main as serve_main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_main([f"--out_dir={tmp_path / 'no_run'}", f"--port={port}"]) == 2  # refused before the run is read
+    assert capsys.readouterr().err.strip() == (f"gptlite.serve: error: cannot listen on 127.0.0.1:{port} (Address already "
+                                              "in use); choose another --port or --host")

@@ -112,7 +112,8 @@ def test_bad_lora_settings_are_one_line(bases, char_data, tmp_path):
     base = bases["llama"]
     for extra, message in [(["--lora_rank=0"], "lora_rank=0 must be >= 1"),
                            (["--lora_rank=33"], "lora_rank=33 must be between 1 and 32"),
-                           (["--lora_targets=attn.qkv,nothing"], "lora_targets: nothing name no linear layer")]:
+                           (["--lora_targets=attn.qkv,nothing"], "lora_targets: nothing name no linear layer"),
+                           (["--lora_targets="], "lora_targets='' names no layer; choose among attn.qkv")]:
         args = [a for a in lora_args(base, char_data, tmp_path / "x", "--max_iters=1") if not a.startswith("--lora_rank")]
         if not any(e.startswith("--lora_rank") for e in extra):
             args.append("--lora_rank=4")

@@ -289,3 +289,34 @@ def test_swiglu_gate_matches_the_chunked_math_and_its_gradient():
     torch.testing.assert_close(out, F.silu(gate) * value)
     torch.testing.assert_close(got, want)
     assert torch.autograd.gradcheck(SwiGLUGate.apply, (h,))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_activation_checkpointing_gives_the_gradients_of_a_plain_backward(variant, dropout):
+    """checkpoint_blocks recomputes each block in backward (with the same dropout masks): loss and every gradient
+    equal those of the backward that kept the activations."""
+    idx = randint(97, (2, 24))
+    grads = []
+    for recompute in (False, True):
+        model = tiny_model(dropout=dropout, **variant).train()
+        model.checkpoint_blocks = recompute
+        torch.manual_seed(1)
+        loss = model(idx, idx)[1]
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    for name, grad in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_keeps_only_the_blocks_inputs():
+    """Saved for backward with recomputation: far fewer tensors than without (each block's input, not its insides)."""
+    counts = []
+    for recompute in (False, True):
+        model = tiny_model(n_layer=4).train()
+        model.checkpoint_blocks = recompute
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            model(randint(97, (2, 24)), randint(97, (2, 24)))[1].backward()
+        counts.append(sum(saved))
+    assert counts[1] < counts[0] / 2, counts

@@ -120,8 +120,8 @@ def test_small_read_blocks_keep_text_exact(tmp_path, monkeypatch, block_bytes):
     monkeypatch.setattr(gptlite.prepare, "BATCH_BLOCKS", 3)
     text = UNICODE_TEXT + "no newline at the end: 🙂🙂🙂 日本"
     src = write(tmp_path / "u.txt", text)
-    for spec in ["byte", "char", str(gpt2_ranks())]:
-        out = tmp_path / f"out_{len(spec)}"
+    for i, spec in enumerate(["byte", "char", str(gpt2_ranks())]):
+        out = tmp_path / f"out_{i}"
         prepare([str(src)], spec, out, log=quiet)
         tok = load_tokenizer(out / "tokenizer.json")
         train, val = tokens_of(out, "train"), tokens_of(out, "val")

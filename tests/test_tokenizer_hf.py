@@ -131,10 +131,11 @@ def test_training_reads_every_input_kind(corpus, tmp_path, kind):
     (["--input", "EMPTY"], r"are empty; there is no text to train on"),
     (["--max_chars=0"], r"max_chars=0 must be >= 1"),
     ([], r"tokenizer\.json exists; choose another --out_dir or pass --overwrite"),
+    (["--input", "OWN", "--overwrite"], r"tokenizer\.json is a file this command writes; train on the corpus"),
 ])
 def test_bad_training_input_is_one_line(trained, corpus, tmp_path, capsys, args, message):
     (tmp_path / "EMPTY").write_text("")
-    args = [a.replace("EMPTY", str(tmp_path / "EMPTY")) for a in args]
+    args = [a.replace("EMPTY", str(tmp_path / "EMPTY")).replace("OWN", str(trained / "tokenizer.json")) for a in args]
     base = {"--input": ["--input", str(corpus / "a.txt")], "--vocab_size": ["--vocab_size=400"]}
     given = {a.split("=")[0] for a in args}
     argv = ["train", *args, *(v for k, v in base.items() if k not in given for v in v), f"--out_dir={trained}"]

@@ -6,8 +6,10 @@ naming the file."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -151,7 +153,13 @@ def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """A safetensors file, readable as any file the user writes (safetensors creates it private)."""
     from safetensors.torch import save_file
 
-    save_file(tensors, path, metadata={"format": "pt"})
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except Exception as e:  # safetensors' own error type for I/O failures (a full disk): an OSError with its errno
+        if type(e).__name__ != "SafetensorError":
+            raise
+        code = re.search(r"os error (\d+)", str(e))
+        raise OSError(int(code.group(1)) if code else errno.EIO, str(e), str(path)) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)

@@ -34,6 +34,7 @@ input, imports torch itself where it is installed).
 
 from __future__ import annotations
 
+import errno
 import math
 import time
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptlite.files import make_dir, write_json
+from gptlite.files import fault, make_dir, write_json
 from gptlite.prepare import sources as reading  # reading.BLOCK_BYTES, looked up when used (tests change it)
 from gptlite.prepare.progress import clear_preparation, finished_manifest, resumable, settings_key
 from gptlite.prepare.sources import (
@@ -100,6 +101,7 @@ def prepare(
     field = messages_field if chat else text_field
     out_dir = Path(out_dir)
     sources = resolve_sources(inputs, out_dir / "downloads", hf_dataset, hf_name, hf_split)
+    check_out_dir(inputs, sources, out_dir)
     settings = {"sources": sources, "tokenizer": tokenizer_spec, "val_fraction": val_fraction,
                 "shard_tokens": shard_tokens, "text_field": field, "dtype": dtype, "chat": chat_options}
     manifest = finished_manifest(out_dir, settings)
@@ -125,8 +127,13 @@ def prepare(
         f"{tokenizer_spec} (vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}")
     start, bytes_before = time.perf_counter(), progress["bytes"]
     pieces = iter_pieces(sources, progress["cursor"], val_fraction, field)
-    tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction=val_fraction,
-                         text_field=field, chat=chat_options)
+    try:
+        tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction=val_fraction,
+                             text_field=field, chat=chat_options)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise fault(e, f"could not write the shards in {out_dir} (the same command resumes)") from None
     seconds = time.perf_counter() - start
 
     counts = {s: writers[s].tokens for s in SPLITS}
@@ -140,6 +147,24 @@ def prepare(
     (out_dir / PROGRESS).unlink()
     log_summary(log, manifest, progress["bytes"] - bytes_before, seconds)
     return manifest
+
+
+def check_out_dir(inputs: list[str], sources: list[dict], out_dir: Path) -> None:
+    """Refuse an input inside out_dir (other than the downloads this command made there), which a preparation
+    would delete or read back, and an out_dir inside an input folder, whose shards a later run would read as text."""
+    if out_dir.exists() and not out_dir.is_dir():
+        return  # make_dir says so
+    out = out_dir.resolve()
+    for spec in inputs:
+        if Path(spec).is_dir() and out.is_relative_to(Path(spec).resolve()):
+            raise ValueError(f"--out_dir {out_dir} lies inside the input folder {spec}: a later run would read its "
+                             "shards as text; choose an --out_dir outside it")
+    for source in sources:
+        for file in source.get("data_files", [source]):
+            path = Path(file.get("path", "/"))
+            if path.is_relative_to(out) and not path.is_relative_to(out / "downloads"):
+                raise ValueError(f"input {path} lies inside --out_dir {out_dir}, whose files a preparation replaces; "
+                                 "move it out or choose another --out_dir")
 
 
 def check_chat(chat: bool, tokenizer_spec: str, block_size: int, too_long: str) -> dict | None:

@@ -95,9 +95,12 @@ def resumable(out_dir: Path, key: str, log) -> dict | None:
 def clear_preparation(out_dir: Path, log) -> None:
     """Delete out_dir's shards, manifest and progress (called once the new preparation's inputs and tokenizer
     are known to be good), saying so first if there was an earlier preparation."""
-    earlier = [p for p in (out_dir / MANIFEST, out_dir / PROGRESS) if p.is_file()] + shard_files(out_dir)
-    if earlier:
+    state = [p for p in (out_dir / MANIFEST, out_dir / PROGRESS) if p.is_file()]
+    earlier = state + shard_files(out_dir)
+    if state:
         log(f"replacing the earlier preparation in {out_dir} ({len(earlier)} files: manifest, progress and shards) "
             "made with other inputs or settings")
+    elif earlier:
+        log(f"deleting {len(earlier)} unfinished shard file(s) that a failed start left in {out_dir}")
     for stale in earlier:
         stale.unlink(missing_ok=True)

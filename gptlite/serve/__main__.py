@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gptlite.cli import parse, pick_device, pick_dtype, run_command
 from gptlite.config import option
+from gptlite.files import error
 
 
 @dataclass
@@ -81,6 +82,20 @@ def build(options: ServeOptions):
     return engine, create_app(engine, tokenizer, name, waiting, options.when_full == "wait")
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind host:port once before the model loads, as uvicorn will: a port in use or an address that is not this
+    machine's is one line at once, not a log after the loading."""
+    import socket
+
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        raise error(e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
@@ -88,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
+        check_address(options.host, options.port)
         engine, app = build(options)
         server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level))
         try:

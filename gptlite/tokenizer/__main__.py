@@ -46,6 +46,11 @@ def train(options: TrainOptions) -> int:
         raise ValueError(f"max_chars={options.max_chars} must be >= 1")
     out = Path(options.out_dir)
     sources = resolve_sources(options.input, out / "downloads", None, None, "train")
+    written = {(out / name).resolve() for name in ("tokenizer.json", "tokenizer_config.json")}
+    for source in sources:
+        if Path(source["path"]) in written:
+            raise ValueError(f"input {source['path']} is a file this command writes; train on the corpus, or choose "
+                             "another --out_dir")
     check_sources(sources, options.text_field)
     total = input_bytes(sources, options.text_field)
     if not total:

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from gptlite.files import fault
 from gptlite.tokenizer.base import EOT
 from gptlite.tokenizer.huggingface import HFTokenizer
 
@@ -85,14 +86,18 @@ def hf_files(tokenizer: HFTokenizer, max_length: int | None = None) -> dict[str,
 
 
 def write_files(folder: Path, files: dict[str, str]) -> None:
-    """Each file written whole (a temporary file renamed over it), tokenizer.json last, so that a folder whose
-    tokenizer.json exists holds the rest too."""
+    """All the files or none: each is written to a temporary file first, and only when every one is written whole do
+    they take their names, tokenizer.json last (a folder whose tokenizer.json exists holds the rest too)."""
     order = sorted(files, key=lambda name: name == "tokenizer.json")
-    for name in order:
-        tmp = folder / f".{name}.tmp"
-        try:
+    temporaries = {name: folder / f".{name}.tmp" for name in order}
+    try:
+        for name, tmp in temporaries.items():
             tmp.write_text(files[name], encoding="utf-8")
-            os.replace(tmp, folder / name)
-        except BaseException:
+    except BaseException as e:
+        for tmp in temporaries.values():
             tmp.unlink(missing_ok=True)
-            raise
+        if isinstance(e, OSError):
+            raise fault(e, f"could not write the tokenizer files in {folder} (nothing there changed)") from None
+        raise
+    for name, tmp in temporaries.items():
+        os.replace(tmp, folder / name)
