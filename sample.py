@@ -39,7 +39,7 @@ SEPARATOR = "-" * 40 + "\n"
 class SampleOptions:
     out_dir: str = option("out", "the training run's directory (holds ckpt.pt)")
     init_from: str = option("", "sample from pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a "
-                                "Hugging Face directory (GPT-2 or Llama)")
+                                "Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)")
     tokenizer: str = option("", "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
                                 "tokenizer.json; GPT-2's BPE with --init_from)")
     start: str = option("\n", "prompt text, or FILE:path to read it from a file")

@@ -462,16 +462,8 @@ class GPT(nn.Module):
             raise ValueError(f"targets must have the shape of idx, {tuple(idx.shape)}, got {tuple(targets.shape)}")
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
         """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding against a KV cache. Keyword arguments
         (seed, num_samples, stop_tokens, penalties, extend_context, compile): see gptlite.generate."""
         from gptlite.generate import generate

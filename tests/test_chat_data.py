@@ -9,7 +9,6 @@ import torch
 
 import train
 from gptlite import GPT
-from gptlite.config import build_config
 from gptlite.data import ChatLoader, find_shards, is_chat_data, read_roles
 from gptlite.shards import START, TARGET, roles_path, write_roles, write_shard
 from tests.conftest import tiny_config

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import sample
-from gptlite.cli import parse
 from gptlite.checkpoint import save_checkpoint
+from gptlite.cli import parse
 from gptlite.config import build_config, config_to_dict
 from gptlite.tokenizer import CharTokenizer
 from tests.conftest import DEVICE, VARIANTS, tiny_model

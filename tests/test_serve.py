@@ -4,7 +4,6 @@ input's 4xx in OpenAI's error shape, a failing model's 500, disconnects, a full 
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -127,13 +127,8 @@ def prepare(
         f"{tokenizer_spec} (vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}")
     start, bytes_before = time.perf_counter(), progress["bytes"]
     pieces = iter_pieces(sources, progress["cursor"], val_fraction, field)
-    try:
-        tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction=val_fraction,
-                             text_field=field, chat=chat_options)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise fault(e, f"could not write the shards in {out_dir} (the same command resumes)") from None
+    tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction=val_fraction,
+                         text_field=field, chat=chat_options)
     seconds = time.perf_counter() - start
 
     counts = {s: writers[s].tokens for s in SPLITS}
@@ -222,7 +217,20 @@ def tokenize_into_shards(
     pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, writers: dict[str, ShardWriter], progress: dict,
     out_dir: Path, total: int | None, *, val_fraction: float, text_field: str, chat: dict | None = None,
 ) -> None:
-    """Tokenize the pieces batch by batch into the writers, checkpointing progress after each batch."""
+    """Tokenize the pieces batch by batch into the writers, checkpointing progress after each batch; a full disk is
+    one line (the same command then resumes)."""
+    try:
+        write_batches(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction, text_field, chat)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise fault(e, f"could not write the shards in {out_dir} (the same command resumes)") from None
+
+
+def write_batches(pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, writers: dict[str, ShardWriter],
+                  progress: dict, out_dir: Path, total: int | None, val_fraction: float, text_field: str,
+                  chat: dict | None) -> None:
+    """The pieces in batches through the workers, their tokens appended to the writers, progress saved after each."""
     batches = batched(pieces, reading.BLOCK_BYTES * BATCH_BLOCKS)
     dtype = writers["train"].dtype
     with progress_bar(total, progress["bytes"]) as bar:

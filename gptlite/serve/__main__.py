@@ -25,7 +25,7 @@ from gptlite.files import error
 class ServeOptions:
     out_dir: str = option("", "a training run's directory (its newest checkpoint and tokenizer.json)")
     init_from: str = option("", "pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face "
-                                "directory (GPT-2 or Llama)")
+                                "directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)")
     tokenizer: str = option("", "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
                                 "tokenizer.json; GPT-2's BPE with --init_from)")
     model_name: str = option("", "the model's name in requests and /v1/models (default: out_dir's or init_from's name)")
