@@ -114,8 +114,8 @@ def read_roles(path: str | Path, tokens: int) -> np.ndarray:
                          "prepare the data again with data/prepare.py --chat")
     count = int(header[2])
     if count != tokens or size != HEADER_BYTES + count:
-        raise ValueError(f"{path} holds {size - HEADER_BYTES} role bytes (header: {count}) for a shard of {tokens} "
-                         "tokens; prepare the data again (--overwrite)")
+        raise ValueError(f"{path} holds {max(0, size - HEADER_BYTES)} role bytes (header: {count}) for a shard of "
+                         f"{tokens} tokens; prepare the data again (--overwrite)")
     if count == 0:
         return np.zeros(0, dtype=np.uint8)
     return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,))
