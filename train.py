@@ -16,6 +16,7 @@ import gc
 import json
 import math
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -209,29 +210,30 @@ def compile_unavailable(device_type: str) -> str | None:
     return None
 
 
-def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device: str, autocast, scaler
-                         ) -> torch.Tensor:
+def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device: str, autocast, scaler,
+                         chunked_loss: bool = True) -> torch.Tensor:
     """Forward and backward over `grad_accum` micro-batches from `loader`; returns their mean loss (0-dim).
 
     The gradients are those of the mean loss over all micro-batches, the same as one batch `grad_accum` times
     larger. Conversations (a ChatLoader) average the loss over every target token of the step, on every rank: a
     micro-batch with fewer assistant tokens weighs less. Under DDP or FSDP, gradients are reduced across ranks on
-    the last micro-step only."""
+    the last micro-step only. `chunked_loss`: the head and loss a chunk of tokens at a time (see gptlite.loss)."""
     if isinstance(loader, ChatLoader):
         return accumulate_over_targets(model, [loader.next_batch() for _ in range(grad_accum)], device, autocast,
-                                       scaler)
+                                       scaler, chunked_loss)
     loss_sum = torch.zeros((), device=device)
     for micro in range(grad_accum):
         x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())  # (B, T) each
         sync_on_last(model, micro == grad_accum - 1)
         with autocast:
-            loss = model(x, y)[1]  # the logits go at once: not held through backward
+            loss = model(x, y, return_logits=not chunked_loss)[1]  # logits, if any, not held through backward
         scaler.scale(loss / grad_accum).backward()
         loss_sum += loss.detach()
     return loss_sum / grad_accum
 
 
-def accumulate_over_targets(model: torch.nn.Module, batches: list, device: str, autocast, scaler) -> torch.Tensor:
+def accumulate_over_targets(model: torch.nn.Module, batches: list, device: str, autocast, scaler,
+                            chunked_loss: bool = True) -> torch.Tensor:
     """accumulate_gradients for batches whose targets are partly -1: each micro-batch's summed loss over the step's
     target count (all-reduced across ranks, times world_size, which DDP's mean over ranks divides away)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -244,7 +246,7 @@ def accumulate_over_targets(model: torch.nn.Module, batches: list, device: str, 
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, L) each
         sync_on_last(model, micro == len(batches) - 1)
         with autocast:
-            loss = model(x, y, reduction="sum")[1]
+            loss = model(x, y, reduction="sum", return_logits=not chunked_loss)[1]
         scaler.scale(loss * scale).backward()
         loss_sum += loss.detach() * scale
     return loss_sum
@@ -494,11 +496,21 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
     announce(run, argv)
     wrap(run)
     summary = loop(run, signals, Checkpointer(run, argv))
+    summary["peak_memory_mb"], where = peak_memory_mb(run.device)
+    run.log(f"done at step {run.step} | peak memory {summary['peak_memory_mb']:,.0f} MiB {where}")
     if run.master:
         run.metrics.close()
     if run.wandb:
         run.wandb.finish()
     return summary
+
+
+def peak_memory_mb(device: str) -> tuple[float, str]:
+    """This process's peak memory in MiB, and what it counts: the tensors torch allocated on a CUDA device, else the
+    resident set (ru_maxrss: KiB on Linux)."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**20, "allocated on the GPU"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "resident"
 
 
 def set_up(cfg: TrainConfig, rank: int, local_rank: int, world_size: int) -> Run:
@@ -752,7 +764,8 @@ def optimizer_step(run: Run, signals: StopSignals, lr: float) -> StepStats:
     cfg = run.cfg
     for group in (group for opt in run.optimizers for group in opt.param_groups):
         group["lr"] = lr * group["lr_ratio"]
-    loss = accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.device, run.autocast, run.scaler)
+    loss = accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.device, run.autocast, run.scaler,
+                                cfg.chunked_loss)
     for opt in run.optimizers:
         run.scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)

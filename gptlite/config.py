@@ -196,6 +196,8 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model")
     activation_checkpointing: bool = option(False, "keep each block's input only and recompute the block in backward: "
                                                    "activations no longer grow with depth, for ~1/3 more compute")
+    chunked_loss: bool = option(True, "the output head and cross-entropy a chunk of tokens at a time, never all the "
+                                      "logits at once (gptlite.loss); false computes them whole")
     fsdp: bool = option(False, "under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
     seed: int = option(1337, "the seed of the initial weights, the data order and dropout")
     # faults

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gptlite.config import GPTConfig
+from gptlite.loss import linear_cross_entropy
 
 if TYPE_CHECKING:
     from gptlite.kvcache import KVCache
@@ -368,18 +369,23 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
+                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T), where target -1 is
-        ignored: its mean over the other targets, or with reduction="sum" its sum; loss is None without targets."""
+        ignored: its mean over the other targets, or with reduction="sum" its sum; loss is None without targets.
+        return_logits=False (training) gives (None, loss), the head and loss computed a chunk of tokens at a time
+        (gptlite.loss) so that all the logits are never in memory at once."""
         if targets is not None:
             self._check_targets(idx, targets)
+        if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:  # not LoRA'd, not int8
+            h = self.hidden(idx).flatten(0, 1)  # (B*T, C)
+            return None, linear_cross_entropy(h, self.lm_head.weight, targets.reshape(-1), reduction)
         logits = self.lm_head(self.hidden(idx))  # (B, T, V)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
                                reduction=reduction)
-        return logits, loss
+        return (logits if return_logits else None), loss
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The final-norm hidden states (B, T, C) of idx (B, T). Without a cache the tokens are at positions

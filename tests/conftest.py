@@ -100,6 +100,16 @@ def tensor(data) -> torch.Tensor:
     return torch.tensor(data, device=DEVICE)
 
 
+class ListLoader:
+    """A loader (next_batch) over a list of (x, y) batches."""
+
+    def __init__(self, batches):
+        self.batches = iter(batches)
+
+    def next_batch(self):
+        return next(self.batches)
+
+
 # Architectures every model-level property is checked on: each switch of GPTConfig, and GPT-2's and Llama's
 VARIANTS = {
     "learned": {},

@@ -1,5 +1,6 @@
 """Weight-only int8 quantization: the per-row scheme against its formula, logits close to float32's, the same
-greedy text as float32 on a small trained model, and the commands' --quantize."""
+greedy text as float32 on a small trained model (but where float32's top two logits tie within int8's rounding),
+and the commands' --quantize."""
 
 import pytest
 import torch
@@ -54,16 +55,28 @@ def test_quantized_model_keeps_logits_close_and_the_head_tied(variant):
     assert error < 0.02, error
 
 
-def test_a_trained_char_model_greedy_text_is_the_same_in_int8(char_data, tmp_path):  # noqa: F811
+def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(char_data, tmp_path):  # noqa: F811
+    """100 greedy tokens of a small trained char model in int8: the float32 text, or the same text up to a step whose
+    top two float32 logits lie within int8's rounding of each other (a near-tie any rounding may flip, as one more
+    training step or another loss kernel does). Context 128: the text never leaves the first window."""
     out = tmp_path / "run"
     train.main(train.resolve_config([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150",
-                                     "--eval_interval=150", *(f"--{k}={v}" for k, v in TINY.items())]))
+                                     "--eval_interval=150", *(f"--{k}={v}" for k, v in TINY.items()),
+                                     "--block_size=128"]))
     fp32, tokenizer = load_model(out)
     int8, _ = load_model(out, quantize="int8")
     prompt = [tokenizer.encode("ROMEO:")]
     a = generate(fp32.to(DEVICE), prompt, 100, temperature=0)
     b = generate(int8.to(DEVICE), prompt, 100, temperature=0)
-    assert a == b, (tokenizer.decode(a[0]), tokenizer.decode(b[0]))
+    if a != b:
+        first = next(i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y)  # > len(prompt): a new token
+        context = torch.tensor([a[0][:first]], device=DEVICE)  # the tokens both decoded so far
+        with torch.no_grad():
+            want, got = fp32(context)[0][0, -1], int8(context)[0][0, -1]  # (V,) each: the step that parted
+        top2 = want.topk(2).values
+        error = (got - want).abs().max()
+        assert error < 0.02 * want.abs().max(), error  # int8 is close ...
+        assert top2[0] - top2[1] <= 2 * error, (tokenizer.decode(a[0]), tokenizer.decode(b[0]), top2, error)  # a tie
     code = sample.main([f"--out_dir={out}", f"--device={DEVICE}", "--quantize=int8", "--start=ROMEO:", "--num_samples=1",
                         "--max_new_tokens=100", "--temperature=0"])
     assert code == 0

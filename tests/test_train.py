@@ -24,7 +24,7 @@ from gptlite.checkpoint import load_checkpoint, step_files
 from gptlite.data import write_shard
 from gptlite.metrics import mfu, peak_flops, read_metrics
 from gptlite.model import GPT
-from tests.conftest import ROOT, VARIANTS, FullDisk, shared_file, tiny_model
+from tests.conftest import ROOT, VARIANTS, FullDisk, ListLoader, shared_file, tiny_model
 
 VOCAB = 128  # the corpus is ASCII bytes
 TINY = dict(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, learning_rate=3e-3,
@@ -92,14 +92,6 @@ def test_resume_matches_an_uninterrupted_run_exactly_across_an_epoch_boundary(da
     assert a["loader"] == b["loader"] and a["step"] == b["step"] == 30
 
 
-class ListLoader:
-    def __init__(self, batches):
-        self.batches = iter(batches)
-
-    def next_batch(self):
-        return next(self.batches)
-
-
 def test_gradient_accumulation_equals_one_batch_k_times_larger():
     x, y = torch.randint(0, 97, (8, 32)), torch.randint(0, 97, (8, 32))
     results = []
@@ -126,8 +118,8 @@ def nan_loss_at(monkeypatch):
     def install(*steps: int) -> None:
         real_forward, calls = GPT.forward, [0]
 
-        def forward(self, idx, targets=None):
-            logits, loss = real_forward(self, idx, targets)
+        def forward(self, idx, targets=None, **kwargs):
+            logits, loss = real_forward(self, idx, targets, **kwargs)
             if self.training:
                 calls[0] += 1
                 if calls[0] in steps:
@@ -182,11 +174,11 @@ def test_nonfinite_weights_are_never_saved_over_a_good_checkpoint(data, tmp_path
 def test_out_of_memory_on_the_first_step_names_the_micro_batch(data, tmp_path, monkeypatch):
     real_forward, calls = GPT.forward, [0]
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, **kwargs):
         calls[0] += 1
         if calls[0] in oom_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real_forward(self, idx, targets)
+        return real_forward(self, idx, targets, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", forward)
     oom_at = {1}

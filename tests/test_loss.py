@@ -1,0 +1,142 @@
+"""The chunked head + cross-entropy (gptlite.loss) against the whole computation, F.cross_entropy(F.linear(h, W)):
+the loss and both gradients, with ignored targets, under autocast, inside the model for every variant, compiled;
+and that it never keeps the (tokens, vocab) logits for backward."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from gptlite.lora import add_lora
+from gptlite.loss import chunk_tokens, linear_cross_entropy
+from tests.conftest import DEVICE, ListLoader, randint, tiny_model
+
+pytestmark = pytest.mark.device
+
+
+def inputs(n: int = 300, c: int = 24, v: int = 500, dtype=torch.float32):
+    torch.manual_seed(0)
+    h = torch.randn(n, c, device=DEVICE, dtype=dtype, requires_grad=True)
+    w = torch.randn(v, c, device=DEVICE, dtype=dtype, requires_grad=True)
+    t = randint(v, (n,))
+    t[::7] = -1
+    t[128:192] = -1  # a whole chunk of 64 without targets
+    return h, w, t
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk", [64, 100, 1000])
+def test_loss_and_gradients_equal_the_whole_computation(reduction, chunk):
+    h, w, t = inputs()
+    want = F.cross_entropy(F.linear(h, w), t, ignore_index=-1, reduction=reduction)
+    want_h, want_w = torch.autograd.grad(want * 3, (h, w))
+    got = linear_cross_entropy(h, w, t, reduction, chunk=chunk)
+    got_h, got_w = torch.autograd.grad(got * 3, (h, w))  # the incoming gradient scales the stored ones
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_h, want_h)
+    torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
+
+
+def test_under_autocast_matches_the_whole_computation_in_bfloat16():
+    """Autocast's matmuls in bfloat16 and the softmax in float32, as the whole computation does; gradients come back
+    in the inputs' float32."""
+    h, w, t = inputs()
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        want = F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-1)
+        got = linear_cross_entropy(h, w, t, chunk=64)
+    want_h, want_w = torch.autograd.grad(want, (h, w))
+    got_h, got_w = torch.autograd.grad(got, (h, w))
+    assert got_h.dtype == got_w.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got_h, want_h, atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(got_w, want_w, atol=2e-3, rtol=2e-2)
+
+
+def test_without_targets_the_mean_is_nan_and_the_sum_zero_as_cross_entropy():
+    h, w, t = inputs()
+    t[:] = -1
+    assert torch.isnan(F.cross_entropy(F.linear(h, w), t, ignore_index=-1))
+    assert torch.isnan(linear_cross_entropy(h, w, t))
+    assert linear_cross_entropy(h, w, t, "sum").item() == 0.0
+
+
+def test_evaluation_keeps_no_gradients_and_bad_reduction_is_named():
+    h, w, t = inputs()
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, t, chunk=64)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(h, w), t, ignore_index=-1).detach())
+    with pytest.raises(ValueError, match=r"reduction must be 'mean' or 'sum', got 'none'"):
+        linear_cross_entropy(h, w, t, "none")
+
+
+def test_chunks_hold_a_bounded_number_of_logits():
+    assert chunk_tokens(50304) == 1334 and chunk_tokens(128256) == 523 and chunk_tokens(10**9) == 64
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_models_training_loss_equals_its_logits_loss(variant, reduction):
+    """forward(..., return_logits=False): (None, the same loss), and every parameter's gradient the same, for each
+    architecture (the tied and the untied head)."""
+    idx, targets = randint(97, (2, 24)), randint(97, (2, 24))
+    targets[0, :5] = -1
+    results = []
+    for return_logits in (True, False):
+        model = tiny_model(**variant).train()
+        logits, loss = model(idx, targets, reduction=reduction, return_logits=return_logits)
+        assert (logits is None) == (not return_logits)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_no_logits_are_kept_for_backward():
+    """The whole computation keeps (B*T, V) float32 logits for backward; the chunked one keeps tensors of the inputs'
+    sizes only."""
+    largest = []
+    for return_logits in (True, False):
+        model = tiny_model(vocab_size=4096, n_embd=16, n_head=2).train()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            model(randint(4096, (2, 32)), randint(4096, (2, 32)), return_logits=return_logits)[1].backward()
+        largest.append(max(saved))
+    assert largest[0] >= 64 * 4096 and largest[1] <= 4096 * 16, largest
+
+
+def test_a_lora_head_falls_back_to_the_whole_computation():
+    """A LoRA'd lm_head (untied models only) is not a plain linear: its logits are computed whole, the loss the same."""
+    model = tiny_model(tie_embeddings=False).train()
+    add_lora(model, rank=2, targets=("qkv", "lm_head"))
+    idx = randint(97, (2, 16))
+    torch.testing.assert_close(model(idx, idx, return_logits=False)[1], model(idx, idx)[1])
+    assert model(idx, idx, return_logits=False)[0] is None
+
+
+def test_compiles_as_one_graph():
+    torch._dynamo.reset()
+    model = tiny_model().train()
+    idx = randint(97, (2, 9))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    loss = compiled(idx, idx, return_logits=False)[1]
+    loss.backward()
+    torch.testing.assert_close(loss, model(idx, idx)[1])
+
+
+def test_train_steps_with_and_without_chunks_give_the_same_gradients():
+    """train.accumulate_gradients with chunked_loss on (train.py's default) and off."""
+    x, y = torch.randint(0, 97, (8, 32)), torch.randint(0, 97, (8, 32))
+    results = []
+    for chunked in (False, True):
+        model = tiny_model(seed=0).train().cpu()
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        loader = ListLoader(zip(x.chunk(2), y.chunk(2)))
+        loss = train.accumulate_gradients(model, loader, 2, "cpu", contextlib.nullcontext(), scaler,
+                                          chunked_loss=chunked)
+        results.append((loss, [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for whole, chunked in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(chunked, whole, atol=1e-7, rtol=1e-5)
