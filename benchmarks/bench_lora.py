@@ -1,13 +1,15 @@
 """LoRA against full fine-tuning: the peak RSS of train.py fine-tuning a SmolLM2-360M-shaped model (random weights
 from transformers, float32, block 1024, batch 1, a few steps on bytes of tiny Shakespeare), each a whole command in
 a fresh process, and its time per step; with and without --activation_checkpointing (which on the CPU also fixes
-glibc's mmap threshold at 1 MiB: see train.return_freed_memory).
+glibc's mmap threshold at 1 MiB: see train.return_freed_memory). With --device=cuda: bfloat16 autocast, and the
+peak is the GPU memory torch allocated (train.py's last line).
 
-    python benchmarks/bench_lora.py [--steps=3] [--lora_rank=8] [--corpus=tinyshakespeare.txt]
+    python benchmarks/bench_lora.py [--steps=3] [--lora_rank=8] [--corpus=tinyshakespeare.txt] [--device=cuda]
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -32,6 +34,9 @@ class Options:
     steps: int = option(3, "optimizer steps per run")
     lora_rank: int = option(8, "the adapters' rank")
     corpus: str = option(str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"), "the text to fine-tune on")
+    device: str = option("cpu", "cpu (float32, peak RSS) or cuda (bfloat16, peak GPU memory)")
+    batch_size: int = option(1, "sequences of 1,024 tokens per step")
+    json: str = option("", "also write the results here")
 
 
 def measured(command: list[str]) -> tuple[float, str]:
@@ -55,23 +60,32 @@ def run(args: Options) -> int:
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(tmp / "base")
         prepare([args.corpus], "byte", tmp / "data", log=lambda *a: None)
+        cuda = args.device.startswith("cuda")
         common = [sys.executable, "train.py", f"--init_from={tmp / 'base'}", f"--data_dir={tmp / 'data'}",
-                  "--block_size=1024", "--batch_size=1", f"--max_iters={args.steps}", f"--eval_interval={args.steps}",
-                  "--eval_iters=1", "--log_interval=1", "--warmup_iters=0", "--device=cpu", "--dtype=float32",
+                  "--block_size=1024", f"--batch_size={args.batch_size}", "--total_batch_size=0",
+                  f"--max_iters={args.steps}", f"--eval_interval={args.steps}", "--eval_iters=1", "--log_interval=1",
+                  "--warmup_iters=0", f"--device={args.device}", f"--dtype={'bfloat16' if cuda else 'float32'}",
                   f"--out_dir={tmp / 'out'}", "--overwrite"]
-        print(f"SmolLM2-360M shape, float32, block 1024, batch 1, {args.steps} steps; peak RSS of the whole command")
+        print(f"SmolLM2-360M shape, {'bfloat16' if cuda else 'float32'} on {args.device}, block 1024, batch "
+              f"{args.batch_size}, {args.steps} steps; peak " + ("GPU memory allocated" if cuda else
+                                                                 "RSS of the whole command"))
         print(f"{'activations':28} {'full MB':>8} {'LoRA MB':>8} {'LoRA/full':>10} {'full s/step':>12} "
               f"{'LoRA s/step':>12}")
+        rows = []
         for checkpointing in (False, True):
             extra = ["--activation_checkpointing"] if checkpointing else []
             peaks, steps = [], []
             for lora in ([], [f"--lora_rank={args.lora_rank}"]):
-                peak, out = measured([*common, *extra, *lora])
-                peaks.append(peak)
+                rss, out = measured([*common, *extra, *lora])
+                peaks.append(float(re.findall(r"peak memory ([\d,]+) MiB", out)[-1].replace(",", "")) if cuda else rss)
                 steps.append(float(re.findall(r"\| +([\d.]+) ms/step", out)[-1]) / 1000)
             name = "recomputed (--activation_checkpointing)" if checkpointing else "kept"
-            print(f"{name:28} {peaks[0]:8.0f} {peaks[1]:8.0f} {peaks[1] / peaks[0]:9.2f}x {steps[0]:12.1f} "
-                  f"{steps[1]:12.1f}", flush=True)
+            print(f"{name:28} {peaks[0]:8.0f} {peaks[1]:8.0f} {peaks[1] / peaks[0]:9.2f}x {steps[0]:12.2f} "
+                  f"{steps[1]:12.2f}", flush=True)
+            rows.append({"activation_checkpointing": checkpointing, "full_mb": peaks[0], "lora_mb": peaks[1],
+                         "full_s_per_step": steps[0], "lora_s_per_step": steps[1]})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -7,8 +7,11 @@
 2. decode tokens/s at batch 1 and 8, float32, greedy: the GQA model against the same weights with n_kv_head =
    n_head (k and v heads repeated: the same function, a 3x larger cache), and against transformers' generate.
 3. the largest logit difference against transformers for each family (the tests' tiny random models).
+With --device=cuda, loading also moves the model to the GPU (the table adds the peak GPU memory torch allocated,
+over the model's bytes) and decoding runs there, in --dtype.
 
     python benchmarks/bench_open_models.py [--parts=memory,decode,logits] [--prompt=512] [--new_tokens=32]
+    python benchmarks/bench_open_models.py --parts=memory,decode --device=cuda --dtype=bfloat16 --json=open.json
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import resource, sys, torch
 def rss():
     return {{k: int(v.split()[0]) for k, v in (l.split(":") for l in open("/proc/self/status")) if k in ("VmRSS", "VmHWM")}}
 base = rss()["VmRSS"]
-model = {load}
+model = {load}.to(sys.argv[2])
 with torch.no_grad():
-    model(torch.randint(0, 49152, (1, 64)))
+    model(torch.randint(0, 49152, (1, 64), device=sys.argv[2]))
 nbytes = sum(p.numel() * p.element_size() for p in {{id(p): p for p in model.parameters()}}.values())
-print(rss()["VmHWM"] - base, nbytes // 1024)
+gpu = torch.cuda.max_memory_allocated() // 1024 if sys.argv[2].startswith("cuda") else 0
+print(rss()["VmHWM"] - base, nbytes // 1024, gpu)
 """
 LOADERS = {
     "gptlite": ("from gptlite import GPT", "GPT.from_pretrained(sys.argv[1])"),
@@ -55,6 +59,9 @@ class Options:
     prompt: int = option(512, "decode: prompt tokens")
     new_tokens: int = option(32, "decode: new tokens per row")
     batch_sizes: str = option("1,8", "decode: batch sizes")
+    device: str = option("cpu", "where the models run: cpu or cuda")
+    dtype: str = option("float32", "decode: float32 or bfloat16", choices=("float32", "bfloat16"))
+    json: str = option("", "also write the results here")
 
 
 def save_checkpoints(folder: Path) -> dict[str, Path]:
@@ -70,32 +77,43 @@ def save_checkpoints(folder: Path) -> dict[str, Path]:
     return out
 
 
-def memory(dirs: dict[str, Path]) -> None:
-    print(f"{'loader':14} {'dtype':9} {'model MB':>9} {'peak above imports MB':>22} {'ratio':>6}")
+def memory(dirs: dict[str, Path], device: str) -> list[dict]:
+    gpu = device.startswith("cuda")
+    print(f"{'loader':14} {'dtype':9} {'model MB':>9} {'peak above imports MB':>22} {'ratio':>6}"
+          + (f" {'GPU peak MB':>12} {'ratio':>6}" if gpu else ""))
+    rows = []
     for dtype, directory in dirs.items():
         for name, (imports, load) in LOADERS.items():
             code = LOAD.format(imports=imports, load=load)
-            out = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True,
+            out = subprocess.run([sys.executable, "-c", code, str(directory), device], capture_output=True, text=True,
                                  cwd=ROOT, check=True).stdout.split()
-            peak, model = int(out[0]) / 1024, int(out[1]) / 1024
-            print(f"{name:14} {dtype:9} {model:9.0f} {peak:22.0f} {peak / model:6.2f}x", flush=True)
+            peak, model, gpu_peak = (int(n) / 1024 for n in out[:3])
+            print(f"{name:14} {dtype:9} {model:9.0f} {peak:22.0f} {peak / model:6.2f}x"
+                  + (f" {gpu_peak:12.0f} {gpu_peak / model:5.2f}x" if gpu else ""), flush=True)
+            rows.append({"loader": name, "dtype": dtype, "model_mb": model, "peak_rss_mb": peak,
+                         "gpu_peak_mb": gpu_peak if gpu else None})
+    return rows
 
 
-def decode(directory: Path, args: Options) -> None:
+def decode(directory: Path, args: Options) -> list[dict]:
     import torch
     import transformers
 
     from gptlite import GPT
     from gptlite.generate import generate
 
+    dtype, device = getattr(torch, args.dtype), args.device
     gqa = GPT.from_pretrained(str(directory), torch.float32)
-    full = GPT.from_pretrained(str(directory), torch.float32)
-    full = widened(full)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    print(f"\ndecode, float32, prompt {args.prompt}, {args.new_tokens} new tokens, tokens/s (the best of 2 calls)")
+    full = widened(GPT.from_pretrained(str(directory), torch.float32)).to(device, dtype)
+    gqa = gqa.to(device, dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    print(f"\ndecode, {args.dtype} on {device}, prompt {args.prompt}, {args.new_tokens} new tokens, tokens/s "
+          "(the best of 2 calls)")
+    rows = []
     print(f"{'batch':>5} {'GQA (5 kv heads)':>17} {'n_kv_head = n_head':>19} {'transformers':>13}")
     for batch in map(int, args.batch_sizes.split(",")):
-        idx = torch.randint(0, 49152, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
+        idx = torch.randint(0, 49152, (batch, args.prompt), generator=torch.Generator().manual_seed(0)).to(device)
         calls = {"gqa": lambda: generate(gqa, idx, args.new_tokens, temperature=0),
                  "full": lambda: generate(full, idx, args.new_tokens, temperature=0),
                  "hf": lambda: hf.generate(idx, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
@@ -103,11 +121,16 @@ def decode(directory: Path, args: Options) -> None:
         rates = {name: 0.0 for name in calls}
         for _ in range(2):  # in turn
             for name, call in calls.items():
+                sync()
                 start = time.perf_counter()
                 with torch.no_grad():
                     call()
+                sync()
                 rates[name] = max(rates[name], batch * args.new_tokens / (time.perf_counter() - start))
         print(f"{batch:>5} {rates['gqa']:17.1f} {rates['full']:19.1f} {rates['hf']:13.1f}", flush=True)
+        rows.append({"batch": batch, "dtype": args.dtype, "gqa": rates["gqa"], "full_kv_heads": rates["full"],
+                     "hf": rates["hf"]})
+    return rows
 
 
 def widened(model):
@@ -148,17 +171,19 @@ def logits() -> None:
 
 
 def run(args: Options) -> int:
-    parts = args.parts.split(",")
+    parts, results = args.parts.split(","), {"device": args.device}
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_open_models_") as tmp:
         if "memory" in parts or "decode" in parts:
             dirs = save_checkpoints(Path(tmp))
             print(json.dumps(SHAPE))
         if "memory" in parts:
-            memory(dirs)
+            results["memory"] = memory(dirs, args.device)
         if "decode" in parts:
-            decode(dirs["float32"], args)
+            results["decode"] = decode(dirs["float32"], args)
     if "logits" in parts:
         logits()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -11,7 +11,7 @@ own, and sends each level's requests (distinct prompts, greedy, `max_tokens` eac
 its single-row path). Tokens/s counts the completion tokens the server reports over the wall time of the whole
 batch of requests. Time to first token is from sending a request to its first text. Levels and modes are
 interleaved, round after round, because the machine may be shared: the table gives each figure's min and
-median over the rounds. Memory: the server's resident set (VmRSS) sampled while 16 streams run, and its peak
+median over the rounds. Memory: the server's resident set (VmRSS) sampled while the most streams run, and its peak
 (VmHWM) since it started. This is a script that prints a table, not a test.
 """
 
@@ -53,6 +53,7 @@ class BenchOptions:
     max_tokens: int = option(64, "completion tokens per request")
     tokenizer: str = option("", "GPT-2's .tiktoken ranks file (default: ../shared/tokenizers/gpt2.tiktoken)")
     port: int = option(8765, "the server's port")
+    max_batch: int = option(16, "the server's --max_batch: rows decoded together (more streams wait their turn)")
     compile: bool = option(False, "start the server with --compile (its first requests compile, before the timing)")
     json: str = option("", "also write the results here")
 
@@ -111,10 +112,10 @@ def memory(pid: int) -> dict[str, int]:
     return {k: int(fields[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}
 
 
-def start_server(run: Path, port: int, log: Path, compile: bool) -> subprocess.Popen:
+def start_server(run: Path, port: int, log: Path, compile: bool, max_batch: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "gptlite.serve", f"--out_dir={run}", "--model_name=bench", f"--port={port}",
-           "--max_batch=16", "--log_level=warning", f"--compile={compile}"]
+           f"--max_batch={max_batch}", "--log_level=warning", f"--compile={compile}"]
     server = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while True:
@@ -129,11 +130,11 @@ def start_server(run: Path, port: int, log: Path, compile: bool) -> subprocess.P
 
 def measure(options: BenchOptions, url: str, pid: int) -> tuple[dict, dict]:
     results = {(n, mode): Result() for n in options.levels for mode in ("concurrent", "sequential")}
-    rss = []
+    rss, most = [], max(options.levels)
     for r in range(options.rounds):
         for n in options.levels:
             for mode in ("concurrent", "sequential"):
-                sampler = threading.Thread(target=lambda: sample_rss(pid, rss, done)) if n == 16 and mode == "concurrent" else None
+                sampler = threading.Thread(target=lambda: sample_rss(pid, rss, done)) if n == most and mode == "concurrent" else None
                 done = threading.Event()
                 if sampler:
                     sampler.start()
@@ -144,7 +145,7 @@ def measure(options: BenchOptions, url: str, pid: int) -> tuple[dict, dict]:
                 results[n, mode].tokens_per_s.append(tps)
                 results[n, mode].ttft_s.append(ttft)
                 print(f"round {r + 1}: {n:2d} {mode:10s} {tps:7.1f} tokens/s, first token {ttft:.3f} s", flush=True)
-    return results, {"rss_at_16_mib": max(rss, default=0), **memory(pid)}
+    return results, {"streams_sampled": most, "rss_at_most_streams_mib": max(rss, default=0), **memory(pid)}
 
 
 def sample_rss(pid: int, out: list[int], done: threading.Event) -> None:
@@ -164,8 +165,8 @@ def table(options: BenchOptions, results: dict, mem: dict) -> str:
         lines.append(f"| {n} | {mm(c.tokens_per_s, '.1f')} | {mm(s.tokens_per_s, '.1f')} | {ratio:.2f}x | "
                      f"{mm(c.ttft_s, '.3f')} | {mm(s.ttft_s, '.3f')} |")
     lines.append(f"\nmin / median of {options.rounds} rounds; ratio = median concurrent / median sequential; "
-                 f"{options.max_tokens} new tokens per request. Server memory: {mem['rss_at_16_mib']} MiB resident at "
-                 f"16 streams (peak since start {mem['VmHWM']} MiB).")
+                 f"{options.max_tokens} new tokens per request. Server memory: {mem['rss_at_most_streams_mib']} MiB resident "
+                 f"at {mem['streams_sampled']} streams (peak since start {mem['VmHWM']} MiB).")
     return "\n".join(lines)
 
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(tmp)
             make_run(run, ranks)
-            server = start_server(run, options.port, run / "server.log", options.compile)
+            server = start_server(run, options.port, run / "server.log", options.compile, options.max_batch)
             try:
                 url = f"http://127.0.0.1:{options.port}"
                 run_level(url, 1, 8, concurrent=False)  # warm up (or compile) the one-row path

@@ -7,11 +7,18 @@ leaves the other rows standing:
     1 tests     the device-generic tests on CUDA (GPTLITE_TEST_DEVICE=cuda python -m pytest)
     2 recipe    configs/shakespeare_char_gpu.toml through train.py: final val loss and the command's wall time
     3 mfu       GPT-2 124M shape (block 1024, bf16, compile) through train.py, largest batch that fits:
-                tokens/s and MFU as train.py logs them (the median of its log lines after the first)
+                tokens/s and MFU as train.py logs them (the median of its log lines after the first), with the
+                chunked head + loss (the default) and then with --chunked_loss=false at the same batch
     4 generate  benchmarks/bench_generate.py at the 124M shape, batch 1 and 8: gptlite's default and
                 compiled (CUDA graphs) decode against Hugging Face `generate`, in one process
     5 sample    sample.py from row 2's checkpoint, with and without --compile
     6 hellaswag HellaSwag throughput, once gptlite has an evaluation module
+    7 open      benchmarks/bench_open_models.py at the SmolLM2-360M shape: loading memory (host and GPU) and
+                GQA decode tokens/s at batch 1 and 8 in bf16 against transformers
+    8 lora      benchmarks/bench_lora.py: LoRA against full fine-tuning at that shape, bf16, time per step and
+                the peak GPU memory train.py reports, with and without --activation_checkpointing
+    9 serve     benchmarks/bench_serve.py: the server's tokens/s at 1, 8 and 32 concurrent streams (GPT-2
+                124M shape) against the same requests one after another; needs fastapi, uvicorn and httpx
 Needs no network and no wandb: the corpus (tiny Shakespeare) and the GPT-2 BPE ranks (a .tiktoken file) come
 as paths. Data, runs and every command's log (each line with its seconds since the start) go to --work_dir;
 nothing there is deleted. `--smoke` shrinks every row to seconds (any device, the CPU too) to check the
@@ -42,7 +49,7 @@ sys.path.insert(0, str(ROOT))  # gptlite from this checkout, installed or not (r
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 
-CHECKS = ("tests", "recipe", "mfu", "generate", "sample", "hellaswag")
+CHECKS = ("tests", "recipe", "mfu", "generate", "sample", "hellaswag", "open", "lora", "serve")
 RECIPE = "configs/shakespeare_char_gpu.toml"
 MFU_CONFIG = "configs/gpt2_124m.toml"
 SMOKE_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--compile=false"]
@@ -175,34 +182,48 @@ def check_mfu(args, report: Report) -> None:
         corpus.with_suffix(".tmp").write_text(text * 4, encoding="utf-8")
         corpus.with_suffix(".tmp").replace(corpus)
     data = prepare_data(args, "shakespeare_gpt2_x4", [corpus], str(args.tiktoken))
-    smoke = [*SMOKE_MODEL, "--block_size=128"] if args.smoke else []
     tried = []
     for batch in args.mfu_batch_sizes:
-        out = new_run_dir(args, f"mfu_b{batch}")
-        log = args.logs / f"mfu_b{batch}.log"
-        code, lines = run([sys.executable, "train.py", MFU_CONFIG, f"--data_dir={data}", f"--out_dir={out}",
-                           f"--batch_size={batch}", "--total_batch_size=0", f"--max_iters={args.mfu_iters}",
-                           "--warmup_iters=10", "--log_interval=10", "--eval_interval=1000000", "--eval_iters=1",
-                           "--keep_last=1", *smoke], log, args.timeout)
+        code, lines, rows, log = train_for_mfu(args, data, batch, chunked=True)
         if code == 2 and any("out of memory" in line for _, line in lines):
             tried.append(f"batch {batch}: out of memory")
             continue
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if code == 0 else []
-        rows = [r for r in rows if "tokens_per_s" in r][1:]  # the first log line includes compiling
         if not rows:
             report.add("3. GPT-2 124M training throughput", failed("train.py", code, lines, log), "MFU >= 50%", "FAIL",
                        tried=tried, log=str(log))
             return
-        tps = statistics.median(r["tokens_per_s"] for r in rows)
-        mfu = statistics.median(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None
-        ms = statistics.median(r["ms_per_step"] for r in rows)
-        mfu_text = "n/a (unknown peak)" if mfu is None else f"{100 * mfu:.1f}%"
-        report.add(f"3. GPT-2 124M training (block 1024, bf16, compile, batch {batch})",
-                   f"{tps:,.0f} tok/s, {ms:.0f} ms/step, MFU {mfu_text}" + (f" ({'; '.join(tried)})" if tried else ""),
-                   "MFU >= 50%", "pass" if mfu and mfu >= 0.5 else "miss", batch_size=batch, tokens_per_s=tps, mfu=mfu,
-                   ms_per_step=ms, tried=tried, log=str(log))
+        add_mfu_row(report, f"3. GPT-2 124M training (block 1024, bf16, compile, batch {batch})", rows, tried, log,
+                    batch)
+        code, lines, rows, log = train_for_mfu(args, data, batch, chunked=False)
+        if rows:
+            add_mfu_row(report, "3. the same with all logits at once (--chunked_loss=false)", rows, [], log, batch)
+        else:
+            report.add("3. --chunked_loss=false", failed("train.py", code, lines, log), "-", "FAIL", log=str(log))
         return
     report.add("3. GPT-2 124M training throughput", "; ".join(tried), "MFU >= 50%", "FAIL", tried=tried)
+
+
+def train_for_mfu(args, data: Path, batch: int, chunked: bool) -> tuple[int | None, list, list[dict], Path]:
+    """train.py at the 124M shape: (exit code, output lines, metrics rows after the first logged one, log)."""
+    smoke = [*SMOKE_MODEL, "--block_size=128"] if args.smoke else []
+    name = f"mfu_b{batch}" + ("" if chunked else "_whole_logits")
+    out, log = new_run_dir(args, name), args.logs / f"{name}.log"
+    code, lines = run([sys.executable, "train.py", MFU_CONFIG, f"--data_dir={data}", f"--out_dir={out}",
+                       f"--batch_size={batch}", "--total_batch_size=0", f"--max_iters={args.mfu_iters}",
+                       "--warmup_iters=10", "--log_interval=10", "--eval_interval=1000000", "--eval_iters=1",
+                       "--keep_last=1", f"--chunked_loss={str(chunked).lower()}", *smoke], log, args.timeout)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if code == 0 else []
+    return code, lines, [r for r in rows if "tokens_per_s" in r][1:], log  # the first log line includes compiling
+
+
+def add_mfu_row(report: Report, check: str, rows: list[dict], tried: list[str], log: Path, batch: int) -> None:
+    tps = statistics.median(r["tokens_per_s"] for r in rows)
+    mfu = statistics.median(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None
+    ms = statistics.median(r["ms_per_step"] for r in rows)
+    mfu_text = "n/a (unknown peak)" if mfu is None else f"{100 * mfu:.1f}%"
+    report.add(check, f"{tps:,.0f} tok/s, {ms:.0f} ms/step, MFU {mfu_text}" + (f" ({'; '.join(tried)})" if tried else ""),
+               "MFU >= 50%", "pass" if mfu and mfu >= 0.5 else "miss", batch_size=batch, tokens_per_s=tps, mfu=mfu,
+               ms_per_step=ms, tried=tried, log=str(log))
 
 
 def check_generate(args, report: Report) -> None:
@@ -253,6 +274,69 @@ def check_hellaswag(args, report: Report) -> None:
         report.add("6. HellaSwag throughput", "not built: gptlite has no evaluation module yet", "-", "n/a")
         return
     report.add("6. HellaSwag throughput", "gptlite.evaluate exists: add its row to this report", "-", "n/a")
+
+
+def benchmark(args, name: str, script: str, options: list[str]) -> tuple[dict | None, str, Path]:
+    """Run benchmarks/SCRIPT with --json: (its results, or None if it failed; the failure in words; its log)."""
+    out, log = args.logs / f"{name}.json", args.logs / f"{name}.log"
+    code, lines = run([sys.executable, f"benchmarks/{script}", *options, f"--json={out}"], log, args.timeout)
+    if code != 0 or not out.is_file():
+        return None, failed(script, code, lines, log), log
+    return json.loads(out.read_text()), "", log
+
+
+def check_open(args, report: Report) -> None:
+    cuda = torch.cuda.is_available()
+    smoke = ["--prompt=16", "--new_tokens=4", "--batch_sizes=1"] if args.smoke else []
+    results, problem, log = benchmark(args, "open_models", "bench_open_models.py", [
+        "--parts=memory,decode", f"--device={'cuda' if cuda else 'cpu'}", f"--dtype={'bfloat16' if cuda else 'float32'}",
+        *smoke])
+    if results is None:
+        report.add("7. open models (SmolLM2-360M shape)", problem, "-", "FAIL", log=str(log))
+        return
+    for row in results["memory"]:
+        ours = row["loader"] == "gptlite"
+        gpu = f"; GPU {row['gpu_peak_mb'] / row['model_mb']:.2f}x" if row["gpu_peak_mb"] else ""
+        report.add(f"7. loading SmolLM2-360M shape, {row['loader']}, {row['dtype']}",
+                   f"host peak {row['peak_rss_mb']:,.0f} MB = {row['peak_rss_mb'] / row['model_mb']:.2f}x the model's "
+                   f"{row['model_mb']:,.0f} MB{gpu}", "host <= 1.3x" if ours else "-",
+                   ("pass" if row["peak_rss_mb"] <= 1.3 * row["model_mb"] else "miss") if ours else "info", **row)
+    for row in results["decode"]:
+        ratio = row["gqa"] / row["hf"]
+        report.add(f"7. decode SmolLM2-360M shape (GQA), batch {row['batch']}, {row['dtype']}",
+                   f"{row['gqa']:,.0f} tok/s = {ratio:.2f}x transformers ({row['hf']:,.0f}); with n_kv_head = n_head "
+                   f"{row['full_kv_heads']:,.0f}", ">= 1x transformers", "pass" if ratio >= 1 else "miss", **row)
+
+
+def check_lora(args, report: Report) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results, problem, log = benchmark(args, "lora", "bench_lora.py", [
+        f"--device={device}", f"--steps={2 if args.smoke else 6}", f"--corpus={args.corpus}"])
+    if results is None:
+        report.add("8. LoRA against full fine-tuning", problem, "-", "FAIL", log=str(log))
+        return
+    for row in results["rows"]:
+        kept = "recomputed" if row["activation_checkpointing"] else "kept"
+        report.add(f"8. fine-tuning SmolLM2-360M shape, block 1024, activations {kept}",
+                   f"full {row['full_mb']:,.0f} MB, {row['full_s_per_step']:.3f} s/step; LoRA {row['lora_mb']:,.0f} MB "
+                   f"({row['lora_mb'] / row['full_mb']:.2f}x), {row['lora_s_per_step']:.3f} s/step", "-", "info", **row)
+
+
+def check_serve(args, report: Report) -> None:
+    levels = ["1", "2"] if args.smoke else ["1", "8", "32"]
+    smoke = ["--rounds=1", "--max_tokens=8"] if args.smoke else ["--rounds=3", "--max_tokens=128"]
+    results, problem, log = benchmark(args, "serve", "bench_serve.py", [
+        "--levels", *levels, "--max_batch=32", f"--tokenizer={args.tiktoken}", *smoke])
+    if results is None:
+        report.add("9. server under load", problem, "-", "FAIL", log=str(log))
+        return
+    sequential = statistics.median(results["results"]["1 sequential"]["tokens_per_s"])
+    for n in levels:
+        row = results["results"][f"{n} concurrent"]
+        tps, ttft = statistics.median(row["tokens_per_s"]), statistics.median(row["ttft_s"])
+        report.add(f"9. server, GPT-2 124M shape, {n} concurrent stream{'s' if n != '1' else ''}",
+                   f"{tps:,.0f} tok/s = {tps / sequential:.2f}x one stream ({sequential:,.0f}), first token "
+                   f"{ttft:.2f} s", "-", "info", tokens_per_s=tps, ttft_s=ttft)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,8 +407,10 @@ def report_all(args: Options) -> int:
                 check_mfu(args, report)
             elif check == "generate":
                 check_generate(args, report)
-            else:
+            elif check == "hellaswag":
                 check_hellaswag(args, report)
+            else:
+                {"open": check_open, "lora": check_lora, "serve": check_serve}[check](args, report)
         except Exception as e:  # a broken row must not hide the others
             report.add(check, f"the report itself failed: {type(e).__name__}: {e}", "-", "FAIL")
     print("\n" + report.table())
