@@ -15,7 +15,7 @@ from gptlite import GPT
 from gptlite.checkpoint import load_checkpoint, lora_model, model_from_checkpoint
 from gptlite.lora import LoRALinear, add_lora, merge_lora
 from gptlite.prepare import prepare
-from tests.conftest import ROOT
+from tests.conftest import DEVICE, ROOT
 from tests.test_hf import CHARS, hf_gpt2, hf_llama
 
 transformers.logging.set_verbosity_error()
@@ -40,14 +40,15 @@ def char_data(tmp_path_factory):
     return data
 
 
+@pytest.mark.device
 def test_adapters_start_at_the_base_model_and_merge_exactly(bases):
-    base = GPT.from_pretrained(str(bases["llama"]))
-    model = add_lora(GPT.from_pretrained(str(bases["llama"])), rank=4, alpha=8.0)
+    base = GPT.from_pretrained(str(bases["llama"])).to(DEVICE)
+    model = add_lora(GPT.from_pretrained(str(bases["llama"])).to(DEVICE), rank=4, alpha=8.0)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         f"blocks.{i}.{layer}.{ab}" for i in range(2) for layer in ("attn.qkv", "attn.out_proj", "ffn.fc", "ffn.out_proj")
         for ab in ("lora_A", "lora_B")}
     assert set(base.state_dict()) <= set(model.state_dict())  # the base weights keep their names
-    idx = torch.randint(0, 97, (2, 12))
+    idx = torch.randint(0, 97, (2, 12), device=DEVICE)
     torch.testing.assert_close(model(idx)[0], base(idx)[0])  # B starts at zero
     for layer in model.modules():
         if isinstance(layer, LoRALinear):

@@ -13,7 +13,7 @@ import transformers
 
 from gptlite import GPT
 from gptlite.hf import export_hf
-from tests.conftest import ROOT
+from tests.conftest import DEVICE, ROOT
 from tests.test_hf import randomized
 
 transformers.logging.set_verbosity_error()
@@ -47,25 +47,27 @@ def saved(request, tmp_path_factory):
     return request.param, model, directory
 
 
-def ids(batch: int = 2, length: int = 40) -> torch.Tensor:
-    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(1))
+def ids(batch: int = 2, length: int = 40, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, V, (batch, length), generator=torch.Generator().manual_seed(1)).to(device)
 
 
+@pytest.mark.device
 def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path):
-    """40 tokens: past llama3's original context of 16, where its scaling acts."""
+    """40 tokens: past llama3's original context of 16, where its scaling acts. Both models on the test device."""
     name, hf, directory = saved
-    ours = GPT.from_pretrained(str(directory))
+    hf = hf.to(DEVICE)
+    ours = GPT.from_pretrained(str(directory)).to(DEVICE)
     with torch.no_grad():
-        expected = hf(ids()).logits
-        torch.testing.assert_close(ours(ids())[0], expected, atol=1e-4, rtol=0)
-        prompt = ids(1, 8)
+        expected = hf(ids(device=DEVICE)).logits
+        torch.testing.assert_close(ours(ids(device=DEVICE))[0], expected, atol=1e-4, rtol=0)
+        prompt = ids(1, 8, DEVICE)
         greedy = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(prompt, 20, temperature=0), greedy)
     export_hf(ours, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval().to(DEVICE)
     assert type(back) is type(hf)
     with torch.no_grad():
-        torch.testing.assert_close(back(ids()).logits, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(back(ids(device=DEVICE)).logits, expected, atol=1e-4, rtol=0)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] == hf.config.tie_word_embeddings
 
 

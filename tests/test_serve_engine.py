@@ -14,6 +14,8 @@ from gptlite.tokenizer import CharTokenizer
 from tests.conftest import VARIANTS, tiny_model
 from tests.serving import CHARS
 
+pytestmark = pytest.mark.device  # the engine runs where the model is
+
 PROMPTS = ["ROMEO:", "a", "The quick brown", "To be or not to", "x", "Hello, world", "JULIET: O", "12345", "zz"]
 
 
@@ -47,7 +49,8 @@ class Collect:
 
 def greedy(model, tokenizer, prompt: str, n: int) -> str:
     ids = tokenizer.encode(prompt)
-    return tokenizer.decode(model.generate(torch.tensor([ids]), n, temperature=0)[0, len(ids):].tolist())
+    idx = torch.tensor([ids], device=next(model.parameters()).device)
+    return tokenizer.decode(model.generate(idx, n, temperature=0)[0, len(ids):].tolist())
 
 
 @pytest.mark.parametrize("name", ["learned", "rope", "gpt2", "llama"])
