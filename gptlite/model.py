@@ -371,10 +371,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T), where target -1 is
-        ignored: its mean over the other targets, or with reduction="sum" its sum; loss is None without targets.
-        return_logits=False (training) gives (None, loss), the head and loss computed a chunk of tokens at a time
-        (gptlite.loss) so that all the logits are never in memory at once."""
+        """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T) (-1 ignored): its mean,
+        or with reduction="sum" its sum; None without targets. return_logits=False (training) gives (None, loss), the
+        head and loss a chunk of tokens at a time (gptlite.loss): all the logits are never in memory at once."""
         if targets is not None:
             self._check_targets(idx, targets)
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:  # not LoRA'd, not int8
@@ -383,8 +382,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.hidden(idx))  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=reduction)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1), ignore_index=-1, reduction=reduction)
         return (logits if return_logits else None), loss
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
