@@ -9,7 +9,6 @@ peak is the GPU memory torch allocated (train.py's last line).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -23,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.files import write_json  # noqa: E402
 
 SHAPE = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
              num_key_value_heads=5, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
@@ -85,7 +85,7 @@ def run(args: Options) -> int:
             rows.append({"activation_checkpointing": checkpointing, "full_mb": peaks[0], "lora_mb": peaks[1],
                          "full_s_per_step": steps[0], "lora_s_per_step": steps[1]})
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "rows": rows}, indent=1) + "\n")
+        write_json(Path(args.json), {"device": args.device, "rows": rows})
     return 0
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.files import write_json  # noqa: E402
 
 SHAPE = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
              num_key_value_heads=5, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
@@ -183,7 +184,7 @@ def run(args: Options) -> int:
     if "logits" in parts:
         logits()
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(Path(args.json), results)
     return 0
 
 

@@ -39,6 +39,7 @@ from gptlite import GPT  # noqa: E402
 from gptlite.checkpoint import save_checkpoint  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import build_config, config_to_dict, option  # noqa: E402
+from gptlite.files import write_json  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
 GPT2_SHAPE = {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "ffn": "gelu",
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(options, results, mem))
         if options.json:
             data = {f"{n} {mode}": asdict(r) for (n, mode), r in results.items()}
-            Path(options.json).write_text(json.dumps({"results": data, "memory_mib": mem}, indent=1))
+            write_json(Path(options.json), {"results": data, "memory_mib": mem})
         return 0
 
     return run_command("bench_serve.py", body, "nothing was measured")
