@@ -116,14 +116,17 @@ def test_a_lora_head_falls_back_to_the_whole_computation():
     assert model(idx, idx, return_logits=False)[0] is None
 
 
-def test_compiles_as_one_graph():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiles_as_one_graph(autocast):
+    """No graph break in training's forward, under bfloat16 autocast too (dynamo's capture, without code generation)."""
     torch._dynamo.reset()
     model = tiny_model().train()
     idx = randint(97, (2, 9))
     compiled = torch.compile(model, backend="eager", fullgraph=True)
-    loss = compiled(idx, idx, return_logits=False)[1]
-    loss.backward()
-    torch.testing.assert_close(loss, model(idx, idx)[1])
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=autocast):
+        loss = compiled(idx, idx, return_logits=False)[1]
+        loss.backward()
+        torch.testing.assert_close(loss, model(idx, idx)[1])
 
 
 def test_train_steps_with_and_without_chunks_give_the_same_gradients():
