@@ -16,7 +16,6 @@ import gc
 import json
 import math
 import os
-import resource
 import shlex
 import shutil
 import signal
@@ -27,6 +26,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:
+    import resource  # the peak resident set, on Unix
+except ImportError:  # Windows
+    resource = None
 
 import torch
 import torch.distributed as dist
@@ -497,7 +501,8 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
     wrap(run)
     summary = loop(run, signals, Checkpointer(run, argv))
     summary["peak_memory_mb"], where = peak_memory_mb(run.device)
-    run.log(f"done at step {run.step} | peak memory {summary['peak_memory_mb']:,.0f} MiB {where}")
+    run.log(f"done at step {run.step}" + (f" | peak memory {summary['peak_memory_mb']:,.0f} MiB {where}"
+                                          if summary["peak_memory_mb"] is not None else ""))
     if run.master:
         run.metrics.close()
     if run.wandb:
@@ -505,12 +510,15 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
     return summary
 
 
-def peak_memory_mb(device: str) -> tuple[float, str]:
+def peak_memory_mb(device: str) -> tuple[float | None, str]:
     """This process's peak memory in MiB, and what it counts: the tensors torch allocated on a CUDA device, else the
-    resident set (ru_maxrss: KiB on Linux)."""
+    resident set (None where the system does not say: Windows)."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**20, "allocated on the GPU"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "resident"
+    if resource is None:
+        return None, ""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 1024), "resident"
 
 
 def set_up(cfg: TrainConfig, rank: int, local_rank: int, world_size: int) -> Run:

@@ -92,6 +92,12 @@ def test_resume_matches_an_uninterrupted_run_exactly_across_an_epoch_boundary(da
     assert a["loader"] == b["loader"] and a["step"] == b["step"] == 30
 
 
+def test_a_run_ends_with_its_peak_memory(data, tmp_path, capsys):
+    summary = train.main(config(data, tmp_path / "run", max_iters=2))
+    peak = re.search(r"^done at step 2 \| peak memory ([\d,]+) MiB resident$", capsys.readouterr().out, re.M)
+    assert peak and int(peak[1].replace(",", "")) == round(summary["peak_memory_mb"]) > 50  # torch alone is more
+
+
 def test_gradient_accumulation_equals_one_batch_k_times_larger():
     x, y = torch.randint(0, 97, (8, 32)), torch.randint(0, 97, (8, 32))
     results = []
