@@ -38,10 +38,16 @@ SEPARATOR = "-" * 40 + "\n"
 @dataclass
 class SampleOptions:
     out_dir: str = option("out", "the training run's directory (holds ckpt.pt)")
-    init_from: str = option("", "sample from pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a "
-                                "Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)")
-    tokenizer: str = option("", "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
-                                "tokenizer.json; GPT-2's BPE with --init_from)")
+    init_from: str = option(
+        "",
+        "sample from pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a "
+        "Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)",
+    )
+    tokenizer: str = option(
+        "",
+        "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
+        "tokenizer.json; GPT-2's BPE with --init_from)",
+    )
     start: str = option("\n", "prompt text, or FILE:path to read it from a file")
     num_samples: int = option(3, "samples to print")
     max_new_tokens: int = option(500, "tokens to generate per sample")
@@ -51,24 +57,38 @@ class SampleOptions:
     repetition_penalty: float = option(1.0, "CTRL's penalty on seen tokens (1 = off)")
     frequency_penalty: float = option(0.0, "subtracted per earlier occurrence (0 = off)")
     num_beams: int = option(1, "beam search with this many beams (1 = sample)")
-    length_penalty: float = option(1.0, "beam search: a hypothesis scores its log-probability / length ** length_penalty")
+    length_penalty: float = option(
+        1.0, "beam search: a hypothesis scores its log-probability / length ** length_penalty"
+    )
     early_stopping: str = option("false", "beam search: true, false (transformers' heuristic) or never")
-    stop: list[str] = option(default_factory=list, help="stop a sample before this text (repeatable; backslash escapes "
-                                                         "such as \\n work)")
+    stop: list[str] = option(
+        default_factory=list, help="stop a sample before this text (repeatable; backslash escapes such as \\n work)"
+    )
     stop_at_eot: bool = option(True, "stop a sample at the end-of-text token, if the tokenizer has one")
     batch_size: int = option(8, "samples generated together")
     seed: int = option(1337, "the sampling seed")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option("auto", "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-                        choices=("auto", "float32", "bfloat16", "float16"))
-    compile: bool = option(False, "torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); the "
-                                  "first call compiles")
-    quantize: str = option("", "int8: weight-only int8 weights (a quarter of float32's bytes; fastest with --compile)",
-                           choices=("", "int8"))
-    extend_context: bool = option(False, "sinusoidal or rope positions: run past block_size instead of sliding the "
-                                         "window")
-    chat: bool = option(False, "hold a conversation: each line on stdin is a user turn, the reply streams to stdout; "
-                               "it ends at the end of input or Ctrl-C")
+    dtype: str = option(
+        "auto",
+        "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    compile: bool = option(
+        False, "torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); the first call compiles"
+    )
+    quantize: str = option(
+        "",
+        "int8: weight-only int8 weights (a quarter of float32's bytes; fastest with --compile)",
+        choices=("", "int8"),
+    )
+    extend_context: bool = option(
+        False, "sinusoidal or rope positions: run past block_size instead of sliding the window"
+    )
+    chat: bool = option(
+        False,
+        "hold a conversation: each line on stdin is a user turn, the reply streams to stdout; "
+        "it ends at the end of input or Ctrl-C",
+    )
     system: str = option("", "--chat: the system prompt")
 
 
@@ -101,7 +121,9 @@ def resolve(args: SampleOptions) -> None:
     given = getattr(args, "given", ())
     unused = [f"--{k}" for k in ("num_beams", "start", "stop", "num_samples", "batch_size") if k in given]
     if args.chat and unused:
-        raise ValueError(f"--chat reads its prompts from stdin and samples one reply at a time; drop {', '.join(unused)}")
+        raise ValueError(
+            f"--chat reads its prompts from stdin and samples one reply at a time; drop {', '.join(unused)}"
+        )
     if args.system and not args.chat:
         raise ValueError("--system is the system prompt of a --chat conversation; add --chat, or put it in --start")
     early = args.early_stopping.lower()
@@ -111,7 +133,9 @@ def resolve(args: SampleOptions) -> None:
     args.stop = [unescape(s) for s in args.stop]
     beams = args.num_beams > 1  # beam search scores the model's own probabilities: no temperature, no top-k
     if beams and args.num_samples > args.num_beams:
-        raise ValueError(f"num_samples={args.num_samples} must be <= num_beams={args.num_beams}: the best beams are printed")
+        raise ValueError(
+            f"num_samples={args.num_samples} must be <= num_beams={args.num_beams}: the best beams are printed"
+        )
     if args.temperature is None:
         args.temperature = 1.0 if beams else 0.8
     if beams and "top_k" not in getattr(args, "given", ()):
@@ -129,10 +153,16 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions) -> None:
     """Sample `num_samples` continuations, `batch_size` at a time, the first of each batch streamed."""
     options = {
-        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-        "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
-        "stop": args.stop, "stop_at_eot": args.stop_at_eot, "extend_context": args.extend_context,
-        "compile": args.compile, "generator": torch.Generator(device=args.device).manual_seed(args.seed),
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "repetition_penalty": args.repetition_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "stop": args.stop,
+        "stop_at_eot": args.stop_at_eot,
+        "extend_context": args.extend_context,
+        "compile": args.compile,
+        "generator": torch.Generator(device=args.device).manual_seed(args.seed),
     }
     for first in range(0, args.num_samples, args.batch_size):
         n = min(args.batch_size, args.num_samples - first)
@@ -151,12 +181,28 @@ def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptio
     stop_at_eot) and before the first stop string."""
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
     stops = [tokenizer.eot_id] if args.stop_at_eot and tokenizer.eot_id is not None else []
-    penalties = {"repetition_penalty": (args.repetition_penalty, 1.0), "frequency_penalty": (args.frequency_penalty, 0.0)}
+    penalties = {
+        "repetition_penalty": (args.repetition_penalty, 1.0),
+        "frequency_penalty": (args.frequency_penalty, 0.0),
+    }
     refused = {k: value for k, (value, off) in penalties.items() if value != off}  # generate says why
-    rows = generate(model, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                    num_beams=args.num_beams, num_return_sequences=args.num_samples, length_penalty=args.length_penalty,
-                    early_stopping=args.early_stopping, stop_tokens=stops, extend_context=args.extend_context,
-                    compile=args.compile, vocab_limit=tokenizer.vocab_size, **refused)
+    rows = generate(
+        model,
+        [ids],
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        num_beams=args.num_beams,
+        num_return_sequences=args.num_samples,
+        length_penalty=args.length_penalty,
+        early_stopping=args.early_stopping,
+        stop_tokens=stops,
+        extend_context=args.extend_context,
+        compile=args.compile,
+        vocab_limit=tokenizer.vocab_size,
+        **refused,
+    )
     texts = []
     for row in rows:
         new = row[len(ids) :]

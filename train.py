@@ -60,10 +60,30 @@ from gptlite.optim import Muon, block_matrices
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 # what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
-MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "bias", "pos_emb",
-                    "rope_theta", "norm", "norm_eps", "ffn", "n_kv_head", "head_dim", "tie_embeddings", "qkv_bias",
-                    "qk_norm", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                    "rope_original_context")
+MODEL_SHAPE_KEYS = (
+    "vocab_size",
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "ffn_hidden",
+    "bias",
+    "pos_emb",
+    "rope_theta",
+    "norm",
+    "norm_eps",
+    "ffn",
+    "n_kv_head",
+    "head_dim",
+    "tie_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_context",
+)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
@@ -149,28 +169,45 @@ def make_optimizers(model: GPT, cfg: TrainConfig, device_type: str) -> list[torc
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_ratio": 1.0},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0, "lr_ratio": 1.0},
     ]
-    optimizers = [torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device_type in ("cuda", "cpu")
-    )]
+    optimizers = [
+        torch.optim.AdamW(
+            groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device_type in ("cuda", "cpu")
+        )
+    ]
     if splits:
         ratio = cfg.muon_lr / cfg.learning_rate if cfg.learning_rate else 0.0  # learning_rate=0 moves nothing
-        groups = [{"params": [p for p, s in splits.items() if s == split], "split": split, "lr_ratio": ratio}
-                  for split in sorted(set(splits.values()), key=lambda s: (isinstance(s, tuple), s))]
+        groups = [
+            {"params": [p for p, s in splits.items() if s == split], "split": split, "lr_ratio": ratio}
+            for split in sorted(set(splits.values()), key=lambda s: (isinstance(s, tuple), s))
+        ]
         ns_dtype = torch.bfloat16 if device_type == "cuda" else torch.float32  # see gptlite.optim.Muon
-        optimizers.append(Muon(groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                               weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype))
+        optimizers.append(
+            Muon(
+                groups,
+                lr=cfg.muon_lr,
+                momentum=cfg.muon_momentum,
+                weight_decay=cfg.muon_weight_decay,
+                ns_dtype=ns_dtype,
+            )
+        )
     return optimizers
 
 
-def load_training_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ckpt: dict,
-                        strict: bool = True) -> None:
+def load_training_state(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ckpt: dict, strict: bool = True
+) -> None:
     """Load a checkpoint's weights and optimizer state (moments, momentum buffers, step counts). Every group's
     hyperparameters (lr_ratio, weight decay, betas, momentum) stay those of this run's config: one changed with
     --key=value on --resume takes effect, and a checkpoint saved before groups had an lr_ratio loads. `strict=False`
     loads a LoRA checkpoint's adapters into a model whose frozen weights came from elsewhere."""
     hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
-    set_state_dict(model, optimizers, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                   options=StateDictOptions(full_state_dict=True, strict=strict))  # a LoRA checkpoint: adapters only
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=ckpt["model"],
+        optim_state_dict=ckpt["optimizer"],
+        options=StateDictOptions(full_state_dict=True, strict=strict),
+    )  # a LoRA checkpoint: adapters only
     for opt, groups in zip(optimizers, hyper):
         for group, values in zip(opt.param_groups, groups):
             group.update(values)
@@ -187,12 +224,18 @@ def make_loaders(cfg: TrainConfig, rank: int, world_size: int) -> tuple[ShardLoa
         for path in files:
             if len(read_shard(path)) == 0:
                 raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
-        check_vocab(files, cfg.model.vocab_size, fix=f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the "
-                    "pretrained model knows" if cfg.init_from else "")
+        check_vocab(
+            files,
+            cfg.model.vocab_size,
+            fix=f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the pretrained model knows"
+            if cfg.init_from
+            else "",
+        )
         loader = ChatLoader if is_chat_data(files) else ShardLoader
         try:
-            loaders.append(loader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank,
-                                  world_size=world_size))
+            loaders.append(
+                loader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank, world_size=world_size)
+            )
         except ValueError as e:
             raise ValueError(f"{split} split: {e}") from None
     return loaders[0], loaders[1]
@@ -214,8 +257,9 @@ def compile_unavailable(device_type: str) -> str | None:
     return None
 
 
-def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device: str, autocast, scaler,
-                         chunked_loss: bool = True) -> torch.Tensor:
+def accumulate_gradients(
+    model: torch.nn.Module, loader, grad_accum: int, device: str, autocast, scaler, chunked_loss: bool = True
+) -> torch.Tensor:
     """Forward and backward over `grad_accum` micro-batches from `loader`; returns their mean loss (0-dim).
 
     The gradients are those of the mean loss over all micro-batches, the same as one batch `grad_accum` times
@@ -223,8 +267,9 @@ def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device
     micro-batch with fewer assistant tokens weighs less. Under DDP or FSDP, gradients are reduced across ranks on
     the last micro-step only. `chunked_loss`: the head and loss a chunk of tokens at a time (see gptlite.loss)."""
     if isinstance(loader, ChatLoader):
-        return accumulate_over_targets(model, [loader.next_batch() for _ in range(grad_accum)], device, autocast,
-                                       scaler, chunked_loss)
+        return accumulate_over_targets(
+            model, [loader.next_batch() for _ in range(grad_accum)], device, autocast, scaler, chunked_loss
+        )
     loss_sum = torch.zeros((), device=device)
     for micro in range(grad_accum):
         x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())  # (B, T) each
@@ -236,8 +281,9 @@ def accumulate_gradients(model: torch.nn.Module, loader, grad_accum: int, device
     return loss_sum / grad_accum
 
 
-def accumulate_over_targets(model: torch.nn.Module, batches: list, device: str, autocast, scaler,
-                            chunked_loss: bool = True) -> torch.Tensor:
+def accumulate_over_targets(
+    model: torch.nn.Module, batches: list, device: str, autocast, scaler, chunked_loss: bool = True
+) -> torch.Tensor:
     """accumulate_gradients for batches whose targets are partly -1: each micro-batch's summed loss over the step's
     target count (all-reduced across ranks, times world_size, which DDP's mean over ranks divides away)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -265,8 +311,9 @@ def sync_on_last(model: torch.nn.Module, last: bool) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: ShardLoader, iters: int, device: str, autocast,
-             lengths: torch.Tensor | None) -> tuple[float, float | None]:
+def evaluate(
+    model: torch.nn.Module, loader: ShardLoader, iters: int, device: str, autocast, lengths: torch.Tensor | None
+) -> tuple[float, float | None]:
     """Mean loss per token and bits per byte (None without the tokens' byte `lengths`, see
     gptlite.evaluate.byte_lengths) over the first `iters` global batches of the val set (the same batches at
     every evaluation), or over every val window when iters=0. Each rank evaluates its slice; the sums are
@@ -290,16 +337,21 @@ def out_of_memory_advice(cfg: TrainConfig, total_batch: int) -> str:
     failed = f"out of memory in the first step, on a micro-batch of batch_size={B} x block_size={T} tokens per device"
     if B == 1:
         return f"{failed}; use a smaller block_size or model, or --dtype=bfloat16"
-    keep = ("total_batch_size stays, gradient accumulation makes up the difference" if cfg.total_batch_size
-            else f"add --total_batch_size={total_batch} to keep the global batch")
+    keep = (
+        "total_batch_size stays, gradient accumulation makes up the difference"
+        if cfg.total_batch_size
+        else f"add --total_batch_size={total_batch} to keep the global batch"
+    )
     return f"{failed}; try --batch_size={B // 2} ({keep})"
 
 
 def read_vocab_size(data_dir: str) -> int:
     """vocab_size recorded in DATA_DIR/tokenizer.json by data/prepare.py."""
     if not Path(data_dir).is_dir():
-        raise FileNotFoundError(f"data_dir {data_dir} does not exist or is not a folder; prepare data there first "
-                                f"(python data/prepare.py --input=... --out_dir={data_dir}) or check the path")
+        raise FileNotFoundError(
+            f"data_dir {data_dir} does not exist or is not a folder; prepare data there first "
+            f"(python data/prepare.py --input=... --out_dir={data_dir}) or check the path"
+        )
     path = Path(data_dir) / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(
@@ -309,7 +361,9 @@ def read_vocab_size(data_dir: str) -> int:
     try:
         return int(json.loads(path.read_text())["vocab_size"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} has no valid vocab_size ({e}); prepare the data again or pass --vocab_size=N") from None
+        raise ValueError(
+            f"{path} has no valid vocab_size ({e}); prepare the data again or pass --vocab_size=N"
+        ) from None
 
 
 def pretrained_values(init_from: str, values: dict) -> dict:
@@ -318,11 +372,16 @@ def pretrained_values(init_from: str, values: dict) -> dict:
     from gptlite.hf import pretrained_config
 
     pretrained = dict(vars(pretrained_config(init_from)))
-    changed = [f"{k}={values[k]} (the model has {pretrained[k]})" for k in MODEL_SHAPE_KEYS
-               if k != "block_size" and k in values and str(values[k]).lower() != str(pretrained[k]).lower()]
+    changed = [
+        f"{k}={values[k]} (the model has {pretrained[k]})"
+        for k in MODEL_SHAPE_KEYS
+        if k != "block_size" and k in values and str(values[k]).lower() != str(pretrained[k]).lower()
+    ]
     if changed:
-        raise ValueError(f"--init_from={init_from} fixes the model's shape; drop {', '.join(changed)} "
-                         "(block_size may be smaller, dropout anything)")
+        raise ValueError(
+            f"--init_from={init_from} fixes the model's shape; drop {', '.join(changed)} "
+            "(block_size may be smaller, dropout anything)"
+        )
     return pretrained
 
 
@@ -340,7 +399,8 @@ def claim_run_folder(out_dir: Path, cfg: TrainConfig, log) -> FolderLock:
             raise ValueError(
                 f"out_dir {out_dir} holds an earlier run ({', '.join(p.name for p in earlier[:3])}"
                 f"{', ...' if len(earlier) > 3 else ''}); continue it with --resume, choose another --out_dir, or "
-                "pass --overwrite to move its files into a previous-TIME folder inside it first")
+                "pass --overwrite to move its files into a previous-TIME folder inside it first"
+            )
         if earlier:
             previous = make_dir(out_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}")
             for path in earlier:
@@ -365,8 +425,9 @@ def stop_together(problem: str | None, world_size: int) -> None:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -397,14 +458,19 @@ def resolve_config(argv: list[str]) -> TrainConfig:
         ]
         if changed:
             raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
-        lora = [f"{k}={values[k]} (checkpoint has {saved.get(k)})" for k in ("lora_rank", "lora_targets", "init_from")
-                if k in values and saved.get("lora_rank") and str(values[k]) != str(saved.get(k))]
+        lora = [
+            f"{k}={values[k]} (checkpoint has {saved.get(k)})"
+            for k in ("lora_rank", "lora_targets", "init_from")
+            if k in values and saved.get("lora_rank") and str(values[k]) != str(saved.get(k))
+        ]
         if lora:
             raise ValueError(f"cannot change the adapters on --resume of the LoRA run in {out_dir}: {', '.join(lora)}")
         if "optimizer" in values and values["optimizer"] != saved.get("optimizer", "adamw"):
-            raise ValueError(f"cannot change the optimizer on --resume from {out_dir}: optimizer={values['optimizer']} "
-                             f"(checkpoint has {saved.get('optimizer', 'adamw')}, whose state it holds); drop "
-                             "--optimizer, or start a new run in another --out_dir")
+            raise ValueError(
+                f"cannot change the optimizer on --resume from {out_dir}: optimizer={values['optimizer']} "
+                f"(checkpoint has {saved.get('optimizer', 'adamw')}, whose state it holds); drop "
+                "--optimizer, or start a new run in another --out_dir"
+            )
         values = {**saved, **values}
     elif values.get("init_from"):
         values = {**pretrained_values(str(values["init_from"]), values), **values}
@@ -473,13 +539,22 @@ class Run:
         return Path(self.cfg.out_dir)
 
 
-def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, world_size: int,
-          signals: StopSignals, cleanup: contextlib.ExitStack) -> dict:
+def train(
+    cfg: TrainConfig,
+    argv: list[str] | None,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    signals: StopSignals,
+    cleanup: contextlib.ExitStack,
+) -> dict:
     """`main` inside its session: set up, data, model and run folder, optimizer, resume, loop, finish. Every input is
     checked before the run folder is touched: a fresh run claims it only once its weights have loaded."""
     if cfg.data_dir and Path(cfg.data_dir).resolve() == Path(cfg.out_dir).resolve():
-        raise ValueError(f"out_dir and data_dir are the same folder ({cfg.out_dir}): the run's files would go among "
-                         "the data's shards; choose another --out_dir")
+        raise ValueError(
+            f"out_dir and data_dir are the same folder ({cfg.out_dir}): the run's files would go among "
+            "the data's shards; choose another --out_dir"
+        )
     run = set_up(cfg, rank, local_rank, world_size)
     load_data(run)
     ckpt = None
@@ -501,8 +576,14 @@ def train(cfg: TrainConfig, argv: list[str] | None, rank: int, local_rank: int, 
     wrap(run)
     summary = loop(run, signals, Checkpointer(run, argv))
     summary["peak_memory_mb"], where = peak_memory_mb(run.device)
-    run.log(f"done at step {run.step}" + (f" | peak memory {summary['peak_memory_mb']:,.0f} MiB {where}"
-                                          if summary["peak_memory_mb"] is not None else ""))
+    run.log(
+        f"done at step {run.step}"
+        + (
+            f" | peak memory {summary['peak_memory_mb']:,.0f} MiB {where}"
+            if summary["peak_memory_mb"] is not None
+            else ""
+        )
+    )
     if run.master:
         run.metrics.close()
     if run.wandb:
@@ -582,8 +663,9 @@ def build_model(run: Run, pretrained: bool) -> GPT:
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
     if pretrained:
-        model = GPT.from_pretrained(cfg.init_from, torch.float32, block_size=cfg.model.block_size,
-                                    dropout=cfg.model.dropout)  # float32 master weights; autocast does the rest
+        model = GPT.from_pretrained(
+            cfg.init_from, torch.float32, block_size=cfg.model.block_size, dropout=cfg.model.dropout
+        )  # float32 master weights; autocast does the rest
         model = model.train().to(run.device)
     else:
         model = GPT(cfg.model).to(run.device)
@@ -622,16 +704,25 @@ def adapt(run: Run, ckpt: dict | None) -> None:
     cfg = run.cfg
     base = fingerprint(cfg.init_from)
     if ckpt and ckpt["lora"]["sha256"] != base:
-        raise ValueError(f"the base weights of --init_from={cfg.init_from} are not the ones this LoRA run in "
-                         f"{run.out_dir} started from (sha256 {base[:12]}..., the run's {ckpt['lora']['sha256'][:12]}...); "
-                         "put the original weights back there, or start a new run")
+        raise ValueError(
+            f"the base weights of --init_from={cfg.init_from} are not the ones this LoRA run in "
+            f"{run.out_dir} started from (sha256 {base[:12]}..., the run's {ckpt['lora']['sha256'][:12]}...); "
+            "put the original weights back there, or start a new run"
+        )
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     add_lora(run.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets)
-    run.lora = {"base": cfg.init_from, "sha256": base, "rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
-                "targets": list(targets)}
+    run.lora = {
+        "base": cfg.init_from,
+        "sha256": base,
+        "rank": cfg.lora_rank,
+        "alpha": cfg.lora_alpha,
+        "targets": list(targets),
+    }
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
-    run.log(f"LoRA: {trainable:,} trainable parameters in adapters of rank {cfg.lora_rank} on {', '.join(targets)}; "
-            f"the {run.n_params:,} of {cfg.init_from} stay frozen")
+    run.log(
+        f"LoRA: {trainable:,} trainable parameters in adapters of rank {cfg.lora_rank} on {', '.join(targets)}; "
+        f"the {run.n_params:,} of {cfg.init_from} stay frozen"
+    )
 
 
 def make_optimizer(run: Run) -> None:
@@ -654,9 +745,11 @@ def resume_from(run: Run, ckpt: dict) -> None:
     if len(ckpt["rng"]) == run.world_size:
         set_rng_state(ckpt["rng"][run.rank])
     else:
-        run.log(f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
-                f"world_size={run.world_size}: the data continues where it stopped, dropout's random streams start "
-                "afresh")
+        run.log(
+            f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
+            f"world_size={run.world_size}: the data continues where it stopped, dropout's random streams start "
+            "afresh"
+        )
     run.log(f"resumed from {run.out_dir} at step {run.step}")
     if run.world_size > 1:
         dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
@@ -681,15 +774,22 @@ def announce(run: Run, argv: list[str] | None) -> None:
         os.replace(tmp, run.out_dir / TOKENIZER_FILE)
     run.log("config: " + json.dumps(config_to_dict(cfg)))
     fsdp = " (fsdp)" if cfg.fsdp and run.world_size > 1 else ""
-    run.log(f"model: {run.n_params / 1e6:.2f}M parameters | device {run.device}, "
-            f"{str(run.dtype).removeprefix('torch.')} | world {run.world_size}{fsdp} | {run.total_batch} tokens/step = "
-            f"{run.grad_accum} micro-steps of {cfg.batch_size}x{cfg.model.block_size} per rank")
+    run.log(
+        f"model: {run.n_params / 1e6:.2f}M parameters | device {run.device}, "
+        f"{str(run.dtype).removeprefix('torch.')} | world {run.world_size}{fsdp} | {run.total_batch} tokens/step = "
+        f"{run.grad_accum} micro-steps of {cfg.batch_size}x{cfg.model.block_size} per rank"
+    )
     run.metrics = MetricsLog(run.out_dir / METRICS_FILE, resume_step=run.step if run.resumed else None)
     if cfg.wandb_log:
         import wandb
 
-        run.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=config_to_dict(cfg),
-                               id=run.wandb_id, resume="allow")
+        run.wandb = wandb.init(
+            project=cfg.wandb_project,
+            name=cfg.wandb_run_name or None,
+            config=config_to_dict(cfg),
+            id=run.wandb_id,
+            resume="allow",
+        )
 
 
 def wrap(run: Run) -> None:
@@ -716,10 +816,12 @@ class Checkpointer:
 
     def __init__(self, run: Run, argv: list[str] | None):
         self.run = run
-        self.meta = {"git_commit": git_commit(),
-                     "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
-                     "wandb_run_id": run.wandb.id if run.wandb else None,
-                     "hf_architecture": getattr(run.model, "source_architecture", None)}
+        self.meta = {
+            "git_commit": git_commit(),
+            "command": shlex.join(sys.argv if argv is None else ["train.py", *argv]),
+            "wandb_run_id": run.wandb.id if run.wandb else None,
+            "hf_architecture": getattr(run.model, "source_architecture", None),
+        }
 
     def save(self, val_loss: float | None) -> None:
         run = self.run
@@ -732,23 +834,36 @@ class Checkpointer:
             return
         bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
-            run.log(f"step {run.step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
-                    f"the latest good checkpoint stays in {run.out_dir}")
+            run.log(
+                f"step {run.step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
+                f"the latest good checkpoint stays in {run.out_dir}"
+            )
             return
         best = val_loss is not None and val_loss < run.best_val
         if run.lora:  # the adapters alone: the base weights stay where init_from names them
             model_state = lora_state_dict(model_state)
         payload = {
-            "config": config_to_dict(run.cfg), "model": model_state, "optimizer": optimizer_state,
-            "scaler": run.scaler.state_dict(), "step": run.step, "loader": run.train_loader.state(),
-            "world_size": run.world_size, "rng": rngs, "best_val_loss": val_loss if best else run.best_val,
-            "val_loss": val_loss, "meta": self.meta, **({"lora": run.lora} if run.lora else {}),
+            "config": config_to_dict(run.cfg),
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scaler": run.scaler.state_dict(),
+            "step": run.step,
+            "loader": run.train_loader.state(),
+            "world_size": run.world_size,
+            "rng": rngs,
+            "best_val_loss": val_loss if best else run.best_val,
+            "val_loss": val_loss,
+            "meta": self.meta,
+            **({"lora": run.lora} if run.lora else {}),
         }
         try:
             path = save_run_checkpoint(run.out_dir, payload, keep_last=run.cfg.keep_last, best=best)
         except OSError as e:  # e.g. a full disk: nothing half-written is left, the previous checkpoint is whole
-            raise error(e.errno, f"step {run.step}: {e}; the latest good checkpoint stays in {run.out_dir}: fix that, "
-                                 "then continue with --resume") from None
+            raise error(
+                e.errno,
+                f"step {run.step}: {e}; the latest good checkpoint stays in {run.out_dir}: fix that, "
+                "then continue with --resume",
+            ) from None
         run.best_val = payload["best_val_loss"]
         run.log(f"step {run.step:5d} | saved {path}{' (best val loss)' if best else ''}")
 
@@ -772,8 +887,9 @@ def optimizer_step(run: Run, signals: StopSignals, lr: float) -> StepStats:
     cfg = run.cfg
     for group in (group for opt in run.optimizers for group in opt.param_groups):
         group["lr"] = lr * group["lr_ratio"]
-    loss = accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.device, run.autocast, run.scaler,
-                                cfg.chunked_loss)
+    loss = accumulate_gradients(
+        run.train_model, run.train_loader, run.grad_accum, run.device, run.autocast, run.scaler, cfg.chunked_loss
+    )
     for opt in run.optimizers:
         run.scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
@@ -833,14 +949,28 @@ def loop(run: Run, signals: StopSignals, checkpointer: Checkpointer) -> dict:
         elif stats.stop:
             checkpointer.save(None)
         if stats.stop and run.step < cfg.max_iters:
-            stopped = (signal.Signals(signals[0]).name if signals
-                       else f"max_minutes={cfg.max_minutes:g}" if stats.timed_out else "a stop request on another rank")
+            stopped = (
+                signal.Signals(signals[0]).name
+                if signals
+                else f"max_minutes={cfg.max_minutes:g}"
+                if stats.timed_out
+                else "a stop request on another rank"
+            )
             resume = f"python train.py --out_dir={shlex.quote(str(run.out_dir))} --resume"
-            run.log(f"stopped after step {run.step} ({stopped}) with a checkpoint in {run.out_dir}; continue with: "
-                    f"{resume}" + (" (under torchrun, with the same launch options)" if run.world_size > 1 else ""))
+            run.log(
+                f"stopped after step {run.step} ({stopped}) with a checkpoint in {run.out_dir}; continue with: "
+                f"{resume}" + (" (under torchrun, with the same launch options)" if run.world_size > 1 else "")
+            )
             break
-    return {"step": run.step, "history": history, "val_history": val_history, "best_val_loss": run.best_val,
-            "stopped": stopped, "signal": signals[0] if stopped and signals else None, "skipped_steps": skipped}
+    return {
+        "step": run.step,
+        "history": history,
+        "val_history": val_history,
+        "best_val_loss": run.best_val,
+        "stopped": stopped,
+        "signal": signals[0] if stopped and signals else None,
+        "skipped_steps": skipped,
+    }
 
 
 def record(run: Run, **row) -> None:
@@ -858,7 +988,8 @@ def skip_or_stop(run: Run, stats: StepStats) -> None:
     if run.cfg.on_nan == "stop":
         raise FloatingPointError(
             f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {run.out_dir}; resume "
-            "with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps")
+            "with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
+        )
     run.log(f"{problem}; skipped this update (on_nan=skip)")
 
 
@@ -867,11 +998,22 @@ def log_step(run: Run, stats: StepStats, lr: float, dt: float) -> None:
     tokens_per_s = run.total_batch / dt
     peak = peak_flops(torch.cuda.get_device_name(run.device)) if run.device_type == "cuda" else None
     step_mfu = mfu(run.flops_per_token, tokens_per_s / run.world_size, peak)
-    run.log(f"step {run.step:5d} | loss {stats.loss:.4f} | lr {lr:.2e} | grad norm {stats.grad_norm:.3f} | "
-            f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
-            + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%"))
-    record(run, step=run.step, tokens=run.step * run.total_batch, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-           ms_per_step=dt * 1000, tokens_per_s=tokens_per_s, mfu=step_mfu)
+    run.log(
+        f"step {run.step:5d} | loss {stats.loss:.4f} | lr {lr:.2e} | grad norm {stats.grad_norm:.3f} | "
+        f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
+        + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%")
+    )
+    record(
+        run,
+        step=run.step,
+        tokens=run.step * run.total_batch,
+        loss=stats.loss,
+        lr=lr,
+        grad_norm=stats.grad_norm,
+        ms_per_step=dt * 1000,
+        tokens_per_s=tokens_per_s,
+        mfu=step_mfu,
+    )
 
 
 def evaluate_and_save(run: Run, checkpointer: Checkpointer) -> float:

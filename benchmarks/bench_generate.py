@@ -72,14 +72,26 @@ def hf_model(shape: dict, dtype: torch.dtype, device: str):
     except ImportError:
         return None
     transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(vocab_size=shape["vocab_size"], n_positions=shape["block_size"],
-                                     n_embd=shape["n_embd"], n_layer=shape["n_layer"], n_head=shape["n_head"])
+    config = transformers.GPT2Config(
+        vocab_size=shape["vocab_size"],
+        n_positions=shape["block_size"],
+        n_embd=shape["n_embd"],
+        n_layer=shape["n_layer"],
+        n_head=shape["n_head"],
+    )
     return transformers.GPT2LMHeadModel(config).to(device, dtype).eval()
 
 
 def hf_generate(model, idx: torch.Tensor, max_new_tokens: int, num_beams: int = 1) -> torch.Tensor:
-    return model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=max_new_tokens,
-                          min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, num_beams=num_beams)
+    return model.generate(
+        idx,
+        attention_mask=torch.ones_like(idx),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        num_beams=num_beams,
+    )
 
 
 def seconds(fn: Callable[[], torch.Tensor], device: str) -> tuple[float, torch.Tensor]:
@@ -108,16 +120,22 @@ class Options:
     prompt_len: int = option(16, "prompt tokens")
     new_tokens: int = option(128, "new tokens per row")
     device: str = option("auto", "auto (cuda if there is one, else cpu), cpu, cuda")
-    dtype: str = option("auto", "weights of every model; auto = bfloat16 on CUDA, float32 on the CPU",
-                        choices=("auto", "float32", "bfloat16", "float16"))
-    hf_dtype: str = option("same", "Hugging Face model's weights (same = --dtype)",
-                           choices=("same", "float32", "bfloat16", "float16"))
+    dtype: str = option(
+        "auto",
+        "weights of every model; auto = bfloat16 on CUDA, float32 on the CPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    hf_dtype: str = option(
+        "same", "Hugging Face model's weights (same = --dtype)", choices=("same", "float32", "bfloat16", "float16")
+    )
     repeats: int = option(3, "timed steady calls per path (the median is shown)")
-    naive_max_batch: int = option(1, "time the naive loop (once) up to this batch size for gpt2 (it takes minutes); "
-                                     "0 = never")
+    naive_max_batch: int = option(
+        1, "time the naive loop (once) up to this batch size for gpt2 (it takes minutes); 0 = never"
+    )
     threads: int = option(0, "torch.set_num_threads on the CPU (0 = torch's default)")
-    num_beams: int = option(1, "beam search with this many beams (no naive loop); tokens/s counts the returned "
-                               "sequence's tokens")
+    num_beams: int = option(
+        1, "beam search with this many beams (no naive loop); tokens/s counts the returned sequence's tokens"
+    )
     cache_dir: str = option("", "inductor cache folder (default: a new, empty one)")
     json: str | None = option(None, "also write the rows to this JSON file")
 
@@ -140,12 +158,16 @@ def run(args: Options) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {where}, gptlite and naive in {dtype_name(dtype)}, HF in {dtype_name(hf_dtype)}, "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"{f'beam search with {args.num_beams} beams, ' if args.num_beams > 1 else ''}steady = median of {args.repeats} "
-          f"calls, inductor cache {args.cache_dir}")
-    header = (f"{'model':6} {'batch':>5} {'path':>20} {'first call s':>12} {'steady tok/s':>12} {'HF tok/s':>9} "
-              f"{'vs HF':>6} {'naive tok/s':>11} {'vs naive':>8}")
+    print(
+        f"torch {torch.__version__}, {where}, gptlite and naive in {dtype_name(dtype)}, HF in {dtype_name(hf_dtype)}, "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+        f"{f'beam search with {args.num_beams} beams, ' if args.num_beams > 1 else ''}steady = median of {args.repeats} "
+        f"calls, inductor cache {args.cache_dir}"
+    )
+    header = (
+        f"{'model':6} {'batch':>5} {'path':>20} {'first call s':>12} {'steady tok/s':>12} {'HF tok/s':>9} "
+        f"{'vs HF':>6} {'naive tok/s':>11} {'vs naive':>8}"
+    )
     print(header)
     print("-" * len(header))
     results = []
@@ -160,8 +182,9 @@ def run(args: Options) -> int:
     return 0
 
 
-def measure_model(args: Options, model_name: str, paths: list[str], device: str, dtype: torch.dtype,
-                  hf_dtype: torch.dtype) -> list[dict]:
+def measure_model(
+    args: Options, model_name: str, paths: list[str], device: str, dtype: torch.dtype, hf_dtype: torch.dtype
+) -> list[dict]:
     """Every path at every batch size for one model shape, taking turns with HF; prints a row each."""
     shape = MODELS[model_name]
     torch.manual_seed(0)
@@ -176,8 +199,10 @@ def measure_model(args: Options, model_name: str, paths: list[str], device: str,
     for batch in map(int, args.batch_sizes.split(",")):
         idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
         tokens = batch * args.new_tokens
-        calls = {p: partial(generate, models[p], idx, args.new_tokens, temperature=0, compile="compile" in p, **beams)
-                 for p in paths}
+        calls = {
+            p: partial(generate, models[p], idx, args.new_tokens, temperature=0, compile="compile" in p, **beams)
+            for p in paths
+        }
         if hf is not None:
             calls["hf"] = partial(hf_generate, hf, idx, args.new_tokens, args.num_beams)
         first = {name: seconds(call, device)[0] for name, call in calls.items()}
@@ -197,9 +222,16 @@ def measure_model(args: Options, model_name: str, paths: list[str], device: str,
                 same = (outputs["default"] == out).float().mean().item()  # greedy ties can flip in low precision
                 print(f"  note: default and naive greedy tokens agree on {same:.1%} of positions")
         for p in paths:
-            row = {"model": model_name, "batch": batch, "path": p, "compiled": "compile" in p, "dtype": dtype_name(dtype),
-                   "num_beams": args.num_beams, "first_call_s": first[p],
-                   "tokens_per_s": {"gptlite": rate.get(p), "hf": rate.get("hf"), "naive": naive}}
+            row = {
+                "model": model_name,
+                "batch": batch,
+                "path": p,
+                "compiled": "compile" in p,
+                "dtype": dtype_name(dtype),
+                "num_beams": args.num_beams,
+                "first_call_s": first[p],
+                "tokens_per_s": {"gptlite": rate.get(p), "hf": rate.get("hf"), "naive": naive},
+            }
             row["vs_hf"] = rate[p] / rate["hf"] if p in rate and "hf" in rate else None
             results.append(row)
             print_row(row)
@@ -215,20 +247,37 @@ def print_row(row: dict) -> None:
     vs_hf = f"{row['vs_hf']:.2f}x" if row["vs_hf"] else "-"
     naive = f"{rates['naive']:.1f}" if rates["naive"] else "-"
     vs_naive = f"{rates['gptlite'] / rates['naive']:.1f}x" if rates["naive"] and rates["gptlite"] else "-"
-    print(f"{row['model']:6} {row['batch']:>5} {row['path']:>20} {row['first_call_s']:>12.1f} {steady:>12} {hf:>9} "
-          f"{vs_hf:>6} {naive:>11} {vs_naive:>8}", flush=True)
+    print(
+        f"{row['model']:6} {row['batch']:>5} {row['path']:>20} {row['first_call_s']:>12.1f} {steady:>12} {hf:>9} "
+        f"{vs_hf:>6} {naive:>11} {vs_naive:>8}",
+        flush=True,
+    )
 
 
 def second_process(args: Options) -> list[dict]:
     """Each batch size's first compiled call in a new process that finds this one's inductor cache."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "second.json"
-        command = [sys.executable, __file__, f"--models={args.models}", f"--batch_sizes={args.batch_sizes}",
-                   "--paths=compile", "--repeats=0", "--naive_max_batch=0", f"--prompt_len={args.prompt_len}",
-                   f"--new_tokens={args.new_tokens}", f"--device={args.device}", f"--dtype={args.dtype}",
-                   f"--num_beams={args.num_beams}", f"--threads={args.threads}", f"--cache_dir={args.cache_dir}",
-                   f"--json={out}"]
-        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "BENCH_GENERATE_SECOND_PROCESS": "1"})
+        command = [
+            sys.executable,
+            __file__,
+            f"--models={args.models}",
+            f"--batch_sizes={args.batch_sizes}",
+            "--paths=compile",
+            "--repeats=0",
+            "--naive_max_batch=0",
+            f"--prompt_len={args.prompt_len}",
+            f"--new_tokens={args.new_tokens}",
+            f"--device={args.device}",
+            f"--dtype={args.dtype}",
+            f"--num_beams={args.num_beams}",
+            f"--threads={args.threads}",
+            f"--cache_dir={args.cache_dir}",
+            f"--json={out}",
+        ]
+        result = subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, "BENCH_GENERATE_SECOND_PROCESS": "1"}
+        )
         if result.returncode != 0:
             print(f"second process failed ({result.returncode}): {result.stderr.strip().splitlines()[-1:]}")
             return []

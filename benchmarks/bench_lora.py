@@ -24,9 +24,18 @@ from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 
-SHAPE = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
-             num_key_value_heads=5, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
-             rms_norm_eps=1e-5, tie_word_embeddings=True)
+SHAPE = dict(
+    hidden_size=960,
+    intermediate_size=2560,
+    num_hidden_layers=32,
+    num_attention_heads=15,
+    num_key_value_heads=5,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 @dataclass
@@ -61,16 +70,33 @@ def run(args: Options) -> int:
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(tmp / "base")
         prepare([args.corpus], "byte", tmp / "data", log=lambda *a: None)
         cuda = args.device.startswith("cuda")
-        common = [sys.executable, "train.py", f"--init_from={tmp / 'base'}", f"--data_dir={tmp / 'data'}",
-                  "--block_size=1024", f"--batch_size={args.batch_size}", "--total_batch_size=0",
-                  f"--max_iters={args.steps}", f"--eval_interval={args.steps}", "--eval_iters=1", "--log_interval=1",
-                  "--warmup_iters=0", f"--device={args.device}", f"--dtype={'bfloat16' if cuda else 'float32'}",
-                  f"--out_dir={tmp / 'out'}", "--overwrite"]
-        print(f"SmolLM2-360M shape, {'bfloat16' if cuda else 'float32'} on {args.device}, block 1024, batch "
-              f"{args.batch_size}, {args.steps} steps; peak " + ("GPU memory allocated" if cuda else
-                                                                 "RSS of the whole command"))
-        print(f"{'activations':28} {'full MB':>8} {'LoRA MB':>8} {'LoRA/full':>10} {'full s/step':>12} "
-              f"{'LoRA s/step':>12}")
+        common = [
+            sys.executable,
+            "train.py",
+            f"--init_from={tmp / 'base'}",
+            f"--data_dir={tmp / 'data'}",
+            "--block_size=1024",
+            f"--batch_size={args.batch_size}",
+            "--total_batch_size=0",
+            f"--max_iters={args.steps}",
+            f"--eval_interval={args.steps}",
+            "--eval_iters=1",
+            "--log_interval=1",
+            "--warmup_iters=0",
+            f"--device={args.device}",
+            f"--dtype={'bfloat16' if cuda else 'float32'}",
+            f"--out_dir={tmp / 'out'}",
+            "--overwrite",
+        ]
+        print(
+            f"SmolLM2-360M shape, {'bfloat16' if cuda else 'float32'} on {args.device}, block 1024, batch "
+            f"{args.batch_size}, {args.steps} steps; peak "
+            + ("GPU memory allocated" if cuda else "RSS of the whole command")
+        )
+        print(
+            f"{'activations':28} {'full MB':>8} {'LoRA MB':>8} {'LoRA/full':>10} {'full s/step':>12} "
+            f"{'LoRA s/step':>12}"
+        )
         rows = []
         for checkpointing in (False, True):
             extra = ["--activation_checkpointing"] if checkpointing else []
@@ -80,10 +106,20 @@ def run(args: Options) -> int:
                 peaks.append(float(re.findall(r"peak memory ([\d,]+) MiB", out)[-1].replace(",", "")) if cuda else rss)
                 steps.append(float(re.findall(r"\| +([\d.]+) ms/step", out)[-1]) / 1000)
             name = "recomputed (--activation_checkpointing)" if checkpointing else "kept"
-            print(f"{name:28} {peaks[0]:8.0f} {peaks[1]:8.0f} {peaks[1] / peaks[0]:9.2f}x {steps[0]:12.2f} "
-                  f"{steps[1]:12.2f}", flush=True)
-            rows.append({"activation_checkpointing": checkpointing, "full_mb": peaks[0], "lora_mb": peaks[1],
-                         "full_s_per_step": steps[0], "lora_s_per_step": steps[1]})
+            print(
+                f"{name:28} {peaks[0]:8.0f} {peaks[1]:8.0f} {peaks[1] / peaks[0]:9.2f}x {steps[0]:12.2f} "
+                f"{steps[1]:12.2f}",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "activation_checkpointing": checkpointing,
+                    "full_mb": peaks[0],
+                    "lora_mb": peaks[1],
+                    "full_s_per_step": steps[0],
+                    "lora_s_per_step": steps[1],
+                }
+            )
     if args.json:
         write_json(Path(args.json), {"device": args.device, "rows": rows})
     return 0

@@ -31,9 +31,18 @@ from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 
-SHAPE = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
-             num_key_value_heads=5, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
-             rms_norm_eps=1e-5, tie_word_embeddings=True)
+SHAPE = dict(
+    hidden_size=960,
+    intermediate_size=2560,
+    num_hidden_layers=32,
+    num_attention_heads=15,
+    num_key_value_heads=5,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 LOAD = """
 import resource, sys, torch
 {imports}
@@ -49,8 +58,10 @@ print(rss()["VmHWM"] - base, nbytes // 1024, gpu)
 """
 LOADERS = {
     "gptlite": ("from gptlite import GPT", "GPT.from_pretrained(sys.argv[1])"),
-    "transformers": ("import transformers", "transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], "
-                                            "dtype='auto').eval()"),
+    "transformers": (
+        "import transformers",
+        "transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype='auto').eval()",
+    ),
 }
 
 
@@ -80,19 +91,36 @@ def save_checkpoints(folder: Path) -> dict[str, Path]:
 
 def memory(dirs: dict[str, Path], device: str) -> list[dict]:
     gpu = device.startswith("cuda")
-    print(f"{'loader':14} {'dtype':9} {'model MB':>9} {'peak above imports MB':>22} {'ratio':>6}"
-          + (f" {'GPU peak MB':>12} {'ratio':>6}" if gpu else ""))
+    print(
+        f"{'loader':14} {'dtype':9} {'model MB':>9} {'peak above imports MB':>22} {'ratio':>6}"
+        + (f" {'GPU peak MB':>12} {'ratio':>6}" if gpu else "")
+    )
     rows = []
     for dtype, directory in dirs.items():
         for name, (imports, load) in LOADERS.items():
             code = LOAD.format(imports=imports, load=load)
-            out = subprocess.run([sys.executable, "-c", code, str(directory), device], capture_output=True, text=True,
-                                 cwd=ROOT, check=True).stdout.split()
+            out = subprocess.run(
+                [sys.executable, "-c", code, str(directory), device],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                check=True,
+            ).stdout.split()
             peak, model, gpu_peak = (int(n) / 1024 for n in out[:3])
-            print(f"{name:14} {dtype:9} {model:9.0f} {peak:22.0f} {peak / model:6.2f}x"
-                  + (f" {gpu_peak:12.0f} {gpu_peak / model:5.2f}x" if gpu else ""), flush=True)
-            rows.append({"loader": name, "dtype": dtype, "model_mb": model, "peak_rss_mb": peak,
-                         "gpu_peak_mb": gpu_peak if gpu else None})
+            print(
+                f"{name:14} {dtype:9} {model:9.0f} {peak:22.0f} {peak / model:6.2f}x"
+                + (f" {gpu_peak:12.0f} {gpu_peak / model:5.2f}x" if gpu else ""),
+                flush=True,
+            )
+            rows.append(
+                {
+                    "loader": name,
+                    "dtype": dtype,
+                    "model_mb": model,
+                    "peak_rss_mb": peak,
+                    "gpu_peak_mb": gpu_peak if gpu else None,
+                }
+            )
     return rows
 
 
@@ -109,16 +137,21 @@ def decode(directory: Path, args: Options) -> list[dict]:
     gqa = gqa.to(device, dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
     sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
-    print(f"\ndecode, {args.dtype} on {device}, prompt {args.prompt}, {args.new_tokens} new tokens, tokens/s "
-          "(the best of 2 calls)")
+    print(
+        f"\ndecode, {args.dtype} on {device}, prompt {args.prompt}, {args.new_tokens} new tokens, tokens/s "
+        "(the best of 2 calls)"
+    )
     rows = []
     print(f"{'batch':>5} {'GQA (5 kv heads)':>17} {'n_kv_head = n_head':>19} {'transformers':>13}")
     for batch in map(int, args.batch_sizes.split(",")):
         idx = torch.randint(0, 49152, (batch, args.prompt), generator=torch.Generator().manual_seed(0)).to(device)
-        calls = {"gqa": lambda: generate(gqa, idx, args.new_tokens, temperature=0),
-                 "full": lambda: generate(full, idx, args.new_tokens, temperature=0),
-                 "hf": lambda: hf.generate(idx, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                           do_sample=False, pad_token_id=0)}
+        calls = {
+            "gqa": lambda: generate(gqa, idx, args.new_tokens, temperature=0),
+            "full": lambda: generate(full, idx, args.new_tokens, temperature=0),
+            "hf": lambda: hf.generate(
+                idx, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
+            ),
+        }
         rates = {name: 0.0 for name in calls}
         for _ in range(2):  # in turn
             for name, call in calls.items():
@@ -129,8 +162,15 @@ def decode(directory: Path, args: Options) -> list[dict]:
                 sync()
                 rates[name] = max(rates[name], batch * args.new_tokens / (time.perf_counter() - start))
         print(f"{batch:>5} {rates['gqa']:17.1f} {rates['full']:19.1f} {rates['hf']:13.1f}", flush=True)
-        rows.append({"batch": batch, "dtype": args.dtype, "gqa": rates["gqa"], "full_kv_heads": rates["full"],
-                     "hf": rates["hf"]})
+        rows.append(
+            {
+                "batch": batch,
+                "dtype": args.dtype,
+                "gqa": rates["gqa"],
+                "full_kv_heads": rates["full"],
+                "hf": rates["hf"],
+            }
+        )
     return rows
 
 
@@ -148,8 +188,10 @@ def widened(model):
     group, q = config.n_head // config.kv_heads, config.n_head * config.head_width
     for i in range(config.n_layer):
         w = state[f"blocks.{i}.attn.qkv.weight"]
-        k, v = (t.view(config.kv_heads, config.head_width, -1).repeat_interleave(group, 0).flatten(0, 1)
-                for t in w[q:].chunk(2))
+        k, v = (
+            t.view(config.kv_heads, config.head_width, -1).repeat_interleave(group, 0).flatten(0, 1)
+            for t in w[q:].chunk(2)
+        )
         state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([w[:q], k, v])
     wide.load_state_dict(state)
     return wide.eval()

@@ -42,7 +42,9 @@ from gptlite.download import download  # noqa: E402
 from gptlite.prepare.workers import default_workers  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
-SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")  # as tests/conftest.py
+SHARED = next(
+    (p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared"
+)  # as tests/conftest.py
 SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 GPT2_RANKS = SHARED / "tokenizers" / "gpt2.tiktoken"
@@ -97,8 +99,16 @@ def make_corpus(fmt: str, megabytes: float, source: str, path: Path) -> list[str
 def run_prepare(corpus: Path, out_dir: Path, tokenizer: str) -> dict:
     """The whole command in a fresh process: wall seconds, peak RSS (MB) and the tokens it wrote."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    command = [sys.executable, str(ROOT / "data" / "prepare.py"), "--input", str(corpus), "--tokenizer", tokenizer,
-               "--out_dir", str(out_dir)]
+    command = [
+        sys.executable,
+        str(ROOT / "data" / "prepare.py"),
+        "--input",
+        str(corpus),
+        "--tokenizer",
+        tokenizer,
+        "--out_dir",
+        str(out_dir),
+    ]
     r = subprocess.run([sys.executable, "-c", TIMER, *command], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{r.stderr}")
@@ -133,15 +143,19 @@ def measure(fmt: str, megabytes: float, source: str, tmp: Path, enc, args) -> di
     return row | {"prepare": best(runs["prepare"]), "raw": best(runs["raw"])}
 
 
-HEADER = (f"{'format':8} {'file MB':>8} {'text MB':>8} {'tokens':>12} {'prepare s':>10} {'MB/s':>7} {'Mtok/s':>7} "
-          f"{'raw s':>7} {'raw MB/s':>9} {'vs raw':>7} {'peak RSS MB':>12}")
+HEADER = (
+    f"{'format':8} {'file MB':>8} {'text MB':>8} {'tokens':>12} {'prepare s':>10} {'MB/s':>7} {'Mtok/s':>7} "
+    f"{'raw s':>7} {'raw MB/s':>9} {'vs raw':>7} {'peak RSS MB':>12}"
+)
 
 
 def print_row(fmt: str, row: dict) -> None:
     prep, raw, mb = row["prepare"], row["raw"], row["text_bytes"] / 1e6
-    print(f"{fmt:8} {row['file_mb']:8.1f} {mb:8.1f} {prep['tokens']:12,} {prep['seconds']:10.2f} "
-          f"{mb / prep['seconds']:7.2f} {prep['tokens'] / 1e6 / prep['seconds']:7.2f} {raw['seconds']:7.2f} "
-          f"{mb / raw['seconds']:9.2f} {raw['seconds'] / prep['seconds']:6.2f}x {prep['rss_mb']:12.0f}")
+    print(
+        f"{fmt:8} {row['file_mb']:8.1f} {mb:8.1f} {prep['tokens']:12,} {prep['seconds']:10.2f} "
+        f"{mb / prep['seconds']:7.2f} {prep['tokens'] / 1e6 / prep['seconds']:7.2f} {raw['seconds']:7.2f} "
+        f"{mb / raw['seconds']:9.2f} {raw['seconds'] / prep['seconds']:6.2f}x {prep['rss_mb']:12.0f}"
+    )
 
 
 def per_byte_ratio(small: dict, large: dict, kind: str) -> float:
@@ -177,21 +191,27 @@ def run(args: Options) -> int:
         tmp = Path(tmp)
         source_path = args.source if args.source.is_file() else download(URL, tmp / "tinyshakespeare.txt")
         source = source_path.read_text(encoding="utf-8")
-        print(f"corpus: {source_path.name} repeated; tokenizer {Path(args.tokenizer).name}; {default_workers()} cores; "
-              f"best of {args.repeats}; load average before: {os.getloadavg()[0]:.2f}")
+        print(
+            f"corpus: {source_path.name} repeated; tokenizer {Path(args.tokenizer).name}; {default_workers()} cores; "
+            f"best of {args.repeats}; load average before: {os.getloadavg()[0]:.2f}"
+        )
         print("prepare: the whole command in a fresh process; raw: tiktoken encode_ordinary, one thread, same texts\n")
         print(HEADER)
         for fmt in formats:
             small, large = (measure(fmt, size, source, tmp, enc, args) for size in args.sizes_mb)
             print_row(fmt, small)
             print_row(fmt, large)
-            print(f"{'':8} per byte, {args.sizes_mb[1]:g} MB / {args.sizes_mb[0]:g} MB: "
-                  f"prepare {per_byte_ratio(small, large, 'prepare'):.2f}, raw {per_byte_ratio(small, large, 'raw'):.2f}")
+            print(
+                f"{'':8} per byte, {args.sizes_mb[1]:g} MB / {args.sizes_mb[0]:g} MB: "
+                f"prepare {per_byte_ratio(small, large, 'prepare'):.2f}, raw {per_byte_ratio(small, large, 'raw'):.2f}"
+            )
 
         small_file = tmp / "small.txt"
         small_file.write_text(source[: source.rfind("\n", 0, 100_000) + 1], encoding="utf-8")
         run = best([run_prepare(small_file, tmp / "out", args.tokenizer) for _ in range(args.repeats)])
-        print(f"\n100 KB text file: the whole command {run['seconds']:.2f} s (target <= 0.8 s), peak RSS {run['rss_mb']:.0f} MB")
+        print(
+            f"\n100 KB text file: the whole command {run['seconds']:.2f} s (target <= 0.8 s), peak RSS {run['rss_mb']:.0f} MB"
+        )
         print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

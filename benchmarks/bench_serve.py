@@ -42,8 +42,17 @@ from gptlite.config import build_config, config_to_dict, option  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
-GPT2_SHAPE = {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "ffn": "gelu",
-              "bias": True, "pos_emb": "learned", "norm": "layernorm"}
+GPT2_SHAPE = {
+    "vocab_size": 50304,
+    "block_size": 1024,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_embd": 768,
+    "ffn": "gelu",
+    "bias": True,
+    "pos_emb": "learned",
+    "norm": "layernorm",
+}
 WORDS = "the of and to in is was for that with as on by he at from his it an were are which this be".split()
 
 
@@ -79,8 +88,14 @@ def prompt(i: int) -> str:
 
 def one_request(url: str, i: int, max_tokens: int) -> tuple[int, float]:
     """(completion tokens, seconds to the first text) of one streamed, greedy request."""
-    body = {"model": "bench", "prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "bench",
+        "prompt": prompt(i),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, first, tokens = time.perf_counter(), None, 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
@@ -115,8 +130,17 @@ def memory(pid: int) -> dict[str, int]:
 
 def start_server(run: Path, port: int, log: Path, compile: bool, max_batch: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "gptlite.serve", f"--out_dir={run}", "--model_name=bench", f"--port={port}",
-           f"--max_batch={max_batch}", "--log_level=warning", f"--compile={compile}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptlite.serve",
+        f"--out_dir={run}",
+        "--model_name=bench",
+        f"--port={port}",
+        f"--max_batch={max_batch}",
+        "--log_level=warning",
+        f"--compile={compile}",
+    ]
     server = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while True:
@@ -135,7 +159,11 @@ def measure(options: BenchOptions, url: str, pid: int) -> tuple[dict, dict]:
     for r in range(options.rounds):
         for n in options.levels:
             for mode in ("concurrent", "sequential"):
-                sampler = threading.Thread(target=lambda: sample_rss(pid, rss, done)) if n == most and mode == "concurrent" else None
+                sampler = (
+                    threading.Thread(target=lambda: sample_rss(pid, rss, done))
+                    if n == most and mode == "concurrent"
+                    else None
+                )
                 done = threading.Event()
                 if sampler:
                     sampler.start()
@@ -158,16 +186,23 @@ def table(options: BenchOptions, results: dict, mem: dict) -> str:
     def mm(xs: list[float], fmt: str) -> str:
         return f"{format(min(xs), fmt)} / {format(statistics.median(xs), fmt)}"
 
-    lines = ["| streams | concurrent tokens/s | sequential tokens/s | ratio | first token, concurrent (s) | "
-             "first token, sequential (s) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| streams | concurrent tokens/s | sequential tokens/s | ratio | first token, concurrent (s) | "
+        "first token, sequential (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in options.levels:
         c, s = results[n, "concurrent"], results[n, "sequential"]
         ratio = statistics.median(c.tokens_per_s) / statistics.median(s.tokens_per_s)
-        lines.append(f"| {n} | {mm(c.tokens_per_s, '.1f')} | {mm(s.tokens_per_s, '.1f')} | {ratio:.2f}x | "
-                     f"{mm(c.ttft_s, '.3f')} | {mm(s.ttft_s, '.3f')} |")
-    lines.append(f"\nmin / median of {options.rounds} rounds; ratio = median concurrent / median sequential; "
-                 f"{options.max_tokens} new tokens per request. Server memory: {mem['rss_at_most_streams_mib']} MiB resident "
-                 f"at {mem['streams_sampled']} streams (peak since start {mem['VmHWM']} MiB).")
+        lines.append(
+            f"| {n} | {mm(c.tokens_per_s, '.1f')} | {mm(s.tokens_per_s, '.1f')} | {ratio:.2f}x | "
+            f"{mm(c.ttft_s, '.3f')} | {mm(s.ttft_s, '.3f')} |"
+        )
+    lines.append(
+        f"\nmin / median of {options.rounds} rounds; ratio = median concurrent / median sequential; "
+        f"{options.max_tokens} new tokens per request. Server memory: {mem['rss_at_most_streams_mib']} MiB resident "
+        f"at {mem['streams_sampled']} streams (peak since start {mem['VmHWM']} MiB)."
+    )
     return "\n".join(lines)
 
 

@@ -76,8 +76,17 @@ def split(path: Path, tmp: Path, name: str) -> tuple[Path, str]:
 
 
 def train_command(corpus: Path, vocab: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "gptlite.tokenizer", "train", "--input", str(corpus), f"--vocab_size={vocab}",
-            f"--out_dir={out}", "--overwrite"]
+    return [
+        sys.executable,
+        "-m",
+        "gptlite.tokenizer",
+        "train",
+        "--input",
+        str(corpus),
+        f"--vocab_size={vocab}",
+        f"--out_dir={out}",
+        "--overwrite",
+    ]
 
 
 def run(args: Options) -> int:
@@ -95,15 +104,21 @@ def run(args: Options) -> int:
                 times["rustbpe"].append(timed([sys.executable, "-c", RUSTBPE, str(corpus), str(vocab)]))
             for name, runs in times.items():
                 walls = sorted(t for t, _ in runs)
-                print(f"{name:10} {vocab:>6} {walls[0]:7.2f} {walls[len(walls) // 2]:9.2f} {max(m for _, m in runs):8.0f}")
+                print(
+                    f"{name:10} {vocab:>6} {walls[0]:7.2f} {walls[len(walls) // 2]:9.2f} {max(m for _, m in runs):8.0f}"
+                )
         gpt2 = get_tokenizer(args.gpt2)
-        print(f"\nbytes per token on held-out text (train on the first 90%)\n{'text':18} {'GPT-2':>6}"
-              + "".join(f" {v:>13}" for v in args.vocab_sizes))
+        print(
+            f"\nbytes per token on held-out text (train on the first 90%)\n{'text':18} {'GPT-2':>6}"
+            + "".join(f" {v:>13}" for v in args.vocab_sizes)
+        )
         for name, path in (("Python source", corpus), ("tiny Shakespeare", Path(args.shakespeare))):
             train_file, held = split(path, tmp, name.split()[0])
             row = f"{name:18} {len(held.encode()) / len(gpt2.encode(held)):6.2f}"
             for vocab in args.vocab_sizes:
-                subprocess.run(train_command(train_file, vocab, tmp / f"{name[0]}{vocab}"), check=True, capture_output=True)
+                subprocess.run(
+                    train_command(train_file, vocab, tmp / f"{name[0]}{vocab}"), check=True, capture_output=True
+                )
                 tok = load_tokenizer(tmp / f"{name[0]}{vocab}")
                 row += f" {len(held.encode()) / len(tok.encode(held)):6.2f} ({tok.vocab_size:>5})"
             print(row)
@@ -119,10 +134,21 @@ def prepare_against_raw(corpus: Path, tokenizer: Path, tmp: Path) -> None:
     for i in range(0, len(text), 1 << 20):
         tok.encode(text[i : i + (1 << 20)])
     raw = time.perf_counter() - start
-    wall, _ = timed([sys.executable, str(ROOT / "data" / "prepare.py"), "--input", str(corpus), "--tokenizer",
-                     str(tokenizer), f"--out_dir={tmp / 'prepared'}"])
-    print(f"\ndata/prepare.py with the trained {tok.vocab_size:,}-id tokenizer: {wall:.2f} s; raw one-thread encoding "
-          f"({'tiktoken path' if tok.fast else 'tokenizers'}): {raw:.2f} s; prepare is {raw / wall:.2f}x raw")
+    wall, _ = timed(
+        [
+            sys.executable,
+            str(ROOT / "data" / "prepare.py"),
+            "--input",
+            str(corpus),
+            "--tokenizer",
+            str(tokenizer),
+            f"--out_dir={tmp / 'prepared'}",
+        ]
+    )
+    print(
+        f"\ndata/prepare.py with the trained {tok.vocab_size:,}-id tokenizer: {wall:.2f} s; raw one-thread encoding "
+        f"({'tiktoken path' if tok.fast else 'tokenizers'}): {raw:.2f} s; prepare is {raw / wall:.2f}x raw"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,8 +99,18 @@ def build_models(shape: str) -> dict[str, tuple[nn.Module, callable]]:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        hf_cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=C, n_layer=L, n_head=H, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+        hf_cfg = GPT2Config(
+            vocab_size=V,
+            n_positions=T,
+            n_embd=C,
+            n_layer=L,
+            n_head=H,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         models["hf-gpt2"] = (GPT2LMHeadModel(hf_cfg), lambda m, x, y: m(input_ids=x, labels=y).loss)
     except ImportError:
         print("transformers is not installed (pip install -e '.[bench]'); skipping Hugging Face", file=sys.stderr)
@@ -113,8 +123,9 @@ def build_models(shape: str) -> dict[str, tuple[nn.Module, callable]]:
 ADAMW = {"gptlite": {"fused": True}, "hf-gpt2": {"fused": True}, "naive": {}}
 
 
-def time_steps(models: dict[str, tuple[nn.Module, callable]], shape: str, dtype: torch.dtype, steps: int,
-               warmup: int) -> dict[str, float]:
+def time_steps(
+    models: dict[str, tuple[nn.Module, callable]], shape: str, dtype: torch.dtype, steps: int, warmup: int
+) -> dict[str, float]:
     """Median tokens/s of a training step for every model. The models take turns, one step each, so that
     a change in the machine's load (a shared VM) falls on all of them alike. Each model gets the AdamW its
     users get by default (`ADAMW`)."""
@@ -144,14 +155,27 @@ def compare_optimizers(names: list[str], tokens: int, muon_lr: float) -> None:
     base = [str(ROOT / "configs" / "shakespeare_char_cpu.toml"), f"--data_dir={ROOT / 'data' / 'shakespeare_char'}"]
     cfg = train.resolve_config(base)
     steps = max(1, tokens // (cfg.batch_size * cfg.model.block_size))
-    print(f"char model {cfg.model.n_layer}x{cfg.model.n_embd}, {steps} steps of {cfg.batch_size}x{cfg.model.block_size}"
-          f" = {steps * cfg.batch_size * cfg.model.block_size} tokens, AdamW lr {cfg.learning_rate:g}")
+    print(
+        f"char model {cfg.model.n_layer}x{cfg.model.n_embd}, {steps} steps of {cfg.batch_size}x{cfg.model.block_size}"
+        f" = {steps * cfg.batch_size * cfg.model.block_size} tokens, AdamW lr {cfg.learning_rate:g}"
+    )
     print(f"{'optimizer':10s} {'peak lr':>8s} {'train loss':>11s} {'val loss':>9s} {'seconds':>8s}")
     for name in names:
         with tempfile.TemporaryDirectory() as out:
-            run = train.resolve_config([*base, f"--out_dir={out}", f"--optimizer={name}", f"--muon_lr={muon_lr}",
-                                        f"--max_iters={steps}", "--lr_decay_iters=0", f"--eval_interval={steps}",
-                                        "--eval_iters=0", "--log_interval=1", "--keep_last=1"])
+            run = train.resolve_config(
+                [
+                    *base,
+                    f"--out_dir={out}",
+                    f"--optimizer={name}",
+                    f"--muon_lr={muon_lr}",
+                    f"--max_iters={steps}",
+                    "--lr_decay_iters=0",
+                    f"--eval_interval={steps}",
+                    "--eval_iters=0",
+                    "--log_interval=1",
+                    "--keep_last=1",
+                ]
+            )
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(io.StringIO()):
                 summary = train.main(run)
@@ -195,7 +219,9 @@ def run(args: Options) -> int:
             for name, rate in rates.items():
                 params = sum(p.numel() for p in models[name][0].parameters()) / 1e6
                 vs_hf = f"{rate / rates['hf-gpt2']:.2f}x" if "hf-gpt2" in rates else "n/a"
-                print(f"{name:10s} {dtype_name:9s} {params:8.2f}M {rate:10.0f} {vs_hf:>11s} {rate / rates['naive']:8.2f}x")
+                print(
+                    f"{name:10s} {dtype_name:9s} {params:8.2f}M {rate:10.0f} {vs_hf:>11s} {rate / rates['naive']:8.2f}x"
+                )
     return 0
 
 

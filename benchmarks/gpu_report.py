@@ -71,23 +71,40 @@ class Report:
 
     def table(self) -> str:
         h = self.header
-        title = (f"gptlite GPU report | {h['device']} | torch {h['torch']} (CUDA {h['cuda']}) | {h['date']} | "
-                 f"commit {h['commit']}{' | SMOKE RUN: figures mean nothing' if h['smoke'] else ''}")
+        title = (
+            f"gptlite GPU report | {h['device']} | torch {h['torch']} (CUDA {h['cuda']}) | {h['date']} | "
+            f"commit {h['commit']}{' | SMOKE RUN: figures mean nothing' if h['smoke'] else ''}"
+        )
         lines = [title, "", "| check | result | goal | status |", "|---|---|---|---|"]
         lines += [f"| {r['check']} | {r['result']} | {r['goal']} | {r['status']} |" for r in self.rows]
         return "\n".join(lines)
 
 
-def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int | None, list[tuple[float, str]]]:
+def run(
+    cmd: list[str], log: Path, timeout: float, env: dict | None = None
+) -> tuple[int | None, list[tuple[float, str]]]:
     """Run cmd from the repository root, writing its output to `log` line by line with the seconds since the
     start. Returns (exit code, or None when it ran past `timeout` and was killed; [(seconds, line)])."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-           os.environ.get("PYTHONPATH")])), **(env or {})}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
+    }
     start, lines = time.monotonic(), []
-    with open(log, "w", encoding="utf-8") as f, subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-        start_new_session=True,  # its own process group: a timeout ends its workers too
-    ) as proc:
+    with (
+        open(log, "w", encoding="utf-8") as f,
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: a timeout ends its workers too
+        ) as proc,
+    ):
         f.write(f"$ {' '.join(cmd)}\n")
         timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
         timer.start()
@@ -114,8 +131,18 @@ def failed(what: str, code: int | None, lines: list[tuple[float, str]], log: Pat
 def prepare_data(args, name: str, inputs: list[Path], tokenizer: str) -> Path:
     """work_dir/NAME: token shards of `inputs` through data/prepare.py (a finished folder is reused)."""
     out = args.work / name
-    code, lines = run([sys.executable, "data/prepare.py", "--input", *map(str, inputs), f"--tokenizer={tokenizer}",
-                       f"--out_dir={out}"], args.logs / f"prepare_{name}.log", 600)
+    code, lines = run(
+        [
+            sys.executable,
+            "data/prepare.py",
+            "--input",
+            *map(str, inputs),
+            f"--tokenizer={tokenizer}",
+            f"--out_dir={out}",
+        ],
+        args.logs / f"prepare_{name}.log",
+        600,
+    )
     if code != 0:
         raise RuntimeError(failed("data/prepare.py", code, lines, args.logs / f"prepare_{name}.log"))
     return out
@@ -137,41 +164,84 @@ def check_tests(args, report: Report) -> None:
         shutil.copyfile(source, shared / relative)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") and not args.smoke else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
-           *(["tests/test_model.py"] if args.smoke else ["tests"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *workers,
+        *(["tests/test_model.py"] if args.smoke else ["tests"]),
+    ]
     log = args.logs / "tests.log"
     start = time.monotonic()
     code, lines = run(cmd, log, args.timeout, env={"GPTLITE_TEST_DEVICE": device, "GPTLITE_SHARED": str(shared)})
-    summary = next((line.strip("= ") for _, line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), "")
+    summary = next(
+        (line.strip("= ") for _, line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), ""
+    )
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)}
     ok = code == 0 and counts.get("passed", 0) > 0
     result = f"{summary} ({time.monotonic() - start:.0f} s)" if summary else failed("pytest", code, lines, log)
-    report.add(f"1. test suite on {device} (GPTLITE_TEST_DEVICE={device})", result, "all pass",
-               "pass" if ok else "FAIL", counts=counts, exit_code=code, log=str(log))
+    report.add(
+        f"1. test suite on {device} (GPTLITE_TEST_DEVICE={device})",
+        result,
+        "all pass",
+        "pass" if ok else "FAIL",
+        counts=counts,
+        exit_code=code,
+        log=str(log),
+    )
 
 
 def check_recipe(args, report: Report) -> Path | None:
     """Row 2; returns the run folder for sample.py (None if training failed)."""
     data = prepare_data(args, "shakespeare_char", [args.corpus], "char")
     out = new_run_dir(args, "shakespeare_char_gpu")
-    smoke = [*SMOKE_MODEL, "--max_iters=20", "--eval_interval=10", "--eval_iters=2", "--log_interval=5",
-             "--batch_size=8", "--block_size=64"] if args.smoke else []
+    smoke = (
+        [
+            *SMOKE_MODEL,
+            "--max_iters=20",
+            "--eval_interval=10",
+            "--eval_iters=2",
+            "--log_interval=5",
+            "--batch_size=8",
+            "--block_size=64",
+        ]
+        if args.smoke
+        else []
+    )
     log = args.logs / "recipe.log"
-    code, lines = run([sys.executable, "train.py", RECIPE, f"--data_dir={data}", f"--out_dir={out}", *smoke],
-                      log, args.timeout)
+    code, lines = run(
+        [sys.executable, "train.py", RECIPE, f"--data_dir={data}", f"--out_dir={out}", *smoke], log, args.timeout
+    )
     wall = lines[-1][0] if lines else 0.0
     vals = [(t, float(m.group(2))) for t, line in lines if (m := re.match(r"step\s+(\d+) \| val loss ([\d.]+)", line))]
     steps = [t for t, line in lines if re.match(r"step\s+\d+ \| loss", line)]
     if code != 0 or not vals:
-        report.add("2. Shakespeare-char GPU recipe", failed("train.py", code, lines, log), "val <= 1.47 in < 60 s", "FAIL",
-                   log=str(log))
+        report.add(
+            "2. Shakespeare-char GPU recipe",
+            failed("train.py", code, lines, log),
+            "val <= 1.47 in < 60 s",
+            "FAIL",
+            log=str(log),
+        )
         return None
     val = vals[-1][1]
     ok = val <= 1.47 and wall < 60
     first = f", first step logged at {steps[0]:.1f} s" if steps else ""
-    report.add(f"2. Shakespeare-char GPU recipe ({RECIPE})", f"val {val:.4f} in {wall:.1f} s wall{first}",
-               "val <= 1.47 in < 60 s", "pass" if ok else "miss", val_loss=val, wall_s=wall,
-               first_step_s=steps[0] if steps else None, val_history=[v for _, v in vals], run_dir=str(out), log=str(log))
+    report.add(
+        f"2. Shakespeare-char GPU recipe ({RECIPE})",
+        f"val {val:.4f} in {wall:.1f} s wall{first}",
+        "val <= 1.47 in < 60 s",
+        "pass" if ok else "miss",
+        val_loss=val,
+        wall_s=wall,
+        first_step_s=steps[0] if steps else None,
+        val_history=[v for _, v in vals],
+        run_dir=str(out),
+        log=str(log),
+    )
     return out
 
 
@@ -189,11 +259,18 @@ def check_mfu(args, report: Report) -> None:
             tried.append(f"batch {batch}: out of memory")
             continue
         if not rows:
-            report.add("3. GPT-2 124M training throughput", failed("train.py", code, lines, log), "MFU >= 50%", "FAIL",
-                       tried=tried, log=str(log))
+            report.add(
+                "3. GPT-2 124M training throughput",
+                failed("train.py", code, lines, log),
+                "MFU >= 50%",
+                "FAIL",
+                tried=tried,
+                log=str(log),
+            )
             return
-        add_mfu_row(report, f"3. GPT-2 124M training (block 1024, bf16, compile, batch {batch})", rows, tried, log,
-                    batch)
+        add_mfu_row(
+            report, f"3. GPT-2 124M training (block 1024, bf16, compile, batch {batch})", rows, tried, log, batch
+        )
         code, lines, rows, log = train_for_mfu(args, data, batch, chunked=False)
         if rows:
             add_mfu_row(report, "3. the same with all logits at once (--chunked_loss=false)", rows, [], log, batch)
@@ -208,10 +285,27 @@ def train_for_mfu(args, data: Path, batch: int, chunked: bool) -> tuple[int | No
     smoke = [*SMOKE_MODEL, "--block_size=128"] if args.smoke else []
     name = f"mfu_b{batch}" + ("" if chunked else "_whole_logits")
     out, log = new_run_dir(args, name), args.logs / f"{name}.log"
-    code, lines = run([sys.executable, "train.py", MFU_CONFIG, f"--data_dir={data}", f"--out_dir={out}",
-                       f"--batch_size={batch}", "--total_batch_size=0", f"--max_iters={args.mfu_iters}",
-                       "--warmup_iters=10", "--log_interval=10", "--eval_interval=1000000", "--eval_iters=1",
-                       "--keep_last=1", f"--chunked_loss={str(chunked).lower()}", *smoke], log, args.timeout)
+    code, lines = run(
+        [
+            sys.executable,
+            "train.py",
+            MFU_CONFIG,
+            f"--data_dir={data}",
+            f"--out_dir={out}",
+            f"--batch_size={batch}",
+            "--total_batch_size=0",
+            f"--max_iters={args.mfu_iters}",
+            "--warmup_iters=10",
+            "--log_interval=10",
+            "--eval_interval=1000000",
+            "--eval_iters=1",
+            "--keep_last=1",
+            f"--chunked_loss={str(chunked).lower()}",
+            *smoke,
+        ],
+        log,
+        args.timeout,
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if code == 0 else []
     return code, lines, [r for r in rows if "tokens_per_s" in r][1:], log  # the first log line includes compiling
 
@@ -221,20 +315,37 @@ def add_mfu_row(report: Report, check: str, rows: list[dict], tried: list[str], 
     mfu = statistics.median(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None
     ms = statistics.median(r["ms_per_step"] for r in rows)
     mfu_text = "n/a (unknown peak)" if mfu is None else f"{100 * mfu:.1f}%"
-    report.add(check, f"{tps:,.0f} tok/s, {ms:.0f} ms/step, MFU {mfu_text}" + (f" ({'; '.join(tried)})" if tried else ""),
-               "MFU >= 50%", "pass" if mfu and mfu >= 0.5 else "miss", batch_size=batch, tokens_per_s=tps, mfu=mfu,
-               ms_per_step=ms, tried=tried, log=str(log))
+    report.add(
+        check,
+        f"{tps:,.0f} tok/s, {ms:.0f} ms/step, MFU {mfu_text}" + (f" ({'; '.join(tried)})" if tried else ""),
+        "MFU >= 50%",
+        "pass" if mfu and mfu >= 0.5 else "miss",
+        batch_size=batch,
+        tokens_per_s=tps,
+        mfu=mfu,
+        ms_per_step=ms,
+        tried=tried,
+        log=str(log),
+    )
 
 
 def check_generate(args, report: Report) -> None:
     out = args.logs / "generate.json"
     log = args.logs / "generate.log"
-    options = ["--models=char", "--batch_sizes=1", "--new_tokens=32", "--paths=default,int8"] if args.smoke else \
-        ["--models=gpt2", "--batch_sizes=1,8", "--naive_max_batch=0"]
+    options = (
+        ["--models=char", "--batch_sizes=1", "--new_tokens=32", "--paths=default,int8"]
+        if args.smoke
+        else ["--models=gpt2", "--batch_sizes=1,8", "--naive_max_batch=0"]
+    )
     code, lines = run([sys.executable, "benchmarks/bench_generate.py", *options, f"--json={out}"], log, args.timeout)
     if code != 0 or not out.is_file():
-        report.add("4. generation, 124M", failed("bench_generate.py", code, lines, log), ">= 2x HF at batch 1", "FAIL",
-                   log=str(log))
+        report.add(
+            "4. generation, 124M",
+            failed("bench_generate.py", code, lines, log),
+            ">= 2x HF at batch 1",
+            "FAIL",
+            log=str(log),
+        )
         return
     for row in json.loads(out.read_text())["rows"]:
         rates, path = row["tokens_per_s"], row["path"]
@@ -246,8 +357,9 @@ def check_generate(args, report: Report) -> None:
         goal = {"default": ">= 1.5x HF", "int8": ">= 2x HF", "compile": ">= 2x HF"}.get(path, "-")
         floor = {"default": 1.5, "int8": 2.0, "compile": 2.0}.get(path)
         status = ("pass" if row["vs_hf"] >= floor else "miss") if floor and row["vs_hf"] else "info"
-        report.add(name, f"{rates['gptlite']:,.0f} tok/s{vs_hf}, first call {row['first_call_s']:.1f} s", goal, status,
-                   **row)
+        report.add(
+            name, f"{rates['gptlite']:,.0f} tok/s{vs_hf}, first call {row['first_call_s']:.1f} s", goal, status, **row
+        )
 
 
 def check_sample(args, report: Report, run_dir: Path | None) -> None:
@@ -258,15 +370,34 @@ def check_sample(args, report: Report, run_dir: Path | None) -> None:
     for compile in (False, True):
         log = args.logs / f"sample{'_compile' if compile else ''}.log"
         start = time.monotonic()
-        code, lines = run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--start=ROMEO:", "--num_samples=2",
-                           f"--max_new_tokens={n}", "--seed=1", *(["--compile"] if compile else [])], log, args.timeout)
+        code, lines = run(
+            [
+                sys.executable,
+                "sample.py",
+                f"--out_dir={run_dir}",
+                "--start=ROMEO:",
+                "--num_samples=2",
+                f"--max_new_tokens={n}",
+                "--seed=1",
+                *(["--compile"] if compile else []),
+            ],
+            log,
+            args.timeout,
+        )
         wall = time.monotonic() - start
         text = "\n".join(line for _, line in lines)
         ok = code == 0 and text.count("-" * 40) == 1 and len(text) > 2 * n  # two samples, one separator
-        first = " ".join(text[text.find("ROMEO:"):].split())[:70]  # stdout's text, after any start-up warnings
-        result = f"{wall:.1f} s, {len(text)} chars: \"{first}...\"" if ok else failed("sample.py", code, lines, log)
-        report.add(f"5. sample.py{' --compile' if compile else ''}", result, "prints text", "pass" if ok else "FAIL",
-                   wall_s=wall, chars=len(text), log=str(log))
+        first = " ".join(text[text.find("ROMEO:") :].split())[:70]  # stdout's text, after any start-up warnings
+        result = f'{wall:.1f} s, {len(text)} chars: "{first}..."' if ok else failed("sample.py", code, lines, log)
+        report.add(
+            f"5. sample.py{' --compile' if compile else ''}",
+            result,
+            "prints text",
+            "pass" if ok else "FAIL",
+            wall_s=wall,
+            chars=len(text),
+            log=str(log),
+        )
 
 
 def check_hellaswag(args, report: Report) -> None:
@@ -288,45 +419,72 @@ def benchmark(args, name: str, script: str, options: list[str]) -> tuple[dict | 
 def check_open(args, report: Report) -> None:
     cuda = torch.cuda.is_available()
     smoke = ["--prompt=16", "--new_tokens=4", "--batch_sizes=1"] if args.smoke else []
-    results, problem, log = benchmark(args, "open_models", "bench_open_models.py", [
-        "--parts=memory,decode", f"--device={'cuda' if cuda else 'cpu'}", f"--dtype={'bfloat16' if cuda else 'float32'}",
-        *smoke])
+    results, problem, log = benchmark(
+        args,
+        "open_models",
+        "bench_open_models.py",
+        [
+            "--parts=memory,decode",
+            f"--device={'cuda' if cuda else 'cpu'}",
+            f"--dtype={'bfloat16' if cuda else 'float32'}",
+            *smoke,
+        ],
+    )
     if results is None:
         report.add("7. open models (SmolLM2-360M shape)", problem, "-", "FAIL", log=str(log))
         return
     for row in results["memory"]:
         ours = row["loader"] == "gptlite"
         gpu = f"; GPU {row['gpu_peak_mb'] / row['model_mb']:.2f}x" if row["gpu_peak_mb"] else ""
-        report.add(f"7. loading SmolLM2-360M shape, {row['loader']}, {row['dtype']}",
-                   f"host peak {row['peak_rss_mb']:,.0f} MB = {row['peak_rss_mb'] / row['model_mb']:.2f}x the model's "
-                   f"{row['model_mb']:,.0f} MB{gpu}", "host <= 1.3x" if ours else "-",
-                   ("pass" if row["peak_rss_mb"] <= 1.3 * row["model_mb"] else "miss") if ours else "info", **row)
+        report.add(
+            f"7. loading SmolLM2-360M shape, {row['loader']}, {row['dtype']}",
+            f"host peak {row['peak_rss_mb']:,.0f} MB = {row['peak_rss_mb'] / row['model_mb']:.2f}x the model's "
+            f"{row['model_mb']:,.0f} MB{gpu}",
+            "host <= 1.3x" if ours else "-",
+            ("pass" if row["peak_rss_mb"] <= 1.3 * row["model_mb"] else "miss") if ours else "info",
+            **row,
+        )
     for row in results["decode"]:
         ratio = row["gqa"] / row["hf"]
-        report.add(f"7. decode SmolLM2-360M shape (GQA), batch {row['batch']}, {row['dtype']}",
-                   f"{row['gqa']:,.0f} tok/s = {ratio:.2f}x transformers ({row['hf']:,.0f}); with n_kv_head = n_head "
-                   f"{row['full_kv_heads']:,.0f}", ">= 1x transformers", "pass" if ratio >= 1 else "miss", **row)
+        report.add(
+            f"7. decode SmolLM2-360M shape (GQA), batch {row['batch']}, {row['dtype']}",
+            f"{row['gqa']:,.0f} tok/s = {ratio:.2f}x transformers ({row['hf']:,.0f}); with n_kv_head = n_head "
+            f"{row['full_kv_heads']:,.0f}",
+            ">= 1x transformers",
+            "pass" if ratio >= 1 else "miss",
+            **row,
+        )
 
 
 def check_lora(args, report: Report) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results, problem, log = benchmark(args, "lora", "bench_lora.py", [
-        f"--device={device}", f"--steps={2 if args.smoke else 6}", f"--corpus={args.corpus}"])
+    results, problem, log = benchmark(
+        args,
+        "lora",
+        "bench_lora.py",
+        [f"--device={device}", f"--steps={2 if args.smoke else 6}", f"--corpus={args.corpus}"],
+    )
     if results is None:
         report.add("8. LoRA against full fine-tuning", problem, "-", "FAIL", log=str(log))
         return
     for row in results["rows"]:
         kept = "recomputed" if row["activation_checkpointing"] else "kept"
-        report.add(f"8. fine-tuning SmolLM2-360M shape, block 1024, activations {kept}",
-                   f"full {row['full_mb']:,.0f} MB, {row['full_s_per_step']:.3f} s/step; LoRA {row['lora_mb']:,.0f} MB "
-                   f"({row['lora_mb'] / row['full_mb']:.2f}x), {row['lora_s_per_step']:.3f} s/step", "-", "info", **row)
+        report.add(
+            f"8. fine-tuning SmolLM2-360M shape, block 1024, activations {kept}",
+            f"full {row['full_mb']:,.0f} MB, {row['full_s_per_step']:.3f} s/step; LoRA {row['lora_mb']:,.0f} MB "
+            f"({row['lora_mb'] / row['full_mb']:.2f}x), {row['lora_s_per_step']:.3f} s/step",
+            "-",
+            "info",
+            **row,
+        )
 
 
 def check_serve(args, report: Report) -> None:
     levels = ["1", "2"] if args.smoke else ["1", "8", "32"]
     smoke = ["--rounds=1", "--max_tokens=8"] if args.smoke else ["--rounds=3", "--max_tokens=128"]
-    results, problem, log = benchmark(args, "serve", "bench_serve.py", [
-        "--levels", *levels, "--max_batch=32", f"--tokenizer={args.tiktoken}", *smoke])
+    results, problem, log = benchmark(
+        args, "serve", "bench_serve.py", ["--levels", *levels, "--max_batch=32", f"--tokenizer={args.tiktoken}", *smoke]
+    )
     if results is None:
         report.add("9. server under load", problem, "-", "FAIL", log=str(log))
         return
@@ -334,9 +492,14 @@ def check_serve(args, report: Report) -> None:
     for n in levels:
         row = results["results"][f"{n} concurrent"]
         tps, ttft = statistics.median(row["tokens_per_s"]), statistics.median(row["ttft_s"])
-        report.add(f"9. server, GPT-2 124M shape, {n} concurrent stream{'s' if n != '1' else ''}",
-                   f"{tps:,.0f} tok/s = {tps / sequential:.2f}x one stream ({sequential:,.0f}), first token "
-                   f"{ttft:.2f} s", "-", "info", tokens_per_s=tps, ttft_s=ttft)
+        report.add(
+            f"9. server, GPT-2 124M shape, {n} concurrent stream{'s' if n != '1' else ''}",
+            f"{tps:,.0f} tok/s = {tps / sequential:.2f}x one stream ({sequential:,.0f}), first token {ttft:.2f} s",
+            "-",
+            "info",
+            tokens_per_s=tps,
+            ttft_s=ttft,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,15 +507,22 @@ def check_serve(args, report: Report) -> None:
 
 def header(smoke: bool) -> dict:
     try:
-        git = [subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-               for cmd in (["rev-parse", "--short=10", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
+        git = [
+            subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+            for cmd in (["rev-parse", "--short=10", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])
+        ]
         commit = git[0] + (" with local changes" if git[0] and git[1] else "")  # the measured code is not that commit
     except OSError:
         commit = ""
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name() if cuda else "CPU", "torch": torch.__version__,
-            "cuda": torch.version.cuda or "none", "date": datetime.date.today().isoformat(),
-            "commit": commit or "unknown", "smoke": smoke}
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "CPU",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "date": datetime.date.today().isoformat(),
+        "commit": commit or "unknown",
+        "smoke": smoke,
+    }
 
 
 @dataclass
@@ -361,8 +531,9 @@ class Options:
     tiktoken: str = option(help="the GPT-2 BPE ranks as a .tiktoken file")
     json: str | None = option(None, "write the report here as JSON (rewritten after every row)")
     work_dir: str = option(str(ROOT / "out" / "gpu_report"), "data, runs and logs (nothing there is deleted)")
-    checks: str = option(",".join(CHECKS), "comma-separated rows to run, in the order given (sample uses the newest "
-                                           "recipe run)")
+    checks: str = option(
+        ",".join(CHECKS), "comma-separated rows to run, in the order given (sample uses the newest recipe run)"
+    )
     mfu_batch_sizes: str = option("64,32,16", "row 3 takes the first that fits in memory")
     mfu_iters: int = option(60, "row 3's training steps")
     timeout: float = option(600.0, "seconds each command may run")
@@ -378,8 +549,11 @@ def report_all(args: Options) -> int:
     args.corpus, args.tiktoken, args.work_dir = Path(args.corpus), Path(args.tiktoken), Path(args.work_dir)
     checks = args.checks.split(",")
     problems = [f"--checks: unknown {c!r} (choose from {', '.join(CHECKS)})" for c in checks if c not in CHECKS]
-    problems += [f"--{name} {path} does not exist" for name, path in (("corpus", args.corpus), ("tiktoken", args.tiktoken))
-                 if not path.is_file()]
+    problems += [
+        f"--{name} {path} does not exist"
+        for name, path in (("corpus", args.corpus), ("tiktoken", args.tiktoken))
+        if not path.is_file()
+    ]
     if not torch.cuda.is_available() and not args.smoke:
         problems.append("CUDA is not available here; this report measures an NVIDIA GPU (--smoke runs it anywhere)")
     if problems:

@@ -29,19 +29,28 @@ class PrepareOptions:
     out_dir: str = option("", "where the shards, tokenizer.json and manifest.json go (required)")
     val_fraction: float = option(0.1, "validation share: of the text's bytes (its end), or every 1/F-th record")
     shard_tokens: int = option(SHARD_TOKENS, "tokens per shard file")
-    text_field: str = option("text", "the field (column) of JSONL, Parquet and Hugging Face records that holds the text")
+    text_field: str = option(
+        "text", "the field (column) of JSONL, Parquet and Hugging Face records that holds the text"
+    )
     workers: int | None = option(None, "tokenizing processes (default: one per core)")
     dtype: str = option("auto", "token type in the shards", choices=("auto", "uint16", "uint32"))
     hf_dataset: str | None = option(None, "a Hugging Face dataset to stream (needs pip install -e '.[data]')")
     hf_name: str | None = option(None, "its configuration, e.g. sample-10BT")
     hf_split: str = option("train", "its split to read")
-    chat: bool = option(False, "records hold conversations (--messages_field): render them with the tokenizer's chat "
-                               "template and train on the assistant's turns only")
-    messages_field: str = option("messages", "--chat: the field of a record that holds its list of "
-                                             "{role, content} messages")
-    block_size: int = option(0, "--chat: a conversation longer than block_size + 1 tokens is cut or dropped (0: "
-                                "no limit)")
-    too_long: str = option("drop", "--chat: what happens to a conversation longer than block_size", choices=("drop", "cut"))
+    chat: bool = option(
+        False,
+        "records hold conversations (--messages_field): render them with the tokenizer's chat "
+        "template and train on the assistant's turns only",
+    )
+    messages_field: str = option(
+        "messages", "--chat: the field of a record that holds its list of {role, content} messages"
+    )
+    block_size: int = option(
+        0, "--chat: a conversation longer than block_size + 1 tokens is cut or dropped (0: no limit)"
+    )
+    too_long: str = option(
+        "drop", "--chat: what happens to a conversation longer than block_size", choices=("drop", "cut")
+    )
     overwrite: bool = option(False, "start afresh even if out_dir is complete or half done")
     verify: bool = option(False, "only check out_dir's shards against its manifest.json")
 
@@ -58,10 +67,22 @@ def run(args: PrepareOptions) -> int:
         print(f"{args.out_dir}: {len(manifest['shards'])} shards match manifest.json")
         return 0
     prepare(
-        args.input, args.tokenizer, args.out_dir, args.val_fraction, args.shard_tokens, args.overwrite,
-        text_field=args.text_field, workers=args.workers, dtype=args.dtype,
-        hf_dataset=args.hf_dataset, hf_name=args.hf_name, hf_split=args.hf_split,
-        chat=args.chat, messages_field=args.messages_field, block_size=args.block_size, too_long=args.too_long,
+        args.input,
+        args.tokenizer,
+        args.out_dir,
+        args.val_fraction,
+        args.shard_tokens,
+        args.overwrite,
+        text_field=args.text_field,
+        workers=args.workers,
+        dtype=args.dtype,
+        hf_dataset=args.hf_dataset,
+        hf_name=args.hf_name,
+        hf_split=args.hf_split,
+        chat=args.chat,
+        messages_field=args.messages_field,
+        block_size=args.block_size,
+        too_long=args.too_long,
     )
     return 0
 
@@ -74,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         parsed.append(parse(PrepareOptions, argv, "data/prepare.py", __doc__))
         return run(parsed[0])
 
-    return run_command("prepare.py", body, lambda: "run the same command again to continue in "
-                       + (parsed[0].out_dir if parsed else "its out_dir"))
+    return run_command(
+        "prepare.py",
+        body,
+        lambda: "run the same command again to continue in " + (parsed[0].out_dir if parsed else "its out_dir"),
+    )
 
 
 if __name__ == "__main__":

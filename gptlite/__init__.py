@@ -51,4 +51,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
-

@@ -94,8 +94,9 @@ def beam_search(
     return [[t for t in row if t >= 0] for row in out]
 
 
-def start(model: GPT, rows: list[list[int]], max_new_tokens: int, num_beams: int, extend_context: bool, compile: bool
-          ) -> tuple[GPT, Callable, KVCache, torch.Tensor]:
+def start(
+    model: GPT, rows: list[list[int]], max_new_tokens: int, num_beams: int, extend_context: bool, compile: bool
+) -> tuple[GPT, Callable, KVCache, torch.Tensor]:
     """Check the lengths, prefill the prompts once and give every beam a copy of its prompt's cache rows: (the model
     as decoding runs it, the decode step, the cache, the first logits (B * num_beams, V))."""
     config = model.config
@@ -104,11 +105,14 @@ def start(model: GPT, rows: list[list[int]], max_new_tokens: int, num_beams: int
         raise ValueError(
             f"beam search keeps every beam's whole context: the longest prompt plus max_new_tokens - 1 = {max_len} "
             f"is more than block_size={config.block_size}; shorten them"
-            + (" or pass extend_context=True" if model.pos_emb.can_extend else ""))
+            + (" or pass extend_context=True" if model.pos_emb.can_extend else "")
+        )
     if extend_context:
         if not model.pos_emb.can_extend:
-            raise ValueError(f"extend_context=True needs pos_emb='sinusoidal' or 'rope'; this model's {config.pos_emb} "
-                             f"positions stop at block_size={config.block_size}")
+            raise ValueError(
+                f"extend_context=True needs pos_emb='sinusoidal' or 'rope'; this model's {config.pos_emb} "
+                f"positions stop at block_size={config.block_size}"
+            )
         model.pos_emb.extend(max_len)
     step = compiled_decode_step(model) if compile else decode_step
     if not compile:

@@ -123,16 +123,22 @@ def run_files(run_dir: str | Path) -> list[Path]:
     copied tokenizer.json (the `--overwrite` of a fresh run moves them aside)."""
     run_dir = Path(run_dir)
     named = [run_dir / n for n in (CHECKPOINT_NAME, BEST_NAME, "metrics.jsonl", TOKENIZER_FILE)]
-    return [p for p in [*step_files(run_dir), *map(_checksum_path, step_files(run_dir)), *named]
-            if p.is_file() or p.is_symlink()]
+    return [
+        p
+        for p in [*step_files(run_dir), *map(_checksum_path, step_files(run_dir)), *named]
+        if p.is_file() or p.is_symlink()
+    ]
 
 
 def holds_run(run_dir: str | Path) -> bool:
     """Whether a run saved anything in run_dir: a checkpoint, or a row of metrics."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
-    return bool(step_files(run_dir)) or (run_dir / CHECKPOINT_NAME).exists() or (
-        metrics.is_file() and metrics.stat().st_size > 0)
+    return (
+        bool(step_files(run_dir))
+        or (run_dir / CHECKPOINT_NAME).exists()
+        or (metrics.is_file() and metrics.stat().st_size > 0)
+    )
 
 
 def remove_leftovers(run_dir: str | Path) -> list[Path]:
@@ -224,12 +230,16 @@ def verify_checkpoint(path: str | Path) -> None:
 
 def _load_file(path: Path, map_location: str | torch.device) -> dict:
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; train first (python train.py ... --out_dir={path.parent})")
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist; train first (python train.py ... --out_dir={path.parent})"
+        )
     verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); it is damaged or not a gptlite checkpoint") from None
+        raise ValueError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); it is damaged or not a gptlite checkpoint"
+        ) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise ValueError(f"checkpoint {path} is not a gptlite checkpoint (no 'model' and 'config' entries)")
     return ckpt
@@ -297,11 +307,15 @@ def lora_model(ckpt: dict, merge: bool = True) -> GPT:
     try:
         base = fingerprint(lora["base"])
     except (OSError, ConnectionError) as e:
-        raise FileNotFoundError(f"the LoRA run's base model {lora['base']} cannot be read ({e}); its adapters need it "
-                                "where --init_from named it") from None
+        raise FileNotFoundError(
+            f"the LoRA run's base model {lora['base']} cannot be read ({e}); its adapters need it "
+            "where --init_from named it"
+        ) from None
     if base != lora["sha256"]:
-        raise ValueError(f"the base weights in {lora['base']} are not the ones this LoRA run was trained on (sha256 "
-                         f"{base[:12]}..., the run's {lora['sha256'][:12]}...); put the original weights back there")
+        raise ValueError(
+            f"the base weights in {lora['base']} are not the ones this LoRA run was trained on (sha256 "
+            f"{base[:12]}..., the run's {lora['sha256'][:12]}...); put the original weights back there"
+        )
     model = GPT.from_pretrained(lora["base"], torch.float32, block_size=config.model.block_size)
     add_lora(model, lora["rank"], lora["alpha"], 0.0, tuple(lora["targets"]))
     model.check_state({**model.state_dict(), **ckpt["model"]}, "the LoRA checkpoint")
@@ -309,7 +323,9 @@ def lora_model(ckpt: dict, merge: bool = True) -> GPT:
     return merge_lora(model).requires_grad_(True) if merge else model
 
 
-def load_model(out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = "") -> tuple[GPT, Tokenizer]:
+def load_model(
+    out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = ""
+) -> tuple[GPT, Tokenizer]:
     """A model to sample from or evaluate, on the CPU in float32, with its tokenizer: a run's newest checkpoint
     (out_dir), or pretrained weights (init_from: see GPT.from_pretrained). The tokenizer is `tokenizer` (a
     tokenizer.json or a folder holding one, a .tiktoken file or tiktoken name) if given, else the run's
@@ -331,9 +347,11 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
         if (Path(init_from) / TOKENIZER_FILE).is_file():  # a model directory's own tokenizer
             return model, load_tokenizer(init_from)
         if model.config.vocab_size != 50257:
-            raise ValueError(f"{init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown to "
-                             "gptlite (no tokenizer.json beside its weights); pass one (--tokenizer=PATH: a "
-                             "tokenizer.json, a folder holding one, or a .tiktoken file)")
+            raise ValueError(
+                f"{init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown to "
+                "gptlite (no tokenizer.json beside its weights); pass one (--tokenizer=PATH: a "
+                "tokenizer.json, a folder holding one, or a .tiktoken file)"
+            )
         return model, get_tokenizer("gpt2")
     out_dir = Path(out_dir)
     ckpt = load_checkpoint(out_dir)
@@ -342,8 +360,9 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
     for path in (out_dir / TOKENIZER_FILE, Path(ckpt["config"].get("data_dir", "")) / TOKENIZER_FILE):
         if path.is_file():
             return model_from_checkpoint(ckpt), load_tokenizer(path)
-    raise FileNotFoundError(f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's "
-                            f"{TOKENIZER_FILE} into {out_dir}")
+    raise FileNotFoundError(
+        f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's {TOKENIZER_FILE} into {out_dir}"
+    )
 
 
 def rng_state() -> dict:

@@ -51,8 +51,9 @@ def is_bool(typ: Any) -> bool:
     return typ is bool
 
 
-def split_argv(argv: list[str], types: dict[str, Any], positional: str | None = None,
-               shorts: dict[str, str] | None = None) -> tuple[str | None, dict[str, Any]]:
+def split_argv(
+    argv: list[str], types: dict[str, Any], positional: str | None = None, shorts: dict[str, str] | None = None
+) -> tuple[str | None, dict[str, Any]]:
     """argv -> (the TOML file, if an argument names one; {key: raw value}). See the module docstring for the
     syntax. Keys are returned as given (dashes as underscores); unknown ones are left for the caller to name."""
     toml_path, values, plain = None, {}, []
@@ -131,8 +132,14 @@ def parse(cls: type[T], argv: list[str], prog: str = "", doc: str = "") -> T:
         choices = fields[key].metadata.get("choices")
         if choices and kwargs[key] not in choices:
             problems.append(f"{key}={kwargs[key]!r} must be one of {', '.join(map(str, choices))}")
-    missing = [f"--{name}" for name, f in fields.items() if f.init and name not in kwargs
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        f"--{name}"
+        for name, f in fields.items()
+        if f.init
+        and name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         problems.append(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
     if problems:

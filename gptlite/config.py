@@ -29,8 +29,15 @@ ROPE_SCALING_CHOICES = ("", "llama3")
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 
 
-def option(default: typing.Any = dataclasses.MISSING, help: str = "", *, choices: tuple = (), positional: bool = False,
-           short: str = "", default_factory: typing.Any = dataclasses.MISSING) -> typing.Any:
+def option(
+    default: typing.Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    choices: tuple = (),
+    positional: bool = False,
+    short: str = "",
+    default_factory: typing.Any = dataclasses.MISSING,
+) -> typing.Any:
     """A dataclass field that is a command-line option (see gptlite.cli): its help text, its allowed values, whether
     it is given by position (a list field: the command's plain arguments), and a one-letter alias (short="h")."""
     meta = {"help": help, "choices": tuple(choices), "positional": positional, "short": short}
@@ -55,17 +62,22 @@ class GPTConfig:
     norm: str = option("layernorm", "layernorm or rmsnorm (Llama)", choices=NORM_CHOICES)
     norm_eps: float = option(1e-5, "the norms' epsilon")
     ffn: str = option("swiglu", "feed-forward: swiglu (Llama) or gelu (GPT-2's MLP)", choices=FFN_CHOICES)
-    ffn_hidden: int | None = option(None, "feed-forward width (none: 4 * n_embd for gelu, the same parameter count "
-                                          "for swiglu)")
+    ffn_hidden: int | None = option(
+        None, "feed-forward width (none: 4 * n_embd for gelu, the same parameter count for swiglu)"
+    )
     # the options of today's open models (all off by default: gptlite's own model is unchanged)
-    n_kv_head: int | None = option(None, "key/value heads: fewer than n_head is grouped-query attention, whose KV "
-                                         "cache is that much smaller (none = n_head)")
+    n_kv_head: int | None = option(
+        None,
+        "key/value heads: fewer than n_head is grouped-query attention, whose KV "
+        "cache is that much smaller (none = n_head)",
+    )
     head_dim: int | None = option(None, "the width of a head (none = n_embd / n_head; Qwen3 sets its own)")
     tie_embeddings: bool = option(True, "the output head is the token embedding (false: a head of its own)")
     qkv_bias: bool = option(False, "biases on q, k and v only (Qwen2)")
     qk_norm: bool = option(False, "RMSNorm on each head's q and k before the rotation (Qwen3)")
-    rope_scaling: str = option("", "RoPE's frequencies scaled as Llama 3.1 does: llama3 ('' = none)",
-                               choices=ROPE_SCALING_CHOICES)
+    rope_scaling: str = option(
+        "", "RoPE's frequencies scaled as Llama 3.1 does: llama3 ('' = none)", choices=ROPE_SCALING_CHOICES
+    )
     rope_factor: float = option(8.0, "llama3 scaling: how much longer the context than the original")
     rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
     rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original / this are kept")
@@ -97,15 +109,24 @@ class GPTConfig:
         for name in ("n_kv_head", "head_dim", "rope_original_context"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                problems.append(f"{name}={value!r} must be a positive integer" + (", or none" if name != "rope_original_context" else ""))
+                problems.append(
+                    f"{name}={value!r} must be a positive integer"
+                    + (", or none" if name != "rope_original_context" else "")
+                )
         if not problems and self.n_head % self.kv_heads:
-            problems.append(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}: each key/value head "
-                            "serves the same number of query heads")
+            problems.append(
+                f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}: each key/value head "
+                "serves the same number of query heads"
+            )
         if self.rope_scaling and self.pos_emb != "rope":
             problems.append(f"rope_scaling={self.rope_scaling!r} needs pos_emb='rope'")
-        if self.rope_scaling and not (self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
-            problems.append(f"llama3 scaling needs rope_factor >= 1 and 0 < rope_low_freq_factor < rope_high_freq_factor, "
-                            f"got {self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
+        if self.rope_scaling and not (
+            self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            problems.append(
+                f"llama3 scaling needs rope_factor >= 1 and 0 < rope_low_freq_factor < rope_high_freq_factor, "
+                f"got {self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}"
+            )
         if not problems and self.head_dim is None and self.n_embd % self.n_head != 0:
             problems.append(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -114,12 +135,18 @@ class GPTConfig:
         if not problems and self.pos_emb == "sinusoidal" and (self.n_embd % 2) != 0:
             problems.append(f"n_embd={self.n_embd} must be even for pos_emb='sinusoidal'")
         if not problems and self.pos_emb == "rope" and self.head_width % 2 != 0:
-            problems.append(f"the head width n_embd / n_head = {self.head_width} must be even for "
-                            "pos_emb='rope', which rotates pairs of its coordinates; change n_embd or n_head")
+            problems.append(
+                f"the head width n_embd / n_head = {self.head_width} must be even for "
+                "pos_emb='rope', which rotates pairs of its coordinates; change n_embd or n_head"
+            )
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
-        for name, choices in (("pos_emb", POS_EMB_CHOICES), ("norm", NORM_CHOICES), ("ffn", FFN_CHOICES),
-                              ("rope_scaling", ROPE_SCALING_CHOICES)):
+        for name, choices in (
+            ("pos_emb", POS_EMB_CHOICES),
+            ("norm", NORM_CHOICES),
+            ("ffn", FFN_CHOICES),
+            ("rope_scaling", ROPE_SCALING_CHOICES),
+        ):
             if getattr(self, name) not in choices:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(choices)}")
         for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
@@ -148,26 +175,37 @@ class TrainConfig:
     data_dir: str = option("", "the folder of *train*.bin / *val*.bin shards that data/prepare.py writes")
     out_dir: str = option("out", "the run folder: checkpoints, metrics.jsonl, the data's tokenizer.json")
     resume: bool = option(False, "continue the run in out_dir from its newest intact checkpoint")
-    overwrite: bool = option(False, "a fresh run into a folder that holds an earlier run moves its files into "
-                                    "out_dir/previous-TIME/ first")
-    init_from: str = option("", "start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a "
-                                "Hugging Face directory; the model's shape comes from it ('' = from scratch)")
+    overwrite: bool = option(
+        False, "a fresh run into a folder that holds an earlier run moves its files into out_dir/previous-TIME/ first"
+    )
+    init_from: str = option(
+        "",
+        "start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a "
+        "Hugging Face directory; the model's shape comes from it ('' = from scratch)",
+    )
     # LoRA: freeze the pretrained model and train low-rank adapters (gptlite/lora.py) on these layers
-    lora_rank: int | None = option(None, "train LoRA adapters of this rank on a frozen --init_from model (none = "
-                                         "train every weight)")
+    lora_rank: int | None = option(
+        None, "train LoRA adapters of this rank on a frozen --init_from model (none = train every weight)"
+    )
     lora_alpha: float = option(16.0, "LoRA's scale: the update is (lora_alpha / lora_rank) B A")
     lora_dropout: float = option(0.0, "dropout on the adapters' input")
-    lora_targets: str = option("attn.qkv,attn.out_proj,ffn.fc,ffn.out_proj",
-                               "comma-separated ends of the layer names that get adapters")
+    lora_targets: str = option(
+        "attn.qkv,attn.out_proj,ffn.fc,ffn.out_proj", "comma-separated ends of the layer names that get adapters"
+    )
     # batch
     batch_size: int = option(12, "sequences per device per micro-step")
-    total_batch_size: int = option(0, "tokens per optimizer step across all devices (0 = one micro-step, no "
-                                      "gradient accumulation)")
+    total_batch_size: int = option(
+        0, "tokens per optimizer step across all devices (0 = one micro-step, no gradient accumulation)"
+    )
     max_iters: int = option(5000, "optimizer steps")
     # the optimizer and its schedule: linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, or
     # with lr_schedule="time" at the end of the max_minutes budget; Muon's learning rate follows in proportion
-    optimizer: str = option("adamw", "adamw, or muon: Muon (gptlite/optim.py) for the matrices inside the blocks, "
-                                     "AdamW for the embedding, positions and vectors", choices=("adamw", "muon"))
+    optimizer: str = option(
+        "adamw",
+        "adamw, or muon: Muon (gptlite/optim.py) for the matrices inside the blocks, "
+        "AdamW for the embedding, positions and vectors",
+        choices=("adamw", "muon"),
+    )
     learning_rate: float = option(6e-4, "AdamW's peak learning rate")
     min_lr: float = option(6e-5, "the learning rate at the end of the cosine decay")
     warmup_iters: int = option(100, "steps of linear warmup")
@@ -179,8 +217,9 @@ class TrainConfig:
     grad_clip: float = option(1.0, "clip the gradient norm to this (0 = off)")
     muon_lr: float = option(0.02, "Muon's peak learning rate (for a square matrix; see gptlite.optim.lr_scale)")
     muon_momentum: float = option(0.95, "Muon's Nesterov momentum")
-    muon_weight_decay: float = option(0.0, "Muon's decoupled weight decay: each step multiplies the matrices by "
-                                           "1 - lr * muon_weight_decay")
+    muon_weight_decay: float = option(
+        0.0, "Muon's decoupled weight decay: each step multiplies the matrices by 1 - lr * muon_weight_decay"
+    )
     # evaluation, logging, checkpoints
     eval_interval: int = option(250, "steps between evaluations; each saves out_dir/ckpt_NNNNNN.pt")
     eval_iters: int = option(20, "batches per evaluation (0 = every window of the val split)")
@@ -191,31 +230,51 @@ class TrainConfig:
     wandb_run_name: str = option("", "the wandb run's name")
     # system
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option("auto", "autocast precision: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16, "
-                                "float16")
+    dtype: str = option(
+        "auto", "autocast precision: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16, float16"
+    )
     compile: bool = option(False, "torch.compile the model")
-    activation_checkpointing: bool = option(False, "keep each block's input only and recompute the block in backward: "
-                                                   "activations no longer grow with depth, for ~1/3 more compute")
-    chunked_loss: bool = option(True, "the output head and cross-entropy a chunk of tokens at a time, never all the "
-                                      "logits at once (gptlite.loss); false computes them whole")
+    activation_checkpointing: bool = option(
+        False,
+        "keep each block's input only and recompute the block in backward: "
+        "activations no longer grow with depth, for ~1/3 more compute",
+    )
+    chunked_loss: bool = option(
+        True,
+        "the output head and cross-entropy a chunk of tokens at a time, never all the "
+        "logits at once (gptlite.loss); false computes them whole",
+    )
     fsdp: bool = option(False, "under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
     seed: int = option(1337, "the seed of the initial weights, the data order and dropout")
     # faults
-    on_nan: str = option("skip", "a non-finite loss or gradient norm: skip that update, or stop the run",
-                         choices=("skip", "stop"))
+    on_nan: str = option(
+        "skip", "a non-finite loss or gradient norm: skip that update, or stop the run", choices=("skip", "stop")
+    )
     max_minutes: float = option(0.0, "> 0: end the run with a checkpoint once this much wall-clock time has passed")
 
     def __post_init__(self) -> None:
-        problems = [f"{f.name}={getattr(self, f.name)} must be a finite number" for f in fields(self)
-                    if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
+        problems = [
+            f"{f.name}={getattr(self, f.name)} must be a finite number"
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
+        ]
         if problems:  # NaN passes every comparison below, and a NaN learning rate skips every update
             raise ValueError("invalid training config: " + "; ".join(problems))
         positive = ("batch_size", "max_iters", "eval_interval", "log_interval", "keep_last")
         for name in positive:
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be > 0")
-        for name in ("total_batch_size", "warmup_iters", "lr_decay_iters", "eval_iters", "grad_clip", "weight_decay",
-                     "max_minutes", "muon_lr", "muon_weight_decay"):
+        for name in (
+            "total_batch_size",
+            "warmup_iters",
+            "lr_decay_iters",
+            "eval_iters",
+            "grad_clip",
+            "weight_decay",
+            "max_minutes",
+            "muon_lr",
+            "muon_weight_decay",
+        ):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
         if self.optimizer not in ("adamw", "muon"):
@@ -242,12 +301,15 @@ class TrainConfig:
             if self.lora_rank < 1:
                 problems.append(f"lora_rank={self.lora_rank} must be >= 1 (leave it out to train every weight)")
             if not self.init_from:
-                problems.append("lora_rank needs --init_from: LoRA adapts a pretrained model, whose weights stay frozen")
+                problems.append(
+                    "lora_rank needs --init_from: LoRA adapts a pretrained model, whose weights stay frozen"
+                )
             if not 0 <= self.lora_dropout < 1:
                 problems.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.fsdp and self.dtype == "float16":
-            problems.append("fsdp=true trains in bfloat16 or float32, not float16 (no sharded loss scaler here); "
-                            "use dtype=bfloat16")
+            problems.append(
+                "fsdp=true trains in bfloat16 or float32, not float16 (no sharded loss scaler here); use dtype=bfloat16"
+            )
         if problems:
             raise ValueError("invalid training config: " + "; ".join(problems))
 
@@ -312,13 +374,13 @@ def convert(key: str, value: typing.Any, typ: typing.Any) -> typing.Any:
 # nanoGPT's config keys that gptlite names or does otherwise: the pointer a user gets instead of "unknown key"
 NANOGPT_KEYS = {
     "gradient_accumulation_steps": "gptlite sets the optimizer step in tokens: --total_batch_size=N, and the "
-                                   "micro-steps are N / (batch_size * block_size * number of GPUs)",
+    "micro-steps are N / (batch_size * block_size * number of GPUs)",
     "eval_only": "for an evaluation-only run use --learning_rate=0 --max_iters=1 (one step that changes nothing, "
-                 "then an evaluation)",
+    "then an evaluation)",
     "always_save_checkpoint": "gptlite saves a checkpoint at every evaluation and keeps the newest --keep_last=N "
-                              "plus best.pt, the one with the lowest val loss",
+    "plus best.pt, the one with the lowest val loss",
     "decay_lr": "the learning rate always decays from learning_rate to min_lr; for a constant rate set --min_lr to "
-                "the --learning_rate",
+    "the --learning_rate",
     "backend": "the process-group backend is picked for you: nccl with CUDA GPUs, gloo otherwise",
     "dataset": "use --data_dir=DIR, the folder of *train*.bin / *val*.bin shards that data/prepare.py writes",
 }

@@ -23,12 +23,21 @@ class Conversation:
     """The messages so far and the tokens the cache holds; `reply(text)` adds a user turn and streams the
     assistant's, which joins the messages."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, sampling: Sampling, max_new_tokens: int = 500,
-                 system: str = "", generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        sampling: Sampling,
+        max_new_tokens: int = 500,
+        system: str = "",
+        generator: torch.Generator | None = None,
+    ):
         tokenizer.use_default_template()
         if tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(f"the tokenizer's chat markers need ids up to {tokenizer.vocab_size - 1} but the model knows "
-                             f"{model.config.vocab_size}: it was not trained on conversations (data/prepare.py --chat)")
+            raise ValueError(
+                f"the tokenizer's chat markers need ids up to {tokenizer.vocab_size - 1} but the model knows "
+                f"{model.config.vocab_size}: it was not trained on conversations (data/prepare.py --chat)"
+            )
         self.model, self.tokenizer, self.sampling, self.generator = model, tokenizer, sampling, generator
         self.max_new_tokens = max_new_tokens
         self.messages = [{"role": "system", "content": system}] if system else []
@@ -46,8 +55,11 @@ class Conversation:
         stream, reply = TextStream(self.tokenizer), []
         for _ in range(self.max_new_tokens):
             logits = mask_vocab(logits, self.tokenizer.vocab_size)
-            token = int(sample_next(logits, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
-                                    self.generator)[0])
+            token = int(
+                sample_next(
+                    logits, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p, self.generator
+                )[0]
+            )
             if token in self.stops or self.cache.end >= self.cache.max_len:
                 break
             reply.append(token)
@@ -66,8 +78,10 @@ class Conversation:
             del self.messages[1 if self.messages[0]["role"] == "system" else 0]
             ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
         if len(ids) > limit:
-            warnings.warn(f"this turn takes {len(ids)} tokens, more than the {limit} the model's context (block_size="
-                          f"{self.model.config.block_size}) leaves beside a reply: its first {len(ids) - limit} are left out")
+            warnings.warn(
+                f"this turn takes {len(ids)} tokens, more than the {limit} the model's context (block_size="
+                f"{self.model.config.block_size}) leaves beside a reply: its first {len(ids) - limit} are left out"
+            )
         return ids[-limit:]
 
     def prefill(self, ids: list[int]) -> torch.Tensor:

@@ -145,19 +145,23 @@ class ChatLoader:
 
     PAD_MULTIPLE = 32  # rows are padded to a multiple of this: few distinct shapes, little padding
 
-    def __init__(self, files: list[Path], batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1):
+    def __init__(
+        self, files: list[Path], batch_size: int, block_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
+    ):
         self.files = list(files)
         self.tokens = [read_shard(p) for p in self.files]
         self.roles = [read_roles(roles_path(p), len(t)) for p, t in zip(self.files, self.tokens)]
         self.batch_size, self.block_size = batch_size, block_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.conversations = np.array([(s, a, b) for s, roles in enumerate(self.roles) for a, b in spans(roles)],
-                                      dtype=np.int64).reshape(-1, 3)  # (N, 3): shard, start, end
+        self.conversations = np.array(
+            [(s, a, b) for s, roles in enumerate(self.roles) for a, b in spans(roles)], dtype=np.int64
+        ).reshape(-1, 3)  # (N, 3): shard, start, end
         need = batch_size * world_size
         if len(self.conversations) < need:
-            raise ValueError(f"{len(self.conversations)} conversations in {len(self.files)} shard(s) ({self.files[0]}...)"
-                             f" are fewer than one batch of {need}; use more data or a smaller batch_size")
+            raise ValueError(
+                f"{len(self.conversations)} conversations in {len(self.files)} shard(s) ({self.files[0]}...)"
+                f" are fewer than one batch of {need}; use more data or a smaller batch_size"
+            )
         self.targets = int(sum(int((r & TARGET).astype(bool).sum()) for r in self.roles))
         self.epoch, self.index = 0, 0
         self.order = self._order()
@@ -181,8 +185,12 @@ class ChatLoader:
         empty); it does not move the position."""
         step = self.batch_size * self.world_size
         for first in range(0, len(self.conversations), step):
-            mine = list(range(first + self.rank * self.batch_size,
-                              min(first + (self.rank + 1) * self.batch_size, len(self.conversations))))
+            mine = list(
+                range(
+                    first + self.rank * self.batch_size,
+                    min(first + (self.rank + 1) * self.batch_size, len(self.conversations)),
+                )
+            )
             if mine:
                 yield self._gather(mine)
 
@@ -232,6 +240,8 @@ def is_chat_data(files: list[Path]) -> bool:
         chat = False
     if (chat or any(with_roles)) and not all(with_roles):
         missing = roles_path(files[with_roles.index(False)])
-        raise FileNotFoundError(f"{missing} is missing: {files[0].parent} holds conversations (data/prepare.py --chat) "
-                                "whose roles files mark what to train on; prepare the data again")
+        raise FileNotFoundError(
+            f"{missing} is missing: {files[0].parent} holds conversations (data/prepare.py --chat) "
+            "whose roles files mark what to train on; prepare the data again"
+        )
     return bool(files) and all(with_roles)

@@ -35,7 +35,9 @@ def download(url: str, dest: Path) -> Path:
                 f.write(chunk)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise ConnectionError(f"could not download {url} ({e}); download it elsewhere and pass the local file instead") from None
+        raise ConnectionError(
+            f"could not download {url} ({e}); download it elsewhere and pass the local file instead"
+        ) from None
     os.replace(tmp, dest)
     return dest
 
@@ -47,7 +49,12 @@ TOKEN_SHARDS = {  # name -> (Hugging Face dataset repository, file prefix, train
 
 
 def download_token_shards(
-    name: str, out_dir: str | Path, train_shards: int, tokenizer_spec: str = "gpt2", revision: str | None = None, log=print
+    name: str,
+    out_dir: str | Path,
+    train_shards: int,
+    tokenizer_spec: str = "gpt2",
+    revision: str | None = None,
+    log=print,
 ) -> dict:
     """Download the val shard and the first `train_shards` train shards of a TOKEN_SHARDS dataset into out_dir
     (files already there are kept, so an interrupted download continues), check their headers, and write
@@ -87,5 +94,7 @@ def download_token_shards(
         "val_tokens": shards[0]["tokens"],
     }
     write_json(out_dir / MANIFEST, manifest)
-    log(f"{out_dir}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} val tokens of {name}, ready to train")
+    log(
+        f"{out_dir}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} val tokens of {name}, ready to train"
+    )
     return manifest

@@ -75,8 +75,13 @@ def loss_and_bpb(sums: torch.Tensor) -> tuple[float, float | None]:
 
 
 @torch.no_grad()
-def evaluate_windows(model: GPT, streams: list[torch.Tensor], batch_size: int = 8, lengths: torch.Tensor | None = None,
-                     progress: bool = False) -> tuple[float, float | None, int]:
+def evaluate_windows(
+    model: GPT,
+    streams: list[torch.Tensor],
+    batch_size: int = 8,
+    lengths: torch.Tensor | None = None,
+    progress: bool = False,
+) -> tuple[float, float | None, int]:
     """(loss, bpb, targets scored) over every non-overlapping window of block_size + 1 tokens of each 1-D token
     stream (a val shard, a text), its last and shorter window included; windows never cross streams."""
     from tqdm import tqdm
@@ -173,8 +178,14 @@ def ending_losses(model: GPT, tokenizer: Tokenizer, examples: list[dict]) -> tup
     return total.view(-1, 4), (total / target.sum(1)).view(-1, 4)
 
 
-def hellaswag(model: GPT, tokenizer: Tokenizer, path: str | Path, limit: int | None = None, batch_size: int = 8,
-              progress: bool = True) -> dict:
+def hellaswag(
+    model: GPT,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    limit: int | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict:
     """Zero-shot HellaSwag (see the module docstring) on the model's device: {"acc", "acc_norm", "n"}, fractions
     of the examples whose lowest total (acc) or per-token (acc_norm) loss is the right ending. `batch_size`
     examples go through the model at once."""
@@ -204,18 +215,23 @@ def hellaswag(model: GPT, tokenizer: Tokenizer, path: str | Path, limit: int | N
 class EvaluateOptions:
     out_dir: str = option("", "a training run (its newest checkpoint and tokenizer)")
     init_from: str = option("", "pretrained weights instead: gpt2[-medium|-large|-xl] or a Hugging Face directory")
-    tokenizer: str = option("", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE "
-                                "for GPT-2)")
+    tokenizer: str = option(
+        "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
+    )
     task: str = option("val", "comma-separated: val, hellaswag")
     data_dir: str = option("", "val: the shards whose val split to score (default: the run's)")
     text: str = option("", "val: score this text file instead of val shards")
-    hellaswag_file: str = option(str(HELLASWAG_FILE), f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when "
-                                                      "missing)")
+    hellaswag_file: str = option(
+        str(HELLASWAG_FILE), f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when missing)"
+    )
     limit: int | None = option(None, "hellaswag: the first N examples only")
     batch_size: int = option(8, "windows (val) or examples (hellaswag) per forward")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option("auto", "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-                        choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = option(
+        "auto",
+        "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     json: str = option("", "also write the results to this JSON file")
 
 
@@ -254,8 +270,10 @@ def check(args: EvaluateOptions) -> list[str]:
     if folder is not None and not folder.is_dir():
         problems.append(f"--json={args.json}: folder {folder} does not exist; create it or write the results elsewhere")
     elif args.json and Path(args.json).exists() and not earlier_results(Path(args.json)):
-        problems.append(f"--json={args.json} exists and is not an earlier result of this command (an input, a "
-                        "checkpoint?); write the results to another file")
+        problems.append(
+            f"--json={args.json} exists and is not an earlier result of this command (an input, a "
+            "checkpoint?); write the results to another file"
+        )
     if problems:
         raise ValueError("; ".join(problems))
     return tasks
@@ -287,8 +305,10 @@ def run(args: EvaluateOptions) -> dict:
             loss, bpb, n, what = score_val(args, model, tokenizer)
             seconds = time.perf_counter() - start
             results["val"] = {"loss": loss, "bpb": bpb, "tokens": n, "on": what, "seconds": seconds}
-            print(f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
-                  f"{seconds:.1f} s")
+            print(
+                f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
+                f"{seconds:.1f} s"
+            )
         else:
             path = Path(args.hellaswag_file)
             if not path.is_file() and path == HELLASWAG_FILE:
@@ -298,8 +318,10 @@ def run(args: EvaluateOptions) -> dict:
             scores = hellaswag(model, tokenizer, path, args.limit, args.batch_size)
             seconds = time.perf_counter() - start
             results["hellaswag"] = {**scores, "seconds": seconds}
-            print(f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
-                  f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)")
+            print(
+                f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
+                f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)"
+            )
     return results
 
 
@@ -308,8 +330,10 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[
     if args.text:
         ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
         if len(ids) < 2:
-            raise ValueError(f"text file {args.text} gives {len(ids)} token(s); scoring needs at least 2 (one to predict "
-                             "from, one to predict)")
+            raise ValueError(
+                f"text file {args.text} gives {len(ids)} token(s); scoring needs at least 2 (one to predict "
+                "from, one to predict)"
+            )
         streams, what = [torch.tensor(ids)], args.text
     else:
         from gptlite.checkpoint import load_checkpoint

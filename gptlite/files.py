@@ -63,7 +63,9 @@ def make_dir(path: str | Path, what: str = "folder") -> Path:
     return path
 
 
-def write_folder(target: str | Path, write: Callable[[Path], None], overwrite: bool = False, what: str = "folder") -> Path | None:
+def write_folder(
+    target: str | Path, write: Callable[[Path], None], overwrite: bool = False, what: str = "folder"
+) -> Path | None:
     """Make `target` hold exactly the files `write(tmp)` writes, all or nothing: they are written into a temporary
     folder beside it, which then takes its name. A target folder that exists already is refused unless `overwrite`;
     with it, the earlier folder, whole, moves aside to TARGET-previous-TIME beside it (returned; None if there was
@@ -75,9 +77,11 @@ def write_folder(target: str | Path, write: Callable[[Path], None], overwrite: b
     earlier = target.is_dir() and any(target.iterdir())
     if earlier and not overwrite:
         names = sorted(p.name for p in target.iterdir())
-        raise FileExistsError(f"{target} already holds {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}; choose "
-                              "a new folder, or pass overwrite (--overwrite) to replace it (the earlier one is kept "
-                              "beside it as TARGET-previous-TIME)")
+        raise FileExistsError(
+            f"{target} already holds {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}; choose "
+            "a new folder, or pass overwrite (--overwrite) to replace it (the earlier one is kept "
+            "beside it as TARGET-previous-TIME)"
+        )
     parent = make_dir(target.parent)
     tmp = parent / f".{target.name}.tmp-{os.getpid()}"
     try:
@@ -148,8 +152,10 @@ class FolderLock:
             self.file.seek(0)
             holder = self.file.read().strip() or "another process"
             self.file.close()
-            raise ValueError(f"{what} {self.path.parent} is in use by {holder}; wait for it to finish, stop it, or "
-                             "choose another folder") from None
+            raise ValueError(
+                f"{what} {self.path.parent} is in use by {holder}; wait for it to finish, stop it, or "
+                "choose another folder"
+            ) from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"process {os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)[:200]})\n")

@@ -66,8 +66,11 @@ def check_prompts(prompts: Prompts, vocab_size: int) -> list[list[int]]:
     for i, row in enumerate(rows):
         bad = [t for t in row if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size}); check the tokenizer")
+            raise ValueError(
+                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size}); check the tokenizer"
+            )
     return rows
+
 
 def generate_tokens(
     model: GPT,
@@ -153,7 +156,9 @@ def _decode(
     if compile:
         cache = static_cache(model, cache)
     try:
-        yield from _decode_loop(model, cache, rows, logits, max_new_tokens, sampling, generator, stop_ids, step, compile)
+        yield from _decode_loop(
+            model, cache, rows, logits, max_new_tokens, sampling, generator, stop_ids, step, compile
+        )
     finally:
         cache.busy = False
 
@@ -246,28 +251,52 @@ def generate(
         prompts = prompts.repeat_interleave(n, dim=0)
         return torch.cat([prompts, torch.stack(new, dim=1)], dim=1) if new else prompts.clone()
     columns = torch.stack(new, dim=1).tolist() if new else [[] for _ in range(len(prompts) * n)]
-    return [[*map(int, p), *(t for t in c if t != PAD)] for p, c in zip((p for p in prompts for _ in range(n)), columns)]
+    return [
+        [*map(int, p), *(t for t in c if t != PAD)] for p, c in zip((p for p in prompts for _ in range(n)), columns)
+    ]
 
 
-BEAM_OPTIONS = ("length_penalty", "early_stopping", "num_return_sequences", "stop_tokens", "extend_context", "compile",
-                "vocab_limit")
+BEAM_OPTIONS = (
+    "length_penalty",
+    "early_stopping",
+    "num_return_sequences",
+    "stop_tokens",
+    "extend_context",
+    "compile",
+    "vocab_limit",
+)
 
 
-def _generate_beams(model: GPT, prompts: Prompts, max_new_tokens: int, temperature: float, top_k: int | None,
-                    top_p: float | None, generator: torch.Generator | None, num_beams: int, **kwargs):
+def _generate_beams(
+    model: GPT,
+    prompts: Prompts,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    num_beams: int,
+    **kwargs,
+):
     """`generate` with num_beams: the arguments checked, then gptlite.beam.beam_search (or greedy decoding)."""
     problems = []
     if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
         problems.append(f"num_beams={num_beams!r} must be an integer >= 1")
     sampled = [f"temperature={temperature} must be 0 or 1"] if temperature not in (0, 1) else []
-    sampled += [f"{name}={value} must be None" for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None]
+    sampled += [
+        f"{name}={value} must be None" for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None
+    ]
     if sampled:
-        problems.append(f"beam search scores the model's own probabilities, so {' and '.join(sampled)} there (beam "
-                        "sampling is not supported)")
+        problems.append(
+            f"beam search scores the model's own probabilities, so {' and '.join(sampled)} there (beam "
+            "sampling is not supported)"
+        )
     others = sorted(set(kwargs) - set(BEAM_OPTIONS)) + (["generator"] if generator is not None else [])
     if others:
-        problems.append(f"{', '.join(others)} cannot be used with num_beams (beam search is deterministic; "
-                        "num_return_sequences gives several continuations)")
+        problems.append(
+            f"{', '.join(others)} cannot be used with num_beams (beam search is deterministic; "
+            "num_return_sequences gives several continuations)"
+        )
     n = kwargs.pop("num_return_sequences", 1)
     if not isinstance(n, int) or isinstance(n, bool):
         problems.append(f"num_return_sequences={n!r} must be an integer")
@@ -284,10 +313,19 @@ def _generate_beams(model: GPT, prompts: Prompts, max_new_tokens: int, temperatu
         kwargs.pop("length_penalty", None)
         return generate(model, prompts, max_new_tokens, temperature=0, **kwargs)
     rows = check_prompts(prompts, model.config.vocab_size)
-    new = beam_search(model, rows, max_new_tokens, num_beams, early_stopping=early_stopping, num_return_sequences=n,
-                      length_penalty=kwargs.get("length_penalty", 1.0), stop_tokens=list(kwargs.get("stop_tokens", ())),
-                      extend_context=kwargs.get("extend_context", False), compile=kwargs.get("compile", False),
-                      vocab_limit=kwargs.get("vocab_limit"))
+    new = beam_search(
+        model,
+        rows,
+        max_new_tokens,
+        num_beams,
+        early_stopping=early_stopping,
+        num_return_sequences=n,
+        length_penalty=kwargs.get("length_penalty", 1.0),
+        stop_tokens=list(kwargs.get("stop_tokens", ())),
+        extend_context=kwargs.get("extend_context", False),
+        compile=kwargs.get("compile", False),
+        vocab_limit=kwargs.get("vocab_limit"),
+    )
     full = [[*rows[i // n], *tokens] for i, tokens in enumerate(new)]
     if not isinstance(prompts, torch.Tensor):
         return full
@@ -325,7 +363,11 @@ class TextStream:
             out, self.pending, self.done = self.pending[: min(hits)], "", True
             return out
         # no stop string has started before a released character: keep the longest tail that begins one
-        hold = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        hold = (
+            0
+            if final
+            else max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        )
         cut = len(self.pending) - hold
         out, self.pending = self.pending[:cut], self.pending[cut:]
         self.done = final

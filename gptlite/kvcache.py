@@ -27,7 +27,9 @@ class KVCache:
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
         shape = (batch_size, config.kv_heads, max_len, config.head_width)  # only n_kv_head heads: GQA's saving
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (B, KV, max_len, D) each
+        self.k = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)
+        ]  # (B, KV, max_len, D) each
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.max_len = max_len
         self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
@@ -94,7 +96,12 @@ class KVCache:
 
     def same_shape(self, other: KVCache) -> bool:
         mine, theirs = self.k[0], other.k[0]
-        return (len(self.k), mine.shape, mine.dtype, mine.device) == (len(other.k), theirs.shape, theirs.dtype, theirs.device)
+        return (len(self.k), mine.shape, mine.dtype, mine.device) == (
+            len(other.k),
+            theirs.shape,
+            theirs.dtype,
+            theirs.device,
+        )
 
     def copy_from(self, other: KVCache) -> None:
         """Take over other's contents (same shapes), keeping this cache's buffers where they are."""

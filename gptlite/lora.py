@@ -58,22 +58,28 @@ def check_lora(model: GPT, rank: int, targets: tuple[str, ...] = TARGETS) -> lis
     """The names of the layers `targets` select; a rank outside 1..min(in, out) or a target that names no linear
     layer is a one-line ValueError."""
     if not targets or not all(targets):
-        raise ValueError(f"lora_targets={','.join(targets)!r} names no layer; choose among {', '.join(TARGETS)} "
-                         "(and lm_head)")
+        raise ValueError(
+            f"lora_targets={','.join(targets)!r} names no layer; choose among {', '.join(TARGETS)} (and lm_head)"
+        )
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.endswith(targets)]
     unmatched = [t for t in targets if not any(name.endswith(t) for name in names)]
     if unmatched:
-        raise ValueError(f"lora_targets: {', '.join(unmatched)} name no linear layer of this model; choose among "
-                         f"{', '.join(TARGETS)} (and lm_head)")
+        raise ValueError(
+            f"lora_targets: {', '.join(unmatched)} name no linear layer of this model; choose among "
+            f"{', '.join(TARGETS)} (and lm_head)"
+        )
     narrowest = min(min(model.get_submodule(n).in_features, model.get_submodule(n).out_features) for n in names)
     if not isinstance(rank, int) or not 1 <= rank <= narrowest:
-        raise ValueError(f"lora_rank={rank} must be between 1 and {narrowest}, the narrowest targeted layer's width "
-                         "(leave lora_rank out to train every weight)")
+        raise ValueError(
+            f"lora_rank={rank} must be between 1 and {narrowest}, the narrowest targeted layer's width "
+            "(leave lora_rank out to train every weight)"
+        )
     return names
 
 
-def add_lora(model: GPT, rank: int, alpha: float = 16.0, dropout: float = 0.0, targets: tuple[str, ...] = TARGETS
-             ) -> GPT:
+def add_lora(
+    model: GPT, rank: int, alpha: float = 16.0, dropout: float = 0.0, targets: tuple[str, ...] = TARGETS
+) -> GPT:
     """Freeze `model` and give the linear layers that `targets` name trainable low-rank updates, in place; returns
     the model. A tied head stays tied: LoRA on lm_head is refused for a tied model (it would change the embedding)."""
     names = check_lora(model, rank, targets)

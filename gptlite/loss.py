@@ -23,8 +23,9 @@ def chunk_tokens(vocab_size: int) -> int:
     return max(64, CHUNK_BYTES // (4 * vocab_size))
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
-                         chunk: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", chunk: int | None = None
+) -> torch.Tensor:
     """h (N, C) hidden states, weight (V, C) the head, targets (N,) with -1 ignored -> the cross-entropy of
     h @ weight.T against targets: its mean over the targets that are not -1 (NaN if there are none, as
     F.cross_entropy), or with reduction="sum" its sum. The matmuls run in autocast's dtype when autocast is on,
@@ -51,8 +52,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     gradients, (N, C) and (V, C): the size of the inputs."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mean: bool, chunk: int,
-                grads: bool) -> torch.Tensor:
+    def forward(
+        ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mean: bool, chunk: int, grads: bool
+    ) -> torch.Tensor:
         dtype = compute_dtype(h, weight)
         want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         with torch.autocast(h.device.type, enabled=False):
@@ -89,5 +91,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (None if grad_h is None else (grad_h * grad_out).to(h_dtype),
-                None if grad_w is None else (grad_w * grad_out).to(w_dtype), None, None, None, None)
+        return (
+            None if grad_h is None else (grad_h * grad_out).to(h_dtype),
+            None if grad_w is None else (grad_w * grad_out).to(w_dtype),
+            None,
+            None,
+            None,
+            None,
+        )

@@ -204,7 +204,9 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = QKNorm(config) if config.qk_norm else None  # Qwen3: each head's q and k through an RMSNorm
         self.rotate = POSITIONS[config.pos_emb].rotate  # RoPE rotates q and k; the other schemes do nothing here
 
-    def forward(self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # split's backward writes one contiguous gradient
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
@@ -333,7 +335,9 @@ class Block(nn.Module):
         self.ffn_norm = NORMS[config.norm](config)
         self.ffn = FFNS[config.ffn](config)
 
-    def forward(self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rot, cache, layer)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -369,8 +373,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
-                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T) (-1 ignored): its mean,
         or with reduction="sum" its sum; None without targets. return_logits=False (training) gives (None, loss), the
         head and loss a chunk of tokens at a time (gptlite.loss): all the logits are never in memory at once."""
@@ -433,41 +442,59 @@ class GPT(nn.Module):
                 f"{source}: the weights do not fit the model its config describes (missing: "
                 f"{', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'}): it comes from "
                 "another program or gptlite version (a sinusoidal-position model saved before gptlite learned the "
-                "table's gain, pos_emb.gain, must be retrained)")
+                "table's gain, pos_emb.gain, must be retrained)"
+            )
         wrong = next((k for k, v in state.items() if v.shape != expected[k].shape), None)
         if wrong is not None:
-            raise ValueError(f"{source}: tensor {wrong} has shape {tuple(state[wrong].shape)} but the config describes "
-                             f"{tuple(expected[wrong].shape)}; the config and the weights do not belong together")
+            raise ValueError(
+                f"{source}: tensor {wrong} has shape {tuple(state[wrong].shape)} but the config describes "
+                f"{tuple(expected[wrong].shape)}; the config and the weights do not belong together"
+            )
 
     def _check_input(self, idx: torch.Tensor) -> None:
         if not isinstance(idx, torch.Tensor):
-            raise TypeError(f"idx must be a tensor of token ids of shape (B, T), got {type(idx).__name__}; "
-                            "e.g. torch.tensor([ids])")
+            raise TypeError(
+                f"idx must be a tensor of token ids of shape (B, T), got {type(idx).__name__}; e.g. torch.tensor([ids])"
+            )
         if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}; use idx.long()")
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}; a single sequence is idx[None]")
         if idx.size(1) > self.config.block_size:
-            raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size={self.config.block_size}; "
-                             "crop the input or train a model with a larger block_size")
+            raise ValueError(
+                f"sequence of length {idx.size(1)} is longer than block_size={self.config.block_size}; "
+                "crop the input or train a model with a larger block_size"
+            )
         if torch.compiler.is_compiling() or idx.numel() == 0:
             return  # value checks would break the graph; the data loader checks ids before training
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); check the tokenizer and vocab_size")
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); check the tokenizer and vocab_size"
+            )
 
     @staticmethod
     def _check_targets(idx: torch.Tensor, targets: torch.Tensor) -> None:
         if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-            raise TypeError(f"targets must be a tensor of integer token ids (-1 = ignore), got "
-                            f"{getattr(targets, 'dtype', type(targets).__name__)}")
+            raise TypeError(
+                f"targets must be a tensor of integer token ids (-1 = ignore), got "
+                f"{getattr(targets, 'dtype', type(targets).__name__)}"
+            )
         if isinstance(idx, torch.Tensor) and targets.shape != idx.shape:
             raise ValueError(f"targets must have the shape of idx, {tuple(idx.shape)}, got {tuple(targets.shape)}")
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding against a KV cache. Keyword arguments
         (seed, num_samples, stop_tokens, penalties, extend_context, compile): see gptlite.generate."""
         from gptlite.generate import generate

@@ -47,8 +47,9 @@ def row_sizes(rows: int, split: Split) -> list[int]:
     return [rows // split] * split if isinstance(split, int) else list(split)
 
 
-def orthogonalise(updates: list[Tensor], split: Split = 1, dtype: torch.dtype = torch.bfloat16,
-                  scaled: bool = False) -> list[Tensor]:
+def orthogonalise(
+    updates: list[Tensor], split: Split = 1, dtype: torch.dtype = torch.bfloat16, scaled: bool = False
+) -> list[Tensor]:
     """Updates (rows, cols), each `split` logical matrices stacked along dim 0 -> each logical matrix's
     newton_schulz in dtype (times its lr_scale if `scaled`), stacked again. Matrices of one shape go through one batched iteration (a few
     bmm calls instead of a few mm calls per matrix: for the 2x128 char model's Muon step 3x less time on
@@ -62,8 +63,11 @@ def orthogonalise(updates: list[Tensor], split: Split = 1, dtype: torch.dtype = 
         shapes.setdefault(m.shape, []).append(i)
     done = list(chunks)
     for same in shapes.values():
-        batch = newton_schulz(chunks[same[0]], dtype)[None] if len(same) == 1 else \
-            newton_schulz(torch.stack([chunks[i] for i in same]), dtype)  # (n, rows, cols)
+        batch = (
+            newton_schulz(chunks[same[0]], dtype)[None]
+            if len(same) == 1
+            else newton_schulz(torch.stack([chunks[i] for i in same]), dtype)
+        )  # (n, rows, cols)
         for i, m in zip(same, batch):
             done[i] = m * lr_scale(m.shape) if scaled else m
     results = [torch.cat(done[k * n : (k + 1) * n]) for k in range(len(updates))]  # (rows, cols) each
@@ -109,16 +113,24 @@ class Muon(torch.optim.Optimizer):
     slowly (the 4x128 char model's iterations took 690 ms per step in bfloat16, 37 ms in float32, on one thread
     of an AVX2 CPU)."""
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 0.02, momentum: float = 0.95,
-                 weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "split": 1})
         self.ns_dtype = ns_dtype  # not a group value: checkpoints hold plain values only
         for group in self.param_groups:
             split = group["split"]
             for p in group["params"]:
                 if p.dim() != 2 or (p.size(0) % split if isinstance(split, int) else sum(split) != p.size(0)):
-                    raise ValueError(f"Muon takes 2-D parameters whose rows split into {group['split']} equal "
-                                     f"matrices, got shape {tuple(p.shape)}; give other parameters to AdamW")
+                    raise ValueError(
+                        f"Muon takes 2-D parameters whose rows split into {group['split']} equal "
+                        f"matrices, got shape {tuple(p.shape)}; give other parameters to AdamW"
+                    )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

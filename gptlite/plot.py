@@ -37,8 +37,10 @@ def run_rows(run: str | Path) -> tuple[str, list[dict]]:
     rows = read_metrics(path)
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict) or not is_number(r.get("step"))), None)
     if bad is not None:
-        raise ValueError(f"{path}: row {bad + 1} is not a metrics row (a JSON object with a numeric step): "
-                         f"{str(rows[bad])[:80]}; pass a metrics.jsonl that train.py wrote")
+        raise ValueError(
+            f"{path}: row {bad + 1} is not a metrics row (a JSON object with a numeric step): "
+            f"{str(rows[bad])[:80]}; pass a metrics.jsonl that train.py wrote"
+        )
     if not any(curve(rows, key, "step")[0] for key in ("loss", "val_loss")):
         raise ValueError(f"{path} has no finite loss values to plot")
     return (path.parent.name if path.name == METRICS_FILE else path.stem), rows
@@ -60,14 +62,18 @@ def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: boo
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("gptlite.plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from None
+        raise ImportError(
+            "gptlite.plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')"
+        ) from None
     check_out([str(r) for r in runs], Path(out))
     labelled = [run_rows(run) for run in runs]
     if x == "tokens":
         old = [label for label, rows in labelled if not any("tokens" in r for r in rows)]
         if old:
-            raise ValueError(f"the metrics of {', '.join(old)} have no token counts (runs of older gptlite versions "
-                             "did not log them); plot them with --x=step")
+            raise ValueError(
+                f"the metrics of {', '.join(old)} have no token counts (runs of older gptlite versions "
+                "did not log them); plot them with --x=step"
+            )
     with_bpb = any(r.get("val_bpb") is not None for _, rows in labelled for r in rows)
     fig = Figure(figsize=(12 if with_bpb else 8, 5), layout="constrained")
     FigureCanvasAgg(fig)
@@ -75,8 +81,9 @@ def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: boo
     for i, (label, rows) in enumerate(labelled):
         color = f"C{i % 10}"
         axes[0].plot(*curve(rows, "loss", x), color=color, linewidth=1.2, label=f"{label} train")
-        axes[0].plot(*curve(rows, "val_loss", x), color=color, linestyle="--", marker="o", markersize=3,
-                     label=f"{label} val")
+        axes[0].plot(
+            *curve(rows, "val_loss", x), color=color, linestyle="--", marker="o", markersize=3, label=f"{label} val"
+        )
         if with_bpb:
             axes[1].plot(*curve(rows, "val_bpb", x), color=color, linestyle="--", marker="o", markersize=3, label=label)
     for ax, ylabel in zip(axes, ["loss (nats per token)", "val bits per byte"]):
@@ -107,8 +114,10 @@ def check_out(runs: list[str], out: Path) -> None:
     """The plot's file: a known format, in an existing folder, never one of the runs' own files."""
     inputs = {os.path.realpath(metrics_path(run)) for run in runs}
     if os.path.realpath(out) in inputs:
-        raise ValueError(f"--out={out} is one of the metrics files plotted; it would be overwritten: choose another "
-                         "name, e.g. loss.png")
+        raise ValueError(
+            f"--out={out} is one of the metrics files plotted; it would be overwritten: choose another "
+            "name, e.g. loss.png"
+        )
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"--out={out}: the ending {out.suffix or '(none)'} names no format; use .png, .pdf or .svg")
     if not out.parent.is_dir():
@@ -119,8 +128,9 @@ def check_out(runs: list[str], out: Path) -> None:
 
 @dataclass
 class PlotOptions:
-    runs: list[str] = option(default_factory=list, help="training runs' out_dirs (or metrics.jsonl files)",
-                             positional=True)
+    runs: list[str] = option(
+        default_factory=list, help="training runs' out_dirs (or metrics.jsonl files)", positional=True
+    )
     x: str = option("step", "the x axis", choices=("step", "tokens"))
     log: bool = option(False, "logarithmic axes")
     out: str = option("", "the plot: .png, .pdf or .svg (default: RUN/loss.png for one run, loss.png here for several)")

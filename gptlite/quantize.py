@@ -101,6 +101,7 @@ def quantize(model: GPT, mode: str = "int8") -> GPT:
     tied = model.lm_head.weight is model.tok_emb.weight
     embedding = model.tok_emb.weight
     model.lm_head = Int8Linear.from_linear(model.lm_head)
-    model.tok_emb = (Int8Embedding(model.lm_head) if tied else
-                     Int8Embedding(Int8Linear(*quantize_rows(embedding), None), owned=True))  # (V, C) rows as a head's
+    model.tok_emb = (
+        Int8Embedding(model.lm_head) if tied else Int8Embedding(Int8Linear(*quantize_rows(embedding), None), owned=True)
+    )  # (V, C) rows as a head's
     return model.eval().requires_grad_(False)

@@ -27,8 +27,12 @@ class Sampling:
         for name in ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty"):
             value = getattr(self, name)
             optional = name in ("top_k", "top_p") and value is None
-            if not optional and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
-                raise TypeError(f"{name}={value!r} must be a finite number" + (", or None" if name in ("top_k", "top_p") else ""))
+            if not optional and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            ):
+                raise TypeError(
+                    f"{name}={value!r} must be a finite number" + (", or None" if name in ("top_k", "top_p") else "")
+                )
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if self.top_k is not None and (self.top_k < 1 or self.top_k != int(self.top_k)):

@@ -105,17 +105,23 @@ def read_roles(path: str | Path, tokens: int) -> np.ndarray:
     """Memory-map a roles file after checking its header and that it has one byte per token of its shard."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"roles file {path} does not exist; a chat data folder has one beside each shard: "
-                                "prepare the data again with data/prepare.py --chat")
+        raise FileNotFoundError(
+            f"roles file {path} does not exist; a chat data folder has one beside each shard: "
+            "prepare the data again with data/prepare.py --chat"
+        )
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     size = path.stat().st_size
     if len(header) < 3 or int(header[0]) != ROLES_MAGIC or int(header[1]) != ROLES_VERSION:
-        raise ValueError(f"{path} is not a gptlite roles file (magic {ROLES_MAGIC}, version {ROLES_VERSION}); "
-                         "prepare the data again with data/prepare.py --chat")
+        raise ValueError(
+            f"{path} is not a gptlite roles file (magic {ROLES_MAGIC}, version {ROLES_VERSION}); "
+            "prepare the data again with data/prepare.py --chat"
+        )
     count = int(header[2])
     if count != tokens or size != HEADER_BYTES + count:
-        raise ValueError(f"{path} holds {max(0, size - HEADER_BYTES)} role bytes (header: {count}) for a shard of "
-                         f"{tokens} tokens; prepare the data again (--overwrite)")
+        raise ValueError(
+            f"{path} holds {max(0, size - HEADER_BYTES)} role bytes (header: {count}) for a shard of "
+            f"{tokens} tokens; prepare the data again (--overwrite)"
+        )
     if count == 0:
         return np.zeros(0, dtype=np.uint8)
     return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,))
@@ -148,7 +154,9 @@ def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
     listed = {s["file"] for s in manifest["shards"]}
     extra = sorted(p.name for p in data_dir.glob("*.bin") if p.name not in listed)
     if extra:
-        raise ValueError(f"{data_dir} holds shards its manifest does not list ({', '.join(extra)}); remove them or prepare again")
+        raise ValueError(
+            f"{data_dir} holds shards its manifest does not list ({', '.join(extra)}); remove them or prepare again"
+        )
     for shard in manifest["shards"]:
         shard_path = data_dir / shard["file"]
         tokens = read_shard(shard_path)  # checks that it exists and its header
@@ -162,8 +170,10 @@ def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
             read_roles(roles_path(shard_path), len(tokens))  # a chat preparation's roles: there, and of its length
             roles_sha = manifest["sha256"].get(roles_path(shard_path).name)
             if checksums and roles_sha and file_sha256(roles_path(shard_path)) != roles_sha:
-                raise ValueError(f"roles file {roles_path(shard_path)} does not match its sha256 in the manifest; "
-                                 "prepare the data again (--overwrite)")
+                raise ValueError(
+                    f"roles file {roles_path(shard_path)} does not match its sha256 in the manifest; "
+                    "prepare the data again (--overwrite)"
+                )
         if checksums and expected and file_sha256(shard_path) != expected:
             raise ValueError(
                 f"shard {shard_path} does not match its sha256 in the manifest ({expected[:12]}...): the file "
@@ -179,12 +189,16 @@ def find_shards(spec: str | Path, split: str) -> list[Path]:
     spec = str(spec)
     if os.path.isdir(spec):
         if (Path(spec) / PROGRESS).is_file() and not (Path(spec) / MANIFEST).is_file():
-            raise ValueError(f"{spec} holds an unfinished preparation ({PROGRESS}, no {MANIFEST}); finish it by "
-                             "running the same data/prepare.py command again")
+            raise ValueError(
+                f"{spec} holds an unfinished preparation ({PROGRESS}, no {MANIFEST}); finish it by "
+                "running the same data/prepare.py command again"
+            )
         files = [p for p in sorted(Path(spec).glob("*.bin")) if split in p.name]
     elif not glob.has_magic(spec) and not os.path.exists(spec):
-        raise FileNotFoundError(f"data {spec} does not exist; prepare data there first (python data/prepare.py "
-                                f"--input=... --out_dir={spec}) or check the path")
+        raise FileNotFoundError(
+            f"data {spec} does not exist; prepare data there first (python data/prepare.py "
+            f"--input=... --out_dir={spec}) or check the path"
+        )
     else:
         files = [Path(p) for p in sorted(glob.glob(spec))]
     if not files:
@@ -221,7 +235,9 @@ def token_dtype(vocab_size: int, dtype: str = "auto") -> np.dtype:
     name = ("uint16" if vocab_size <= 2**16 else "uint32") if dtype == "auto" else dtype
     limit = 2 ** (8 * DTYPES[name].itemsize)
     if vocab_size > limit:
-        raise ValueError(f"the tokenizer's {vocab_size:,} ids do not fit {name} (at most {limit:,}); use dtype uint32 or auto")
+        raise ValueError(
+            f"the tokenizer's {vocab_size:,} ids do not fit {name} (at most {limit:,}); use dtype uint32 or auto"
+        )
     return DTYPES[name]
 
 

@@ -30,14 +30,18 @@ def module_name(path: Path) -> str:
 
 def function_lengths(tree: ast.AST) -> list[tuple[int, str, int]]:
     """(lines, name, first line) of every function and method, nested ones included."""
-    return [(node.end_lineno - node.lineno + 1, node.name, node.lineno) for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        (node.end_lineno - node.lineno + 1, node.name, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imported_modules(tree: ast.AST, name: str, is_package: bool) -> set[str]:
@@ -116,8 +120,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_count() -> str:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"], cwd=ROOT, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q"], cwd=ROOT, capture_output=True, text=True
+    )
     lines = [line for line in out.stdout.splitlines() if "tests collected" in line or "test collected" in line]
     return lines[-1].split(" in ")[0] if lines else "unknown (pytest --collect-only failed)"
 
@@ -126,8 +131,14 @@ def main(argv: list[str]) -> int:
     files = python_files()
     trees = {p: ast.parse(p.read_text()) for p in files}
     print(f"README.md: {len((ROOT / 'README.md').read_text().splitlines())} lines")
-    longest = sorted(((n, f"{p.relative_to(ROOT)}:{line} {name}") for p, t in trees.items()
-                      for n, name, line in function_lengths(t)), reverse=True)
+    longest = sorted(
+        (
+            (n, f"{p.relative_to(ROOT)}:{line} {name}")
+            for p, t in trees.items()
+            for n, name, line in function_lengths(t)
+        ),
+        reverse=True,
+    )
     print(f"functions over 80 lines: {sum(n > 80 for n, _ in longest)}; the longest:")
     for n, where in longest[:5]:
         print(f"  {n:4d}  {where}")
@@ -137,9 +148,14 @@ def main(argv: list[str]) -> int:
     for n, name in sizes[:5]:
         print(f"  {n:4d}  {name}")
     found = cycles(import_graph({k: v for k, v in package.items() if k != "gptlite"}))
-    print(f"gptlite modules in import cycles: {sum(map(len, found))}" + "".join(f"\n  {' <-> '.join(c)}" for c in found))
-    parsers = [str(p.relative_to(ROOT)) for p, t in trees.items()
-               if {m.split(".")[0] for m in imported_modules(t, module_name(p), p.name == "__init__.py")} & PARSER_LIBRARIES]
+    print(
+        f"gptlite modules in import cycles: {sum(map(len, found))}" + "".join(f"\n  {' <-> '.join(c)}" for c in found)
+    )
+    parsers = [
+        str(p.relative_to(ROOT))
+        for p, t in trees.items()
+        if {m.split(".")[0] for m in imported_modules(t, module_name(p), p.name == "__init__.py")} & PARSER_LIBRARIES
+    ]
     print(f"files importing a command-line parser library: {len(parsers)} ({', '.join(parsers) or 'none'})")
     if "--no-tests" not in argv:
         print(f"tests: {test_count()}")

@@ -18,15 +18,20 @@ from gptlite import GPT, GPTConfig
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout; from a git worktree (e.g. wt/NAME beside the main checkout) the nearest
 # ancestor that has one
-SHARED = Path(os.environ["GPTLITE_SHARED"]) if os.environ.get("GPTLITE_SHARED") else next(
-    (p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")
+SHARED = (
+    Path(os.environ["GPTLITE_SHARED"])
+    if os.environ.get("GPTLITE_SHARED")
+    else next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")
+)
 DEVICE = os.environ.get("GPTLITE_TEST_DEVICE", "cpu")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "device: device-generic; runs on GPTLITE_TEST_DEVICE")
     if DEVICE.startswith("cuda") and not torch.cuda.is_available():
-        raise pytest.UsageError(f"GPTLITE_TEST_DEVICE={DEVICE} but CUDA is not available here; unset it to test on the CPU")
+        raise pytest.UsageError(
+            f"GPTLITE_TEST_DEVICE={DEVICE} but CUDA is not available here; unset it to test on the CPU"
+        )
     if not DEVICE.startswith(("cpu", "cuda", "mps")):
         raise pytest.UsageError(f"GPTLITE_TEST_DEVICE={DEVICE!r} must be cpu, cuda, cuda:N or mps")
 
@@ -123,8 +128,14 @@ VARIANTS = {
     "gqa-untied": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 2, "tie_embeddings": False},
     "qwen2": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 1, "qkv_bias": True},
     "qwen3": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 2, "qk_norm": True, "head_dim": 16},
-    "llama3": {"pos_emb": "rope", "norm": "rmsnorm", "n_kv_head": 2, "rope_scaling": "llama3", "rope_factor": 4.0,
-               "rope_original_context": 16},
+    "llama3": {
+        "pos_emb": "rope",
+        "norm": "rmsnorm",
+        "n_kv_head": 2,
+        "rope_scaling": "llama3",
+        "rope_factor": 4.0,
+        "rope_original_context": 16,
+    },
 }
 
 

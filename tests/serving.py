@@ -23,8 +23,10 @@ MODEL = "tiny"
 class TemplateTokenizer(CharTokenizer):
     """A char tokenizer with a small chat template: "role: content\\n" per message, then "assistant: "."""
 
-    chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}assistant: {% endif %}")
+    chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return render(self.chat_template, messages, add_generation_prompt)
@@ -69,8 +71,10 @@ class Served:
     def greedy(self, prompt: str, max_tokens: int) -> str:
         """The model's own greedy continuation, through GPT.generate."""
         ids = self.tokenizer.encode(prompt)
-        out = self.model.generate(torch.tensor([ids], device=self.model.tok_emb.weight.device), max_tokens, temperature=0)
-        return self.tokenizer.decode(out[0, len(ids):].tolist())
+        out = self.model.generate(
+            torch.tensor([ids], device=self.model.tok_emb.weight.device), max_tokens, temperature=0
+        )
+        return self.tokenizer.decode(out[0, len(ids) :].tolist())
 
     def close(self) -> None:
         self.running.stop()

@@ -23,8 +23,11 @@ PAD = 1  # transformers fills finished rows with its pad id (0 would be replaced
 def models(tmp_path_factory):
     """(transformers GPT-2 with random weights, the same weights through GPT.from_pretrained)."""
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=97,
-                                                              n_positions=64, bos_token_id=None, eos_token_id=None))
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2, n_head=4, n_embd=32, vocab_size=97, n_positions=64, bos_token_id=None, eos_token_id=None
+        )
+    )
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.3)
@@ -38,8 +41,9 @@ def hf_beams(hf, eos, **kw) -> list[list[int]]:
     width = max(map(len, PROMPTS))
     idx = torch.tensor([[PAD] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
-    out = hf.generate(idx, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
-                      eos_token_id=eos, **kw)[:, width:].tolist()
+    out = hf.generate(
+        idx, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=eos, **kw
+    )[:, width:].tolist()
     rows = []
     for row in out:  # a row that ended holds its end token, then padding
         rows.append(row[: row.index(eos) + 1] if eos in row else row)
@@ -53,15 +57,26 @@ def hf_beams(hf, eos, **kw) -> list[list[int]]:
 def test_the_same_tokens_as_transformers(models, num_beams, with_end, length_penalty, early_stopping):
     hf, model = models
     end = model.generate(PROMPTS, 4, temperature=0)[0][len(PROMPTS[0]) + 2] if with_end else None  # 3rd greedy token
-    kw = dict(num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
-              num_return_sequences=num_beams)
+    kw = dict(
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        num_return_sequences=num_beams,
+    )
     expected = hf_beams(hf, end, **kw)
     ours = model.generate(PROMPTS, NEW, stop_tokens=[end] if with_end else [], **kw)
     assert [row[len(PROMPTS[i // num_beams]) :] for i, row in enumerate(ours)] == expected
     if with_end and length_penalty <= 1.0:  # (a larger penalty favours the long hypotheses that did not end)
         assert any(len(row) < NEW for row in expected)  # some hypothesis did end early
-    best = model.generate(PROMPTS, NEW, temperature=0, num_beams=num_beams, length_penalty=length_penalty,
-                          early_stopping=early_stopping, stop_tokens=[end] if with_end else [])
+    best = model.generate(
+        PROMPTS,
+        NEW,
+        temperature=0,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        stop_tokens=[end] if with_end else [],
+    )
     assert best == [ours[0], ours[num_beams]]  # num_return_sequences=1: the best of each prompt
 
 
@@ -85,27 +100,33 @@ def test_beams_follow_their_parents_in_the_cache_and_compiled_steps_agree(models
     _, model = models
     module = sys.modules["gptlite.kvcache"]
     calls = []
-    monkeypatch.setattr(sys.modules["gptlite.beam"], "decode_step", lambda m, t, c: calls.append(t.shape) or m.step(t, c))
+    monkeypatch.setattr(
+        sys.modules["gptlite.beam"], "decode_step", lambda m, t, c: calls.append(t.shape) or m.step(t, c)
+    )
     plain = model.generate(PROMPTS, NEW, num_beams=4)
     assert calls == [(8, 1)] * (NEW - 1)  # 2 prompts x 4 beams, one token each
     torch._dynamo.reset()
-    monkeypatch.setattr(module, "_compiled", {"cpu": torch.compile(module.decode_step, backend="eager", fullgraph=True,
-                                                                  dynamic=False)})
+    monkeypatch.setattr(
+        module, "_compiled", {"cpu": torch.compile(module.decode_step, backend="eager", fullgraph=True, dynamic=False)}
+    )
     assert model.generate(PROMPTS, NEW, num_beams=4, compile=True) == plain
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"num_beams": 0}, "num_beams=0 must be an integer >= 1"),
-    ({"num_beams": 2, "temperature": 0.7}, r"temperature=0.7 must be 0 or 1 .* \(beam sampling is not supported\)"),
-    ({"num_beams": 2, "top_k": 5}, r"top_k=5 must be None there \(beam sampling"),
-    ({"num_beams": 2, "top_p": 0.9}, r"probabilities, so top_p=0.9 must be None there"),
-    ({"num_beams": 2, "num_return_sequences": 2.0}, "num_return_sequences=2.0 must be an integer"),
-    ({"num_beams": -1}, "num_beams=-1 must be an integer >= 1"),
-    ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences=3 must be between 1 and num_beams=2"),
-    ({"num_beams": 2, "seed": 1}, "seed cannot be used with num_beams"),
-    ({"num_beams": 2, "repetition_penalty": 1.2}, "repetition_penalty cannot be used with num_beams"),
-    ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping='sometimes' must be True, False or 'never'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_beams": 0}, "num_beams=0 must be an integer >= 1"),
+        ({"num_beams": 2, "temperature": 0.7}, r"temperature=0.7 must be 0 or 1 .* \(beam sampling is not supported\)"),
+        ({"num_beams": 2, "top_k": 5}, r"top_k=5 must be None there \(beam sampling"),
+        ({"num_beams": 2, "top_p": 0.9}, r"probabilities, so top_p=0.9 must be None there"),
+        ({"num_beams": 2, "num_return_sequences": 2.0}, "num_return_sequences=2.0 must be an integer"),
+        ({"num_beams": -1}, "num_beams=-1 must be an integer >= 1"),
+        ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences=3 must be between 1 and num_beams=2"),
+        ({"num_beams": 2, "seed": 1}, "seed cannot be used with num_beams"),
+        ({"num_beams": 2, "repetition_penalty": 1.2}, "repetition_penalty cannot be used with num_beams"),
+        ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping='sometimes' must be True, False or 'never'"),
+    ],
+)
 def test_beam_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         tiny_model().generate(torch.tensor([[1, 2]]), 3, **kwargs)
@@ -128,13 +149,39 @@ def test_sample_py_prints_the_best_beams(tmp_path):
     chars = "".join(chr(c) for c in range(32, 127)) + "\n\u00e9"
     tokenizer = CharTokenizer(chars)
     tokenizer.save(tmp_path / "tokenizer.json")
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--start=ROMEO:",
-                             "--num_beams=4", "--num_samples=2", "--max_new_tokens=20", "--device=cpu"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "sample.py"),
+            f"--out_dir={tmp_path}",
+            "--start=ROMEO:",
+            "--num_beams=4",
+            "--num_samples=2",
+            "--max_new_tokens=20",
+            "--device=cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     expected = model.generate([tokenizer.encode("ROMEO:")], 20, num_beams=4, num_return_sequences=2)
-    assert result.stdout == "".join(tokenizer.decode(row) + "\n" + ("-" * 40 + "\n" if i == 0 else "")
-                                    for i, row in enumerate(expected))
-    refused = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--num_beams=4",
-                              "--temperature=0.8", "--device=cpu"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.stdout == "".join(
+        tokenizer.decode(row) + "\n" + ("-" * 40 + "\n" if i == 0 else "") for i, row in enumerate(expected)
+    )
+    refused = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "sample.py"),
+            f"--out_dir={tmp_path}",
+            "--num_beams=4",
+            "--temperature=0.8",
+            "--device=cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert refused.returncode == 2 and "temperature=0.8 must be 0 or 1" in refused.stderr

@@ -18,17 +18,25 @@ from gptlite.tokenizer import ByteTokenizer, get_tokenizer, load_tokenizer
 from gptlite.tokenizer.chat import CHATML
 from tests.conftest import ROOT
 
-QWEN_LIKE = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
-             "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{%- endif %}"
-             "{%- for message in messages %}{%- if message.role != 'system' %}{{- '<|im_start|>' + message.role + '\\n' "
-             "+ message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
-             "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-LLAMA_LIKE = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-              "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo 🙂  there\t!"},
-                {"role": "assistant", "content": "Hi.\n\nHow are you?"}, {"role": "user", "content": "Fine."},
-                {"role": "assistant", "content": "Good."}]
+QWEN_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role != 'system' %}{{- '<|im_start|>' + message.role + '\\n' "
+    "+ message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA_LIKE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Héllo 🙂  there\t!"},
+    {"role": "assistant", "content": "Hi.\n\nHow are you?"},
+    {"role": "user", "content": "Fine."},
+    {"role": "assistant", "content": "Good."},
+]
 
 
 def model_dir(tmp_path, template: str, layout: str):
@@ -36,11 +44,24 @@ def model_dir(tmp_path, template: str, layout: str):
     chat_template.jinja (transformers 5) or in tokenizer_config.json (the older Hub layout)."""
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-                "<|end_header_id|>", "<|eot_id|>"]
-    tok.train_from_iterator(["To be, or not to be, that is the question. How are you? Fine. Good."] * 20,
-                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    specials = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|begin_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ]
+    tok.train_from_iterator(
+        ["To be, or not to be, that is the question. How are you? Fine. Good."] * 20,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>"}
     if layout == "config":
@@ -64,8 +85,10 @@ def test_template_ids_equal_transformers(tmp_path, template, layout):
 
 
 def test_the_targets_are_exactly_the_assistants_turns(tmp_path):
-    for tokenizer, end in ((get_tokenizer(str(model_dir(tmp_path, QWEN_LIKE, "jinja"))), "<|im_end|>"),
-                           (ByteTokenizer(), "<|im_end|>")):
+    for tokenizer, end in (
+        (get_tokenizer(str(model_dir(tmp_path, QWEN_LIKE, "jinja"))), "<|im_end|>"),
+        (ByteTokenizer(), "<|im_end|>"),
+    ):
         ids, targets = tokenizer.chat_targets(CONVERSATION)
         assert ids == tokenizer.apply_chat_template(CONVERSATION)
         spans, run = [], []
@@ -84,8 +107,15 @@ def test_the_targets_are_exactly_the_assistants_turns(tmp_path):
 
 def write_chats(path, n: int, seed: int = 0, extra: list | None = None):
     rng = random.Random(seed)
-    rows = [{"messages": [{"role": "user", "content": "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 8)))},
-                          {"role": "assistant", "content": "I like tea."}]} for _ in range(n)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 8)))},
+                {"role": "assistant", "content": "I like tea."},
+            ]
+        }
+        for _ in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, *(extra or [])]))
     return path
 
@@ -108,25 +138,48 @@ def test_prepare_chat_writes_roles_and_counts_what_it_leaves_out(tmp_path):
     assert cut["conversations"]["cut"] == 0 and cut["conversations"]["no_assistant"] == 2  # its answer was cut off
 
 
-@pytest.mark.parametrize("record,message", [
-    ({"text": "hi"}, r"c\.jsonl line 1 has no field 'messages' \(found: text\); pass --messages_field"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, r"message 1 has role 'robot'; use one of system, user, assistant"),
-    ({"messages": "hello"}, r"messages must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"text": "hi"}, r"c\.jsonl line 1 has no field 'messages' \(found: text\); pass --messages_field"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            r"message 1 has role 'robot'; use one of system, user, assistant",
+        ),
+        ({"messages": "hello"}, r"messages must be a non-empty list"),
+    ],
+)
 def test_bad_conversations_are_one_line(tmp_path, record, message):
     (tmp_path / "c.jsonl").write_text(json.dumps(record) + "\n")
-    result = subprocess.run([sys.executable, str(ROOT / "data/prepare.py"), "--input", str(tmp_path / "c.jsonl"),
-                             "--chat", "--tokenizer=byte", f"--out_dir={tmp_path / 'd'}"], capture_output=True,
-                            text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "data/prepare.py"),
+            "--input",
+            str(tmp_path / "c.jsonl"),
+            "--chat",
+            "--tokenizer=byte",
+            f"--out_dir={tmp_path / 'd'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert __import__("re").search(message, result.stderr) and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "d").exists()
 
 
 def test_a_template_that_fails_is_one_line(tmp_path):
-    folder = model_dir(tmp_path / "m" if (tmp_path / "m").mkdir() is None else None,
-                       "{{ raise_exception('only user and assistant') }}", "jinja")
-    with pytest.raises(ValueError, match="the chat template failed to render this conversation: only user and assistant"):
+    folder = model_dir(
+        tmp_path / "m" if (tmp_path / "m").mkdir() is None else None,
+        "{{ raise_exception('only user and assistant') }}",
+        "jinja",
+    )
+    with pytest.raises(
+        ValueError, match="the chat template failed to render this conversation: only user and assistant"
+    ):
         get_tokenizer(str(folder)).apply_chat_template(CONVERSATION)
 
 
@@ -136,14 +189,43 @@ def test_a_model_learns_to_answer_and_sample_chat_answers(tmp_path):
     source = write_chats(tmp_path / "chats.jsonl", 400)
     prepare([str(source)], "byte", tmp_path / "data", chat=True, block_size=64, log=lambda *a: 0)
     run = tmp_path / "run"
-    summary = train.main(train.resolve_config([
-        f"--data_dir={tmp_path / 'data'}", f"--out_dir={run}", "--n_layer=2", "--n_head=2", "--n_embd=64",
-        "--block_size=64", "--batch_size=16", "--learning_rate=3e-3", "--warmup_iters=10", "--max_iters=150",
-        "--eval_interval=150", "--eval_iters=0", "--log_interval=10", "--device=cpu"]))
+    summary = train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={tmp_path / 'data'}",
+                f"--out_dir={run}",
+                "--n_layer=2",
+                "--n_head=2",
+                "--n_embd=64",
+                "--block_size=64",
+                "--batch_size=16",
+                "--learning_rate=3e-3",
+                "--warmup_iters=10",
+                "--max_iters=150",
+                "--eval_interval=150",
+                "--eval_iters=0",
+                "--log_interval=10",
+                "--device=cpu",
+            ]
+        )
+    )
     assert summary["history"][-1][1] < 0.05 and summary["val_history"][-1][1] < 0.05
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={run}", "--chat", "--temperature=0",
-                             "--max_new_tokens=30", "--device=cpu"], input="qwerty\nabc\n", capture_output=True,
-                            text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "sample.py"),
+            f"--out_dir={run}",
+            "--chat",
+            "--temperature=0",
+            "--max_new_tokens=30",
+            "--device=cpu",
+        ],
+        input="qwerty\nabc\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["I like tea.", "I like tea."]
 

@@ -55,7 +55,7 @@ def test_rows_are_whole_conversations_with_assistant_targets_only(chat_data):
             tokens = row_x[: length - 1] + [row_y[length - 2]]
             seen.append(tuple(row_x[: row_x.index(31) + 1]))
             assert [t for t in row_y if t >= 0] == [33, 34, 35, 36, 32]  # the answer and the end of turn only
-            assert all(t == -1 for t in row_y[row_x.index(31) + 5:]) and tokens[0] == 30
+            assert all(t == -1 for t in row_y[row_x.index(31) + 5 :]) and tokens[0] == 30
     assert sorted(seen) == sorted(tuple(c[0][: c[0].index(31) + 1]) for c in convs)  # each conversation once
 
 
@@ -104,9 +104,23 @@ def test_a_model_learns_the_answer_and_not_the_users_letters(chat_data, tmp_path
     """Train on the conversations: the loss over assistant tokens falls near 0, which it could not if the users'
     random letters were targets; resume continues exactly."""
     data, _, _ = chat_data
-    args = [f"--data_dir={data}", "--vocab_size=40", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32",
-            "--batch_size=8", "--learning_rate=1e-2", "--min_lr=1e-3", "--warmup_iters=5", "--eval_iters=0",
-            "--log_interval=5", "--device=cpu", "--total_batch_size=512", "--lr_decay_iters=60"]
+    args = [
+        f"--data_dir={data}",
+        "--vocab_size=40",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=32",
+        "--batch_size=8",
+        "--learning_rate=1e-2",
+        "--min_lr=1e-3",
+        "--warmup_iters=5",
+        "--eval_iters=0",
+        "--log_interval=5",
+        "--device=cpu",
+        "--total_batch_size=512",
+        "--lr_decay_iters=60",
+    ]
     straight = train.main(build_config_from(args, tmp_path / "a", max_iters=60, eval_interval=30))
     assert straight["history"][-1][1] < 0.05 and straight["val_history"][-1][1] < 0.05
     train.main(build_config_from(args, tmp_path / "b", max_iters=30, eval_interval=30))

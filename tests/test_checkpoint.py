@@ -108,8 +108,13 @@ def test_discard_damaged_removes_damaged_later_files_and_a_best_link_to_them(tmp
         save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=3, best=best)
     (tmp_path / "ckpt_000003.pt").write_bytes(b"cut short")
     assert [p.name for p in discard_damaged(tmp_path, 2)] == ["ckpt_000003.pt"]
-    assert names(tmp_path) == ["ckpt.pt", "ckpt_000001.pt", "ckpt_000001.pt.sha256", "ckpt_000002.pt",
-                               "ckpt_000002.pt.sha256"]
+    assert names(tmp_path) == [
+        "ckpt.pt",
+        "ckpt_000001.pt",
+        "ckpt_000001.pt.sha256",
+        "ckpt_000002.pt",
+        "ckpt_000002.pt.sha256",
+    ]
     assert os.readlink(tmp_path / "ckpt.pt") == "ckpt_000002.pt"
     assert discard_damaged(tmp_path, 1) == [] and load_checkpoint(tmp_path)["step"] == 2  # intact files stay
 
@@ -132,7 +137,9 @@ def test_a_full_disk_during_a_save_leaves_no_temp_file_and_the_last_checkpoint_w
     save_run_checkpoint(tmp_path, fake_checkpoint(1, size=200_000))
     real_init = checkpoint._HashingWriter.__init__
     monkeypatch.setattr(checkpoint._HashingWriter, "__init__", lambda self, f: real_init(self, FullDisk(f, 100_000)))
-    with pytest.raises(OSError, match=r"^could not save checkpoint .*ckpt_000002\.pt: no space left on device; free space"):
+    with pytest.raises(
+        OSError, match=r"^could not save checkpoint .*ckpt_000002\.pt: no space left on device; free space"
+    ):
         save_run_checkpoint(tmp_path, fake_checkpoint(2, size=200_000))
     assert names(tmp_path) == ["ckpt.pt", "ckpt_000001.pt", "ckpt_000001.pt.sha256"]
     assert load_checkpoint(tmp_path)["step"] == 1
@@ -158,8 +165,9 @@ checkpoint.save_run_checkpoint(sys.argv[1], {"step": 3, "config": {}, "model": {
 def test_kill_9_in_the_middle_of_a_write_leaves_the_latest_checkpoint_intact(tmp_path):
     for step in (1, 2):
         save_run_checkpoint(tmp_path, fake_checkpoint(step, size=200_000))
-    result = subprocess.run([sys.executable, "-c", KILL_DURING_WRITE, str(tmp_path)], cwd=ROOT, capture_output=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_WRITE, str(tmp_path)], cwd=ROOT, capture_output=True, timeout=120
+    )
     assert result.returncode == -9, result.stderr  # really killed, mid-write
     assert (tmp_path / "ckpt_000003.pt.tmp").stat().st_size > 200_000  # the half-written file
     assert not (tmp_path / "ckpt_000003.pt").exists() and not (tmp_path / "ckpt_000003.pt.sha256").exists()
@@ -171,8 +179,15 @@ def test_kill_9_in_the_middle_of_a_write_leaves_the_latest_checkpoint_intact(tmp
     # the next save clears what the crash left, including a checksum whose file never arrived
     (tmp_path / "ckpt_000009.pt.sha256").write_text("0" * 64 + "  ckpt_000009.pt\n")
     save_run_checkpoint(tmp_path, fake_checkpoint(3))
-    assert names(tmp_path) == ["ckpt.pt", "ckpt_000001.pt", "ckpt_000001.pt.sha256", "ckpt_000002.pt",
-                               "ckpt_000002.pt.sha256", "ckpt_000003.pt", "ckpt_000003.pt.sha256"]
+    assert names(tmp_path) == [
+        "ckpt.pt",
+        "ckpt_000001.pt",
+        "ckpt_000001.pt.sha256",
+        "ckpt_000002.pt",
+        "ckpt_000002.pt.sha256",
+        "ckpt_000003.pt",
+        "ckpt_000003.pt.sha256",
+    ]
 
 
 @pytest.mark.device
@@ -212,11 +227,19 @@ def test_weights_that_do_not_fit_the_config_are_refused_in_one_line(tmp_path):
     old = {k: v for k, v in model.state_dict().items() if k != "pos_emb.gain"}
     save_checkpoint(tmp_path / "ckpt.pt", {"config": config, "model": old})
     CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n\u00e9").save(tmp_path / "tokenizer.json")  # 97 ids
-    with pytest.raises(ValueError, match=r"weights do not fit the model its config describes \(missing: pos_emb\.gain; "
-                                         r"unexpected: none\).*must be retrained"):
+    with pytest.raises(
+        ValueError,
+        match=r"weights do not fit the model its config describes \(missing: pos_emb\.gain; "
+        r"unexpected: none\).*must be retrained",
+    ):
         model_from_checkpoint(load_checkpoint(tmp_path))
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--device=cpu"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--device=cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2 and "missing: pos_emb.gain" in result.stderr and "Traceback" not in result.stderr
     with pytest.raises(ValueError, match=r"missing: none; unexpected: extra\.weight"):
         model_from_checkpoint({"config": config, "model": {**model.state_dict(), "extra.weight": torch.ones(1)}})

@@ -25,10 +25,34 @@ class Options:
 
 
 def test_both_spellings_lists_and_positionals():
-    o = parse(Options, ["r1", "--out_dir=x", "--steps", "3", "--rate", "-0.5", "--flag", "r2", "--input", "f1", "f2",
-                        "--input=f3", "--kind", "b"])
+    o = parse(
+        Options,
+        [
+            "r1",
+            "--out_dir=x",
+            "--steps",
+            "3",
+            "--rate",
+            "-0.5",
+            "--flag",
+            "r2",
+            "--input",
+            "f1",
+            "f2",
+            "--input=f3",
+            "--kind",
+            "b",
+        ],
+    )
     assert (o.runs, o.out_dir, o.steps, o.rate, o.flag, o.input, o.kind) == (
-        ["r1", "r2"], "x", 3, -0.5, True, ["f1", "f2", "f3"], "b")
+        ["r1", "r2"],
+        "x",
+        3,
+        -0.5,
+        True,
+        ["f1", "f2", "f3"],
+        "b",
+    )
     assert o.given == {"runs", "out_dir", "steps", "rate", "flag", "input", "kind"}
     o = parse(Options, ["--flag", "false", "--rate=none", "--out-dir", "y"])
     assert (o.flag, o.rate, o.out_dir, o.steps) == (False, None, "y", 10) and o.given == {"flag", "rate", "out_dir"}
@@ -62,19 +86,30 @@ def test_help_lists_every_option_with_its_default_and_help():
 
 
 def test_only_cli_imports_a_command_line_parser_library():
-    out = subprocess.run([sys.executable, "scripts/layout_report.py", "--no-tests"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "scripts/layout_report.py", "--no-tests"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert "files importing a command-line parser library: 0 (none)" in out.stdout, out.stdout
     assert "gptlite modules in import cycles: 0" in out.stdout, out.stdout
     tree = ast.parse((ROOT / "gptlite" / "cli.py").read_text())
     assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.dump(n) for n in tree.body)
 
 
-@pytest.mark.parametrize("command,typo,meant", [
-    (["sample.py"], "--out_dirr=x", "out_dir"), (["data/prepare.py"], "--out_dirr=x", "out_dir"),
-    (["train.py"], "--out_dirr=x", "out_dir"), (["-m", "gptlite.evaluate"], "--out_dirr=x", "out_dir"),
-    (["-m", "gptlite.plot"], "--outt=x.png", "out"), (["-m", "gptlite.hf"], "--hf_dirr=x", "hf_dir"),
-])
+@pytest.mark.parametrize(
+    "command,typo,meant",
+    [
+        (["sample.py"], "--out_dirr=x", "out_dir"),
+        (["data/prepare.py"], "--out_dirr=x", "out_dir"),
+        (["train.py"], "--out_dirr=x", "out_dir"),
+        (["-m", "gptlite.evaluate"], "--out_dirr=x", "out_dir"),
+        (["-m", "gptlite.plot"], "--outt=x.png", "out"),
+        (["-m", "gptlite.hf"], "--hf_dirr=x", "hf_dir"),
+    ],
+)
 def test_every_command_has_help_and_did_you_mean(command, typo, meant):
     path = [str(ROOT / command[0])] if command[0].endswith(".py") else command
     out = subprocess.run([sys.executable, *path, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)

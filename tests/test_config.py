@@ -35,11 +35,14 @@ def test_n_embd_not_divisible_by_n_head():
         GPTConfig(n_embd=100, n_head=12)
 
 
-@pytest.mark.parametrize("field,value,choices", [
-    ("pos_emb", "alibi", "learned, sinusoidal, rope"),
-    ("norm", "batchnorm", "layernorm, rmsnorm"),
-    ("ffn", "relu", "swiglu, gelu"),
-])
+@pytest.mark.parametrize(
+    "field,value,choices",
+    [
+        ("pos_emb", "alibi", "learned, sinusoidal, rope"),
+        ("norm", "batchnorm", "layernorm, rmsnorm"),
+        ("ffn", "relu", "swiglu, gelu"),
+    ],
+)
 def test_variant_choices(field, value, choices):
     with pytest.raises(ValueError, match=rf"{field}='{value}' must be one of {choices}"):
         GPTConfig(**{field: value})
@@ -185,9 +188,22 @@ def test_build_config_converts_types():
 
 @pytest.mark.parametrize(
     "value, typ, expected",
-    [("1", float, 1.0), (3, float, 3.0), ("1e3", int, 1000), ("-2", int, -2), ("on", bool, True), ("OFF", bool, False),
-     ("12345678901234567", int, 12345678901234567), (2**60 + 1, int, 2**60 + 1), (4.0, int, 4),
-     (True, bool, True), ("None", int | None, None), (None, int | None, None), ("64", int | None, 64), ("x", str, "x")],
+    [
+        ("1", float, 1.0),
+        (3, float, 3.0),
+        ("1e3", int, 1000),
+        ("-2", int, -2),
+        ("on", bool, True),
+        ("OFF", bool, False),
+        ("12345678901234567", int, 12345678901234567),
+        (2**60 + 1, int, 2**60 + 1),
+        (4.0, int, 4),
+        (True, bool, True),
+        ("None", int | None, None),
+        (None, int | None, None),
+        ("64", int | None, 64),
+        ("x", str, "x"),
+    ],
 )
 def test_convert(value, typ, expected):
     out = convert("k", value, typ)
@@ -213,14 +229,17 @@ def test_bad_values(key, value, message):
         build_config({key: value})
 
 
-@pytest.mark.parametrize("key,pointer", [
-    ("gradient_accumulation_steps", "--total_batch_size=N"),
-    ("eval_only", "--learning_rate=0 --max_iters=1"),
-    ("always_save_checkpoint", "--keep_last=N plus best.pt"),
-    ("decay_lr", "set --min_lr to the --learning_rate"),
-    ("backend", "nccl with CUDA GPUs, gloo otherwise"),
-    ("dataset", "--data_dir=DIR"),
-])
+@pytest.mark.parametrize(
+    "key,pointer",
+    [
+        ("gradient_accumulation_steps", "--total_batch_size=N"),
+        ("eval_only", "--learning_rate=0 --max_iters=1"),
+        ("always_save_checkpoint", "--keep_last=N plus best.pt"),
+        ("decay_lr", "set --min_lr to the --learning_rate"),
+        ("backend", "nccl with CUDA GPUs, gloo otherwise"),
+        ("dataset", "--data_dir=DIR"),
+    ],
+)
 def test_nanogpts_keys_point_to_gptlites(key, pointer):
     with pytest.raises(ValueError, match=rf"'{key}' is nanoGPT's key: .*{re.escape(pointer)}"):
         build_config({key: "1"})
@@ -264,8 +283,18 @@ def test_string_field_may_be_the_word_none():
 
 
 def test_config_to_dict_round_trip():
-    cfg = build_config({"n_layer": "2", "n_embd": "64", "n_head": "4", "pos_emb": "sinusoidal", "learning_rate": "3e-4",
-                        "compile": "true", "data_dir": "data/x", "ffn_hidden": "96"})
+    cfg = build_config(
+        {
+            "n_layer": "2",
+            "n_embd": "64",
+            "n_head": "4",
+            "pos_emb": "sinusoidal",
+            "learning_rate": "3e-4",
+            "compile": "true",
+            "data_dir": "data/x",
+            "ffn_hidden": "96",
+        }
+    )
     d = config_to_dict(cfg)
     assert d["n_layer"] == 2 and d["learning_rate"] == 3e-4 and d["ffn_hidden"] == 96 and "model" not in d
     assert set(d) == {f.name for f in dataclasses.fields(GPTConfig)} | {

@@ -23,7 +23,10 @@ RUN = dict(total_batch_size=256, eval_interval=4, lr_decay_iters=12)
 def torchrun(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )
 
@@ -107,7 +110,9 @@ def test_a_refusal_on_rank_0_ends_every_rank_in_one_line(data, one_process):
     values = {**TINY, **RUN, "data_dir": data, "out_dir": one_process, "batch_size": 4, "max_iters": 2}
     result = torchrun(str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items()))
     assert result.returncode != 0 and 'train.py", line' not in result.stderr  # torchrun's own report only
-    assert result.stderr.count(f"train.py: error: out_dir {one_process} holds an earlier run") == 2, result.stderr[-3000:]
+    assert result.stderr.count(f"train.py: error: out_dir {one_process} holds an earlier run") == 2, result.stderr[
+        -3000:
+    ]
 
 
 def test_one_large_batch_trains_like_accumulated_micro_batches(data, one_process, tmp_path):

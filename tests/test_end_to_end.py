@@ -13,8 +13,19 @@ from gptlite.config import build_config
 from gptlite.prepare import prepare
 from tests.conftest import DEVICE, ROOT, shared_file
 
-TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, learning_rate=1e-2, min_lr=1e-3,
-            warmup_iters=5, eval_iters=4, log_interval=1, device=DEVICE)
+TINY = dict(
+    n_layer=2,
+    n_head=2,
+    n_embd=32,
+    block_size=32,
+    batch_size=8,
+    learning_rate=1e-2,
+    min_lr=1e-3,
+    warmup_iters=5,
+    eval_iters=4,
+    log_interval=1,
+    device=DEVICE,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +38,23 @@ def char_data(tmp_path_factory):
 
 
 def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 @pytest.mark.device
 def test_train_resume_sample(char_data, tmp_path):
     out = tmp_path / "run"
-    cfg = train.resolve_config([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=40", "--eval_interval=20",
-                                *(f"--{k}={v}" for k, v in TINY.items())])
+    cfg = train.resolve_config(
+        [
+            f"--data_dir={char_data}",
+            f"--out_dir={out}",
+            "--max_iters=40",
+            "--eval_interval=20",
+            *(f"--{k}={v}" for k, v in TINY.items()),
+        ]
+    )
     assert cfg.model.vocab_size == json.loads((char_data / "tokenizer.json").read_text())["vocab_size"] > 50
     summary = train.main(cfg)
     losses = [loss for _, loss in summary["history"]]
@@ -58,8 +78,14 @@ def test_train_resume_sample(char_data, tmp_path):
     model = model_from_checkpoint(load_checkpoint(out))
     assert model.lm_head.weight is model.tok_emb.weight
 
-    result = run_cli("sample.py", f"--out_dir={out}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=40",
-                     f"--device={DEVICE}")
+    result = run_cli(
+        "sample.py",
+        f"--out_dir={out}",
+        "--start=ROMEO:",
+        "--num_samples=2",
+        "--max_new_tokens=40",
+        f"--device={DEVICE}",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("ROMEO:") == 2
     assert len(result.stdout) > 2 * (6 + 40)
@@ -67,9 +93,19 @@ def test_train_resume_sample(char_data, tmp_path):
 
 def test_train_cli_end_to_end_and_errors(char_data, tmp_path):
     out = tmp_path / "cli"
-    ok = run_cli("train.py", str(ROOT / "configs" / "shakespeare_char_cpu.toml"), f"--data_dir={char_data}",
-                 f"--out_dir={out}", "--max_iters=4", "--eval_interval=2", "--eval_iters=1", "--log_interval=2",
-                 "--n_layer=1", "--n_embd=32", "--n_head=2")
+    ok = run_cli(
+        "train.py",
+        str(ROOT / "configs" / "shakespeare_char_cpu.toml"),
+        f"--data_dir={char_data}",
+        f"--out_dir={out}",
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--log_interval=2",
+        "--n_layer=1",
+        "--n_embd=32",
+        "--n_head=2",
+    )
     assert ok.returncode == 0, ok.stderr
     assert "step     4 | val loss" in ok.stdout and (out / "ckpt.pt").is_file()
 
@@ -80,7 +116,10 @@ def test_train_cli_end_to_end_and_errors(char_data, tmp_path):
         ([f"--data_dir={tmp_path / 'nowhere'}", "--vocab_size=65"], f"data {tmp_path / 'nowhere'} does not exist"),
         ([f"--data_dir={tmp_path / 'nowhere'}"], f"data_dir {tmp_path / 'nowhere'} does not exist or is not a folder"),
         ([f"--data_dir={tmp_path}", "--vocab_size=65"], "no train shards found"),
-        ([f"--data_dir={char_data}", "--vocab_size=50"], "but the model's vocab_size is 50; set --vocab_size to at least"),
+        (
+            [f"--data_dir={char_data}", "--vocab_size=50"],
+            "but the model's vocab_size is 50; set --vocab_size to at least",
+        ),
         (["missing.toml"], "config file missing.toml does not exist"),
     ]:
         result = run_cli("train.py", *args, f"--out_dir={tmp_path / 'x'}")
@@ -91,9 +130,20 @@ def test_train_cli_end_to_end_and_errors(char_data, tmp_path):
 
 def test_resume_refuses_a_different_model_shape(char_data, tmp_path):
     out = tmp_path / "run"
-    train.main(train.resolve_config([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2",
-                                     *(f"--{k}={v}" for k, v in TINY.items())]))
-    with pytest.raises(ValueError, match=r"cannot change the model shape on --resume .* block_size=64 \(checkpoint has 32\)"):
+    train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={char_data}",
+                f"--out_dir={out}",
+                "--max_iters=2",
+                "--eval_interval=2",
+                *(f"--{k}={v}" for k, v in TINY.items()),
+            ]
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"cannot change the model shape on --resume .* block_size=64 \(checkpoint has 32\)"
+    ):
         train.resolve_config([f"--out_dir={out}", "--resume", "--block_size=64"])
 
 
@@ -108,20 +158,37 @@ def test_sample_errors(tmp_path):
 
 def test_sample_rejects_a_prompt_the_tokenizer_cannot_encode(char_data, tmp_path):
     out = tmp_path / "run"
-    train.main(train.resolve_config([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=1", "--eval_interval=1",
-                                     *(f"--{k}={v}" for k, v in TINY.items())]))
+    train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={char_data}",
+                f"--out_dir={out}",
+                "--max_iters=1",
+                "--eval_interval=1",
+                *(f"--{k}={v}" for k, v in TINY.items()),
+            ]
+        )
+    )
     result = run_cli("sample.py", f"--out_dir={out}", "--start=日本", "--device=cpu")
     assert result.returncode == 2 and "'日' is not in this char tokenizer's vocabulary" in result.stderr
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("KING:")
-    result = run_cli("sample.py", f"--out_dir={out}", f"--start=FILE:{prompt}", "--num_samples=1", "--max_new_tokens=5",
-                     "--temperature=0", "--device=cpu")
+    result = run_cli(
+        "sample.py",
+        f"--out_dir={out}",
+        f"--start=FILE:{prompt}",
+        "--num_samples=1",
+        "--max_new_tokens=5",
+        "--temperature=0",
+        "--device=cpu",
+    )
     assert result.returncode == 0 and result.stdout.startswith("KING:")
 
 
 def test_lr_schedule():
-    cfg = build_config({"data_dir": "x", "vocab_size": 10, "learning_rate": 1.0, "min_lr": 0.1, "warmup_iters": 10,
-                        "max_iters": 110})
+    cfg = build_config(
+        {"data_dir": "x", "vocab_size": 10, "learning_rate": 1.0, "min_lr": 0.1, "warmup_iters": 10, "max_iters": 110}
+    )
     lrs = [train.lr_at(s, cfg) for s in range(120)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.55)  # halfway through the cosine
@@ -139,8 +206,18 @@ def test_learning_rate_0_stays_0_and_nanogpts_init_from_values_mean_the_same(tmp
 
 
 def test_time_lr_schedule_decays_over_the_time_budget():
-    cfg = build_config({"data_dir": "x", "vocab_size": 10, "learning_rate": 1.0, "min_lr": 0.1, "warmup_iters": 10,
-                        "max_iters": 10**9, "lr_schedule": "time", "max_minutes": 2.0})
+    cfg = build_config(
+        {
+            "data_dir": "x",
+            "vocab_size": 10,
+            "learning_rate": 1.0,
+            "min_lr": 0.1,
+            "warmup_iters": 10,
+            "max_iters": 10**9,
+            "lr_schedule": "time",
+            "max_minutes": 2.0,
+        }
+    )
     assert train.lr_at(4, cfg, minutes=1.0) == pytest.approx(0.5)  # warmup still counts steps
     assert train.lr_at(500, cfg, minutes=1.0) == pytest.approx(0.55)  # half the budget: halfway down the cosine
     assert train.lr_at(500, cfg, minutes=2.0) == pytest.approx(0.1)
@@ -152,8 +229,9 @@ def test_time_lr_schedule_decays_over_the_time_budget():
 
 
 def test_weight_decay_groups():
-    cfg = build_config({"data_dir": "x", "vocab_size": 10, "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 8,
-                        "bias": True})
+    cfg = build_config(
+        {"data_dir": "x", "vocab_size": 10, "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 8, "bias": True}
+    )
     model = train.GPT(cfg.model)
     (opt,) = train.make_optimizers(model, cfg, "cpu")
     decayed, plain = opt.param_groups

@@ -37,7 +37,9 @@ def test_bpb_of_ascii_characters_is_the_loss_in_bits():
     assert text.isascii()
     tokenizer = CharTokenizer(sorted(set(text)))
     model = tiny_gpt(tokenizer.vocab_size)
-    loss, bpb, n = evaluate_windows(model, [torch.tensor(tokenizer.encode(text))], 4, byte_lengths(tokenizer, tokenizer.vocab_size))
+    loss, bpb, n = evaluate_windows(
+        model, [torch.tensor(tokenizer.encode(text))], 4, byte_lengths(tokenizer, tokenizer.vocab_size)
+    )
     assert n == len(text) - 1 and bpb == pytest.approx(loss / math.log(2), rel=1e-6)
 
 
@@ -68,20 +70,43 @@ def test_bpb_of_gpt2_tokens_agrees_with_their_decoded_bytes(gpt2_tokenizer):
 # HellaSwag
 
 EXAMPLES = [
-    {"ctx": "A man is sitting on a roof. He", "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                                                          "is holding a rubik's cube.", "starts pulling up roofing on a roof."], "label": 3},
-    {"ctx": "The chef cracks two eggs into the bowl and", "endings": ["whisks them.", "sings", "the bowl flies to the moon and back again.",
-                                                                      "puts on a coat."], "label": 0},
-    {"ctx": "Kids play football. A boy", "endings": ["kicks the ball into the goal", "eats", "reads a long book about trains", "sleeps"],
-     "label": 0},
-    {"ctx": "She opens her laptop, types a password,", "endings": ["and logs in.", "then the laptop", "and", "naïve café 日本語"], "label": 1},
-    {"ctx": "Rain falls on the city while", "endings": ["people open umbrellas", "x", "the sun", "cars drive slowly through puddles"],
-     "label": 2},
+    {
+        "ctx": "A man is sitting on a roof. He",
+        "endings": [
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+        "label": 3,
+    },
+    {
+        "ctx": "The chef cracks two eggs into the bowl and",
+        "endings": ["whisks them.", "sings", "the bowl flies to the moon and back again.", "puts on a coat."],
+        "label": 0,
+    },
+    {
+        "ctx": "Kids play football. A boy",
+        "endings": ["kicks the ball into the goal", "eats", "reads a long book about trains", "sleeps"],
+        "label": 0,
+    },
+    {
+        "ctx": "She opens her laptop, types a password,",
+        "endings": ["and logs in.", "then the laptop", "and", "naïve café 日本語"],
+        "label": 1,
+    },
+    {
+        "ctx": "Rain falls on the city while",
+        "endings": ["people open umbrellas", "x", "the sun", "cars drive slowly through puddles"],
+        "label": 2,
+    },
 ]
 
 
 def write_jsonl(path, rows) -> None:
-    path.write_text("".join(json.dumps({**r, "ind": i, "split": "val"}) + "\n" for i, r in enumerate(rows)), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({**r, "ind": i, "split": "val"}) + "\n" for i, r in enumerate(rows)), encoding="utf-8"
+    )
 
 
 def reference_ending_losses(model, tokenizer, example):
@@ -116,15 +141,24 @@ def test_hellaswag_equals_a_plain_reference_scorer(gpt2_tokenizer, tmp_path):
     assert hellaswag(model, gpt2_tokenizer, path, limit=2, progress=False)["n"] == 2
 
 
-@pytest.mark.parametrize("line,message", [
-    ("not json", r"line 2 is not JSON \(Expecting value\)"),
-    ('{"ctx": "a", "label": 0}', r"line 2 has no field 'endings'; a HellaSwag row holds ctx, endings and label"),
-    ('{"ctx": "a", "endings": ["x", "y"], "label": 0}', r"line 2: endings must be a list of 4 strings"),
-    ('{"ctx": "a", "endings": ["w", "x", "y", "z"], "label": 7}', r"line 2: label must be one of 0, 1, 2, 3 \(got 7\)"),
-    ('{"ctx": null, "endings": ["w", "x", "y", "z"], "label": 2}', r"line 2: ctx must be a non-empty string .*got None"),
-    ('{"ctx": "", "endings": ["w", "x", "y", "z"], "label": 2}', r"line 2: ctx must be a non-empty string"),
-    ('{"ctx": "a", "endings": ["w", "x", "y", "z"], "label": true}', r"line 2: label must be one of 0, 1, 2, 3"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("not json", r"line 2 is not JSON \(Expecting value\)"),
+        ('{"ctx": "a", "label": 0}', r"line 2 has no field 'endings'; a HellaSwag row holds ctx, endings and label"),
+        ('{"ctx": "a", "endings": ["x", "y"], "label": 0}', r"line 2: endings must be a list of 4 strings"),
+        (
+            '{"ctx": "a", "endings": ["w", "x", "y", "z"], "label": 7}',
+            r"line 2: label must be one of 0, 1, 2, 3 \(got 7\)",
+        ),
+        (
+            '{"ctx": null, "endings": ["w", "x", "y", "z"], "label": 2}',
+            r"line 2: ctx must be a non-empty string .*got None",
+        ),
+        ('{"ctx": "", "endings": ["w", "x", "y", "z"], "label": 2}', r"line 2: ctx must be a non-empty string"),
+        ('{"ctx": "a", "endings": ["w", "x", "y", "z"], "label": true}', r"line 2: label must be one of 0, 1, 2, 3"),
+    ],
+)
 def test_a_bad_hellaswag_row_is_named(tmp_path, line, message):
     path = tmp_path / "h.jsonl"
     path.write_text(json.dumps(EXAMPLES[0]) + "\n" + line + "\n")
@@ -158,9 +192,22 @@ def char_run(tmp_path_factory):
     data = tmp_path_factory.mktemp("data")
     prepare([str(corpus)], "char", data, log=lambda *a: None)
     out = tmp_path_factory.mktemp("run")
-    summary = train.main(train.resolve_config([f"--data_dir={data}", f"--out_dir={out}", "--n_layer=1", "--n_head=2",
-                                               "--n_embd=16", "--block_size=32", "--max_iters=4", "--eval_interval=4",
-                                               "--eval_iters=0", "--device=cpu"]))
+    summary = train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={data}",
+                f"--out_dir={out}",
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=16",
+                "--block_size=32",
+                "--max_iters=4",
+                "--eval_interval=4",
+                "--eval_iters=0",
+                "--device=cpu",
+            ]
+        )
+    )
     return data, out, summary
 
 
@@ -175,9 +222,22 @@ def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer):
     data, out, summary = char_run
     hellaswag_file = tmp_path / "hs.jsonl"
     write_jsonl(hellaswag_file, [e for e in EXAMPLES if (e["ctx"] + "".join(e["endings"])).isascii()])  # char model
-    result = subprocess.run([sys.executable, "-m", "gptlite.evaluate", f"--out_dir={out}", "--task=val,hellaswag",
-                             f"--hellaswag_file={hellaswag_file}", f"--json={tmp_path / 'r.json'}", "--device=cpu"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptlite.evaluate",
+            f"--out_dir={out}",
+            "--task=val,hellaswag",
+            f"--hellaswag_file={hellaswag_file}",
+            f"--json={tmp_path / 'r.json'}",
+            "--device=cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("val: loss ") and f"of {data} val split" in lines[0]
@@ -188,13 +248,23 @@ def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer):
     assert 0 <= results["hellaswag"]["acc"] <= 1 and results["hellaswag"]["n"] == 4
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 5)
-    result = subprocess.run([sys.executable, "-m", "gptlite.evaluate", f"--out_dir={out}", f"--text={text}"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "gptlite.evaluate", f"--out_dir={out}", f"--text={text}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0 and f"tokens of {text}" in result.stdout, result.stderr
-    for args, message in [([], "give one of --out_dir=RUN or --init_from=NAME_OR_DIR"),
-                          ([f"--out_dir={out}", "--task=mmlu"], "--task: unknown 'mmlu'"),
-                          ([f"--out_dir={out}", "--task=hellaswag", f"--hellaswag_file={tmp_path / 'x.jsonl'}"],
-                           "does not exist; download")]:
-        result = subprocess.run([sys.executable, "-m", "gptlite.evaluate", *args], capture_output=True, text=True,
-                                timeout=120, cwd=ROOT)
+    for args, message in [
+        ([], "give one of --out_dir=RUN or --init_from=NAME_OR_DIR"),
+        ([f"--out_dir={out}", "--task=mmlu"], "--task: unknown 'mmlu'"),
+        (
+            [f"--out_dir={out}", "--task=hellaswag", f"--hellaswag_file={tmp_path / 'x.jsonl'}"],
+            "does not exist; download",
+        ),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "gptlite.evaluate", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -36,7 +36,9 @@ def one_line(result: subprocess.CompletedProcess, prog: str) -> str:
     """The one error line of a command that failed as a user's error should."""
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert "Traceback" not in result.stderr and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), result.stderr
+    assert "Traceback" not in result.stderr and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), (
+        result.stderr
+    )
     return lines[0]
 
 
@@ -77,8 +79,11 @@ def test_an_export_over_a_folder_holds_exactly_the_new_files_and_keeps_the_old_b
         export_hf(tiny_model(**LLAMA), target)
     logged = []
     written = export_hf(tiny_model(**LLAMA), target, overwrite=True, log=logged.append)
-    assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in written) == ["config.json",
-                                                                                          "model.safetensors"]
+    assert (
+        sorted(p.name for p in target.iterdir())
+        == sorted(p.name for p in written)
+        == ["config.json", "model.safetensors"]
+    )
     (previous,) = [p for p in tmp_path.iterdir() if p.name.startswith("hf-previous-")]
     assert sorted(p.name for p in previous.iterdir()) == ["generation_config.json", "vocab.json"]
     assert logged == [f"moved the earlier contents of {target} to {previous}"]
@@ -127,16 +132,24 @@ def hf_dir(tmp_path):
     return directory
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:300]),
-     r"model\.safetensors cannot be read .*cut short or not a weights file"),
-    (lambda d: (d / "model.safetensors").write_bytes(b""), r"model\.safetensors cannot be read"),
-    (lambda d: (d / "config.json").write_text("[1, 2]"), r"config\.json holds a JSON list, not an object"),
-    (lambda d: (d / "config.json").write_text("{nope"), r"config\.json is not valid JSON"),
-    (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
-                                                          "intermediate_size": 96})),
-     r"tensor blocks\.0\.ffn\.fc\.weight has shape \(\d+, 32\) but the config describes \(192, 32\)"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:300]),
+            r"model\.safetensors cannot be read .*cut short or not a weights file",
+        ),
+        (lambda d: (d / "model.safetensors").write_bytes(b""), r"model\.safetensors cannot be read"),
+        (lambda d: (d / "config.json").write_text("[1, 2]"), r"config\.json holds a JSON list, not an object"),
+        (lambda d: (d / "config.json").write_text("{nope"), r"config\.json is not valid JSON"),
+        (
+            lambda d: (d / "config.json").write_text(
+                json.dumps({**json.loads((d / "config.json").read_text()), "intermediate_size": 96})
+            ),
+            r"tensor blocks\.0\.ffn\.fc\.weight has shape \(\d+, 32\) but the config describes \(192, 32\)",
+        ),
+    ],
+)
 def test_damaged_checkpoints_are_one_line_naming_the_file(hf_dir, damage, message):
     damage(hf_dir)
     with pytest.raises((ValueError, OSError), match=message):
@@ -189,8 +202,16 @@ def char_data(tmp_path_factory):
 
 def test_overwrite_moves_nothing_aside_when_the_pretrained_weights_fail(char_data, hf_dir, tmp_path):
     run_dir = tmp_path / "run"
-    common = [f"--data_dir={char_data}", f"--out_dir={run_dir}", "--max_iters=1", "--eval_interval=1", "--eval_iters=1",
-              "--batch_size=2", "--block_size=16", "--device=cpu"]
+    common = [
+        f"--data_dir={char_data}",
+        f"--out_dir={run_dir}",
+        "--max_iters=1",
+        "--eval_interval=1",
+        "--eval_iters=1",
+        "--batch_size=2",
+        "--block_size=16",
+        "--device=cpu",
+    ]
     train.main(train.resolve_config([*common, "--n_layer=1", "--n_head=2", "--n_embd=16"]))
     before = sorted(p.name for p in run_dir.iterdir())
     (hf_dir / "model.safetensors").write_bytes(b"\0" * 100)
@@ -208,10 +229,23 @@ def test_data_beyond_a_pretrained_vocabulary_says_to_use_its_tokenizer(tmp_path)
     prepare([str(corpus)], "byte", data, log=lambda *a: None)  # ids up to 126
     small = tmp_path / "hf"
     export_hf(tiny_model(**{**LLAMA, "vocab_size": 100}), small)
-    with pytest.raises(ValueError, match=r"holds token id 12\d but the model's vocab_size is 100; prepare the data with "
-                                         r".*hf's tokenizer") as e:
-        train.main(train.resolve_config([f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", f"--init_from={small}",
-                                         "--device=cpu", "--block_size=16", "--batch_size=2"]))
+    with pytest.raises(
+        ValueError,
+        match=r"holds token id 12\d but the model's vocab_size is 100; prepare the data with "
+        r".*hf's tokenizer",
+    ) as e:
+        train.main(
+            train.resolve_config(
+                [
+                    f"--data_dir={data}",
+                    f"--out_dir={tmp_path / 'run'}",
+                    f"--init_from={small}",
+                    "--device=cpu",
+                    "--block_size=16",
+                    "--batch_size=2",
+                ]
+            )
+        )
     assert "--vocab_size" not in str(e.value)
 
 
@@ -233,8 +267,14 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(tmp_path, capsys):
     chars = CHARS[:62]
     CharTokenizer(chars).save(tmp_path / "tokenizer.json")
     for extra in ([], ["--num_beams=3", "--num_samples=2"]):
-        result = run(f"--out_dir={tmp_path}", "--start=AB", "--temperature=" + ("5" if not extra else "1"),
-                     "--max_new_tokens=" + ("60" if not extra else "20"), "--device=cpu", *extra)
+        result = run(
+            f"--out_dir={tmp_path}",
+            "--start=AB",
+            "--temperature=" + ("5" if not extra else "1"),
+            "--max_new_tokens=" + ("60" if not extra else "20"),
+            "--device=cpu",
+            *extra,
+        )
         assert result.returncode == 0, result.stderr
         assert set(result.stdout) <= set(chars) | {"-", "\n"}
 
@@ -259,8 +299,18 @@ def test_a_run_never_goes_into_its_own_data_folder(char_data):
 # Muon's and every other float setting: finite, in range, checked at start-up
 
 
-@pytest.mark.parametrize("setting", ["--muon_lr=nan", "--muon_lr=inf", "--muon_weight_decay=nan", "--learning_rate=nan",
-                                     "--beta2=1.5", "--grad_clip=-inf", "--max_minutes=nan"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "--muon_lr=nan",
+        "--muon_lr=inf",
+        "--muon_weight_decay=nan",
+        "--learning_rate=nan",
+        "--beta2=1.5",
+        "--grad_clip=-inf",
+        "--max_minutes=nan",
+    ],
+)
 def test_float_settings_must_be_finite_and_in_range(setting, char_data, tmp_path):
     result = run(f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--optimizer=muon", setting, script="train.py")
     line = one_line(result, "train.py")
@@ -283,12 +333,15 @@ def test_plot_never_writes_over_the_metrics_it_reads(tmp_path, capsys):
     assert "names no format; use .png, .pdf or .svg" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("rows,message", [
-    (['{"step": "one", "loss": 2.0}'], r"row 1 is not a metrics row"),
-    (["[1, 2]"], r"row 1 is not a metrics row"),
-    (['{"loss": 2.0}'], r"row 1 is not a metrics row"),
-    (['{"step": 1, "loss": NaN}', '{"step": 2, "val_loss": NaN}'], "has no finite loss values to plot"),
-])
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        (['{"step": "one", "loss": 2.0}'], r"row 1 is not a metrics row"),
+        (["[1, 2]"], r"row 1 is not a metrics row"),
+        (['{"loss": 2.0}'], r"row 1 is not a metrics row"),
+        (['{"step": 1, "loss": NaN}', '{"step": 2, "val_loss": NaN}'], "has no finite loss values to plot"),
+    ],
+)
 def test_plot_rows_it_cannot_draw_are_one_line(tmp_path, capsys, rows, message):
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     assert plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"]) == 2
@@ -307,23 +360,54 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path):
     CharTokenizer(CHARS).save(tmp_path / "tokenizer.json")
     for content in ("", "a"):
         (tmp_path / "t.txt").write_text(content)
-        line = one_line(run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", script="gptlite.evaluate"),
-                        "gptlite.evaluate")
+        line = one_line(
+            run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", script="gptlite.evaluate"), "gptlite.evaluate"
+        )
         assert f"gives {len(content)} token(s); scoring needs at least 2" in line
     (tmp_path / "t.txt").write_text("To be, or not to be.\n")
-    line = one_line(run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", f"--json={tmp_path / 'no' / 'r.json'}",
-                        script="gptlite.evaluate"), "gptlite.evaluate")
+    line = one_line(
+        run(
+            f"--out_dir={tmp_path}",
+            f"--text={tmp_path / 't.txt'}",
+            f"--json={tmp_path / 'no' / 'r.json'}",
+            script="gptlite.evaluate",
+        ),
+        "gptlite.evaluate",
+    )
     assert f"folder {tmp_path / 'no'} does not exist" in line
-    assert math.isfinite(json.loads(run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}",
-                                        f"--json={tmp_path / 'r.json'}", script="gptlite.evaluate").returncode == 0
-                                    and (tmp_path / "r.json").read_text())["val"]["loss"])
+    assert math.isfinite(
+        json.loads(
+            run(
+                f"--out_dir={tmp_path}",
+                f"--text={tmp_path / 't.txt'}",
+                f"--json={tmp_path / 'r.json'}",
+                script="gptlite.evaluate",
+            ).returncode
+            == 0
+            and (tmp_path / "r.json").read_text()
+        )["val"]["loss"]
+    )
     assert os.path.getsize(tmp_path / "r.json") > 0
-    assert run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", f"--json={tmp_path / 'r.json'}",
-               script="gptlite.evaluate").returncode == 0  # an earlier result is replaced
+    assert (
+        run(
+            f"--out_dir={tmp_path}",
+            f"--text={tmp_path / 't.txt'}",
+            f"--json={tmp_path / 'r.json'}",
+            script="gptlite.evaluate",
+        ).returncode
+        == 0
+    )  # an earlier result is replaced
     for given in ("ckpt.pt", "t.txt", "tokenizer.json"):  # inputs never are
         before = (tmp_path / given).read_bytes()
-        line = one_line(run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", f"--json={tmp_path / given}",
-                            script="gptlite.evaluate"), "gptlite.evaluate")
+        line = one_line(
+            run(
+                f"--out_dir={tmp_path}",
+                f"--text={tmp_path / 't.txt'}",
+                f"--json={tmp_path / given}",
+                script="gptlite.evaluate",
+            ),
+            "gptlite.evaluate",
+        )
         assert "exists and is not an earlier result of this command" in line
         assert (tmp_path / given).read_bytes() == before
 
@@ -363,9 +447,11 @@ def test_an_os_error_no_command_described_is_put_in_words():
     from gptlite.cli import in_words
 
     assert in_words(OSError(errno.ENOSPC, "No space left on device")) == (
-        "no space left on device; free space or use a folder on another disk")
+        "no space left on device; free space or use a folder on another disk"
+    )
     assert in_words(OSError(errno.EACCES, "Permission denied", "/x/y")) == (
-        "/x/y: permission denied; use a folder you can write to")
+        "/x/y: permission denied; use a folder you can write to"
+    )
 
 
 def write_text(path):
@@ -373,11 +459,17 @@ def write_text(path):
     return path
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--chat", "--num_beams=2"], "--chat reads its prompts from stdin and samples one reply at a time; drop --num_beams"),
-    (["--chat", "--start=hi", "--num_samples=2"], "drop --start, --num_samples"),
-    (["--system=Be brief."], "--system is the system prompt of a --chat conversation; add --chat"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--chat", "--num_beams=2"],
+            "--chat reads its prompts from stdin and samples one reply at a time; drop --num_beams",
+        ),
+        (["--chat", "--start=hi", "--num_samples=2"], "drop --start, --num_samples"),
+        (["--system=Be brief."], "--system is the system prompt of a --chat conversation; add --chat"),
+    ],
+)
 def test_sample_refuses_options_its_mode_would_ignore(tmp_path, capsys, args, message):
     import sample
 
@@ -444,5 +536,7 @@ def test_serve_names_an_address_it_cannot_listen_on_before_loading(tmp_path, cap
         taken.listen()
         port = taken.getsockname()[1]
         assert serve_main([f"--out_dir={tmp_path / 'no_run'}", f"--port={port}"]) == 2  # refused before the run is read
-    assert capsys.readouterr().err.strip() == (f"gptlite.serve: error: cannot listen on 127.0.0.1:{port} (Address already "
-                                              "in use); choose another --port or --host")
+    assert capsys.readouterr().err.strip() == (
+        f"gptlite.serve: error: cannot listen on 127.0.0.1:{port} (Address already "
+        "in use); choose another --port or --host"
+    )

@@ -59,11 +59,14 @@ def test_download_rejects_a_file_that_is_not_a_shard(tmp_path, hub):
         download_token_shards("finewebedu10B", tmp_path, 1, str(shared_file("tokenizers/gpt2.tiktoken")), log=quiet)
 
 
-@pytest.mark.parametrize("name, shards, message", [
-    ("fineweb100B", 1, r"unknown token-shard dataset 'fineweb100B'; choose one of fineweb10B, finewebedu10B"),
-    ("fineweb10B", 0, r"train_shards=0 must be between 1 and 103 for fineweb10B"),
-    ("finewebedu10B", 100, r"train_shards=100 must be between 1 and 99 for finewebedu10B"),
-])
+@pytest.mark.parametrize(
+    "name, shards, message",
+    [
+        ("fineweb100B", 1, r"unknown token-shard dataset 'fineweb100B'; choose one of fineweb10B, finewebedu10B"),
+        ("fineweb10B", 0, r"train_shards=0 must be between 1 and 103 for fineweb10B"),
+        ("finewebedu10B", 100, r"train_shards=100 must be between 1 and 99 for finewebedu10B"),
+    ],
+)
 def test_bad_dataset_or_shard_count(tmp_path, name, shards, message):
     with pytest.raises(ValueError, match=message):
         download_token_shards(name, tmp_path, shards, "byte", log=quiet)
@@ -71,18 +74,34 @@ def test_bad_dataset_or_shard_count(tmp_path, name, shards, message):
 
 def test_missing_huggingface_hub(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
-    with pytest.raises(ImportError, match=r"Downloading token shards needs the huggingface_hub package: pip install -e '\.\[data\]'"):
+    with pytest.raises(
+        ImportError, match=r"Downloading token shards needs the huggingface_hub package: pip install -e '\.\[data\]'"
+    ):
         download_token_shards("fineweb10B", tmp_path, 1, "byte", log=quiet)
 
 
 def test_cli_offline_is_a_one_line_error(tmp_path):
     """The real huggingface_hub, offline: one line naming the file and the repository, exit status 2."""
     r = subprocess.run(
-        [sys.executable, str(ROOT / "data" / "fineweb" / "download.py"), "--train_shards", "1", "--out_dir", str(tmp_path),
-         "--tokenizer", str(shared_file("tokenizers/gpt2.tiktoken"))],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [
+            sys.executable,
+            str(ROOT / "data" / "fineweb" / "download.py"),
+            "--train_shards",
+            "1",
+            "--out_dir",
+            str(tmp_path),
+            "--tokenizer",
+            str(shared_file("tokenizers/gpt2.tiktoken")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("fineweb/download.py: error: could not download fineweb_val_000000.bin from huggingface.co/datasets/kjj0/fineweb10B-gpt2")
+    assert lines[0].startswith(
+        "fineweb/download.py: error: could not download fineweb_val_000000.bin from huggingface.co/datasets/kjj0/fineweb10B-gpt2"
+    )

@@ -14,7 +14,9 @@ from gptlite.sampling import apply_penalties, sample_next
 from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
 
 pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:the context reached block_size")]
-cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's compiled-step machinery (frozen weights, compiled shapes)")
+cpu_only = pytest.mark.skipif(
+    DEVICE != "cpu", reason="the CPU's compiled-step machinery (frozen weights, compiled shapes)"
+)
 
 
 def greedy_by_full_recompute(model, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -108,7 +110,9 @@ def test_extend_context_runs_positions_past_block_size(pos_emb):
 
 
 def test_learned_positions_refuse_extend_context():
-    with pytest.raises(ValueError, match="extend_context=True needs pos_emb='sinusoidal' or 'rope'.*stop at block_size=32"):
+    with pytest.raises(
+        ValueError, match="extend_context=True needs pos_emb='sinusoidal' or 'rope'.*stop at block_size=32"
+    ):
         tiny_model(pos_emb="learned").generate(tensor([[0, 0, 0]]), 5, extend_context=True)
 
 
@@ -168,8 +172,11 @@ def test_compiled_generation_across_slides_equals_full_recompute(compile_backend
     module.compiled_decode_step(model)  # makes the device's compiled step, which the next line wraps
     calls = []
     step = module._compiled[DEVICE.split(":")[0]]
-    monkeypatch.setitem(module._compiled, DEVICE.split(":")[0],
-                        lambda m, token, cache: calls.append(token.shape) or step(m, token, cache))
+    monkeypatch.setitem(
+        module._compiled,
+        DEVICE.split(":")[0],
+        lambda m, token, cache: calls.append(token.shape) or step(m, token, cache),
+    )
     idx = randint(97, (2, 5))
     out = model.generate(idx, 60, temperature=0, compile=True)
     assert torch.equal(out, greedy_by_full_recompute(model, idx, 60))
@@ -185,7 +192,9 @@ def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(compil
     model = tiny_model(block_size=256, pos_emb="sinusoidal")
     for prompt_len, new in ((3, 10), (9, 40), (30, 30)):  # cache lengths 12, 48 and 59 all round up to 64
         idx = randint(97, (1, prompt_len))
-        assert torch.equal(model.generate(idx, new, temperature=0, compile=True), model.generate(idx, new, temperature=0))
+        assert torch.equal(
+            model.generate(idx, new, temperature=0, compile=True), model.generate(idx, new, temperature=0)
+        )
     assert module._compiled_shapes[model] == {((1, 1), 64, torch.float32)}
     model.generate(torch.zeros(1, 30, dtype=torch.long), 60, temperature=0, compile=True, extend_context=True)
     assert ((1, 1), 128, torch.float32) in module._compiled_shapes[model]
@@ -251,8 +260,10 @@ def test_top_k_1_equals_greedy():
 def test_same_seed_same_samples_and_different_seed_differs():
     model = tiny_model()
     idx = randint(97, (2, 4))
-    runs = [model.generate(idx, 50, temperature=1.0, generator=torch.Generator(device=DEVICE).manual_seed(s))
-            for s in (7, 7, 8)]
+    runs = [
+        model.generate(idx, 50, temperature=1.0, generator=torch.Generator(device=DEVICE).manual_seed(s))
+        for s in (7, 7, 8)
+    ]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
     assert torch.equal(model.generate(idx, 50, temperature=1.0, seed=7), runs[0])  # seed= is the same generator
@@ -331,18 +342,23 @@ def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
         out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(model.generate(idx, 20, temperature=0, repetition_penalty=1.5, frequency_penalty=0.3), out)
     # a huge frequency penalty never repeats a token
-    assert all(len(set(row)) == 40 for row in model.generate(idx, 40, temperature=0, frequency_penalty=1e4)[:, 3:].tolist())
+    assert all(
+        len(set(row)) == 40 for row in model.generate(idx, 40, temperature=0, frequency_penalty=1e4)[:, 3:].tolist()
+    )
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    ({"temperature": float("nan")}, TypeError, "temperature=nan must be a finite number"),
-    ({"temperature": float("inf")}, TypeError, "temperature=inf must be a finite number"),
-    ({"temperature": "0.5"}, TypeError, "temperature='0.5' must be a finite number"),
-    ({"top_p": float("nan")}, TypeError, "top_p=nan must be a finite number, or None"),
-    ({"top_k": 2.5}, ValueError, "top_k=2.5 must be an integer >= 1"),
-    ({"repetition_penalty": float("nan")}, TypeError, "repetition_penalty=nan must be a finite number"),
-    ({"frequency_penalty": None}, TypeError, "frequency_penalty=None must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"temperature": float("nan")}, TypeError, "temperature=nan must be a finite number"),
+        ({"temperature": float("inf")}, TypeError, "temperature=inf must be a finite number"),
+        ({"temperature": "0.5"}, TypeError, "temperature='0.5' must be a finite number"),
+        ({"top_p": float("nan")}, TypeError, "top_p=nan must be a finite number, or None"),
+        ({"top_k": 2.5}, ValueError, "top_k=2.5 must be an integer >= 1"),
+        ({"repetition_penalty": float("nan")}, TypeError, "repetition_penalty=nan must be a finite number"),
+        ({"frequency_penalty": None}, TypeError, "frequency_penalty=None must be a finite number"),
+    ],
+)
 def test_non_finite_or_non_numeric_sampling_values_are_named(kwargs, error, message):
     with pytest.raises(error, match=message):
         tiny_model().generate(tensor([[1, 2]]), 3, **kwargs)

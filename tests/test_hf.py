@@ -35,14 +35,29 @@ def randomized(model):
 
 
 def hf_gpt2(**kw):
-    return randomized(transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_head=4, n_embd=32, vocab_size=V, n_positions=T, bos_token_id=None, eos_token_id=None, **kw)))
+    return randomized(
+        transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=2, n_head=4, n_embd=32, vocab_size=V, n_positions=T, bos_token_id=None, eos_token_id=None, **kw
+            )
+        )
+    )
 
 
 def hf_llama(**kw):
-    config = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, vocab_size=V,
-                  max_position_embeddings=T, rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  bos_token_id=None, eos_token_id=None)
+    config = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=V,
+        max_position_embeddings=T,
+        rope_theta=500.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return randomized(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **kw})))
 
 
@@ -97,9 +112,11 @@ def test_the_hubs_gpt2_layout_loads_too(gpt2_saved, tmp_path):
         torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx)[0], hf(idx).logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("switches", [dict(ffn="gelu", bias=True), dict(ffn="gelu"),
-                                      dict(pos_emb="rope", norm="rmsnorm", rope_theta=500.0)],
-                         ids=["gpt2", "gpt2-without-biases", "llama"])
+@pytest.mark.parametrize(
+    "switches",
+    [dict(ffn="gelu", bias=True), dict(ffn="gelu"), dict(pos_emb="rope", norm="rmsnorm", rope_theta=500.0)],
+    ids=["gpt2", "gpt2-without-biases", "llama"],
+)
 def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(tmp_path, switches):
     model = randomized(GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32, **switches)))
     written = export_hf(model, tmp_path)
@@ -113,7 +130,9 @@ def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(tmp_
     for name, tensor in model.state_dict().items():  # a model without biases comes back with zero biases
         assert torch.equal(back.state_dict()[name], tensor), name
     # the directory is not overwritten unless asked
-    with pytest.raises(FileExistsError, match=r"already holds model\.safetensors, config\.json; export to a new directory"):
+    with pytest.raises(
+        FileExistsError, match=r"already holds model\.safetensors, config\.json; export to a new directory"
+    ):
         export_hf(model, tmp_path)
     export_hf(model, tmp_path, overwrite=True)
 
@@ -121,23 +140,51 @@ def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(tmp_
 def test_other_models_are_refused_naming_the_exportable_switches(tmp_path):
     for switches in ({}, dict(pos_emb="sinusoidal", ffn="gelu"), dict(pos_emb="rope", norm="rmsnorm", bias=True)):
         model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=4, n_embd=32, **switches))
-        with pytest.raises(ValueError, match=r"has no transformers architecture; exportable are GPT-2's \(ffn='gelu', "
-                                             r"norm='layernorm', pos_emb='learned'\) and Llama's"):
+        with pytest.raises(
+            ValueError,
+            match=r"has no transformers architecture; exportable are GPT-2's \(ffn='gelu', "
+            r"norm='layernorm', pos_emb='learned'\) and Llama's",
+        ):
             export_hf(model, tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: hf_llama(attention_bias=True), r"biases on the attention's projections, its output's too"),
-    (lambda: hf_llama(mlp_bias=True), r"biases in the feed-forward \(mlp_bias=true\)"),
-    (lambda: hf_llama(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0,
-                                       "original_max_position_embeddings": 32}), r"RoPE scaling of type 'yarn'"),
-    (lambda: hf_gpt2(activation_function="relu"), r"activation_function='relu'"),
-    (lambda: randomized(transformers.GemmaForCausalLM(transformers.GemmaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=8, vocab_size=V))), r"model_type='gemma' is Gemma's scaled embeddings and GeGLU feed-forward, which "
-                                     r"gptlite does not have; gptlite loads GPT2LMHeadModel \(gpt2\), LlamaForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: hf_llama(attention_bias=True), r"biases on the attention's projections, its output's too"),
+        (lambda: hf_llama(mlp_bias=True), r"biases in the feed-forward \(mlp_bias=true\)"),
+        (
+            lambda: hf_llama(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 500.0,
+                    "original_max_position_embeddings": 32,
+                }
+            ),
+            r"RoPE scaling of type 'yarn'",
+        ),
+        (lambda: hf_gpt2(activation_function="relu"), r"activation_function='relu'"),
+        (
+            lambda: randomized(
+                transformers.GemmaForCausalLM(
+                    transformers.GemmaConfig(
+                        hidden_size=32,
+                        intermediate_size=48,
+                        num_hidden_layers=1,
+                        num_attention_heads=4,
+                        num_key_value_heads=1,
+                        head_dim=8,
+                        vocab_size=V,
+                    )
+                )
+            ),
+            r"model_type='gemma' is Gemma's scaled embeddings and GeGLU feed-forward, which "
+            r"gptlite does not have; gptlite loads GPT2LMHeadModel \(gpt2\), LlamaForCausalLM",
+        ),
+    ],
+)
 def test_checkpoints_gptlite_cannot_hold_are_refused_in_one_line(tmp_path, make, message):
     make().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
@@ -163,9 +210,14 @@ def test_missing_checkpoints_and_offline_downloads_fail_in_one_line(tmp_path):
         GPT.from_pretrained(str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match=r"config\.json does not exist"):
         GPT.from_pretrained(str(tmp_path))
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--init_from=gpt2", "--device=cpu"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "sample.py"), "--init_from=gpt2", "--device=cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"huggingface-cli download {GPT2_NAMES['gpt2']} config.json model.safetensors" in result.stderr
     assert "pass that directory instead of 'gpt2'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -180,12 +232,19 @@ def test_gpt2_tokenizer_files_give_transformers_the_same_ids(tmp_path):
     for name, text in hf_tokenizer_files(tokenizer, 1024).items():
         (tmp_path / name).write_text(text, encoding="utf-8")
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    texts = ["Hello world", "  spaces, tabs\tand\n\nnew lines ", "naïve café 日本語 🙂", "It's they're we've I'd 3.14",
-             shared_file("data/tinyshakespeare.txt").read_text()[:5000]]
+    texts = [
+        "Hello world",
+        "  spaces, tabs\tand\n\nnew lines ",
+        "naïve café 日本語 🙂",
+        "It's they're we've I'd 3.14",
+        shared_file("data/tinyshakespeare.txt").read_text()[:5000],
+    ]
     for text in texts:
         assert hf(text)["input_ids"] == tokenizer.encode(text), text[:40]
     assert hf.eos_token_id == tokenizer.eot_id == 50256 and hf.decode(tokenizer.encode(texts[2])) == texts[2]
-    with pytest.raises(ValueError, match="reproduces byte-pair encodings with GPT-2's split pattern only; this tokenizer is char"):
+    with pytest.raises(
+        ValueError, match="reproduces byte-pair encodings with GPT-2's split pattern only; this tokenizer is char"
+    ):
         hf_tokenizer_files(CharTokenizer(CHARS), 64)
 
 
@@ -212,8 +271,18 @@ def char_data(tmp_path_factory):
 
 def test_train_from_pretrained_weights_with_learning_rate_0_changes_nothing(saved, char_data, tmp_path):
     hf, directory = saved
-    args = [f"--init_from={directory}", f"--data_dir={char_data}", f"--out_dir={tmp_path}", "--learning_rate=0",
-            "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--batch_size=2", "--block_size=32", "--device=cpu"]
+    args = [
+        f"--init_from={directory}",
+        f"--data_dir={char_data}",
+        f"--out_dir={tmp_path}",
+        "--learning_rate=0",
+        "--max_iters=3",
+        "--eval_interval=3",
+        "--eval_iters=1",
+        "--batch_size=2",
+        "--block_size=32",
+        "--device=cpu",
+    ]
     cfg = train.resolve_config(args)
     assert (cfg.model.vocab_size, cfg.model.block_size, cfg.model.n_layer) == (V, 32, 2)
     summary = train.main(cfg)
@@ -231,21 +300,53 @@ def test_train_from_pretrained_weights_with_learning_rate_0_changes_nothing(save
 def test_sample_from_pretrained_weights_prints_text(saved, tmp_path):
     _, directory = saved
     CharTokenizer(CHARS).save(tmp_path / "tokenizer.json")
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--init_from={directory}",
-                             f"--tokenizer={tmp_path / 'tokenizer.json'}", "--start=ROMEO:", "--num_samples=1",
-                             "--max_new_tokens=30", "--device=cpu"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "sample.py"),
+            f"--init_from={directory}",
+            f"--tokenizer={tmp_path / 'tokenizer.json'}",
+            "--start=ROMEO:",
+            "--num_samples=1",
+            "--max_new_tokens=30",
+            "--device=cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) > 30
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--init_from={directory}", "--device=cpu"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "sample.py"), f"--init_from={directory}", "--device=cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2 and "is not GPT-2 (97 ids), so its tokenizer is unknown" in result.stderr
 
 
 def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     run = tmp_path / "run"
-    train.main(train.resolve_config([f"--data_dir={char_data}", f"--out_dir={run}", "--ffn=gelu", "--n_layer=1",
-                                     "--n_head=2", "--n_embd=16", "--block_size=16", "--max_iters=2", "--eval_interval=2",
-                                     "--eval_iters=1", "--device=cpu"]))
+    train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={char_data}",
+                f"--out_dir={run}",
+                "--ffn=gelu",
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=16",
+                "--block_size=16",
+                "--max_iters=2",
+                "--eval_interval=2",
+                "--eval_iters=1",
+                "--device=cpu",
+            ]
+        )
+    )
     command = [sys.executable, "-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -257,12 +358,32 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
         torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-4, rtol=0)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_inner"] == 64
     again = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert again.returncode == 2 and "already holds model.safetensors" in again.stderr and "Traceback" not in again.stderr
+    assert (
+        again.returncode == 2 and "already holds model.safetensors" in again.stderr and "Traceback" not in again.stderr
+    )
     default = tmp_path / "default"
-    train.main(train.resolve_config([f"--data_dir={char_data}", f"--out_dir={default}", "--n_layer=1", "--n_head=2",
-                                     "--n_embd=16", "--block_size=16", "--max_iters=1", "--eval_interval=1",
-                                     "--eval_iters=1", "--device=cpu"]))
-    refused = subprocess.run([*command[:4], f"--out_dir={default}", f"--hf_dir={tmp_path / 'hf2'}"], capture_output=True,
-                             text=True, timeout=120, cwd=ROOT)
+    train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={char_data}",
+                f"--out_dir={default}",
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=16",
+                "--block_size=16",
+                "--max_iters=1",
+                "--eval_interval=1",
+                "--eval_iters=1",
+                "--device=cpu",
+            ]
+        )
+    )
+    refused = subprocess.run(
+        [*command[:4], f"--out_dir={default}", f"--hf_dir={tmp_path / 'hf2'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert refused.returncode == 2 and "exportable are GPT-2's" in refused.stderr
     assert not (tmp_path / "hf2").exists()

@@ -137,8 +137,9 @@ def test_train_steps_with_and_without_chunks_give_the_same_gradients():
         model = tiny_model(seed=0).train().cpu()
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         loader = ListLoader(zip(x.chunk(2), y.chunk(2)))
-        loss = train.accumulate_gradients(model, loader, 2, "cpu", contextlib.nullcontext(), scaler,
-                                          chunked_loss=chunked)
+        loss = train.accumulate_gradients(
+            model, loader, 2, "cpu", contextlib.nullcontext(), scaler, chunked_loss=chunked
+        )
         results.append((loss, [p.grad for p in model.parameters()]))
     torch.testing.assert_close(results[1][0], results[0][0])
     for whole, chunked in zip(results[0][1], results[1][1]):

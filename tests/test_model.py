@@ -47,7 +47,9 @@ def test_masked_attention_math_for_compiled_cpu_steps_equals_sdpa(monkeypatch, d
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(masked_attention(q, k, v, mask), expected, atol=tol, rtol=tol)
-    torch.testing.assert_close(masked_attention(q, k, v, None), F.scaled_dot_product_attention(q, k, v), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        masked_attention(q, k, v, None), F.scaled_dot_product_attention(q, k, v), atol=tol, rtol=tol
+    )
 
 
 def test_causality(variant):
@@ -154,7 +156,9 @@ def test_bias_applies_to_every_linear_and_norm_of_every_variant(bias):
 def test_qkv_bias_and_qk_norm_add_their_own_parameters_only():
     """Qwen2's biases sit on q, k and v alone; Qwen3's norms are one RMSNorm of head width each for q and k."""
     model = GPT(tiny_config(**VARIANTS["qwen2"]))
-    assert [n for n, p in model.named_parameters() if n.endswith("bias")] == [f"blocks.{i}.attn.qkv.bias" for i in (0, 1)]
+    assert [n for n, p in model.named_parameters() if n.endswith("bias")] == [
+        f"blocks.{i}.attn.qkv.bias" for i in (0, 1)
+    ]
     model = GPT(tiny_config(**VARIANTS["qwen3"]))
     norms = {n: p.shape for n, p in model.named_parameters() if "qk_norm" in n}
     assert norms == {f"blocks.{i}.attn.qk_norm.{w}_norm.weight": (16,) for i in (0, 1) for w in "qk"}
@@ -244,16 +248,24 @@ def test_too_long_and_out_of_vocab_inputs_raise():
         model(tensor([[-1, 2]]))
 
 
-@pytest.mark.parametrize("idx,targets,error,message", [
-    ("list", None, TypeError, r"idx must be a tensor of token ids of shape \(B, T\), got list"),
-    ("1-D", None, ValueError, r"idx must have shape \(B, T\), got \(3,\); a single sequence is idx\[None\]"),
-    ("float", None, TypeError, "idx must hold integer token ids, got dtype torch.float32; use idx.long()"),
-    ("ok", "other shape", ValueError, r"targets must have the shape of idx, \(1, 3\), got \(1, 2\)"),
-    ("ok", "float", TypeError, "targets must be a tensor of integer token ids"),
-])
+@pytest.mark.parametrize(
+    "idx,targets,error,message",
+    [
+        ("list", None, TypeError, r"idx must be a tensor of token ids of shape \(B, T\), got list"),
+        ("1-D", None, ValueError, r"idx must have shape \(B, T\), got \(3,\); a single sequence is idx\[None\]"),
+        ("float", None, TypeError, "idx must hold integer token ids, got dtype torch.float32; use idx.long()"),
+        ("ok", "other shape", ValueError, r"targets must have the shape of idx, \(1, 3\), got \(1, 2\)"),
+        ("ok", "float", TypeError, "targets must be a tensor of integer token ids"),
+    ],
+)
 def test_bad_inputs_and_targets_are_named(idx, targets, error, message):
     model = tiny_model()
-    idx = {"list": [[1, 2, 3]], "1-D": tensor([1, 2, 3]), "float": tensor([[1.0, 2.0, 3.0]]), "ok": tensor([[1, 2, 3]])}[idx]
+    idx = {
+        "list": [[1, 2, 3]],
+        "1-D": tensor([1, 2, 3]),
+        "float": tensor([[1.0, 2.0, 3.0]]),
+        "ok": tensor([[1, 2, 3]]),
+    }[idx]
     targets = {"other shape": tensor([[1, 2]]), "float": tensor([[1.0, 2.0, 3.0]])}.get(targets, targets)
     with pytest.raises(error, match=message):
         model(idx, targets)

@@ -18,23 +18,55 @@ from tests.test_hf import randomized
 
 transformers.logging.set_verbosity_error()
 V, T = 97, 64
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=V,
-              max_position_embeddings=T, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=V,
+    max_position_embeddings=T,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 FAMILIES = {  # name -> (transformers class, its config)
-    "llama-gqa": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
-        **COMMON, num_key_value_heads=2, rope_theta=500.0, tie_word_embeddings=True)),
-    "llama-untied": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
-        **COMMON, num_key_value_heads=1, tie_word_embeddings=False)),
-    "llama3-scaled": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
-        **COMMON, num_key_value_heads=2, rope_parameters=LLAMA3, tie_word_embeddings=True)),
-    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
-        **COMMON, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False, use_sliding_window=False)),
-    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
-        **COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)),
-    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(
-        **COMMON, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False)),
+    "llama-gqa": (
+        transformers.LlamaForCausalLM,
+        transformers.LlamaConfig(**COMMON, num_key_value_heads=2, rope_theta=500.0, tie_word_embeddings=True),
+    ),
+    "llama-untied": (
+        transformers.LlamaForCausalLM,
+        transformers.LlamaConfig(**COMMON, num_key_value_heads=1, tie_word_embeddings=False),
+    ),
+    "llama3-scaled": (
+        transformers.LlamaForCausalLM,
+        transformers.LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters=LLAMA3, tie_word_embeddings=True),
+    ),
+    "qwen2": (
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config(
+            **COMMON, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False, use_sliding_window=False
+        ),
+    ),
+    "qwen3": (
+        transformers.Qwen3ForCausalLM,
+        transformers.Qwen3Config(
+            **COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, use_sliding_window=False
+        ),
+    ),
+    "mistral": (
+        transformers.MistralForCausalLM,
+        transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
+    ),
 }
 
 
@@ -68,7 +100,10 @@ def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path)
     assert type(back) is type(hf)
     with torch.no_grad():
         torch.testing.assert_close(back(ids(device=DEVICE)).logits, expected, atol=1e-4, rtol=0)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] == hf.config.tie_word_embeddings
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"]
+        == hf.config.tie_word_embeddings
+    )
 
 
 def test_the_kv_cache_holds_only_the_key_value_heads(saved):
@@ -91,20 +126,28 @@ def test_sharded_torch_and_bfloat16_checkpoints(tmp_path):
     with torch.no_grad():
         expected = hf(ids()).logits
         for folder in ("sharded", "bin"):
-            torch.testing.assert_close(GPT.from_pretrained(str(tmp_path / folder))(ids())[0], expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                GPT.from_pretrained(str(tmp_path / folder))(ids())[0], expected, atol=1e-4, rtol=0
+            )
     hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     kept = GPT.from_pretrained(str(tmp_path / "bf16"))
     assert all(p.dtype == torch.bfloat16 for p in kept.parameters())
-    assert all(p.dtype == torch.float32 for p in GPT.from_pretrained(str(tmp_path / "bf16"), torch.float32).parameters())
+    assert all(
+        p.dtype == torch.float32 for p in GPT.from_pretrained(str(tmp_path / "bf16"), torch.float32).parameters()
+    )
 
 
 def test_a_sliding_window_bounds_the_context(tmp_path):
-    config = transformers.MistralConfig(**{**COMMON, "max_position_embeddings": 256}, num_key_value_heads=2,
-                                        sliding_window=48)
+    config = transformers.MistralConfig(
+        **{**COMMON, "max_position_embeddings": 256}, num_key_value_heads=2, sliding_window=48
+    )
     randomized(transformers.MistralForCausalLM(config)).save_pretrained(tmp_path)
     assert GPT.from_pretrained(str(tmp_path)).config.block_size == 48
-    with pytest.raises(ValueError, match=r"its sliding window 48 is shorter than block_size=64; gptlite attends to the "
-                                         r"whole context: use block_size <= 48"):
+    with pytest.raises(
+        ValueError,
+        match=r"its sliding window 48 is shorter than block_size=64; gptlite attends to the "
+        r"whole context: use block_size <= 48",
+    ):
         GPT.from_pretrained(str(tmp_path), block_size=64)
 
 
@@ -116,12 +159,30 @@ def test_init_from_a_model_directory_needs_no_tokenizer_flag(tmp_path):
     randomized(cls(config)).save_pretrained(tmp_path)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["To be or not to be, that is the question."] * 50,
-                            trainers.BpeTrainer(vocab_size=V, special_tokens=["<|endoftext|>"], show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:90]))
+    tok.train_from_iterator(
+        ["To be or not to be, that is the question."] * 50,
+        trainers.BpeTrainer(
+            vocab_size=V,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:90],
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--init_from={tmp_path}", "--start=To be",
-                             "--num_samples=1", "--max_new_tokens=10", "--device=cpu"], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "sample.py"),
+            f"--init_from={tmp_path}",
+            "--start=To be",
+            "--num_samples=1",
+            "--max_new_tokens=10",
+            "--device=cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0 and result.stdout.startswith("To be"), result.stderr

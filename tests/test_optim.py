@@ -67,8 +67,11 @@ def test_each_logical_matrix_is_orthogonalised_on_its_own():
 
 
 def test_muon_refuses_what_is_not_a_matrix():
-    with pytest.raises(ValueError, match=r"Muon takes 2-D parameters whose rows split into 1 equal matrices, got "
-                                         r"shape \(8,\); give other parameters to AdamW"):
+    with pytest.raises(
+        ValueError,
+        match=r"Muon takes 2-D parameters whose rows split into 1 equal matrices, got "
+        r"shape \(8,\); give other parameters to AdamW",
+    ):
         Muon([torch.nn.Parameter(torch.ones(8))])
     with pytest.raises(ValueError, match=r"rows split into 3 equal matrices, got shape \(8, 4\)"):
         Muon([{"params": [torch.nn.Parameter(torch.ones(8, 4))], "split": 3}])
@@ -79,8 +82,9 @@ def test_muon_refuses_what_is_not_a_matrix():
 
 
 def muon_config(**overrides):
-    return train.build_config({"data_dir": "x", "optimizer": "muon", "learning_rate": 1e-3, "muon_lr": 0.03,
-                               **vars(tiny_config(**overrides))})
+    return train.build_config(
+        {"data_dir": "x", "optimizer": "muon", "learning_rate": 1e-3, "muon_lr": 0.03, **vars(tiny_config(**overrides))}
+    )
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -93,12 +97,20 @@ def test_only_the_matrices_inside_the_blocks_go_to_muon(name):
     fc = 2 if cfg.model.ffn == "swiglu" else 1
     q, kv = cfg.model.n_head * cfg.model.head_width, cfg.model.kv_heads * cfg.model.head_width
     qkv = 3 if q == kv else (q, kv, kv)  # grouped-query attention: q, k and v of their own row counts
-    assert split == {f"blocks.{i}.{n}": s for i in range(cfg.model.n_layer)
-                     for n, s in (("attn.qkv.weight", qkv), ("attn.out_proj.weight", 1), ("ffn.fc.weight", fc),
-                                  ("ffn.out_proj.weight", 1))}
+    assert split == {
+        f"blocks.{i}.{n}": s
+        for i in range(cfg.model.n_layer)
+        for n, s in (
+            ("attn.qkv.weight", qkv),
+            ("attn.out_proj.weight", 1),
+            ("ffn.fc.weight", fc),
+            ("ffn.out_proj.weight", 1),
+        )
+    }
     matrices, vectors = ({names[p] for p in group["params"]} for group in adamw.param_groups)
     assert matrices == {"tok_emb.weight"} | ({"pos_emb.table.weight"} if cfg.model.pos_emb == "learned" else set()) | (
-        set() if cfg.model.tie_embeddings else {"lm_head.weight"})
+        set() if cfg.model.tie_embeddings else {"lm_head.weight"}
+    )
     assert vectors == {n for n, p in model.named_parameters() if p.dim() == 1}  # norms, biases, sinusoidal gain
     assert len(names) == len(split) + len(matrices) + len(vectors)  # every parameter once (the head is tok_emb)
     assert [(g["weight_decay"], g["lr_ratio"]) for g in adamw.param_groups] == [(0.1, 1.0), (0.0, 1.0)]
@@ -153,8 +165,16 @@ def test_the_schedule_scales_muons_learning_rate_too(data, tmp_path, monkeypatch
 
 
 def test_learning_rate_0_leaves_every_weight_unchanged_with_muon(data, tmp_path):
-    cfg = config(data, tmp_path, optimizer="muon", learning_rate=0, weight_decay=0, muon_weight_decay=0.1,
-                 max_iters=3, eval_interval=3)
+    cfg = config(
+        data,
+        tmp_path,
+        optimizer="muon",
+        learning_rate=0,
+        weight_decay=0,
+        muon_weight_decay=0.1,
+        max_iters=3,
+        eval_interval=3,
+    )
     train.main(cfg)
     torch.manual_seed(cfg.seed)
     initial = GPT(cfg.model).state_dict()
@@ -165,8 +185,14 @@ def test_learning_rate_0_leaves_every_weight_unchanged_with_muon(data, tmp_path)
 
 @pytest.mark.parametrize("name", ["learned", "gpt2", "llama"])
 def test_muon_trains_and_resumes_exactly(data, tmp_path, name):
-    kw = {**VARIANTS[name], "optimizer": "muon", "muon_weight_decay": 0.01, "dropout": 0.1, "eval_interval": 3,
-          "lr_decay_iters": 6}
+    kw = {
+        **VARIANTS[name],
+        "optimizer": "muon",
+        "muon_weight_decay": 0.01,
+        "dropout": 0.1,
+        "eval_interval": 3,
+        "lr_decay_iters": 6,
+    }
     straight = train.main(config(data, tmp_path / "straight", max_iters=6, **kw))
     train.main(config(data, tmp_path / "resumed", max_iters=3, **kw))
     resumed = train.main(resume(tmp_path / "resumed", "--max_iters=6"))
@@ -178,8 +204,11 @@ def test_muon_trains_and_resumes_exactly(data, tmp_path, name):
 
 def test_resume_refuses_another_optimizer_and_takes_changed_hyperparameters(data, tmp_path):
     train.main(config(data, tmp_path, optimizer="muon", max_iters=2, eval_interval=2))
-    with pytest.raises(ValueError, match=r"cannot change the optimizer on --resume from .*: optimizer=adamw "
-                                         r"\(checkpoint has muon, whose state it holds\); drop --optimizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot change the optimizer on --resume from .*: optimizer=adamw "
+        r"\(checkpoint has muon, whose state it holds\); drop --optimizer",
+    ):
         resume(tmp_path, "--optimizer=adamw")
     cfg = resume(tmp_path, "--muon_lr=0.01", "--muon_weight_decay=0.5", "--beta2=0.9")
     model = GPT(cfg.model)
@@ -188,8 +217,9 @@ def test_resume_refuses_another_optimizer_and_takes_changed_hyperparameters(data
     train.load_training_state(model, optimizers, ckpt)
     # the state comes from the checkpoint, the hyperparameters from this run's config
     qkv = model.blocks[0].attn.qkv.weight
-    assert torch.equal(muon.state[qkv]["momentum_buffer"], ckpt["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
-                       ["momentum_buffer"])
+    assert torch.equal(
+        muon.state[qkv]["momentum_buffer"], ckpt["optimizer"]["state"]["blocks.0.attn.qkv.weight"]["momentum_buffer"]
+    )
     assert {(g["lr_ratio"], g["weight_decay"]) for g in muon.param_groups} == {(0.01 / cfg.learning_rate, 0.5)}
     assert adamw.param_groups[0]["betas"] == (0.9, 0.9)
 
@@ -225,6 +255,7 @@ def test_fp16_unscales_both_optimizers_and_an_overflow_skips_both(data, tmp_path
         def step(self, *args, **kwargs):
             calls[name] += 1
             return real(self, *args, **kwargs)
+
         return step
 
     monkeypatch.setattr(train, "accumulate_gradients", accumulate)
@@ -234,6 +265,8 @@ def test_fp16_unscales_both_optimizers_and_an_overflow_skips_both(data, tmp_path
     summary = train.main(config(data, out, optimizer="muon", dtype="float16", max_iters=3, eval_interval=3))
     assert calls == {"adamw": 2, "muon": 2} and summary["skipped_steps"] == 0  # the scaler's skip is no fault
     assert load_checkpoint(out)["scaler"]["scale"] == 2.0**15  # lowered once from 2**16
-    fp32, fp16 = ([r["grad_norm"] for r in read_metrics(run / "metrics.jsonl") if "grad_norm" in r]
-                  for run in (tmp_path / "fp32", out))
+    fp32, fp16 = (
+        [r["grad_norm"] for r in read_metrics(run / "metrics.jsonl") if "grad_norm" in r]
+        for run in (tmp_path / "fp32", out)
+    )
     assert fp16[0] == pytest.approx(fp32[0], rel=1e-2) and math.isinf(fp16[1])  # unscaled, as in float32

@@ -262,13 +262,30 @@ def test_a_failed_rerun_leaves_the_finished_folder_as_it_was(tmp_path, bad):
     ranks = shared_file("tokenizers/gpt2.tiktoken").read_text().splitlines()
     (tmp_path / "incomplete.tiktoken").write_text("\n".join(ranks[300:]) + "\n")  # no single-byte tokens
     spec = bad if bad == "gtp2" else str(tmp_path / bad)
-    result = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), "--input", str(src), "--tokenizer", spec,
-                             "--out_dir", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "data" / "prepare.py"),
+            "--input",
+            str(src),
+            "--tokenizer",
+            spec,
+            "--out_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr and "panicked" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    message = {"gtp2": "unknown tokenizer 'gtp2'", "empty.tiktoken": "is incomplete: 0 tokens",
-               "incomplete.tiktoken": "is incomplete: 49956 tokens, 0 of the 256 single bytes",
-               "no_such_file.tiktoken": "does not exist"}[bad]
+    message = {
+        "gtp2": "unknown tokenizer 'gtp2'",
+        "empty.tiktoken": "is incomplete: 0 tokens",
+        "incomplete.tiktoken": "is incomplete: 49956 tokens, 0 of the 256 single bytes",
+        "no_such_file.tiktoken": "does not exist",
+    }[bad]
     assert message in result.stderr
     assert folder_bytes(out) == before
 
@@ -279,7 +296,10 @@ def test_a_rerun_that_replaces_a_preparation_says_so_first(tmp_path):
     prepare([str(src)], "byte", out, log=quiet)
     logged = []
     prepare([str(src)], "char", out, log=logged.append)
-    assert logged[0].startswith(f"replacing the earlier preparation in {out} (") and "other inputs or settings" in logged[0]
+    assert (
+        logged[0].startswith(f"replacing the earlier preparation in {out} (")
+        and "other inputs or settings" in logged[0]
+    )
 
 
 @pytest.mark.parametrize("where", ["a file", "read-only"])
@@ -290,6 +310,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, wh
         out.write_text("not a folder")
         message = f"folder {out} is a file, not a folder; choose another path"
     else:  # root writes through file modes, so the read-only file system is made by the mkdir that fails
+
         def read_only(self, *args, **kwargs):
             raise OSError(errno.EROFS, "Read-only file system", str(self))
 
@@ -368,8 +389,20 @@ def test_cli_prepare(tmp_path):
     a = write(tmp_path / "in" / "a.txt", TEXT)
     write(tmp_path / "in" / "b.txt", UNICODE_TEXT)
     out = tmp_path / "out"
-    r = run("data/prepare.py", "--input", str(a), str(tmp_path / "in" / "b.*"), "--tokenizer", str(gpt2_ranks()),
-            "--out_dir", str(out), "--val_fraction", "0.2", "--shard_tokens", "400")
+    r = run(
+        "data/prepare.py",
+        "--input",
+        str(a),
+        str(tmp_path / "in" / "b.*"),
+        "--tokenizer",
+        str(gpt2_ranks()),
+        "--out_dir",
+        str(out),
+        "--val_fraction",
+        "0.2",
+        "--shard_tokens",
+        "400",
+    )
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     manifest = json.loads((out / "manifest.json").read_text())

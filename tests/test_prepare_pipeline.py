@@ -33,7 +33,9 @@ def corpus(tmp_path: Path) -> list[str]:
     (tmp_path / "in").mkdir(exist_ok=True)
     (tmp_path / "in" / "a.txt").write_text(TEXT)
     (tmp_path / "in" / "b.txt").write_text(TEXT[:3000])
-    (tmp_path / "in" / "c.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in TEXT.splitlines()[:60]))
+    (tmp_path / "in" / "c.jsonl").write_text(
+        "".join(json.dumps({"text": line}) + "\n" for line in TEXT.splitlines()[:60])
+    )
     return [str(tmp_path / "in")]
 
 
@@ -95,7 +97,9 @@ def interrupt_after(monkeypatch, checkpoints: int, where: str) -> None:
             raise Interrupt
 
     def commit_or_crash(self):
-        if count[0] > checkpoints and where == "before_rename" and self.pending:  # progress lists shards not yet renamed
+        if (
+            count[0] > checkpoints and where == "before_rename" and self.pending
+        ):  # progress lists shards not yet renamed
             raise Interrupt
         commit(self)
 
@@ -103,10 +107,18 @@ def interrupt_after(monkeypatch, checkpoints: int, where: str) -> None:
     monkeypatch.setattr(gptlite.prepare.ShardWriter, "commit", commit_or_crash)
 
 
-@pytest.mark.parametrize("where, workers", [
-    ("before_checkpoint", 1), ("after_checkpoint", 1), ("before_rename", 1), ("after_checkpoint", 2),
-])
-def test_resume_after_an_interruption_writes_what_an_uninterrupted_run_does(tmp_path, small_blocks, monkeypatch, where, workers):
+@pytest.mark.parametrize(
+    "where, workers",
+    [
+        ("before_checkpoint", 1),
+        ("after_checkpoint", 1),
+        ("before_rename", 1),
+        ("after_checkpoint", 2),
+    ],
+)
+def test_resume_after_an_interruption_writes_what_an_uninterrupted_run_does(
+    tmp_path, small_blocks, monkeypatch, where, workers
+):
     inputs = corpus(tmp_path)
     whole = prepare(inputs, "byte", tmp_path / "whole", shard_tokens=2000, workers=1, log=quiet)
 
@@ -205,7 +217,10 @@ def test_dtype_follows_the_vocabulary_or_is_chosen(tmp_path):
     assert manifest["token_dtype"] == "uint16" and read_shard(tmp_path / "auto" / "train_000000.bin").dtype == np.uint16
     manifest = prepare([str(src)], "byte", tmp_path / "wide", dtype="uint32", log=quiet)
     shard = tmp_path / "wide" / "train_000000.bin"
-    assert manifest["token_dtype"] == "uint32" and np.frombuffer(shard.read_bytes()[:8], "<i4").tolist() == [20240801, 7]
+    assert manifest["token_dtype"] == "uint32" and np.frombuffer(shard.read_bytes()[:8], "<i4").tolist() == [
+        20240801,
+        7,
+    ]
     assert bytes(read_shard(shard).tolist()) == TEXT.encode()[: manifest["train_tokens"]]
 
 
@@ -218,14 +233,19 @@ def test_vocabulary_too_large_for_the_dtype(tmp_path, monkeypatch):
     monkeypatch.setattr(gptlite.prepare, "get_tokenizer", lambda spec: Wide())
     src = tmp_path / "corpus.txt"
     src.write_text(TEXT)
-    with pytest.raises(ValueError, match=r"the tokenizer's 100,277 ids do not fit uint16 \(at most 65,536\); use dtype uint32 or auto"):
+    with pytest.raises(
+        ValueError, match=r"the tokenizer's 100,277 ids do not fit uint16 \(at most 65,536\); use dtype uint32 or auto"
+    ):
         prepare([str(src)], "cl100k_base", tmp_path / "out", dtype="uint16", log=quiet)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"dtype": "int8"}, r"dtype='int8' must be auto, uint16 or uint32"),
-    ({"workers": 0}, r"workers=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dtype": "int8"}, r"dtype='int8' must be auto, uint16 or uint32"),
+        ({"workers": 0}, r"workers=0 must be >= 1"),
+    ],
+)
 def test_bad_options(tmp_path, kwargs, message):
     src = tmp_path / "corpus.txt"
     src.write_text(TEXT)
@@ -335,8 +355,11 @@ def test_encode_documents_equals_encoding_text_by_text(eot):
         assert lengths.tolist() == [len(ids) for ids in want]
 
 
-@pytest.mark.parametrize("signum,to_group", [("SIGINT", True), ("SIGTERM", True), ("SIGINT", False), ("SIGTERM", False)],
-                         ids=["ctrl-c", "term-group", "int-main-only", "term-main-only"])
+@pytest.mark.parametrize(
+    "signum,to_group",
+    [("SIGINT", True), ("SIGTERM", True), ("SIGINT", False), ("SIGTERM", False)],
+    ids=["ctrl-c", "term-group", "int-main-only", "term-main-only"],
+)
 def test_cli_interrupted_then_the_same_command_continues(tmp_path, signum, to_group):
     """SIGINT or SIGTERM, to the whole process group (a terminal's Ctrl-C) or to the main process alone (kill,
     timeout, a scheduler), stops with one line and 128 + the signal number, leaving no worker behind; the same
@@ -348,9 +371,23 @@ def test_cli_interrupted_then_the_same_command_continues(tmp_path, signum, to_gr
     src = tmp_path / "corpus.txt"
     src.write_text(TEXT * 1500)  # ~30 MB: several seconds of work at the byte level
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "data" / "prepare.py"), "--input", str(src), "--tokenizer", "byte",
-           "--out_dir", str(out), "--shard_tokens", "4000000", "--workers", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        str(ROOT / "data" / "prepare.py"),
+        "--input",
+        str(src),
+        "--tokenizer",
+        "byte",
+        "--out_dir",
+        str(out),
+        "--shard_tokens",
+        "4000000",
+        "--workers",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+    )
     deadline = time.time() + 60
     while not (out / "progress.json").is_file() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -359,8 +396,9 @@ def test_cli_interrupted_then_the_same_command_continues(tmp_path, signum, to_gr
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + number, stderr
     assert "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == (f"prepare.py: interrupted ({signum}); run the same command again to "
-                                               f"continue in {out}")
+    assert stderr.strip().splitlines()[-1] == (
+        f"prepare.py: interrupted ({signum}); run the same command again to continue in {out}"
+    )
     assert not (out / "manifest.json").exists()
     deadline = time.time() + 30  # the workers end with the pool: the process group empties
     while time.time() < deadline:

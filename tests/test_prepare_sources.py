@@ -80,13 +80,24 @@ def test_parquet_and_hugging_face_streaming_give_the_same_shards_as_jsonl(tmp_pa
     runs = {
         "jsonl": prepare([str(jsonl)], gpt2(), tmp_path / "jsonl", text_field="content", log=quiet),
         "parquet": prepare([str(parquet)], gpt2(), tmp_path / "parquet", text_field="content", log=quiet),
-        "hf_json": prepare([str(jsonl)], gpt2(), tmp_path / "hf_json", text_field="content", hf_dataset="json", log=quiet),
-        "hf_parquet": prepare([str(parquet)], gpt2(), tmp_path / "hf_parquet", text_field="content", hf_dataset="parquet", log=quiet),
+        "hf_json": prepare(
+            [str(jsonl)], gpt2(), tmp_path / "hf_json", text_field="content", hf_dataset="json", log=quiet
+        ),
+        "hf_parquet": prepare(
+            [str(parquet)], gpt2(), tmp_path / "hf_parquet", text_field="content", hf_dataset="parquet", log=quiet
+        ),
     }
-    assert runs["parquet"]["sha256"] == runs["jsonl"]["sha256"] == runs["hf_json"]["sha256"] == runs["hf_parquet"]["sha256"]
+    assert (
+        runs["parquet"]["sha256"]
+        == runs["jsonl"]["sha256"]
+        == runs["hf_json"]["sha256"]
+        == runs["hf_parquet"]["sha256"]
+    )
     assert runs["hf_json"]["sources"][0]["format"] == "hf" and runs["hf_json"]["sources"][0]["dataset"] == "json"
     assert documents(tmp_path / "hf_parquet", "val") == [DOCS[9], DOCS[19], DOCS[29]]
-    again = prepare([str(parquet)], gpt2(), tmp_path / "hf_parquet", text_field="content", hf_dataset="parquet", log=quiet)
+    again = prepare(
+        [str(parquet)], gpt2(), tmp_path / "hf_parquet", text_field="content", hf_dataset="parquet", log=quiet
+    )
     assert again == runs["hf_parquet"]  # complete: returns at once
     # the progress bar's total for Parquet: the text column's uncompressed size, its text plus per-row and per-page overhead
     text_bytes = len("".join(DOCS).encode())
@@ -119,9 +130,22 @@ def test_val_documents_follow_the_rule_for_every_index(fraction):
         assert gptlite.prepare.workers.val_documents(first, 2000, fraction).tolist() == expected
 
 
-@pytest.mark.parametrize("line", [
-    '{"a": 1}', ' {"a": 1}', '{"a": 1}\r', '{"a": 1} x', '\ufeff{"a": 1}', "1, 2", "[1", "{}{}", '"s"  ', '{"a": "x\ty"}', "",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"a": 1}',
+        ' {"a": 1}',
+        '{"a": 1}\r',
+        '{"a": 1} x',
+        '\ufeff{"a": 1}',
+        "1, 2",
+        "[1",
+        "{}{}",
+        '"s"  ',
+        '{"a": "x\ty"}',
+        "",
+    ],
+)
 def test_parse_json_answers_as_json_loads(line):
     def answer(parse):
         try:
@@ -167,12 +191,16 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
     text = tmp_path / "latin1.txt"
     text.write_bytes("café\n".encode("latin-1") * 3 + b"ok \xff\xfe end\n" + b"fine\n" * 20)
     jsonl = tmp_path / "bad.jsonl"
-    jsonl.write_bytes(b'{"text": "bad \xc3 byte"}\n' + "".join(json.dumps({"text": d}) + "\n" for d in DOCS[:9]).encode())
+    jsonl.write_bytes(
+        b'{"text": "bad \xc3 byte"}\n' + "".join(json.dumps({"text": d}) + "\n" for d in DOCS[:9]).encode()
+    )
     logged = []
     manifest = prepare([str(text), str(jsonl)], gpt2(), tmp_path / "out", log=logged.append)
     assert manifest["replaced"] == 3 + 2 + 1
     tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
-    all_text = tok.decode([t for t in tokens_of(tmp_path / "out", "train") + tokens_of(tmp_path / "out", "val") if t != EOT])
+    all_text = tok.decode(
+        [t for t in tokens_of(tmp_path / "out", "train") + tokens_of(tmp_path / "out", "val") if t != EOT]
+    )
     assert all_text.startswith("caf\ufffd\n" * 3 + "ok \ufffd\ufffd end\n") and "bad \ufffd byte" in all_text
     assert "replaced 6 undecodable byte sequence(s) with U+FFFD" in logged[-1]
 
@@ -217,15 +245,20 @@ def test_field_that_is_not_text(tmp_path):
 def test_line_that_is_not_json(tmp_path):
     src = tmp_path / "docs.jsonl"
     src.write_text('{"text": "a"}\n{"text": "b"}\n{"text": oops}\n')
-    with pytest.raises(ValueError, match=r"docs\.jsonl line 3 is not JSON \(Expecting value\); fix or remove that line"):
+    with pytest.raises(
+        ValueError, match=r"docs\.jsonl line 3 is not JSON \(Expecting value\); fix or remove that line"
+    ):
         prepare([str(src)], "byte", tmp_path / "out", log=quiet)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ('{"text": oops}', r"line 150 is not JSON \(Expecting value\); fix or remove that line"),
-    ('{"id": 149, "body": "x"}', r"line 150 has no field 'text' \(found: id, body\)"),
-    ('{"text": ["a list"]}', r"line 150: field 'text' holds list, not text"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"text": oops}', r"line 150 is not JSON \(Expecting value\); fix or remove that line"),
+        ('{"id": 149, "body": "x"}', r"line 150 has no field 'text' \(found: id, body\)"),
+        ('{"text": ["a list"]}', r"line 150: field 'text' holds list, not text"),
+    ],
+)
 def test_a_bad_line_found_by_a_worker_is_named_by_its_number(tmp_path, monkeypatch, bad, message):
     """The workers parse the lines; an error deep in the file, in a later block, still names file and line."""
     lines = [json.dumps({"id": i, "text": f"record {i}"}) for i in range(200)]
@@ -255,14 +288,19 @@ def test_unreadable_file(tmp_path, monkeypatch):
         return builtins.open(path, *args, **kwargs)
 
     monkeypatch.setattr(gptlite.prepare.sources, "open", denied, raising=False)
-    with pytest.raises(PermissionError, match=r"cannot read input .*secret\.txt \(Permission denied\); check that it is a readable file"):
+    with pytest.raises(
+        PermissionError,
+        match=r"cannot read input .*secret\.txt \(Permission denied\); check that it is a readable file",
+    ):
         prepare([str(src)], "byte", tmp_path / "out", log=quiet)
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_datasets_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now raises ImportError
-    with pytest.raises(ImportError, match=r"Hugging Face input needs the datasets package: pip install -e '\.\[data\]'"):
+    with pytest.raises(
+        ImportError, match=r"Hugging Face input needs the datasets package: pip install -e '\.\[data\]'"
+    ):
         prepare([], "byte", tmp_path / "out", hf_dataset="HuggingFaceFW/fineweb-edu", hf_name="sample-10BT", log=quiet)
 
 
@@ -278,7 +316,11 @@ def test_no_inputs(tmp_path):
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "data" / "prepare.py"), *args],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -304,8 +346,15 @@ def test_cli_wrong_text_field_is_one_line(tmp_path):
 
 
 def test_cli_hugging_face_offline_is_one_line(tmp_path):
-    r = run("--hf_dataset", "roneneldan/TinyStories", "--tokenizer", "byte", "--out_dir", str(tmp_path / "out"),
-            env={"HF_HUB_OFFLINE": "1"})
+    r = run(
+        "--hf_dataset",
+        "roneneldan/TinyStories",
+        "--tokenizer",
+        "byte",
+        "--out_dir",
+        str(tmp_path / "out"),
+        env={"HF_HUB_OFFLINE": "1"},
+    )
     line = one_line_error(r)
     assert "could not reach Hugging Face dataset 'roneneldan/TinyStories'" in line and "--input" in line
 

@@ -50,7 +50,9 @@ def test_quantized_model_keeps_logits_close_and_the_head_tied(variant):
         assert model.tok_emb.head[0] is model.lm_head  # the embedding reads the head's int8 table
     else:
         assert model.tok_emb.table is not model.lm_head  # an untied embedding has an int8 table of its own
-    assert all(p.dim() < 2 or "pos_emb" in n for n, p in model.named_parameters())  # what stays float: vectors, positions
+    assert all(
+        p.dim() < 2 or "pos_emb" in n for n, p in model.named_parameters()
+    )  # what stays float: vectors, positions
     error = (logits - reference).abs().max() / reference.abs().max()
     assert error < 0.02, error
 
@@ -60,9 +62,18 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
     top two float32 logits lie within int8's rounding of each other (a near-tie any rounding may flip, as one more
     training step or another loss kernel does). Context 128: the text never leaves the first window."""
     out = tmp_path / "run"
-    train.main(train.resolve_config([f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=150",
-                                     "--eval_interval=150", *(f"--{k}={v}" for k, v in TINY.items()),
-                                     "--block_size=128"]))
+    train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={char_data}",
+                f"--out_dir={out}",
+                "--max_iters=150",
+                "--eval_interval=150",
+                *(f"--{k}={v}" for k, v in TINY.items()),
+                "--block_size=128",
+            ]
+        )
+    )
     fp32, tokenizer = load_model(out)
     int8, _ = load_model(out, quantize="int8")
     prompt = [tokenizer.encode("ROMEO:")]
@@ -77,8 +88,17 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
         error = (got - want).abs().max()
         assert error < 0.02 * want.abs().max(), error  # int8 is close ...
         assert top2[0] - top2[1] <= 2 * error, (tokenizer.decode(a[0]), tokenizer.decode(b[0]), top2, error)  # a tie
-    code = sample.main([f"--out_dir={out}", f"--device={DEVICE}", "--quantize=int8", "--start=ROMEO:", "--num_samples=1",
-                        "--max_new_tokens=100", "--temperature=0"])
+    code = sample.main(
+        [
+            f"--out_dir={out}",
+            f"--device={DEVICE}",
+            "--quantize=int8",
+            "--start=ROMEO:",
+            "--num_samples=1",
+            "--max_new_tokens=100",
+            "--temperature=0",
+        ]
+    )
     assert code == 0
 
 

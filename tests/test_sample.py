@@ -54,8 +54,15 @@ def test_every_variant_samples_what_its_model_generates(tmp_path, capsys, name):
     save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(cfg), "model": model.state_dict()})
     tokenizer = CharTokenizer(CHARS)
     tokenizer.save(tmp_path / "tokenizer.json")
-    code, out, _ = run(tmp_path, capsys, "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=40", "--temperature=0",
-                       "--dtype=float32")
+    code, out, _ = run(
+        tmp_path,
+        capsys,
+        "--start=ROMEO:",
+        "--num_samples=1",
+        "--max_new_tokens=40",
+        "--temperature=0",
+        "--dtype=float32",
+    )
     expected = model.generate(torch.tensor([tokenizer.encode("ROMEO:")], device=DEVICE), 40, temperature=0)
     assert code == 0 and out == tokenizer.decode(expected[0].tolist()) + "\n"
 
@@ -71,7 +78,12 @@ def test_first_sample_streams_token_by_token(run_dir, monkeypatch):
             pass
 
     monkeypatch.setattr("sys.stdout", Recorder())
-    assert sample.main([f"--out_dir={run_dir}", f"--device={DEVICE}", "--start=A", "--num_samples=1", "--max_new_tokens=15"]) == 0
+    assert (
+        sample.main(
+            [f"--out_dir={run_dir}", f"--device={DEVICE}", "--start=A", "--num_samples=1", "--max_new_tokens=15"]
+        )
+        == 0
+    )
     assert writes[0] == "A" and all(len(w) == 1 for w in writes[1:16])  # one character per step, as it came
 
 
@@ -120,9 +132,20 @@ def test_a_signal_stops_sampling_in_one_line(run_dir, signum):
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, str(sample.__file__), f"--out_dir={run_dir}", "--device=cpu",
-                             "--max_new_tokens=1000000", "--num_samples=1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(sample.__file__),
+            f"--out_dir={run_dir}",
+            "--device=cpu",
+            "--max_new_tokens=1000000",
+            "--num_samples=1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout.read(5)  # it is generating
     time.sleep(0.2)
     proc.send_signal(getattr(signal, signum))
@@ -139,6 +162,8 @@ def test_a_sliding_window_note_goes_to_stderr_on_its_own_line(run_dir, capsys, m
     assert code == 0
     assert "context reached block_size" not in out
     note = [line for line in err.splitlines() if "block_size" in line]
-    assert note == ["sample.py: note: the context reached block_size=32: a full window keeps its newest 24 tokens, "
-                    "which are prefilled again at positions 0.. (see gptlite.generate)"]
+    assert note == [
+        "sample.py: note: the context reached block_size=32: a full window keeps its newest 24 tokens, "
+        "which are prefilled again at positions 0.. (see gptlite.generate)"
+    ]
     assert "\n" + note[0] in err  # on its own line, even when stderr and stdout share a terminal

@@ -52,9 +52,13 @@ def test_stream_chunks_join_to_the_whole_text(client):
 def test_stop_strings_cut_the_text(served, client):
     greedy = served.greedy("ROMEO:", 30)
     stop = greedy[10:12]
-    r = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0, stop=[stop, "\u00e9\u00e9"])
+    r = client.completions.create(
+        model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0, stop=[stop, "\u00e9\u00e9"]
+    )
     assert r.choices[0].text == greedy[: greedy.index(stop)] and r.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0, stop=stop, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="ROMEO:", max_tokens=30, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
@@ -101,11 +105,27 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
     "too many stops": ("/v1/completions", {**GOOD, "stop": list("abcde")}, 400, "stop", "at most 4"),
     "logprobs": ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs", "not supported"),
     "chat without messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
-    "a message's role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, 400,
-                         "messages.0.role", "Input should be"),
-    "a character the tokenizer lacks": ("/v1/completions", {**GOOD, "prompt": "\u2603"}, 400, "prompt", "not in this char"),
-    "a message the tokenizer cannot encode": ("/v1/chat/completions", {"model": MODEL, "messages": [
-        {"role": "user", "content": "\u2603"}]}, 400, "messages", "not in this char"),
+    "a message's role": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]},
+        400,
+        "messages.0.role",
+        "Input should be",
+    ),
+    "a character the tokenizer lacks": (
+        "/v1/completions",
+        {**GOOD, "prompt": "\u2603"},
+        400,
+        "prompt",
+        "not in this char",
+    ),
+    "a message the tokenizer cannot encode": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "\u2603"}]},
+        400,
+        "messages",
+        "not in this char",
+    ),
     "unknown path": ("/v1/embeddings", {}, 404, None, "Not Found"),
 }
 
@@ -184,11 +204,15 @@ def test_chat_renders_the_template_and_streams(served, client):
     prompt = served.tokenizer.render(messages, add_generation_prompt=True)
     assert r.usage.prompt_tokens == len(served.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     assert r.choices[0].message.content == served.greedy(prompt, 20) and r.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     default = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)  # the rest of the context
-    assert default.usage.completion_tokens == 128 - r.usage.prompt_tokens and default.choices[0].finish_reason == "length"
+    assert (
+        default.usage.completion_tokens == 128 - r.usage.prompt_tokens and default.choices[0].finish_reason == "length"
+    )
 
 
 def test_chat_renders_a_model_directorys_template_as_transformers_does(tmp_path):
@@ -213,7 +237,8 @@ def test_chat_renders_a_model_directorys_template_as_transformers_does(tmp_path)
         messages = CONVERSATION[:4]
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
         expected = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True)
+            messages, add_generation_prompt=True, tokenize=True
+        )
         expected = expected["input_ids"] if hasattr(expected, "keys") else expected
         assert r.usage.prompt_tokens == len(expected) == len(tokenizer.apply_chat_template(messages, True))
         assert tokenizer.end_of_turn_id == tokenizer.token_id("<|im_end|>")
@@ -258,7 +283,9 @@ def test_the_command_serves_a_run_folder_until_interrupted(tmp_path):
     TemplateTokenizer(CHARS).save(tmp_path / "tokenizer.json")
     port = free_port()
     cmd = [sys.executable, "-m", "gptlite.serve", f"--out_dir={tmp_path}", f"--port={port}", "--device=cpu"]
-    server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         deadline = time.monotonic() + 60

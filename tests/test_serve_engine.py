@@ -40,6 +40,7 @@ class Collect:
                 self.left -= 1
                 if self.left == 0:
                     self.done.set()
+
         return emit
 
     def wait(self) -> list[str]:
@@ -50,7 +51,7 @@ class Collect:
 def greedy(model, tokenizer, prompt: str, n: int) -> str:
     ids = tokenizer.encode(prompt)
     idx = torch.tensor([ids], device=next(model.parameters()).device)
-    return tokenizer.decode(model.generate(idx, n, temperature=0)[0, len(ids):].tolist())
+    return tokenizer.decode(model.generate(idx, n, temperature=0)[0, len(ids) :].tolist())
 
 
 @pytest.mark.parametrize("name", ["learned", "rope", "gpt2", "llama"])

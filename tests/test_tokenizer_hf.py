@@ -70,12 +70,17 @@ def model_folder(tmp_path, pre, decoder, model, specials, config, template=None)
     """A Hugging Face model's tokenizer folder built in the test (no download)."""
     tok = RustTokenizer(model)
     tok.pre_tokenizer, tok.decoder = pre, decoder
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if decoder.__class__.__name__ ==
-                                  "ByteLevel" else [])
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if decoder.__class__.__name__ == "ByteLevel" else [],
+    )
     tok.train_from_iterator([shared_file("data/tinyshakespeare.txt").read_text()[:100_000], *TEXTS], trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config})
+    )
     if template:
         (tmp_path / "chat_template.jinja").write_text(template)
     return tmp_path
@@ -84,10 +89,26 @@ def model_folder(tmp_path, pre, decoder, model, specials, config, template=None)
 def test_a_model_directorys_tokenizer_with_its_special_tokens(tmp_path):
     """A Llama-3-like tokenizer: GPT-2's ByteLevel regex (no fast path: merges are not ignored), bos/eos named in
     tokenizer_config.json, a chat template beside it."""
-    folder = model_folder(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(),
-                          models.BPE(), ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
-                          {"bos_token": "<|begin_of_text|>", "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>",
-                           "lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": True}}, "{{ messages }}")
+    folder = model_folder(
+        tmp_path,
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+        models.BPE(),
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": {
+                "__type": "AddedToken",
+                "content": "<|eot_id|>",
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+                "special": True,
+            },
+        },
+        "{{ messages }}",
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
     ours = get_tokenizer(str(folder))
     assert (ours.bos_id, ours.eos_id, ours.eot_id) == (0, 2, 2) and ours.fast is None
@@ -97,8 +118,14 @@ def test_a_model_directorys_tokenizer_with_its_special_tokens(tmp_path):
 
 
 def test_a_sentencepiece_style_tokenizer_decodes_as_transformers_does(tmp_path):
-    folder = model_folder(tmp_path, pre_tokenizers.Metaspace(), decoders.Metaspace(), models.BPE(byte_fallback=True),
-                          ["<s>", "</s>"], {"bos_token": "<s>", "eos_token": "</s>"})
+    folder = model_folder(
+        tmp_path,
+        pre_tokenizers.Metaspace(),
+        decoders.Metaspace(),
+        models.BPE(byte_fallback=True),
+        ["<s>", "</s>"],
+        {"bos_token": "<s>", "eos_token": "</s>"},
+    )
     ours, theirs = get_tokenizer(str(folder / "tokenizer.json")), transformers.AutoTokenizer.from_pretrained(folder)
     for text in ["Hello world", "First Citizen:\nBefore we proceed", "a  b"]:
         ids = theirs(text, add_special_tokens=False)["input_ids"]
@@ -118,21 +145,41 @@ def test_training_reads_every_input_kind(corpus, tmp_path, kind):
     else:
         source = {"file": corpus / "a.txt", "folder": corpus, "glob": corpus / "*.txt"}[kind]
     field = ["--text_field=content"] if kind in ("jsonl", "parquet") else []
-    assert tokenizer_main(["train", "--input", str(source), "--vocab_size=400", f"--out_dir={tmp_path / 'out'}",
-                           *field]) == 0
+    assert (
+        tokenizer_main(["train", "--input", str(source), "--vocab_size=400", f"--out_dir={tmp_path / 'out'}", *field])
+        == 0
+    )
     assert load_tokenizer(tmp_path / "out").vocab_size == 400
-    assert tokenizer_main(["train", "--input", str(source), "--vocab_size=300", f"--out_dir={tmp_path / 'capped'}",
-                           "--max_chars=2000", *field]) == 0
+    assert (
+        tokenizer_main(
+            [
+                "train",
+                "--input",
+                str(source),
+                "--vocab_size=300",
+                f"--out_dir={tmp_path / 'capped'}",
+                "--max_chars=2000",
+                *field,
+            ]
+        )
+        == 0
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--vocab_size=200"], r"vocab_size=200 is too small: the 256 bytes and 5 special tokens take 261 ids; give at least"),
-    (["--input", "nowhere.txt"], r"input nowhere\.txt is not a file, directory, glob with matches, or URL"),
-    (["--input", "EMPTY"], r"are empty; there is no text to train on"),
-    (["--max_chars=0"], r"max_chars=0 must be >= 1"),
-    ([], r"tokenizer\.json exists; choose another --out_dir or pass --overwrite"),
-    (["--input", "OWN", "--overwrite"], r"tokenizer\.json is a file this command writes; train on the corpus"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--vocab_size=200"],
+            r"vocab_size=200 is too small: the 256 bytes and 5 special tokens take 261 ids; give at least",
+        ),
+        (["--input", "nowhere.txt"], r"input nowhere\.txt is not a file, directory, glob with matches, or URL"),
+        (["--input", "EMPTY"], r"are empty; there is no text to train on"),
+        (["--max_chars=0"], r"max_chars=0 must be >= 1"),
+        ([], r"tokenizer\.json exists; choose another --out_dir or pass --overwrite"),
+        (["--input", "OWN", "--overwrite"], r"tokenizer\.json is a file this command writes; train on the corpus"),
+    ],
+)
 def test_bad_training_input_is_one_line(trained, corpus, tmp_path, capsys, args, message):
     (tmp_path / "EMPTY").write_text("")
     args = [a.replace("EMPTY", str(tmp_path / "EMPTY")).replace("OWN", str(trained / "tokenizer.json")) for a in args]
@@ -158,37 +205,87 @@ def test_an_interrupted_training_writes_nothing(corpus, tmp_path, monkeypatch, c
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-@pytest.mark.parametrize("content,message", [
-    ("{not json", r"is not valid JSON"),
-    ('{"model": {"type": "BPE", "vocab": 3}}', r"is not a valid Hugging Face tokenizer"),
-    ('{"foo": 1}', r"has unknown tokenizer type None"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{not json", r"is not valid JSON"),
+        ('{"model": {"type": "BPE", "vocab": 3}}', r"is not a valid Hugging Face tokenizer"),
+        ('{"foo": 1}', r"has unknown tokenizer type None"),
+    ],
+)
 def test_a_bad_tokenizer_json_is_one_line(tmp_path, content, message):
     (tmp_path / "tokenizer.json").write_text(content)
     with pytest.raises(ValueError, match=message):
         get_tokenizer(str(tmp_path))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"empty holds no tokenizer\.json; pass a tokenizer\.json or the folder"):
+    with pytest.raises(
+        FileNotFoundError, match=r"empty holds no tokenizer\.json; pass a tokenizer\.json or the folder"
+    ):
         get_tokenizer(str(tmp_path / "empty"))
 
 
 def test_a_trained_tokenizer_through_prepare_train_sample_evaluate_export(trained, corpus, tmp_path):
     data, run, hf = tmp_path / "data", tmp_path / "run", tmp_path / "hf"
-    prepare = subprocess.run([sys.executable, str(ROOT / "data/prepare.py"), "--input", str(corpus), "--tokenizer",
-                              str(trained), f"--out_dir={data}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    prepare = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "data/prepare.py"),
+            "--input",
+            str(corpus),
+            "--tokenizer",
+            str(trained),
+            f"--out_dir={data}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert prepare.returncode == 0, prepare.stderr
-    train.main(train.resolve_config([f"--data_dir={data}", f"--out_dir={run}", "--pos_emb=rope", "--norm=rmsnorm",
-                                     "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
-                                     "--max_iters=4", "--eval_interval=4", "--eval_iters=2", "--device=cpu"]))
+    train.main(
+        train.resolve_config(
+            [
+                f"--data_dir={data}",
+                f"--out_dir={run}",
+                "--pos_emb=rope",
+                "--norm=rmsnorm",
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=32",
+                "--block_size=32",
+                "--batch_size=4",
+                "--max_iters=4",
+                "--eval_interval=4",
+                "--eval_iters=2",
+                "--device=cpu",
+            ]
+        )
+    )
     assert load_tokenizer(run).encode(TEXTS[1]) == load_tokenizer(trained).encode(TEXTS[1])
-    for command in (["sample.py", f"--out_dir={run}", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=20"],
-                    ["-m", "gptlite.evaluate", f"--out_dir={run}"],
-                    ["-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={hf}"]):
+    for command in (
+        ["sample.py", f"--out_dir={run}", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=20"],
+        ["-m", "gptlite.evaluate", f"--out_dir={run}"],
+        ["-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={hf}"],
+    ):
         path = [str(ROOT / command[0])] if command[0].endswith(".py") else command[:2]
-        result = subprocess.run([sys.executable, *path, *command[len(path):], "--device=cpu" if "hf" not in command[1]
-                                 else "--overwrite=false"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        result = subprocess.run(
+            [
+                sys.executable,
+                *path,
+                *command[len(path) :],
+                "--device=cpu" if "hf" not in command[1] else "--overwrite=false",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert result.returncode == 0, (command, result.stderr)
-    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                   "tokenizer_config.json"]
+    assert sorted(p.name for p in hf.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert_same_ids(load_tokenizer(trained), hf)
     assert transformers.AutoModelForCausalLM.from_pretrained(hf).config.eos_token_id == 0

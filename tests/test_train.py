@@ -27,8 +27,20 @@ from gptlite.model import GPT
 from tests.conftest import ROOT, VARIANTS, FullDisk, ListLoader, shared_file, tiny_model
 
 VOCAB = 128  # the corpus is ASCII bytes
-TINY = dict(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, learning_rate=3e-3,
-            min_lr=3e-4, warmup_iters=3, eval_iters=2, log_interval=1, device="cpu")
+TINY = dict(
+    vocab_size=VOCAB,
+    n_layer=1,
+    n_head=2,
+    n_embd=32,
+    block_size=16,
+    batch_size=8,
+    learning_rate=3e-3,
+    min_lr=3e-4,
+    warmup_iters=3,
+    eval_iters=2,
+    log_interval=1,
+    device="cpu",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -104,8 +116,9 @@ def test_gradient_accumulation_equals_one_batch_k_times_larger():
     for k in (1, 4):
         model = tiny_model(seed=0).train()
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        loss = train.accumulate_gradients(model, ListLoader(zip(x.chunk(k), y.chunk(k))), k, "cpu",
-                                          contextlib.nullcontext(), scaler)
+        loss = train.accumulate_gradients(
+            model, ListLoader(zip(x.chunk(k), y.chunk(k))), k, "cpu", contextlib.nullcontext(), scaler
+        )
         results.append((loss, [p.grad for p in model.parameters()]))
     (loss_1, grads_1), (loss_4, grads_4) = results
     torch.testing.assert_close(loss_4, loss_1)
@@ -152,8 +165,11 @@ def test_a_nonfinite_step_is_skipped_and_logged(data, tmp_path, nan_loss_at, cap
 
 def test_on_nan_stop_raises_without_saving(data, tmp_path, nan_loss_at):
     nan_loss_at(4)
-    with pytest.raises(FloatingPointError, match=r"step 4: loss nan, gradient norm nan are not finite; stopped without "
-                       r"saving \(on_nan=stop\)\. The latest good checkpoint is in .*; resume with --resume"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"step 4: loss nan, gradient norm nan are not finite; stopped without "
+        r"saving \(on_nan=stop\)\. The latest good checkpoint is in .*; resume with --resume",
+    ):
         train.main(config(data, tmp_path, max_iters=6, eval_interval=3, on_nan="stop"))
     assert [p.name for p in step_files(tmp_path)] == ["ckpt_000003.pt"]
 
@@ -188,8 +204,11 @@ def test_out_of_memory_on_the_first_step_names_the_micro_batch(data, tmp_path, m
 
     monkeypatch.setattr(GPT, "forward", forward)
     oom_at = {1}
-    with pytest.raises(ValueError, match=r"^out of memory in the first step, on a micro-batch of batch_size=8 x "
-                       r"block_size=16 tokens per device; try --batch_size=4 \(add --total_batch_size=128 to keep"):
+    with pytest.raises(
+        ValueError,
+        match=r"^out of memory in the first step, on a micro-batch of batch_size=8 x "
+        r"block_size=16 tokens per device; try --batch_size=4 \(add --total_batch_size=128 to keep",
+    ):
         train.main(config(data, tmp_path, max_iters=2))
     calls[0] = 0
     with pytest.raises(ValueError, match=r"try --batch_size=4 \(total_batch_size stays, gradient accumulation"):
@@ -243,8 +262,10 @@ def test_compile_unavailable_warns_and_trains_uncompiled(data, tmp_path, monkeyp
     monkeypatch.setenv("CXX", "no-such-compiler")
     summary = train.main(config(data, tmp_path, max_iters=2, eval_interval=2, compile=True))
     assert summary["step"] == 2
-    assert ("warning: torch.compile is unavailable (no C++ compiler 'no-such-compiler' for its CPU kernels (set CXX)); "
-            "training uncompiled") in capsys.readouterr().out
+    assert (
+        "warning: torch.compile is unavailable (no C++ compiler 'no-such-compiler' for its CPU kernels (set CXX)); "
+        "training uncompiled"
+    ) in capsys.readouterr().out
     monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
     assert train.compile_unavailable("cuda") == "Triton is not installed"
     monkeypatch.setattr("torch._dynamo.is_dynamo_supported", lambda: False)
@@ -298,8 +319,10 @@ def test_resume_past_a_damaged_checkpoint_deletes_it(data, tmp_path, capsys):
 def test_max_minutes_ends_the_run_with_a_checkpoint(data, tmp_path, capsys):
     summary = train.main(config(data, tmp_path, max_iters=50, eval_interval=20, max_minutes=1e-9))
     assert summary["step"] == 1 and summary["stopped"] == "max_minutes=1e-09" and summary["signal"] is None
-    assert (f"stopped after step 1 (max_minutes=1e-09) with a checkpoint in {tmp_path}; continue with: "
-            f"python train.py --out_dir={tmp_path} --resume") in capsys.readouterr().out
+    assert (
+        f"stopped after step 1 (max_minutes=1e-09) with a checkpoint in {tmp_path}; continue with: "
+        f"python train.py --out_dir={tmp_path} --resume"
+    ) in capsys.readouterr().out
     ckpt = load_checkpoint(tmp_path)
     assert ckpt["step"] == 1 and ckpt["val_loss"] == summary["val_history"][-1][1]  # a last evaluation
     assert train.main(resume(tmp_path, "--max_minutes=0", "--max_iters=3"))["step"] == 3
@@ -308,8 +331,20 @@ def test_max_minutes_ends_the_run_with_a_checkpoint(data, tmp_path, capsys):
 def test_time_schedule_decays_the_lr_over_the_time_budget(data, tmp_path, monkeypatch):
     clock = iter(range(10**6))  # every reading of the clock is one second later
     monkeypatch.setattr(train.time, "time", lambda: float(next(clock)))
-    summary = train.main(config(data, tmp_path, max_iters=10**6, eval_interval=10**5, log_interval=1, warmup_iters=0,
-                                lr_schedule="time", max_minutes=0.5, learning_rate=1e-3, min_lr=1e-4))
+    summary = train.main(
+        config(
+            data,
+            tmp_path,
+            max_iters=10**6,
+            eval_interval=10**5,
+            log_interval=1,
+            warmup_iters=0,
+            lr_schedule="time",
+            max_minutes=0.5,
+            learning_rate=1e-3,
+            min_lr=1e-4,
+        )
+    )
     assert summary["stopped"] == "max_minutes=0.5" and summary["val_history"][-1][0] == summary["step"]
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open()) if "lr" in r]
     assert 10 < len(lrs) < 40 and lrs[0] == 1e-3 and all(a >= b for a, b in zip(lrs, lrs[1:]))
@@ -333,7 +368,9 @@ def test_metrics_file_and_the_plot_of_several_runs(data, tmp_path, capsys):
     val_rows = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val_rows] == [3, 6] and all(r["val_bpb"] is None for r in val_rows)  # no tokenizer
 
-    result = subprocess.run([sys.executable, "-m", "gptlite.plot", str(runs[0])], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "gptlite.plot", str(runs[0])], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0 and result.stdout.strip() == f"wrote {runs[0] / 'loss.png'}", result.stderr
     out = tmp_path / "both.png"
     assert plot.main([*map(str, runs), "--x=tokens", "--log", f"--out={out}"]) == 0
@@ -379,9 +416,14 @@ def test_mfu_against_known_peaks():
 
 def start_training(data: Path, out: Path, **overrides) -> subprocess.Popen:
     values = {**TINY, "data_dir": data, "out_dir": out, **overrides}
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def wait_until(condition, proc: subprocess.Popen) -> None:
@@ -403,8 +445,10 @@ def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(data, tmp_path,
     assert stderr == ""
     step = load_checkpoint(out)["step"]
     assert f"step {step:5d} | saved {out / f'ckpt_{step:06d}.pt'}" in stdout
-    assert (f"stopped after step {step} ({sig.name}) with a checkpoint in {out}; "
-            f"continue with: python train.py --out_dir={out} --resume") in stdout
+    assert (
+        f"stopped after step {step} ({sig.name}) with a checkpoint in {out}; "
+        f"continue with: python train.py --out_dir={out} --resume"
+    ) in stdout
     # the checkpoint continues the run as if nothing had happened
     train.main(resume(out, f"--max_iters={step + 3}"))
     train.main(config(data, tmp_path / "straight", max_iters=step + 3, eval_interval=1000, lr_decay_iters=40))
@@ -430,7 +474,9 @@ def test_eval_iters_0_evaluates_every_val_window_once(data, tmp_path):
     torch.manual_seed(0)
     model = train.GPT(cfg.model).eval()
     _, val_loader = train.make_loaders(cfg, 0, 1)
-    full, bpb = train.evaluate(model, val_loader, 0, "cpu", contextlib.nullcontext(), torch.ones(VOCAB, dtype=torch.long))
+    full, bpb = train.evaluate(
+        model, val_loader, 0, "cpu", contextlib.nullcontext(), torch.ones(VOCAB, dtype=torch.long)
+    )
     T, total, count = cfg.model.block_size, 0.0, 0
     for tokens in val_loader.shards:
         for i in range(0, len(tokens) - T, T):
@@ -452,8 +498,13 @@ def test_a_second_train_on_one_out_dir_is_refused_naming_the_first(data, tmp_pat
     wait_until(lambda: len(losses(out)) >= 1, first)  # it holds the lock from before its first step
     try:
         values = {**TINY, "data_dir": data, "out_dir": out, "resume": True}
-        second = subprocess.run([sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
-                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        second = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert second.returncode == 2 and "Traceback" not in second.stderr
         assert f"train.py: error: out_dir {out} is in use by process {first.pid} on " in second.stderr, second.stderr
     finally:
@@ -466,9 +517,12 @@ def test_a_fresh_run_into_an_earlier_runs_folder_is_refused_or_moves_it_aside(da
     out = tmp_path / "run"
     train.main(config(data, out, max_iters=2, eval_interval=2))
     earlier = sorted(p.name for p in out.iterdir())
-    with pytest.raises(ValueError, match=rf"out_dir {re.escape(str(out))} holds an earlier run \(ckpt_000002.pt, "
-                                         r"ckpt_000002.pt.sha256, ckpt.pt, \.\.\.\); continue it with --resume, "
-                                         r"choose another --out_dir, or pass --overwrite"):
+    with pytest.raises(
+        ValueError,
+        match=rf"out_dir {re.escape(str(out))} holds an earlier run \(ckpt_000002.pt, "
+        r"ckpt_000002.pt.sha256, ckpt.pt, \.\.\.\); continue it with --resume, "
+        r"choose another --out_dir, or pass --overwrite",
+    ):
         train.main(config(data, out, max_iters=2, n_embd=64))
     assert sorted(p.name for p in out.iterdir()) == earlier  # nothing moved or deleted
     capsys.readouterr()
@@ -484,7 +538,10 @@ def test_leftover_temporary_files_are_deleted_when_a_run_starts(data, tmp_path, 
     (tmp_path / "ckpt_000004.pt.tmp").write_bytes(b"half a checkpoint")
     (tmp_path / "ckpt_000004.pt.sha256.tmp").write_text("0" * 64)
     train.main(resume(tmp_path, "--max_iters=3"))
-    assert f"deleted {tmp_path / 'ckpt_000004.pt.tmp'}, a temporary file an interrupted save left" in capsys.readouterr().out
+    assert (
+        f"deleted {tmp_path / 'ckpt_000004.pt.tmp'}, a temporary file an interrupted save left"
+        in capsys.readouterr().out
+    )
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -492,8 +549,13 @@ def test_an_out_dir_that_is_a_file_or_read_only_is_one_line(data, tmp_path, monk
     a_file = tmp_path / "file"
     a_file.write_text("not a folder")
     values = {**TINY, "data_dir": data, "out_dir": a_file}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr == f"train.py: error: out_dir {a_file} is a file, not a folder; choose another path\n"
 
@@ -511,9 +573,12 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_the_run_resumes(data, tm
     train.main(config(data, tmp_path, max_iters=2, eval_interval=2))
     real_init = checkpoint._HashingWriter.__init__
     monkeypatch.setattr(checkpoint._HashingWriter, "__init__", lambda self, f: real_init(self, FullDisk(f, 20_000)))
-    with pytest.raises(OSError, match=r"^step 4: could not save checkpoint .*ckpt_000004\.pt: no space left on device; "
-                                      r"free space or use a folder on another disk; the latest good checkpoint stays in "
-                                      r".*: fix that, then continue with --resume$"):
+    with pytest.raises(
+        OSError,
+        match=r"^step 4: could not save checkpoint .*ckpt_000004\.pt: no space left on device; "
+        r"free space or use a folder on another disk; the latest good checkpoint stays in "
+        r".*: fix that, then continue with --resume$",
+    ):
         train.main(resume(tmp_path, "--max_iters=4"))
     assert not list(tmp_path.glob("*.tmp")) and load_checkpoint(tmp_path)["step"] == 2
     monkeypatch.setattr(checkpoint._HashingWriter, "__init__", real_init)  # space freed

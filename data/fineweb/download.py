@@ -37,8 +37,11 @@ def run(args: DownloadOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return run_command("fineweb/download.py", lambda: run(parse(DownloadOptions, argv, "data/fineweb/download.py",
-                                                                __doc__)), "finished files are kept: run it again to continue")
+    return run_command(
+        "fineweb/download.py",
+        lambda: run(parse(DownloadOptions, argv, "data/fineweb/download.py", __doc__)),
+        "finished files are kept: run it again to continue",
+    )
 
 
 if __name__ == "__main__":

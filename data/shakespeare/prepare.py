@@ -39,8 +39,11 @@ def run(args: ShakespeareOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return run_command("shakespeare/prepare.py", lambda: run(parse(ShakespeareOptions, argv, "data/shakespeare/prepare.py",
-                                                                   __doc__)), "run it again to continue where it stopped")
+    return run_command(
+        "shakespeare/prepare.py",
+        lambda: run(parse(ShakespeareOptions, argv, "data/shakespeare/prepare.py", __doc__)),
+        "run it again to continue where it stopped",
+    )
 
 
 if __name__ == "__main__":

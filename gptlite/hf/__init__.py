@@ -39,8 +39,18 @@ from gptlite.tokenizer import HFTokenizer, Tokenizer
 if TYPE_CHECKING:
     from gptlite.model import GPT
 
-__all__ = ["GPT2_NAMES", "export_hf", "family_of", "fingerprint", "gpt2_tokenizer_problem", "hf_tokenizer_files",
-           "load_pretrained", "pretrained_config", "read_json", "save_weights"]
+__all__ = [
+    "GPT2_NAMES",
+    "export_hf",
+    "family_of",
+    "fingerprint",
+    "gpt2_tokenizer_problem",
+    "hf_tokenizer_files",
+    "load_pretrained",
+    "pretrained_config",
+    "read_json",
+    "save_weights",
+]
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 # buffers some checkpoints store beside their weights (GPT-2's causal masks, old Llamas' RoPE frequencies)
 BUFFERS = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")
@@ -65,37 +75,67 @@ QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "", "model.layers.{i}.")
 QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
 FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
-    "gemma": "Gemma's scaled embeddings and GeGLU feed-forward", "gemma2": "Gemma 2's soft-capped logits",
-    "gemma3": "Gemma 3's scaled embeddings and sliding-window layers", "mixtral": "Mixtral's mixture of experts",
-    "qwen2_moe": "a mixture of experts", "qwen3_moe": "a mixture of experts", "phi3": "Phi-3's fused qkv layout",
+    "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
+    "gemma2": "Gemma 2's soft-capped logits",
+    "gemma3": "Gemma 3's scaled embeddings and sliding-window layers",
+    "mixtral": "Mixtral's mixture of experts",
+    "qwen2_moe": "a mixture of experts",
+    "qwen3_moe": "a mixture of experts",
+    "phi3": "Phi-3's fused qkv layout",
 }
-EXPORTABLE = ("GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
-              "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
-              "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's")
+EXPORTABLE = (
+    "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
+    "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
+    "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's"
+)
 
 
 def entries(family: Family, config: GPTConfig) -> list[Entry]:
     """Every weight of a model of `config` in `family`: (gptlite name, transformers names, transposed)."""
     if family is GPT2:
-        top = [("tok_emb.weight", ("wte.weight",), False), ("pos_emb.table.weight", ("wpe.weight",), False),
-               ("norm.weight", ("ln_f.weight",), False), ("norm.bias", ("ln_f.bias",), False)]
-        layer = [("attn_norm", "ln_1", False), ("attn.qkv", "attn.c_attn", True), ("attn.out_proj", "attn.c_proj", True),
-                 ("ffn_norm", "ln_2", False), ("ffn.fc", "mlp.c_fc", True), ("ffn.out_proj", "mlp.c_proj", True)]
-        layer = [(f"{ours}.{p}", (f"{theirs}.{p}",), transposed and p == "weight")
-                 for ours, theirs, transposed in layer for p in ("weight", "bias")]
+        top = [
+            ("tok_emb.weight", ("wte.weight",), False),
+            ("pos_emb.table.weight", ("wpe.weight",), False),
+            ("norm.weight", ("ln_f.weight",), False),
+            ("norm.bias", ("ln_f.bias",), False),
+        ]
+        layer = [
+            ("attn_norm", "ln_1", False),
+            ("attn.qkv", "attn.c_attn", True),
+            ("attn.out_proj", "attn.c_proj", True),
+            ("ffn_norm", "ln_2", False),
+            ("ffn.fc", "mlp.c_fc", True),
+            ("ffn.out_proj", "mlp.c_proj", True),
+        ]
+        layer = [
+            (f"{ours}.{p}", (f"{theirs}.{p}",), transposed and p == "weight")
+            for ours, theirs, transposed in layer
+            for p in ("weight", "bias")
+        ]
     else:
-        top = [("tok_emb.weight", ("model.embed_tokens.weight",), False), ("norm.weight", ("model.norm.weight",), False)]
+        top = [
+            ("tok_emb.weight", ("model.embed_tokens.weight",), False),
+            ("norm.weight", ("model.norm.weight",), False),
+        ]
         attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        layer = [("attn_norm.weight", ("input_layernorm.weight",), False),
-                 ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
-                 *([("attn.qkv.bias", tuple(f"{t}.bias" for t in attn), False)] if config.qkv_bias else []),
-                 ("attn.out_proj.weight", ("self_attn.o_proj.weight",), False),
-                 *([("attn.qk_norm.q_norm.weight", ("self_attn.q_norm.weight",), False),
-                    ("attn.qk_norm.k_norm.weight", ("self_attn.k_norm.weight",), False)] if config.qk_norm else []),
-                 ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
-                 # SwiGLU's fc: its first half is the gate (through silu), the second the value
-                 ("ffn.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), False),
-                 ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False)]
+        layer = [
+            ("attn_norm.weight", ("input_layernorm.weight",), False),
+            ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
+            *([("attn.qkv.bias", tuple(f"{t}.bias" for t in attn), False)] if config.qkv_bias else []),
+            ("attn.out_proj.weight", ("self_attn.o_proj.weight",), False),
+            *(
+                [
+                    ("attn.qk_norm.q_norm.weight", ("self_attn.q_norm.weight",), False),
+                    ("attn.qk_norm.k_norm.weight", ("self_attn.k_norm.weight",), False),
+                ]
+                if config.qk_norm
+                else []
+            ),
+            ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
+            # SwiGLU's fc: its first half is the gate (through silu), the second the value
+            ("ffn.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), False),
+            ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False),
+        ]
     if not config.tie_embeddings:
         top.append(("lm_head.weight", ("lm_head.weight",), False))
     out = list(top)
@@ -129,18 +169,27 @@ def checkpoint_dir(name_or_dir: str, weights: bool = True) -> Path:
     if name_or_dir not in GPT2_NAMES:
         raise FileNotFoundError(
             f"{name_or_dir} is neither a directory nor one of {', '.join(GPT2_NAMES)}; pass a directory in Hugging "
-            "Face's layout (config.json and model.safetensors)")
+            "Face's layout (config.json and model.safetensors)"
+        )
     repo = GPT2_NAMES[name_or_dir]
-    offline = (f"where you are online, download it (huggingface-cli download {repo} config.json model.safetensors "
-               f"--local-dir DIR) and pass that directory instead of '{name_or_dir}'")
+    offline = (
+        f"where you are online, download it (huggingface-cli download {repo} config.json model.safetensors "
+        f"--local-dir DIR) and pass that directory instead of '{name_or_dir}'"
+    )
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ImportError(f"downloading {name_or_dir} needs huggingface_hub (pip install huggingface_hub); or {offline}") from None
+        raise ImportError(
+            f"downloading {name_or_dir} needs huggingface_hub (pip install huggingface_hub); or {offline}"
+        ) from None
     try:
-        return Path(snapshot_download(repo, allow_patterns=["config.json", *(["model.safetensors"] if weights else [])]))
+        return Path(
+            snapshot_download(repo, allow_patterns=["config.json", *(["model.safetensors"] if weights else [])])
+        )
     except Exception as e:  # huggingface_hub's errors for no network, offline mode, a missing repository, ...
-        raise ConnectionError(f"could not download {name_or_dir} from the Hugging Face Hub ({type(e).__name__}); {offline}") from None
+        raise ConnectionError(
+            f"could not download {name_or_dir} from the Hugging Face Hub ({type(e).__name__}); {offline}"
+        ) from None
 
 
 def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
@@ -148,14 +197,18 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
     hold is refused in one line naming it."""
     path = directory / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and its weights")
+        raise FileNotFoundError(
+            f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and its weights"
+        )
     c = read_json(path, "a Hugging Face config.json")
     kind = c.get("model_type")
     family = FAMILIES.get(kind)
     if family is None:
         what = f"{UNSUPPORTED[kind]}, which gptlite does not have" if kind in UNSUPPORTED else "not supported"
-        raise ValueError(f"{path}: model_type={kind!r} is {what}; gptlite loads "
-                         f"{', '.join(f'{f.architecture} ({f.model_type})' for f in FAMILIES.values())}")
+        raise ValueError(
+            f"{path}: model_type={kind!r} is {what}; gptlite loads "
+            f"{', '.join(f'{f.architecture} ({f.model_type})' for f in FAMILIES.values())}"
+        )
     try:
         values, window, unsupported = (gpt2_values if family is GPT2 else llama_values)(c, family)
     except KeyError as e:
@@ -168,14 +221,25 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
 def gpt2_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     unsupported = []
     if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        unsupported.append(f"activation_function={c['activation_function']!r} (gptlite's GELU is GPT-2's tanh "
-                           "approximation, gelu_new)")
+        unsupported.append(
+            f"activation_function={c['activation_function']!r} (gptlite's GELU is GPT-2's tanh approximation, gelu_new)"
+        )
     if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
         unsupported.append("attention scaled other than by 1/sqrt(head width)")
-    values = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"], n_head=c["n_head"],
-                  n_embd=c["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
-                  norm_eps=c.get("layer_norm_epsilon", 1e-5), ffn="gelu", ffn_hidden=c.get("n_inner") or 4 * c["n_embd"],
-                  tie_embeddings=c.get("tie_word_embeddings", True) is not False)
+    values = dict(
+        vocab_size=c["vocab_size"],
+        block_size=c["n_positions"],
+        n_layer=c["n_layer"],
+        n_head=c["n_head"],
+        n_embd=c["n_embd"],
+        bias=True,
+        pos_emb="learned",
+        norm="layernorm",
+        norm_eps=c.get("layer_norm_epsilon", 1e-5),
+        ffn="gelu",
+        ffn_hidden=c.get("n_inner") or 4 * c["n_embd"],
+        tie_embeddings=c.get("tie_word_embeddings", True) is not False,
+    )
     return values, None, unsupported
 
 
@@ -185,13 +249,25 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     kv_heads, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or hidden // heads
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    values = dict(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], n_layer=c["num_hidden_layers"],
-                  n_head=heads, n_kv_head=kv_heads if kv_heads != heads else None, n_embd=hidden,
-                  head_dim=head_dim if head_dim * heads != hidden else None, bias=False, pos_emb="rope",
-                  rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), norm="rmsnorm",
-                  norm_eps=c.get("rms_norm_eps", 1e-6), ffn="swiglu", ffn_hidden=c["intermediate_size"],
-                  tie_embeddings=bool(c.get("tie_word_embeddings", False)), qkv_bias=family is QWEN2,
-                  qk_norm=family is QWEN3)
+    values = dict(
+        vocab_size=c["vocab_size"],
+        block_size=c["max_position_embeddings"],
+        n_layer=c["num_hidden_layers"],
+        n_head=heads,
+        n_kv_head=kv_heads if kv_heads != heads else None,
+        n_embd=hidden,
+        head_dim=head_dim if head_dim * heads != hidden else None,
+        bias=False,
+        pos_emb="rope",
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        norm="rmsnorm",
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        ffn="swiglu",
+        ffn_hidden=c["intermediate_size"],
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=family is QWEN2,
+        qk_norm=family is QWEN3,
+    )
     unsupported = []
     if c.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
@@ -200,10 +276,13 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     if c.get("mlp_bias"):
         unsupported.append("biases in the feed-forward (mlp_bias=true)")
     if rope_type == "llama3":
-        values.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                      rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]),
-                      rope_original_context=int(rope["original_max_position_embeddings"]))
+        values.update(
+            rope_scaling="llama3",
+            rope_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_context=int(rope["original_max_position_embeddings"]),
+        )
     elif rope_type != "default":
         unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's)")
     window = c.get("sliding_window") if family is MISTRAL or c.get("use_sliding_window") else None
@@ -214,7 +293,9 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     return values, window, unsupported
 
 
-def to_gptlite(family: Family, weights: Weights, config: GPTConfig, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def to_gptlite(
+    family: Family, weights: Weights, config: GPTConfig, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
     """A transformers checkpoint -> gptlite's state dict for a model of `config`, read and converted tensor by
     tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights."""
     names = {n.removeprefix(family.prefix): n for n in weights.names()}  # the Hub's gpt2 has no prefix
@@ -222,8 +303,9 @@ def to_gptlite(family: Family, weights: Weights, config: GPTConfig, dtype: torch
     for ours, theirs, transposed in entries(family, config):
         missing = [t for t in theirs if t not in names]
         if missing:
-            raise ValueError(f"the checkpoint has no {missing[0]}, which a {family.architecture} of "
-                             f"{config.n_layer} layers needs")
+            raise ValueError(
+                f"the checkpoint has no {missing[0]}, which a {family.architecture} of {config.n_layer} layers needs"
+            )
         state[ours] = read_fused(weights, [names[t] for t in theirs], transposed, dtype)
         used.update(theirs)
     if "pos_emb.table.weight" in state:  # a smaller block_size keeps the first positions
@@ -231,13 +313,17 @@ def to_gptlite(family: Family, weights: Weights, config: GPTConfig, dtype: torch
     if config.tie_embeddings and "lm_head.weight" in names:
         head = weights.pop(names["lm_head.weight"])
         if not torch.equal(head.to(state["tok_emb.weight"].dtype), state["tok_emb.weight"]):
-            raise ValueError("the checkpoint's lm_head.weight differs from its token embedding though its config ties "
-                             "them (tie_word_embeddings)")
+            raise ValueError(
+                "the checkpoint's lm_head.weight differs from its token embedding though its config ties "
+                "them (tie_word_embeddings)"
+            )
         used.add("lm_head.weight")
     unknown = sorted(n for n in names if n not in used and not n.endswith(BUFFERS))
     if unknown:
-        raise ValueError(f"the checkpoint has weights a {family.architecture} of gptlite's kind does not: "
-                         f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
+        raise ValueError(
+            f"the checkpoint has weights a {family.architecture} of gptlite's kind does not: "
+            f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}"
+        )
     if config.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
     return state
@@ -250,7 +336,9 @@ def read_fused(weights: Weights, names: list[str], transposed: bool, dtype: torc
         (name,) = names
         return weights.pop(name).t().to(dtype or None).contiguous()
     shapes = [weights.shape(n) for n in names]
-    out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype or weights.dtype(names[0]))  # (rows, ...)
+    out = torch.empty(
+        (sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype or weights.dtype(names[0])
+    )  # (rows, ...)
     row = 0
     for name, shape in zip(names, shapes):
         weights.pop(name, out=out[row : row + shape[0]])
@@ -268,20 +356,27 @@ def pretrained_config(name_or_dir: str, **overrides) -> GPTConfig:
 def _override(config: GPTConfig, overrides: dict, source: str, window: int | None) -> GPTConfig:
     wrong = sorted(set(overrides) - {"block_size", "dropout"})
     if wrong:
-        raise ValueError(f"{source}: the pretrained model fixes {', '.join(wrong)}; only block_size (smaller) and "
-                         "dropout can be changed")
+        raise ValueError(
+            f"{source}: the pretrained model fixes {', '.join(wrong)}; only block_size (smaller) and "
+            "dropout can be changed"
+        )
     block_size = overrides.get("block_size", config.block_size)
     if config.pos_emb == "learned" and block_size > config.block_size:
-        raise ValueError(f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
-                         f"use block_size <= {config.block_size}")
+        raise ValueError(
+            f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
+            f"use block_size <= {config.block_size}"
+        )
     if window and block_size > window:
-        raise ValueError(f"{source}: its sliding window {window} is shorter than block_size={block_size}; gptlite "
-                         f"attends to the whole context: use block_size <= {window}")
+        raise ValueError(
+            f"{source}: its sliding window {window} is shorter than block_size={block_size}; gptlite "
+            f"attends to the whole context: use block_size <= {window}"
+        )
     return GPTConfig(**{**vars(config), **overrides})
 
 
-def load_pretrained(name_or_dir: str, dtype: torch.dtype | None = None, **overrides
-                    ) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
+def load_pretrained(
+    name_or_dir: str, dtype: torch.dtype | None = None, **overrides
+) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
     """The GPTConfig, the gptlite state dict (in `dtype`, or the checkpoint's own) and the transformers class of a
     checkpoint (see the module docstring), for GPT.from_pretrained. `block_size` may be set smaller (learned
     positions are cropped, as nanoGPT does) and `dropout` set for fine-tuning."""
@@ -328,9 +423,11 @@ def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
             family = MISTRAL
         if not (config.qk_norm and config.qkv_bias) and not (config.rope_scaling and family is not LLAMA):
             return family
-    raise ValueError(f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
-                     f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
-                     f"rope_scaling={config.rope_scaling!r} has no transformers architecture; exportable are {EXPORTABLE}")
+    raise ValueError(
+        f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
+        f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
+        f"rope_scaling={config.rope_scaling!r} has no transformers architecture; exportable are {EXPORTABLE}"
+    )
 
 
 def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -354,33 +451,75 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
     eos = tokenizer.eot_id if tokenizer is not None else None
     bos = tokenizer.bos_id if isinstance(tokenizer, HFTokenizer) else eos
     eos = tokenizer.eos_id if isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id is not None else eos
-    common = {"architectures": [family.architecture], "model_type": family.model_type, "vocab_size": config.vocab_size,
-              "tie_word_embeddings": config.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
-              "torch_dtype": str(dtype).removeprefix("torch."), "initializer_range": 0.02}
+    common = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "initializer_range": 0.02,
+    }
     if family is GPT2:
-        return {**common, "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
-                "n_head": config.n_head, "n_inner": config.ffn_hidden, "activation_function": "gelu_new",
-                "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-                "attn_pdrop": config.dropout, "scale_attn_weights": True}
+        return {
+            **common,
+            "n_positions": config.block_size,
+            "n_embd": config.n_embd,
+            "n_layer": config.n_layer,
+            "n_head": config.n_head,
+            "n_inner": config.ffn_hidden,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": config.norm_eps,
+            "resid_pdrop": config.dropout,
+            "embd_pdrop": config.dropout,
+            "attn_pdrop": config.dropout,
+            "scale_attn_weights": True,
+        }
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling == "llama3":
-        rope = {**rope, "rope_type": "llama3", "factor": config.rope_factor, "low_freq_factor": config.rope_low_freq_factor,
-                "high_freq_factor": config.rope_high_freq_factor,
-                "original_max_position_embeddings": config.rope_original_context}
-    windows = {"sliding_window": None, **({"use_sliding_window": False, "max_window_layers": config.n_layer}
-                                          if family in (QWEN2, QWEN3) else {})}
-    return {**common, "hidden_size": config.n_embd, "intermediate_size": config.ffn_hidden,
-            "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-            "num_key_value_heads": config.kv_heads, "head_dim": config.head_width,
-            "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
-            # transformers < 5 reads rope_theta and rope_scaling, 5 and later rope_parameters
-            "rope_theta": config.rope_theta, "rope_scaling": rope if config.rope_scaling else None,
-            "rope_parameters": rope, **(windows if family is not LLAMA else {})}
+        rope = {
+            **rope,
+            "rope_type": "llama3",
+            "factor": config.rope_factor,
+            "low_freq_factor": config.rope_low_freq_factor,
+            "high_freq_factor": config.rope_high_freq_factor,
+            "original_max_position_embeddings": config.rope_original_context,
+        }
+    windows = {
+        "sliding_window": None,
+        **({"use_sliding_window": False, "max_window_layers": config.n_layer} if family in (QWEN2, QWEN3) else {}),
+    }
+    return {
+        **common,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.ffn_hidden,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_width,
+        "max_position_embeddings": config.block_size,
+        "rms_norm_eps": config.norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": config.dropout,
+        # transformers < 5 reads rope_theta and rope_scaling, 5 and later rope_parameters
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope if config.rope_scaling else None,
+        "rope_parameters": rope,
+        **(windows if family is not LLAMA else {}),
+    }
 
 
-def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
-              log: Callable[[str], None] | None = None, architecture: str | None = None) -> list[Path]:
+def export_hf(
+    model: GPT,
+    directory: str | Path,
+    tokenizer: Tokenizer | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+    architecture: str | None = None,
+) -> list[Path]:
     """Write config.json and model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained(directory)`
     loads with the same logits, as the class its switches map to (`architecture`, by default the one the model was
     loaded from, tells Mistral from Llama), and, given a tokenizer transformers can reproduce, its files. Everything
@@ -390,8 +529,10 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
     from gptlite.quantize import Int8Linear
 
     if isinstance(model.lm_head, Int8Linear):
-        raise ValueError("an int8-quantized model cannot be exported: its weights are rounded; export the float model "
-                         "(quantize after loading, e.g. sample.py --quantize=int8)")
+        raise ValueError(
+            "an int8-quantized model cannot be exported: its weights are rounded; export the float model "
+            "(quantize after loading, e.g. sample.py --quantize=int8)"
+        )
     family = family_of(model.config, architecture or getattr(model, "source_architecture", None))
     state = model.state_dict()
     dtype = state["tok_emb.weight"].dtype
@@ -405,9 +546,11 @@ def export_hf(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = N
         held = sorted(p.name for p in directory.iterdir())
         present = [n for n in names if n in held] + [n for n in held if n not in names]
         if present:
-            raise FileExistsError(f"{directory} already holds {', '.join(present[:3])}{' ...' if len(present) > 3 else ''}"
-                                  "; export to a new directory, or pass overwrite=True (--overwrite) to replace it (the "
-                                  "earlier folder is kept beside it as DIR-previous-TIME)")
+            raise FileExistsError(
+                f"{directory} already holds {', '.join(present[:3])}{' ...' if len(present) > 3 else ''}"
+                "; export to a new directory, or pass overwrite=True (--overwrite) to replace it (the "
+                "earlier folder is kept beside it as DIR-previous-TIME)"
+            )
 
     def write(folder: Path) -> None:
         save_weights(weights, folder / "model.safetensors")

@@ -32,21 +32,29 @@ class ExportOptions:
     command: list[str] = option(default_factory=list, help="export", positional=True)
     out_dir: str = option("", "the training run (its newest checkpoint and tokenizer.json)")
     hf_dir: str = option("", "where config.json, model.safetensors and the tokenizer files go")
-    overwrite: bool = option(False, "replace what hf_dir holds (the earlier folder moves aside to HF_DIR-previous-TIME)")
+    overwrite: bool = option(
+        False, "replace what hf_dir holds (the earlier folder moves aside to HF_DIR-previous-TIME)"
+    )
     adapter: bool = option(False, "a LoRA run: write its adapters as a PEFT adapter instead of the merged model")
 
 
 def export(options: ExportOptions) -> int:
     if options.command != ["export"]:
-        raise ValueError(f"unknown command {' '.join(options.command) or '(none)'}; use: python -m gptlite.hf export "
-                         "--out_dir=RUN --hf_dir=DIR")
+        raise ValueError(
+            f"unknown command {' '.join(options.command) or '(none)'}; use: python -m gptlite.hf export "
+            "--out_dir=RUN --hf_dir=DIR"
+        )
     missing = [f"--{k}" for k in ("out_dir", "hf_dir") if not getattr(options, k)]
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
     run, hf_dir = Path(options.out_dir), Path(options.hf_dir)
-    if os.path.realpath(hf_dir) == os.path.realpath(run) or Path(os.path.realpath(hf_dir)) in Path(os.path.realpath(run)).parents:
-        raise ValueError(f"--hf_dir={hf_dir} holds the run {run} itself; export to a folder outside the run "
-                         f"(e.g. --hf_dir={run}/hf)")
+    if (
+        os.path.realpath(hf_dir) == os.path.realpath(run)
+        or Path(os.path.realpath(hf_dir)) in Path(os.path.realpath(run)).parents
+    ):
+        raise ValueError(
+            f"--hf_dir={hf_dir} holds the run {run} itself; export to a folder outside the run (e.g. --hf_dir={run}/hf)"
+        )
     ckpt = load_checkpoint(run)
     if options.adapter:
         if "lora" not in ckpt:
@@ -61,8 +69,14 @@ def export(options: ExportOptions) -> int:
     if problem:
         print(f"note: no tokenizer files are written: {problem}")
         tokenizer = None
-    written = export_hf(model, hf_dir, tokenizer, overwrite=options.overwrite, log=print,
-                        architecture=ckpt.get("meta", {}).get("hf_architecture"))
+    written = export_hf(
+        model,
+        hf_dir,
+        tokenizer,
+        overwrite=options.overwrite,
+        log=print,
+        architecture=ckpt.get("meta", {}).get("hf_architecture"),
+    )
     family = family_of(model.config, ckpt.get("meta", {}).get("hf_architecture"))
     print(f"wrote {', '.join(p.name for p in written)} to {hf_dir} ({family.architecture})")
     return 0
@@ -70,8 +84,11 @@ def export(options: ExportOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return run_command("gptlite.hf", lambda: export(parse(ExportOptions, argv, "python -m gptlite.hf", __doc__)),
-                       "the export folder is as it was; run it again")
+    return run_command(
+        "gptlite.hf",
+        lambda: export(parse(ExportOptions, argv, "python -m gptlite.hf", __doc__)),
+        "the export folder is as it was; run it again",
+    )
 
 
 if __name__ == "__main__":

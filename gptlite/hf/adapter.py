@@ -30,8 +30,10 @@ def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
     tensors, modules = {}, []
     for name, layer in lora_layers(model).items():
         if name not in names:
-            raise ValueError(f"the adapter on {name} has no place in a {family.architecture} adapter; train adapters on "
-                             "attn.qkv, attn.out_proj, ffn.fc and ffn.out_proj only")
+            raise ValueError(
+                f"the adapter on {name} has no place in a {family.architecture} adapter; train adapters on "
+                "attn.qkv, attn.out_proj, ffn.fc and ffn.out_proj only"
+            )
         theirs = names[name]
         sizes = part_sizes(name, model.config) if len(theirs) > 1 else [layer.out_features]
         for their, rows in zip(theirs, layer.lora_B.detach().split(sizes)):  # (out_i, r) each
@@ -42,31 +44,46 @@ def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
     return tensors, modules
 
 
-def export_adapter(model: GPT, directory: str | Path, base: str = "", overwrite: bool = False,
-                   log: Callable[[str], None] | None = None) -> list[Path]:
+def export_adapter(
+    model: GPT, directory: str | Path, base: str = "", overwrite: bool = False, log: Callable[[str], None] | None = None
+) -> list[Path]:
     """Write the model's LoRA adapters as a PEFT adapter for `base` (the base model's directory or Hub name), all
     or nothing, as export_hf writes a model (an earlier folder moves aside to DIR-previous-TIME with overwrite)."""
     layers = lora_layers(model)
     if not layers:
-        raise ValueError("the model has no LoRA adapters to export (train with --lora_rank=N); export the model itself "
-                         "without --adapter")
+        raise ValueError(
+            "the model has no LoRA adapters to export (train with --lora_rank=N); export the model itself "
+            "without --adapter"
+        )
     (rank, alpha), *others = {(layer.rank, layer.alpha) for layer in layers.values()}
     if others:
         raise ValueError("the model's adapters differ in rank or alpha; a PEFT adapter has one of each")
     tensors, modules = adapter_tensors(model)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank, "lora_alpha": alpha,
-        "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
-        "fan_in_fan_out": family_of(model.config) is GPT2, "inference_mode": True, "init_lora_weights": True,
-        "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": family_of(model.config) is GPT2,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
     }
     directory = Path(directory)
     names = ["adapter_config.json", "adapter_model.safetensors"]
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
         held = sorted(p.name for p in directory.iterdir())
-        raise FileExistsError(f"{directory} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; export "
-                              "to a new directory, or pass overwrite=True (--overwrite) to replace it (the earlier "
-                              "folder is kept beside it as DIR-previous-TIME)")
+        raise FileExistsError(
+            f"{directory} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; export "
+            "to a new directory, or pass overwrite=True (--overwrite) to replace it (the earlier "
+            "folder is kept beside it as DIR-previous-TIME)"
+        )
 
     def write(folder: Path) -> None:
         save_weights(tensors, folder / "adapter_model.safetensors")

@@ -30,7 +30,9 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
                 break
             parts[i : i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) != 2:
-            raise ValueError(f"the ranks are not a byte-pair merge list: token {rank} ({token!r}) is no merge of two tokens")
+            raise ValueError(
+                f"the ranks are not a byte-pair merge list: token {rank} ({token!r}) is no merge of two tokens"
+            )
         merges.append((parts[0], parts[1]))
     return merges
 
@@ -41,8 +43,10 @@ def gpt2_tokenizer_problem(tokenizer: Tokenizer) -> str | None:
     if isinstance(tokenizer, HFTokenizer):
         return None
     if not (isinstance(tokenizer, TiktokenTokenizer) and tokenizer.enc._pat_str == GPT2_PATTERN):
-        return (f"transformers' GPT-2 tokenizer reproduces byte-pair encodings with GPT-2's split pattern only; this "
-                f"tokenizer is {tokenizer.kind}{'' if tokenizer.kind != 'tiktoken' else ' with another pattern'}")
+        return (
+            f"transformers' GPT-2 tokenizer reproduces byte-pair encodings with GPT-2's split pattern only; this "
+            f"tokenizer is {tokenizer.kind}{'' if tokenizer.kind != 'tiktoken' else ' with another pattern'}"
+        )
     ranks = tokenizer.enc._mergeable_ranks
     if tokenizer.enc._special_tokens != {EOT: len(ranks)} or sorted(ranks.values()) != list(range(len(ranks))):
         return "its ids are not ranks 0..N-1 followed by <|endoftext|>, as GPT-2's vocab.json lays them out"
@@ -64,7 +68,18 @@ def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
     text = lambda token: "".join(chars[b] for b in token)  # noqa: E731
     vocab = {text(token): rank for token, rank in ranks.items()} | {EOT: tokenizer.eot_id}
     merges = "".join(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
-    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
-              "add_prefix_space": False, "add_bos_token": False, "model_max_length": max_length, "errors": "replace"}
-    return {"vocab.json": json.dumps(vocab, ensure_ascii=False), "merges.txt": "#version: 0.2\n" + merges,
-            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": EOT,
+        "eos_token": EOT,
+        "unk_token": EOT,
+        "add_prefix_space": False,
+        "add_bos_token": False,
+        "model_max_length": max_length,
+        "errors": "replace",
+    }
+    return {
+        "vocab.json": json.dumps(vocab, ensure_ascii=False),
+        "merges.txt": "#version: 0.2\n" + merges,
+        "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+    }

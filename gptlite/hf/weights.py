@@ -16,9 +16,18 @@ from pathlib import Path
 import torch
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -33,8 +42,9 @@ def read_json(path: Path, what: str) -> dict:
 
 
 def damaged(path: Path, cause: str) -> ValueError:
-    return ValueError(f"{path} cannot be read ({cause[:200]}); it is cut short or not a weights file: download or "
-                      "save it again")
+    return ValueError(
+        f"{path} cannot be read ({cause[:200]}); it is cut short or not a weights file: download or save it again"
+    )
 
 
 class Weights:
@@ -144,7 +154,9 @@ def read_torch_file(path: Path) -> dict[str, torch.Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch's errors for a file cut short or of another format
         raise damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise ValueError(f"{path} does not hold a state dict (tensor name -> tensor); save the model's state_dict()")
     return state
 

@@ -102,12 +102,21 @@ def prepare(
     out_dir = Path(out_dir)
     sources = resolve_sources(inputs, out_dir / "downloads", hf_dataset, hf_name, hf_split)
     check_out_dir(inputs, sources, out_dir)
-    settings = {"sources": sources, "tokenizer": tokenizer_spec, "val_fraction": val_fraction,
-                "shard_tokens": shard_tokens, "text_field": field, "dtype": dtype, "chat": chat_options}
+    settings = {
+        "sources": sources,
+        "tokenizer": tokenizer_spec,
+        "val_fraction": val_fraction,
+        "shard_tokens": shard_tokens,
+        "text_field": field,
+        "dtype": dtype,
+        "chat": chat_options,
+    }
     manifest = finished_manifest(out_dir, settings)
     if manifest is not None and not overwrite:
-        log(f"{out_dir} is already prepared from these inputs ({manifest['train_tokens']:,} train, "
-            f"{manifest['val_tokens']:,} val tokens); nothing to do")
+        log(
+            f"{out_dir} is already prepared from these inputs ({manifest['train_tokens']:,} train, "
+            f"{manifest['val_tokens']:,} val tokens); nothing to do"
+        )
         return manifest
     check_sources(sources, field, chat)
     total = input_bytes(sources, field)
@@ -123,12 +132,24 @@ def prepare(
     if total is not None:  # a worker only where it has enough batches to repay its start
         batches = (total - progress["bytes"]) / (reading.BLOCK_BYTES * BATCH_BLOCKS)
         workers = max(1, min(workers, math.ceil(batches / WORKER_BATCHES)))
-    log(f"tokenizing {len(sources)} source(s), {'?' if total is None else f'{total / 1e6:.1f}'} MB, with "
-        f"{tokenizer_spec} (vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}")
+    log(
+        f"tokenizing {len(sources)} source(s), {'?' if total is None else f'{total / 1e6:.1f}'} MB, with "
+        f"{tokenizer_spec} (vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}"
+    )
     start, bytes_before = time.perf_counter(), progress["bytes"]
     pieces = iter_pieces(sources, progress["cursor"], val_fraction, field)
-    tokenize_into_shards(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction=val_fraction,
-                         text_field=field, chat=chat_options)
+    tokenize_into_shards(
+        pieces,
+        tokenizer,
+        workers,
+        writers,
+        progress,
+        out_dir,
+        total,
+        val_fraction=val_fraction,
+        text_field=field,
+        chat=chat_options,
+    )
     seconds = time.perf_counter() - start
 
     counts = {s: writers[s].tokens for s in SPLITS}
@@ -152,14 +173,18 @@ def check_out_dir(inputs: list[str], sources: list[dict], out_dir: Path) -> None
     out = out_dir.resolve()
     for spec in inputs:
         if Path(spec).is_dir() and out.is_relative_to(Path(spec).resolve()):
-            raise ValueError(f"--out_dir {out_dir} lies inside the input folder {spec}: a later run would read its "
-                             "shards as text; choose an --out_dir outside it")
+            raise ValueError(
+                f"--out_dir {out_dir} lies inside the input folder {spec}: a later run would read its "
+                "shards as text; choose an --out_dir outside it"
+            )
     for source in sources:
         for file in source.get("data_files", [source]):
             path = Path(file.get("path", "/"))
             if path.is_relative_to(out) and not path.is_relative_to(out / "downloads"):
-                raise ValueError(f"input {path} lies inside --out_dir {out_dir}, whose files a preparation replaces; "
-                                 "move it out or choose another --out_dir")
+                raise ValueError(
+                    f"input {path} lies inside --out_dir {out_dir}, whose files a preparation replaces; "
+                    "move it out or choose another --out_dir"
+                )
 
 
 def check_chat(chat: bool, tokenizer_spec: str, block_size: int, too_long: str) -> dict | None:
@@ -167,15 +192,18 @@ def check_chat(chat: bool, tokenizer_spec: str, block_size: int, too_long: str) 
     if not chat:
         return None
     if tokenizer_spec == "char":
-        raise ValueError("--chat needs a tokenizer that encodes any text (byte, a BPE or a model's tokenizer.json); "
-                         "char learns only the characters of its corpus")
+        raise ValueError(
+            "--chat needs a tokenizer that encodes any text (byte, a BPE or a model's tokenizer.json); "
+            "char learns only the characters of its corpus"
+        )
     if block_size < 0 or too_long not in ("cut", "drop"):
         raise ValueError(f"block_size={block_size} must be >= 0 (0: no limit) and too_long={too_long!r} cut or drop")
     return {"block_size": block_size, "too_long": too_long}
 
 
-def check_settings(inputs: list[str], val_fraction: float, shard_tokens: int, dtype: str, workers: int | None,
-                   hf_dataset: str | None) -> None:
+def check_settings(
+    inputs: list[str], val_fraction: float, shard_tokens: int, dtype: str, workers: int | None, hf_dataset: str | None
+) -> None:
     """The arguments of `prepare` that need no file, checked first."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.1)")
@@ -186,7 +214,9 @@ def check_settings(inputs: list[str], val_fraction: float, shard_tokens: int, dt
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 (or None for one per core)")
     if not inputs and hf_dataset is None:
-        raise ValueError("no inputs: pass text/JSONL/Parquet files, directories, globs or URLs, or a Hugging Face dataset")
+        raise ValueError(
+            "no inputs: pass text/JSONL/Parquet files, directories, globs or URLs, or a Hugging Face dataset"
+        )
 
 
 def start_or_resume(out_dir: Path, settings: dict, overwrite: bool, log) -> tuple[Tokenizer, dict]:
@@ -214,8 +244,17 @@ def new_progress(key: str, dtype: np.dtype) -> dict:
 
 
 def tokenize_into_shards(
-    pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, writers: dict[str, ShardWriter], progress: dict,
-    out_dir: Path, total: int | None, *, val_fraction: float, text_field: str, chat: dict | None = None,
+    pieces: Iterator[Piece],
+    tokenizer: Tokenizer,
+    workers: int,
+    writers: dict[str, ShardWriter],
+    progress: dict,
+    out_dir: Path,
+    total: int | None,
+    *,
+    val_fraction: float,
+    text_field: str,
+    chat: dict | None = None,
 ) -> None:
     """Tokenize the pieces batch by batch into the writers, checkpointing progress after each batch; a full disk is
     one line (the same command then resumes)."""
@@ -227,9 +266,18 @@ def tokenize_into_shards(
         raise fault(e, f"could not write the shards in {out_dir} (the same command resumes)") from None
 
 
-def write_batches(pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, writers: dict[str, ShardWriter],
-                  progress: dict, out_dir: Path, total: int | None, val_fraction: float, text_field: str,
-                  chat: dict | None) -> None:
+def write_batches(
+    pieces: Iterator[Piece],
+    tokenizer: Tokenizer,
+    workers: int,
+    writers: dict[str, ShardWriter],
+    progress: dict,
+    out_dir: Path,
+    total: int | None,
+    val_fraction: float,
+    text_field: str,
+    chat: dict | None,
+) -> None:
     """The pieces in batches through the workers, their tokens appended to the writers, progress saved after each."""
     batches = batched(pieces, reading.BLOCK_BYTES * BATCH_BLOCKS)
     dtype = writers["train"].dtype
@@ -244,15 +292,18 @@ def write_batches(pieces: Iterator[Piece], tokenizer: Tokenizer, workers: int, w
                     writers[f"{split}_roles"].write(r)
             if chat:
                 for e in encoded:
-                    progress["conversations"] = {k: progress.get("conversations", {}).get(k, 0) + v
-                                                 for k, v in e.counts.items()}
+                    progress["conversations"] = {
+                        k: progress.get("conversations", {}).get(k, 0) + v for k, v in e.counts.items()
+                    }
             n_bytes = sum(p.n_bytes for p in batch)
             progress["cursor"] = {**batch[-1].cursor, "records": records + n_records}
             progress["documents"] += n_records + sum(p.starts_doc for p in batch if p.kind == "text")
             progress["bytes"] += n_bytes
             progress["replaced"] += sum(e.replaced for e in encoded)
             save_progress(out_dir, progress, writers)
-            bar.set_postfix(docs=f"{progress['documents']:,}", tokens=f"{sum(w.tokens for w in writers.values()):,}", refresh=False)
+            bar.set_postfix(
+                docs=f"{progress['documents']:,}", tokens=f"{sum(w.tokens for w in writers.values()):,}", refresh=False
+            )
             bar.update(n_bytes)
     for writer in writers.values():
         writer.finish()
@@ -289,11 +340,15 @@ def save_progress(out_dir: Path, progress: dict, writers: dict[str, ShardWriter]
 def log_summary(log, manifest: dict, n_bytes: int, seconds: float) -> None:
     tokens, docs = manifest["train_tokens"] + manifest["val_tokens"], manifest["documents"]
     n_train = sum(s["file"].startswith("train") for s in manifest["shards"])
-    replaced = f"; replaced {manifest['replaced']:,} undecodable byte sequence(s) with U+FFFD" if manifest["replaced"] else ""
+    replaced = (
+        f"; replaced {manifest['replaced']:,} undecodable byte sequence(s) with U+FFFD" if manifest["replaced"] else ""
+    )
     if "conversations" in manifest:
         c = manifest["conversations"]
-        log(f"{c.get('kept', 0):,} conversations kept ({c.get('cut', 0):,} cut to block_size), "
-            f"{c.get('too_long', 0):,} left out as too long, {c.get('no_assistant', 0):,} without an assistant turn")
+        log(
+            f"{c.get('kept', 0):,} conversations kept ({c.get('cut', 0):,} cut to block_size), "
+            f"{c.get('too_long', 0):,} left out as too long, {c.get('no_assistant', 0):,} without an assistant turn"
+        )
     log(
         f"{docs:,} documents, {tokens:,} tokens ({tokens / max(docs, 1):,.1f} per document; {manifest['train_tokens']:,} train, "
         f"{manifest['val_tokens']:,} val) in {n_train} train + {len(manifest['shards']) - n_train} val shard(s); "
@@ -312,4 +367,6 @@ def progress_bar(total: int | None, initial: int):
     """Bytes read, MB/s and ETA (unknown for a Hugging Face stream), with documents and tokens alongside."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.05, dynamic_ncols=True)
+    return tqdm(
+        total=total, initial=initial, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.05, dynamic_ncols=True
+    )

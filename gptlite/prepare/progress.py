@@ -86,7 +86,12 @@ def resumable(out_dir: Path, key: str, log) -> dict | None:
     if not path.is_file():
         return None
     progress = read_state(path)
-    if progress and progress.get("settings") == key and (out_dir / TOKENIZER_FILE).is_file() and restore(out_dir, progress):
+    if (
+        progress
+        and progress.get("settings") == key
+        and (out_dir / TOKENIZER_FILE).is_file()
+        and restore(out_dir, progress)
+    ):
         return progress
     log(f"{out_dir} holds an unfinished preparation with other settings or damaged files; starting afresh")
     return None
@@ -98,8 +103,10 @@ def clear_preparation(out_dir: Path, log) -> None:
     state = [p for p in (out_dir / MANIFEST, out_dir / PROGRESS) if p.is_file()]
     earlier = state + shard_files(out_dir)
     if state:
-        log(f"replacing the earlier preparation in {out_dir} ({len(earlier)} files: manifest, progress and shards) "
-            "made with other inputs or settings")
+        log(
+            f"replacing the earlier preparation in {out_dir} ({len(earlier)} files: manifest, progress and shards) "
+            "made with other inputs or settings"
+        )
     elif earlier:
         log(f"deleting {len(earlier)} unfinished shard file(s) that a failed start left in {out_dir}")
     for stale in earlier:

@@ -302,7 +302,9 @@ def field_text(value, field: str, where: Callable[[], str]) -> tuple[str, int]:
         return value, 0
     if isinstance(value, bytes):
         return decode(value)
-    raise TypeError(f"{where()}: field '{field}' holds {type(value).__name__}, not text; pass --text_field with the field that holds the text")
+    raise TypeError(
+        f"{where()}: field '{field}' holds {type(value).__name__}, not text; pass --text_field with the field that holds the text"
+    )
 
 
 ASCII_SPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() removes: a JSONL line of only these is blank
@@ -322,8 +324,9 @@ def parse_json(line: str):
     return json.loads(line)
 
 
-def jsonl_records(block: bytes, field: str, origin: tuple, flag: str = "--text_field"
-                  ) -> Iterator[tuple[object, int, int]]:
+def jsonl_records(
+    block: bytes, field: str, origin: tuple, flag: str = "--text_field"
+) -> Iterator[tuple[object, int, int]]:
     """(the field's value, replaced byte sequences, line index in the block) per non-blank line of a block of whole
     JSONL lines; `flag` is the option that names the field, for the error of a record without it."""
     try:
@@ -340,8 +343,10 @@ def jsonl_records(block: bytes, field: str, origin: tuple, flag: str = "--text_f
             raise ValueError(f"{record_name(origin, i)} is not JSON ({e.msg}); fix or remove that line") from None
         if not isinstance(record, dict) or field not in record:
             found = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-            raise ValueError(f"{record_name(origin, i)} has no field '{field}' (found: {found}); pass {flag} with the "
-                             "field that holds it")
+            raise ValueError(
+                f"{record_name(origin, i)} has no field '{field}' (found: {found}); pass {flag} with the "
+                "field that holds it"
+            )
         yield record[field], (replaced[i] if replaced else 0), i
 
 
@@ -356,8 +361,10 @@ def piece_records(kind: str, data, origin: tuple, field: str) -> Iterator[tuple[
     """(the field's value, a function naming the record) per record of a JSONL or Arrow piece (a chat preparation's
     conversations; a text file holds none)."""
     if kind == "text":
-        raise ValueError("--chat reads records (JSONL, Parquet or a Hugging Face dataset) whose field holds the "
-                         "messages; a text file holds no conversations")
+        raise ValueError(
+            "--chat reads records (JSONL, Parquet or a Hugging Face dataset) whose field holds the "
+            "messages; a text file holds no conversations"
+        )
     if kind == "jsonl":
         for value, _, i in jsonl_records(data, field, origin, "--messages_field"):
             yield value, (lambda i=i: record_name(origin, i))
@@ -403,8 +410,10 @@ def check_sources(sources: list[dict], field: str, chat: bool = False) -> None:
                 f.read(1)
             continue
         if source["format"] == "text":
-            raise ValueError(f"--chat reads records (JSONL, Parquet or a Hugging Face dataset) whose '{field}' holds the "
-                             f"messages; {source['path']} is a text file")
+            raise ValueError(
+                f"--chat reads records (JSONL, Parquet or a Hugging Face dataset) whose '{field}' holds the "
+                f"messages; {source['path']} is a text file"
+            )
         piece = next(iter_pieces([source], START, 0.1, field), None)  # (val_fraction: text only)
         if piece is not None and chat:
             value, where = next(piece_records(piece.kind, piece.data, piece.origin, field), (None, None))
@@ -433,4 +442,9 @@ def parquet_text_bytes(path: str, field: str) -> int:
     """Uncompressed bytes of a Parquet file's `field` column, from its metadata."""
     meta = optional_import("pyarrow.parquet", "Parquet input").ParquetFile(path).metadata
     groups = (meta.row_group(g) for g in range(meta.num_row_groups))
-    return sum(c.total_uncompressed_size for g in groups for c in map(g.column, range(g.num_columns)) if c.path_in_schema == field)
+    return sum(
+        c.total_uncompressed_size
+        for g in groups
+        for c in map(g.column, range(g.num_columns))
+        if c.path_in_schema == field
+    )

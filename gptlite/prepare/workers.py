@@ -36,8 +36,9 @@ class Encoded(NamedTuple):
     counts: dict | None = None  # conversations kept, cut, and left out (too long, no assistant turn)
 
 
-def encode_batch(tokenizer: Tokenizer, jobs: list[Job], field: str, dtype: np.dtype, chat: dict | None = None
-                 ) -> list[Encoded]:
+def encode_batch(
+    tokenizer: Tokenizer, jobs: list[Job], field: str, dtype: np.dtype, chat: dict | None = None
+) -> list[Encoded]:
     """Per piece: its tokens, how many belong to each document, and its replaced byte sequences. Every document
     (a text block only when it starts its file) starts with the end-of-text token, if the tokenizer has one. With
     `chat` ({"block_size", "too_long"}) the records are conversations (see encode_conversations)."""
@@ -74,7 +75,9 @@ def encode_conversations(tokenizer: Tokenizer, records, chat: dict, dtype: np.dt
         counts["kept"] += 1
         counts["cut"] += cut
         tokens.append(np.array(ids, dtype=dtype))
-        roles.append(np.array([START, *([0] * (len(ids) - 1))], dtype=np.uint8) | np.array(targets, dtype=np.uint8) * TARGET)
+        roles.append(
+            np.array([START, *([0] * (len(ids) - 1))], dtype=np.uint8) | np.array(targets, dtype=np.uint8) * TARGET
+        )
         lengths.append(len(ids))
     join = lambda parts, t: np.concatenate(parts) if parts else np.empty(0, dtype=t)  # noqa: E731
     return Encoded(join(tokens, dtype), np.array(lengths, dtype=np.int64), 0, join(roles, np.uint8), counts)
@@ -103,8 +106,13 @@ def jobs(batch: list[Piece]) -> list[Job]:
 
 
 def tokenize(
-    batches: Iterable[list[Piece]], tokenizer: Tokenizer, tokenizer_file: Path, field: str, dtype: np.dtype,
-    workers: int, chat: dict | None = None,
+    batches: Iterable[list[Piece]],
+    tokenizer: Tokenizer,
+    tokenizer_file: Path,
+    field: str,
+    dtype: np.dtype,
+    workers: int,
+    chat: dict | None = None,
 ) -> Iterator[tuple[list[Piece], list[Encoded]]]:
     """(batch, its pieces encoded) in input order. With several workers, at most IN_FLIGHT_PER_WORKER batches
     per worker are queued (Pool.imap would read the whole input ahead). On Linux the workers are forked and

@@ -1,9 +1,9 @@
 """An OpenAI-compatible HTTP server with continuous batching and a chat page (`python -m gptlite.serve`).
 
-    rows.py      RowCache: one preallocated KV cache whose rows each hold a request, at its own length
-    engine.py    Engine: continuous batching on a background thread, no HTTP
-    protocol.py  the OpenAI request bodies (checked) and response shapes
-    app.py       the FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, the page at /
-    chat.html    the chat page, one file, no build step and nothing fetched from elsewhere
-    __main__.py  the command: load a model, start the engine, serve it with uvicorn
+rows.py      RowCache: one preallocated KV cache whose rows each hold a request, at its own length
+engine.py    Engine: continuous batching on a background thread, no HTTP
+protocol.py  the OpenAI request bodies (checked) and response shapes
+app.py       the FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, the page at /
+chat.html    the chat page, one file, no build step and nothing fetched from elsewhere
+__main__.py  the command: load a model, start the engine, serve it with uvicorn
 """

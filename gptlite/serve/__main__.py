@@ -24,32 +24,50 @@ from gptlite.files import error
 @dataclass
 class ServeOptions:
     out_dir: str = option("", "a training run's directory (its newest checkpoint and tokenizer.json)")
-    init_from: str = option("", "pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face "
-                                "directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)")
-    tokenizer: str = option("", "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
-                                "tokenizer.json; GPT-2's BPE with --init_from)")
+    init_from: str = option(
+        "",
+        "pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face "
+        "directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)",
+    )
+    tokenizer: str = option(
+        "",
+        "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
+        "tokenizer.json; GPT-2's BPE with --init_from)",
+    )
     model_name: str = option("", "the model's name in requests and /v1/models (default: out_dir's or init_from's name)")
     host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)")
     port: int = option(8000, "the port to listen on")
     max_batch: int = option(16, "requests decoded together; each holds one row of the KV cache")
     max_waiting: int = option(-1, "requests that may wait for a row (-1: max_batch); past them, --when_full says")
-    when_full: str = option("reject", "what a request gets when max_batch + max_waiting are in flight: reject (a "
-                                      "429) or wait", choices=("reject", "wait"))
-    max_len: int = option(0, "tokens per request, prompt and completion (0: the model's block_size); the cache "
-                             "holds max_batch x max_len")
+    when_full: str = option(
+        "reject",
+        "what a request gets when max_batch + max_waiting are in flight: reject (a 429) or wait",
+        choices=("reject", "wait"),
+    )
+    max_len: int = option(
+        0, "tokens per request, prompt and completion (0: the model's block_size); the cache holds max_batch x max_len"
+    )
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option("auto", "the weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-                        choices=("auto", "float32", "bfloat16", "float16"))
-    compile: bool = option(False, "torch.compile the prefill and decode steps, dynamic shapes (the first requests "
-                                  "compile three graphs); for GPUs: on a CPU the default eager path, sample.py's "
-                                  "slab and packed layers, decodes faster (docs/serve.md)")
+    dtype: str = option(
+        "auto",
+        "the weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    compile: bool = option(
+        False,
+        "torch.compile the prefill and decode steps, dynamic shapes (the first requests "
+        "compile three graphs); for GPUs: on a CPU the default eager path, sample.py's "
+        "slab and packed layers, decodes faster (docs/serve.md)",
+    )
     quantize: str = option("", "int8: weight-only int8 weights", choices=("", "int8"))
     log_level: str = option("info", "uvicorn's log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self) -> None:
         problems = []
         if bool(self.out_dir) == bool(self.init_from):
-            problems.append("give one of --out_dir=RUN (a training run) or --init_from=NAME_OR_DIR (pretrained weights)")
+            problems.append(
+                "give one of --out_dir=RUN (a training run) or --init_from=NAME_OR_DIR (pretrained weights)"
+            )
         if not 0 <= self.port < 65536:
             problems.append(f"port={self.port} must be in 0..65535")
         if self.max_batch < 1:
@@ -93,7 +111,9 @@ def check_address(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)
     except OSError as e:
-        raise error(e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host") from None
+        raise error(
+            e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

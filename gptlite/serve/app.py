@@ -59,6 +59,7 @@ class Generation:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, piece))
             except RuntimeError:  # the event loop has closed: nobody is listening
                 self.jobs[index].cancel()
+
         return emit
 
     async def next(self) -> tuple[int, Piece]:
@@ -83,8 +84,12 @@ class Server:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist here; this server has '{self.model_name}'",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist here; this server has '{self.model_name}'",
+                "model",
+                "model_not_found",
+            )
 
     def encode(self, text: str) -> list[int]:
         """A prompt's ids; an empty prompt starts from the end-of-text token (else id 0), as sample.py does."""
@@ -109,32 +114,60 @@ class Server:
     def jobs(self, body: GenerationRequest, prompts: list[list[int]], param: str) -> list[tuple[list[int], Params]]:
         """Each prompt n times with its Params, checked against the context and the batch."""
         if len(prompts) * body.n > self.engine.max_batch:
-            raise APIError(400, f"n={body.n} x {len(prompts)} prompt(s) asks for {len(prompts) * body.n} completions "
-                           f"at once; this server runs at most {self.engine.max_batch} (its --max_batch)", "n")
+            raise APIError(
+                400,
+                f"n={body.n} x {len(prompts)} prompt(s) asks for {len(prompts) * body.n} completions "
+                f"at once; this server runs at most {self.engine.max_batch} (its --max_batch)",
+                "n",
+            )
         context, stops, out = self.engine.max_len, body.stops(), []
         for prompt in prompts:
             if len(prompt) >= context:
-                raise APIError(400, f"the prompt has {len(prompt)} tokens, but this model's context is {context} tokens "
-                               "with at least one left to generate; shorten the prompt", param, "context_length_exceeded")
+                raise APIError(
+                    400,
+                    f"the prompt has {len(prompt)} tokens, but this model's context is {context} tokens "
+                    "with at least one left to generate; shorten the prompt",
+                    param,
+                    "context_length_exceeded",
+                )
             room = context - len(prompt)
             asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
             default = type(body).model_fields["max_tokens"].default  # completions 16; chat: the rest of the context
             max_tokens = asked if asked is not None else min(default or room, room)
             if max_tokens > room:
-                raise APIError(400, f"the prompt's {len(prompt)} tokens plus max_tokens={max_tokens} exceed this model's "
-                               f"context of {context} tokens; ask for at most {room}", "max_tokens", "context_length_exceeded")
-            params = Params(max_tokens, body.temperature, body.top_p if body.top_p < 1 else None, stops,
-                            self.stop_tokens(), body.seed)
-            out += [(prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + j))
-                    for j in range(body.n)]
+                raise APIError(
+                    400,
+                    f"the prompt's {len(prompt)} tokens plus max_tokens={max_tokens} exceed this model's "
+                    f"context of {context} tokens; ask for at most {room}",
+                    "max_tokens",
+                    "context_length_exceeded",
+                )
+            params = Params(
+                max_tokens,
+                body.temperature,
+                body.top_p if body.top_p < 1 else None,
+                stops,
+                self.stop_tokens(),
+                body.seed,
+            )
+            out += [
+                (prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + j))
+                for j in range(body.n)
+            ]
         return out
 
     async def admit(self, k: int) -> None:
         """Take room for k completions, or raise a 429 (or wait, with wait_when_full)."""
         while self.in_flight + k > self.limit:
             if not self.wait_when_full:
-                raise APIError(429, f"the server is full ({self.in_flight} completions running or queued, at most "
-                               f"{self.limit}); retry shortly", None, "server_full", "rate_limit_error")
+                raise APIError(
+                    429,
+                    f"the server is full ({self.in_flight} completions running or queued, at most "
+                    f"{self.limit}); retry shortly",
+                    None,
+                    "server_full",
+                    "rate_limit_error",
+                )
             await asyncio.sleep(WAIT_POLL)
         self.in_flight += k
 
@@ -153,16 +186,20 @@ class Server:
             prompt_tokens = sum(len(p) for p in prompts)
             if body.stream:
                 streaming = True  # the stream owns the jobs from here
-                return StreamingResponse(self.stream(gen, first, body, chat, prompt_tokens), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    self.stream(gen, first, body, chat, prompt_tokens),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
             return JSONResponse(await self.collect(gen, first, body, chat, prompt_tokens))
         finally:
             if not streaming:
                 gen.cancel()
                 self.in_flight -= len(gen.jobs)
 
-    async def collect(self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool,
-                      prompt_tokens: int) -> dict:
+    async def collect(
+        self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool, prompt_tokens: int
+    ) -> dict:
         n = len(gen.jobs)
         texts, reasons = [""] * n, [""] * n
         index, piece = first
@@ -175,10 +212,13 @@ class Server:
                 break
             index, piece = await gen.next()
         build = chat_completion if chat else completion
-        return build(new_id("chatcmpl" if chat else "cmpl"), body.model, texts, reasons, usage(prompt_tokens, sum(gen.tokens)))
+        return build(
+            new_id("chatcmpl" if chat else "cmpl"), body.model, texts, reasons, usage(prompt_tokens, sum(gen.tokens))
+        )
 
-    async def stream(self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool,
-                     prompt_tokens: int):
+    async def stream(
+        self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool, prompt_tokens: int
+    ):
         """Server-sent events: each choice's pieces as chunks, the usage chunk if asked, then [DONE]."""
         rid, started = new_id("chatcmpl" if chat else "cmpl"), set()
         try:
@@ -203,11 +243,16 @@ class Server:
             self.in_flight -= len(gen.jobs)
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int | None = None,
-               wait_when_full: bool = False) -> FastAPI:
+def create_app(
+    engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int | None = None, wait_when_full: bool = False
+) -> FastAPI:
     """The app serving `engine` (started and closed by the caller) as `model_name`; max_waiting defaults to max_batch."""
-    server = Server(engine, tokenizer, model_name, engine.max_batch if max_waiting is None else max_waiting, wait_when_full)
-    app = FastAPI(title="gptlite", docs_url=None, redoc_url=None, openapi_url=None)  # no pages that load scripts from a CDN
+    server = Server(
+        engine, tokenizer, model_name, engine.max_batch if max_waiting is None else max_waiting, wait_when_full
+    )
+    app = FastAPI(
+        title="gptlite", docs_url=None, redoc_url=None, openapi_url=None
+    )  # no pages that load scripts from a CDN
     app.state.server = server
     page = resources.files("gptlite.serve").joinpath("chat.html").read_text(encoding="utf-8")
 
@@ -217,8 +262,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, max_waitin
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
-                            status_code=e.status_code)
+        return JSONResponse(
+            APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
+            status_code=e.status_code,
+        )
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception) -> JSONResponse:
@@ -230,8 +277,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, max_waitin
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "gptlite",
-                "chat": getattr(tokenizer, "chat_template", None) is not None, "context": engine.max_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "gptlite",
+            "chat": getattr(tokenizer, "chat_template", None) is not None,
+            "context": engine.max_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -248,9 +301,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, max_waitin
         body = parse_body(await request.body(), ChatRequest)
         server.check_model(body.model)
         if getattr(tokenizer, "chat_template", None) is None:
-            raise APIError(400, f"the model '{model_name}' has no chat template, so it cannot render messages; use "
-                           "/v1/completions with a plain prompt", "messages", "no_chat_template")
-        return await server.respond(body, [server.render([m.as_dict() for m in body.messages])], chat=True,
-                                    param="messages")
+            raise APIError(
+                400,
+                f"the model '{model_name}' has no chat template, so it cannot render messages; use "
+                "/v1/completions with a plain prompt",
+                "messages",
+                "no_chat_template",
+            )
+        return await server.respond(
+            body, [server.render([m.as_dict() for m in body.messages])], chat=True, param="messages"
+        )
 
     return app

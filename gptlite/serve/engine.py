@@ -89,8 +89,9 @@ class Row:
 class Engine:
     """Runs jobs `max_batch` at a time on one thread (see the module docstring); `submit` from any thread."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_len: int | None = None,
-                 compile: bool = False):
+    def __init__(
+        self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_len: int | None = None, compile: bool = False
+    ):
         config = model.config
         weight = model.tok_emb.weight
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
@@ -189,8 +190,11 @@ class Engine:
         greedy = logits.argmax(dim=-1).tolist()
         for i, row in enumerate(rows):
             p = row.job.params
-            token = greedy[i] if p.temperature == 0 else int(
-                sample_next(logits[i : i + 1], p.temperature, None, p.top_p, row.generator))
+            token = (
+                greedy[i]
+                if p.temperature == 0
+                else int(sample_next(logits[i : i + 1], p.temperature, None, p.top_p, row.generator))
+            )
             row.token, row.generated = token, row.generated + 1
             self.emit(row, token)
 

@@ -15,16 +15,34 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
-               "frequency_penalty", "tools", "functions", "tool_choice", "response_format")
+UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "best_of",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "tools",
+    "functions",
+    "tool_choice",
+    "response_format",
+)
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 
 
 class APIError(Exception):
     """An error a request gets back, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -116,33 +134,65 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
-    choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
-            "usage": use}
+    choices = [
+        {"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))
+    ]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
 
 
 def chat_completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
-    choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-               for i, (t, r) in enumerate(zip(texts, reasons))]
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
-            "usage": use}
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+        for i, (t, r) in enumerate(zip(texts, reasons))
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
 
 
-def chunk(rid: str, model: str, chat: bool, index: int | None, text: str | None, reason: str | None,
-          first: bool = False, use: dict | None = None) -> dict:
+def chunk(
+    rid: str,
+    model: str,
+    chat: bool,
+    index: int | None,
+    text: str | None,
+    reason: str | None,
+    first: bool = False,
+    use: dict | None = None,
+) -> dict:
     """One streamed chunk of a choice (index None: the closing usage chunk, which has no choices)."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         choice = {"index": index, "delta": delta if text is not None else {}, "logprobs": None, "finish_reason": reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [] if index is None else [choice]}
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [] if index is None else [choice],
+    }
     if use is not None:
         body["usage"] = use
     return body

@@ -24,8 +24,15 @@ def kv_shape(config: GPTConfig) -> tuple[int, int]:
 class RowCache:
     """Per-layer keys and values (rows, H, max_len, D), written in place; `prepare` sets up the next call."""
 
-    def __init__(self, config: GPTConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                 always_mask: bool = False):
+    def __init__(
+        self,
+        config: GPTConfig,
+        rows: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        always_mask: bool = False,
+    ):
         heads, width = kv_shape(config)
         self.always_mask = always_mask  # a mask even where none is needed (a compiled step then has one graph less)
         shape = (rows, heads, max_len, width)

@@ -30,9 +30,21 @@ from gptlite.tokenizer.tiktoken_bpe import (
     tiktoken_encoding,
 )
 
-__all__ = ["EOT", "GPT2_PATTERN", "TOKENIZER_FILE", "ByteTokenizer", "CharTokenizer", "HFTokenizer", "StreamDecoder",
-           "TiktokenTokenizer", "Tokenizer", "get_tokenizer", "load_tokenizer", "tokenizer_from_dict",
-           "tokenizer_from_spec"]
+__all__ = [
+    "EOT",
+    "GPT2_PATTERN",
+    "TOKENIZER_FILE",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "HFTokenizer",
+    "StreamDecoder",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "get_tokenizer",
+    "load_tokenizer",
+    "tokenizer_from_dict",
+    "tokenizer_from_spec",
+]
 
 
 def get_tokenizer(spec: str, text: str | Iterable[str] | None = None) -> Tokenizer:
@@ -87,9 +99,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{path} holds no {TOKENIZER_FILE}; pass a tokenizer.json or the folder that holds one"
-                                if path.is_dir() else f"tokenizer file {path} does not exist; run data/prepare.py to "
-                                "create it")
+        raise FileNotFoundError(
+            f"{path} holds no {TOKENIZER_FILE}; pass a tokenizer.json or the folder that holds one"
+            if path.is_dir()
+            else f"tokenizer file {path} does not exist; run data/prepare.py to create it"
+        )
     try:
         d = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

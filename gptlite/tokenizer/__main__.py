@@ -37,8 +37,10 @@ class TrainOptions:
 
 def train(options: TrainOptions) -> int:
     if options.command != ["train"]:
-        raise ValueError(f"unknown command {' '.join(options.command) or '(none)'}; use: python -m gptlite.tokenizer "
-                         "train --input FILES... --vocab_size N --out_dir DIR")
+        raise ValueError(
+            f"unknown command {' '.join(options.command) or '(none)'}; use: python -m gptlite.tokenizer "
+            "train --input FILES... --vocab_size N --out_dir DIR"
+        )
     check_vocab_size(options.vocab_size)
     if not options.input:
         raise ValueError("no --input: give the text, JSONL or Parquet files, folders or globs to train on")
@@ -49,22 +51,27 @@ def train(options: TrainOptions) -> int:
     written = {(out / name).resolve() for name in ("tokenizer.json", "tokenizer_config.json")}
     for source in sources:
         if Path(source["path"]) in written:
-            raise ValueError(f"input {source['path']} is a file this command writes; train on the corpus, or choose "
-                             "another --out_dir")
+            raise ValueError(
+                f"input {source['path']} is a file this command writes; train on the corpus, or choose "
+                "another --out_dir"
+            )
     check_sources(sources, options.text_field)
     total = input_bytes(sources, options.text_field)
     if not total:
         raise ValueError(f"the inputs ({', '.join(options.input)}) are empty; there is no text to train on")
     if (out / "tokenizer.json").exists() and not options.overwrite:
-        raise FileExistsError(f"{out / 'tokenizer.json'} exists; choose another --out_dir or pass --overwrite to "
-                              "replace it")
+        raise FileExistsError(
+            f"{out / 'tokenizer.json'} exists; choose another --out_dir or pass --overwrite to replace it"
+        )
     start = time.perf_counter()
     texts = corpus(sources, options.text_field, total)
     tokenizer = train_bpe(chunks(texts, options.max_chars), options.vocab_size)
     make_dir(out, "out_dir")
     write_files(out, hf_files(tokenizer))
-    print(f"trained a byte-level BPE of {tokenizer.vocab_size:,} ids on {total / 1e6:.1f} MB in "
-          f"{time.perf_counter() - start:.1f} s: wrote {out / 'tokenizer.json'} and tokenizer_config.json")
+    print(
+        f"trained a byte-level BPE of {tokenizer.vocab_size:,} ids on {total / 1e6:.1f} MB in "
+        f"{time.perf_counter() - start:.1f} s: wrote {out / 'tokenizer.json'} and tokenizer_config.json"
+    )
     return 0
 
 
@@ -81,8 +88,11 @@ def corpus(sources: list[dict], text_field: str, total: int) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return run_command("gptlite.tokenizer", lambda: train(parse(TrainOptions, argv, "python -m gptlite.tokenizer",
-                                                                 __doc__)), "nothing was written")
+    return run_command(
+        "gptlite.tokenizer",
+        lambda: train(parse(TrainOptions, argv, "python -m gptlite.tokenizer", __doc__)),
+        "nothing was written",
+    )
 
 
 if __name__ == "__main__":

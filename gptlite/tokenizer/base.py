@@ -160,8 +160,13 @@ class Tokenizer:
         """Write the tokenizer as JSON, atomically."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        d = {"vocab_size": self.vocab_size, "eot_id": self.eot_id, **self.to_dict(), "chat_template": self.chat_template,
-             "added": self.added}
+        d = {
+            "vocab_size": self.vocab_size,
+            "eot_id": self.eot_id,
+            **self.to_dict(),
+            "chat_template": self.chat_template,
+            "added": self.added,
+        }
         tmp.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
         os.replace(tmp, path)
 

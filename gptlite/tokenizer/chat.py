@@ -15,15 +15,18 @@ from functools import lru_cache
 
 ROLES = ("system", "user", "assistant")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def check_messages(messages, where: str = "the conversation") -> list[dict]:
     """The messages as plain dicts, or a ValueError naming `where` and what is wrong."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects, got "
-                         f"{str(messages)[:80]}")
+        raise ValueError(
+            f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects, got {str(messages)[:80]}"
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
@@ -66,23 +69,32 @@ def compile_template(template: str):
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"the chat template is not valid jinja ({e}); fix it in chat_template.jinja or "
-                         "tokenizer_config.json") from None
+        raise ValueError(
+            f"the chat template is not valid jinja ({e}); fix it in chat_template.jinja or tokenizer_config.json"
+        ) from None
 
 
-def render(template: str, messages: list[dict], add_generation_prompt: bool = False, special: dict | None = None) -> str:
+def render(
+    template: str, messages: list[dict], add_generation_prompt: bool = False, special: dict | None = None
+) -> str:
     """The conversation as the template writes it; a template that fails is one ValueError with its message."""
     import jinja2
 
     try:
-        return compile_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 tools=None, documents=None, **(special or {}))
+        return compile_template(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **(special or {}),
+        )
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"the chat template failed to render this conversation: {e}") from None
 
 
-def assistant_spans(template: str, messages: list[dict], special: dict | None, end_of_turn: str | None
-                    ) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    template: str, messages: list[dict], special: dict | None, end_of_turn: str | None
+) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character span of every assistant turn: its content and end-of-turn
     marker). A turn's span runs from where the template, asked for a generation prompt after the messages before
     it, stops, to the end of the rendering that includes it, cut after its end-of-turn marker; the template must
@@ -95,10 +107,12 @@ def assistant_spans(template: str, messages: list[dict], special: dict | None, e
         before = render(template, messages[:i], add_generation_prompt=True, special=special)
         through = render(template, messages[: i + 1], special=special)
         if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError("the chat template does not render a conversation as a prefix of its continuation (it "
-                             "rewrites earlier turns), so the assistant's turns cannot be told apart for training")
+            raise ValueError(
+                "the chat template does not render a conversation as a prefix of its continuation (it "
+                "rewrites earlier turns), so the assistant's turns cannot be told apart for training"
+            )
         end = len(through)
-        if end_of_turn and end_of_turn in through[len(before):]:
+        if end_of_turn and end_of_turn in through[len(before) :]:
             end = through.rindex(end_of_turn) + len(end_of_turn)
         spans.append((len(before), end))
     return text, spans

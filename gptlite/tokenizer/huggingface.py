@@ -42,8 +42,14 @@ class HFTokenizer(Tokenizer):
 
     kind = "huggingface"
 
-    def __init__(self, spec: dict, bos: str | None = None, eos: str | None = None, stop: Iterable[str] = (),
-                 chat_template: str | None = None):
+    def __init__(
+        self,
+        spec: dict,
+        bos: str | None = None,
+        eos: str | None = None,
+        stop: Iterable[str] = (),
+        chat_template: str | None = None,
+    ):
         from tokenizers import Tokenizer as RustTokenizer
 
         self.spec = spec
@@ -120,8 +126,14 @@ class HFTokenizer(Tokenizer):
         return encoding.ids, [start for start, _ in encoding.offsets]
 
     def to_dict(self) -> dict:
-        return {"type": "huggingface", "tokenizer": self.spec, "bos": self.bos, "eos": self.eos, "stop": self.stop,
-                "chat_template": self.chat_template}
+        return {
+            "type": "huggingface",
+            "tokenizer": self.spec,
+            "bos": self.bos,
+            "eos": self.eos,
+            "stop": self.stop,
+            "chat_template": self.chat_template,
+        }
 
 
 def tiktoken_fast_path(spec: dict, token_bytes: list[bytes], added: set[str]):
@@ -133,16 +145,30 @@ def tiktoken_fast_path(spec: dict, token_bytes: list[bytes], added: set[str]):
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
         from gptlite.tokenizer.tiktoken_bpe import GPT2_PATTERN as pattern
-    elif (len(steps) == 2 and steps[0].get("type") == "Split" and steps[0].get("behavior") == "Isolated"
-          and not steps[0].get("invert") and "Regex" in steps[0].get("pattern", {}) and steps[1].get("type") == "ByteLevel"
-          and not steps[1].get("use_regex", True) and not steps[1].get("add_prefix_space")):
+    elif (
+        len(steps) == 2
+        and steps[0].get("type") == "Split"
+        and steps[0].get("behavior") == "Isolated"
+        and not steps[0].get("invert")
+        and "Regex" in steps[0].get("pattern", {})
+        and steps[1].get("type") == "ByteLevel"
+        and not steps[1].get("use_regex", True)
+        and not steps[1].get("add_prefix_space")
+    ):
         pattern = steps[0]["pattern"]["Regex"]
     else:
         return None
     plain = all(not (t.get("lstrip") or t.get("rstrip") or t.get("single_word")) for t in spec.get("added_tokens", []))
-    if (model.get("type") != "BPE" or spec.get("normalizer") or not model.get("ignore_merges") or model.get("dropout")
-            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") or not plain
-            or not is_byte_level(spec)):
+    if (
+        model.get("type") != "BPE"
+        or spec.get("normalizer")
+        or not model.get("ignore_merges")
+        or model.get("dropout")
+        or model.get("continuing_subword_prefix")
+        or model.get("end_of_word_suffix")
+        or not plain
+        or not is_byte_level(spec)
+    ):
         return None
     vocab = model.get("vocab", {})
     merged = [vocab.get("".join(m) if isinstance(m, list) else m.replace(" ", "", 1)) for m in model.get("merges", [])]
@@ -193,8 +219,12 @@ def read_config(folder: Path, spec: dict) -> dict:
     by_id = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
     eos_ids = configs.get("generation_config.json", {}).get("eos_token_id")
     stop = [by_id[i] for i in ([eos_ids] if isinstance(eos_ids, int) else eos_ids or []) if i in by_id]
-    return {"bos": token_text(config.get("bos_token")), "eos": token_text(config.get("eos_token")), "stop": stop,
-            "chat_template": template if isinstance(template, str) else None}
+    return {
+        "bos": token_text(config.get("bos_token")),
+        "eos": token_text(config.get("eos_token")),
+        "stop": stop,
+        "chat_template": template if isinstance(template, str) else None,
+    }
 
 
 def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
@@ -203,18 +233,24 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{path} holds no tokenizer.json; pass a Hugging Face tokenizer.json or the model folder "
-                                "that holds one" if path.is_dir() else f"tokenizer file {file} does not exist")
+        raise FileNotFoundError(
+            f"{path} holds no tokenizer.json; pass a Hugging Face tokenizer.json or the model folder that holds one"
+            if path.is_dir()
+            else f"tokenizer file {file} does not exist"
+        )
     try:
         spec = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"tokenizer file {file} is not valid JSON ({e}); download or write it again") from None
     if not is_hf_tokenizer_json(spec):
-        raise ValueError(f"{file} is not a Hugging Face tokenizer.json (it has no 'model'); pass the tokenizer.json of "
-                         "a Hugging Face model or of python -m gptlite.tokenizer train")
+        raise ValueError(
+            f"{file} is not a Hugging Face tokenizer.json (it has no 'model'); pass the tokenizer.json of "
+            "a Hugging Face model or of python -m gptlite.tokenizer train"
+        )
     config = read_config(file.parent, spec)
     try:
         return HFTokenizer(spec, **config)
     except Exception as e:  # the Rust library's errors for a malformed model or pre-tokenizer
-        raise ValueError(f"{file} is not a valid Hugging Face tokenizer ({str(e).splitlines()[0][:200]}); download or "
-                         "write it again") from None
+        raise ValueError(
+            f"{file} is not a valid Hugging Face tokenizer ({str(e).splitlines()[0][:200]}); download or write it again"
+        ) from None

@@ -91,9 +91,11 @@ def from_ranks_file(path: str | Path) -> TiktokenTokenizer:
     # byte-level BPE falls back to single bytes: without all 256 of them tiktoken's encoder panics on some text
     single = sum(1 for token in ranks if len(token) == 1)
     if single < 256 or sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path} is incomplete: {len(ranks)} tokens, {single} of the 256 single bytes"
-                         f"{'' if sorted(ranks.values()) == list(range(len(ranks))) else ', ranks not 0..N-1'}; "
-                         "a byte-level BPE ranks file holds every byte value (download it again)")
+        raise ValueError(
+            f"{path} is incomplete: {len(ranks)} tokens, {single} of the 256 single bytes"
+            f"{'' if sorted(ranks.values()) == list(range(len(ranks))) else ', ranks not 0..N-1'}; "
+            "a byte-level BPE ranks file holds every byte value (download it again)"
+        )
     return TiktokenTokenizer(tiktoken_encoding(path.stem, GPT2_PATTERN, ranks, {EOT: len(ranks)}))
 
 

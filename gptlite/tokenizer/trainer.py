@@ -16,8 +16,10 @@ from gptlite.tokenizer.base import EOT
 from gptlite.tokenizer.huggingface import HFTokenizer
 
 # tiktoken's cl100k_base pattern (GPT-4's): letters with a leading non-letter, numbers of 1-3 digits, punctuation runs
-GPT4_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|"""
-                r"""\s+(?!\S)|\s+""")
+GPT4_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|"""
+    r"""\s+(?!\S)|\s+"""
+)
 RESERVED = 4  # <|reserved_0|> .. <|reserved_3|>: room for special tokens a fine-tune adds (chat markers, tools)
 CHUNK_CHARS = 1 << 20  # long documents reach the trainer in pieces of about this size, cut at line ends
 
@@ -29,8 +31,10 @@ def special_tokens(reserved: int = RESERVED) -> list[str]:
 def check_vocab_size(vocab_size: int, reserved: int = RESERVED) -> None:
     minimum = 256 + len(special_tokens(reserved)) + 1
     if not isinstance(vocab_size, int) or vocab_size < minimum:
-        raise ValueError(f"vocab_size={vocab_size} is too small: the 256 bytes and {len(special_tokens(reserved))} "
-                         f"special tokens take {minimum - 1} ids; give at least {minimum} (e.g. 8192)")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: the 256 bytes and {len(special_tokens(reserved))} "
+            f"special tokens take {minimum - 1} ids; give at least {minimum} (e.g. 8192)"
+        )
 
 
 def chunks(texts: Iterable[str], max_chars: int | None = None) -> Iterator[str]:
@@ -57,23 +61,35 @@ def train_bpe(texts: Iterable[str], vocab_size: int, reserved: int = RESERVED) -
 
     check_vocab_size(vocab_size, reserved)
     tok = Tokenizer(models.BPE(ignore_merges=True))  # a word in the vocabulary is one token (also tiktoken's rule)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     specials = special_tokens(reserved)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     return HFTokenizer(json.loads(tok.to_str()), bos=None, eos=EOT)
 
 
 def tokenizer_config(tokenizer: HFTokenizer, max_length: int | None = None) -> dict:
     """tokenizer_config.json for transformers' AutoTokenizer (a PreTrainedTokenizerFast over tokenizer.json)."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "model_max_length": max_length or 10**30, "bos_token": tokenizer.bos, "eos_token": tokenizer.eos,
-              "unk_token": None, "pad_token": None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length or 10**30,
+        "bos_token": tokenizer.bos,
+        "eos_token": tokenizer.eos,
+        "unk_token": None,
+        "pad_token": None,
+    }
     if tokenizer.chat_template:
         config["chat_template"] = tokenizer.chat_template
     return config
@@ -81,8 +97,10 @@ def tokenizer_config(tokenizer: HFTokenizer, max_length: int | None = None) -> d
 
 def hf_files(tokenizer: HFTokenizer, max_length: int | None = None) -> dict[str, str]:
     """The files of a Hugging Face tokenizer folder: tokenizer.json and tokenizer_config.json."""
-    return {"tokenizer.json": json.dumps(tokenizer.spec, ensure_ascii=False),
-            "tokenizer_config.json": json.dumps(tokenizer_config(tokenizer, max_length), indent=2) + "\n"}
+    return {
+        "tokenizer.json": json.dumps(tokenizer.spec, ensure_ascii=False),
+        "tokenizer_config.json": json.dumps(tokenizer_config(tokenizer, max_length), indent=2) + "\n",
+    }
 
 
 def write_files(folder: Path, files: dict[str, str]) -> None:
