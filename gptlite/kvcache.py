@@ -1,17 +1,19 @@
-"""The KV cache and the steps that run a model through it: prefill of (ragged) prompts, one-token decode steps,
-and the compiled decode step (`compile=True`).
+"""The KV caches' interface and the steps that run a model through a cache: `AttentionCache` (what the model
+reads from any cache) and `kv_buffers` (the buffers' shape, computed once), sample.py's `KVCache`, prefill of
+(ragged) prompts, the decode step, and the compiled decode step (`compile=True`).
 
-The cache holds every layer's keys and values for a fixed batch in buffers preallocated with static shapes
-(B, H, max_len, D) (separate tensors, so that writing one layer's never makes a compiled step copy them all).
-Prompts are left-padded to the longest; a mask hides each row's padding and positions count from each row's first
-real token, so a padded row computes what it would alone. Each decode step writes one slot in place.
+`KVCache` holds every layer's keys and values for a fixed batch in buffers preallocated with static shapes
+(B, KV, max_len, D). Prompts are left-padded to the longest; a mask hides each row's padding and positions count
+from each row's first real token, so a padded row computes what it would alone. Each decode step writes one slot
+in place. The server's per-row cache (gptlite.serve.rows.RowCache) plays the same role for continuous batching:
+it is an `AttentionCache` too, takes its buffers from `kv_buffers`, and runs through the same `decode_step`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -20,17 +22,41 @@ if TYPE_CHECKING:
     from gptlite.model import GPT
 
 
+@runtime_checkable
+class AttentionCache(Protocol):
+    """What the model reads from a cache during generation (gptlite.model's attention and `GPT.hidden`): the
+    positions of the next call's tokens, the mask of what each of them may attend to, and `update`, which
+    stores one layer's new keys and values and hands back everything the call attends over. Who sets these up
+    between calls (a `prepare` method, in both of gptlite's caches) is the cache's own business: `KVCache`
+    prefills and decodes a fixed batch, the server's RowCache runs every request in a row of its own."""
+
+    pos: torch.Tensor  # (B, T) the next call's tokens' positions
+    mask: torch.Tensor | None  # (B, 1, T, S) True where a query may attend to a key; None: every key
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer's new k, v (B, KV, T, D); return the keys and values the call attends over (B, KV, S, D)."""
+        ...
+
+
+def kv_buffers(
+    config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's key and value buffers, zeros of (batch_size, KV, max_len, D) each: the one place a cache's
+    shape comes from. Only n_kv_head heads are kept (grouped-query attention's saving), and every layer has
+    tensors of its own, so that writing one layer's never makes a compiled step copy them all."""
+    shape = (batch_size, config.kv_heads, max_len, config.head_width)  # (B, KV, max_len, D)
+    keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+    values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+    return keys, values
+
+
 class KVCache:
     """Keys and values of every layer for a fixed batch, preallocated for `max_len` slots and written in
     place, plus what the next forward call needs (set by `prepare`): the cache slots its tokens go to,
     their positions and the attention mask. A slot is visible once written, unless it holds padding."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (batch_size, config.kv_heads, max_len, config.head_width)  # only n_kv_head heads: GQA's saving
-        self.k = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)
-        ]  # (B, KV, max_len, D) each
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.k, self.v = kv_buffers(config, batch_size, max_len, dtype, device)  # (B, KV, max_len, D) each
         self.max_len = max_len
         self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
         self.first = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) each row's first real slot
@@ -40,7 +66,7 @@ class KVCache:
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, T) their positions
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) True where a query may attend to a key
         self.span = 0  # S, the number of slots the next call attends over
-        self.busy = False  # a compiled generation is using it (see _static_cache)
+        self.busy = False  # a compiled generation is using it (see static_cache)
 
     def start(self, padding: torch.Tensor) -> None:
         """Forget the contents; the next prompts have `padding` (B,) pad tokens on their left."""

@@ -28,7 +28,7 @@ from gptlite.config import GPTConfig
 from gptlite.loss import linear_cross_entropy
 
 if TYPE_CHECKING:
-    from gptlite.kvcache import KVCache
+    from gptlite.kvcache import AttentionCache
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
 
@@ -205,7 +205,7 @@ class CausalSelfAttention(nn.Module):
         self.rotate = POSITIONS[config.pos_emb].rotate  # RoPE rotates q and k; the other schemes do nothing here
 
     def forward(
-        self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0
+        self, x: torch.Tensor, rot: Rotation = None, cache: AttentionCache | None = None, layer: int = 0
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # split's backward writes one contiguous gradient
@@ -336,7 +336,7 @@ class Block(nn.Module):
         self.ffn = FFNS[config.ffn](config)
 
     def forward(
-        self, x: torch.Tensor, rot: Rotation = None, cache: KVCache | None = None, layer: int = 0
+        self, x: torch.Tensor, rot: Rotation = None, cache: AttentionCache | None = None, layer: int = 0
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rot, cache, layer)
         return x + self.ffn(self.ffn_norm(x))
@@ -394,9 +394,10 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1), ignore_index=-1, reduction=reduction)
         return (logits if return_logits else None), loss
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         """The final-norm hidden states (B, T, C) of idx (B, T). Without a cache the tokens are at positions
-        0..T-1; with one (generation) their slots, positions and mask come from `cache.prepare`."""
+        0..T-1; with one (generation: any gptlite.kvcache.AttentionCache) their positions and mask come from
+        the cache, as its `prepare` set them up."""
         if cache is None:  # generation checks its prompts once, not at every step
             self._check_input(idx)
         T = idx.size(1)
@@ -408,7 +409,7 @@ class GPT(nn.Module):
             x = checkpoint(block, x, rot, use_reentrant=False) if recompute else block(x, rot, cache, i)
         return self.norm(x)
 
-    def step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def step(self, idx: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         """Generation: feed idx (B, T) through the cache (see gptlite.kvcache); logits (B, V) of the last token."""
         return self.lm_head(self.hidden(idx, cache)[:, -1])  # (B, V)
 

@@ -4,14 +4,16 @@ leave a running batch, rows freed and compacted mid-flight, stop tokens, the tok
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from gptlite.kvcache import AttentionCache, KVCache, kv_buffers
 from gptlite.serve.engine import Engine, Job, Params
-from gptlite.serve.rows import RowCache, kv_shape
+from gptlite.serve.rows import RowCache
 from gptlite.tokenizer import CharTokenizer
-from tests.conftest import VARIANTS, tiny_model
+from tests.conftest import VARIANTS, tiny_config, tiny_model
 from tests.serving import CHARS
 
 pytestmark = pytest.mark.device  # the engine runs where the model is
@@ -112,10 +114,21 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
     assert all(len(t) == 25 and set(t) <= set(CHARS[:60]) for t in texts)
 
 
-def test_the_cache_shape_comes_from_one_function():
-    config = tiny_model().config
-    cache = RowCache(config, rows=3, max_len=16, dtype=torch.float32, device="cpu")
-    assert kv_shape(config) == (4, 8) and cache.k[0].shape == (3, 4, 16, 8) and len(cache.v) == config.n_layer
+def test_both_caches_are_attention_caches_with_buffers_from_one_function():
+    """sample.py's KVCache and the server's RowCache play one role for the model: both are the AttentionCache
+    its hints name, and both take their buffers, n_kv_head heads each, from kv_buffers."""
+    config = tiny_config(n_kv_head=2)  # 4 query heads of width 8, 2 key/value heads
+    keys, values = kv_buffers(config, 3, 16, torch.float32, "cpu")
+    assert len(keys) == len(values) == config.n_layer
+    assert all(b.shape == (3, 2, 16, 8) for b in keys + values)
+    caches = (
+        KVCache(config, 3, 16, torch.float32, torch.device("cpu")),
+        RowCache(config, rows=3, max_len=16, dtype=torch.float32, device="cpu"),
+    )
+    for cache in caches:
+        assert isinstance(cache, AttentionCache)
+        assert [b.shape for b in cache.k + cache.v] == [b.shape for b in keys + values]
+    assert not isinstance(SimpleNamespace(update=None, mask=None), AttentionCache)  # no positions
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

@@ -3,7 +3,8 @@
 A request owns one row from its prefill to its last token. Decoding feeds the newest token of rows 0..n-1
 (the engine keeps the running rows first, so a step costs the running rows, not every row); each row writes
 its keys and values at its own length, attends over its own slots only, and counts positions from its own
-first token. The model reads the cache through `update`, `mask` and `pos` (see gptlite.model).
+first token. It is a `gptlite.kvcache.AttentionCache`, the interface the model reads every cache through
+(`update`, `mask` and `pos`), and its buffers come from `gptlite.kvcache.kv_buffers`, as KVCache's do.
 """
 
 from __future__ import annotations
@@ -12,17 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gptlite.kvcache import kv_buffers
+
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig
 
 
-def kv_shape(config: GPTConfig) -> tuple[int, int]:
-    """(key/value heads, head width) of the model's attention: the one place the cache's shape comes from."""
-    return config.kv_heads, config.head_width
-
-
 class RowCache:
-    """Per-layer keys and values (rows, H, max_len, D), written in place; `prepare` sets up the next call."""
+    """Per-layer keys and values (rows, KV, max_len, D), written in place; `prepare` sets up the next call."""
 
     def __init__(
         self,
@@ -33,11 +31,8 @@ class RowCache:
         device: torch.device | str,
         always_mask: bool = False,
     ):
-        heads, width = kv_shape(config)
         self.always_mask = always_mask  # a mask even where none is needed (a compiled step then has one graph less)
-        shape = (rows, heads, max_len, width)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]  # (R, H, L, D) each
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.k, self.v = kv_buffers(config, rows, max_len, dtype, device)  # (R, KV, L, D) each
         self.rows, self.max_len, self.device = rows, max_len, torch.device(device)
         self.span = 0  # S: slots the next call attends over
         self.selected = slice(0, 0)  # the rows the next call runs
