@@ -47,7 +47,8 @@ LOAD = """
 import resource, sys, torch
 {imports}
 def rss():
-    return {{k: int(v.split()[0]) for k, v in (l.split(":") for l in open("/proc/self/status")) if k in ("VmRSS", "VmHWM")}}
+    fields = (line.split(":") for line in open("/proc/self/status"))
+    return {{k: int(v.split()[0]) for k, v in fields if k in ("VmRSS", "VmHWM")}}
 base = rss()["VmRSS"]
 model = {load}.to(sys.argv[2])
 with torch.no_grad():
@@ -146,9 +147,9 @@ def decode(directory: Path, args: Options) -> list[dict]:
     for batch in map(int, args.batch_sizes.split(",")):
         idx = torch.randint(0, 49152, (batch, args.prompt), generator=torch.Generator().manual_seed(0)).to(device)
         calls = {
-            "gqa": lambda: generate(gqa, idx, args.new_tokens, temperature=0),
-            "full": lambda: generate(full, idx, args.new_tokens, temperature=0),
-            "hf": lambda: hf.generate(
+            "gqa": lambda idx=idx: generate(gqa, idx, args.new_tokens, temperature=0),
+            "full": lambda idx=idx: generate(full, idx, args.new_tokens, temperature=0),
+            "hf": lambda idx=idx: hf.generate(
                 idx, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
             ),
         }

@@ -210,7 +210,8 @@ def run(args: Options) -> int:
         small_file.write_text(source[: source.rfind("\n", 0, 100_000) + 1], encoding="utf-8")
         run = best([run_prepare(small_file, tmp / "out", args.tokenizer) for _ in range(args.repeats)])
         print(
-            f"\n100 KB text file: the whole command {run['seconds']:.2f} s (target <= 0.8 s), peak RSS {run['rss_mb']:.0f} MB"
+            f"\n100 KB text file: the whole command {run['seconds']:.2f} s (target <= 0.8 s), "
+            f"peak RSS {run['rss_mb']:.0f} MB"
         )
         print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0

@@ -159,12 +159,12 @@ def measure(options: BenchOptions, url: str, pid: int) -> tuple[dict, dict]:
     for r in range(options.rounds):
         for n in options.levels:
             for mode in ("concurrent", "sequential"):
+                done = threading.Event()
                 sampler = (
-                    threading.Thread(target=lambda: sample_rss(pid, rss, done))
+                    threading.Thread(target=sample_rss, args=(pid, rss, done))
                     if n == most and mode == "concurrent"
                     else None
                 )
-                done = threading.Event()
                 if sampler:
                     sampler.start()
                 tps, ttft = run_level(url, n, options.max_tokens, mode == "concurrent")

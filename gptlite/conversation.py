@@ -80,7 +80,8 @@ class Conversation:
         if len(ids) > limit:
             warnings.warn(
                 f"this turn takes {len(ids)} tokens, more than the {limit} the model's context (block_size="
-                f"{self.model.config.block_size}) leaves beside a reply: its first {len(ids) - limit} are left out"
+                f"{self.model.config.block_size}) leaves beside a reply: its first {len(ids) - limit} are left out",
+                stacklevel=2,
             )
         return ids[-limit:]
 

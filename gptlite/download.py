@@ -95,6 +95,7 @@ def download_token_shards(
     }
     write_json(out_dir / MANIFEST, manifest)
     log(
-        f"{out_dir}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} val tokens of {name}, ready to train"
+        f"{out_dir}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} val tokens of {name}, "
+        "ready to train"
     )
     return manifest

@@ -212,11 +212,14 @@ def _decode_loop(
         if not warned:
             warnings.warn(
                 f"the context reached block_size={config.block_size}: a full window keeps its newest {keep} "
-                "tokens, which are prefilled again at positions 0.. (see gptlite.generate)"
+                "tokens, which are prefilled again at positions 0.. (see gptlite.generate)",
+                stacklevel=2,
             )
             warned = True
         new = torch.stack([*fed, token], dim=1).tolist()  # (N, tokens since the last prefill)
-        rows = [w if len(w) <= config.block_size else w[-keep:] for w in (r + n for r, n in zip(rows, new))]
+        rows = [
+            w if len(w) <= config.block_size else w[-keep:] for w in (r + n for r, n in zip(rows, new, strict=True))
+        ]
         fed = []
         # when every row slid, the prefill has one shape, block_size * SLIDE_KEEP, so it compiles once
         logits = prefill(model, cache, rows, step if compile and all(len(r) == keep for r in rows) else None)
@@ -252,7 +255,8 @@ def generate(
         return torch.cat([prompts, torch.stack(new, dim=1)], dim=1) if new else prompts.clone()
     columns = torch.stack(new, dim=1).tolist() if new else [[] for _ in range(len(prompts) * n)]
     return [
-        [*map(int, p), *(t for t in c if t != PAD)] for p, c in zip((p for p in prompts for _ in range(n)), columns)
+        [*map(int, p), *(t for t in c if t != PAD)]
+        for p, c in zip((p for p in prompts for _ in range(n)), columns, strict=True)
     ]
 
 
@@ -404,7 +408,8 @@ def _texts(tokens: Iterator[torch.Tensor], streams: list[TextStream], stop_token
     """The loop of `generate_text`: every row's tokens through its TextStream."""
     for nxt in tokens:
         pieces = [
-            "" if t == PAD else s.close() if t in stop_tokens else s.feed([t]) for s, t in zip(streams, nxt.tolist())
+            "" if t == PAD else s.close() if t in stop_tokens else s.feed([t])
+            for s, t in zip(streams, nxt.tolist(), strict=True)
         ]
         yield pieces
         if all(s.done for s in streams):

@@ -441,7 +441,8 @@ class GPT(nn.Module):
         if missing or unexpected:
             raise ValueError(
                 f"{source}: the weights do not fit the model its config describes (missing: "
-                f"{', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'}): it comes from "
+                f"{', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'}): "
+                "it comes from "
                 "another program or gptlite version (a sinusoidal-position model saved before gptlite learned the "
                 "table's gain, pos_emb.gain, must be retrained)"
             )
@@ -472,7 +473,8 @@ class GPT(nn.Module):
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(
-                f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); check the tokenizer and vocab_size"
+                f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); "
+                "check the tokenizer and vocab_size"
             )
 
     @staticmethod

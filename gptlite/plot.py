@@ -86,7 +86,7 @@ def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: boo
         )
         if with_bpb:
             axes[1].plot(*curve(rows, "val_bpb", x), color=color, linestyle="--", marker="o", markersize=3, label=label)
-    for ax, ylabel in zip(axes, ["loss (nats per token)", "val bits per byte"]):
+    for ax, ylabel in zip(axes, ["loss (nats per token)", "val bits per byte"], strict=False):
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

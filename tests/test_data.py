@@ -205,7 +205,7 @@ def windows_of(batches, arrays, block_size):
     """Map each row of each x batch back to its (shard, start) by searching the raw tokens."""
     found = []
     for x, y in batches:
-        for row_x, row_y in zip(x.numpy(), y.numpy()):
+        for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
             hits = [
                 (s, i)
                 for s, a in enumerate(arrays)
@@ -223,7 +223,7 @@ def batches(loader: ShardLoader, n: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 def assert_same(a, b):
     assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
@@ -286,7 +286,7 @@ def test_loader_determinism(tmp_path):
     b = batches(ShardLoader(files, batch_size=3, block_size=8, seed=42), 20)
     c = batches(ShardLoader(files, batch_size=3, block_size=8, seed=43), 20)
     assert_same(a, b)
-    assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
+    assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c, strict=True))
 
 
 def test_loader_shuffles_within_an_epoch(tmp_path):
@@ -342,7 +342,7 @@ def test_ranks_split_the_global_batch(tmp_path, shuffle):
     r0 = batches(ShardLoader(files, batch_size=B, rank=0, world_size=2, **kw), steps)
     r1 = batches(ShardLoader(files, batch_size=B, rank=1, world_size=2, **kw), steps)
     one = batches(ShardLoader(files, batch_size=2 * B, **kw), steps)
-    for (x0, y0), (x1, y1), (x, y) in zip(r0, r1, one):
+    for (x0, y0), (x1, y1), (x, y) in zip(r0, r1, one, strict=True):
         assert torch.equal(torch.cat([x0, x1]), x)
         assert torch.equal(torch.cat([y0, y1]), y)
     # within each step, the two ranks read different windows

@@ -103,5 +103,6 @@ def test_cli_offline_is_a_one_line_error(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(
-        "fineweb/download.py: error: could not download fineweb_val_000000.bin from huggingface.co/datasets/kjj0/fineweb10B-gpt2"
+        "fineweb/download.py: error: could not download fineweb_val_000000.bin from "
+        "huggingface.co/datasets/kjj0/fineweb10B-gpt2"
     )

@@ -61,7 +61,7 @@ def test_ragged_batch_equals_each_prompt_alone(variant):
     torch.manual_seed(2)
     prompts = [randint(97, (n,)).tolist() for n in (3, 11, 1, 30)]
     batched = generate(model, prompts, 60, temperature=0)
-    for prompt, row in zip(prompts, batched):
+    for prompt, row in zip(prompts, batched, strict=True):
         alone = greedy_by_full_recompute(model, tensor([prompt]), 60)[0].tolist()
         assert row == alone
 
@@ -74,7 +74,7 @@ def test_ragged_rows_match_their_unpadded_logits(variant):
     cache.start(torch.tensor([0, 3]))
     cache.prepare(5)
     logits = model.step(tensor([[5, 6, 7, 8, 9], [0, 0, 0, 1, 2]]), cache)
-    for row, prompt in zip(logits, prompts):
+    for row, prompt in zip(logits, prompts, strict=True):
         torch.testing.assert_close(row, model(tensor([prompt]))[0][0, -1], atol=1e-5, rtol=1e-5)
 
 

@@ -328,7 +328,7 @@ def test_activation_checkpointing_keeps_only_the_blocks_inputs():
         model = tiny_model(n_layer=4).train()
         model.checkpoint_blocks = recompute
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t.numel()) or t, lambda t: t):
             model(randint(97, (2, 24)), randint(97, (2, 24)))[1].backward()
         counts.append(sum(saved))
     assert counts[1] < counts[0] / 2, counts

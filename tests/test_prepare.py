@@ -147,7 +147,7 @@ def test_documents_each_start_with_eot(tmp_path):
         assert tokens[0] == EOT
         tok = load_tokenizer(out / "tokenizer.json")
         starts = [i for i, t in enumerate(tokens) if t == EOT]
-        return [tok.decode(tokens[s + 1 : e]) for s, e in zip(starts, starts[1:] + [len(tokens)])]
+        return [tok.decode(tokens[s + 1 : e]) for s, e in zip(starts, starts[1:] + [len(tokens)], strict=True)]
 
     manifest = prepare([str(corpus)], str(gpt2_ranks()), tmp_path / "dir_out", log=quiet)
     assert documents(tmp_path / "dir_out") == ordered
@@ -450,7 +450,8 @@ def test_preparation_never_imports_torch(tmp_path):
     src.write_text("To be, or not to be: that is the question.\n" * 50)
     code = (
         "import runpy, sys\n"
-        f"sys.argv = ['prepare.py', '--input', {str(src)!r}, '--tokenizer', 'byte', '--out_dir', {str(tmp_path / 'out')!r}]\n"
+        f"sys.argv = ['prepare.py', '--input', {str(src)!r}, '--tokenizer', 'byte', "
+        f"'--out_dir', {str(tmp_path / 'out')!r}]\n"
         "try:\n"
         f"    runpy.run_path({str(ROOT / 'data' / 'prepare.py')!r}, run_name='__main__')\n"
         "except SystemExit as e:\n"

@@ -55,7 +55,8 @@ def test_worker_processes_write_the_same_files(tmp_path, small_blocks):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_reading_stays_at_most_a_few_batches_ahead(tmp_path, small_blocks, monkeypatch, workers):
-    """Memory is bounded: the reader never runs more than IN_FLIGHT_PER_WORKER batches per worker ahead of the writer."""
+    """Memory is bounded: the reader never runs more than IN_FLIGHT_PER_WORKER batches per worker ahead of the
+    writer."""
     read, written, ahead = [0], [0], []
     batched, save_progress = gptlite.prepare.batched, gptlite.prepare.save_progress
 
@@ -146,7 +147,8 @@ def test_resume_after_an_interruption_writes_what_an_uninterrupted_run_does(
 
 @pytest.mark.parametrize("hf_dataset", [None, "parquet"])
 def test_resume_in_the_middle_of_a_parquet_row_group(tmp_path, monkeypatch, hf_dataset):
-    """Rows are read in batches of 1,024; a resume point can fall inside a row group (Parquet) or a stream (Hugging Face)."""
+    """Rows are read in batches of 1,024; a resume point can fall inside a row group (Parquet) or a stream
+    (Hugging Face)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -39,7 +39,7 @@ def documents(out: Path, split: str) -> list[str]:
     tokens, tok = tokens_of(out, split), load_tokenizer(out / "tokenizer.json")
     assert tokens[0] == EOT
     starts = [i for i, t in enumerate(tokens) if t == EOT]
-    return [tok.decode(tokens[s + 1 : e]) for s, e in zip(starts, starts[1:] + [len(tokens)])]
+    return [tok.decode(tokens[s + 1 : e]) for s, e in zip(starts, starts[1:] + [len(tokens)], strict=True)]
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -99,7 +99,8 @@ def test_parquet_and_hugging_face_streaming_give_the_same_shards_as_jsonl(tmp_pa
         [str(parquet)], gpt2(), tmp_path / "hf_parquet", text_field="content", hf_dataset="parquet", log=quiet
     )
     assert again == runs["hf_parquet"]  # complete: returns at once
-    # the progress bar's total for Parquet: the text column's uncompressed size, its text plus per-row and per-page overhead
+    # the progress bar's total for Parquet: the text column's uncompressed size, its text plus per-row and per-page
+    # overhead
     text_bytes = len("".join(DOCS).encode())
     assert text_bytes <= gptlite.prepare.sources.input_bytes(runs["parquet"]["sources"], "content") < 2 * text_bytes
 

@@ -54,7 +54,7 @@ def test_stream_holds_back_only_what_could_start_a_stop_string():
 def greedy_text(model, tokenizer, prompt, n, **kwargs) -> list[str]:
     texts = None
     for pieces in generate_text(model, tokenizer, prompt, n, temperature=0, **kwargs):
-        texts = pieces if texts is None else [t + p for t, p in zip(texts, pieces)]
+        texts = pieces if texts is None else [t + p for t, p in zip(texts, pieces, strict=True)]
     return texts
 
 
@@ -66,7 +66,7 @@ def test_generate_text_stops_at_stop_strings_and_eot():
     assert all(len(t) == 40 for t in free)
     stop = free[0][10:13]
     cut = greedy_text(model, tokenizer, prompts, 40, stop=[stop])
-    for full, got in zip(free, cut):
+    for full, got in zip(free, cut, strict=True):
         assert got == (full[: full.index(stop)] if stop in full else full)
     # the end-of-text token ends a row and is not printed
     eot = free[1][7]
@@ -80,5 +80,5 @@ def test_generate_text_samples_and_empty_prompt():
     texts = None
     for pieces in generate_text(model, EotBytes(), "", 12, num_samples=3, seed=5):
         assert len(pieces) == 3
-        texts = pieces if texts is None else [t + p for t, p in zip(texts, pieces)]
+        texts = pieces if texts is None else [t + p for t, p in zip(texts, pieces, strict=True)]
     assert all(len(t) == 12 for t in texts) and len(set(texts)) > 1

@@ -340,7 +340,7 @@ def read_fused(weights: Weights, names: list[str], transposed: bool, dtype: torc
         (sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype or weights.dtype(names[0])
     )  # (rows, ...)
     row = 0
-    for name, shape in zip(names, shapes):
+    for name, shape in zip(names, shapes, strict=True):
         weights.pop(name, out=out[row : row + shape[0]])
         row += shape[0]
     return out
@@ -441,7 +441,7 @@ def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConf
             w = torch.zeros(weight.size(0), dtype=weight.dtype)
         w = w.t() if transposed else w
         parts = w.split(part_sizes(ours, config)) if len(theirs) > 1 else (w,)
-        for name, part in zip(theirs, parts):
+        for name, part in zip(theirs, parts, strict=True):
             out[their_name(family, name)] = part.detach().to("cpu").contiguous().clone()
     return out
 

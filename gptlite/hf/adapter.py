@@ -36,7 +36,7 @@ def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
             )
         theirs = names[name]
         sizes = part_sizes(name, model.config) if len(theirs) > 1 else [layer.out_features]
-        for their, rows in zip(theirs, layer.lora_B.detach().split(sizes)):  # (out_i, r) each
+        for their, rows in zip(theirs, layer.lora_B.detach().split(sizes), strict=True):  # (out_i, r) each
             module = their_name(family, their).removesuffix(".weight")
             tensors[f"base_model.model.{module}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous().clone()
             tensors[f"base_model.model.{module}.lora_B.weight"] = rows.cpu().contiguous().clone()

@@ -5,6 +5,7 @@ vocab.json and merges.txt rebuilt from the ranks."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 from gptlite.tokenizer import EOT, GPT2_PATTERN, HFTokenizer, TiktokenTokenizer, Tokenizer
 from gptlite.tokenizer.huggingface import byte_decoder
@@ -24,7 +25,7 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
             continue
         parts = [bytes([b]) for b in token]
         while len(parts) > 2:
-            pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(pairwise(parts))]
             best, i = min(pairs)
             if best >= rank:
                 break

@@ -134,7 +134,8 @@ def prepare(
         workers = max(1, min(workers, math.ceil(batches / WORKER_BATCHES)))
     log(
         f"tokenizing {len(sources)} source(s), {'?' if total is None else f'{total / 1e6:.1f}'} MB, with "
-        f"{tokenizer_spec} (vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) into {out_dir}"
+        f"{tokenizer_spec} (vocab {tokenizer.vocab_size:,}, {tokens_dtype.name}) in {workers} process(es) "
+        f"into {out_dir}"
     )
     start, bytes_before = time.perf_counter(), progress["bytes"]
     pieces = iter_pieces(sources, progress["cursor"], val_fraction, field)
@@ -350,7 +351,8 @@ def log_summary(log, manifest: dict, n_bytes: int, seconds: float) -> None:
             f"{c.get('too_long', 0):,} left out as too long, {c.get('no_assistant', 0):,} without an assistant turn"
         )
     log(
-        f"{docs:,} documents, {tokens:,} tokens ({tokens / max(docs, 1):,.1f} per document; {manifest['train_tokens']:,} train, "
+        f"{docs:,} documents, {tokens:,} tokens ({tokens / max(docs, 1):,.1f} per document; "
+        f"{manifest['train_tokens']:,} train, "
         f"{manifest['val_tokens']:,} val) in {n_train} train + {len(manifest['shards']) - n_train} val shard(s); "
         f"{n_bytes / 1e6:.1f} MB in {seconds:.1f}s ({n_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s){replaced}"
     )

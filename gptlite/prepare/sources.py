@@ -4,6 +4,7 @@ pieces decoded and parsed into document texts, in the workers. Errors name the f
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -303,7 +304,8 @@ def field_text(value, field: str, where: Callable[[], str]) -> tuple[str, int]:
     if isinstance(value, bytes):
         return decode(value)
     raise TypeError(
-        f"{where()}: field '{field}' holds {type(value).__name__}, not text; pass --text_field with the field that holds the text"
+        f"{where()}: field '{field}' holds {type(value).__name__}, not text; pass --text_field with the field that "
+        "holds the text"
     )
 
 
@@ -353,7 +355,7 @@ def jsonl_records(
 def jsonl_texts(block: bytes, field: str, origin: tuple) -> Iterator[tuple[str, int]]:
     """(text, replaced) per non-blank line of a block of whole JSONL lines."""
     for value, replaced, i in jsonl_records(block, field, origin):
-        text, bad = field_text(value, field, lambda: record_name(origin, i))
+        text, bad = field_text(value, field, functools.partial(record_name, origin, i))
         yield text, bad + replaced
 
 
@@ -392,7 +394,10 @@ def piece_texts(kind: str, data, origin: tuple, field: str) -> Iterator[tuple[st
     if kind == "jsonl":
         texts = jsonl_texts(data, field, origin)
     else:
-        texts = (field_text(value, field, lambda: record_name(origin, i)) for i, value in enumerate(arrow_values(data)))
+        texts = (
+            field_text(value, field, functools.partial(record_name, origin, i))
+            for i, value in enumerate(arrow_values(data))
+        )
     for text, replaced in texts:
         if text:
             yield text, replaced

@@ -156,7 +156,7 @@ def split_batch(
     parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     roles: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     first = records
-    for piece, e in zip(batch, encoded):
+    for piece, e in zip(batch, encoded, strict=True):
         if piece.kind == "text":
             parts[piece.split].append(e.tokens)
             continue

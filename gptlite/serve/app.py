@@ -246,7 +246,8 @@ class Server:
 def create_app(
     engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int | None = None, wait_when_full: bool = False
 ) -> FastAPI:
-    """The app serving `engine` (started and closed by the caller) as `model_name`; max_waiting defaults to max_batch."""
+    """The app serving `engine` (started and closed by the caller) as `model_name`; max_waiting defaults to
+    max_batch."""
     server = Server(
         engine, tokenizer, model_name, engine.max_batch if max_waiting is None else max_waiting, wait_when_full
     )

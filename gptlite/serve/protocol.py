@@ -143,7 +143,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
     choices = [
-        {"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))
+        {"index": i, "text": t, "logprobs": None, "finish_reason": r}
+        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
     ]
     return {
         "id": rid,
@@ -158,7 +159,7 @@ def completion(rid: str, model: str, texts: list[str], reasons: list[str], use: 
 def chat_completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
     choices = [
         {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-        for i, (t, r) in enumerate(zip(texts, reasons))
+        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
     ]
     return {
         "id": rid,

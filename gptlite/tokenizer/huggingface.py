@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -172,7 +173,7 @@ def tiktoken_fast_path(spec: dict, token_bytes: list[bytes], added: set[str]):
         return None
     vocab = model.get("vocab", {})
     merged = [vocab.get("".join(m) if isinstance(m, list) else m.replace(" ", "", 1)) for m in model.get("merges", [])]
-    if None in merged or any(a >= b for a, b in zip(merged, merged[1:])):
+    if None in merged or any(a >= b for a, b in pairwise(merged)):
         return None
     ordinary = {t: i for t, i in vocab.items() if t not in added}
     ranks = {token_bytes[i]: i for i in ordinary.values()}
