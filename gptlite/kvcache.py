@@ -155,8 +155,10 @@ def prefill(model: GPT, cache: KVCache, rows: list[list[int]], step: Callable | 
     return (step or decode_step)(model, idx, cache)  # (B, V)
 
 
-def decode_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """One decode step: token (B, 1), through the prepared cache, -> logits (B, V)."""
+def decode_step(model: GPT, token: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+    """One step through a prepared cache: token (B, T), one token per row when decoding or the prompts when
+    prefilling, -> logits (B, V) of the last. The one step every cache runs: sample.py's KVCache here, the
+    server's RowCache in gptlite.serve.engine (which compiles it with dynamic shapes)."""
     return model.step(token, cache)
 
 

@@ -28,6 +28,7 @@ import torch
 
 from gptlite.cpu_decode import packed_for_cpu
 from gptlite.generate import TextStream
+from gptlite.kvcache import decode_step
 from gptlite.sampling import mask_vocab, sample_next
 from gptlite.serve.rows import RowCache
 
@@ -103,7 +104,7 @@ class Engine:
             self.step = compiled_step()
         else:  # the eager CPU views: slab layers for one row, packed layers for several (other devices: the model)
             self.one, self.many = packed_for_cpu(model, 1), packed_for_cpu(model, max(2, max_batch))
-            self.step = plain_step
+            self.step = decode_step
         self.rows: list[Row] = []  # running, in cache rows 0..len-1
         self.waiting: deque[Job] = deque()
         self.wake = threading.Condition()
@@ -233,11 +234,9 @@ class Engine:
                 self.rows[i] = last
 
 
-def plain_step(model: GPT, idx: torch.Tensor, cache: RowCache) -> torch.Tensor:
-    """The last token's logits (n, V) of idx (n, T) through the prepared cache."""
-    return model.step(idx, cache)
-
-
 def compiled_step() -> Callable:
-    """`plain_step` through torch.compile, with dynamic shapes (rows, tokens and slots vary from call to call)."""
-    return torch.compile(plain_step, dynamic=True)
+    """gptlite.kvcache's `decode_step`, the one step sample.py runs too, through torch.compile with dynamic
+    shapes (rows, tokens and slots vary from call to call), where sample.py compiles it for fixed shapes. Both
+    compile one function, so in a process that runs both, dynamo's recompile limit per function (8 graphs by
+    default) counts the graphs of the two together."""
+    return torch.compile(decode_step, dynamic=True)
