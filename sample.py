@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from gptlite.checkpoint import load_model
-from gptlite.cli import parse, pick_device, pick_dtype, run_command
+from gptlite.cli import parse, run_command
 from gptlite.config import option
 from gptlite.conversation import Conversation
+from gptlite.device import pick_device, pick_dtype
 from gptlite.generate import generate, generate_text
 from gptlite.model import GPT
 from gptlite.sampling import Sampling

@@ -47,9 +47,10 @@ from gptlite.checkpoint import (
     save_run_checkpoint,
     set_rng_state,
 )
-from gptlite.cli import config_help, parse_args, pick_device, pick_dtype
+from gptlite.cli import config_help, parse_args
 from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, flat_fields, read_toml, unknown_key
 from gptlite.data import ChatLoader, ShardLoader, check_vocab, find_shards, is_chat_data, read_shard
+from gptlite.device import pick_device, pick_dtype
 from gptlite.evaluate import byte_lengths, loss_and_bpb, loss_sums
 from gptlite.files import FolderLock, error, fault, make_dir
 from gptlite.hf import fingerprint

@@ -46,8 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from gptlite import GPT, GPTConfig  # noqa: E402
-from gptlite.cli import parse, pick_dtype, run_command  # noqa: E402
+from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import pick_dtype  # noqa: E402
 from gptlite.generate import generate  # noqa: E402
 
 MODELS = {

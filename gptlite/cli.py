@@ -1,5 +1,5 @@
-"""The command line every gptlite command shares: its options read into a dataclass, one-line errors, clean
-interruptions, and the one "auto" choice of device and precision.
+"""The command line every gptlite command shares: its options read into a dataclass, one-line errors and clean
+interruptions.
 
 Options. A command's options are the fields of a dataclass (see `option`), read with `parse`: defaults < a TOML
 file (an argument ending in .toml) < `--key=value` or `--key value` on the command line. Values are converted to
@@ -18,7 +18,6 @@ This module does not import torch at import time (data preparation starts withou
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import sys
 import typing
@@ -178,34 +177,6 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
 def config_help() -> str:
     """One line per key of train.py (model and training) with its default and help, for `train.py --help`."""
     return help_text((GPTConfig, TrainConfig), "train.py", "")
-
-
-# ---------------------------------------------------------------------------------------------
-# Devices: the one "auto" choice
-
-
-def pick_device(name: str = "auto", local_rank: int = 0) -> str:
-    """cuda > mps > cpu for 'auto'; a CUDA device that is not there is a one-line error. A CUDA device always gets
-    its index (torch.cuda.set_device needs one): under torchrun each process takes cuda:LOCAL_RANK, else plain
-    'cuda' is the current device, cuda:0 by default."""
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available here; use --device=cpu or --device=auto")
-    if name == "cuda":
-        name = f"cuda:{local_rank if 'RANK' in os.environ else torch.cuda.current_device()}"
-    return name
-
-
-def pick_dtype(name: str, device: str) -> str:
-    """'auto' is bfloat16 on CUDA GPUs that support it, float32 elsewhere; other names are kept."""
-    import torch
-
-    if name == "auto":
-        return "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-    return name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gptlite.cli import parse, pick_device, pick_dtype, run_command
+from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.device import pick_device, pick_dtype
 from gptlite.files import fault
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer

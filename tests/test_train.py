@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import train
+from gptlite.device import pick_device
 from gptlite import plot
 from gptlite.checkpoint import load_checkpoint, step_files
 from gptlite.data import write_shard
@@ -277,13 +278,13 @@ def test_a_cuda_device_always_gets_an_index(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
     monkeypatch.delenv("RANK", raising=False)
-    assert train.pick_device("auto", 0) == train.pick_device("cuda", 0) == "cuda:0"
-    assert train.pick_device("cuda:1", 0) == "cuda:1"
+    assert pick_device("auto", 0) == pick_device("cuda", 0) == "cuda:0"
+    assert pick_device("cuda:1", 0) == "cuda:1"
     monkeypatch.setenv("RANK", "3")
-    assert train.pick_device("cuda", 3) == "cuda:3"  # under torchrun: cuda:LOCAL_RANK
+    assert pick_device("cuda", 3) == "cuda:3"  # under torchrun: cuda:LOCAL_RANK
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ValueError, match="device=cuda but CUDA is not available here; use --device=cpu"):
-        train.pick_device("cuda", 0)
+        pick_device("cuda", 0)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -16,8 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlite.cli import parse, pick_device, pick_dtype, run_command
+from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.device import pick_device, pick_dtype
 from gptlite.files import error
 
 

@@ -1,0 +1,123 @@
+"""The device a command computes on: the one "auto" choice of device and precision, and what training needs to
+know of the device (TF32 and autocast, whether torch.compile can work here, peak memory, advice when memory runs
+out, and how glibc returns freed memory to the system).
+
+Nothing here runs at import time: torch is imported by the functions that need it, so that the commands that
+only read options (data preparation) start without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def pick_device(name: str = "auto", local_rank: int = 0) -> str:
+    """cuda > mps > cpu for 'auto'; a CUDA device that is not there is a one-line error. A CUDA device always gets
+    its index (torch.cuda.set_device needs one): under torchrun each process takes cuda:LOCAL_RANK, else plain
+    'cuda' is the current device, cuda:0 by default."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available here; use --device=cpu or --device=auto")
+    if name == "cuda":
+        name = f"cuda:{local_rank if 'RANK' in os.environ else torch.cuda.current_device()}"
+    return name
+
+
+def pick_dtype(name: str, device: str) -> str:
+    """'auto' is bfloat16 on CUDA GPUs that support it, float32 elsewhere; other names are kept."""
+    import torch
+
+    if name == "auto":
+        return "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    return name
+
+
+def use_device(device: str) -> None:
+    """Make `device` this process's CUDA device, with TF32 matmuls and convolutions (float32 matmuls on tensor
+    cores, as nanoGPT does: the mantissa they drop is below what training notices). Nothing to do elsewhere."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def autocast(device: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """The context that runs the forward pass in `dtype` (mixed precision), or does nothing for float32."""
+    import torch
+
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.split(":")[0], dtype=dtype)
+
+
+def compile_unavailable(device_type: str) -> str | None:
+    """Why torch.compile cannot work here (None if it should): platform, Triton on CUDA, a C++ compiler on CPU."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"not supported on Python {sys.version.split()[0]} on {sys.platform}"
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed"
+    if device_type == "cpu":
+        cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+        return None if shutil.which(cxx) else f"no C++ compiler '{cxx}' for its CPU kernels (set CXX)"
+    return None
+
+
+def peak_memory_mb(device: str) -> tuple[float | None, str]:
+    """This process's peak memory in MiB, and what it counts: the tensors torch allocated on a CUDA device, else the
+    resident set (None where the system does not say: Windows)."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**20, "allocated on the GPU"
+    try:
+        import resource  # the peak resident set, on Unix
+    except ImportError:  # Windows
+        return None, ""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 1024), "resident"
+
+
+def return_freed_memory() -> None:
+    """glibc (Linux): give every allocation of 1 MiB or more its own mapping, returned to the system when freed. By
+    default glibc raises that threshold as large blocks are freed and serves them from its heap, which then keeps
+    the memory of activations recomputed in backward (activation checkpointing) long after they are freed: the
+    peak grows by the heap's high-water mark, for a little time saved per step (figures in docs/chat.md).
+    Elsewhere this does nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed at 1 MiB
+    except (OSError, AttributeError):
+        pass
+
+
+def out_of_memory_advice(batch_size: int, block_size: int, total_batch_size: int, total_batch: int) -> str:
+    """What to change when the first training step runs out of memory: a smaller micro-batch, keeping the global
+    batch (`total_batch` tokens per step) through gradient accumulation."""
+    failed = (
+        f"out of memory in the first step, on a micro-batch of batch_size={batch_size} x block_size={block_size} "
+        "tokens per device"
+    )
+    if batch_size == 1:
+        return f"{failed}; use a smaller block_size or model, or --dtype=bfloat16"
+    if total_batch_size:
+        keep = "total_batch_size stays, gradient accumulation makes up the difference"
+    else:
+        keep = f"add --total_batch_size={total_batch} to keep the global batch"
+    return f"{failed}; try --batch_size={batch_size // 2} ({keep})"
