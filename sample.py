@@ -25,7 +25,7 @@ import torch
 
 from gptlite.checkpoint import load_model
 from gptlite.cli import parse, run_command
-from gptlite.config import option
+from gptlite.config import DTYPE_CHOICES, option, parse_bool
 from gptlite.conversation import Conversation
 from gptlite.device import pick_device, pick_dtype
 from gptlite.generate import generate, generate_text
@@ -72,7 +72,7 @@ class SampleOptions:
     dtype: str = option(
         "auto",
         "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=DTYPE_CHOICES,
     )
     compile: bool = option(
         False, "torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); the first call compiles"
@@ -127,10 +127,13 @@ def resolve(args: SampleOptions) -> None:
         )
     if args.system and not args.chat:
         raise ValueError("--system is the system prompt of a --chat conversation; add --chat, or put it in --start")
-    early = args.early_stopping.lower()
-    if early not in ("true", "false", "never", "1", "0", "yes", "no", "on", "off"):
-        raise ValueError(f"early_stopping={args.early_stopping!r} must be true, false or never")
-    args.early_stopping = "never" if early == "never" else early in ("true", "1", "yes", "on")
+    if args.early_stopping.lower() == "never":
+        args.early_stopping = "never"
+    else:
+        try:
+            args.early_stopping = parse_bool("early_stopping", args.early_stopping)
+        except ValueError:
+            raise ValueError(f"early_stopping={args.early_stopping!r} must be true, false or never") from None
     args.stop = [unescape(s) for s in args.stop]
     beams = args.num_beams > 1  # beam search scores the model's own probabilities: no temperature, no top-k
     if beams and args.num_samples > args.num_beams:
@@ -173,7 +176,7 @@ def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOpt
         for pieces in stream:
             sys.stdout.write(pieces[0])
             sys.stdout.flush()
-            texts = [t + p for t, p in zip(texts, pieces)]
+            texts = [t + p for t, p in zip(texts, pieces, strict=True)]
         sys.stdout.write("\n" + "".join(SEPARATOR + prompt + text + "\n" for text in texts[1:]))
 
 

@@ -48,7 +48,7 @@ from gptlite.checkpoint import (
     set_rng_state,
 )
 from gptlite.cli import config_help, parse_args
-from gptlite.config import GPTConfig, TrainConfig, build_config, config_to_dict, flat_fields, read_toml, unknown_key
+from gptlite.config import TrainConfig, build_config, config_to_dict, convert, flat_fields, model_changes, read_toml, unknown_key
 from gptlite.data import ChatLoader, ShardLoader, check_vocab, find_shards, is_chat_data, read_shard
 from gptlite.device import pick_device, pick_dtype
 from gptlite.evaluate import byte_lengths, loss_and_bpb, loss_sums
@@ -60,31 +60,6 @@ from gptlite.model import GPT
 from gptlite.optim import Muon, block_matrices
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
-# what --resume cannot change: the weights' shapes and the function the model computes (dropout may change)
-MODEL_SHAPE_KEYS = (
-    "vocab_size",
-    "block_size",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "ffn_hidden",
-    "bias",
-    "pos_emb",
-    "rope_theta",
-    "norm",
-    "norm_eps",
-    "ffn",
-    "n_kv_head",
-    "head_dim",
-    "tie_embeddings",
-    "qkv_bias",
-    "qk_norm",
-    "rope_scaling",
-    "rope_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_context",
-)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
@@ -373,11 +348,7 @@ def pretrained_values(init_from: str, values: dict) -> dict:
     from gptlite.hf import pretrained_config
 
     pretrained = dict(vars(pretrained_config(init_from)))
-    changed = [
-        f"{k}={values[k]} (the model has {pretrained[k]})"
-        for k in MODEL_SHAPE_KEYS
-        if k != "block_size" and k in values and str(values[k]).lower() != str(pretrained[k]).lower()
-    ]
+    changed = [f"{k}={v} (the model has {old})" for k, v, old in model_changes(values, pretrained) if k != "block_size"]
     if changed:
         raise ValueError(
             f"--init_from={init_from} fixes the model's shape; drop {', '.join(changed)} "
@@ -446,17 +417,12 @@ def resolve_config(argv: list[str]) -> TrainConfig:
         if values.pop("init_from") == "resume":
             values.setdefault("resume", "true")
     out_dir = values.get("out_dir", TrainConfig.out_dir)
-    resume = str(values.get("resume", "false")).lower() in ("true", "1", "yes", "on")
     saved = None
-    if resume:
+    if convert("resume", values.get("resume", False), bool):
         with contextlib.suppress(FileNotFoundError):  # main() says so and starts from scratch
             saved = load_checkpoint(out_dir, on_fallback=lambda message: None)["config"]  # main() reports fallbacks
     if saved:
-        changed = [
-            f"{k}={values[k]} (checkpoint has {saved[k]})"
-            for k in MODEL_SHAPE_KEYS
-            if k in values and str(values[k]).lower() != str(saved.get(k, getattr(GPTConfig(), k))).lower()
-        ]
+        changed = [f"{k}={v} (checkpoint has {old})" for k, v, old in model_changes(values, saved)]
         if changed:
             raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
         lora = [

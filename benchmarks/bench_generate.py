@@ -162,8 +162,8 @@ def run(args: Options) -> int:
     print(
         f"torch {torch.__version__}, {where}, gptlite and naive in {dtype_name(dtype)}, HF in {dtype_name(hf_dtype)}, "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-        f"{f'beam search with {args.num_beams} beams, ' if args.num_beams > 1 else ''}steady = median of {args.repeats} "
-        f"calls, inductor cache {args.cache_dir}"
+        f"{f'beam search with {args.num_beams} beams, ' if args.num_beams > 1 else ''}"
+        f"steady = median of {args.repeats} calls, inductor cache {args.cache_dir}"
     )
     header = (
         f"{'model':6} {'batch':>5} {'path':>20} {'first call s':>12} {'steady tok/s':>12} {'HF tok/s':>9} "

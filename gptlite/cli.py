@@ -24,11 +24,20 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gptlite.config import GPTConfig, TrainConfig, convert, flat_fields, read_toml, unknown_key
+from gptlite.config import (
+    FALSE_WORDS,
+    TRUE_WORDS,
+    GPTConfig,
+    TrainConfig,
+    choice_problems,
+    convert,
+    flat_fields,
+    read_toml,
+    unknown_key,
+)
 from gptlite.files import CAUSES
 
 USER_ERRORS = (ValueError, TypeError, OSError, ConnectionError, ImportError)  # OSError covers missing files
-BOOL_WORDS = ("true", "false", "1", "0", "yes", "no", "on", "off")
 T = TypeVar("T")
 
 
@@ -80,7 +89,7 @@ def split_argv(
                 i += 1
         elif is_bool(typ) or typ is None:  # a flag alone is true; an unknown key takes no value
             raw = "true"
-            if is_bool(typ) and i < len(argv) and argv[i].lower() in BOOL_WORDS:
+            if is_bool(typ) and i < len(argv) and argv[i].lower() in TRUE_WORDS + FALSE_WORDS:
                 raw, i = argv[i], i + 1
         elif i < len(argv) and not argv[i].startswith("--"):
             raw, i = argv[i], i + 1
@@ -127,10 +136,7 @@ def parse(cls: type[T], argv: list[str], prog: str = "", doc: str = "") -> T:
             kwargs[key] = convert_option(key, value, types[key])
         except ValueError as e:
             problems.append(str(e))
-            continue
-        choices = fields[key].metadata.get("choices")
-        if choices and kwargs[key] not in choices:
-            problems.append(f"{key}={kwargs[key]!r} must be one of {', '.join(map(str, choices))}")
+    problems += choice_problems(cls, kwargs)
     missing = [
         f"--{name}"
         for name, f in fields.items()

@@ -21,12 +21,10 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-# The architecture's variants (gptlite/model.py has one module class for each); the first is the default
-POS_EMB_CHOICES = ("learned", "sinusoidal", "rope")
-NORM_CHOICES = ("layernorm", "rmsnorm")
-FFN_CHOICES = ("swiglu", "gelu")
-ROPE_SCALING_CHOICES = ("", "llama3")
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # every command's --dtype (see gptlite.device)
+TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
+FALSE_WORDS = ("false", "0", "no", "off")
 
 
 def option(
@@ -44,6 +42,17 @@ def option(
     return field(default=default, default_factory=default_factory, metadata=meta)
 
 
+def choice_problems(cls: type, values: typing.Mapping[str, typing.Any]) -> list[str]:
+    """The values (field name -> value) that are not one of the choices their field's `option` declares: the one
+    check of every choice list, for the configs here and every command's options (gptlite.cli)."""
+    problems = []
+    for f in fields(cls):
+        choices = f.metadata.get("choices")
+        if choices and f.name in values and values[f.name] not in choices:
+            problems.append(f"{f.name}={values[f.name]!r} must be one of {', '.join(map(str, choices))}")
+    return problems
+
+
 @dataclass
 class GPTConfig:
     """Shape of a GPT model. The defaults are gptlite's own model; GPT-2's is pos_emb="learned",
@@ -57,11 +66,13 @@ class GPTConfig:
     n_embd: int = option(768, "the width of the residual stream")
     dropout: float = option(0.0, "dropout probability")
     bias: bool = option(False, "biases in every linear layer and norm (GPT-2 has them; the tied head never does)")
-    pos_emb: str = option("learned", "positions: learned (GPT-2), sinusoidal or rope (Llama)", choices=POS_EMB_CHOICES)
+    pos_emb: str = option(
+        "learned", "positions: learned (GPT-2), sinusoidal or rope (Llama)", choices=("learned", "sinusoidal", "rope")
+    )
     rope_theta: float = option(10000.0, "RoPE's base wavelength (pos_emb=rope)")
-    norm: str = option("layernorm", "layernorm or rmsnorm (Llama)", choices=NORM_CHOICES)
+    norm: str = option("layernorm", "layernorm or rmsnorm (Llama)", choices=("layernorm", "rmsnorm"))
     norm_eps: float = option(1e-5, "the norms' epsilon")
-    ffn: str = option("swiglu", "feed-forward: swiglu (Llama) or gelu (GPT-2's MLP)", choices=FFN_CHOICES)
+    ffn: str = option("swiglu", "feed-forward: swiglu (Llama) or gelu (GPT-2's MLP)", choices=("swiglu", "gelu"))
     ffn_hidden: int | None = option(
         None, "feed-forward width (none: 4 * n_embd for gelu, the same parameter count for swiglu)"
     )
@@ -76,7 +87,7 @@ class GPTConfig:
     qkv_bias: bool = option(False, "biases on q, k and v only (Qwen2)")
     qk_norm: bool = option(False, "RMSNorm on each head's q and k before the rotation (Qwen3)")
     rope_scaling: str = option(
-        "", "RoPE's frequencies scaled as Llama 3.1 does: llama3 ('' = none)", choices=ROPE_SCALING_CHOICES
+        "", "RoPE's frequencies scaled as Llama 3.1 does: llama3 ('' = none)", choices=("", "llama3")
     )
     rope_factor: float = option(8.0, "llama3 scaling: how much longer the context than the original")
     rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
@@ -130,7 +141,8 @@ class GPTConfig:
         if not problems and self.head_dim is None and self.n_embd % self.n_head != 0:
             problems.append(
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"choose n_embd as a multiple of n_head (e.g. n_embd={self.n_head * max(1, round(self.n_embd / self.n_head))})"
+                "choose n_embd as a multiple of n_head "
+                f"(e.g. n_embd={self.n_head * max(1, round(self.n_embd / self.n_head))})"
             )
         if not problems and self.pos_emb == "sinusoidal" and (self.n_embd % 2) != 0:
             problems.append(f"n_embd={self.n_embd} must be even for pos_emb='sinusoidal'")
@@ -141,14 +153,7 @@ class GPTConfig:
             )
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
-        for name, choices in (
-            ("pos_emb", POS_EMB_CHOICES),
-            ("norm", NORM_CHOICES),
-            ("ffn", FFN_CHOICES),
-            ("rope_scaling", ROPE_SCALING_CHOICES),
-        ):
-            if getattr(self, name) not in choices:
-                problems.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(choices)}")
+        problems += choice_problems(type(self), vars(self))
         for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -164,6 +169,32 @@ def default_ffn_hidden(n_embd: int, ffn: str = "swiglu") -> int:
         return 4 * n_embd
     hidden = int(8 * n_embd / 3)
     return FFN_MULTIPLE * ((hidden + FFN_MULTIPLE - 1) // FFN_MULTIPLE)
+
+
+# What --resume and --init_from cannot change: every field that shapes the weights or the function the model
+# computes. Dropout alone may change: a run can fine-tune with more or less of it.
+MODEL_SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name != "dropout")
+
+
+def model_changes(
+    values: dict[str, typing.Any], base: dict[str, typing.Any]
+) -> list[tuple[str, typing.Any, typing.Any]]:
+    """(key, value, base's value) for every model shape key that `values` (raw strings or typed) sets to another
+    value than `base` (a flat config; a key it lacks has GPTConfig's default). Values are compared as the field's
+    type, so --rope_theta=10000 equals 10000.0."""
+    types = typing.get_type_hints(GPTConfig)
+    changes = []
+    for key in MODEL_SHAPE_KEYS:
+        if key not in values:
+            continue
+        old = base.get(key, getattr(GPTConfig(), key))
+        try:
+            new = convert(key, values[key], types[key])
+        except ValueError:  # not even of the field's type: a change, which build_config would refuse anyway
+            new = values[key]
+        if new != old:
+            changes.append((key, values[key], old))
+    return changes
 
 
 @dataclass
@@ -230,9 +261,7 @@ class TrainConfig:
     wandb_run_name: str = option("", "the wandb run's name")
     # system
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option(
-        "auto", "autocast precision: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16, float16"
-    )
+    dtype: str = option("auto", "autocast precision: auto (bfloat16 on CUDA, float32 elsewhere)", choices=DTYPE_CHOICES)
     compile: bool = option(False, "torch.compile the model")
     activation_checkpointing: bool = option(
         False,
@@ -277,8 +306,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        if self.optimizer not in ("adamw", "muon"):
-            problems.append(f"optimizer={self.optimizer!r} must be adamw or muon")
+        problems += choice_problems(type(self), vars(self))
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be in [0, 1) (AdamW's betas, e.g. 0.9 and 0.95)")
@@ -289,14 +317,8 @@ class TrainConfig:
                 f"learning_rate={self.learning_rate}, min_lr={self.min_lr}: need 0 <= min_lr <= learning_rate "
                 "(learning_rate=0 trains nothing and ignores min_lr: an evaluation-only run)"
             )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
-        if self.lr_schedule not in ("steps", "time"):
-            problems.append(f"lr_schedule={self.lr_schedule!r} must be steps or time")
         if self.lr_schedule == "time" and not self.max_minutes:
             problems.append("lr_schedule='time' decays over the time budget; set max_minutes > 0")
-        if self.on_nan not in ("skip", "stop"):
-            problems.append(f"on_nan={self.on_nan!r} must be skip or stop")
         if self.lora_rank is not None:
             if self.lora_rank < 1:
                 problems.append(f"lora_rank={self.lora_rank} must be >= 1 (leave it out to train every weight)")
@@ -339,13 +361,7 @@ def convert(key: str, value: typing.Any, typ: typing.Any) -> typing.Any:
         raise ValueError(f"{key}=None is not allowed; give a {allowed[0].__name__}")
     base = next(t for t in allowed if t is not type(None))
     if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"{key}={value!r} is not a boolean; use true or false")
+        return parse_bool(key, value)
     if base is int:
         if isinstance(value, bool):
             raise ValueError(f"{key}={value!r} is not an integer")
@@ -369,6 +385,18 @@ def convert(key: str, value: typing.Any, typ: typing.Any) -> typing.Any:
         except (TypeError, ValueError):
             raise ValueError(f"{key}={value!r} is not a number") from None
     return str(value)
+
+
+def parse_bool(key: str, value: typing.Any) -> bool:
+    """A boolean option's value: True or False, or one of TRUE_WORDS / FALSE_WORDS in any case; else ValueError
+    naming the key. The one place true and false are read."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in TRUE_WORDS:
+        return True
+    if isinstance(value, str) and value.lower() in FALSE_WORDS:
+        return False
+    raise ValueError(f"{key}={value!r} is not a boolean; use true or false")
 
 
 # nanoGPT's config keys that gptlite names or does otherwise: the pointer a user gets instead of "unknown key"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlite.cli import parse, run_command
-from gptlite.config import option
+from gptlite.config import DTYPE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
 from gptlite.files import fault
 from gptlite.model import GPT
@@ -231,7 +231,7 @@ class EvaluateOptions:
     dtype: str = option(
         "auto",
         "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=DTYPE_CHOICES,
     )
     json: str = option("", "also write the results to this JSON file")
 

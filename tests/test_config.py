@@ -141,7 +141,7 @@ def test_train_config_validation():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("optimizer", "sgd", r"optimizer='sgd' must be adamw or muon"),
+    ("optimizer", "sgd", r"optimizer='sgd' must be one of adamw, muon"),
     ("muon_lr", "-0.02", r"muon_lr=-0.02 must be >= 0"),
     ("muon_momentum", "1", r"muon_momentum=1.0 must be in \[0, 1\) \(e\.g\. 0\.95\)"),
     ("muon_weight_decay", "-1", r"muon_weight_decay=-1.0 must be >= 0"),

@@ -224,7 +224,7 @@ def test_time_lr_schedule_decays_over_the_time_budget():
     assert train.lr_at(9000, cfg, minutes=2.5) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="set max_minutes > 0"):
         build_config({"data_dir": "x", "lr_schedule": "time"})
-    with pytest.raises(ValueError, match="lr_schedule='cosine' must be steps or time"):
+    with pytest.raises(ValueError, match="lr_schedule='cosine' must be one of steps, time"):
         build_config({"data_dir": "x", "lr_schedule": "cosine"})
 
 

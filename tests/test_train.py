@@ -247,7 +247,7 @@ def test_bad_data_fails_before_the_first_step(tmp_path, case, overrides, message
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--on_nan=maybe"], r"on_nan='maybe' must be skip or stop"),
+    (["--on_nan=maybe"], r"on_nan='maybe' must be one of skip, stop"),
     (["--keep_last=0"], r"keep_last=0 must be > 0"),
     (["--max_minutes=-1"], r"max_minutes=-1\.0 must be >= 0"),
     (["--fsdp=true", "--dtype=float16"], r"fsdp=true trains in bfloat16 or float32, not float16"),

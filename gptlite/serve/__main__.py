@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptlite.cli import parse, run_command
-from gptlite.config import option
+from gptlite.config import DTYPE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
 from gptlite.files import error
 
@@ -52,7 +52,7 @@ class ServeOptions:
     dtype: str = option(
         "auto",
         "the weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=DTYPE_CHOICES,
     )
     compile: bool = option(
         False,
