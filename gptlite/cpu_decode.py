@@ -20,9 +20,9 @@ class SlabLinear(nn.Module):
     from memory. The weight is cut into one contiguous slab of output rows per thread and run as a batched
     matmul, so that each thread streams its own slab from start to end. Layers wider than they are deep
     (q/k/v, the feed-forward input, the head: N > K) keep their slabs transposed, (K, N/P) each, and multiply
-    the row into them; the others multiply each slab (N/P, K) by the row. On a 2-core AVX2 CPU this was faster
-    than oneDNN on a prepacked weight (`PackedLinear`) at every GPT-2-124M shape: 12-27 GB/s against 9-22 (a
-    plain sum over the same bytes: 16-26). Several rows (a prompt) go through F.linear."""
+    the row into them; the others multiply each slab (N/P, K) by the row. On a 2-core AVX2 CPU this streamed
+    the weights faster than oneDNN on a prepacked weight (`PackedLinear`) at every GPT-2-124M shape, close to a
+    plain sum over the same bytes (figures: docs/benchmarks.md). Several rows (a prompt) go through F.linear."""
 
     def __init__(self, linear: nn.Linear, parts: int | None = None):
         super().__init__()
@@ -52,8 +52,8 @@ class SlabLinear(nn.Module):
 
 class PackedLinear(nn.Module):
     """An nn.Linear for eager CPU decoding of a batch: its float32 weight packed once into oneDNN's blocked
-    layout, and the matmul run by oneDNN. At eight rows oneDNN on a prepacked weight streams the weights
-    1.3-2.5x faster than `F.linear` (measured on a 2-core AVX2 CPU, GPT-2-124M shapes: 11-14 GB/s against 5-8)."""
+    layout, and the matmul run by oneDNN. At a few rows oneDNN on a prepacked weight streams the weights
+    faster than `F.linear` does (figures: docs/generation.md)."""
 
     def __init__(self, linear: nn.Linear, rows: int):
         super().__init__()
@@ -64,7 +64,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., N)
 
 
-PACK_MIN_WEIGHTS = 1 << 18  # the 4x128 char model's layers (49K weights) decode 1.3-1.5x faster as they are
+PACK_MIN_WEIGHTS = 1 << 18  # smaller layers (the char model's) decode faster as they are: per-call overhead
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its weights' state, layout, view)
 
 

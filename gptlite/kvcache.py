@@ -184,16 +184,15 @@ def compiled_decode_step(model: GPT) -> Callable:
     On CUDA, CUDA graphs (mode="reduce-overhead") replay the whole step, and its Triton kernels' launch
     settings are tuned by coordinate descent (`CUDA_COMPILE`, as gpt-fast does): that is what makes int8
     weights fast there, the int8-to-bfloat16 conversion fused into a matrix-vector kernel that is tuned for
-    its shape (GPT-2-124M on an H100, batch 1: 390 -> 2,028 tokens/s). On the CPU, each shape compiles
-    with the inductor settings in `CPU_COMPILE`: `freezing` makes the weights constants, prepacked once;
-    `max_autotune_gemm` times MKL against inductor's own C++ GEMM kernels for every matmul shape and
-    keeps the faster (its kernels win, 3-4x, for the few rows of a decode step); `cpp_wrapper` calls the
-    kernels from C++ rather than Python. Measured on a 2-core CPU, float32, batch 1, against freezing
-    alone: GPT-2-124M 36 -> 64 tokens/s; the 4x128 char model 1,130 -> 2,290 (with its slides compiled
-    too, see `_decode_loop`, and `masked_attention`'s math). The price is a longer first call, most of it
-    autotuning (GPT-2-124M: 27 s -> 58 s; char model: 6 s -> 34 s). Frozen weights are read once, when the
-    step compiles, so changing them in place afterwards raises ValueError instead of decoding with stale
-    weights.
+    its shape. On the CPU, each shape compiles with the inductor settings in `CPU_COMPILE`: `freezing` makes
+    the weights constants, prepacked once; `max_autotune_gemm` times MKL against inductor's own C++ GEMM
+    kernels for every matmul shape and keeps the faster (its kernels win for the few rows of a decode step);
+    `cpp_wrapper` calls the kernels from C++ rather than Python. Together they make the compiled CPU step
+    much faster than freezing alone (with the slid windows' prefills compiled too, see
+    gptlite.generate's `_decode_loop`, and `masked_attention`'s math). The price is a much longer first call,
+    most of it autotuning. Frozen weights are read once, when the step compiles, so changing them in place
+    afterwards raises ValueError instead of decoding with stale weights. The figures, and the commands that
+    measure them, are in docs/generation.md and docs/benchmarks.md.
     """
     weight = model.tok_emb.weight
     kind = weight.device.type
@@ -215,7 +214,7 @@ def compiled_decode_step(model: GPT) -> Callable:
 
     def tuned_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         shape = (tuple(token.shape), cache.max_len, weight.dtype)
-        if shape in compiled_shapes:  # compiled already: skip the settings patch, which costs ~30 us a step
+        if shape in compiled_shapes:  # compiled already: skip the settings patch, a cost on every step otherwise
             return step(model, token, cache)
         with torch._inductor.config.patch(settings):  # read when a call compiles
             logits = step(model, token, cache)
