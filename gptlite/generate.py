@@ -1,15 +1,18 @@
-"""Autoregressive generation: the KV cache, the sampling controls and the prefill + decode loop.
+"""The decode loop and streaming: `generate_tokens` (each step's tokens), `generate` (the whole output, or beam
+search's) and `generate_text` (each step's text), with the window policy past `block_size`.
+
+What the loop runs lives in modules of its own: the KV cache, prefill and the decode step, compiled or not, in
+gptlite.kvcache; the sampling controls in gptlite.sampling; the CPU fast path of eager decoding in
+gptlite.cpu_decode; beam search in gptlite.beam.
 
 How `generate_tokens` runs:
-1. Prefill: the prompts, left-padded to the longest, go through the model once, and every layer writes
-   its keys and values into its own cache buffers, preallocated with static shapes (B, H, max_len, D)
-   (separate tensors, so that writing one layer's never makes a compiled step copy them all). Several
-   samples of one prompt share that prefill: the cache rows are copied, not recomputed.
-2. Decode: each step feeds only the newest token of every row and writes one cache slot in place. A
-   mask hides each row's left padding and positions count from each row's first real token, so a
-   padded row computes what it would alone. With `compile=True` the decode step (and the prefill of a
-   slid window, whose length is fixed) is `torch.compile`d with fixed shapes: CUDA graphs on CUDA,
-   frozen prepacked weights and autotuned C++ matmuls on the CPU (`compiled_decode_step`).
+1. Prefill: the prompts, left-padded to the longest, go through the model once into a KV cache preallocated
+   with static shapes (`prefill`). Several samples of one prompt share that prefill: the cache rows are
+   copied, not recomputed.
+2. Decode: each step feeds only the newest token of every row and writes one cache slot in place; a padded
+   row computes what it would alone. With `compile=True` the decode step (and the prefill of a slid window,
+   whose length is fixed) is `torch.compile`d with fixed shapes (`compiled_decode_step`), for a cache length
+   rounded up to a multiple of COMPILED_LEN_MULTIPLE, so that fewer lengths compile.
 3. Sampling (`sample_next`): repetition and frequency penalties, temperature (0 = greedy), top-k and
    top-p, drawing from an explicit `torch.Generator`, so a seed reproduces the text.
 

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server with continuous batching and a chat page (`python -m gptlite.serve`).
 
-rows.py      RowCache: one preallocated KV cache whose rows each hold a request, at its own length
+rows.py      RowCache: one preallocated KV cache whose rows each hold a request, at its own length (the
+             model reads it as it reads sample.py's cache: gptlite.kvcache.AttentionCache)
 engine.py    Engine: continuous batching on a background thread, no HTTP
 protocol.py  the OpenAI request bodies (checked) and response shapes
 app.py       the FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, the page at /

@@ -1,4 +1,5 @@
-"""Tokenizers behind one small interface (encode, decode, token_bytes, vocab_size, eot_id), saved as JSON.
+"""Tokenizers behind one small interface (encode, decode, token_bytes, vocab_size, eot_id, apply_chat_template):
+each made from a spec (`get_tokenizer`), saved as JSON and loaded back.
 
 Specs accepted by `get_tokenizer`:
     "byte"                     the 256 byte values; needs no file

@@ -1,5 +1,5 @@
-"""The tokenizer interface every tokenizer implements (encode, decode, token_bytes, vocab_size, eot_id), the two
-that need no file (bytes and characters), and the streaming decoder."""
+"""The tokenizer interface every tokenizer implements (encode, decode, token_bytes, vocab_size, eot_id,
+apply_chat_template), the two that need no file (bytes and characters), and the streaming decoder."""
 
 from __future__ import annotations
 
