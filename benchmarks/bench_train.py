@@ -5,13 +5,14 @@
     python benchmarks/bench_train.py [--shapes tiny,124m] [--steps 10] [--dtypes float32,bfloat16]
     python benchmarks/bench_train.py --optimizers adamw,muon [--tokens 1000000] [--muon_lr 0.02]
 
-A step is forward + backward + AdamW (as each model's users run it, see ADAMW) on random tokens. Every model has the same shape (layers, heads,
-width, vocabulary, block) and about the same parameter count, random weights, no dropout. The figure is
+A step is forward + backward + AdamW (as each model's users run it, see ADAMW) on random tokens. Every model
+has the same shape (layers, heads, width, vocabulary, block) and about the same parameter count, random
+weights, no dropout. The figure is
 the median tokens/s over `--steps` timed steps after warm-up, the models taking turns step by step;
 ratios are against the other models measured in this same run. Prints a table; asserts nothing.
 
 --optimizers trains the char model of configs/shakespeare_char_cpu.toml on data/shakespeare_char (prepared
-by data/shakespeare/prepare.py) through train.main, once per optimizer, for the same `--tokens` (same seed,
+by data/shakespeare/prepare.py) with the train.py command, once per optimizer, for the same `--tokens` (same seed,
 same batches, the schedule over the whole budget), AdamW at the config's learning rate and, with Muon, for
 everything but the matrices inside the blocks. It prints the mean train loss of the last 10 steps, the val loss
 on the whole val split and the wall-clock time of each run.
@@ -19,10 +20,9 @@ on the whole val split and the wall-clock time of each run.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +39,9 @@ sys.path.insert(0, str(ROOT))
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import autocast  # noqa: E402
+from gptlite.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from gptlite.run_config import resolve_config  # noqa: E402
 
 SHAPES = {  # name: (n_layer, n_head, n_embd, vocab_size, block_size, batch_size)
     "tiny": (4, 4, 128, 65, 64, 12),
@@ -64,7 +67,7 @@ class NaiveBlock(nn.Module):
         T = x.size(1)
         h = self.ln1(x)
         heads = []
-        for q, k, v in zip(self.q, self.k, self.v):
+        for q, k, v in zip(self.q, self.k, self.v, strict=True):
             qh, kh, vh = q(h), k(h), v(h)
             att = qh @ kh.transpose(-2, -1) / math.sqrt(kh.size(-1))
             att = att.masked_fill(self.mask[:T, :T] == 0, float("-inf"))
@@ -131,14 +134,14 @@ def time_steps(
     users get by default (`ADAMW`)."""
     *_, V, T, B = SHAPES[shape]
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, **ADAMW[name]) for name, (m, _) in models.items()}
-    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast("cpu", dtype=dtype)
+    amp = autocast("cpu", dtype)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, V, (B, T), generator=g)
     times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(warmup + steps):
         for name, (model, loss_fn) in models.items():
             t0 = time.perf_counter()
-            with autocast:
+            with amp:
                 loss = loss_fn(model, x, x)
             loss.backward()
             opts[name].step()
@@ -150,10 +153,8 @@ def time_steps(
 
 def compare_optimizers(names: list[str], tokens: int, muon_lr: float) -> None:
     """Train the char model once per optimizer for `tokens` tokens; print the train and val losses (see above)."""
-    import train
-
     base = [str(ROOT / "configs" / "shakespeare_char_cpu.toml"), f"--data_dir={ROOT / 'data' / 'shakespeare_char'}"]
-    cfg = train.resolve_config(base)
+    cfg = resolve_config(base)
     steps = max(1, tokens // (cfg.batch_size * cfg.model.block_size))
     print(
         f"char model {cfg.model.n_layer}x{cfg.model.n_embd}, {steps} steps of {cfg.batch_size}x{cfg.model.block_size}"
@@ -162,27 +163,28 @@ def compare_optimizers(names: list[str], tokens: int, muon_lr: float) -> None:
     print(f"{'optimizer':10s} {'peak lr':>8s} {'train loss':>11s} {'val loss':>9s} {'seconds':>8s}")
     for name in names:
         with tempfile.TemporaryDirectory() as out:
-            run = train.resolve_config(
-                [
-                    *base,
-                    f"--out_dir={out}",
-                    f"--optimizer={name}",
-                    f"--muon_lr={muon_lr}",
-                    f"--max_iters={steps}",
-                    "--lr_decay_iters=0",
-                    f"--eval_interval={steps}",
-                    "--eval_iters=0",
-                    "--log_interval=1",
-                    "--keep_last=1",
-                ]
-            )
+            command = [
+                sys.executable,
+                str(ROOT / "train.py"),
+                *base,
+                f"--out_dir={out}",
+                f"--optimizer={name}",
+                f"--muon_lr={muon_lr}",
+                f"--max_iters={steps}",
+                "--lr_decay_iters=0",
+                f"--eval_interval={steps}",
+                "--eval_iters=0",
+                "--log_interval=1",
+                "--keep_last=1",
+            ]
             t0 = time.perf_counter()
-            with contextlib.redirect_stdout(io.StringIO()):
-                summary = train.main(run)
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             seconds = time.perf_counter() - t0
-        train_loss = statistics.mean(loss for _, loss in summary["history"][-10:])
-        peak = muon_lr if name == "muon" else run.learning_rate
-        print(f"{name:10s} {peak:8g} {train_loss:11.4f} {summary['val_history'][-1][1]:9.4f} {seconds:8.1f}")
+            rows = read_metrics(Path(out) / METRICS_FILE)
+        train_loss = statistics.mean([r["loss"] for r in rows if "lr" in r][-10:])
+        val_loss = [r["val_loss"] for r in rows if "val_loss" in r][-1]
+        peak = muon_lr if name == "muon" else cfg.learning_rate
+        print(f"{name:10s} {peak:8g} {train_loss:11.4f} {val_loss:9.4f} {seconds:8.1f}")
 
 
 @dataclass

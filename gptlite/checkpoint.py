@@ -1,5 +1,7 @@
-"""Checkpoints: atomic, checksummed saves; a run directory that keeps the newest few plus the best; safe
-loading (`weights_only=True`) that falls back past a damaged file; rebuilding a model from one.
+"""Checkpoints and the run folders that hold them: atomic, checksummed saves; a run directory that keeps the newest
+few plus the best, claimed and locked by one run at a time; safe loading (`weights_only=True`) that falls back past
+a damaged file; rebuilding a model from one; and the training state a checkpoint holds, gathered from every rank
+and put back on a resume.
 
 A checkpoint is a plain dict of tensors and primitive values:
     config      the flat training config (see gptlite.config.config_to_dict)
@@ -25,6 +27,9 @@ import hashlib
 import os
 import random
 import re
+import shutil
+import subprocess
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +38,7 @@ import numpy as np
 import torch
 
 from gptlite.config import GPTConfig, build_config
-from gptlite.files import fault, fsync_dir, make_dir
+from gptlite.files import FolderLock, fault, fsync_dir, make_dir
 from gptlite.lora import add_lora, merge_lora
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
@@ -208,6 +213,61 @@ def discard_damaged(run_dir: str | Path, step: int) -> list[Path]:
     return damaged
 
 
+def claim_run_folder(run_dir: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None]) -> FolderLock:
+    """Make run_dir and lock it for this run (a second train.py on it is refused, naming the process), delete the
+    temporary files a crash left, and refuse a fresh run (not `resume`) into a folder that holds an earlier run's
+    checkpoints or metrics, unless `overwrite`, which moves them into run_dir/previous-TIME/ first. Returns the
+    lock, held until released or the process ends."""
+    run_dir = Path(run_dir)
+    make_dir(run_dir, "out_dir")
+    lock = FolderLock(run_dir, "out_dir")
+    try:
+        for path in remove_leftovers(run_dir):
+            log(f"deleted {path}, a temporary file an interrupted save left")
+        earlier = run_files(run_dir) if not resume and holds_run(run_dir) else []
+        if earlier and not overwrite:
+            raise ValueError(
+                f"out_dir {run_dir} holds an earlier run ({', '.join(p.name for p in earlier[:3])}"
+                f"{', ...' if len(earlier) > 3 else ''}); continue it with --resume, choose another --out_dir, or "
+                "pass --overwrite to move its files into a previous-TIME folder inside it first"
+            )
+        if earlier:
+            previous = make_dir(run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}")
+            for path in earlier:
+                os.replace(path, previous / path.name)
+            log(f"moved the earlier run's {len(earlier)} files into {previous} (--overwrite)")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def copy_tokenizer(data_dir: str | Path, run_dir: str | Path) -> None:
+    """Copy the data's tokenizer.json, if it has one, into the run folder (sample.py and the server decode with
+    it): copied whole under a temporary name, then renamed."""
+    source = Path(data_dir) / TOKENIZER_FILE
+    run_dir = Path(run_dir)
+    if not source.is_file():
+        return
+    tmp = run_dir / f"{TOKENIZER_FILE}.tmp"
+    try:
+        shutil.copyfile(source, tmp)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise fault(e, f"could not copy {source} into {run_dir}") from None
+    os.replace(tmp, run_dir / TOKENIZER_FILE)
+
+
+def git_commit(folder: str | Path) -> str:
+    """The commit checked out in the git work tree that holds `folder`, for a checkpoint's meta ("unknown" outside
+    one, or without git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=folder)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def verify_checkpoint(path: str | Path) -> None:
     """Raise ValueError if a checkpoint file's bytes do not match the sha256 saved beside it (beside the
     symlink's target for ckpt.pt and best.pt). A file without a checksum (older gptlite) is not checked."""
@@ -238,7 +298,8 @@ def _load_file(path: Path, map_location: str | torch.device) -> dict:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         raise ValueError(
-            f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); it is damaged or not a gptlite checkpoint"
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); it is damaged or not "
+            "a gptlite checkpoint"
         ) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise ValueError(f"checkpoint {path} is not a gptlite checkpoint (no 'model' and 'config' entries)")
@@ -386,3 +447,54 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# The training state: what a checkpoint holds beside the weights, gathered from every rank and put back.
+# torch.distributed.checkpoint is imported where it is used: it takes a second to import, which sample.py and the
+# server, loading a checkpoint's weights alone, need not pay.
+
+
+def gather_training_state(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], world_size: int
+) -> tuple[dict, dict, list[dict]]:
+    """(model state, optimizers' state, every rank's random generator states) as one checkpoint holds them: whole
+    tensors on rank 0's CPU, keyed by parameter name, also when FSDP gives each rank a shard. A collective: every
+    rank calls it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(model, optimizers, options=options)
+    rngs = [rng_state()]
+    if world_size > 1:
+        rngs = [None] * world_size
+        dist.all_gather_object(rngs, rng_state())
+    return model_state, optimizer_state, rngs
+
+
+def load_training_state(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ckpt: dict, strict: bool = True
+) -> None:
+    """Load a checkpoint's weights and optimizer state (moments, momentum buffers, step counts). Every group's
+    hyperparameters (lr_ratio, weight decay, betas, momentum) stay those of this run's config: one changed with
+    --key=value on --resume takes effect, and a checkpoint saved before groups had an lr_ratio loads. `strict=False`
+    loads a LoRA checkpoint's adapters into a model whose frozen weights came from elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=ckpt["model"],
+        optim_state_dict=ckpt["optimizer"],
+        options=StateDictOptions(full_state_dict=True, strict=strict),
+    )
+    for opt, groups in zip(optimizers, hyper, strict=True):
+        for group, values in zip(opt.param_groups, groups, strict=True):
+            group.update(values)
+
+
+def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
+    """The names of a state dict's floating-point tensors that hold a NaN or an infinity."""
+    return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]

@@ -7,10 +7,12 @@ the field's type ("none" for a field that allows None; true/false for a boolean,
 a list field takes every value up to the next `--key`, and gathers repeated `--key=value`s), an unknown key gets a
 "did you mean", every problem is reported together, and `--help` lists each field with its help and default.
 
-Errors and interruptions (`run_command`): a user's error is one line on stderr (exit 2), and SIGINT or SIGTERM,
-sent to the process group or to the main process alone, ends the command cleanly (exit 130 or 143, as shells
-report them) with a line saying what was kept and how to continue. train.py handles its signals itself: it
-finishes the step and saves a checkpoint first.
+Errors and interruptions (`run_command`), the same exit codes for every command: a user's error, a missing or
+unwritable file included, is one line on stderr (exit 2); a computation that diverged (train.py's on_nan=stop) is
+one line too (exit 1); SIGINT or SIGTERM, sent to the process group or to the main process alone, ends the
+command cleanly (exit 130 or 143, as shells report them) with a line saying what was kept and how to continue.
+While train.py's loop runs, `StopSignals` records the signals instead: the step finishes and a checkpoint is
+saved first.
 
 This module does not import torch at import time (data preparation starts without it).
 """
@@ -211,6 +213,22 @@ def in_words(e: Exception) -> str:
     return str(e)
 
 
+class StopSignals(list):
+    """The SIGINT / SIGTERM signals received while installed, recorded instead of ending the process, so that a
+    loop can finish its step, save and exit. Outside install() and restore(), run_command's handling applies."""
+
+    def install(self) -> None:
+        self.previous = {s: signal.signal(s, self.append_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def append_signal(self, signum: int, frame) -> None:
+        self.append(signum)
+
+    def restore(self) -> None:
+        for s, handler in getattr(self, "previous", {}).items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+
 def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable[[], str] = "nothing was saved") -> int:
     """body()'s exit code, with one-line errors and clean interruptions (see the module docstring), and --help
     printed. `on_interrupt` (or what it returns, when called then) completes the line printed on an interruption:
@@ -230,6 +248,9 @@ def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable
     except USER_ERRORS as e:
         print(f"{prog}: error: {in_words(e)}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the loss or the gradients went non-finite and the run was told to stop
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from gptlite.shards import (  # noqa: F401  (the shard format's names, importabl
     verify_manifest,
     write_shard,
 )
+
+if TYPE_CHECKING:
+    from gptlite.config import TrainConfig
 
 
 class ShardLoader:
@@ -150,7 +154,7 @@ class ChatLoader:
     ):
         self.files = list(files)
         self.tokens = [read_shard(p) for p in self.files]
-        self.roles = [read_roles(roles_path(p), len(t)) for p, t in zip(self.files, self.tokens)]
+        self.roles = [read_roles(roles_path(p), len(t)) for p, t in zip(self.files, self.tokens, strict=True)]
         self.batch_size, self.block_size = batch_size, block_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.conversations = np.array(
@@ -227,7 +231,7 @@ def spans(roles: np.ndarray) -> list[tuple[int, int]]:
     """(start, end) of every conversation in a shard's roles: from one START byte to the next, or the end."""
     starts = np.flatnonzero(roles & START)
     ends = np.append(starts[1:], len(roles))
-    return [(int(a), int(b)) for a, b in zip(starts, ends) if b - a >= 2]
+    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True) if b - a >= 2]
 
 
 def is_chat_data(files: list[Path]) -> bool:
@@ -245,3 +249,32 @@ def is_chat_data(files: list[Path]) -> bool:
             "whose roles files mark what to train on; prepare the data again"
         )
     return bool(files) and all(with_roles)
+
+
+Loader = ShardLoader | ChatLoader  # what training and its evaluation read batches from
+
+
+def make_loaders(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> tuple[Loader, Loader]:
+    """Train and val loaders over cfg.data_dir's shards, after checking that no shard is empty, every token id is
+    below vocab_size and each split holds at least one global batch: every problem of the data is found before the
+    first step. Rank r reads the r-th slice of every global batch, so ranks never read the same window. Shards with
+    roles files (data/prepare.py --chat) give whole conversations whose assistant tokens alone are targets."""
+    if cfg.init_from:
+        fix = f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the pretrained model knows"
+    else:
+        fix = ""
+    loaders = []
+    for split, seed in (("train", cfg.seed), ("val", cfg.seed + 1)):
+        files = find_shards(cfg.data_dir, split)
+        for path in files:
+            if len(read_shard(path)) == 0:
+                raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
+        check_vocab(files, cfg.model.vocab_size, fix=fix)
+        loader = ChatLoader if is_chat_data(files) else ShardLoader
+        try:
+            loaders.append(
+                loader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank, world_size=world_size)
+            )
+        except ValueError as e:
+            raise ValueError(f"{split} split: {e}") from None
+    return loaders[0], loaders[1]

@@ -18,6 +18,7 @@ ending's bytes instead, so its figures differ.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from gptlite.cli import parse, run_command
 from gptlite.config import DTYPE_CHOICES, option
+from gptlite.data import Loader
 from gptlite.device import pick_device, pick_dtype
 from gptlite.files import fault
 from gptlite.model import GPT
@@ -73,6 +75,35 @@ def loss_and_bpb(sums: torch.Tensor) -> tuple[float, float | None]:
     """(mean loss per target, bits per byte or None) from accumulated `loss_sums`."""
     loss, n, text, nbytes = sums.tolist()
     return loss / n, (text / (math.log(2) * nbytes) if nbytes else None)
+
+
+@torch.no_grad()
+def evaluate_loader(
+    model: torch.nn.Module,
+    loader: Loader,
+    iters: int,
+    device: str,
+    autocast: contextlib.AbstractContextManager,
+    lengths: torch.Tensor | None,
+) -> tuple[float, float | None]:
+    """Mean loss per target token and bits per byte (None without the tokens' byte `lengths`, see byte_lengths) of
+    a loader's split, as training reports its val loss: over the first `iters` global batches (the same batches at
+    every evaluation), or over every window of the split when iters=0. Under torchrun each rank scores its slice
+    and the sums are all-reduced, so every rank gets the same figures."""
+    import torch.distributed as dist
+
+    model.eval()
+    loader.restore({"epoch": 0, "shard": 0, "index": 0})
+    batches = loader.every_window() if iters == 0 else (loader.next_batch() for _ in range(iters))
+    sums = torch.zeros(4, device=device)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T) each
+        with autocast:
+            sums += loss_sums(model, x, y, lengths)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    model.train()
+    return loss_and_bpb(sums)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from gptlite.files import fault
 
@@ -48,11 +49,13 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> floa
 
 
 class MetricsLog:
-    """Appends rows to a run's metrics.jsonl. A fresh run starts the file anew; a resumed run keeps the rows up
-    to its checkpoint's step and drops later ones (logged by a run that died before its next checkpoint)."""
+    """Appends rows to a run's metrics.jsonl, and their numbers to a Weights & Biases run when given one. A fresh
+    run starts the file anew; a resumed run keeps the rows up to its checkpoint's step and drops later ones (logged
+    by a run that died before its next checkpoint)."""
 
-    def __init__(self, path: str | Path, resume_step: int | None = None):
+    def __init__(self, path: str | Path, resume_step: int | None = None, wandb_run: Any = None):
         self.path = Path(path)
+        self.wandb_run = wandb_run
         kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step is not None else []
         tmp = self.path.with_name(self.path.name + ".tmp")  # the kept rows replace the file at once
         try:
@@ -65,11 +68,15 @@ class MetricsLog:
             raise fault(e, f"could not write {self.path}") from None
 
     def write(self, **row) -> None:
+        """One row: a "step" and the row's figures."""
         try:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
         except OSError as e:
             raise fault(e, f"could not write {self.path}") from None
+        if self.wandb_run is not None:
+            figures = {k: v for k, v in row.items() if k != "step" and isinstance(v, float)}
+            self.wandb_run.log(figures, step=row["step"])
 
     def close(self) -> None:
         self.file.close()

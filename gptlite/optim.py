@@ -1,21 +1,26 @@
-"""Muon, the optimizer for the matrices inside the transformer blocks, orthogonalised per logical matrix.
+"""The optimizers of training: AdamW's and Muon's parameter groups (`configure_optimizers`), the learning-rate
+schedule (`lr_at`), and Muon, the optimizer for the matrices inside the transformer blocks, orthogonalised per
+logical matrix.
 
 Muon (Keller Jordan, 2024, https://kellerjordan.github.io/posts/muon/) is SGD with Nesterov momentum whose
 update of each weight matrix is replaced by the nearest semi-orthogonal matrix, found by a few steps of a
-Newton-Schulz iteration. It is meant for hidden-layer matrices only; train.py gives the embedding (tied to the
-head), positions and every vector to AdamW.
+Newton-Schulz iteration. It is meant for hidden-layer matrices only; the embedding (tied to the head), positions
+and every vector stay with AdamW.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from gptlite.model import GPT, SwiGLU
+
+if TYPE_CHECKING:
+    from gptlite.config import TrainConfig
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: its steep slope at 0 lifts small singular values
 NS_STEPS = 5
@@ -51,9 +56,9 @@ def orthogonalise(
     updates: list[Tensor], split: Split = 1, dtype: torch.dtype = torch.bfloat16, scaled: bool = False
 ) -> list[Tensor]:
     """Updates (rows, cols), each `split` logical matrices stacked along dim 0 -> each logical matrix's
-    newton_schulz in dtype (times its lr_scale if `scaled`), stacked again. Matrices of one shape go through one batched iteration (a few
-    bmm calls instead of a few mm calls per matrix: for the 2x128 char model's Muon step 3x less time on
-    the CPU, where small matmuls are overhead). A DTensor (a parameter sharded by FSDP2) is gathered whole on
+    newton_schulz in dtype (times its lr_scale if `scaled`), stacked again. Matrices of one shape go through one
+    batched iteration: a few bmm calls instead of a few mm calls per matrix, which matters on the CPU, where small
+    matmuls are mostly overhead. A DTensor (a parameter sharded by FSDP2) is gathered whole on
     every rank first and this rank's shard of the result returned: simple, not fast (every rank repeats it)."""
     whole = [u.full_tensor() if hasattr(u, "full_tensor") else u for u in updates]  # (rows, cols) each
     n = len(row_sizes(whole[0].size(0), split)) if whole else 0  # logical matrices per update
@@ -68,7 +73,7 @@ def orthogonalise(
             if len(same) == 1
             else newton_schulz(torch.stack([chunks[i] for i in same]), dtype)
         )  # (n, rows, cols)
-        for i, m in zip(same, batch):
+        for i, m in zip(same, batch, strict=True):
             done[i] = m * lr_scale(m.shape) if scaled else m
     results = [torch.cat(done[k * n : (k + 1) * n]) for k in range(len(updates))]  # (rows, cols) each
     for k, u in enumerate(updates):
@@ -109,9 +114,8 @@ class Muon(torch.optim.Optimizer):
     torch.optim.Muon does (tests/test_optim.py).
 
     `ns_dtype` is the Newton-Schulz iteration's precision: bfloat16 as Keller Jordan's and torch's, fast on
-    GPUs; train.py takes float32 off CUDA, since a CPU without bf16 instructions multiplies bfloat16 matrices
-    slowly (the 4x128 char model's iterations took 690 ms per step in bfloat16, 37 ms in float32, on one thread
-    of an AVX2 CPU)."""
+    GPUs; training takes float32 off CUDA, since a CPU without bf16 instructions multiplies bfloat16 matrices
+    many times more slowly (figures: docs/training.md)."""
 
     def __init__(
         self,
@@ -150,7 +154,8 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - momentum)
                 nesterov.append(p.grad.lerp(buf, momentum))
             uneven = not isinstance(split, int)  # matrices of different rows (GQA's q, k, v): each scaled apart
-            for p, update in zip(params, orthogonalise(nesterov, split, self.ns_dtype, scaled=uneven)):  # (rows, cols)
+            updates = orthogonalise(nesterov, split, self.ns_dtype, scaled=uneven)  # (rows, cols) each
+            for p, update in zip(params, updates, strict=True):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * (1.0 if uneven else lr_scale(p.shape, split)))
         return loss
@@ -167,3 +172,54 @@ def block_matrices(model: GPT) -> dict[Tensor, int]:
         if isinstance(block.ffn, SwiGLU):
             splits[block.ffn.fc.weight] = 2  # (2F, C): rows W1 (the gate), then W3
     return splits
+
+
+def configure_optimizers(model: GPT, cfg: TrainConfig, device_type: str) -> list[torch.optim.Optimizer]:
+    """AdamW with weight decay on matrices (linear weights and the tied embedding/head, as nanoGPT) and none on
+    vectors (norm weights, biases); the fused implementation, on the CPU too (one kernel for every tensor instead of
+    a loop over them: the step of a small model is mostly that loop's overhead).
+
+    With optimizer="muon", a second optimizer, Muon, takes the 2-D weights inside the blocks, q, k, v and SwiGLU's
+    W1 and W3 each orthogonalised on its own (a group per `split`), with muon_weight_decay; AdamW keeps the token
+    embedding (tied to the head), learned positions and the vectors. Every group's `lr_ratio` is its peak learning
+    rate over learning_rate: the schedule (`lr_at`) scales all of them alike. Only trainable parameters are given
+    to an optimizer: with LoRA, the adapters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    splits = block_matrices(model) if cfg.optimizer == "muon" else {}  # parameter -> logical matrices in it
+    splits = {p: split for p, split in splits.items() if p.requires_grad}
+    rest = [p for p in params if p not in splits]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_ratio": 1.0},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0, "lr_ratio": 1.0},
+    ]
+    fused = device_type in ("cuda", "cpu")
+    optimizers = [torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+    if splits:
+        ratio = cfg.muon_lr / cfg.learning_rate if cfg.learning_rate else 0.0  # learning_rate=0 moves nothing
+        in_order = sorted(set(splits.values()), key=lambda s: (isinstance(s, tuple), s))
+        groups = [
+            {"params": [p for p, s in splits.items() if s == split], "split": split, "lr_ratio": ratio}
+            for split in in_order
+        ]
+        ns_dtype = torch.bfloat16 if device_type == "cuda" else torch.float32  # see Muon
+        muon = Muon(
+            groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype
+        )
+        optimizers.append(muon)
+    return optimizers
+
+
+def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
+    """The learning rate of optimizer step `step` (counted from 0): a linear warmup to learning_rate over
+    warmup_iters steps, then a cosine decay to min_lr, reached at lr_decay_iters (lr_schedule="steps"), or when
+    `minutes` of wall-clock time reach max_minutes (lr_schedule="time", for a fixed time budget); then min_lr."""
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_iters
+    min_lr = min(cfg.min_lr, cfg.learning_rate)  # learning_rate=0: nothing moves
+    if cfg.lr_schedule == "time":
+        progress = minutes / cfg.max_minutes
+    else:
+        decay_iters = cfg.lr_decay_iters or cfg.max_iters
+        progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    progress = min(progress, 1.0)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - min_lr)

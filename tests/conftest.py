@@ -6,14 +6,22 @@ GPTLITE_SHARED=DIR points at a folder laid out like ../shared (data/tinyshakespe
 tokenizers/gpt2.tiktoken) on a machine without one beside the checkout.
 """
 
+import contextlib
 import errno
+import io
+import json
 import os
+import re
+import runpy
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
 from gptlite import GPT, GPTConfig
+from gptlite.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout; from a git worktree (e.g. wt/NAME beside the main checkout) the nearest
@@ -48,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def exact_float32_matmuls():
-    """train.main turns TF32 on for CUDA, for the rest of the process; the reference comparisons need full
+    """train.py turns TF32 on for CUDA, for the rest of the process; the reference comparisons need full
     float32, so every test starts without it."""
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -143,3 +151,92 @@ VARIANTS = {
 def variant(request) -> dict:
     """GPTConfig overrides of one architecture (see VARIANTS)."""
     return VARIANTS[request.param]
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py as a command
+
+
+@dataclass
+class TrainRun:
+    """What one train.py command did, read as a user would read it: its exit code and output, and the rows that
+    its own steps wrote to the run's metrics.jsonl (a resumed run's earlier rows are not its own)."""
+
+    code: int
+    out: str
+    err: str
+    step: int | None = None  # the last step ("done at step N"), None when the run did not get there
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, training loss) per log line
+    val_history: list[tuple[int, float]] = field(default_factory=list)  # (step, val loss) per evaluation
+    skipped_steps: int = 0  # steps whose loss or gradient norm was not finite
+    stopped: str | None = None  # why it stopped before max_iters: a signal's name, "max_minutes=..."
+    peak_memory_mb: int | None = None  # from the last line
+
+    def __getitem__(self, name: str):
+        """A field by name, as from a dict: run["history"]."""
+        return getattr(self, name)
+
+    @property
+    def error(self) -> str:
+        """The one-line error of a run that failed (exit 2 for a user's error, 1 for on_nan=stop), without the
+        "train.py: error: " before it."""
+        assert self.code in (1, 2), (self.code, self.out, self.err)
+        lines = self.err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("train.py: error: "), self.err
+        return lines[0].removeprefix("train.py: error: ")
+
+    @property
+    def signal(self) -> int | None:
+        """The signal that stopped the run (its exit code is 128 + the signal's number)."""
+        return self.code - 128 if self.code > 128 else None
+
+
+class Tee(io.TextIOBase):
+    """Writes to every stream it is given."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def run_train(*args, **options) -> TrainRun:
+    """Run `python train.py ARGS --key=value ...` (one --key=value per option) in this process: runpy executes
+    the script as __main__, as Python does for the command, without starting another Python and importing torch
+    again, and a fault a test monkeypatches into the package reaches it. Its output reaches capsys too. An error
+    that the command does not turn into a one-line message (a bug) propagates as the exception it is."""
+    argv = [*map(str, args), *(f"--{k}={v}" for k, v in options.items())]
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv = sys.argv
+    sys.argv = [str(ROOT / "train.py"), *argv]
+    try:
+        with contextlib.redirect_stdout(Tee(sys.stdout, out)), contextlib.redirect_stderr(Tee(sys.stderr, err)):
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.argv = saved_argv
+    run = TrainRun(code, out.getvalue(), err.getvalue())
+    config = re.search(r"^config: (.*)$", run.out, re.M)
+    done = re.search(r"^done at step (\d+)(?: \| peak memory ([\d,]+) MiB)?", run.out, re.M)
+    if not config or not done:
+        return run
+    run.step = int(done[1])
+    run.peak_memory_mb = int(done[2].replace(",", "")) if done[2] else None
+    resumed = re.search(r"^resumed from .* at step (\d+)$", run.out, re.M)
+    first = int(resumed[1]) if resumed else 0
+    rows = [r for r in read_metrics(Path(json.loads(config[1])["out_dir"]) / "metrics.jsonl") if r["step"] > first]
+    run.history = [(r["step"], r["loss"]) for r in rows if "lr" in r]
+    run.val_history = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    run.skipped_steps = sum(r.get("event") == "nonfinite" for r in rows)
+    stopped = re.search(r"^stopped after step \d+ \((.*?)\) with a checkpoint", run.out, re.M)
+    run.stopped = stopped[1] if stopped else None
+    return run

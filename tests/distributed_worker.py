@@ -1,5 +1,6 @@
-"""Run by tests/test_distributed.py under torchrun: each rank reads batches through train.py's own loader set-up
-and writes the token rows it read, per step, to OUT/windows_rank{RANK}.json.
+"""Run by tests/test_distributed.py under torchrun: each rank reads batches through the loaders train.py uses
+(gptlite.data.make_loaders, in gptlite.distributed's process group) and writes the token rows it read, per step,
+to OUT/windows_rank{RANK}.json.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py DATA_DIR OUT STEPS
 """
@@ -8,13 +9,15 @@ import json
 import sys
 from pathlib import Path
 
-import train
+from gptlite.config import build_config
+from gptlite.data import make_loaders
+from gptlite.distributed import processes
 
 
 def main(data_dir: str, out: str, steps: int) -> None:
-    cfg = train.build_config({"data_dir": data_dir, "vocab_size": 50_000, "block_size": 8, "batch_size": 3})
-    with train.training_session() as (rank, _, world_size, _):
-        loader, _ = train.make_loaders(cfg, rank, world_size)
+    cfg = build_config({"data_dir": data_dir, "vocab_size": 50_000, "block_size": 8, "batch_size": 3})
+    with processes() as (rank, _, world_size):
+        loader, _ = make_loaders(cfg, rank, world_size)
         batches = []
         for _ in range(steps):
             epoch = loader.epoch

@@ -11,12 +11,11 @@ import transformers
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-import train
 from gptlite.prepare import prepare
 from gptlite.shards import TARGET, read_roles, read_shard, roles_path
 from gptlite.tokenizer import ByteTokenizer, get_tokenizer, load_tokenizer
 from gptlite.tokenizer.chat import CHATML
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_train
 
 QWEN_LIKE = (
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
@@ -92,7 +91,7 @@ def test_the_targets_are_exactly_the_assistants_turns(tmp_path):
         ids, targets = tokenizer.chat_targets(CONVERSATION)
         assert ids == tokenizer.apply_chat_template(CONVERSATION)
         spans, run = [], []
-        for i, t in zip(ids, targets):
+        for i, t in zip(ids, targets, strict=True):
             if t:
                 run.append(i)
             elif run:
@@ -132,7 +131,7 @@ def test_prepare_chat_writes_roles_and_counts_what_it_leaves_out(tmp_path):
     assert tokenizer.chat_template == CHATML and tokenizer.vocab_size == 258  # recorded for every command
     shard = tmp_path / "d" / "train_000000.bin"
     tokens, roles = read_shard(shard), read_roles(roles_path(shard), len(read_shard(shard)))
-    targets = bytes(int(t) for t, r in zip(tokens, roles) if r & TARGET and t < 256)
+    targets = bytes(int(t) for t, r in zip(tokens, roles, strict=True) if r & TARGET and t < 256)
     assert targets == b"I like tea." * len(targets.split(b"I like tea.")[:-1])
     cut = prepare([str(source)], "byte", tmp_path / "cut", chat=True, block_size=64, too_long="cut", log=lambda *a: 0)
     assert cut["conversations"]["cut"] == 0 and cut["conversations"]["no_assistant"] == 2  # its answer was cut off
@@ -189,25 +188,21 @@ def test_a_model_learns_to_answer_and_sample_chat_answers(tmp_path):
     source = write_chats(tmp_path / "chats.jsonl", 400)
     prepare([str(source)], "byte", tmp_path / "data", chat=True, block_size=64, log=lambda *a: 0)
     run = tmp_path / "run"
-    summary = train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={tmp_path / 'data'}",
-                f"--out_dir={run}",
-                "--n_layer=2",
-                "--n_head=2",
-                "--n_embd=64",
-                "--block_size=64",
-                "--batch_size=16",
-                "--learning_rate=3e-3",
-                "--warmup_iters=10",
-                "--max_iters=150",
-                "--eval_interval=150",
-                "--eval_iters=0",
-                "--log_interval=10",
-                "--device=cpu",
-            ]
-        )
+    summary = run_train(
+        f"--data_dir={tmp_path / 'data'}",
+        f"--out_dir={run}",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=64",
+        "--block_size=64",
+        "--batch_size=16",
+        "--learning_rate=3e-3",
+        "--warmup_iters=10",
+        "--max_iters=150",
+        "--eval_interval=150",
+        "--eval_iters=0",
+        "--log_interval=10",
+        "--device=cpu",
     )
     assert summary["history"][-1][1] < 0.05 and summary["val_history"][-1][1] < 0.05
     result = subprocess.run(

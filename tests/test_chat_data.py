@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-import train
 from gptlite import GPT
 from gptlite.data import ChatLoader, find_shards, is_chat_data, read_roles
+from gptlite.metrics import read_metrics
+from gptlite.run_config import resolve_config
 from gptlite.shards import START, TARGET, roles_path, write_roles, write_shard
-from tests.conftest import tiny_config
+from tests.conftest import run_train
 
 V = 40  # ids: 0-25 letters, 30 = user marker, 31 = assistant marker, 32 = end of turn, 33.. the answer
 
@@ -50,7 +51,7 @@ def test_rows_are_whole_conversations_with_assistant_targets_only(chat_data):
     for _ in range(50):  # one epoch
         x, y = loader.next_batch()
         assert x.shape == y.shape and x.shape[1] % ChatLoader.PAD_MULTIPLE == 0
-        for row_x, row_y in zip(x.tolist(), y.tolist()):
+        for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
             length = next(i for i in range(len(row_x)) if row_x[i] == 32 or i == len(row_x) - 1) + 1
             tokens = row_x[: length - 1] + [row_y[length - 2]]
             seen.append(tuple(row_x[: row_x.index(31) + 1]))
@@ -80,24 +81,33 @@ def test_a_chat_folder_without_its_roles_files_is_refused_not_trained_on_every_t
         is_chat_data(find_shards(copy, "train"))
 
 
-def test_the_loss_is_averaged_over_every_target_token_of_the_step(chat_data):
-    """Two micro-batches give the gradient of the mean over all their target tokens, as one batch does."""
+def test_the_loss_is_averaged_over_every_target_token_of_the_step(chat_data, tmp_path):
+    """A step of two micro-batches of 3 conversations has the loss and the gradient norm of one batch of the same
+    6, whose loss is the mean over all their target tokens: a micro-batch with fewer targets weighs less."""
     data, _, _ = chat_data
-    torch.manual_seed(0)
-    model = GPT(tiny_config(vocab_size=V)).train()
-    loader = ChatLoader([data / "train_000000.bin"], batch_size=3, block_size=32, seed=0)
-    batches = [loader.next_batch() for _ in range(2)]
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train.accumulate_over_targets(model, batches, "cpu", torch.autocast("cpu", enabled=False), scaler)
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    width = max(x.shape[1] for x, _ in batches)
-    pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
-    x = torch.cat([pad(x, 0) for x, _ in batches])
-    y = torch.cat([pad(y, -1) for _, y in batches])
-    model(x, y)[1].backward()
-    for a, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=1e-4)
+    args = [
+        f"--data_dir={data}",
+        "--vocab_size=40",
+        "--n_layer=2",
+        "--n_head=4",
+        "--n_embd=32",
+        "--block_size=32",
+        "--total_batch_size=192",
+        "--max_iters=1",
+        "--log_interval=1",
+        "--device=cpu",
+    ]
+    for batch_size in (3, 6):
+        run_train(*args, f"--batch_size={batch_size}", f"--out_dir={tmp_path / str(batch_size)}")
+    (two,), (one,) = ([r for r in read_metrics(tmp_path / str(b) / "metrics.jsonl") if "lr" in r] for b in (3, 6))
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    # the reference: the mean over every target token of those 6 conversations, with the run's initial weights
+    cfg = resolve_config([*args, "--batch_size=6"])
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    x, y = ChatLoader([data / "train_000000.bin"], batch_size=6, block_size=32, seed=cfg.seed).next_batch()
+    assert one["loss"] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
 
 
 def test_a_model_learns_the_answer_and_not_the_users_letters(chat_data, tmp_path):
@@ -121,12 +131,8 @@ def test_a_model_learns_the_answer_and_not_the_users_letters(chat_data, tmp_path
         "--total_batch_size=512",
         "--lr_decay_iters=60",
     ]
-    straight = train.main(build_config_from(args, tmp_path / "a", max_iters=60, eval_interval=30))
+    straight = run_train(*args, f"--out_dir={tmp_path / 'a'}", max_iters=60, eval_interval=30)
     assert straight["history"][-1][1] < 0.05 and straight["val_history"][-1][1] < 0.05
-    train.main(build_config_from(args, tmp_path / "b", max_iters=30, eval_interval=30))
-    resumed = train.main(train.resolve_config([f"--out_dir={tmp_path / 'b'}", "--resume", "--max_iters=60"]))
+    run_train(*args, f"--out_dir={tmp_path / 'b'}", max_iters=30, eval_interval=30)
+    resumed = run_train(f"--out_dir={tmp_path / 'b'}", "--resume", "--max_iters=60")
     assert resumed["history"] == [h for h in straight["history"] if h[0] > 30]
-
-
-def build_config_from(args: list[str], out, **kw):
-    return train.resolve_config([*args, f"--out_dir={out}", *(f"--{k}={v}" for k, v in kw.items())])

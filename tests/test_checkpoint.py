@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import train
 from gptlite.checkpoint import (
     discard_damaged,
+    gather_training_state,
     load_checkpoint,
     model_from_checkpoint,
     rng_state,
@@ -26,6 +25,8 @@ from gptlite.checkpoint import (
     step_files,
     verify_checkpoint,
 )
+from gptlite.config import build_config
+from gptlite.optim import configure_optimizers
 from gptlite.tokenizer import CharTokenizer
 from tests.conftest import DEVICE, ROOT, FullDisk, randint, tiny_config, tiny_model
 
@@ -247,15 +248,15 @@ def test_weights_that_do_not_fit_the_config_are_refused_in_one_line(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
 def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path):
-    """train.py saves through torch.distributed.checkpoint's get_state_dict: no `_orig_mod.` or `module.`
-    prefixes, whatever wraps the model, so the file loads into a plain GPT anywhere."""
+    """train.py saves through gather_training_state (torch.distributed.checkpoint's get_state_dict): no
+    `_orig_mod.` or `module.` prefixes, whatever wraps the model, so the file loads into a plain GPT anywhere."""
     model = tiny_model()
-    optimizers = train.make_optimizers(model, train.build_config({"data_dir": "x", "vocab_size": 97}), "cpu")
+    optimizers = configure_optimizers(model, build_config({"data_dir": "x", "vocab_size": 97}), "cpu")
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         wrapped = DDP(torch.compile(model))  # compiling is lazy: nothing is compiled here
-        model_state, optimizer_state = get_state_dict(wrapped, optimizers, options=train.FULL_STATE)
+        model_state, optimizer_state, _ = gather_training_state(wrapped, optimizers, world_size=1)
     finally:
         dist.destroy_process_group()
     assert set(model_state) == set(model.state_dict())
@@ -263,4 +264,6 @@ def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path
     config = dict(vars(tiny_config()), data_dir="x")
     save_checkpoint(tmp_path / "c.pt", {"config": config, "model": model_state, "optimizer": optimizer_state})
     rebuilt = model_from_checkpoint(load_checkpoint(tmp_path / "c.pt"))
-    assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values(), strict=True)
+    )

@@ -10,10 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-import train
 from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
 from gptlite.data import ShardLoader, find_shards, write_shard
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_train
 from tests.test_train import TINY, config, losses, one_thread, resume, write_corpus  # noqa: F401 (fixture)
 
 # 256 tokens per optimizer step = 16 windows of 16 tokens: 2 ranks x 4 x 2 micro-steps, 1 x 8 x 2, or 1 x 16 x 1
@@ -47,7 +46,7 @@ def data(tmp_path_factory):
 def one_process(data, tmp_path_factory):
     """12 steps in one process, batch_size 8 x 2 micro-steps: the same windows per micro-step as 2 x 4."""
     out = tmp_path_factory.mktemp("one")
-    train.main(config(data, out, batch_size=8, max_iters=12, **RUN))
+    run_train(*config(data, out, batch_size=8, max_iters=12, **RUN))
     return out
 
 
@@ -74,14 +73,14 @@ def test_two_processes_train_like_one_with_the_same_global_batch(data, one_proce
     ckpt = load_checkpoint(two)
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
     model_from_checkpoint(ckpt)
-    train.main(resume(two, "--max_iters=12"))
+    run_train(*resume(two, "--max_iters=12"))
     assert_same_curve(losses(two), losses(one_process))
 
 
 def test_fsdp_trains_the_other_variants_like_one_process(data, tmp_path):
     """RoPE, RMSNorm, GELU MLP and biases, sharded: the same curve as one process on the same global batch."""
     arch = dict(pos_emb="rope", norm="rmsnorm", ffn="gelu", bias=True)
-    train.main(config(data, tmp_path / "one", batch_size=8, max_iters=4, **RUN, **arch))
+    run_train(*config(data, tmp_path / "one", batch_size=8, max_iters=4, **RUN, **arch))
     train_two_processes(data, tmp_path / "two", max_iters=4, fsdp=True, **arch)
     assert_same_curve(losses(tmp_path / "two"), losses(tmp_path / "one"))
 
@@ -94,13 +93,13 @@ def test_muon_in_two_processes_trains_like_one(data, tmp_path, fsdp):
     Orthogonalising the fused qkv and SwiGLU matrices whole instead moves the losses by 2e-3 by step 8."""
     arch = {"optimizer": "muon", **({"pos_emb": "rope", "norm": "rmsnorm", "bias": True} if fsdp else {})}
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    train.main(config(data, one, batch_size=8, max_iters=8, **RUN, **arch))
+    run_train(*config(data, one, batch_size=8, max_iters=8, **RUN, **arch))
     result = train_two_processes(data, two, max_iters=4, fsdp=fsdp, **arch)
     assert f"| world 2{' (fsdp)' if fsdp else ''} |" in result.stdout
     assert_same_curve(losses(two), losses(one)[:4])
-    train.main(resume(two, "--max_iters=8"))  # the two processes' checkpoint, in one
+    run_train(*resume(two, "--max_iters=8"))  # the two processes' checkpoint, in one
     assert_same_curve(losses(two), losses(one))
-    train.main(config(data, resumed, batch_size=8, max_iters=4, **RUN, **arch))
+    run_train(*config(data, resumed, batch_size=8, max_iters=4, **RUN, **arch))
     train_two_processes(data, resumed, max_iters=8, fsdp=fsdp, resume=True)  # one process's checkpoint, in two
     assert_same_curve(losses(resumed), losses(one))
 
@@ -116,7 +115,7 @@ def test_a_refusal_on_rank_0_ends_every_rank_in_one_line(data, one_process):
 
 
 def test_one_large_batch_trains_like_accumulated_micro_batches(data, one_process, tmp_path):
-    train.main(config(data, tmp_path, batch_size=16, max_iters=12, **RUN))
+    run_train(*config(data, tmp_path, batch_size=16, max_iters=12, **RUN))
     assert_same_curve(losses(tmp_path), losses(one_process))
 
 

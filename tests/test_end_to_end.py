@@ -3,15 +3,18 @@
 import json
 import subprocess
 import sys
+from itertools import pairwise
 
 import pytest
 import torch
 
-import train
 from gptlite import load_checkpoint, model_from_checkpoint
 from gptlite.config import build_config
+from gptlite.model import GPT
+from gptlite.optim import configure_optimizers, lr_at
 from gptlite.prepare import prepare
-from tests.conftest import DEVICE, ROOT, shared_file
+from gptlite.run_config import resolve_config
+from tests.conftest import DEVICE, ROOT, run_train, shared_file
 
 TINY = dict(
     n_layer=2,
@@ -46,17 +49,16 @@ def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.device
 def test_train_resume_sample(char_data, tmp_path):
     out = tmp_path / "run"
-    cfg = train.resolve_config(
-        [
-            f"--data_dir={char_data}",
-            f"--out_dir={out}",
-            "--max_iters=40",
-            "--eval_interval=20",
-            *(f"--{k}={v}" for k, v in TINY.items()),
-        ]
-    )
+    args = [
+        f"--data_dir={char_data}",
+        f"--out_dir={out}",
+        "--max_iters=40",
+        "--eval_interval=20",
+        *(f"--{k}={v}" for k, v in TINY.items()),
+    ]
+    cfg = resolve_config(args)
     assert cfg.model.vocab_size == json.loads((char_data / "tokenizer.json").read_text())["vocab_size"] > 50
-    summary = train.main(cfg)
+    summary = run_train(*args)
     losses = [loss for _, loss in summary["history"]]
     assert summary["step"] == 40
     assert losses[-1] < losses[0] - 0.6, losses
@@ -66,9 +68,10 @@ def test_train_resume_sample(char_data, tmp_path):
     assert (out / "tokenizer.json").is_file()
 
     # resume: continues from step 40 with the saved weights, optimizer and data position
-    resumed_cfg = train.resolve_config([f"--out_dir={out}", "--resume", "--max_iters=50"])
+    resumed_args = [f"--out_dir={out}", "--resume", "--max_iters=50"]
+    resumed_cfg = resolve_config(resumed_args)
     assert resumed_cfg.model == cfg.model and resumed_cfg.data_dir == str(char_data)
-    resumed = train.main(resumed_cfg)
+    resumed = run_train(*resumed_args)
     assert resumed["step"] == 50
     assert [s for s, _ in resumed["history"]] == list(range(41, 51))
     assert resumed["history"][-1][1] < losses[0] - 0.6
@@ -130,21 +133,17 @@ def test_train_cli_end_to_end_and_errors(char_data, tmp_path):
 
 def test_resume_refuses_a_different_model_shape(char_data, tmp_path):
     out = tmp_path / "run"
-    train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={char_data}",
-                f"--out_dir={out}",
-                "--max_iters=2",
-                "--eval_interval=2",
-                *(f"--{k}={v}" for k, v in TINY.items()),
-            ]
-        )
+    run_train(
+        f"--data_dir={char_data}",
+        f"--out_dir={out}",
+        "--max_iters=2",
+        "--eval_interval=2",
+        *(f"--{k}={v}" for k, v in TINY.items()),
     )
     with pytest.raises(
         ValueError, match=r"cannot change the model shape on --resume .* block_size=64 \(checkpoint has 32\)"
     ):
-        train.resolve_config([f"--out_dir={out}", "--resume", "--block_size=64"])
+        resolve_config([f"--out_dir={out}", "--resume", "--block_size=64"])
 
 
 def test_sample_errors(tmp_path):
@@ -158,16 +157,12 @@ def test_sample_errors(tmp_path):
 
 def test_sample_rejects_a_prompt_the_tokenizer_cannot_encode(char_data, tmp_path):
     out = tmp_path / "run"
-    train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={char_data}",
-                f"--out_dir={out}",
-                "--max_iters=1",
-                "--eval_interval=1",
-                *(f"--{k}={v}" for k, v in TINY.items()),
-            ]
-        )
+    run_train(
+        f"--data_dir={char_data}",
+        f"--out_dir={out}",
+        "--max_iters=1",
+        "--eval_interval=1",
+        *(f"--{k}={v}" for k, v in TINY.items()),
     )
     result = run_cli("sample.py", f"--out_dir={out}", "--start=日本", "--device=cpu")
     assert result.returncode == 2 and "'日' is not in this char tokenizer's vocabulary" in result.stderr
@@ -189,19 +184,19 @@ def test_lr_schedule():
     cfg = build_config(
         {"data_dir": "x", "vocab_size": 10, "learning_rate": 1.0, "min_lr": 0.1, "warmup_iters": 10, "max_iters": 110}
     )
-    lrs = [train.lr_at(s, cfg) for s in range(120)]
+    lrs = [lr_at(s, cfg) for s in range(120)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.55)  # halfway through the cosine
     assert lrs[110] == pytest.approx(0.1) and lrs[119] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert all(a >= b for a, b in pairwise(lrs[9:]))
 
 
 def test_learning_rate_0_stays_0_and_nanogpts_init_from_values_mean_the_same(tmp_path):
     cfg = build_config({"data_dir": "x", "vocab_size": 10, "learning_rate": 0, "warmup_iters": 10, "max_iters": 100})
-    assert {train.lr_at(s, cfg) for s in (0, 5, 50, 99, 200)} == {0.0}
+    assert {lr_at(s, cfg) for s in (0, 5, 50, 99, 200)} == {0.0}
     base = [f"--data_dir={tmp_path}", "--vocab_size=10", f"--out_dir={tmp_path}"]
-    assert train.resolve_config([*base, "--init_from=scratch"]).init_from == ""
-    resumed = train.resolve_config([*base, "--init_from=resume"])  # no checkpoint there yet: starts from scratch
+    assert resolve_config([*base, "--init_from=scratch"]).init_from == ""
+    resumed = resolve_config([*base, "--init_from=resume"])  # no checkpoint there yet: starts from scratch
     assert resumed.resume and resumed.init_from == ""
 
 
@@ -218,10 +213,10 @@ def test_time_lr_schedule_decays_over_the_time_budget():
             "max_minutes": 2.0,
         }
     )
-    assert train.lr_at(4, cfg, minutes=1.0) == pytest.approx(0.5)  # warmup still counts steps
-    assert train.lr_at(500, cfg, minutes=1.0) == pytest.approx(0.55)  # half the budget: halfway down the cosine
-    assert train.lr_at(500, cfg, minutes=2.0) == pytest.approx(0.1)
-    assert train.lr_at(9000, cfg, minutes=2.5) == pytest.approx(0.1)
+    assert lr_at(4, cfg, minutes=1.0) == pytest.approx(0.5)  # warmup still counts steps
+    assert lr_at(500, cfg, minutes=1.0) == pytest.approx(0.55)  # half the budget: halfway down the cosine
+    assert lr_at(500, cfg, minutes=2.0) == pytest.approx(0.1)
+    assert lr_at(9000, cfg, minutes=2.5) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="set max_minutes > 0"):
         build_config({"data_dir": "x", "lr_schedule": "time"})
     with pytest.raises(ValueError, match="lr_schedule='cosine' must be one of steps, time"):
@@ -232,8 +227,8 @@ def test_weight_decay_groups():
     cfg = build_config(
         {"data_dir": "x", "vocab_size": 10, "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 8, "bias": True}
     )
-    model = train.GPT(cfg.model)
-    (opt,) = train.make_optimizers(model, cfg, "cpu")
+    model = GPT(cfg.model)
+    (opt,) = configure_optimizers(model, cfg, "cpu")
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])

@@ -12,12 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import train
 from gptlite import GPT, GPTConfig
 from gptlite.evaluate import byte_lengths, ending_losses, evaluate_windows, hellaswag, read_hellaswag
 from gptlite.prepare import prepare
 from gptlite.tokenizer import CharTokenizer, get_tokenizer
-from tests.conftest import ROOT, shared_file
+from tests.conftest import ROOT, run_train, shared_file
 
 TEXT = "Hello, naïve café 日本語 🙂 world.\n" * 3  # multi-byte characters: bytes != characters != tokens
 
@@ -57,7 +56,7 @@ def test_bpb_of_gpt2_tokens_agrees_with_their_decoded_bytes(gpt2_tokenizer):
         for start in range(0, len(ids) - 1, 16):
             window = torch.tensor(ids[start : start + 17])
             ce = F.cross_entropy(model(window[None, :-1])[0][0], window[1:], reduction="none")
-            for t, c in zip(window[1:].tolist(), ce.tolist()):
+            for t, c in zip(window[1:].tolist(), ce.tolist(), strict=True):
                 targets.append(c)
                 if t != eot:
                     nats += c
@@ -192,21 +191,17 @@ def char_run(tmp_path_factory):
     data = tmp_path_factory.mktemp("data")
     prepare([str(corpus)], "char", data, log=lambda *a: None)
     out = tmp_path_factory.mktemp("run")
-    summary = train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={data}",
-                f"--out_dir={out}",
-                "--n_layer=1",
-                "--n_head=2",
-                "--n_embd=16",
-                "--block_size=32",
-                "--max_iters=4",
-                "--eval_interval=4",
-                "--eval_iters=0",
-                "--device=cpu",
-            ]
-        )
+    summary = run_train(
+        f"--data_dir={data}",
+        f"--out_dir={out}",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        "--block_size=32",
+        "--max_iters=4",
+        "--eval_interval=4",
+        "--eval_iters=0",
+        "--device=cpu",
     )
     return data, out, summary
 

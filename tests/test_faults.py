@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -13,14 +14,13 @@ import safetensors.torch
 import torch
 import transformers
 
-import train
 from gptlite import GPT, plot
 from gptlite.checkpoint import save_checkpoint
 from gptlite.config import build_config, config_to_dict
 from gptlite.generate import generate_tokens
 from gptlite.hf import export_hf
 from gptlite.tokenizer import CharTokenizer
-from tests.conftest import ROOT, tiny_model
+from tests.conftest import ROOT, run_train, tiny_model
 
 transformers.logging.set_verbosity_error()
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n\u00e9"  # 97 characters
@@ -212,11 +212,12 @@ def test_overwrite_moves_nothing_aside_when_the_pretrained_weights_fail(char_dat
         "--block_size=16",
         "--device=cpu",
     ]
-    train.main(train.resolve_config([*common, "--n_layer=1", "--n_head=2", "--n_embd=16"]))
+    run_train(*common, "--n_layer=1", "--n_head=2", "--n_embd=16")
     before = sorted(p.name for p in run_dir.iterdir())
     (hf_dir / "model.safetensors").write_bytes(b"\0" * 100)
-    with pytest.raises(ValueError, match=r"model\.safetensors cannot be read"):
-        train.main(train.resolve_config([*common, f"--init_from={hf_dir}", "--overwrite"]))
+    assert re.search(
+        r"model\.safetensors cannot be read", run_train(*common, f"--init_from={hf_dir}", "--overwrite").error
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing moved into previous-TIME/
 
 
@@ -229,24 +230,18 @@ def test_data_beyond_a_pretrained_vocabulary_says_to_use_its_tokenizer(tmp_path)
     prepare([str(corpus)], "byte", data, log=lambda *a: None)  # ids up to 126
     small = tmp_path / "hf"
     export_hf(tiny_model(**{**LLAMA, "vocab_size": 100}), small)
-    with pytest.raises(
-        ValueError,
-        match=r"holds token id 12\d but the model's vocab_size is 100; prepare the data with "
-        r".*hf's tokenizer",
-    ) as e:
-        train.main(
-            train.resolve_config(
-                [
-                    f"--data_dir={data}",
-                    f"--out_dir={tmp_path / 'run'}",
-                    f"--init_from={small}",
-                    "--device=cpu",
-                    "--block_size=16",
-                    "--batch_size=2",
-                ]
-            )
-        )
-    assert "--vocab_size" not in str(e.value)
+    error = run_train(
+        f"--data_dir={data}",
+        f"--out_dir={tmp_path / 'run'}",
+        f"--init_from={small}",
+        "--device=cpu",
+        "--block_size=16",
+        "--batch_size=2",
+    ).error
+    assert re.search(
+        r"holds token id 12\d but the model's vocab_size is 100; prepare the data with .*hf's tokenizer", error
+    )
+    assert "--vocab_size" not in error
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,14 +11,14 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-import train
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_checkpoint
 from gptlite.hf import GPT2_NAMES, export_hf
 from gptlite.hf.tokenizer_files import bpe_merges, hf_tokenizer_files
 from gptlite.prepare import prepare
+from gptlite.run_config import resolve_config
 from gptlite.tokenizer import CharTokenizer, get_tokenizer
-from tests.conftest import ROOT, shared_file
+from tests.conftest import ROOT, run_train, shared_file
 
 transformers.logging.set_verbosity_error()
 V, T = 97, 64  # vocabulary and positions of the tiny models
@@ -283,17 +283,17 @@ def test_train_from_pretrained_weights_with_learning_rate_0_changes_nothing(save
         "--block_size=32",
         "--device=cpu",
     ]
-    cfg = train.resolve_config(args)
+    cfg = resolve_config(args)
     assert (cfg.model.vocab_size, cfg.model.block_size, cfg.model.n_layer) == (V, 32, 2)
-    summary = train.main(cfg)
+    summary = run_train(*args)
     assert summary["step"] == 3
     saved_weights = load_checkpoint(tmp_path)["model"]
     for name, tensor in GPT.from_pretrained(str(directory), block_size=32).state_dict().items():
         assert torch.equal(saved_weights[name], tensor), name  # bit for bit
     # the shape is the pretrained model's; a resumed run continues from the checkpoint
     with pytest.raises(ValueError, match=r"--init_from=.* fixes the model's shape; drop n_layer=3 \(the model has 2\)"):
-        train.resolve_config([*args, "--n_layer=3"])
-    resumed = train.main(train.resolve_config([f"--out_dir={tmp_path}", "--resume", "--max_iters=4"]))
+        resolve_config([*args, "--n_layer=3"])
+    resumed = run_train(f"--out_dir={tmp_path}", "--resume", "--max_iters=4")
     assert resumed["step"] == 4
 
 
@@ -330,22 +330,18 @@ def test_sample_from_pretrained_weights_prints_text(saved, tmp_path):
 
 def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     run = tmp_path / "run"
-    train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={char_data}",
-                f"--out_dir={run}",
-                "--ffn=gelu",
-                "--n_layer=1",
-                "--n_head=2",
-                "--n_embd=16",
-                "--block_size=16",
-                "--max_iters=2",
-                "--eval_interval=2",
-                "--eval_iters=1",
-                "--device=cpu",
-            ]
-        )
+    run_train(
+        f"--data_dir={char_data}",
+        f"--out_dir={run}",
+        "--ffn=gelu",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        "--block_size=16",
+        "--max_iters=2",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--device=cpu",
     )
     command = [sys.executable, "-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -362,21 +358,17 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
         again.returncode == 2 and "already holds model.safetensors" in again.stderr and "Traceback" not in again.stderr
     )
     default = tmp_path / "default"
-    train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={char_data}",
-                f"--out_dir={default}",
-                "--n_layer=1",
-                "--n_head=2",
-                "--n_embd=16",
-                "--block_size=16",
-                "--max_iters=1",
-                "--eval_interval=1",
-                "--eval_iters=1",
-                "--device=cpu",
-            ]
-        )
+    run_train(
+        f"--data_dir={char_data}",
+        f"--out_dir={default}",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        "--block_size=16",
+        "--max_iters=1",
+        "--eval_interval=1",
+        "--eval_iters=1",
+        "--device=cpu",
     )
     refused = subprocess.run(
         [*command[:4], f"--out_dir={default}", f"--hf_dir={tmp_path / 'hf2'}"],

@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 
-import train
 from gptlite import GPT
 from gptlite.checkpoint import load_checkpoint, lora_model, model_from_checkpoint
 from gptlite.lora import LoRALinear, add_lora, merge_lora
 from gptlite.prepare import prepare
-from tests.conftest import DEVICE, ROOT
+from gptlite.run_config import resolve_config
+from tests.conftest import DEVICE, ROOT, run_train
 from tests.test_hf import CHARS, hf_gpt2, hf_llama
 
 transformers.logging.set_verbosity_error()
@@ -85,9 +85,7 @@ def lora_args(base, data, out, *extra: str) -> list[str]:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_lora_run_trains_adapters_only_saves_them_alone_and_resumes_exactly(bases, char_data, tmp_path, family):
     base = bases[family]
-    straight = train.main(
-        train.resolve_config(lora_args(base, char_data, tmp_path / "a", "--max_iters=8", "--eval_interval=4"))
-    )
+    straight = run_train(*lora_args(base, char_data, tmp_path / "a", "--max_iters=8", "--eval_interval=4"))
     ckpt = load_checkpoint(tmp_path / "a")
     assert set(ckpt["model"]) == {k for k in ckpt["model"] if k.endswith(("lora_A", "lora_B"))} and ckpt["model"]
     assert ckpt["lora"]["base"] == str(base) and ckpt["lora"]["rank"] == 4
@@ -102,15 +100,15 @@ def test_a_lora_run_trains_adapters_only_saves_them_alone_and_resumes_exactly(ba
     assert not torch.equal(
         merged.state_dict()["blocks.0.attn.qkv.weight"], pretrained.state_dict()["blocks.0.attn.qkv.weight"]
     )
-    train.main(train.resolve_config(lora_args(base, char_data, tmp_path / "b", "--max_iters=4", "--eval_interval=4")))
-    resumed = train.main(train.resolve_config([f"--out_dir={tmp_path / 'b'}", "--resume", "--max_iters=8"]))
+    run_train(*lora_args(base, char_data, tmp_path / "b", "--max_iters=4", "--eval_interval=4"))
+    resumed = run_train(f"--out_dir={tmp_path / 'b'}", "--resume", "--max_iters=8")
     assert resumed["history"] == [h for h in straight["history"] if h[0] > 4]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_peft_loads_the_adapter_and_transformers_the_merged_model_with_equal_logits(bases, char_data, tmp_path, family):
     base, run = bases[family], tmp_path / "run"
-    train.main(train.resolve_config(lora_args(base, char_data, run, "--max_iters=4", "--eval_interval=4")))
+    run_train(*lora_args(base, char_data, run, "--max_iters=4", "--eval_interval=4"))
     for extra, hf_dir in ((["--adapter"], tmp_path / "adapter"), ([], tmp_path / "merged")):
         result = subprocess.run(
             [sys.executable, "-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={hf_dir}", *extra],
@@ -156,7 +154,7 @@ def test_bad_lora_settings_are_one_line(bases, char_data, tmp_path):
         )
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     with pytest.raises(ValueError, match="lora_rank needs --init_from"):
-        train.resolve_config([f"--data_dir={char_data}", f"--out_dir={tmp_path / 'y'}", "--lora_rank=4"])
+        resolve_config([f"--data_dir={char_data}", f"--out_dir={tmp_path / 'y'}", "--lora_rank=4"])
 
 
 def test_a_lora_run_whose_base_changed_or_went_is_refused(bases, char_data, tmp_path):
@@ -165,12 +163,11 @@ def test_a_lora_run_whose_base_changed_or_went_is_refused(bases, char_data, tmp_
     for f in bases["llama"].iterdir():
         (base / f.name).write_bytes(f.read_bytes())
     run = tmp_path / "run"
-    train.main(train.resolve_config(lora_args(base, char_data, run, "--max_iters=2", "--eval_interval=2")))
+    run_train(*lora_args(base, char_data, run, "--max_iters=2", "--eval_interval=2"))
     weights = base / "model.safetensors"
     original = weights.read_bytes()
     weights.write_bytes(original[:-4] + b"\0\0\0\0")
-    with pytest.raises(ValueError, match="are not the ones this LoRA run"):
-        train.main(train.resolve_config([f"--out_dir={run}", "--resume", "--max_iters=4"]))
+    assert "are not the ones this LoRA run" in run_train(f"--out_dir={run}", "--resume", "--max_iters=4").error
     with pytest.raises(ValueError, match="are not the ones this LoRA run was trained on"):
         model_from_checkpoint(load_checkpoint(run))
     weights.unlink()

@@ -1,5 +1,5 @@
 """Muon (gptlite/optim.py) against torch.optim.Muon, per-logical-matrix orthogonalisation, which parameters it
-gets in every variant, and optimizer="muon" through train.main: the schedule, learning_rate=0, exact resume,
+gets in every variant, and optimizer="muon" through the train.py command: the schedule, learning_rate=0, exact resume,
 the fp16 GradScaler."""
 
 import math
@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-import train
-from gptlite.checkpoint import load_checkpoint
+from gptlite.checkpoint import load_checkpoint, load_training_state
+from gptlite.config import build_config
 from gptlite.metrics import read_metrics
 from gptlite.model import GPT
-from gptlite.optim import Muon, block_matrices, lr_scale, newton_schulz, orthogonalise
-from tests.conftest import VARIANTS, tiny_config
+from gptlite.optim import Muon, block_matrices, configure_optimizers, lr_at, lr_scale, newton_schulz, orthogonalise
+from gptlite.run_config import resolve_config
+from tests.conftest import VARIANTS, run_train, tiny_config
 from tests.test_train import config, one_thread, resume, write_corpus  # noqa: F401 (fixture)
 
 
@@ -47,7 +48,7 @@ def test_one_unsplit_matrix_steps_exactly_as_torch_muon(shape):
 def test_matrices_of_one_shape_are_orthogonalised_together_as_each_alone():
     torch.manual_seed(0)
     updates = [torch.randn(3 * 16, 16), torch.randn(3 * 16, 16)]  # two layers' qkv: six 16x16 matrices, one batch
-    for update, together in zip(updates, orthogonalise(updates, split=3, dtype=torch.float32)):
+    for update, together in zip(updates, orthogonalise(updates, split=3, dtype=torch.float32), strict=True):
         assert torch.equal(together, torch.cat([newton_schulz(m, torch.float32) for m in update.chunk(3)]))
 
 
@@ -56,7 +57,7 @@ def test_each_logical_matrix_is_orthogonalised_on_its_own():
     g = torch.randn(3 * 32, 32)  # a fused qkv gradient: q, k, v stacked
     update = orthogonalise([g], split=3)[0]
     assert update.shape == g.shape and update.dtype == torch.bfloat16
-    for part, alone in zip(update.chunk(3), g.chunk(3)):
+    for part, alone in zip(update.chunk(3), g.chunk(3), strict=True):
         assert torch.equal(part, newton_schulz(alone))
         s = singular_values(part)
         assert 0.4 < s.min() and s.max() < 1.2 and 0.7 < s.median()  # orthogonal-ish: near 1, not at 1
@@ -82,7 +83,7 @@ def test_muon_refuses_what_is_not_a_matrix():
 
 
 def muon_config(**overrides):
-    return train.build_config(
+    return build_config(
         {"data_dir": "x", "optimizer": "muon", "learning_rate": 1e-3, "muon_lr": 0.03, **vars(tiny_config(**overrides))}
     )
 
@@ -91,7 +92,7 @@ def muon_config(**overrides):
 def test_only_the_matrices_inside_the_blocks_go_to_muon(name):
     cfg = muon_config(**VARIANTS[name])
     model = GPT(cfg.model)
-    adamw, muon = train.make_optimizers(model, cfg, "cpu")
+    adamw, muon = configure_optimizers(model, cfg, "cpu")
     names = {p: n for n, p in model.named_parameters()}
     split = {names[p]: group["split"] for group in muon.param_groups for p in group["params"]}
     fc = 2 if cfg.model.ffn == "swiglu" else 1
@@ -119,17 +120,17 @@ def test_only_the_matrices_inside_the_blocks_go_to_muon(name):
 
 
 def test_adamw_alone_is_one_optimizer_as_before():
-    cfg = train.build_config({"data_dir": "x", **vars(tiny_config())})
-    (adamw,) = train.make_optimizers(GPT(cfg.model), cfg, "cpu")
+    cfg = build_config({"data_dir": "x", **vars(tiny_config())})
+    (adamw,) = configure_optimizers(GPT(cfg.model), cfg, "cpu")
     assert isinstance(adamw, torch.optim.AdamW) and len(adamw.param_groups) == 2
 
 
 def test_a_muon_step_orthogonalises_q_k_v_and_swiglus_halves_apart():
-    cfg = train.build_config({"data_dir": "x", "optimizer": "muon", "muon_momentum": 0, **vars(tiny_config())})
+    cfg = build_config({"data_dir": "x", "optimizer": "muon", "muon_momentum": 0, **vars(tiny_config())})
     torch.manual_seed(0)
     model = GPT(cfg.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _, muon = train.make_optimizers(model, cfg, "cpu")
+    _, muon = configure_optimizers(model, cfg, "cpu")
     model(*torch.randint(0, 97, (2, 4, 32)))[1].backward()
     for group in muon.param_groups:
         group["lr"] = 1.0
@@ -139,14 +140,14 @@ def test_a_muon_step_orthogonalises_q_k_v_and_swiglus_halves_apart():
         p = dict(model.named_parameters())[name]
         steps, grads = (before[name] - p.detach()).chunk(parts), p.grad.chunk(parts)
         wholes = newton_schulz(p.grad, torch.float32).chunk(parts)
-        for step, grad, whole in zip(steps, grads, wholes):
+        for step, grad, whole in zip(steps, grads, wholes, strict=True):
             expected = lr_scale(grad.shape) * newton_schulz(grad, torch.float32)  # lr_scale: 1 for (C, C), 2 for (F, C)
             torch.testing.assert_close(step, expected, atol=1e-6, rtol=1e-5)
             assert not torch.allclose(step, lr_scale(grad.shape) * whole, atol=1e-2)  # not the fused matrix's part
 
 
 # ---------------------------------------------------------------------------------------------
-# through train.main
+# through train.py
 
 
 def test_the_schedule_scales_muons_learning_rate_too(data, tmp_path, monkeypatch):
@@ -157,15 +158,16 @@ def test_the_schedule_scales_muons_learning_rate_too(data, tmp_path, monkeypatch
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(Muon, "step", recording_step)
-    cfg = config(data, tmp_path, optimizer="muon", muon_lr=0.05, max_iters=8, eval_interval=8, lr_decay_iters=8)
-    train.main(cfg)
-    expected = [train.lr_at(step, cfg) * 0.05 / cfg.learning_rate for step in range(8)]
+    args = config(data, tmp_path, optimizer="muon", muon_lr=0.05, max_iters=8, eval_interval=8, lr_decay_iters=8)
+    run_train(*args)
+    cfg = resolve_config(args)
+    expected = [lr_at(step, cfg) * 0.05 / cfg.learning_rate for step in range(8)]
     assert [lrs[0] for lrs in seen] == pytest.approx(expected) and all(len(set(lrs)) == 1 for lrs in seen)
     assert seen[2][0] == pytest.approx(0.05) and seen[-1][0] < 0.05  # the peak after warmup, then the decay
 
 
 def test_learning_rate_0_leaves_every_weight_unchanged_with_muon(data, tmp_path):
-    cfg = config(
+    args = config(
         data,
         tmp_path,
         optimizer="muon",
@@ -175,7 +177,8 @@ def test_learning_rate_0_leaves_every_weight_unchanged_with_muon(data, tmp_path)
         max_iters=3,
         eval_interval=3,
     )
-    train.main(cfg)
+    run_train(*args)
+    cfg = resolve_config(args)
     torch.manual_seed(cfg.seed)
     initial = GPT(cfg.model).state_dict()
     saved = load_checkpoint(tmp_path)
@@ -193,9 +196,9 @@ def test_muon_trains_and_resumes_exactly(data, tmp_path, name):
         "eval_interval": 3,
         "lr_decay_iters": 6,
     }
-    straight = train.main(config(data, tmp_path / "straight", max_iters=6, **kw))
-    train.main(config(data, tmp_path / "resumed", max_iters=3, **kw))
-    resumed = train.main(resume(tmp_path / "resumed", "--max_iters=6"))
+    straight = run_train(*config(data, tmp_path / "straight", max_iters=6, **kw))
+    run_train(*config(data, tmp_path / "resumed", max_iters=3, **kw))
+    resumed = run_train(*resume(tmp_path / "resumed", "--max_iters=6"))
     assert resumed["history"] == straight["history"][3:]  # bit for bit
     assert straight["history"][-1][1] < straight["history"][0][1]
     a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
@@ -203,18 +206,18 @@ def test_muon_trains_and_resumes_exactly(data, tmp_path, name):
 
 
 def test_resume_refuses_another_optimizer_and_takes_changed_hyperparameters(data, tmp_path):
-    train.main(config(data, tmp_path, optimizer="muon", max_iters=2, eval_interval=2))
+    run_train(*config(data, tmp_path, optimizer="muon", max_iters=2, eval_interval=2))
     with pytest.raises(
         ValueError,
         match=r"cannot change the optimizer on --resume from .*: optimizer=adamw "
         r"\(checkpoint has muon, whose state it holds\); drop --optimizer",
     ):
-        resume(tmp_path, "--optimizer=adamw")
-    cfg = resume(tmp_path, "--muon_lr=0.01", "--muon_weight_decay=0.5", "--beta2=0.9")
+        resolve_config(resume(tmp_path, "--optimizer=adamw"))
+    cfg = resolve_config(resume(tmp_path, "--muon_lr=0.01", "--muon_weight_decay=0.5", "--beta2=0.9"))
     model = GPT(cfg.model)
-    adamw, muon = optimizers = train.make_optimizers(model, cfg, "cpu")
+    adamw, muon = optimizers = configure_optimizers(model, cfg, "cpu")
     ckpt = load_checkpoint(tmp_path)
-    train.load_training_state(model, optimizers, ckpt)
+    load_training_state(model, optimizers, ckpt)
     # the state comes from the checkpoint, the hyperparameters from this run's config
     qkv = model.blocks[0].attn.qkv.weight
     assert torch.equal(
@@ -225,14 +228,14 @@ def test_resume_refuses_another_optimizer_and_takes_changed_hyperparameters(data
 
 
 def test_a_checkpoint_from_before_lr_ratio_resumes(data, tmp_path):
-    train.main(config(data, tmp_path, max_iters=2, eval_interval=2))
+    run_train(*config(data, tmp_path, max_iters=2, eval_interval=2))
     ckpt = load_checkpoint(tmp_path)
     for group in ckpt["optimizer"]["param_groups"]:
         del group["lr_ratio"]
-    cfg = resume(tmp_path)
+    cfg = resolve_config(resume(tmp_path))
     model = GPT(cfg.model)
-    (adamw,) = train.make_optimizers(model, cfg, "cpu")
-    train.load_training_state(model, [adamw], ckpt)
+    (adamw,) = configure_optimizers(model, cfg, "cpu")
+    load_training_state(model, [adamw], ckpt)
     assert [g["lr_ratio"] for g in adamw.param_groups] == [1.0, 1.0]
     assert adamw.state[model.tok_emb.weight]["step"] == 2
 
@@ -240,16 +243,16 @@ def test_a_checkpoint_from_before_lr_ratio_resumes(data, tmp_path):
 def test_fp16_unscales_both_optimizers_and_an_overflow_skips_both(data, tmp_path, monkeypatch):
     """Both optimizers' gradients are unscaled before the norm is taken and clipped; the GradScaler checks each
     optimizer's gradients on its own, so an inf in AdamW's alone must still stop Muon's step."""
-    train.main(config(data, tmp_path / "fp32", optimizer="muon", max_iters=1, eval_interval=1))
+    run_train(*config(data, tmp_path / "fp32", optimizer="muon", max_iters=1, eval_interval=1))
     calls, steps = {"adamw": 0, "muon": 0}, [0]
-    real_accumulate, real_adamw, real_muon = train.accumulate_gradients, torch.optim.AdamW.step, Muon.step
+    real_unscale, real_adamw, real_muon = torch.amp.GradScaler.unscale_, torch.optim.AdamW.step, Muon.step
 
-    def accumulate(model, *args):
-        loss = real_accumulate(model, *args)
-        steps[0] += 1
-        if steps[0] == 2:  # step 2: an overflow in the token embedding's gradient only (AdamW's)
-            model.tok_emb.weight.grad[0, 0] = float("inf")
-        return loss
+    def unscale(self, optimizer):  # called once per optimizer and step, AdamW's first, before the norm is taken
+        if isinstance(optimizer, torch.optim.AdamW):
+            steps[0] += 1
+            if steps[0] == 2:  # step 2: an overflow in the token embedding's gradient only (AdamW's)
+                optimizer.param_groups[0]["params"][0].grad[0, 0] = float("inf")  # tok_emb.weight
+        return real_unscale(self, optimizer)
 
     def counting(name, real):
         def step(self, *args, **kwargs):
@@ -258,11 +261,11 @@ def test_fp16_unscales_both_optimizers_and_an_overflow_skips_both(data, tmp_path
 
         return step
 
-    monkeypatch.setattr(train, "accumulate_gradients", accumulate)
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unscale)
     monkeypatch.setattr(torch.optim.AdamW, "step", counting("adamw", real_adamw))
     monkeypatch.setattr(Muon, "step", counting("muon", real_muon))
     out = tmp_path / "fp16"
-    summary = train.main(config(data, out, optimizer="muon", dtype="float16", max_iters=3, eval_interval=3))
+    summary = run_train(*config(data, out, optimizer="muon", dtype="float16", max_iters=3, eval_interval=3))
     assert calls == {"adamw": 2, "muon": 2} and summary["skipped_steps"] == 0  # the scaler's skip is no fault
     assert load_checkpoint(out)["scaler"]["scale"] == 2.0**15  # lowered once from 2**16
     fp32, fp16 = (

@@ -7,11 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import sample
-import train
 from gptlite.checkpoint import load_model
 from gptlite.generate import generate
 from gptlite.quantize import Int8Linear, quantize_rows
-from tests.conftest import DEVICE, randint, tiny_model
+from tests.conftest import DEVICE, randint, run_train, tiny_model
 from tests.test_end_to_end import TINY, char_data  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.device
@@ -62,17 +61,13 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
     top two float32 logits lie within int8's rounding of each other (a near-tie any rounding may flip, as one more
     training step or another loss kernel does). Context 128: the text never leaves the first window."""
     out = tmp_path / "run"
-    train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={char_data}",
-                f"--out_dir={out}",
-                "--max_iters=150",
-                "--eval_interval=150",
-                *(f"--{k}={v}" for k, v in TINY.items()),
-                "--block_size=128",
-            ]
-        )
+    run_train(
+        f"--data_dir={char_data}",
+        f"--out_dir={out}",
+        "--max_iters=150",
+        "--eval_interval=150",
+        *(f"--{k}={v}" for k, v in TINY.items()),
+        "--block_size=128",
     )
     fp32, tokenizer = load_model(out)
     int8, _ = load_model(out, quantize="int8")
@@ -80,7 +75,9 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
     a = generate(fp32.to(DEVICE), prompt, 100, temperature=0)
     b = generate(int8.to(DEVICE), prompt, 100, temperature=0)
     if a != b:
-        first = next(i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y)  # > len(prompt): a new token
+        first = next(
+            i for i, (x, y) in enumerate(zip(a[0], b[0], strict=False)) if x != y
+        )  # > len(prompt): a new token
         context = torch.tensor([a[0][:first]], device=DEVICE)  # the tokens both decoded so far
         with torch.no_grad():
             want, got = fp32(context)[0][0, -1], int8(context)[0][0, -1]  # (V,) each: the step that parted

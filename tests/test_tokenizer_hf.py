@@ -13,10 +13,9 @@ import transformers
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-import train
 from gptlite.tokenizer import HFTokenizer, get_tokenizer, load_tokenizer, tokenizer_from_dict
 from gptlite.tokenizer.__main__ import main as tokenizer_main
-from tests.conftest import ROOT, shared_file
+from tests.conftest import ROOT, run_train, shared_file
 
 TEXTS = [
     "Hello world",
@@ -242,24 +241,20 @@ def test_a_trained_tokenizer_through_prepare_train_sample_evaluate_export(traine
         cwd=ROOT,
     )
     assert prepare.returncode == 0, prepare.stderr
-    train.main(
-        train.resolve_config(
-            [
-                f"--data_dir={data}",
-                f"--out_dir={run}",
-                "--pos_emb=rope",
-                "--norm=rmsnorm",
-                "--n_layer=1",
-                "--n_head=2",
-                "--n_embd=32",
-                "--block_size=32",
-                "--batch_size=4",
-                "--max_iters=4",
-                "--eval_interval=4",
-                "--eval_iters=2",
-                "--device=cpu",
-            ]
-        )
+    run_train(
+        f"--data_dir={data}",
+        f"--out_dir={run}",
+        "--pos_emb=rope",
+        "--norm=rmsnorm",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=32",
+        "--batch_size=4",
+        "--max_iters=4",
+        "--eval_interval=4",
+        "--eval_iters=2",
+        "--device=cpu",
     )
     assert load_tokenizer(run).encode(TEXTS[1]) == load_tokenizer(trained).encode(TEXTS[1])
     for command in (

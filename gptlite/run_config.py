@@ -1,0 +1,107 @@
+"""A training run's configuration, resolved: train.py's command line and TOML file (gptlite.config) completed by what
+the run builds on. On --resume the run's own checkpoint gives the base, and what cannot change on a resume (the
+model's shape, a LoRA run's adapters, the optimizer whose state it holds) is refused in one line; with --init_from
+the pretrained model's config.json gives the shape; and otherwise the data's tokenizer.json gives vocab_size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from gptlite.checkpoint import load_checkpoint
+from gptlite.cli import HelpRequested, config_help, parse_args
+from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
+from gptlite.tokenizer import TOKENIZER_FILE
+
+NO_DATA_DIR = "data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)"
+
+
+def resolve_config(argv: list[str], doc: str = "") -> TrainConfig:
+    """train.py's TrainConfig from its argv: defaults < TOML < --key=value, on --resume over the checkpoint's config,
+    with --init_from over the pretrained model's shape; otherwise vocab_size comes from the data. `--help` raises
+    HelpRequested with `doc` and every key."""
+    if "-h" in argv or "--help" in argv:
+        raise HelpRequested(doc.strip() + "\n\nkeys and defaults:\n" + config_help())
+    toml_path, overrides = parse_args(argv)
+    values = {**(read_toml(toml_path) if toml_path else {}), **overrides}
+    unknown = [unknown_key(k, flat_fields()) for k in values if k not in flat_fields()]
+    if unknown:  # before anything is read: a typo is named first
+        raise ValueError("; ".join(unknown))
+    if values.get("init_from") in ("scratch", "resume"):  # nanoGPT's values, which mean the same here
+        if values.pop("init_from") == "resume":
+            values.setdefault("resume", True)
+    out_dir = values.get("out_dir", TrainConfig.out_dir)
+    saved = None
+    if convert("resume", values.get("resume", False), bool):
+        with contextlib.suppress(FileNotFoundError):  # train.py says so and starts from scratch
+            saved = load_checkpoint(out_dir, on_fallback=lambda message: None)["config"]  # train.py reports fallbacks
+    if saved:
+        check_resume(values, saved, out_dir)
+        values = {**saved, **values}
+    elif values.get("init_from"):
+        values = {**pretrained_values(str(values["init_from"]), values), **values}
+    if "vocab_size" not in values:
+        if not values.get("data_dir"):
+            raise ValueError(NO_DATA_DIR)
+        values["vocab_size"] = read_vocab_size(values["data_dir"])
+    return build_config(values)
+
+
+def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) -> None:
+    """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the optimizer
+    (the checkpoint holds its state)."""
+    changed = [f"{k}={v} (checkpoint has {old})" for k, v, old in model_changes(values, saved)]
+    if changed:
+        raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
+    lora = [
+        f"{k}={values[k]} (checkpoint has {saved.get(k)})"
+        for k in ("lora_rank", "lora_targets", "init_from")
+        if k in values and saved.get("lora_rank") and str(values[k]) != str(saved.get(k))
+    ]
+    if lora:
+        raise ValueError(f"cannot change the adapters on --resume of the LoRA run in {out_dir}: {', '.join(lora)}")
+    if "optimizer" in values and values["optimizer"] != saved.get("optimizer", "adamw"):
+        raise ValueError(
+            f"cannot change the optimizer on --resume from {out_dir}: optimizer={values['optimizer']} "
+            f"(checkpoint has {saved.get('optimizer', 'adamw')}, whose state it holds); drop "
+            "--optimizer, or start a new run in another --out_dir"
+        )
+
+
+def pretrained_values(init_from: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The model keys of a pretrained checkpoint (its config.json only), after checking that `values` changes none
+    of them but block_size (which may be smaller) and dropout."""
+    from gptlite.hf import pretrained_config
+
+    pretrained = dict(vars(pretrained_config(init_from)))
+    changed = [f"{k}={v} (the model has {old})" for k, v, old in model_changes(values, pretrained) if k != "block_size"]
+    if changed:
+        raise ValueError(
+            f"--init_from={init_from} fixes the model's shape; drop {', '.join(changed)} "
+            "(block_size may be smaller, dropout anything)"
+        )
+    return pretrained
+
+
+def read_vocab_size(data_dir: str) -> int:
+    """vocab_size recorded in DATA_DIR/tokenizer.json by data/prepare.py."""
+    if not Path(data_dir).is_dir():
+        raise FileNotFoundError(
+            f"data_dir {data_dir} does not exist or is not a folder; prepare data there first "
+            f"(python data/prepare.py --input=... --out_dir={data_dir}) or check the path"
+        )
+    path = Path(data_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist, so the vocabulary size is unknown; pass --vocab_size=N "
+            "(e.g. 50304 for GPT-2 token shards) or prepare the data with data/prepare.py"
+        )
+    try:
+        return int(json.loads(path.read_text())["vocab_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} has no valid vocab_size ({e}); prepare the data again or pass --vocab_size=N"
+        ) from None
