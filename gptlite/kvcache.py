@@ -131,7 +131,7 @@ class KVCache:
 
     def copy_from(self, other: KVCache) -> None:
         """Take over other's contents (same shapes), keeping this cache's buffers where they are."""
-        for mine, theirs in zip(self.k + self.v, other.k + other.v):
+        for mine, theirs in zip(self.k + self.v, other.k + other.v, strict=True):
             mine.copy_(theirs)
         self.visible.copy_(other.visible)
         self.first, self.padded, self.end = other.first, other.padded, other.end
