@@ -285,7 +285,8 @@ def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
 
 class SwiGLUGate(torch.autograd.Function):
     """silu(gate) * value, the same math as chunking h, but the backward writes both halves' gradients into
-    one (B, T, 2F) tensor, where chunk's backward would concatenate two (3% of a small eager step on a CPU)."""
+    one (B, T, 2F) tensor, where chunk's backward would concatenate two: a cat per block, a visible part of a
+    small model's eager step on a CPU (figures: docs/training.md)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
