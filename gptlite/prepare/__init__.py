@@ -139,18 +139,12 @@ def prepare(
     )
     start, bytes_before = time.perf_counter(), progress["bytes"]
     pieces = iter_pieces(sources, progress["cursor"], val_fraction, field)
-    tokenize_into_shards(
-        pieces,
-        tokenizer,
-        workers,
-        writers,
-        progress,
-        out_dir,
-        total,
-        val_fraction=val_fraction,
-        text_field=field,
-        chat=chat_options,
-    )
+    try:
+        write_batches(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction, field, chat_options)
+    except OSError as e:  # a full disk is one line, and the same command then resumes
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise fault(e, f"could not write the shards in {out_dir} (the same command resumes)") from None
     seconds = time.perf_counter() - start
 
     counts = {s: writers[s].tokens for s in SPLITS}
@@ -242,29 +236,6 @@ def new_progress(key: str, dtype: np.dtype) -> dict:
     """The state of a preparation that has not read anything yet."""
     progress = {"settings": key, "dtype": dtype.str, "cursor": START, "documents": 0, "bytes": 0, "replaced": 0}
     return progress | {split: {"shards": [], "open_tokens": 0} for split in SPLITS}
-
-
-def tokenize_into_shards(
-    pieces: Iterator[Piece],
-    tokenizer: Tokenizer,
-    workers: int,
-    writers: dict[str, ShardWriter],
-    progress: dict,
-    out_dir: Path,
-    total: int | None,
-    *,
-    val_fraction: float,
-    text_field: str,
-    chat: dict | None = None,
-) -> None:
-    """Tokenize the pieces batch by batch into the writers, checkpointing progress after each batch; a full disk is
-    one line (the same command then resumes)."""
-    try:
-        write_batches(pieces, tokenizer, workers, writers, progress, out_dir, total, val_fraction, text_field, chat)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise fault(e, f"could not write the shards in {out_dir} (the same command resumes)") from None
 
 
 def write_batches(
