@@ -382,9 +382,13 @@ class GPT(nn.Module):
         reduction: str = "mean",
         return_logits: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T) (-1 ignored): its mean,
-        or with reduction="sum" its sum; None without targets. return_logits=False (training) gives (None, loss), the
-        head and loss a chunk of tokens at a time (gptlite.loss): all the logits are never in memory at once."""
+        """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T), where a target of
+        -1 is ignored (a conversation's non-assistant tokens, padding): its mean over the other targets, or with
+        reduction="sum" its sum; the loss is None without targets.
+
+        return_logits=False (training) gives (None, loss), the output head and the loss computed a chunk of tokens
+        at a time (gptlite.loss), so that the (B, T, V) logits, their softmax and its gradient are never all in
+        memory at once."""
         if targets is not None:
             self._check_targets(idx, targets)
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:  # not LoRA'd, not int8
