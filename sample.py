@@ -25,7 +25,7 @@ import torch
 
 from gptlite.checkpoint import load_model
 from gptlite.cli import parse, run_command
-from gptlite.config import DTYPE_CHOICES, option, parse_bool
+from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option, parse_bool
 from gptlite.conversation import Conversation
 from gptlite.device import pick_device, pick_dtype
 from gptlite.generate import generate, generate_text
@@ -80,7 +80,7 @@ class SampleOptions:
     quantize: str = option(
         "",
         "int8: weight-only int8 weights (a quarter of float32's bytes; fastest with --compile)",
-        choices=("", "int8"),
+        choices=QUANTIZE_CHOICES,
     )
     extend_context: bool = option(
         False, "sinusoidal or rope positions: run past block_size instead of sliding the window"

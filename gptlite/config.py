@@ -23,6 +23,7 @@ else:  # Python 3.10
 
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # every command's --dtype (see gptlite.device)
+QUANTIZE_CHOICES = ("", "int8")  # weight-only quantizations gptlite.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
 

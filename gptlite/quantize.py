@@ -20,10 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlite.config import QUANTIZE_CHOICES
+
 if TYPE_CHECKING:
     from gptlite.model import GPT
 
-MODES = ("int8",)
+MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8",): declared with --quantize's choices
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptlite.cli import parse, run_command
-from gptlite.config import DTYPE_CHOICES, option
+from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
 from gptlite.files import error
 
@@ -60,7 +60,7 @@ class ServeOptions:
         "compile three graphs); for GPUs: on a CPU the default eager path, sample.py's "
         "slab and packed layers, decodes faster (docs/serve.md)",
     )
-    quantize: str = option("", "int8: weight-only int8 weights", choices=("", "int8"))
+    quantize: str = option("", "int8: weight-only int8 weights", choices=QUANTIZE_CHOICES)
     log_level: str = option("info", "uvicorn's log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self) -> None:
