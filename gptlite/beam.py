@@ -77,7 +77,8 @@ def beam_search(
             # the running beams: the best num_beams candidates that did not end
             alive = top + ends.float() * NEG
             best = alive.topk(N).indices  # (B, N)
-            running, tokens = alive.gather(1, best), candidates.gather(1, best[..., None].expand(-1, -1, i + 1))
+            running = alive.gather(1, best)
+            tokens = candidates.gather(1, best[..., None].expand(-1, -1, i + 1))
             parents = parent.gather(1, best)  # (B, N)
 
             # can the best running beam still beat the worst finished hypothesis? (transformers' heuristic)

@@ -56,7 +56,9 @@ class _HashingWriter:
     A failed write is kept in `error` (torch.save reports it as a RuntimeError of its own)."""
 
     def __init__(self, f):
-        self.f, self.sha, self.error = f, hashlib.sha256(), None
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.error = None
 
     def write(self, data) -> int:
         self.sha.update(data)

@@ -66,7 +66,9 @@ def split_argv(
 ) -> tuple[str | None, dict[str, Any]]:
     """argv -> (the TOML file, if an argument names one; {key: raw value}). See the module docstring for the
     syntax. Keys are returned as given (dashes as underscores); unknown ones are left for the caller to name."""
-    toml_path, values, plain = None, {}, []
+    toml_path = None
+    values = {}
+    plain = []
     i = 0
     while i < len(argv):
         arg = argv[i]

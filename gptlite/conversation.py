@@ -38,7 +38,10 @@ class Conversation:
                 f"the tokenizer's chat markers need ids up to {tokenizer.vocab_size - 1} but the model knows "
                 f"{model.config.vocab_size}: it was not trained on conversations (data/prepare.py --chat)"
             )
-        self.model, self.tokenizer, self.sampling, self.generator = model, tokenizer, sampling, generator
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.generator = generator
         self.max_new_tokens = max_new_tokens
         self.messages = [{"role": "system", "content": system}] if system else []
         self.stops = {i for i in (tokenizer.end_of_turn_id, *getattr(tokenizer, "stop_ids", ())) if i is not None}

@@ -56,7 +56,10 @@ class ShardLoader:
         self.files = list(files)
         self.shards = [read_shard(p) for p in self.files]
         self.batch_size, self.block_size = batch_size, block_size
-        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
         windows = sum(max(0, (len(s) - 1) // block_size) for s in self.shards)
         need = batch_size * world_size
         if windows < need:
@@ -66,7 +69,9 @@ class ShardLoader:
                 f"block_size+1={block_size + 1} tokens, fewer than one batch of {need}; "
                 "use more data or a smaller batch_size / block_size"
             )
-        self.epoch, self.shard, self.index = 0, 0, 0
+        self.epoch = 0
+        self.shard = 0
+        self.index = 0
         self._plan_epoch()
 
     def _plan_epoch(self) -> None:
@@ -156,7 +161,9 @@ class ChatLoader:
         self.tokens = [read_shard(p) for p in self.files]
         self.roles = [read_roles(roles_path(p), len(t)) for p, t in zip(self.files, self.tokens, strict=True)]
         self.batch_size, self.block_size = batch_size, block_size
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
         self.conversations = np.array(
             [(s, a, b) for s, roles in enumerate(self.roles) for a, b in spans(roles)], dtype=np.int64
         ).reshape(-1, 3)  # (N, 3): shard, start, end

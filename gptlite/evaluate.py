@@ -170,7 +170,9 @@ def hellaswag_row(line: str, where: str) -> dict:
     missing = [k for k in ("ctx", "endings", "label") if not isinstance(row, dict) or k not in row]
     if missing:
         raise ValueError(f"{where} has no field '{missing[0]}'; a HellaSwag row holds ctx, endings and label")
-    endings, label, ctx = row["endings"], row["label"], row["ctx"]
+    endings = row["endings"]
+    label = row["label"]
+    ctx = row["ctx"]
     if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
         raise ValueError(f"{where}: endings must be a list of 4 strings, got {str(endings)[:80]}")
     if not isinstance(ctx, str) or not ctx:

@@ -367,7 +367,9 @@ class TextStream:
     def _release(self, final: bool) -> str:
         hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
         if hits:
-            out, self.pending, self.done = self.pending[: min(hits)], "", True
+            out = self.pending[: min(hits)]
+            self.pending = ""
+            self.done = True
             return out
         # no stop string has started before a released character: keep the longest tail that begins one
         hold = (

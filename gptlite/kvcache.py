@@ -110,7 +110,8 @@ class KVCache:
         if n > 1:
             self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
             self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
-            self.visible, self.first = self.visible.repeat_interleave(n, dim=0), self.first.repeat_interleave(n, dim=0)
+            self.visible = self.visible.repeat_interleave(n, dim=0)
+            self.first = self.first.repeat_interleave(n, dim=0)
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i takes over the contents of row rows[i] (beam search: each beam follows its parent), in place,
@@ -134,7 +135,9 @@ class KVCache:
         for mine, theirs in zip(self.k + self.v, other.k + other.v, strict=True):
             mine.copy_(theirs)
         self.visible.copy_(other.visible)
-        self.first, self.padded, self.end = other.first, other.padded, other.end
+        self.first = other.first
+        self.padded = other.padded
+        self.end = other.end
 
 
 def new_cache(model: GPT, batch_size: int, max_len: int | None = None) -> KVCache:

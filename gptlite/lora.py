@@ -39,7 +39,9 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=dtype))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=dtype))  # (out, r)
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear and PEFT initialise A
-        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.rank = rank
+        self.alpha = alpha
+        self.scaling = alpha / rank
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mean: bool, chunk: int, grads: bool
     ) -> torch.Tensor:
         dtype = compute_dtype(h, weight)
-        want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        want_h = grads and ctx.needs_input_grad[0]
+        want_w = grads and ctx.needs_input_grad[1]
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             count = (targets >= 0).sum()

@@ -195,7 +195,9 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_width
+        self.n_head = config.n_head
+        self.n_kv_head = config.kv_heads
+        self.head_dim = config.head_width
         self.sizes = (config.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
@@ -443,7 +445,8 @@ class GPT(nn.Module):
         """Check that a state dict holds exactly this model's tensors with their shapes (before load_state_dict,
         whose errors are tracebacks); a mismatch is one ValueError naming `source` and the first differing tensor."""
         expected = self.state_dict()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(
                 f"{source}: the weights do not fit the model its config describes (missing: "

@@ -248,7 +248,10 @@ class ShardWriter:
     suffix = ".bin"
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
-        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.out_dir = out_dir
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
         self.header = np.zeros(HEADER_INTS, dtype="<i4")  # llm.c's: magic, version, token count, zeros
         self.header[:2] = self.magic_and_version()
         state = state or {"shards": [], "open_tokens": 0}

@@ -246,7 +246,8 @@ def gpt2_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
 def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     """The switches of the Llama layout's families, and what of the config they cannot hold."""
     heads, hidden = c["num_attention_heads"], c["hidden_size"]
-    kv_heads, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or hidden // heads
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     values = dict(

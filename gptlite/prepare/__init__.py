@@ -310,7 +310,8 @@ def save_progress(out_dir: Path, progress: dict, writers: dict[str, ShardWriter]
 
 
 def log_summary(log, manifest: dict, n_bytes: int, seconds: float) -> None:
-    tokens, docs = manifest["train_tokens"] + manifest["val_tokens"], manifest["documents"]
+    tokens = manifest["train_tokens"] + manifest["val_tokens"]
+    docs = manifest["documents"]
     n_train = sum(s["file"].startswith("train") for s in manifest["shards"])
     replaced = (
         f"; replaced {manifest['replaced']:,} undecodable byte sequence(s) with U+FFFD" if manifest["replaced"] else ""

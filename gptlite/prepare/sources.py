@@ -255,9 +255,11 @@ def iter_pieces(sources: list[dict], cursor: dict, val_fraction: float, text_fie
                 position = end
         else:
             if source["format"] == "parquet":
-                batches, origin = read_parquet(source["path"], position, text_field), ("row", source["path"])
+                batches = read_parquet(source["path"], position, text_field)
+                origin = ("row", source["path"])
             else:
-                batches, origin = read_hf(source, position, text_field), ("record", source["dataset"])
+                batches = read_hf(source, position, text_field)
+                origin = ("record", source["dataset"])
             for column, n_bytes, end in arrow_runs(batches):
                 yield Piece("arrow", column, None, True, n_bytes, (*origin, position), {"source": i, "position": end})
                 position = end

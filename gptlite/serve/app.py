@@ -77,7 +77,9 @@ class Server:
     """The app's state: the engine, the tokenizer, the model's name, and how many completions are in flight."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int, wait_when_full: bool):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
         self.limit = engine.max_batch + max_waiting
         self.wait_when_full = wait_when_full
         self.in_flight = 0
@@ -120,7 +122,9 @@ class Server:
                 f"at once; this server runs at most {self.engine.max_batch} (its --max_batch)",
                 "n",
             )
-        context, stops, out = self.engine.max_len, body.stops(), []
+        context = self.engine.max_len
+        stops = body.stops()
+        out = []
         for prompt in prompts:
             if len(prompt) >= context:
                 raise APIError(

@@ -95,7 +95,9 @@ class Engine:
     ):
         config = model.config
         weight = model.tok_emb.weight
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
         self.max_len = min(max_len or config.block_size, config.block_size)  # a row's prompt + completion
         self.cache = RowCache(config, max_batch, self.max_len, weight.dtype, weight.device, always_mask=compile)
         self.vocab = min(tokenizer.vocab_size, config.vocab_size)  # ids past the tokenizer's are never sampled
@@ -103,7 +105,8 @@ class Engine:
             self.one = self.many = model
             self.step = compiled_step()
         else:  # the eager CPU views: slab layers for one row, packed layers for several (other devices: the model)
-            self.one, self.many = packed_for_cpu(model, 1), packed_for_cpu(model, max(2, max_batch))
+            self.one = packed_for_cpu(model, 1)
+            self.many = packed_for_cpu(model, max(2, max_batch))
             self.step = decode_step
         self.rows: list[Row] = []  # running, in cache rows 0..len-1
         self.waiting: deque[Job] = deque()

@@ -44,7 +44,11 @@ class APIError(Exception):
         kind: str = "invalid_request_error",
     ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

@@ -33,7 +33,9 @@ class RowCache:
     ):
         self.always_mask = always_mask  # a mask even where none is needed (a compiled step then has one graph less)
         self.k, self.v = kv_buffers(config, rows, max_len, dtype, device)  # (R, KV, L, D) each
-        self.rows, self.max_len, self.device = rows, max_len, torch.device(device)
+        self.rows = rows
+        self.max_len = max_len
+        self.device = torch.device(device)
         self.span = 0  # S: slots the next call attends over
         self.selected = slice(0, 0)  # the rows the next call runs
         self.row_ids = torch.zeros(0, 1, dtype=torch.long)  # (n, 1) their indices

@@ -56,7 +56,9 @@ class HFTokenizer(Tokenizer):
         self.spec = spec
         self.tok = RustTokenizer.from_str(json.dumps(spec))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.bos, self.eos, self.chat_template = bos, eos, chat_template
+        self.bos = bos
+        self.eos = eos
+        self.chat_template = chat_template
         self.bos_id, self.eos_id = self.token_id(bos), self.token_id(eos)
         self.eot_id = self.token_id(EOT) if self.token_id(EOT) is not None else self.eos_id
         self.stop = [s for s in dict.fromkeys([*stop, *([eos] if eos else [])]) if self.token_id(s) is not None]
