@@ -4,6 +4,7 @@ local copy instead."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from pathlib import Path
@@ -22,11 +23,13 @@ def optional_import(module: str, what: str):
 
 
 def download(url: str, dest: Path) -> Path:
-    """Download url to dest (atomically) unless it is already there."""
+    """Download url to dest (atomically) unless it is already there. A failure leaves nothing behind: neither a
+    partial file nor the folders made for it."""
     import urllib.request  # here, not at the top: every spawned worker imports this module
 
     if dest.is_file():
         return dest
+    created = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]  # deepest first
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
     try:
@@ -35,6 +38,9 @@ def download(url: str, dest: Path) -> Path:
                 f.write(chunk)
     except OSError as e:
         tmp.unlink(missing_ok=True)
+        for folder in created:  # a failed download leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise ConnectionError(
             f"could not download {url} ({e}); download it elsewhere and pass the local file instead"
         ) from None

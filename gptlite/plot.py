@@ -133,7 +133,10 @@ class PlotOptions:
     )
     x: str = option("step", "the x axis", choices=("step", "tokens"))
     log: bool = option(False, "logarithmic axes")
-    out: str = option("", "the plot: .png, .pdf or .svg (default: RUN/loss.png for one run, loss.png here for several)")
+    out: str = option(
+        "",
+        "the plot: .png, .pdf or .svg (default: RUN/loss.png for one run, loss.png beside the first run for several)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.runs:
             raise ValueError("give at least one run: python -m gptlite.plot RUN [RUN ...]")
         one = len(args.runs) == 1 and Path(args.runs[0]).is_dir()
-        out = args.out or (Path(args.runs[0]) / "loss.png" if one else Path("loss.png"))
+        # by default the plot goes with the runs (out/ is ignored by git), never into the directory the command runs in
+        out = args.out or (Path(args.runs[0]) / "loss.png" if one else Path(args.runs[0]).parent / "loss.png")
         print(f"wrote {plot_runs(args.runs, out, args.x, args.log)}")
         return 0
 

@@ -381,6 +381,8 @@ def test_metrics_file_and_the_plot_of_several_runs(data, tmp_path, capsys):
     from matplotlib.image import imread
 
     assert imread(out).shape[:2] == (500, 800)  # 8 x 5 inches at 100 dpi: one panel, no bits per byte
+    assert plot.main([*map(str, runs)]) == 0  # several runs, no --out: beside them, never where the command runs
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not Path("loss.png").exists()
 
     assert plot.main([str(tmp_path / "nowhere")]) == 2
     assert f"gptlite.plot: error: {tmp_path / 'nowhere' / 'metrics.jsonl'} does not exist" in capsys.readouterr().err
