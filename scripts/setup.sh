@@ -6,8 +6,15 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-# torch first, pinned to the release CI tests. On a CPU-only Linux machine the CPU build is much
-# smaller: pip install torch --index-url https://download.pytorch.org/whl/cpu (before this script).
-python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
+# torch first, pinned to the release CI tests. TORCH_CPU=1 takes the CPU-only build from PyTorch's own index:
+# on Linux the default build brings several GB of CUDA libraries that a machine without a GPU never uses.
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+if ! python -c "import torch" 2>/dev/null; then
+    if [ "${TORCH_CPU:-0}" = 1 ]; then
+        python -m pip install --quiet "torch==2.13.0" --index-url "$TORCH_CPU_INDEX"
+    else
+        python -m pip install --quiet "torch==2.13.0"
+    fi
+fi
 python -m pip install --quiet -e ".[test]"
 python -c "import torch, gptlite; print(f'gptlite ready: torch {torch.__version__}, cuda {torch.cuda.is_available()}')"

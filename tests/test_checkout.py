@@ -1,7 +1,9 @@
 """The checkout a user clones: following the README leaves `git status` clean (what the commands write is
-ignored, and nothing generated is tracked)."""
+ignored, and nothing generated is tracked), and scripts/setup.sh takes torch's CPU build when asked."""
 
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,26 @@ def test_a_failed_download_leaves_no_folder_behind(tmp_path):
     with pytest.raises(ConnectionError, match=r"could not download http://127\.0\.0\.1:9/book\.txt"):
         prepare(["http://127.0.0.1:9/book.txt"], "byte", out, log=lambda *a: None)  # port 9: nothing listens
     assert not (tmp_path / "data").exists()
+
+
+def fake_venv(root: Path, log: Path) -> None:
+    """A .venv whose python logs its arguments and has no torch, so that setup.sh installs it."""
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\ncase "$*" in "-c import torch") exit 1;; esac\nexit 0\n')
+    python.chmod(0o755)
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["default", "TORCH_CPU=1"])
+def test_setup_takes_the_cpu_build_of_torch_when_asked(tmp_path, cpu):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
+    log = tmp_path / "calls.log"
+    fake_venv(tmp_path, log)
+    env = {**os.environ, "TORCH_CPU": "1" if cpu else "0"}
+    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    (install,) = [line for line in log.read_text().splitlines() if "torch==2.13.0" in line]
+    assert ("--index-url https://download.pytorch.org/whl/cpu" in install) == cpu
