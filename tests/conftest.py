@@ -36,6 +36,7 @@ DEVICE = os.environ.get("GPTLITE_TEST_DEVICE", "cpu")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "device: device-generic; runs on GPTLITE_TEST_DEVICE")
+    config.addinivalue_line("markers", "slow: starts processes or compiles; -m 'not slow' leaves it out (CI runs all)")
     if DEVICE.startswith("cuda") and not torch.cuda.is_available():
         raise pytest.UsageError(
             f"GPTLITE_TEST_DEVICE={DEVICE} but CUDA is not available here; unset it to test on the CPU"

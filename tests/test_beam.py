@@ -139,6 +139,7 @@ def test_beams_need_the_whole_context_within_block_size():
     assert len(rope.generate([[1] * 10], 31, num_beams=2, extend_context=True)[0]) == 41
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_sample_py_prints_the_best_beams(tmp_path):
     model = tiny_model()
     from gptlite.checkpoint import save_checkpoint

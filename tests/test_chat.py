@@ -182,6 +182,7 @@ def test_a_template_that_fails_is_one_line(tmp_path):
         get_tokenizer(str(folder)).apply_chat_template(CONVERSATION)
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_a_model_learns_to_answer_and_sample_chat_answers(tmp_path):
     """Users type random letters, the assistant always says 'I like tea.': trained on the assistant's turns only,
     the loss falls near 0 (it could not if the random letters were targets), and sample.py --chat answers."""

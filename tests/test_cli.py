@@ -99,6 +99,7 @@ def test_only_cli_imports_a_command_line_parser_library():
     assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.dump(n) for n in tree.body)
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 @pytest.mark.parametrize(
     "command,typo,meant",
     [

@@ -15,6 +15,8 @@ from gptlite.data import ShardLoader, find_shards, write_shard
 from tests.conftest import ROOT, run_train
 from tests.test_train import TINY, config, losses, one_thread, resume, write_corpus  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.slow  # torchrun processes: left out by -m 'not slow'
+
 # 256 tokens per optimizer step = 16 windows of 16 tokens: 2 ranks x 4 x 2 micro-steps, 1 x 8 x 2, or 1 x 16 x 1
 RUN = dict(total_batch_size=256, eval_interval=4, lr_decay_iters=12)
 

@@ -213,6 +213,7 @@ def test_train_logs_val_bpb_next_to_val_loss(char_run):
     assert row["val_bpb"] == pytest.approx(row["val_loss"] / math.log(2), rel=1e-6)  # ASCII characters: 1 byte each
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer):
     data, out, summary = char_run
     hellaswag_file = tmp_path / "hs.jsonl"

@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from gptlite import GPT, plot
+from gptlite import GPT, evaluate, plot
 from gptlite.checkpoint import save_checkpoint
 from gptlite.config import build_config, config_to_dict
 from gptlite.generate import generate_tokens
@@ -30,6 +30,15 @@ LLAMA = dict(pos_emb="rope", norm="rmsnorm", vocab_size=97, block_size=32)
 def run(*args: str, script: str = "sample.py") -> subprocess.CompletedProcess:
     command = [sys.executable, *(["-m", script] if not script.endswith(".py") else [str(ROOT / script)]), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def run_here(main, capsys, *args: str) -> subprocess.CompletedProcess:
+    """A command's main(argv) in this process, its result shaped as `run`'s: the same code path, without a
+    Python start (and torch's import) per case."""
+    capsys.readouterr()
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
 
 
 def one_line(result: subprocess.CompletedProcess, prog: str) -> str:
@@ -349,34 +358,36 @@ def test_plot_rows_it_cannot_draw_are_one_line(tmp_path, capsys, rows, message):
 # evaluate: texts too short to score, a --json folder that is not there
 
 
-def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path):
+def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
     cfg = build_config({"vocab_size": 97, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32})
     save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(cfg), "model": tiny_model().state_dict()})
     CharTokenizer(CHARS).save(tmp_path / "tokenizer.json")
     for content in ("", "a"):
         (tmp_path / "t.txt").write_text(content)
         line = one_line(
-            run(f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", script="gptlite.evaluate"), "gptlite.evaluate"
+            run_here(evaluate.main, capsys, f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}"), "gptlite.evaluate"
         )
         assert f"gives {len(content)} token(s); scoring needs at least 2" in line
     (tmp_path / "t.txt").write_text("To be, or not to be.\n")
     line = one_line(
-        run(
+        run_here(
+            evaluate.main,
+            capsys,
             f"--out_dir={tmp_path}",
             f"--text={tmp_path / 't.txt'}",
             f"--json={tmp_path / 'no' / 'r.json'}",
-            script="gptlite.evaluate",
         ),
         "gptlite.evaluate",
     )
     assert f"folder {tmp_path / 'no'} does not exist" in line
     assert math.isfinite(
         json.loads(
-            run(
+            run_here(
+                evaluate.main,
+                capsys,
                 f"--out_dir={tmp_path}",
                 f"--text={tmp_path / 't.txt'}",
                 f"--json={tmp_path / 'r.json'}",
-                script="gptlite.evaluate",
             ).returncode
             == 0
             and (tmp_path / "r.json").read_text()
@@ -384,22 +395,24 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path):
     )
     assert os.path.getsize(tmp_path / "r.json") > 0
     assert (
-        run(
+        run_here(
+            evaluate.main,
+            capsys,
             f"--out_dir={tmp_path}",
             f"--text={tmp_path / 't.txt'}",
             f"--json={tmp_path / 'r.json'}",
-            script="gptlite.evaluate",
         ).returncode
         == 0
     )  # an earlier result is replaced
     for given in ("ckpt.pt", "t.txt", "tokenizer.json"):  # inputs never are
         before = (tmp_path / given).read_bytes()
         line = one_line(
-            run(
+            run_here(
+                evaluate.main,
+                capsys,
                 f"--out_dir={tmp_path}",
                 f"--text={tmp_path / 't.txt'}",
                 f"--json={tmp_path / given}",
-                script="gptlite.evaluate",
             ),
             "gptlite.evaluate",
         )

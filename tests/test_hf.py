@@ -297,6 +297,7 @@ def test_train_from_pretrained_weights_with_learning_rate_0_changes_nothing(save
     assert resumed["step"] == 4
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_sample_from_pretrained_weights_prints_text(saved, tmp_path):
     _, directory = saved
     CharTokenizer(CHARS).save(tmp_path / "tokenizer.json")
@@ -328,6 +329,7 @@ def test_sample_from_pretrained_weights_prints_text(saved, tmp_path):
     assert result.returncode == 2 and "is not GPT-2 (97 ids), so its tokenizer is unknown" in result.stderr
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     run = tmp_path / "run"
     run_train(

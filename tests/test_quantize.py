@@ -99,6 +99,7 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
     assert code == 0
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_compiled_int8_generation_equals_eager():
     model = tiny_model().to(DEVICE).quantize("int8")
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]

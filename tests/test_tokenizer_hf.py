@@ -223,6 +223,7 @@ def test_a_bad_tokenizer_json_is_one_line(tmp_path, content, message):
         get_tokenizer(str(tmp_path / "empty"))
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_a_trained_tokenizer_through_prepare_train_sample_evaluate_export(trained, corpus, tmp_path):
     data, run, hf = tmp_path / "data", tmp_path / "run", tmp_path / "hf"
     prepare = subprocess.run(

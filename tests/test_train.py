@@ -438,6 +438,7 @@ def wait_until(condition, proc: subprocess.Popen) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(data, tmp_path, sig):
     out = tmp_path / "run"
@@ -459,6 +460,7 @@ def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(data, tmp_path,
     assert losses(out) == losses(tmp_path / "straight")
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_kill_9_at_any_moment_then_resume_matches_an_uninterrupted_run(data, tmp_path):
     out = tmp_path / "run"
     proc = start_training(data, out, max_iters=100_000, eval_interval=2, lr_decay_iters=40, keep_last=2)
@@ -496,6 +498,7 @@ def test_eval_iters_0_evaluates_every_val_window_once(data, tmp_path):
 # one run, one folder; faults of the disk
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_a_second_train_on_one_out_dir_is_refused_naming_the_first(data, tmp_path):
     out = tmp_path / "run"
     first = start_training(data, out, max_iters=100_000, eval_interval=1000, lr_decay_iters=40)
