@@ -146,15 +146,26 @@ def resolve(args: SampleOptions) -> None:
         args.top_k = None
 
 
-def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """Warnings while text streams (e.g. the context window sliding): the text so far goes out first, then the
-    warning on its own line of stderr, without Python's source-path prefix, so stdout holds only the text."""
-    sys.stdout.flush()
-    sys.stderr.write(f"\nsample.py: note: {message}\n")
-    sys.stderr.flush()
+class Notes:
+    """Warnings raised while text streams (e.g. the context window sliding), held until the text is out and then
+    printed on stderr, a line each without Python's source-path prefix: after the text, never inside it, also
+    where stdout and stderr share a terminal. `hold` is a warnings.showwarning."""
+
+    def __init__(self):
+        self.held: list[str] = []
+
+    def hold(self, message, category, filename, lineno, file=None, line=None) -> None:
+        self.held.append(str(message))
+
+    def print(self) -> None:
+        sys.stdout.flush()
+        for message in self.held:
+            sys.stderr.write(f"sample.py: note: {message}\n")
+        sys.stderr.flush()
+        self.held = []
 
 
-def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions) -> None:
+def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions, notes: Notes) -> None:
     """Sample `num_samples` continuations, `batch_size` at a time, the first of each batch streamed."""
     options = {
         "temperature": args.temperature,
@@ -178,9 +189,10 @@ def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOpt
             sys.stdout.flush()
             texts = [t + p for t, p in zip(texts, pieces, strict=True)]
         sys.stdout.write("\n" + "".join(SEPARATOR + prompt + text + "\n" for text in texts[1:]))
+        notes.print()
 
 
-def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions) -> None:
+def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions, notes: Notes) -> None:
     """The `num_samples` best continuations by beam search, best first, cut at the end-of-text token (if
     stop_at_eot) and before the first stop string."""
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
@@ -214,9 +226,10 @@ def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptio
         cuts = [i for i in (text.find(s) for s in args.stop if s) if i >= 0]
         texts.append(text[: min(cuts)] if cuts else text)
     sys.stdout.write(SEPARATOR.join(prompt + text + "\n" for text in texts))
+    notes.print()
 
 
-def chat(model: GPT, tokenizer: Tokenizer, args: SampleOptions) -> int:
+def chat(model: GPT, tokenizer: Tokenizer, args: SampleOptions, notes: Notes) -> int:
     """The conversation loop of --chat: a user turn per line of stdin, the reply streamed (see gptlite.conversation)."""
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
@@ -233,6 +246,7 @@ def chat(model: GPT, tokenizer: Tokenizer, args: SampleOptions) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        notes.print()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,17 +254,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         args = parse(SampleOptions, argv, "sample.py", __doc__)
-        warnings.showwarning = show_warning
+        notes = Notes()
+        warnings.showwarning = notes.hold
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch's own, inside compile
         resolve(args)
         model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
         model = model.to(args.device, getattr(torch, args.dtype)).eval()
         if args.quantize:
             model.quantize(args.quantize)
+        notes.print()  # what loading warned about comes before any text
         if args.chat:
-            return chat(model, tokenizer, args)
+            return chat(model, tokenizer, args, notes)
         prompt = read_prompt(args.start)
-        (print_beams if args.num_beams > 1 else print_samples)(model, tokenizer, prompt, args)
+        (print_beams if args.num_beams > 1 else print_samples)(model, tokenizer, prompt, args, notes)
         return 0
 
     return run_command("sample.py", body, "nothing to save")

@@ -1,5 +1,7 @@
 """sample.py on a tiny random checkpoint: streaming, samples, stop strings, errors."""
 
+import contextlib
+import io
 import re
 
 import pytest
@@ -154,7 +156,7 @@ def test_a_signal_stops_sampling_in_one_line(run_dir, signum):
     assert stderr.strip().splitlines()[-1] == f"sample.py: interrupted ({signum}); nothing to save"
 
 
-def test_a_sliding_window_note_goes_to_stderr_on_its_own_line(run_dir, capsys, monkeypatch):
+def test_a_sliding_window_note_goes_to_stderr_after_the_text(run_dir, capsys, monkeypatch):
     import warnings
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # sample.main replaces it
@@ -166,4 +168,9 @@ def test_a_sliding_window_note_goes_to_stderr_on_its_own_line(run_dir, capsys, m
         "sample.py: note: the context reached block_size=32: a full window keeps its newest 24 tokens, "
         "which are prefilled again at positions 0.. (see gptlite.generate)"
     ]
-    assert "\n" + note[0] in err  # on its own line, even when stderr and stdout share a terminal
+    # on its own line after the text, never inside it, also where stdout and stderr share a terminal
+    shared = io.StringIO()
+    with contextlib.redirect_stdout(shared), contextlib.redirect_stderr(shared):
+        assert sample.main([f"--out_dir={run_dir}", "--start=A", "--num_samples=1", "--max_new_tokens=80",
+                            "--temperature=0", "--device=cpu"]) == 0  # fmt: skip
+    assert shared.getvalue() == out + note[0] + "\n"
