@@ -50,7 +50,7 @@ class SampleOptions:
         "tokenizer.json; GPT-2's BPE with --init_from)",
     )
     start: str = option("\n", "prompt text, or FILE:path to read it from a file")
-    num_samples: int = option(3, "samples to print")
+    num_samples: int = option(3, "samples to print (1 by default with --temperature=0: greedy text is always the same)")
     max_new_tokens: int = option(500, "tokens to generate per sample")
     temperature: float | None = option(None, "0 = greedy (default 0.8; 1 with --num_beams)")
     top_k: int | None = option(200, "keep the k most likely tokens (None = all; None by default with --num_beams)")
@@ -142,8 +142,10 @@ def resolve(args: SampleOptions) -> None:
         )
     if args.temperature is None:
         args.temperature = 1.0 if beams else 0.8
-    if beams and "top_k" not in getattr(args, "given", ()):
+    if beams and "top_k" not in given:
         args.top_k = None
+    if args.temperature == 0 and not beams and "num_samples" not in given:
+        args.num_samples = 1  # greedy decoding writes the same text every time: one copy says it all
 
 
 class Notes:

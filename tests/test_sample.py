@@ -174,3 +174,10 @@ def test_a_sliding_window_note_goes_to_stderr_after_the_text(run_dir, capsys, mo
         assert sample.main([f"--out_dir={run_dir}", "--start=A", "--num_samples=1", "--max_new_tokens=80",
                             "--temperature=0", "--device=cpu"]) == 0  # fmt: skip
     assert shared.getvalue() == out + note[0] + "\n"
+
+
+def test_greedy_decoding_prints_one_sample_unless_asked_for_more(run_dir, capsys):
+    code, out, _ = run(run_dir, capsys, "--start=A", "--max_new_tokens=8", "--temperature=0")
+    assert code == 0 and SEPARATOR not in out and out.startswith("A")
+    code, out, _ = run(run_dir, capsys, "--start=A", "--max_new_tokens=8", "--temperature=0", "--num_samples=2")
+    assert code == 0 and out.count(SEPARATOR) == 1  # asked for: two (identical) samples
