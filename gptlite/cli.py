@@ -20,6 +20,7 @@ This module does not import torch at import time (data preparation starts withou
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import typing
@@ -231,6 +232,13 @@ class StopSignals(list):
         self.previous = {}
 
 
+def report(line: str) -> None:
+    """An error's line on stderr. Under torchrun every process runs the same checks on the same inputs (and the
+    ranks stop together on a problem rank 0 found), so rank 0 alone prints it: one line, not one per process."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+
+
 def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable[[], str] = "nothing was saved") -> int:
     """body()'s exit code, with one-line errors and clean interruptions (see the module docstring), and --help
     printed. `on_interrupt` (or what it returns, when called then) completes the line printed on an interruption:
@@ -248,10 +256,10 @@ def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable
         print(f"\n{prog}: interrupted ({signal.Signals(signum).name}); {kept}", file=sys.stderr)
         return 128 + signum
     except USER_ERRORS as e:
-        print(f"{prog}: error: {in_words(e)}", file=sys.stderr)
+        report(f"{prog}: error: {in_words(e)}")
         return 2
     except FloatingPointError as e:  # the loss or the gradients went non-finite and the run was told to stop
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        report(f"{prog}: error: {e}")
         return 1
     finally:
         for s, handler in previous.items():

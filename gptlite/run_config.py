@@ -91,7 +91,8 @@ def read_vocab_size(data_dir: str) -> int:
     if not Path(data_dir).is_dir():
         raise FileNotFoundError(
             f"data_dir {data_dir} does not exist or is not a folder; prepare data there first "
-            f"(python data/prepare.py --input=... --out_dir={data_dir}) or check the path"
+            f"(python data/prepare.py --input=... --out_dir={data_dir}, or python data/fineweb/download.py "
+            f"--out_dir={data_dir} for FineWeb's GPT-2 tokens) or check the path"
         )
     path = Path(data_dir) / TOKENIZER_FILE
     if not path.is_file():

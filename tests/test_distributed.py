@@ -111,9 +111,14 @@ def test_a_refusal_on_rank_0_ends_every_rank_in_one_line(data, one_process):
     values = {**TINY, **RUN, "data_dir": data, "out_dir": one_process, "batch_size": 4, "max_iters": 2}
     result = torchrun(str(ROOT / "train.py"), *(f"--{k}={v}" for k, v in values.items()))
     assert result.returncode != 0 and 'train.py", line' not in result.stderr  # torchrun's own report only
-    assert result.stderr.count(f"train.py: error: out_dir {one_process} holds an earlier run") == 2, result.stderr[
+    # every rank stops; rank 0 alone prints the line (the same on every rank), not one copy per process
+    assert result.stderr.count(f"train.py: error: out_dir {one_process} holds an earlier run") == 1, result.stderr[
         -3000:
     ]
+    missing = one_process.parent / "no-data"
+    result = torchrun(str(ROOT / "train.py"), f"--data_dir={missing}", f"--out_dir={missing / 'out'}")
+    line = f"train.py: error: data_dir {missing} does not exist or is not a folder"
+    assert result.stderr.count(line) == 1 and "python data/fineweb/download.py" in result.stderr, result.stderr[-3000:]
 
 
 def test_one_large_batch_trains_like_accumulated_micro_batches(data, one_process, tmp_path):
