@@ -137,12 +137,16 @@ def evaluate_windows(
 # HellaSwag
 
 
+def no_hellaswag_file(path: Path) -> FileNotFoundError:
+    return FileNotFoundError(f"HellaSwag file {path} does not exist; download {HELLASWAG_URL} and pass its path")
+
+
 def read_hellaswag(path: str | Path, limit: int | None = None) -> list[dict]:
     """The examples of a HellaSwag JSONL file (ctx, 4 endings, label), the first `limit` of them if given; a bad
     line is a ValueError naming the file, the line and what is wrong."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"HellaSwag file {path} does not exist; download {HELLASWAG_URL} and pass its path")
+        raise no_hellaswag_file(path)
     rows = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -328,6 +332,8 @@ def run(args: EvaluateOptions) -> dict:
     from gptlite.checkpoint import load_model
 
     tasks = check(args)
+    if "hellaswag" in tasks:  # its file, downloaded if need be, before any task spends minutes
+        hellaswag_path = hellaswag_file(args.hellaswag_file)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
@@ -344,12 +350,7 @@ def run(args: EvaluateOptions) -> dict:
                 f"{seconds:.1f} s"
             )
         else:
-            path = Path(args.hellaswag_file)
-            if not path.is_file() and path == HELLASWAG_FILE:
-                from gptlite.download import download
-
-                download(HELLASWAG_URL, path)
-            scores = hellaswag(model, tokenizer, path, args.limit, args.batch_size)
+            scores = hellaswag(model, tokenizer, hellaswag_path, args.limit, args.batch_size)
             seconds = time.perf_counter() - start
             results["hellaswag"] = {**scores, "seconds": seconds}
             print(
@@ -357,6 +358,22 @@ def run(args: EvaluateOptions) -> dict:
                 f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)"
             )
     return results
+
+
+def hellaswag_file(given: str) -> Path:
+    """The HellaSwag file to score: the one given, or HELLASWAG_FILE, downloaded from HELLASWAG_URL once. Offline, the
+    download's error says how to pass a copy."""
+    from gptlite.download import download
+
+    path = Path(given)
+    if path.is_file():
+        return path
+    if path != HELLASWAG_FILE:
+        raise no_hellaswag_file(path)
+    try:
+        return download(HELLASWAG_URL, path)
+    except ConnectionError as e:
+        raise ConnectionError(f"{e} with --hellaswag_file=PATH") from None
 
 
 def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[float, float | None, int, str]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlite import GPT, GPTConfig
+from gptlite import GPT, GPTConfig, evaluate
 from gptlite.evaluate import byte_lengths, ending_losses, evaluate_windows, hellaswag, read_hellaswag
 from gptlite.prepare import prepare
 from gptlite.tokenizer import CharTokenizer, get_tokenizer
@@ -214,7 +214,7 @@ def test_train_logs_val_bpb_next_to_val_loss(char_run):
 
 
 @pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
-def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer):
+def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer, capsys):
     data, out, summary = char_run
     hellaswag_file = tmp_path / "hs.jsonl"
     write_jsonl(hellaswag_file, [e for e in EXAMPLES if (e["ctx"] + "".join(e["endings"])).isascii()])  # char model
@@ -260,7 +260,22 @@ def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer):
             "does not exist; download",
         ),
     ]:
-        result = subprocess.run(
-            [sys.executable, "-m", "gptlite.evaluate", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
-        )
-        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+        code = evaluate.main(args)  # in this process: the same one-line errors, without a Python start each
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_offline_hellaswag_download_fails_first_and_names_the_option(char_run, tmp_path, monkeypatch, capsys):
+    """--task=val,hellaswag without network: the download fails before val is scored, in one line that says to pass
+    --hellaswag_file; no results file and no empty folder are left."""
+    _, out, _ = char_run
+    monkeypatch.chdir(tmp_path)  # the default file, data/hellaswag/hellaswag_val.jsonl, is relative to here
+    monkeypatch.setattr(evaluate, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # nothing listens
+    code = evaluate.main([f"--out_dir={out}", "--task=val,hellaswag", f"--json={tmp_path / 'r.json'}"])
+    captured = capsys.readouterr()
+    assert code == 2 and "val:" not in captured.out
+    error = captured.err.strip()
+    assert re.fullmatch(r"gptlite\.evaluate: error: could not download http://127\.0\.0\.1:9/hellaswag_val\.jsonl "
+                        r"\(.*\); download it elsewhere and pass the local file instead with --hellaswag_file=PATH",
+                        error), error  # fmt: skip
+    assert not (tmp_path / "data").exists() and not (tmp_path / "r.json").exists()
