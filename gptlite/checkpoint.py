@@ -42,6 +42,7 @@ from gptlite.files import FolderLock, fault, fsync_dir, make_dir
 from gptlite.lora import add_lora, merge_lora
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
+from gptlite.tokenizer.huggingface import has_bpe_files
 
 CHECKPOINT_NAME = "ckpt.pt"  # the newest checkpoint of a run directory
 BEST_NAME = "best.pt"  # the checkpoint with the lowest val loss
@@ -407,7 +408,7 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
         model = GPT.from_pretrained(init_from)
         if tokenizer:
             return model, tokenizer_from_spec(tokenizer)
-        if (Path(init_from) / TOKENIZER_FILE).is_file():  # a model directory's own tokenizer
+        if (Path(init_from) / TOKENIZER_FILE).is_file() or has_bpe_files(Path(init_from)):  # the directory's own
             return model, load_tokenizer(init_from)
         if model.config.vocab_size != 50257:
             raise ValueError(

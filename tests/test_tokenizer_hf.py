@@ -13,9 +13,11 @@ import transformers
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from gptlite.checkpoint import load_model
+from gptlite.hf import export_hf
 from gptlite.tokenizer import HFTokenizer, get_tokenizer, load_tokenizer, tokenizer_from_dict
 from gptlite.tokenizer.__main__ import main as tokenizer_main
-from tests.conftest import ROOT, run_train, shared_file
+from tests.conftest import ROOT, run_train, shared_file, tiny_model
 
 TEXTS = [
     "Hello world",
@@ -285,3 +287,31 @@ def test_a_trained_tokenizer_through_prepare_train_sample_evaluate_export(traine
     ]
     assert_same_ids(load_tokenizer(trained), hf)
     assert transformers.AutoModelForCausalLM.from_pretrained(hf).config.eos_token_id == 0
+
+
+def test_a_folder_with_gpt2s_vocab_and_merges_files_loads_as_transformers_reads_it(corpus, tmp_path):
+    """A GPT-2 model directory from before tokenizer.json (vocab.json and merges.txt): read from its own files,
+    with the ids transformers' GPT2TokenizerFast gives, instead of asking tiktoken to download GPT-2's."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train([str(corpus / "a.txt")], trainer)
+    tok.model.save(str(tmp_path))  # vocab.json and merges.txt, as GPT-2's directories had them
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)  # reads the two files as it always has
+    assert not (tmp_path / "tokenizer.json").exists()
+    for ours in (load_tokenizer(tmp_path), get_tokenizer(str(tmp_path))):
+        assert ours.vocab_size == 500 and ours.eot_id == tok.token_to_id("<|endoftext|>")
+        for text in TEXTS:
+            assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"], text
+            assert ours.decode(ours.encode(text)) == text
+    # sample.py, evaluate and the server (load_model) take the directory's own files too
+    model_dir = tmp_path / "gpt2"
+    export_hf(tiny_model(ffn="gelu", bias=True, vocab_size=500), model_dir)
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        (model_dir / name).write_bytes((tmp_path / name).read_bytes())
+    _, loaded = load_model(init_from=str(model_dir))
+    assert isinstance(loaded, HFTokenizer) and loaded.encode(TEXTS[1]) == theirs(TEXTS[1])["input_ids"]

@@ -8,7 +8,8 @@ Specs accepted by `get_tokenizer`:
     "path/to/ranks.tiktoken"   a tiktoken ranks file: the offline route, GPT-2's split pattern and
                                <|endoftext|> (id = number of ranks) unless told otherwise
     "path/to/tokenizer.json"   a Hugging Face tokenizer file, or a folder that holds one (a model directory, or what
-                               `python -m gptlite.tokenizer train` writes), with its special tokens and chat template
+                               `python -m gptlite.tokenizer train` writes), with its special tokens and chat template;
+                               a model directory with GPT-2's vocab.json and merges.txt instead
 The JSON written by `save` holds everything decoding needs (for tiktoken, the ranks themselves; for a Hugging Face
 tokenizer, its tokenizer.json whole), so `sample.py` never needs the network or a pickle.
 """
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gptlite.tokenizer.base import EOT, TOKENIZER_FILE, ByteTokenizer, CharTokenizer, StreamDecoder, Tokenizer
-from gptlite.tokenizer.huggingface import HFTokenizer, is_hf_tokenizer_json, load_hf_tokenizer
+from gptlite.tokenizer.huggingface import HFTokenizer, has_bpe_files, is_hf_tokenizer_json, load_hf_tokenizer
 from gptlite.tokenizer.tiktoken_bpe import (
     GPT2_PATTERN,
     TiktokenTokenizer,
@@ -98,10 +99,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """Read a tokenizer JSON written by `Tokenizer.save`, or a Hugging Face tokenizer.json; a folder stands for its
     tokenizer.json (a run or data folder, a model directory)."""
     path = Path(path)
+    if has_bpe_files(path):  # a model directory with GPT-2's vocab.json and merges.txt instead of a tokenizer.json
+        return load_hf_tokenizer(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(
-            f"{path} holds no {TOKENIZER_FILE}; pass a tokenizer.json or the folder that holds one"
+            f"{path} holds no {TOKENIZER_FILE}; pass a tokenizer.json or the folder that holds one (or GPT-2's "
+            "vocab.json and merges.txt)"
             if path.is_dir()
             else f"tokenizer file {path} does not exist; run data/prepare.py to create it"
         )

@@ -230,10 +230,47 @@ def read_config(folder: Path, spec: dict) -> dict:
     }
 
 
+BPE_FILES = ("vocab.json", "merges.txt")  # a byte-level BPE (GPT-2's) in its original two files, no tokenizer.json
+
+
+def has_bpe_files(folder: Path) -> bool:
+    return (
+        folder.is_dir() and not (folder / "tokenizer.json").is_file() and all((folder / n).is_file() for n in BPE_FILES)
+    )
+
+
+def bpe_files_spec(folder: Path) -> dict:
+    """The tokenizer.json of a folder that holds GPT-2's vocab.json and merges.txt instead: byte-level BPE with
+    GPT-2's pre-tokenizer and decoder, as transformers' GPT2TokenizerFast builds it from the same files, its special
+    tokens (those tokenizer_config.json or special_tokens_map.json name that the vocabulary holds) added."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    vocab, merges = (str(folder / name) for name in BPE_FILES)
+    try:
+        tokenizer = RustTokenizer(models.BPE.from_file(vocab, merges))
+    except Exception as e:  # the Rust library's errors for a malformed file
+        raise ValueError(
+            f"{folder}'s vocab.json and merges.txt are not a BPE ({str(e).splitlines()[0][:200]})"
+        ) from None
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    config = read_config(folder, {})
+    specials = {
+        t for t in (config["bos"], config["eos"], *config["stop"]) if t and tokenizer.token_to_id(t) is not None
+    }
+    tokenizer.add_special_tokens(sorted(specials))
+    return json.loads(tokenizer.to_str())
+
+
 def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
-    """A Hugging Face tokenizer from its tokenizer.json, or from the folder that holds it, with the special tokens
-    and chat template of the files beside it; one-line errors name the file."""
+    """A Hugging Face tokenizer from its tokenizer.json, or from the folder that holds it (or GPT-2's vocab.json and
+    merges.txt), with the special tokens and chat template of the files beside it; one-line errors name the file."""
     path = Path(path)
+    if has_bpe_files(path):
+        spec = bpe_files_spec(path)
+        return HFTokenizer(spec, **read_config(path, spec))
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(
