@@ -17,7 +17,7 @@ from gptlite.hf import GPT2_NAMES, export_hf
 from gptlite.hf.tokenizer_files import bpe_merges, hf_tokenizer_files
 from gptlite.prepare import prepare
 from gptlite.run_config import resolve_config
-from gptlite.tokenizer import CharTokenizer, get_tokenizer
+from gptlite.tokenizer import ByteTokenizer, CharTokenizer, get_tokenizer, load_tokenizer
 from tests.conftest import ROOT, run_train, shared_file
 
 transformers.logging.set_verbosity_error()
@@ -348,7 +348,12 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     command = [sys.executable, "-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert "no tokenizer files are written" in result.stdout and "GPT2LMHeadModel" in result.stdout
+    assert "no tokenizer files are written" not in result.stdout and "GPT2LMHeadModel" in result.stdout
+    chars = load_tokenizer(run)  # the run's char tokenizer, written for transformers: the same ids both ways
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert theirs(text)["input_ids"] == chars.encode(text) == load_tokenizer(tmp_path / "hf").encode(text)
+    assert theirs.decode(chars.encode(text)) == text
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     model = GPT.from_pretrained(str(tmp_path / "hf"))
     idx = torch.randint(0, model.config.vocab_size, (1, 16))
@@ -381,3 +386,24 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     )
     assert refused.returncode == 2 and "exportable are GPT-2's" in refused.stderr
     assert not (tmp_path / "hf2").exists()
+
+
+def test_byte_and_char_tokenizers_are_written_for_transformers_with_their_ids(tmp_path):
+    """A byte or char model's export carries a tokenizer.json that transformers and gptlite read with the model's
+    ids: every byte, unseen characters refused alike, the chat markers gptlite added, the chat template."""
+    texts = ["héllo wörld 日本 🙂\n\t", bytes(range(256)).decode("latin-1"), "<|im_start|>user\nhi<|im_end|>"]
+    chars = CharTokenizer(set(texts[0] + texts[2]) - set("<|>_"))
+    byte = ByteTokenizer()
+    for tokenizer in (byte, chars):
+        tokenizer.use_default_template()  # as data/prepare.py --chat does: ChatML's markers past the vocabulary
+        folder = tmp_path / tokenizer.kind
+        folder.mkdir()
+        for name, content in hf_tokenizer_files(tokenizer, 64).items():
+            (folder / name).write_text(content)
+        theirs, again = transformers.AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+        for text in texts[:2] if tokenizer is byte else [texts[0]]:
+            assert theirs(text)["input_ids"] == tokenizer.encode(text) == again.encode(text), text
+            assert theirs.decode(tokenizer.encode(text)) == text
+        marked, _ = tokenizer.encode_special(texts[2])  # the markers as the special tokens they are
+        assert theirs(texts[2])["input_ids"] == marked and tokenizer.special_id("<|im_end|>") in marked
+        assert again.chat_template == tokenizer.chat_template

@@ -1,13 +1,14 @@
 """The tokenizer files of an export: what transformers' AutoTokenizer reads, with the same ids as gptlite's tokenizer:
-a Hugging Face tokenizer's own tokenizer.json and tokenizer_config.json, or, for GPT-2's tiktoken BPE, GPT-2's
-vocab.json and merges.txt rebuilt from the ranks."""
+a Hugging Face tokenizer's own tokenizer.json and tokenizer_config.json; for GPT-2's tiktoken BPE, GPT-2's
+vocab.json and merges.txt rebuilt from the ranks; for the byte and char tokenizers, a tokenizer.json that maps each
+byte or character to its id (a BPE with no merges)."""
 
 from __future__ import annotations
 
 import json
 from itertools import pairwise
 
-from gptlite.tokenizer import EOT, GPT2_PATTERN, HFTokenizer, TiktokenTokenizer, Tokenizer
+from gptlite.tokenizer import EOT, GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
 from gptlite.tokenizer.huggingface import byte_decoder
 
 
@@ -38,10 +39,34 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
+def as_hf_tokenizer(tokenizer: ByteTokenizer | CharTokenizer) -> HFTokenizer:
+    """The byte or char tokenizer as a Hugging Face one with the same ids: a BPE without merges whose vocabulary is
+    the 256 bytes (written as GPT-2's byte-level characters, with its byte-level pre-tokenizer and decoder) or the
+    characters (the text cut into characters, joined back as they are), then the special tokens gptlite added, at
+    their ids, and the chat template."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    if isinstance(tokenizer, ByteTokenizer):
+        chars = bytes_to_unicode()
+        rust = RustTokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
+        rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        rust.decoder = decoders.ByteLevel()
+    else:
+        rust = RustTokenizer(models.BPE({c: i for i, c in enumerate(tokenizer.chars)}, []))
+        rust.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character a word of its own
+        rust.decoder = decoders.Fuse()
+    for text, _ in sorted(tokenizer.added.items(), key=lambda item: item[1]):  # ids past the vocabulary, in order
+        rust.add_special_tokens([text])
+    spec = json.loads(rust.to_str())
+    return HFTokenizer(spec, chat_template=tokenizer.chat_template)
+
+
 def gpt2_tokenizer_problem(tokenizer: Tokenizer) -> str | None:
     """Why the export cannot give transformers `tokenizer` (None when it can): a Hugging Face tokenizer goes as it
-    is; a tiktoken one as GPT-2's tokenizer, which reproduces byte-pair encodings with GPT-2's split pattern only."""
-    if isinstance(tokenizer, HFTokenizer):
+    is; the byte and char tokenizers as a Hugging Face one (see as_hf_tokenizer); a tiktoken one as GPT-2's
+    tokenizer, which reproduces byte-pair encodings with GPT-2's split pattern only."""
+    if isinstance(tokenizer, (HFTokenizer, ByteTokenizer, CharTokenizer)):
         return None
     if not (isinstance(tokenizer, TiktokenTokenizer) and tokenizer.enc._pat_str == GPT2_PATTERN):
         return (
@@ -60,6 +85,8 @@ def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
     problem = gpt2_tokenizer_problem(tokenizer)
     if problem:
         raise ValueError(f"the tokenizer cannot be written for transformers: {problem}")
+    if isinstance(tokenizer, (ByteTokenizer, CharTokenizer)):
+        tokenizer = as_hf_tokenizer(tokenizer)
     if isinstance(tokenizer, HFTokenizer):
         from gptlite.tokenizer.trainer import hf_files
 
