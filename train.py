@@ -138,6 +138,14 @@ def train(
     if cfg.init_from and (ckpt is None or "lora" in ckpt):
         model = GPT.from_pretrained(cfg.init_from, torch.float32, block_size=T, dropout=cfg.model.dropout)
         model = model.train().to(device)
+        added = cfg.model.vocab_size - model.config.vocab_size  # special tokens the data's tokenizer added
+        if added > 0:
+            log(
+                f"the data's tokenizer has {added} token(s) that {cfg.init_from} lacks (a chat template's markers): "
+                f"the embeddings{'' if cfg.model.tie_embeddings else ' and the head'} grow by {added} row(s), "
+                "each the mean of the existing rows, as transformers' resize_token_embeddings starts them"
+            )
+            model.grow_vocab(cfg.model.vocab_size)
     else:
         model = GPT(cfg.model).to(device)
     model.checkpoint_blocks = cfg.activation_checkpointing  # recompute each block in backward, keep its input only

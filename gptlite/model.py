@@ -16,6 +16,7 @@ Shape legend used in the comments:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -440,6 +441,25 @@ class GPT(nn.Module):
             model.lm_head.weight = model.tok_emb.weight
         model.source_architecture = architecture  # how it exports back (gptlite.hf.export_hf)
         return model.eval()
+
+    @torch.no_grad()
+    def grow_vocab(self, vocab_size: int) -> None:
+        """Give the token embedding (and an untied head) vocab_size rows, the new ones the mean of the existing rows,
+        for tokens a tokenizer added (a chat template's markers). The mean is what transformers'
+        resize_token_embeddings starts added tokens from: an average token, where random rows would be noise that
+        the first steps must undo, and large ones would dominate the logits."""
+        old = self.tok_emb.weight  # (V, C)
+        assert vocab_size > old.shape[0], (vocab_size, old.shape)
+        grown = torch.cat([old, old.mean(0, keepdim=True).expand(vocab_size - old.shape[0], -1)])  # (V', C)
+        self.tok_emb = nn.Embedding.from_pretrained(grown, freeze=False)
+        if self.config.tie_embeddings:
+            self.lm_head = nn.Linear(self.config.n_embd, vocab_size, bias=False, device=old.device, dtype=old.dtype)
+            self.lm_head.weight = self.tok_emb.weight
+        else:
+            head = self.lm_head.weight  # (V, C)
+            self.lm_head = nn.Linear(self.config.n_embd, vocab_size, bias=False, device=old.device, dtype=old.dtype)
+            self.lm_head.weight.copy_(torch.cat([head, head.mean(0, keepdim=True).expand(len(grown) - len(head), -1)]))
+        self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
 
     def check_state(self, state: dict[str, torch.Tensor], source: str) -> None:
         """Check that a state dict holds exactly this model's tensors with their shapes (before load_state_dict,

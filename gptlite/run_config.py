@@ -1,7 +1,8 @@
 """A training run's configuration, resolved: train.py's command line and TOML file (gptlite.config) completed by what
 the run builds on. On --resume the run's own checkpoint gives the base, and what cannot change on a resume (the
 model's shape, a LoRA run's adapters, the optimizer whose state it holds) is refused in one line; with --init_from
-the pretrained model's config.json gives the shape; and otherwise the data's tokenizer.json gives vocab_size.
+the pretrained model's config.json gives the shape (and vocab_size grows for the special tokens the data's tokenizer
+added to the model's); and otherwise the data's tokenizer.json gives vocab_size.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from gptlite.checkpoint import load_checkpoint
 from gptlite.cli import HelpRequested, config_help, parse_args
 from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
-from gptlite.tokenizer import TOKENIZER_FILE
+from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 NO_DATA_DIR = "data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)"
 
@@ -43,6 +44,15 @@ def resolve_config(argv: list[str], doc: str = "") -> TrainConfig:
         values = {**saved, **values}
     elif values.get("init_from"):
         values = {**pretrained_values(str(values["init_from"]), values), **values}
+        model_vocab = int(values["vocab_size"])
+        values["vocab_size"] = vocab_with_added_tokens(values.get("data_dir") or "", model_vocab)
+        if values["vocab_size"] > model_vocab and values.get("lora_rank") not in (None, "none", "None"):
+            raise ValueError(
+                f"the data's tokenizer in {values['data_dir']} adds {values['vocab_size'] - model_vocab} token(s) to "
+                f"{values['init_from']}'s (a chat template's markers): their embeddings must be trained, and LoRA "
+                "keeps the embeddings frozen; fine-tune without --lora_rank, or prepare the data with a tokenizer "
+                "that has a chat template"
+            )
     if "vocab_size" not in values:
         if not values.get("data_dir"):
             raise ValueError(NO_DATA_DIR)
@@ -84,6 +94,20 @@ def pretrained_values(init_from: str, values: dict[str, Any]) -> dict[str, Any]:
             "(block_size may be smaller, dropout anything)"
         )
     return pretrained
+
+
+def vocab_with_added_tokens(data_dir: str, model_vocab: int) -> int:
+    """The vocab_size of a pretrained model of `model_vocab` ids trained on data_dir: its own, or more where the
+    data's tokenizer is the model's plus special tokens it added past the model's ids (data/prepare.py --chat adds
+    ChatML's markers to a tokenizer without a chat template). train.py then grows the embeddings for them
+    (GPT.grow_vocab). A tokenizer larger than the model by more than its added tokens is another model's: the
+    shards' check says so."""
+    path = Path(data_dir) / TOKENIZER_FILE
+    if not data_dir or not path.is_file():
+        return model_vocab
+    tokenizer = load_tokenizer(path)
+    own = tokenizer.vocab_size - len(tokenizer.added)
+    return tokenizer.vocab_size if own <= model_vocab < tokenizer.vocab_size else model_vocab
 
 
 def read_vocab_size(data_dir: str) -> int:

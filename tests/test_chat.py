@@ -7,15 +7,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import transformers
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from gptlite.checkpoint import load_checkpoint
+from gptlite.hf import export_hf
 from gptlite.prepare import prepare
 from gptlite.shards import TARGET, read_roles, read_shard, roles_path
 from gptlite.tokenizer import ByteTokenizer, get_tokenizer, load_tokenizer
 from gptlite.tokenizer.chat import CHATML
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_train, tiny_model
 
 QWEN_LIKE = (
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
@@ -248,3 +251,42 @@ def test_a_conversation_keeps_its_earlier_turns_in_the_kv_cache():
     fresh = Conversation(model, tokenizer, Sampling(temperature=0), max_new_tokens=12, system="be brief")
     fresh.messages += [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first}]
     assert "".join(fresh.reply("and again")) == second and fresh.reused == 0
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_pretrained_model_without_a_chat_template_grows_for_chatmls_markers(tmp_path, tie):
+    """--chat data for a model whose tokenizer has no chat template: the data's tokenizer adds ChatML's two markers
+    past the model's ids, and training grows the embeddings (and an untied head) for them, each new row the mean
+    of the existing rows; LoRA, which would keep those rows frozen, is refused in one line."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["I like tea. abcdefgh"] * 20, trainer)
+    base = tmp_path / "base"
+    pretrained = tiny_model(pos_emb="rope", norm="rmsnorm", vocab_size=tok.get_vocab_size(), tie_embeddings=tie)
+    export_hf(pretrained, base)
+    tok.save(str(base / "tokenizer.json"))
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    data = tmp_path / "data"
+    prepare([str(write_chats(tmp_path / "c.jsonl", 40))], str(base), data, chat=True, block_size=32, log=lambda *a: 0)
+    V = pretrained.config.vocab_size
+    assert load_tokenizer(data).vocab_size == V + 2  # <|im_start|> and <|im_end|>, past the model's ids
+
+    run = tmp_path / "run"
+    args = [f"--init_from={base}", f"--data_dir={data}", "--block_size=32", "--batch_size=4", "--device=cpu"]
+    result = run_train(*args, f"--out_dir={run}", "--learning_rate=0", "--max_iters=1", "--eval_iters=1")
+    assert result.code == 0, result.err
+    assert "the data's tokenizer has 2 token(s) that" in result.out and "grow by 2 row(s)" in result.out
+    weights = load_checkpoint(run)["model"]
+    for name in ["tok_emb.weight"] + ([] if tie else ["lm_head.weight"]):
+        before = pretrained.state_dict()[name]
+        assert weights[name].shape == (V + 2, before.shape[1])
+        assert torch.equal(weights[name][:V], before)  # learning_rate=0: the pretrained rows as they were
+        torch.testing.assert_close(weights[name][V:], before.mean(0).expand(2, -1))
+    error = run_train(*args, f"--out_dir={tmp_path / 'lora'}", "--lora_rank=4").error
+    assert "adds 2 token(s)" in error and "fine-tune without --lora_rank" in error
