@@ -24,12 +24,13 @@ PROMPTS = ["ROMEO:", "a", "The quick brown", "To be or not to", "x", "Hello, wor
 class Collect:
     """Jobs' pieces, gathered; `wait` until every job has finished."""
 
-    def __init__(self, engine: Engine, tokenizer, prompts: list[str], params: Params, on_piece=None):
+    def __init__(self, engine: Engine, tokenizer, prompts: list[str], params: Params | list[Params], on_piece=None):
         self.pieces: list[list] = [[] for _ in prompts]
         self.left = len(prompts)
         self.done = threading.Event()
         self.on_piece = on_piece
-        self.jobs = [Job(tokenizer.encode(p), params, self.emitter(i)) for i, p in enumerate(prompts)]
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        self.jobs = [Job(tokenizer.encode(p), each[i], self.emitter(i)) for i, p in enumerate(prompts)]
         for job in self.jobs:
             engine.submit(job)
 
@@ -152,3 +153,95 @@ def test_an_int8_model_decodes_its_own_greedy_text():
     finally:
         engine.close()
     assert texts == [greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]
+
+
+def test_odd_seeds_never_stop_the_engine():
+    """Seeds past torch's range are taken modulo 2**64, as torch takes -1: none stops the engine, and a seed and
+    itself plus 2**64 sample alike."""
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=4).start()
+    seeds = [2**64, 0, -(2**63) - 1, 2**64 - 1, 5, 5 + 2**64]
+    try:
+        collect = Collect(engine, tokenizer, ["Hi"] * len(seeds), [Params(max_tokens=8, seed=s) for s in seeds])
+        texts = collect.wait()
+    finally:
+        engine.close()
+    assert all(pieces[-1].finish_reason == "length" for pieces in collect.pieces)
+    assert texts[0] == texts[1] and texts[4] == texts[5] and texts[4] != texts[0]
+    assert engine.failure is None
+
+
+def test_a_request_that_fails_to_start_ends_alone_and_the_next_one_runs(monkeypatch):
+    """An error while a request is admitted (here making its stop strings' stream) ends that request with the
+    error; the request beside it decodes."""
+    import gptlite.serve.engine as engine_module
+
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    real = engine_module.TextStream
+
+    def stream(tokenizer, stop):
+        if "boom" in stop:
+            raise RuntimeError("no stream for you")
+        return real(tokenizer, stop)
+
+    monkeypatch.setattr(engine_module, "TextStream", stream)
+    engine = Engine(model, tokenizer, max_batch=2)
+    params = [Params(max_tokens=5, stop=("boom",)), Params(max_tokens=5, temperature=0)]
+    collect = Collect(engine, tokenizer, ["Hi", "Ho"], params)
+    engine.start()
+    try:
+        texts = collect.wait()
+    finally:
+        engine.close()
+    (piece,) = collect.pieces[0]
+    assert piece.finish_reason == "error" and piece.error == "RuntimeError: no stream for you"
+    assert texts[1] == greedy(model, tokenizer, "Ho", 5) and engine.failure is None
+
+
+def test_a_fault_between_steps_ends_the_running_requests_and_the_engine_goes_on(monkeypatch):
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=2)
+    retire, calls = engine.retire, []
+
+    def fails_once(done):
+        calls.append(1)
+        if len(calls) == 4:  # the second step's first
+            raise RuntimeError("the bookkeeping broke")
+        return retire(done)
+
+    monkeypatch.setattr(engine, "retire", fails_once)
+    broken = Collect(engine, tokenizer, ["Hi", "Ho"], Params(max_tokens=20, temperature=0))
+    engine.start()
+    try:
+        broken.wait()
+        after = Collect(engine, tokenizer, ["ROMEO:"], Params(max_tokens=10, temperature=0)).wait()
+    finally:
+        engine.close()
+    assert [pieces[-1].error for pieces in broken.pieces] == ["RuntimeError: the bookkeeping broke"] * 2
+    assert after == [greedy(model, tokenizer, "ROMEO:", 10)] and engine.active == 0 and engine.failure is None
+
+
+class Fatal(BaseException):
+    """What no step catches: a fault of the loop itself."""
+
+
+def test_when_the_loop_stops_every_request_ends_with_why_at_once(monkeypatch):
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=1)
+    turn = engine.turn
+
+    def dies_on_the_third_step():
+        if len(running.pieces[0]) == 2:
+            raise Fatal("the loop broke")
+        return turn()
+
+    monkeypatch.setattr(engine, "turn", dies_on_the_third_step)
+    running = Collect(engine, tokenizer, ["Hi"], Params(max_tokens=20, temperature=0))
+    queued = Collect(engine, tokenizer, ["Ho"], Params(max_tokens=20, temperature=0))
+    engine.start()
+    running.wait(), queued.wait()
+    assert engine.stopped.wait(5) and "the server's engine stopped (Fatal: the loop broke at " in engine.failure
+    assert running.pieces[0][-1].error == queued.pieces[0][-1].error == engine.failure
+    later = Collect(engine, tokenizer, ["Hi"], Params(max_tokens=5))  # answered at once, on this thread
+    assert later.done.is_set() and later.pieces[0][-1].error == engine.failure
+    engine.close()

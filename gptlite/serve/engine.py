@@ -11,12 +11,17 @@ a single row (so one request decodes as fast as sample.py's batch of one) and it
 several. Each row samples with its own temperature, top_p and `torch.Generator` (seeded when asked), and
 never an id the tokenizer lacks (a padded vocabulary's extra ids). `emit` is called on the engine's thread
 with a `Piece` for every token: the new text (UTF-8 safe, cut before a stop string) and, on the last piece,
-why the request ended. An exception in the model ends the requests it touched with finish_reason "error";
-the engine goes on with the next step.
+why the request ended.
+
+No request stops the engine: an exception while a request is admitted (its seed, its prefill) ends that request
+with finish_reason "error", one in a decode step ends the requests that step ran, and the engine goes on with
+the next step. Should the loop itself ever stop, `failure` says why, every queued and running request ends with
+that error, later ones at once, and `stopped` is set, so that the server can say so and exit.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections import deque
@@ -35,6 +40,9 @@ from gptlite.serve.rows import RowCache
 if TYPE_CHECKING:
     from gptlite.model import GPT
     from gptlite.tokenizer import Tokenizer
+
+log = logging.getLogger("uvicorn.error")  # the server's log, so the engine's lines share its format and level
+SEEDS = 2**64  # torch.Generator's seeds are 0..2**64-1; any integer seed is taken modulo this, as torch takes -1
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,8 @@ class Engine:
         self.wake = threading.Condition()
         self.closed = False
         self.thread: threading.Thread | None = None
+        self.failure: str | None = None  # why the loop stopped for good, if it did
+        self.stopped = threading.Event()  # set when the loop has ended: closed, or failed
 
     # -- the other threads' side
 
@@ -129,11 +139,15 @@ class Engine:
             self.thread.join()
 
     def submit(self, job: Job) -> None:
-        """Queue a job; it starts at the next step with a free row."""
+        """Queue a job; it starts at the next step with a free row (or, once the loop has failed, ends at once with
+        the failure)."""
         assert 0 < len(job.prompt) and len(job.prompt) + job.params.max_tokens <= self.max_len, "unchecked job"
         with self.wake:
-            self.waiting.append(job)
-            self.wake.notify()
+            if self.failure is None:
+                self.waiting.append(job)
+                self.wake.notify()
+                return
+        job.emit(Piece("", 0, "error", self.failure))
 
     @property
     def active(self) -> int:
@@ -143,36 +157,71 @@ class Engine:
     # -- the engine's thread
 
     def run(self) -> None:
-        while True:
-            with self.wake:
-                while not (self.rows or self.waiting or self.closed):
-                    self.wake.wait()
-                if self.closed:
-                    return
-                new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
+        try:
+            while self.turn():
+                pass
+        except BaseException as e:  # a fault of the loop itself, not of one request: nothing can run any more
+            self.give_up(e)
+        finally:
+            self.stopped.set()
+
+    def turn(self) -> bool:
+        """One step: admit waiting jobs to free rows, decode every running row, free finished rows; False once
+        closed."""
+        with self.wake:
+            while not (self.rows or self.waiting or self.closed):
+                self.wake.wait()
+            if self.closed:
+                return False
+        try:
             self.retire(lambda row: row.job.cancelled)
-            for job in new:
+            while self.waiting and len(self.rows) < self.max_batch:
+                job = self.waiting.popleft()  # a deque's ends are thread-safe: submit appends meanwhile
                 if not job.cancelled:
                     self.admit(job)
             self.retire(lambda row: row.finished or row.job.cancelled)
             if self.rows:
                 self.decode()
                 self.retire(lambda row: row.finished or row.job.cancelled)
+        except Exception as e:  # outside any one request's admission or step (admit and decode catch their own)
+            self.fail(self.rows, e)
+            self.rows = []  # every row is free again; a freed row's stale slots are never attended to
+        return True
+
+    def give_up(self, error: BaseException) -> None:
+        """The loop has stopped for good: record why, and end every queued and running job with it."""
+        frame = error.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        where = f" at {frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else ""
+        with self.wake:
+            self.failure = f"the server's engine stopped ({describe(error)}{where}); restart the server"
+            jobs = [row.job for row in self.rows] + list(self.waiting)
+            self.rows, self.waiting = [], deque()
+        log.error("gptlite.serve: %s", self.failure)
+        log.debug("the engine's traceback", exc_info=error)
+        for job in jobs:
+            if not job.cancelled:
+                job.emit(Piece("", 0, "error", self.failure))
 
     def admit(self, job: Job) -> None:
-        """Prefill the job into the next free row and emit its first token."""
-        seed = job.params.seed if job.params.seed is not None else random.randrange(2**63)
-        generator = torch.Generator(device=self.cache.device).manual_seed(seed)
-        row = Row(job, TextStream(self.tokenizer, job.params.stop), generator, length=len(job.prompt))
-        self.rows.append(row)
+        """Prefill the job into the next free row and emit its first token; a failure ends the job alone."""
+        seed = job.params.seed if job.params.seed is not None else random.randrange(SEEDS)
+        row = None
         try:
+            generator = torch.Generator(device=self.cache.device).manual_seed(seed % SEEDS)
+            row = Row(job, TextStream(self.tokenizer, job.params.stop), generator, length=len(job.prompt))
+            self.rows.append(row)
             with torch.no_grad():
                 self.cache.prepare(len(self.rows) - 1, [0], len(job.prompt))
                 idx = torch.tensor([job.prompt], device=self.cache.device)  # (1, T)
                 logits = self.step(self.one, idx, self.cache)  # (1, V)
                 self.sample(logits, [row])
         except Exception as e:
-            self.fail([row], e)
+            if row is None:  # it failed before it had a row
+                job.emit(Piece("", 0, "error", describe(e)))
+            else:
+                self.fail([row], e)
 
     def decode(self) -> None:
         """One step of every running row: feed its newest token, sample the next."""
@@ -218,7 +267,7 @@ class Engine:
 
     def fail(self, rows: list[Row], error: Exception) -> None:
         """End these rows' jobs with the error's message; the engine goes on."""
-        message = f"{type(error).__name__}: {error}"
+        message = describe(error)
         for row in rows:
             if not row.finished and not row.job.cancelled:
                 row.job.emit(Piece("", row.generated, "error", message))
@@ -235,6 +284,11 @@ class Engine:
             if i < len(self.rows):  # the freed row was not the last: the last running row takes its place
                 self.cache.move(len(self.rows), i, last.length)
                 self.rows[i] = last
+
+
+def describe(error: BaseException) -> str:
+    """An exception as the message a request ends with."""
+    return f"{type(error).__name__}: {error}"
 
 
 def compiled_step() -> Callable:
