@@ -72,6 +72,15 @@ def test_n_choices_and_seeds_reproduce(client):
     assert [c.text for c in other.choices] != texts
 
 
+def test_seeds_anywhere_in_torchs_range_sample(client):
+    """2**64 - 1 with n=2 asks for seed 2**64 for the second choice, taken modulo 2**64 as torch takes -1."""
+    top = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, n=2, seed=2**64 - 1)
+    low = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, seed=-(2**63))
+    zero = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, seed=0)
+    assert [c.finish_reason for c in top.choices + low.choices] == ["length"] * 3
+    assert top.choices[1].text == zero.choices[0].text
+
+
 def test_eight_concurrent_streams_all_finish_with_their_greedy_text(served, client):
     prompts = ["ROMEO:", "a", "The quick brown", "To be or not to be", "x", "Hello, world", "JULIET: O", "12345"]
 
@@ -89,6 +98,7 @@ def post(served, path: str, **kwargs) -> httpx.Response:
 
 
 GOOD = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+JSON = {"Content-Type": "application/json"}
 BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error's param, a phrase of its message)
     "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
     "not an object": ("/v1/completions", b"[1, 2]", 400, None, "must be a JSON object"),
@@ -103,6 +113,31 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
     "unknown model": ("/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model", "does not exist"),
     "n too large": ("/v1/completions", {**GOOD, "n": 9}, 400, "n", "at most 8"),
     "too many stops": ("/v1/completions", {**GOOD, "stop": list("abcde")}, 400, "stop", "at most 4"),
+    "stop strings too long": ("/v1/completions", {**GOOD, "stop": ["q" * 250_000] * 4}, 400, "stop", "at most 256"),
+    "a seed past torch's range": ("/v1/completions", {**GOOD, "seed": 2**64}, 400, "seed", "18446744073709551615"),
+    "a seed below torch's range": ("/v1/completions", {**GOOD, "seed": -(2**63) - 1}, 400, "seed", "greater than"),
+    "an integer of 5,000 digits": (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}",
+        400,
+        None,
+        "an integer of 5000 digits",
+    ),
+    "100,000 nested brackets": ("/v1/completions", b"[" * 100_000, 400, None, "nests deeper than 16 levels"),
+    "nesting past the bound": (
+        "/v1/completions",
+        {**GOOD, "user": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]},
+        400,
+        None,
+        "nests",
+    ),
+    "NaN": (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "Hi", "temperature": NaN}',
+        400,
+        None,
+        "not a JSON number",
+    ),
     "logprobs": ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs", "not supported"),
     "chat without messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
     "a message's role": (
@@ -133,7 +168,7 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_gets_its_4xx_and_the_server_goes_on(served, client, name):
     path, body, status, param, phrase = BAD_INPUTS[name]
-    r = post(served, path, content=body) if isinstance(body, bytes) else post(served, path, json=body)
+    r = post(served, path, content=body, headers=JSON) if isinstance(body, bytes) else post(served, path, json=body)
     assert r.status_code == status
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and phrase in error["message"]

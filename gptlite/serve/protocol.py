@@ -3,7 +3,9 @@ responses, chunks and errors the official `openai` client reads.
 
 Bodies are checked strictly (a string where a number belongs is an error, as OpenAI's API has it); fields
 this server does not implement are refused when they ask for something (`logprobs`, penalties, tools...)
-and ignored when they ask for nothing, so a client's defaults pass.
+and ignored when they ask for nothing, so a client's defaults pass. Parsing is bounded too: an integer of more
+digits than any field can use, nesting deeper than any field has, NaN and Infinity are each a 400 before a
+field is read, so no body makes the parser itself fail.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ UNSUPPORTED = (
     "response_format",
 )
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 256  # characters per stop string: each is checked at every token
+MAX_INT_DIGITS = 20  # digits of an integer in a body: 2**64 - 1 has 20
+MAX_DEPTH = 16  # nesting of a body's arrays and objects (OpenAI's fields go 4 deep: messages[i].content[j])
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class APIError(Exception):
@@ -42,6 +48,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -49,6 +56,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.kind = kind
+        self.headers = headers  # e.g. Connection: close, where the body was left unread
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -71,12 +79,20 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
 
     def stops(self) -> tuple[str, ...]:
+        """The stop strings, at most MAX_STOP of at most MAX_STOP_CHARS characters each (a 400 past them)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP:
             raise APIError(400, f"stop has {len(stops)} strings; give at most {MAX_STOP}", "stop")
+        for s in stops:
+            if len(s) > MAX_STOP_CHARS:
+                raise APIError(
+                    400,
+                    f"a stop string has {len(s)} characters; give at most {MAX_STOP_CHARS} per string",
+                    "stop",
+                )
         return tuple(s for s in stops if s)
 
 
@@ -115,11 +131,15 @@ class ChatRequest(GenerationRequest):
 def parse_body(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
     """The request body as `model`, or a 400 APIError naming the first problem and its field."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(raw, parse_int=bounded_int, parse_constant=no_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:  # json's parser recurses into nested arrays and objects
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels; send a flatter body") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if depth(data) > MAX_DEPTH:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels; send a flatter body")
     try:
         request = model.model_validate(data)
     except ValidationError as e:
@@ -131,6 +151,37 @@ def parse_body(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
         if (request.model_extra or {}).get(name) not in (None, False, 0, [], {}):
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
     return request
+
+
+def bounded_int(text: str) -> int:
+    """An integer of the body, refused past MAX_INT_DIGITS digits (before Python's own limit on int() of a long
+    string turns it into an error of another kind)."""
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise APIError(
+            400, f"the request body has an integer of {digits} digits; numbers here have at most {MAX_INT_DIGITS}"
+        )
+    return int(text)
+
+
+def no_constant(name: str) -> float:
+    """NaN, Infinity and -Infinity, which Python's json takes and JSON does not."""
+    raise APIError(400, f"the request body has {name}, which is not a JSON number; send a finite number")
+
+
+def depth(data: Any) -> int:
+    """How deep a parsed body's arrays and objects nest (a flat object is 1), found without recursion."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        value, level = todo.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:
+            break
+        todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def new_id(prefix: str) -> str:
