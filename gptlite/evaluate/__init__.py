@@ -1,0 +1,210 @@
+"""Scoring a model, and the command that does it: bits per byte over token windows (gptlite.evaluate.bpb) and
+zero-shot HellaSwag accuracy (gptlite.evaluate.hellaswag_task).
+
+    python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag] [--data_dir=DIR | --text=FILE] [--json=FILE]
+    python -m gptlite.evaluate --init_from=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
+
+Each kind of score is a module of its own; this one holds the command, and every name the rest of gptlite and its
+tests import from gptlite.evaluate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptlite.cli import parse, run_command
+from gptlite.config import DTYPE_CHOICES, option
+from gptlite.device import pick_device, pick_dtype
+from gptlite.evaluate.bpb import byte_lengths, evaluate_loader, evaluate_windows, loss_and_bpb, loss_sums
+from gptlite.evaluate.hellaswag_task import (
+    HELLASWAG_FILE,
+    HELLASWAG_URL,
+    ending_losses,
+    ending_rows,
+    hellaswag,
+    hellaswag_row,
+    no_hellaswag_file,
+    read_hellaswag,
+)
+from gptlite.files import fault
+from gptlite.model import GPT
+from gptlite.tokenizer import Tokenizer
+
+__all__ = [
+    "HELLASWAG_FILE",
+    "HELLASWAG_URL",
+    "EvaluateOptions",
+    "byte_lengths",
+    "ending_losses",
+    "ending_rows",
+    "evaluate_loader",
+    "evaluate_windows",
+    "hellaswag",
+    "hellaswag_row",
+    "loss_and_bpb",
+    "loss_sums",
+    "main",
+    "no_hellaswag_file",
+    "read_hellaswag",
+    "run",
+]
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+@dataclass
+class EvaluateOptions:
+    out_dir: str = option("", "a training run (its newest checkpoint and tokenizer)")
+    init_from: str = option("", "pretrained weights instead: gpt2[-medium|-large|-xl] or a Hugging Face directory")
+    tokenizer: str = option(
+        "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
+    )
+    task: str = option("val", "comma-separated: val, hellaswag")
+    data_dir: str = option("", "val: the shards whose val split to score (default: the run's)")
+    text: str = option("", "val: score this text file instead of val shards")
+    hellaswag_file: str = option(
+        str(HELLASWAG_FILE), f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when missing)"
+    )
+    limit: int | None = option(None, "hellaswag: the first N examples only")
+    batch_size: int = option(8, "windows (val) or examples (hellaswag) per forward")
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = option(
+        "auto",
+        "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+        choices=DTYPE_CHOICES,
+    )
+    json: str = option("", "also write the results to this JSON file")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body() -> int:
+        args = parse(EvaluateOptions, argv, "python -m gptlite.evaluate", __doc__)
+        results = run(args)
+        if args.json:
+            tmp = Path(f"{args.json}.tmp")
+            try:
+                tmp.write_text(json.dumps(results, indent=1) + "\n")
+                tmp.replace(args.json)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise fault(e, f"could not write {args.json}") from None
+        return 0
+
+    return run_command("gptlite.evaluate", body, "nothing was written")
+
+
+def check(args: EvaluateOptions) -> list[str]:
+    """Every argument, checked before the model loads: the tasks."""
+    tasks = args.task.split(",")
+    problems = [f"--task: unknown {t!r} (val, hellaswag)" for t in tasks if t not in ("val", "hellaswag")]
+    if bool(args.out_dir) == bool(args.init_from):
+        problems.append("give one of --out_dir=RUN or --init_from=NAME_OR_DIR")
+    if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
+        problems.append(f"--limit={args.limit} and --batch_size={args.batch_size} must be >= 1")
+    if "val" in tasks and args.init_from and not (args.data_dir or args.text):
+        problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
+    if args.text and not Path(args.text).is_file():
+        problems.append(f"text file {args.text} does not exist")
+    folder = Path(args.json).parent if args.json else None
+    if folder is not None and not folder.is_dir():
+        problems.append(f"--json={args.json}: folder {folder} does not exist; create it or write the results elsewhere")
+    elif args.json and Path(args.json).exists() and not earlier_results(Path(args.json)):
+        problems.append(
+            f"--json={args.json} exists and is not an earlier result of this command (an input, a "
+            "checkpoint?); write the results to another file"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+    return tasks
+
+
+def earlier_results(path: Path) -> bool:
+    """True if path holds what --json writes (a JSON object naming the model, device and dtype): only such a file
+    is replaced, never an input or a checkpoint given there by mistake."""
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(results, dict) and {"model", "device", "dtype"} <= results.keys()
+
+
+def run(args: EvaluateOptions) -> dict:
+    """The command's work: check every argument, load the model once, run each task, print one line per task."""
+    from gptlite.checkpoint import load_model
+
+    tasks = check(args)
+    if "hellaswag" in tasks:  # its file, downloaded if need be, before any task spends minutes
+        hellaswag_path = hellaswag_file(args.hellaswag_file)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
+    model = model.to(device, getattr(torch, dtype)).eval()
+    results = {"model": args.out_dir or args.init_from, "device": device, "dtype": dtype}
+    for task in tasks:
+        start = time.perf_counter()
+        if task == "val":
+            loss, bpb, n, what = score_val(args, model, tokenizer)
+            seconds = time.perf_counter() - start
+            results["val"] = {"loss": loss, "bpb": bpb, "tokens": n, "on": what, "seconds": seconds}
+            print(
+                f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
+                f"{seconds:.1f} s"
+            )
+        else:
+            scores = hellaswag(model, tokenizer, hellaswag_path, args.limit, args.batch_size)
+            seconds = time.perf_counter() - start
+            results["hellaswag"] = {**scores, "seconds": seconds}
+            print(
+                f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
+                f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)"
+            )
+    return results
+
+
+def hellaswag_file(given: str) -> Path:
+    """The HellaSwag file to score: the one given, or HELLASWAG_FILE, downloaded from HELLASWAG_URL once. Offline, the
+    download's error says how to pass a copy."""
+    from gptlite.download import download
+
+    path = Path(given)
+    if path.is_file():
+        return path
+    if path != HELLASWAG_FILE:
+        raise no_hellaswag_file(path)
+    try:
+        return download(HELLASWAG_URL, path)
+    except ConnectionError as e:
+        raise ConnectionError(f"{e} with --hellaswag_file=PATH") from None
+
+
+def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[float, float | None, int, str]:
+    """(loss, bpb, tokens scored, what was scored) of --text or of the val split of --data_dir (default: the run's)."""
+    if args.text:
+        ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
+        if len(ids) < 2:
+            raise ValueError(
+                f"text file {args.text} gives {len(ids)} token(s); scoring needs at least 2 (one to predict "
+                "from, one to predict)"
+            )
+        streams, what = [torch.tensor(ids)], args.text
+    else:
+        from gptlite.checkpoint import load_checkpoint
+        from gptlite.data import check_vocab, find_shards, read_shard
+
+        data_dir = args.data_dir or load_checkpoint(args.out_dir)["config"]["data_dir"]
+        files = find_shards(data_dir, "val")
+        check_vocab(files, model.config.vocab_size, fix="score data prepared with the model's own tokenizer")
+        streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]
+        what = f"{data_dir} val split"
+    lengths = byte_lengths(tokenizer, model.config.vocab_size)
+    loss, bpb, n = evaluate_windows(model, streams, args.batch_size, lengths, progress=True)
+    return loss, bpb, n, what

@@ -1,0 +1,7 @@
+"""`python -m gptlite.evaluate`: the command of gptlite.evaluate."""
+
+import sys
+
+from gptlite.evaluate import main
+
+sys.exit(main())
