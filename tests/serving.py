@@ -1,8 +1,9 @@
 """Helpers of the serve tests: a tiny model whose tokenizer has a trivial chat template, and a server that runs
-it in a thread on a free local port."""
+it in a thread on a free local port, whose log must hold no traceback when it stops."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -11,7 +12,9 @@ import torch
 import uvicorn
 
 from gptlite.serve.app import create_app
+from gptlite.serve.connection import uvicorn_config
 from gptlite.serve.engine import Engine
+from gptlite.serve.guard import Policy
 from gptlite.tokenizer import CharTokenizer
 from gptlite.tokenizer.chat import render
 from tests.conftest import tiny_model
@@ -38,13 +41,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Running:
-    """An app served by uvicorn on a thread of this process, at `url`, until `stop`."""
+class ServerLog(logging.Handler):
+    """The server's log lines (uvicorn's loggers, which gptlite.serve shares), tracebacks included, as text."""
 
-    def __init__(self, app):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.lines: list[str] = []
+        self.previous_hook = threading.excepthook
+        logging.getLogger("uvicorn").addHandler(self)
+        threading.excepthook = self.thread_died
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def thread_died(self, args) -> None:  # an exception that ended a thread (the engine's, say)
+        self.lines.append(f"Traceback: thread {args.thread.name} died of {args.exc_type.__name__}: {args.exc_value}")
+        self.previous_hook(args)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def close(self) -> None:
+        logging.getLogger("uvicorn").removeHandler(self)
+        threading.excepthook = self.previous_hook
+        super().close()
+
+
+class Running:
+    """An app served by uvicorn on a thread of this process, at `url`, until `stop`, which checks that the
+    server's log holds no traceback."""
+
+    def __init__(self, app, read_timeout: float = Policy.read_timeout, shutdown_timeout: float = 10.0):
+        self.log = ServerLog()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        config = uvicorn_config(
+            app, "127.0.0.1", self.port, read_timeout, shutdown_timeout, log_level="info", log_config=None
+        )  # log_config=None: uvicorn's loggers keep ServerLog, where its own set-up would replace their handlers
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -55,18 +91,23 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        self.log.close()
+        assert "Traceback" not in self.log.text, f"the server's log holds a traceback:\n{self.log.text}"
 
 
 class Served:
-    """A tiny model, its template tokenizer, an engine and a running server."""
+    """A tiny model, its template tokenizer, an engine and a running server (its headers and bodies read within
+    the policy's read_timeout)."""
 
-    def __init__(self, max_batch: int = 8, block_size: int = 128, **app_options):
+    def __init__(self, max_batch: int = 8, block_size: int = 128, policy: Policy | None = None, **app_options):
         self.model = tiny_model(block_size=block_size)
         self.tokenizer = TemplateTokenizer(CHARS)
         self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch).start()
-        self.app = create_app(self.engine, self.tokenizer, MODEL, **app_options)
-        self.running = Running(self.app)
+        self.policy = policy or Policy()
+        self.app = create_app(self.engine, self.tokenizer, MODEL, policy=self.policy, **app_options)
+        self.running = Running(self.app, read_timeout=self.policy.read_timeout)
         self.url = self.running.url
+        self.log = self.running.log
 
     def greedy(self, prompt: str, max_tokens: int) -> str:
         """The model's own greedy continuation, through GPT.generate."""
@@ -77,8 +118,10 @@ class Served:
         return self.tokenizer.decode(out[0, len(ids) :].tolist())
 
     def close(self) -> None:
-        self.running.stop()
-        self.engine.close()
+        try:
+            self.running.stop()
+        finally:
+            self.engine.close()
 
 
 def slow_steps(monkeypatch, engine: Engine, seconds: float) -> None:

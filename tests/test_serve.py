@@ -1,9 +1,14 @@
 """gptlite.serve through the official `openai` client (and raw HTTP for bodies it would not send), against a tiny
 model served on a free local port: greedy text, streaming, stop strings, n and seeds, concurrency, every bad
-input's 4xx in OpenAI's error shape, a failing model's 500, disconnects, a full queue, and chat templates."""
+input's 4xx in OpenAI's error shape, a failing model's 500, disconnects, a full queue, and chat templates; then
+what a hostile client tries (huge and stalled bodies, stalled headers, abandoned requests, malformed HTTP, other
+hosts and sites), and the command itself."""
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,12 +17,15 @@ import openai
 import pytest
 
 from gptlite.serve.__main__ import ServeOptions
+from gptlite.serve.guard import Policy
 from tests.serving import MODEL, Served, slow_steps
+
+READ_TIMEOUT = 2.0  # the module server's, for headers and bodies: the stalled-client tests wait it out
 
 
 @pytest.fixture(scope="module")
 def served():
-    s = Served(max_batch=8)
+    s = Served(max_batch=8, policy=Policy(read_timeout=READ_TIMEOUT))
     yield s
     s.close()
 
@@ -29,7 +37,7 @@ def client(served):
 
 def test_models_lists_the_one_model(client):
     (card,) = client.models.list().data
-    assert card.id == MODEL and card.owned_by == "gptlite"
+    assert card.id == MODEL and card.owned_by == "gptlite" and card.context == 128
 
 
 def test_completion_is_the_models_greedy_text(served, client):
@@ -94,7 +102,7 @@ def test_eight_concurrent_streams_all_finish_with_their_greedy_text(served, clie
 
 
 def post(served, path: str, **kwargs) -> httpx.Response:
-    return httpx.post(served.url + path, timeout=30, **kwargs)
+    return httpx.post(served.url + path, **{"timeout": 30, **kwargs})
 
 
 GOOD = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
@@ -233,6 +241,157 @@ def test_past_max_batch_plus_max_waiting_a_request_gets_a_429(served, client, mo
     assert len(texts) == 2
 
 
+def raw(served, data: bytes) -> socket.socket:
+    """A connection to the server that has sent `data` (and may send more)."""
+    conn = socket.create_connection(("127.0.0.1", served.running.port), timeout=10)
+    conn.sendall(data)
+    return conn
+
+
+def response(conn: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the one response a connection gets, read to the server's close."""
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    conn.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def headers(path: str, length: int, extra: str = "") -> bytes:
+    """A JSON POST's headers, announcing `length` bytes of body; `extra`: more header lines, each ending in CRLF."""
+    lines = f"Host: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n{extra}"
+    return f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode()
+
+
+def assert_openai_error(body: dict, phrase: str) -> None:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and phrase in error["message"], error
+
+
+def test_a_huge_body_is_refused_before_it_is_read(served, client):
+    """Declared: 413 before a byte of it is sent. Sent in chunks with no length: 413 once it passes the limit."""
+    status, body = response(raw(served, headers("/v1/completions", 80_000_000)))
+    assert status == 413
+    assert_openai_error(body, "the request body is 76.3 MB, over this server's limit of 4 MB (its --max_body_mb)")
+    chunks = (b"x" * 2**16 for _ in range(65))  # the last chunk crosses 4 MB
+    r = post(served, "/v1/completions", content=chunks, headers=JSON)
+    assert r.status_code == 413 and "is over this server's limit of 4 MB" in r.json()["error"]["message"]
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+
+
+def test_a_small_request_is_not_held_up_by_a_huge_prompt(served, client, monkeypatch):
+    """Prompts are tokenized on a worker thread: while a huge prompt's tokenizing is held, a small request goes
+    through, then the huge one gets its 400."""
+    encode, entered, release = served.tokenizer.encode, threading.Event(), threading.Event()
+
+    def held(text: str) -> list[int]:
+        if len(text) > 1000:
+            entered.set()
+            assert release.wait(10)
+        return encode(text)
+
+    monkeypatch.setattr(served.tokenizer, "encode", held)
+    with ThreadPoolExecutor(1) as pool:
+        huge = pool.submit(post, served, "/v1/completions", json={**GOOD, "prompt": "x" * 3_000_000})
+        assert entered.wait(10)
+        small = client.completions.create(**GOOD)  # would wait forever, were the event loop tokenizing
+        release.set()
+        r = huge.result()
+    assert small.choices[0].finish_reason == "length"
+    assert r.status_code == 400 and "the prompt has 3000000 tokens" in r.json()["error"]["message"]
+
+
+def test_an_abandoned_request_frees_its_place_at_once(served, client, monkeypatch):
+    """A non-streamed request whose client gives up is cancelled: its row and its place are free again at once,
+    so the next request is served, not told the server is full."""
+    slow_steps(monkeypatch, served.engine, 0.02)
+    monkeypatch.setattr(served.app.state.server, "limit", 1)
+    with pytest.raises(httpx.TimeoutException):
+        post(served, "/v1/completions", json={**GOOD, "max_tokens": 120}, timeout=0.3)  # 120 steps: 2.4 s
+    assert wait_for(lambda: served.app.state.server.in_flight == 0 and served.engine.active == 0, 2.0)
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+    assert wait_for(lambda: "went away during POST /v1/completions; its request was dropped" in served.log.text)
+
+
+def test_stalled_clients_are_let_go_after_the_read_timeout(served, client):
+    """A body that stops short gets a 408; headers that stop short have their connection closed; a client that
+    leaves mid-body is one line in the log. Meanwhile others are served."""
+    stalled_body = raw(served, headers("/v1/completions", 100) + b'{"model":')
+    stalled_headers = raw(served, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    raw(served, headers("/v1/completions", 100) + b'{"model":').close()
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+    status, body = response(stalled_body)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    assert_openai_error(body, f"the request body did not arrive within {READ_TIMEOUT:g} s")
+    assert stalled_headers.recv(1) == b""  # closed, after READ_TIMEOUT
+    assert "went away during POST /v1/completions; its request was dropped" in served.log.text
+    assert "sent no whole request headers within 2 s; closed its connection" in served.log.text
+
+
+def test_malformed_http_gets_a_400_in_openais_shape(served, client):
+    big = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+    for data in (big, b"NOT HTTP AT ALL\r\n\r\n"):
+        status, body = response(raw(served, data))
+        assert status == 400
+        assert_openai_error(body, "the request is not valid HTTP/1.1, or its headers pass 16 KiB")
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+
+
+def test_other_hosts_and_sites_are_refused(served, client):
+    """DNS rebinding (a page whose own name resolves to 127.0.0.1) and a cross-site text/plain POST, which browsers
+    send without asking; and no CORS unless configured."""
+    r = post(served, "/v1/completions", json=GOOD, headers={"Host": "evil.example"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
+    assert_openai_error(r.json(), "the Host header 'evil.example' is not a name of this server")
+    assert httpx.get(served.url + "/", headers={"Host": "evil.example:80"}).status_code == 400
+    for host in (f"localhost:{served.running.port}", "127.0.0.1", "app.localhost", "[::1]:80"):
+        assert post(served, "/v1/completions", json=GOOD, headers={"Host": host}).status_code == 200
+    r = post(served, "/v1/completions", content=json.dumps(GOOD), headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    assert_openai_error(r.json(), "the request's Content-Type is 'text/plain'; send the body as JSON")
+    preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(served.url + "/v1/completions", headers=preflight)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+
+
+class Fatal(BaseException):
+    """What no step of the engine catches: a fault of its loop itself."""
+
+
+def test_when_the_engine_stops_every_route_says_so_and_the_command_exits_1(monkeypatch, capsys):
+    """A request in flight and every later one, on any route, get a 503 that says why; `serve`, the command's
+    loop, then shuts uvicorn down and returns 1 instead of serving a server that never completes."""
+    import uvicorn
+
+    from gptlite.serve.__main__ import serve
+    from gptlite.serve.connection import uvicorn_config
+    from tests.serving import free_port
+
+    s = Served(max_batch=2)
+    try:
+
+        def broken() -> bool:
+            raise Fatal("the loop broke")
+
+        monkeypatch.setattr(s.engine, "turn", broken)  # from the next step on; the one waiting now runs
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="the server's engine stopped \\(Fatal: the loop broke"):
+            client.completions.create(**{**GOOD, "max_tokens": 20})
+        for path in ("/", "/v1/models"):
+            r = httpx.get(s.url + path)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+        with pytest.raises(openai.InternalServerError, match="restart the server"):
+            client.completions.create(**GOOD)
+        config = uvicorn_config(s.app, "127.0.0.1", free_port(), 30, 5, log_config=None)
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(serve, uvicorn.Server(config), s.engine).result(timeout=10) == 1
+        assert capsys.readouterr().err.startswith("gptlite.serve: error: the server's engine stopped (Fatal: ")
+    finally:
+        s.close()
+
+
 def test_chat_renders_the_template_and_streams(served, client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
@@ -301,8 +460,11 @@ def test_options_are_checked():
         ServeOptions(out_dir="run", max_batch=0)
 
 
-def test_the_command_serves_a_run_folder_until_interrupted(tmp_path):
-    """python -m gptlite.serve --out_dir=RUN: a completion through the openai client, then SIGINT ends it cleanly."""
+def test_the_command_serves_with_a_key_and_a_stalled_upload_does_not_hold_sigterm(tmp_path):
+    """python -m gptlite.serve --out_dir=RUN, its key from GPTLITE_API_KEY: a wrong key gets a 401, the right one a
+    completion through the openai client; --allowed_hosts lets a proxy's name through and no other. Then SIGTERM
+    ends it at once although a client holds an upload half-sent (the read and shutdown timeouts are 30 s), and
+    its log holds no traceback."""
     import os
     import signal
     import subprocess
@@ -317,12 +479,19 @@ def test_the_command_serves_a_run_folder_until_interrupted(tmp_path):
     save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(cfg), "model": tiny_model().state_dict()})
     TemplateTokenizer(CHARS).save(tmp_path / "tokenizer.json")
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "gptlite.serve", f"--out_dir={tmp_path}", f"--port={port}", "--device=cpu"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GPTLITE_API_KEY": "sekret"}
     server = subprocess.Popen(
-        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True
+        [*cmd, "--allowed_hosts=proxy.example"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -332,12 +501,24 @@ def test_the_command_serves_a_run_folder_until_interrupted(tmp_path):
                 assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.2)
         assert card.id == tmp_path.name and card.chat is True  # the saved tokenizer.json keeps its chat template
+        with pytest.raises(openai.AuthenticationError, match="sent an API key that is not this server's"):
+            openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).models.list()
+        key = {"Authorization": "Bearer sekret"}
+        assert httpx.get(url + "/v1/models", headers={**key, "Host": "proxy.example"}).status_code == 200
+        assert httpx.get(url + "/v1/models", headers={**key, "Host": "evil.example"}).status_code == 400
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(headers("/v1/completions", 100, extra="Authorization: Bearer sekret\r\n") + b'{"model":')
         r = client.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0)
         assert r.usage.completion_tokens == 10
     finally:
-        server.send_signal(signal.SIGINT)
-        _, err = server.communicate(timeout=30)
-    assert server.returncode == 128 + signal.SIGINT and "gptlite.serve: interrupted (SIGINT)" in err
+        server.send_signal(signal.SIGTERM)
+        try:
+            log, _ = server.communicate(timeout=15)  # SIGTERM would wait out the 30 s timeouts, had it to
+        finally:
+            server.kill()
+    assert server.returncode == 128 + signal.SIGTERM and "gptlite.serve: interrupted (SIGTERM)" in log
+    assert "went away during POST /v1/completions; its request was dropped" in log and "Traceback" not in log
+    stalled.close()
 
 
 def test_the_command_refuses_bad_options_in_one_line(capsys):

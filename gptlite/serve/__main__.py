@@ -8,11 +8,18 @@
 The model's name in requests is the run directory's or init_from's name (see --model_name). Up to --max_batch
 requests decode together; --max_waiting more wait for a row, and past that a request gets a 429 (or waits,
 with --when_full=wait).
+
+Who may use it: with --api_key (or the GPTLITE_API_KEY environment variable, which other users cannot read in
+the process list) every /v1/ request must send `Authorization: Bearer KEY`, as OpenAI's clients do. On a
+loopback address only loopback host names are answered (--allowed_hosts adds names, as behind a proxy), and no
+web page of another origin may call the API unless --cors_origins names it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +27,9 @@ from gptlite.cli import parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
 from gptlite.files import error
+from gptlite.serve.guard import Policy, is_loopback
+
+KEY_VARIABLE = "GPTLITE_API_KEY"  # the key's environment variable, used when --api_key is not given
 
 
 @dataclass
@@ -61,6 +71,27 @@ class ServeOptions:
         "slab and packed layers, decodes faster (docs/serve.md)",
     )
     quantize: str = option("", "int8: weight-only int8 weights", choices=QUANTIZE_CHOICES)
+    api_key: str = option(
+        "", f"the key clients must send as Authorization: Bearer KEY (default: ${KEY_VARIABLE}; unset: no key)"
+    )
+    allowed_hosts: list[str] = option(
+        help="host names answered besides loopback ones (behind a proxy, say); on a loopback --host only "
+        "loopback names are answered, on another address any name unless this lists them",
+        default_factory=list,
+    )
+    cors_origins: list[str] = option(
+        help="origins whose web pages may call the API (https://app.example.com, or *); default: none",
+        default_factory=list,
+    )
+    max_body_mb: float = option(Policy.max_body_mb, "the largest request body, in MB (a 413 past it)")
+    read_timeout: float = option(
+        Policy.read_timeout,
+        "seconds a client has to send a request's headers, and then its body (past them: a 408 for a body; a "
+        "connection whose headers stall is closed)",
+    )
+    shutdown_timeout: float = option(
+        30.0, "seconds running requests get to finish after SIGTERM or Ctrl-C, before they are cancelled"
+    )
     log_level: str = option("info", "uvicorn's log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self) -> None:
@@ -77,6 +108,17 @@ class ServeOptions:
             problems.append(f"max_waiting={self.max_waiting} must be >= 0, or -1 for max_batch")
         if self.max_len < 0:
             problems.append(f"max_len={self.max_len} must be >= 1, or 0 for the model's block_size")
+        for name in ("max_body_mb", "read_timeout"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)} must be > 0")
+        if not self.shutdown_timeout >= 0:
+            problems.append(f"shutdown_timeout={self.shutdown_timeout} must be >= 0")
+        for host in self.allowed_hosts:
+            if "/" in host or (":" in host and not host.startswith("[")):
+                problems.append(f"allowed_hosts: {host!r} must be a host name alone, without scheme, port or path")
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                problems.append(f"cors_origins: {origin!r} must be an origin such as https://app.example.com, or *")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -98,7 +140,28 @@ def build(options: ServeOptions):
     engine = Engine(model, tokenizer, options.max_batch, options.max_len or None, options.compile).start()
     name = options.model_name or Path(options.out_dir or options.init_from).resolve().name or options.init_from
     waiting = options.max_batch if options.max_waiting == -1 else options.max_waiting
-    return engine, create_app(engine, tokenizer, name, waiting, options.when_full == "wait")
+    return engine, create_app(engine, tokenizer, name, waiting, options.when_full == "wait", policy(options))
+
+
+def policy(options: ServeOptions) -> Policy:
+    """The app's rules for its clients from the options (and the key's environment variable)."""
+    return Policy(
+        api_key=options.api_key or os.environ.get(KEY_VARIABLE, ""),
+        allowed_hosts=tuple(options.allowed_hosts) if is_loopback(options.host) or options.allowed_hosts else None,
+        cors_origins=tuple(options.cors_origins),
+        max_body_mb=options.max_body_mb,
+        read_timeout=options.read_timeout,
+    )
+
+
+def warnings(options: ServeOptions, policy: Policy) -> list[str]:
+    """What an address beyond this machine without a key exposes."""
+    if is_loopback(options.host) or policy.api_key:
+        return []
+    return [
+        f"listening on {options.host}:{options.port} with no API key: anyone who can reach this port can use the "
+        f"model and its machine's time; set --api_key or {KEY_VARIABLE}, or listen on 127.0.0.1"
+    ]
 
 
 def check_address(host: str, port: int) -> None:
@@ -117,21 +180,44 @@ def check_address(host: str, port: int) -> None:
         ) from None
 
 
+def serve(server, engine) -> int:
+    """Run uvicorn until a signal ends it, or until the engine stops for good: then uvicorn shuts down and the
+    exit code is 1, so whatever runs the server sees it fail instead of a server that answers and never
+    completes."""
+
+    def watch() -> None:
+        engine.stopped.wait()
+        if engine.failure is not None:
+            server.should_exit = True
+
+    threading.Thread(target=watch, name="gptlite-engine-watch", daemon=True).start()
+    try:
+        server.run()  # after a graceful shutdown on SIGINT/SIGTERM it raises the signal again, for run_command
+    finally:
+        engine.close()
+    if engine.failure is not None:
+        print(f"gptlite.serve: error: {engine.failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
         import uvicorn
 
+        from gptlite.serve.connection import uvicorn_config
+
         options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
         check_address(options.host, options.port)
+        for line in warnings(options, policy(options)):
+            print(f"gptlite.serve: warning: {line}", file=sys.stderr)
         engine, app = build(options)
-        server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level))
-        try:
-            server.run()  # after a graceful shutdown on SIGINT/SIGTERM it raises the signal again, for run_command
-        finally:
-            engine.close()
-        return 0
+        config = uvicorn_config(
+            app, options.host, options.port, options.read_timeout, options.shutdown_timeout, options.log_level
+        )
+        return serve(uvicorn.Server(config), engine)
 
     return run_command("gptlite.serve", body, "the server stopped")
 

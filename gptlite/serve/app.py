@@ -5,23 +5,33 @@
     POST /v1/completions        prompt -> text
     POST /v1/chat/completions   messages, rendered with the tokenizer's chat template -> the assistant's reply
 
+Before a route runs, `gptlite.serve.guard` checks the request's host, key and size (its `Policy`); a JSON route
+reads its body with `read_json` and tokenizes its prompts on a worker thread, never on the event loop.
+
 Admission: at most max_batch + max_waiting completions are in flight (running or queued for a row); past that
-a request gets a 429, or with `wait_when_full` waits for room, holding no cache row while it waits. A streamed
-request whose client goes away is cancelled, which frees its row before the engine's next step.
+a request gets a 429, or with `wait_when_full` waits for room, holding no cache row while it waits. A request
+whose client goes away, streamed or not, is cancelled, which frees its place at once and its row before the
+engine's next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
+from collections.abc import Awaitable
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from gptlite.serve.engine import Job, Params, Piece
+from gptlite.serve.guard import Guard, Policy, read_json
 from gptlite.serve.protocol import (
     APIError,
     ChatRequest,
@@ -31,7 +41,6 @@ from gptlite.serve.protocol import (
     chunk,
     completion,
     new_id,
-    parse_body,
     sse,
     usage,
 )
@@ -41,6 +50,8 @@ if TYPE_CHECKING:
     from gptlite.tokenizer import Tokenizer
 
 WAIT_POLL = 0.02  # seconds between looks for room, with wait_when_full
+log = logging.getLogger("uvicorn.error")  # the server's log
+T = TypeVar("T")
 
 
 class Generation:
@@ -84,14 +95,23 @@ class Server:
         self.wait_when_full = wait_when_full
         self.in_flight = 0
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check(self, body: GenerationRequest, prompts: int) -> None:
+        """What can be checked before tokenizing: the model's name, n x prompts against the batch, the stops."""
+        if body.model != self.model_name:
             raise APIError(
                 404,
-                f"the model '{name}' does not exist here; this server has '{self.model_name}'",
+                f"the model '{body.model}' does not exist here; this server has '{self.model_name}'",
                 "model",
                 "model_not_found",
             )
+        if prompts * body.n > self.engine.max_batch:
+            raise APIError(
+                400,
+                f"n={body.n} x {prompts} prompt(s) asks for {prompts * body.n} completions "
+                f"at once; this server runs at most {self.engine.max_batch} (its --max_batch)",
+                "n",
+            )
+        body.stops()
 
     def encode(self, text: str) -> list[int]:
         """A prompt's ids; an empty prompt starts from the end-of-text token (else id 0), as sample.py does."""
@@ -114,14 +134,7 @@ class Server:
         return tuple(i for i in ids if i is not None)
 
     def jobs(self, body: GenerationRequest, prompts: list[list[int]], param: str) -> list[tuple[list[int], Params]]:
-        """Each prompt n times with its Params, checked against the context and the batch."""
-        if len(prompts) * body.n > self.engine.max_batch:
-            raise APIError(
-                400,
-                f"n={body.n} x {len(prompts)} prompt(s) asks for {len(prompts) * body.n} completions "
-                f"at once; this server runs at most {self.engine.max_batch} (its --max_batch)",
-                "n",
-            )
+        """Each prompt n times with its Params, checked against the context (the rest by `check`)."""
         context = self.engine.max_len
         stops = body.stops()
         out = []
@@ -175,9 +188,20 @@ class Server:
             await asyncio.sleep(WAIT_POLL)
         self.in_flight += k
 
-    async def respond(self, body: GenerationRequest, prompts: list[list[int]], chat: bool, param: str):
-        """Run the request's jobs; a JSON response, or a stream of server-sent events."""
+    def failed(self, piece: Piece) -> APIError:
+        """A piece's error as the request's: a 503 once the engine has stopped for good, else a 500."""
+        status = 503 if self.engine.failure is not None else 500
+        return APIError(status, piece.error or "", None, None, "server_error")
+
+    async def respond(
+        self, request: Request, body: GenerationRequest, prompts: list[list[int]], chat: bool, param: str
+    ):
+        """Run the request's jobs; a JSON response, or a stream of server-sent events. A client that goes away
+        before its response begins cancels it (a stream's own watch takes over once it has begun)."""
         jobs = self.jobs(body, prompts, param)
+        return await cancel_on_disconnect(request, self.run(jobs, body, chat, sum(len(p) for p in prompts)))
+
+    async def run(self, jobs: list[tuple[list[int], Params]], body: GenerationRequest, chat: bool, prompt_tokens: int):
         await self.admit(len(jobs))
         gen = Generation(jobs)
         streaming = False
@@ -186,8 +210,7 @@ class Server:
                 self.engine.submit(job)
             first = await gen.next()
             if first[1].error:
-                raise APIError(500, first[1].error, None, None, "server_error")
-            prompt_tokens = sum(len(p) for p in prompts)
+                raise self.failed(first[1])
             if body.stream:
                 streaming = True  # the stream owns the jobs from here
                 return StreamingResponse(
@@ -209,7 +232,7 @@ class Server:
         index, piece = first
         while True:
             if piece.error:
-                raise APIError(500, piece.error, None, None, "server_error")
+                raise self.failed(piece)
             texts[index] += piece.text
             reasons[index] = piece.finish_reason or reasons[index]
             if not gen.open:
@@ -229,7 +252,7 @@ class Server:
             index, piece = first
             while True:
                 if piece.error:
-                    yield sse(APIError(500, piece.error, None, None, "server_error").body())
+                    yield sse(self.failed(piece).body())
                     return
                 if chat and index not in started:
                     started.add(index)
@@ -247,11 +270,42 @@ class Server:
             self.in_flight -= len(gen.jobs)
 
 
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or, should the client go away first, `work` cancelled and ClientDisconnect raised. The
+    request's body must have been read: from then on the connection's next message is its end."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancels the request (its shutdown's time is up)
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # its cleanup frees the request's places
+    raise ClientDisconnect()
+
+
 def create_app(
-    engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int | None = None, wait_when_full: bool = False
+    engine: Engine,
+    tokenizer: Tokenizer,
+    model_name: str,
+    max_waiting: int | None = None,
+    wait_when_full: bool = False,
+    policy: Policy | None = None,
 ) -> FastAPI:
     """The app serving `engine` (started and closed by the caller) as `model_name`; max_waiting defaults to
-    max_batch."""
+    max_batch. `policy` says who may use it and how much a request may send (gptlite.serve.guard; default: a
+    loopback server's, no key)."""
+    policy = policy or Policy()
     server = Server(
         engine, tokenizer, model_name, engine.max_batch if max_waiting is None else max_waiting, wait_when_full
     )
@@ -259,11 +313,19 @@ def create_app(
         title="gptlite", docs_url=None, redoc_url=None, openapi_url=None
     )  # no pages that load scripts from a CDN
     app.state.server = server
+    app.add_middleware(Guard, policy=policy, failure=lambda: engine.failure)
+    if policy.cors_origins:  # added last, so outermost: it answers browsers' preflight requests itself
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(policy.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     page = resources.files("gptlite.serve").joinpath("chat.html").read_text(encoding="utf-8")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -271,6 +333,12 @@ def create_app(
             APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
             status_code=e.status_code,
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect) -> Response:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s went away during %s %s; its request was dropped", client, request.method, request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; never sent, as nobody is there
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception) -> JSONResponse:
@@ -294,17 +362,18 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
-        server.check_model(body.model)
+        body = await read_json(request, CompletionRequest, policy)
         texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not texts:
             raise APIError(400, "prompt is an empty list; give a string or a list of strings", "prompt")
-        return await server.respond(body, [server.encode(t) for t in texts], chat=False, param="prompt")
+        server.check(body, len(texts))
+        prompts = await asyncio.to_thread(lambda: [server.encode(t) for t in texts])
+        return await server.respond(request, body, prompts, chat=False, param="prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(await request.body(), ChatRequest)
-        server.check_model(body.model)
+        body = await read_json(request, ChatRequest, policy)
+        server.check(body, 1)
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(
                 400,
@@ -313,8 +382,7 @@ def create_app(
                 "messages",
                 "no_chat_template",
             )
-        return await server.respond(
-            body, [server.render([m.as_dict() for m in body.messages])], chat=True, param="messages"
-        )
+        prompt = await asyncio.to_thread(server.render, [m.as_dict() for m in body.messages])
+        return await server.respond(request, body, [prompt], chat=True, param="messages")
 
     return app
