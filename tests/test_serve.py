@@ -89,6 +89,12 @@ def test_seeds_anywhere_in_torchs_range_sample(client):
     assert top.choices[1].text == zero.choices[0].text
 
 
+def test_fit_max_tokens_lowers_max_tokens_to_what_the_context_leaves(client):
+    """gptlite's own field, which the chat page sends; without it the same request is a 400 (BAD_INPUTS)."""
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=200, extra_body={"fit_max_tokens": True})
+    assert r.usage.completion_tokens == 128 - 2 and r.choices[0].finish_reason == "length"
+
+
 def test_eight_concurrent_streams_all_finish_with_their_greedy_text(served, client):
     prompts = ["ROMEO:", "a", "The quick brown", "To be or not to be", "x", "Hello, world", "JULIET: O", "12345"]
 

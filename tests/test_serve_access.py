@@ -45,7 +45,7 @@ def test_v1_needs_the_key_as_openai_clients_send_it(guarded):
     client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=3).choices[0].finish_reason == "length"
     page = httpx.get(guarded.url + "/")  # static, and asks for the key itself
-    assert page.status_code == 200
+    assert page.status_code == 200 and "Authorization" in page.text
 
 
 def test_named_hosts_and_origins_pass_and_no_others(guarded):

@@ -151,7 +151,9 @@ class Server:
             asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
             default = type(body).model_fields["max_tokens"].default  # completions 16; chat: the rest of the context
             max_tokens = asked if asked is not None else min(default or room, room)
-            if max_tokens > room:
+            if body.fit_max_tokens:
+                max_tokens = min(max_tokens, room)
+            elif max_tokens > room:
                 raise APIError(
                     400,
                     f"the prompt's {len(prompt)} tokens plus max_tokens={max_tokens} exceed this model's "

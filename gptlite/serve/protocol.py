@@ -80,6 +80,9 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    # gptlite's own, which the chat page sends: max_tokens is a ceiling, lowered to what the context leaves after
+    # the prompt, instead of OpenAI's 400
+    fit_max_tokens: bool = False
 
     def stops(self) -> tuple[str, ...]:
         """The stop strings, at most MAX_STOP of at most MAX_STOP_CHARS characters each (a 400 past them)."""
