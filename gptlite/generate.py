@@ -342,11 +342,18 @@ def _generate_beams(
 
 class TextStream:
     """One row's token ids in, text out: UTF-8 safe across BPE pieces, and cut exactly before the first
-    stop string. Text that could still be the start of a stop string is held back until it cannot."""
+    stop string. Text that could still be the start of a stop string is held back until it cannot.
+
+    Each stop string is matched as the text arrives, one character at a time, by Knuth-Morris-Pratt: what it
+    keeps is how many of the stop string's first characters the text ends with, so checking costs time linear in
+    the text produced, however long the stop strings are (Knuth, Morris and Pratt, "Fast pattern matching in
+    strings", 1977)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
         self.decoder = StreamDecoder(tokenizer)
         self.stop = [s for s in stop if s]
+        self.borders = [borders(s) for s in self.stop]
+        self.matched = [0] * len(self.stop)  # per stop string: how many of its first characters the text ends with
         self.pending = ""  # decoded text not yet released
         self.done = False
 
@@ -354,33 +361,59 @@ class TextStream:
         """Text released by these ids ("" once the stream is done)."""
         if self.done:
             return ""
-        self.pending += self.decoder.feed(ids)
-        return self._release(final=False)
+        return self._release(self.decoder.feed(ids), final=False)
 
     def close(self) -> str:
         """The text still held back; the stream is done."""
         if self.done:
             return ""
-        self.pending += self.decoder.flush()
-        return self._release(final=True)
+        return self._release(self.decoder.flush(), final=True)
 
-    def _release(self, final: bool) -> str:
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            out = self.pending[: min(hits)]
+    def _release(self, text: str, final: bool) -> str:
+        cut = self._match(text)
+        self.pending += text
+        if cut is not None:  # a stop string begins at `cut`: the text ends before it
+            out = self.pending[:cut]
             self.pending = ""
             self.done = True
             return out
         # no stop string has started before a released character: keep the longest tail that begins one
-        hold = (
-            0
-            if final
-            else max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        )
+        hold = 0 if final else max(self.matched, default=0)
         cut = len(self.pending) - hold
         out, self.pending = self.pending[:cut], self.pending[cut:]
         self.done = final
         return out
+
+    def _match(self, text: str) -> int | None:
+        """Advance every stop string's match over text's characters; where in pending + text the stop string
+        completed first begins (of several completed by one character, the longest), or None."""
+        for i, char in enumerate(text):
+            longest = 0  # of the stop strings completed by this character (the longest begins first)
+            for j, stop in enumerate(self.stop):
+                k = self.matched[j]
+                while k and stop[k] != char:
+                    k = self.borders[j][k - 1]
+                k += stop[k] == char
+                if k == len(stop):
+                    longest = max(longest, k)
+                    k = self.borders[j][k - 1]
+                self.matched[j] = k
+            if longest:
+                return len(self.pending) + i + 1 - longest
+        return None
+
+
+def borders(s: str) -> list[int]:
+    """Knuth-Morris-Pratt's failure function: for each prefix s[:i + 1], the length of its longest proper prefix
+    that is also its suffix."""
+    out = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = out[k - 1]
+        k += s[i] == s[k]
+        out[i] = k
+    return out
 
 
 def generate_text(

@@ -1,5 +1,7 @@
 """Text out of generation: UTF-8 safe streaming across BPE pieces, stop strings and the end-of-text token."""
 
+import random
+
 import pytest
 
 from gptlite.generate import TextStream, generate_text
@@ -82,3 +84,33 @@ def test_generate_text_samples_and_empty_prompt():
         assert len(pieces) == 3
         texts = pieces if texts is None else [t + p for t, p in zip(texts, pieces, strict=True)]
     assert all(len(t) == 12 for t in texts) and len(set(texts)) > 1
+
+
+def first_stop_cut(text: str, stop: list[str]) -> str:
+    """The reference: the text before the stop string that is complete first as the text arrives (of two
+    completed by one character, the one that begins first), written as the definition, by brute force."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stop if s and text[:end].endswith(s)]
+        if starts:
+            return text[: min(starts)]
+    return text
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stop_strings_match_the_definition_on_random_text(chunk):
+    """Random texts over a small alphabet, random (overlapping, self-similar) stop strings: the streamed text
+    equals the definition's, whatever the chunking."""
+    rng = random.Random(0)
+    for _ in range(2_000):
+        text = "".join(rng.choice("abé") for _ in range(rng.randint(0, 30)))
+        stop = ["".join(rng.choice("abé") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        assert "".join(stream_bytes(text, stop=stop, chunk=chunk)) == first_stop_cut(text, stop), (text, stop)
+
+
+def test_a_long_stop_string_holds_back_only_what_it_has_matched():
+    """The check keeps one position per stop string (its time per character does not grow with the stop string's
+    length; docs/serve.md has the figures): a stop string of 250,000 characters that stops matching releases
+    everything held back for it."""
+    stream = TextStream(ByteTokenizer(), stop=["x" * 249_999 + "y"])
+    released = "".join(stream.feed(b"x" * 1_000) for _ in range(5)) + stream.feed(b"z")
+    assert released == "x" * 5_000 + "z" and stream.pending == ""
