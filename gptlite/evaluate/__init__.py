@@ -1,8 +1,14 @@
-"""Scoring a model, and the command that does it: bits per byte over token windows (gptlite.evaluate.bpb) and
-zero-shot HellaSwag accuracy (gptlite.evaluate.hellaswag_task).
+"""Scoring a model, and the command that does it: bits per byte over token windows (gptlite.evaluate.bpb), zero-shot
+HellaSwag accuracy (gptlite.evaluate.hellaswag_task) and the CORE metric as nanochat computes it
+(gptlite.evaluate.core).
 
-    python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag] [--data_dir=DIR | --text=FILE] [--json=FILE]
+    python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag,core] [--data_dir=DIR | --text=FILE] [--json=FILE]
     python -m gptlite.evaluate --init_from=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
+    python -m gptlite.evaluate --init_from=gpt2 --task=core [--bundle=DIR] [--max_per_task=N]
+    torchrun --nproc_per_node=8 -m gptlite.evaluate --init_from=gpt2 --task=core    # the items split over 8 GPUs
+
+--task is comma-separated. Under torchrun, CORE shares its items among the ranks; val and hellaswag run whole on
+every rank. Rank 0 prints and writes --json.
 
 Each kind of score is a module of its own; this one holds the command, and every name the rest of gptlite and its
 tests import from gptlite.evaluate.
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +28,9 @@ import torch
 from gptlite.cli import parse, run_command
 from gptlite.config import DTYPE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
+from gptlite.distributed import processes
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader, evaluate_windows, loss_and_bpb, loss_sums
+from gptlite.evaluate.core import EVAL_BUNDLE_DIR, EVAL_BUNDLE_URL, core_bundle, core_score, read_bundle
 from gptlite.evaluate.hellaswag_task import (
     HELLASWAG_FILE,
     HELLASWAG_URL,
@@ -32,15 +41,20 @@ from gptlite.evaluate.hellaswag_task import (
     no_hellaswag_file,
     read_hellaswag,
 )
+from gptlite.evaluate.spans import BATCH_TOKENS
 from gptlite.files import fault
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
+
+TASKS = ("val", "hellaswag", "core")
 
 __all__ = [
     "HELLASWAG_FILE",
     "HELLASWAG_URL",
     "EvaluateOptions",
     "byte_lengths",
+    "core_bundle",
+    "core_score",
     "ending_losses",
     "ending_rows",
     "evaluate_loader",
@@ -51,6 +65,7 @@ __all__ = [
     "loss_sums",
     "main",
     "no_hellaswag_file",
+    "read_bundle",
     "read_hellaswag",
     "run",
 ]
@@ -66,14 +81,19 @@ class EvaluateOptions:
     tokenizer: str = option(
         "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
     )
-    task: str = option("val", "comma-separated: val, hellaswag")
+    task: str = option("val", "comma-separated: val, hellaswag, core")
     data_dir: str = option("", "val: the shards whose val split to score (default: the run's)")
     text: str = option("", "val: score this text file instead of val shards")
     hellaswag_file: str = option(
         str(HELLASWAG_FILE), f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when missing)"
     )
+    bundle: str = option(
+        "", f"core: the DCLM eval bundle folder (default: {EVAL_BUNDLE_DIR}, downloaded from {EVAL_BUNDLE_URL} once)"
+    )
+    max_per_task: int | None = option(None, "core: the first N items of each task, after its fixed shuffle")
     limit: int | None = option(None, "hellaswag: the first N examples only")
     batch_size: int = option(8, "windows (val) or examples (hellaswag) per forward")
+    batch_tokens: int = option(BATCH_TOKENS, "core: padded tokens per forward, many items' sequences together")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = option(
         "auto",
@@ -88,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         args = parse(EvaluateOptions, argv, "python -m gptlite.evaluate", __doc__)
-        results = run(args)
-        if args.json:
+        with processes() as (rank, local_rank, _):  # under torchrun, the process group
+            results = run(args, local_rank, log=print if rank == 0 else lambda *a, **k: None)
+        if args.json and rank == 0:
             tmp = Path(f"{args.json}.tmp")
             try:
                 tmp.write_text(json.dumps(results, indent=1) + "\n")
@@ -104,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(args: EvaluateOptions) -> list[str]:
     """Every argument, checked before the model loads: the tasks."""
-    tasks = args.task.split(",")
-    problems = [f"--task: unknown {t!r} (val, hellaswag)" for t in tasks if t not in ("val", "hellaswag")]
+    tasks = [t for t in args.task.split(",") if t]
+    problems = [f"--task: unknown {t!r} ({', '.join(TASKS)})" for t in tasks if t not in TASKS]
+    if not tasks:
+        problems.append(f"--task is empty; name one or more of {', '.join(TASKS)}")
     if bool(args.out_dir) == bool(args.init_from):
         problems.append("give one of --out_dir=RUN or --init_from=NAME_OR_DIR")
-    if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
-        problems.append(f"--limit={args.limit} and --batch_size={args.batch_size} must be >= 1")
+    for name in ("limit", "max_per_task", "batch_size", "batch_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            problems.append(f"--{name}={value} must be >= 1")
     if "val" in tasks and args.init_from and not (args.data_dir or args.text):
         problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
     if args.text and not Path(args.text).is_file():
@@ -137,14 +162,18 @@ def earlier_results(path: Path) -> bool:
     return isinstance(results, dict) and {"model", "device", "dtype"} <= results.keys()
 
 
-def run(args: EvaluateOptions) -> dict:
-    """The command's work: check every argument, load the model once, run each task, print one line per task."""
+def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = print) -> dict:
+    """The command's work: check every argument and read every input, load the model once, run each task, `log` a
+    line per task (CORE: per CORE task too)."""
     from gptlite.checkpoint import load_model
 
     tasks = check(args)
-    if "hellaswag" in tasks:  # its file, downloaded if need be, before any task spends minutes
+    # what the tasks read, downloaded if need be and checked, before any task spends minutes
+    if "hellaswag" in tasks:
         hellaswag_path = hellaswag_file(args.hellaswag_file)
-    device = pick_device(args.device)
+    if "core" in tasks:
+        core_tasks = read_bundle(core_bundle(args.bundle), args.max_per_task)
+    device = pick_device(args.device, local_rank)
     dtype = pick_dtype(args.dtype, device)
     model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
     model = model.to(device, getattr(torch, dtype)).eval()
@@ -155,18 +184,23 @@ def run(args: EvaluateOptions) -> dict:
             loss, bpb, n, what = score_val(args, model, tokenizer)
             seconds = time.perf_counter() - start
             results["val"] = {"loss": loss, "bpb": bpb, "tokens": n, "on": what, "seconds": seconds}
-            print(
+            log(
                 f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
                 f"{seconds:.1f} s"
             )
-        else:
+        elif task == "hellaswag":
             scores = hellaswag(model, tokenizer, hellaswag_path, args.limit, args.batch_size)
             seconds = time.perf_counter() - start
             results["hellaswag"] = {**scores, "seconds": seconds}
-            print(
+            log(
                 f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
                 f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)"
             )
+        else:
+            scores = core_score(model, tokenizer, core_tasks, args.batch_tokens, log)
+            seconds = time.perf_counter() - start
+            results["core"] = {**scores, "seconds": seconds}
+            log(f"core: CORE {scores['metric']:.4f} over {len(core_tasks)} tasks | {seconds:.1f} s")
     return results
 
 
