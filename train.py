@@ -54,7 +54,7 @@ from gptlite.device import (
     use_device,
 )
 from gptlite.distributed import processes, stop_together
-from gptlite.evaluate import byte_lengths, evaluate_loader
+from gptlite.evaluate import byte_lengths, core_bundle, core_score, evaluate_loader, read_bundle
 from gptlite.files import error
 from gptlite.hf import fingerprint
 from gptlite.lora import add_lora, lora_state_dict
@@ -119,8 +119,17 @@ def train(
     chat = isinstance(train_loader, ChatLoader)  # conversations: the assistant's tokens alone are targets
     lengths = None  # each token's UTF-8 bytes, for the val bits per byte; unknown without the data's tokenizer
     tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
-    if tokenizer_file.is_file():
-        lengths = byte_lengths(load_tokenizer(tokenizer_file), cfg.model.vocab_size).to(device)
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    if tokenizer:
+        lengths = byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
+    core_tasks = None  # CORE's tasks (--core_every), each file checked here too; the prompts need the tokenizer
+    if cfg.core_every:
+        if tokenizer is None:
+            raise FileNotFoundError(
+                f"--core_every scores text prompts, which needs the data's tokenizer: {tokenizer_file} does not "
+                "exist; prepare the data with data/prepare.py, or leave --core_every out"
+            )
+        core_tasks = read_bundle(core_bundle(cfg.core_bundle, "--core_bundle"), cfg.core_max_per_task)
 
     # ---------------------------------------------------------------------------------------------
     # 4. The checkpoint to continue from (--resume): the run folder's newest intact one.
@@ -408,6 +417,14 @@ def train(
             log(f"step {step:5d} | val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}"))
             if master:
                 metrics.write(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
+        # CORE (gptlite.evaluate.core) every core_every steps and at the end; the ranks share its items
+        score_core = core_tasks is not None and (step % cfg.core_every == 0 or last)
+        if score_core:
+            with amp:
+                core_metric = core_score(model, tokenizer, core_tasks)["metric"]
+            log(f"step {step:5d} | core {core_metric:.4f}")
+            if master:
+                metrics.write(step=step, tokens=step * total_batch, core=core_metric)
         if evaluate or stop:
             model_state, optimizer_state, rngs = gather_training_state(model, optimizers, world_size)  # every rank
             if master:
@@ -443,7 +460,7 @@ def train(
                         ) from None
                     best_val = checkpoint["best_val_loss"]
                     log(f"step {step:5d} | saved {path}{' (best val loss)' if best else ''}")
-        if evaluate:
+        if evaluate or score_core:
             t_last = time.perf_counter()  # evaluating and saving is not training time
 
         # stop early: a signal, the time budget, or a stop on another rank

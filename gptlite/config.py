@@ -256,6 +256,11 @@ class TrainConfig:
     eval_interval: int = option(250, "steps between evaluations; each saves out_dir/ckpt_NNNNNN.pt")
     eval_iters: int = option(20, "batches per evaluation (0 = every window of the val split)")
     log_interval: int = option(10, "steps between log lines (and rows of out_dir/metrics.jsonl)")
+    core_every: int = option(0, "steps between CORE evaluations (gptlite.evaluate.core), and one at the end (0 = none)")
+    core_bundle: str = option(
+        "", "CORE's eval bundle folder ('' = data/eval_bundle, downloaded once from nanochat's eval_bundle.zip)"
+    )
+    core_max_per_task: int | None = option(None, "CORE: the first N items of each task (none = all)")
     keep_last: int = option(3, "checkpoints kept, plus best.pt, the lowest val loss")
     wandb_log: bool = option(False, "log to Weights & Biases too")
     wandb_project: str = option("gptlite", "the wandb project")
@@ -329,6 +334,15 @@ class TrainConfig:
                 )
             if not 0 <= self.lora_dropout < 1:
                 problems.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if self.core_every < 0 or (self.core_max_per_task is not None and self.core_max_per_task < 1):
+            problems.append(
+                f"core_every={self.core_every} must be >= 0 and core_max_per_task={self.core_max_per_task} >= 1"
+            )
+        if not self.core_every and (self.core_bundle or self.core_max_per_task is not None):
+            problems.append(
+                "core_bundle and core_max_per_task choose how CORE is scored, and core_every=0 scores it never; "
+                "set core_every=N (steps)"
+            )
         if self.fsdp and self.dtype == "float16":
             problems.append(
                 "fsdp=true trains in bfloat16 or float32, not float16 (no sharded loss scaler here); use dtype=bfloat16"

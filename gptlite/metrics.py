@@ -4,6 +4,7 @@ out_dir/metrics.jsonl holds one JSON object per line, each with a "step" and, fr
 rows, "tokens" (trained on so far):
     training    loss, lr, grad_norm, ms_per_step, tokens_per_s, mfu (null where the peak is unknown)
     evaluation  val_loss, val_bpb (null without the data's tokenizer; see gptlite.evaluate)
+    CORE        core (train.py --core_every; see gptlite.evaluate.core)
     events      event (e.g. a skipped non-finite step), with loss and grad_norm
 `python -m gptlite.plot OUT_DIR [OUT_DIR ...]` draws runs to a PNG.
 """

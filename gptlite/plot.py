@@ -3,9 +3,10 @@
     python -m gptlite.plot RUN [RUN ...] [--x=step|tokens] [--log] [--out=loss.png|.pdf|.svg]
 
 Each run gets one colour: its train loss as a line, its val loss as dots joined by a dashed line, and, when
-the runs logged it, val bits per byte in a second panel. `--x=tokens` puts tokens trained on along the x
-axis (runs of different batch sizes compare), `--log` makes both axes logarithmic. Needs matplotlib
-(`pip install matplotlib`, or `pip install -e ".[plot]"`).
+the runs logged them, val bits per byte and CORE (train.py --core_every) in panels of their own. `--x=tokens`
+puts tokens trained on along the x axis (runs of different batch sizes compare), `--log` makes the axes
+logarithmic (CORE's y axis, which can be negative, stays linear). Needs matplotlib (`pip install matplotlib`, or
+`pip install -e ".[plot]"`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def curve(rows: list[dict], key: str, x: str) -> tuple[list[float], list[float]]
     return [p[0] for p in points], [p[1] for p in points]
 
 
+# the panels beside the loss's, each drawn when a run logged its key: (key, axis label, logarithmic with --log)
+PANELS = (("val_bpb", "val bits per byte", True), ("core", "CORE (mean centered accuracy)", False))
+
+
 def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: bool = False) -> Path:
     """Draw the runs' curves (see the module docstring) to `out` (.png, .pdf or .svg); returns its path."""
     try:
@@ -74,26 +79,26 @@ def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: boo
                 f"the metrics of {', '.join(old)} have no token counts (runs of older gptlite versions "
                 "did not log them); plot them with --x=step"
             )
-    with_bpb = any(r.get("val_bpb") is not None for _, rows in labelled for r in rows)
-    fig = Figure(figsize=(12 if with_bpb else 8, 5), layout="constrained")
+    panels = [p for p in PANELS if any(r.get(p[0]) is not None for _, rows in labelled for r in rows)]
+    fig = Figure(figsize=(8 + 4 * len(panels), 5), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 2 if with_bpb else 1, squeeze=False)[0]
+    axes = fig.subplots(1, 1 + len(panels), squeeze=False)[0]
     for i, (label, rows) in enumerate(labelled):
         color = f"C{i % 10}"
         axes[0].plot(*curve(rows, "loss", x), color=color, linewidth=1.2, label=f"{label} train")
         axes[0].plot(
             *curve(rows, "val_loss", x), color=color, linestyle="--", marker="o", markersize=3, label=f"{label} val"
         )
-        if with_bpb:
-            axes[1].plot(*curve(rows, "val_bpb", x), color=color, linestyle="--", marker="o", markersize=3, label=label)
-    for ax, ylabel in zip(axes, ["loss (nats per token)", "val bits per byte"], strict=False):
+        for ax, (key, _, _) in zip(axes[1:], panels, strict=True):
+            ax.plot(*curve(rows, key, x), color=color, linestyle="--", marker="o", markersize=3, label=label)
+    for ax, (_, ylabel, log_y) in zip(axes, [("loss", "loss (nats per token)", True), *panels], strict=True):
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         if log:
             ax.set_xscale("log")
-            ax.set_yscale("log")
+            ax.set_yscale("log" if log_y else "linear")
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     try:

@@ -1,6 +1,6 @@
 """CORE against a reference scorer written from the method (nanochat's core_eval.py) on transformers with the same
 weights, item by item: every task type, few-shot examples, a custom delimiter, sequences cropped to the context,
-max_per_task; each faulty bundle refused in one line; and the command."""
+max_per_task; each faulty bundle refused in one line; the command; and train.py --core_every."""
 
 import csv
 import json
@@ -16,11 +16,13 @@ import transformers
 import yaml
 
 import gptlite.evaluate.core as core_module
-from gptlite import GPT, GPTConfig, evaluate
+from gptlite import GPT, GPTConfig, evaluate, plot
+from gptlite.config import build_config
 from gptlite.evaluate.core import core_bundle, core_score, read_bundle, task_correct
 from gptlite.hf import export_hf
+from gptlite.metrics import read_metrics
 from gptlite.tokenizer import get_tokenizer
-from tests.conftest import shared_file
+from tests.conftest import run_train, shared_file
 
 transformers.logging.set_verbosity_error()
 BLOCK = 64  # the tiny model's context: the few-shot prompts of the longer tasks are cropped to it
@@ -306,3 +308,62 @@ def test_the_command_prints_each_task_and_writes_core_to_json(models, tokenizer,
     expected = core_score(model, tokenizer, read_bundle(folder, 5))
     assert results["tasks"] == expected["tasks"] and results["metric"] == expected["metric"]
     assert set(results["tasks"]["lm"]) == {"accuracy", "centered"}
+
+
+@pytest.fixture(scope="module")
+def gpt2_data(tmp_path_factory):
+    from gptlite.prepare import prepare
+
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    corpus.write_text(shared_file("data/tinyshakespeare.txt").read_text()[:20_000])
+    data = tmp_path_factory.mktemp("data")
+    prepare([str(corpus)], str(shared_file("tokenizers/gpt2.tiktoken")), data, log=lambda *a: None)
+    return data
+
+
+def test_train_scores_core_every_n_steps_into_metrics(bundle, gpt2_data, tmp_path):
+    data = gpt2_data
+    out = tmp_path / "run"
+    summary = run_train(
+        f"--data_dir={data}",
+        f"--out_dir={out}",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        f"--block_size={BLOCK}",
+        "--batch_size=2",
+        "--max_iters=3",
+        "--eval_interval=3",
+        "--eval_iters=1",
+        "--core_every=2",
+        f"--core_bundle={bundle[0]}",
+        "--core_max_per_task=5",
+        "--device=cpu",
+    )
+    assert summary.code == 0, summary.err
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "core" in r]
+    assert [(r["step"], r["tokens"]) for r in rows] == [(2, 2 * 2 * BLOCK), (3, 3 * 2 * BLOCK)]  # every 2, and the end
+    assert all(-1 <= r["core"] <= 1 for r in rows) and set(rows[0]) == {"step", "tokens", "core"}
+    assert f"step     2 | core {rows[0]['core']:.4f}" in summary.out
+    assert plot.main([str(out), "--x=tokens", "--log"]) == 0
+    from matplotlib.image import imread
+
+    assert imread(out / "loss.png").shape[:2] == (500, 1600)  # loss, val bits per byte and CORE: 16 x 5 inches
+
+
+def test_core_options_of_train_are_checked(bundle, gpt2_data, tmp_path):
+    with pytest.raises(ValueError, match=r"core_every=-1 must be >= 0 and core_max_per_task=0 >= 1"):
+        build_config({"vocab_size": 97, "core_every": -1, "core_max_per_task": 0})
+    with pytest.raises(ValueError, match=r"core_every=0 scores it never; set core_every=N \(steps\)"):
+        build_config({"vocab_size": 97, "core_bundle": str(bundle[0])})
+    data = tmp_path / "data"
+    shutil.copytree(gpt2_data, data)
+    (data / "tokenizer.json").unlink()
+    shape = ["--vocab_size=50304", f"--block_size={BLOCK}", "--batch_size=2", "--n_layer=1", "--n_embd=16"]
+    run = run_train(f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *shape, "--n_head=2", "--core_every=2")
+    message = (
+        r"--core_every scores text prompts, which needs the data's tokenizer: .*tokenizer\.json does not exist; "
+        r"prepare the data with data/prepare\.py, or leave --core_every out"
+    )
+    assert re.fullmatch(message, run.error)
+    assert not (tmp_path / "run").exists()  # refused before the run folder is claimed
