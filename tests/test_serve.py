@@ -466,6 +466,7 @@ def test_options_are_checked():
         ServeOptions(out_dir="run", max_batch=0)
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_the_command_serves_with_a_key_and_a_stalled_upload_does_not_hold_sigterm(tmp_path):
     """python -m gptlite.serve --out_dir=RUN, its key from GPTLITE_API_KEY: a wrong key gets a 401, the right one a
     completion through the openai client; --allowed_hosts lets a proxy's name through and no other. Then SIGTERM

@@ -132,6 +132,7 @@ def test_both_caches_are_attention_caches_with_buffers_from_one_function():
     assert not isinstance(SimpleNamespace(update=None, mask=None), AttentionCache)  # no positions
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_steps_decode_the_same_greedy_text():
     """Three graphs compile (prefill, one row, several rows; dynamic sizes past 1), then serve every request."""

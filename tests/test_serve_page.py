@@ -15,6 +15,8 @@ import pytest
 from gptlite.serve.guard import Policy
 from tests.serving import Served, slow_steps
 
+pytestmark = pytest.mark.slow  # a real browser: left out by -m 'not slow'
+
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # offline and quiet: without the background-networking flags Chromium tries to reach Google's services
 FLAGS = (
