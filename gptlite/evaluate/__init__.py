@@ -1,14 +1,16 @@
 """Scoring a model, and the command that does it: bits per byte over token windows (gptlite.evaluate.bpb), zero-shot
-HellaSwag accuracy (gptlite.evaluate.hellaswag_task) and the CORE metric as nanochat computes it
-(gptlite.evaluate.core).
+HellaSwag accuracy (gptlite.evaluate.hellaswag_task), the CORE metric as nanochat computes it (gptlite.evaluate.core)
+and any task of EleutherAI's lm-eval harness, in this process (gptlite.evaluate.lm_harness).
 
     python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag,core] [--data_dir=DIR | --text=FILE] [--json=FILE]
     python -m gptlite.evaluate --init_from=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
     python -m gptlite.evaluate --init_from=gpt2 --task=core [--bundle=DIR] [--max_per_task=N]
+    python -m gptlite.evaluate --out_dir=RUN --task=lm_eval:arc_easy,piqa [--include_path=DIR] [--num_fewshot=N]
     torchrun --nproc_per_node=8 -m gptlite.evaluate --init_from=gpt2 --task=core    # the items split over 8 GPUs
 
---task is comma-separated. Under torchrun, CORE shares its items among the ranks; val and hellaswag run whole on
-every rank. Rank 0 prints and writes --json.
+--task is comma-separated; `lm_eval:` comes last and everything after it names lm-eval tasks. Under torchrun, CORE
+and lm-eval share their items among the ranks; val and hellaswag run whole on every rank. Rank 0 prints and writes
+--json.
 
 Each kind of score is a module of its own; this one holds the command, and every name the rest of gptlite and its
 tests import from gptlite.evaluate.
@@ -46,7 +48,8 @@ from gptlite.files import fault
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
 
-TASKS = ("val", "hellaswag", "core")
+TASKS = ("val", "hellaswag", "core")  # gptlite's own; lm-eval's come after LM_EVAL
+LM_EVAL = "lm_eval:"
 
 __all__ = [
     "HELLASWAG_FILE",
@@ -81,7 +84,9 @@ class EvaluateOptions:
     tokenizer: str = option(
         "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
     )
-    task: str = option("val", "comma-separated: val, hellaswag, core")
+    task: str = option(
+        "val", "comma-separated: val, hellaswag, core, then lm_eval:TASK[,TASK...] (lm-eval's tasks, last)"
+    )
     data_dir: str = option("", "val: the shards whose val split to score (default: the run's)")
     text: str = option("", "val: score this text file instead of val shards")
     hellaswag_file: str = option(
@@ -91,9 +96,13 @@ class EvaluateOptions:
         "", f"core: the DCLM eval bundle folder (default: {EVAL_BUNDLE_DIR}, downloaded from {EVAL_BUNDLE_URL} once)"
     )
     max_per_task: int | None = option(None, "core: the first N items of each task, after its fixed shuffle")
-    limit: int | None = option(None, "hellaswag: the first N examples only")
-    batch_size: int = option(8, "windows (val) or examples (hellaswag) per forward")
-    batch_tokens: int = option(BATCH_TOKENS, "core: padded tokens per forward, many items' sequences together")
+    include_path: str = option("", "lm_eval: a folder of task YAML files of your own")
+    num_fewshot: int | None = option(None, "lm_eval: few-shot examples per prompt (default: each task's own)")
+    apply_chat_template: bool = option(False, "lm_eval: prompts through the tokenizer's chat template (chat models)")
+    system_prompt: str = option("", "lm_eval: a system message before every prompt")
+    limit: int | None = option(None, "hellaswag, lm_eval: the first N examples (of each task) only")
+    batch_size: int = option(8, "windows (val), examples (hellaswag) or generations (lm_eval) per forward")
+    batch_tokens: int = option(BATCH_TOKENS, "core, lm_eval: padded tokens per forward, many items' sequences together")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = option(
         "auto",
@@ -123,22 +132,34 @@ def main(argv: list[str] | None = None) -> int:
     return run_command("gptlite.evaluate", body, "nothing was written")
 
 
-def check(args: EvaluateOptions) -> list[str]:
-    """Every argument, checked before the model loads: the tasks."""
-    tasks = [t for t in args.task.split(",") if t]
-    problems = [f"--task: unknown {t!r} ({', '.join(TASKS)})" for t in tasks if t not in TASKS]
-    if not tasks:
-        problems.append(f"--task is empty; name one or more of {', '.join(TASKS)}")
+def split_tasks(task: str) -> tuple[list[str], list[str]]:
+    """--task as (gptlite's tasks, lm-eval's task names): everything after LM_EVAL names lm-eval tasks."""
+    ours, marker, theirs = task.partition(LM_EVAL)
+    return [t for t in ours.split(",") if t], ([t.strip() for t in theirs.split(",") if t.strip()] if marker else [])
+
+
+def check(args: EvaluateOptions) -> tuple[list[str], list[str]]:
+    """Every argument, checked before the model loads: (gptlite's tasks, lm-eval's tasks)."""
+    tasks, harness = split_tasks(args.task)
+    problems = [f"--task: unknown {t!r} ({', '.join(TASKS)}, {LM_EVAL}TASK)" for t in tasks if t not in TASKS]
+    if LM_EVAL in args.task and not harness:
+        problems.append(f"--task={args.task} names no lm-eval task after {LM_EVAL}; e.g. --task={LM_EVAL}arc_easy,piqa")
+    elif not tasks and not harness:
+        problems.append(f"--task is empty; name one or more of {', '.join(TASKS)}, {LM_EVAL}TASK")
     if bool(args.out_dir) == bool(args.init_from):
         problems.append("give one of --out_dir=RUN or --init_from=NAME_OR_DIR")
     for name in ("limit", "max_per_task", "batch_size", "batch_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             problems.append(f"--{name}={value} must be >= 1")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        problems.append(f"--num_fewshot={args.num_fewshot} must be >= 0")
     if "val" in tasks and args.init_from and not (args.data_dir or args.text):
         problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
     if args.text and not Path(args.text).is_file():
         problems.append(f"text file {args.text} does not exist")
+    if args.include_path and not Path(args.include_path).is_dir():
+        problems.append(f"--include_path={args.include_path} is not a folder; give the folder of your task YAML files")
     folder = Path(args.json).parent if args.json else None
     if folder is not None and not folder.is_dir():
         problems.append(f"--json={args.json}: folder {folder} does not exist; create it or write the results elsewhere")
@@ -149,7 +170,7 @@ def check(args: EvaluateOptions) -> list[str]:
         )
     if problems:
         raise ValueError("; ".join(problems))
-    return tasks
+    return tasks, harness
 
 
 def earlier_results(path: Path) -> bool:
@@ -164,15 +185,19 @@ def earlier_results(path: Path) -> bool:
 
 def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = print) -> dict:
     """The command's work: check every argument and read every input, load the model once, run each task, `log` a
-    line per task (CORE: per CORE task too)."""
+    line per task (CORE: per CORE task), lm-eval's table last."""
     from gptlite.checkpoint import load_model
 
-    tasks = check(args)
+    tasks, harness = check(args)
     # what the tasks read, downloaded if need be and checked, before any task spends minutes
     if "hellaswag" in tasks:
         hellaswag_path = hellaswag_file(args.hellaswag_file)
     if "core" in tasks:
         core_tasks = read_bundle(core_bundle(args.bundle), args.max_per_task)
+    if harness:
+        from gptlite.evaluate.lm_harness import task_manager
+
+        manager = task_manager(harness, args.include_path)
     device = pick_device(args.device, local_rank)
     dtype = pick_dtype(args.dtype, device)
     model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
@@ -201,6 +226,11 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
             seconds = time.perf_counter() - start
             results["core"] = {**scores, "seconds": seconds}
             log(f"core: CORE {scores['metric']:.4f} over {len(core_tasks)} tasks | {seconds:.1f} s")
+    if harness:
+        from gptlite.evaluate.lm_harness import evaluate_tasks
+
+        results["lm_eval"], table = evaluate_tasks(model, tokenizer, manager, harness, args)
+        log(table)
     return results
 
 

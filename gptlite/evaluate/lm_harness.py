@@ -1,0 +1,266 @@
+"""Any task of EleutherAI's lm-evaluation-harness (lm-eval), in this process, on gptlite's own forward and KV-cache
+generation: `GPTLiteLM`, the harness's model class, and `evaluate_tasks`, which runs tasks through it.
+
+The class does what lm-eval's own `hf` backend (HFLM) does, so that its figures equal that backend's on the same
+weights, only batched on gptlite's code:
+- Tokens: the tokenizer's, with what a Hugging Face tokenizer adds before a text (Llama's BOS) unless the text starts
+  with it; a context's trailing spaces go to the continuation; an empty context is the BOS (else EOS) token.
+- loglikelihood: the continuation's log-probabilities over the model's whole vocabulary, summed, and whether each
+  token is the greedy one; context and continuation cropped on the left to block_size + 1 tokens. The requests are
+  spans of gptlite.evaluate.spans: many per forward, the output head only where a continuation token is predicted.
+- loglikelihood_rolling: a text cut into windows of block_size tokens, each predicted from the one before
+  (lm-eval's own get_rolling_token_windows), the windows' log-likelihoods summed.
+- generate_until: greedy (or sampled, as the task asks) decoding through gptlite.generate's KV cache, contexts
+  cropped to leave room for max_gen_toks, until the end-of-sequence token or every row of a batch has written a stop
+  sequence; the text is cut before the first stop sequence, as HFLM cuts it.
+Under torchrun the harness shares the requests among the ranks (rank, world_size, gathers through torch.distributed).
+
+This module needs lm-eval (`pip install -e ".[eval]"`); without it, importing it is an ImportError that says so.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
+from gptlite.generate import PAD, TextStream, generate_tokens
+from gptlite.model import GPT
+from gptlite.tokenizer import Tokenizer
+
+try:
+    import lm_eval
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
+except ImportError:
+    raise ImportError(
+        "--task=lm_eval:... needs EleutherAI's lm-eval harness: pip install -e '.[eval]' (or pip install lm-eval)"
+    ) from None
+
+if TYPE_CHECKING:
+    from gptlite.evaluate import EvaluateOptions
+
+
+def task_manager(names: list[str], include_path: str = "") -> TaskManager:
+    """lm-eval's index of tasks (its own, and the YAML files under include_path), after checking that it knows every
+    name (a task, a group or a tag)."""
+    manager = TaskManager(include_path=include_path or None)
+    known = manager.all_tasks
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ValueError(
+            f"--task=lm_eval:{unknown[0]}: lm-eval knows no task of that name; {hint}(`lm-eval ls tasks` lists them; "
+            "--include_path=DIR adds your own task YAML files)"
+        )
+    return manager
+
+
+def evaluate_tasks(
+    model: GPT, tokenizer: Tokenizer, manager: TaskManager, names: list[str], args: EvaluateOptions
+) -> tuple[dict, str]:
+    """Run lm-eval's tasks on the model: (the harness's own `results` mapping, its table of them). `args` gives
+    num_fewshot, limit, apply_chat_template, system_prompt, batch_size and batch_tokens (the command's options)."""
+    lm = GPTLiteLM(model, tokenizer, batch_size=args.batch_size, batch_tokens=args.batch_tokens)
+    if args.apply_chat_template and not tokenizer.chat_template:
+        raise ValueError(
+            "--apply_chat_template: this model's tokenizer has no chat template (a base model?); leave the flag out, "
+            "or evaluate a model fine-tuned on conversations"
+        )
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        task_manager=manager,
+        apply_chat_template=args.apply_chat_template,
+        system_instruction=args.system_prompt or None,
+        log_samples=False,
+    )
+    if out is None:  # a rank other than 0: the results went to rank 0
+        return {}, ""
+    return out["results"], make_table(out)
+
+
+def prefix_ids(tokenizer: Tokenizer) -> list[int]:
+    """What a Hugging Face tokenizer puts before a text it encodes with its special tokens (Llama's BOS; nothing for
+    GPT-2), which lm-eval's hf backend lets it add."""
+    rust = getattr(tokenizer, "tok", None)  # gptlite.tokenizer.HFTokenizer's tokenizers.Tokenizer
+    if rust is None:
+        return []
+    plain, special = rust.encode("a", add_special_tokens=False).ids, rust.encode("a", add_special_tokens=True).ids
+    return special[: special.index(plain[0])] if plain and plain[0] in special else []
+
+
+class GPTLiteLM(TemplateLM):
+    """lm-eval's model interface on a gptlite model (see the module docstring)."""
+
+    backend = "causal"
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer, batch_size: int = 8, batch_tokens: int = BATCH_TOKENS):
+        super().__init__()
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+        self.prefix = prefix_ids(tokenizer)
+        self.prefix_text = tokenizer.decode(self.prefix) if self.prefix else None
+        self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self._device = model.tok_emb.weight.device
+
+    # -- tokens ----------------------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        eos = getattr(self.tokenizer, "eos_id", None)
+        return self.tokenizer.eot_id if eos is None else eos
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = getattr(self.tokenizer, "bos_id", None)
+        return self.eot_token_id if bos is None else bos
+
+    @property
+    def max_length(self) -> int:
+        return self.model.config.block_size
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"gptlite-{self.tokenizer.kind}-{self.tokenizer.vocab_size}"
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        tok = self.tokenizer
+        ids = tok.encode_special(string)[0] if tok.added else tok.encode(string)  # special tokens of a chat template
+        if self.prefix and add_special_tokens is not False and not string.startswith(self.prefix_text):
+            ids = self.prefix + ids
+        return ids
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tokenizer.chat_template
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered with the tokenizer's template; without a generation prompt the last message is
+        left open to be continued (transformers' continue_final_message, which lm-eval's hf backend asks for)."""
+        from gptlite.tokenizer.chat import check_messages, render
+
+        messages = check_messages(chat_history, "lm-eval's prompt")
+        text = render(self.tokenizer.chat_template, messages, add_generation_prompt, self.tokenizer.special_texts())
+        if not add_generation_prompt:
+            final = messages[-1]["content"].strip()
+            text = text[: text.rindex(final) + len(final)]
+        return text
+
+    # -- scoring ---------------------------------------------------------------------------------------
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(log-likelihood, greedy) of each (key, context ids, continuation ids), cropped on the left to
+        block_size + 1 tokens, as HFLM crops them."""
+        rows = []
+        for _, context, continuation in requests:
+            tokens = (context + continuation)[-(self.max_length + 1) :]
+            rows.append(Row(tokens, len(tokens) - len(continuation), len(tokens)))
+        loss, _, greedy = score_spans(self.model, rows, self.model.config.vocab_size, self.batch_tokens)
+        answers = [(-nats, bool(g)) for nats, g in zip(loss, greedy, strict=True)]
+        for (key, _, _), answer in zip(requests, answers, strict=True):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return answers
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, (string,) in enumerate(req.args for req in requests):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(self.tok_encode(string), self.prefix_token_id, self.max_length, 1),
+            ):
+                windows.append((None, context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=True):
+            totals[i] += logprob
+        for req, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}  # requests of the same generation arguments run together
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        eos = self.tokenizer.decode([self.eot_token_id])
+        for members in groups.values():
+            kwargs = normalize_gen_kwargs(dict(requests[members[0]].args[1]), 256)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = kwargs.pop("max_gen_toks")
+            if max_new >= self.max_length:
+                raise ValueError(
+                    f"an lm-eval task generates up to {max_new} tokens, more than this model's block_size="
+                    f"{self.max_length} leaves for a prompt; lower its max_gen_toks"
+                )
+            contexts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new) :] for i in members}
+            order = sorted(members, key=lambda i: -len(contexts[i]))  # rows of similar lengths pad less
+            for first in range(0, len(order), self.batch_size):
+                batch = order[first : first + self.batch_size]
+                texts = self._generate([contexts[i] for i in batch], max_new, until, kwargs)
+                for i, text in zip(batch, texts, strict=True):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return out
+
+    @torch.no_grad()
+    def _generate(self, contexts: list[list[int]], max_new: int, until: list[str], kwargs: dict) -> list[str]:
+        """Each context's continuation: decoded up to the end-of-sequence token, cut before the first stop sequence.
+        Generation stops once every row has ended or written a stop sequence."""
+        temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+        sampling = {"top_k": kwargs.get("top_k"), "top_p": kwargs.get("top_p")} if temperature else {}
+        eos = self.eot_token_id
+        streams = [TextStream(self.tokenizer, until) for _ in contexts]  # only to see when a row has stopped
+        new: list[list[int]] = [[] for _ in contexts]
+        steps = generate_tokens(
+            self.model,
+            contexts,
+            max_new,
+            temperature=temperature,
+            stop_tokens=[eos],
+            vocab_limit=self.tokenizer.vocab_size,
+            **sampling,
+        )
+        for nxt in steps:
+            for row, token in enumerate(nxt.tolist()):
+                if token == PAD or streams[row].done:
+                    continue
+                if token == eos:
+                    streams[row].close()
+                else:
+                    new[row].append(token)
+                    streams[row].feed([token])
+            if all(s.done for s in streams):
+                steps.close()
+                break
+        return [postprocess_generated_text(self.tokenizer.decode(ids), until, None) for ids in new]
+
+    # -- processes under torchrun -----------------------------------------------------------------------
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.cat([p.reshape(-1, *tensor.shape[1:]) if tensor.dim() else p[None] for p in parts])
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list | None:
+        if self._world_size == 1:
+            return [obj]
+        gathered = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            dist.barrier()
