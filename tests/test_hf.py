@@ -17,7 +17,8 @@ from gptlite.hf import GPT2_NAMES, export_hf
 from gptlite.hf.tokenizer_files import bpe_merges, hf_tokenizer_files
 from gptlite.prepare import prepare
 from gptlite.run_config import resolve_config
-from gptlite.tokenizer import ByteTokenizer, CharTokenizer, get_tokenizer, load_tokenizer
+from gptlite.tokenizer import ByteTokenizer, CharTokenizer, TiktokenTokenizer, get_tokenizer, load_tokenizer
+from gptlite.tokenizer.tiktoken_bpe import tiktoken_encoding
 from tests.conftest import ROOT, run_train, shared_file
 
 transformers.logging.set_verbosity_error()
@@ -242,10 +243,14 @@ def test_gpt2_tokenizer_files_give_transformers_the_same_ids(tmp_path):
     for text in texts:
         assert hf(text)["input_ids"] == tokenizer.encode(text), text[:40]
     assert hf.eos_token_id == tokenizer.eot_id == 50256 and hf.decode(tokenizer.encode(texts[2])) == texts[2]
+    other = TiktokenTokenizer(  # GPT-2's ranks split by another pattern: transformers' GPT-2 tokenizer cannot
+        tiktoken_encoding("other", r"\S+|\s+", tokenizer.enc._mergeable_ranks, {"<|endoftext|>": 50256})
+    )
     with pytest.raises(
-        ValueError, match="reproduces byte-pair encodings with GPT-2's split pattern only; this tokenizer is char"
-    ):
-        hf_tokenizer_files(CharTokenizer(CHARS), 64)
+        ValueError, match="reproduces byte-pair encodings with GPT-2's split pattern only; this tokenizer is tiktoken "
+        "with another pattern"
+    ):  # fmt: skip
+        hf_tokenizer_files(other, 64)
 
 
 def test_bpe_merges_are_recovered_from_ranks():
