@@ -25,14 +25,16 @@ Where nanochat would stop with an assertion, this scores on: a span that croppin
 token, and a language-modeling prompt whose tokens without the continuation are no prefix of those with it (BPE
 merged across the boundary) scores from where the two differ.
 
-Efficiency: the sequences of many items (ITEMS_PER_PASS) are scored together (gptlite.evaluate.spans: batches of a
-token budget, the output head only where a span's token is predicted), never one item at a time. Under torchrun
-every rank scores every world_size-th item and the results are all-reduced.
+Efficiency: the sequences of many items (ITEMS_PER_PASS) are scored together, never one item at a time, through
+gptlite.evaluate.spans: an item's options share one pass over their common prefix (the few-shot examples and the
+question), batches fill a token budget, and the output head sees only the positions that predict a span's token.
+Under torchrun every rank scores every world_size-th item and the results are all-reduced.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import os
@@ -321,7 +323,10 @@ def task_correct(
             item_rows(task, i, [begin + next(encoded) for _ in item], model.config.block_size)
             for i, item in zip(items, texts, strict=True)
         ]
-        loss, count, greedy = score_spans(model, [row for item in rows for row in item], vocab, batch_tokens)
+        flat = [row for item in rows for row in item]
+        ends = list(itertools.accumulate(len(item) for item in rows))
+        groups = [list(range(end - len(item), end)) for item, end in zip(rows, ends, strict=True)]  # each item's rows
+        loss, count, greedy = score_spans(model, flat, vocab, batch_tokens, groups)
         at = 0  # the first row of the next item
         for i, item in zip(items, rows, strict=True):
             if task.kind == "language_modeling":  # right when the model predicts the whole continuation

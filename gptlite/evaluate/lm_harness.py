@@ -7,7 +7,8 @@ weights, only batched on gptlite's code:
   with it; a context's trailing spaces go to the continuation; an empty context is the BOS (else EOS) token.
 - loglikelihood: the continuation's log-probabilities over the model's whole vocabulary, summed, and whether each
   token is the greedy one; context and continuation cropped on the left to block_size + 1 tokens. The requests are
-  spans of gptlite.evaluate.spans: many per forward, the output head only where a continuation token is predicted.
+  spans of gptlite.evaluate.spans: those of one context (a document's choices) share a pass over it, many go
+  through each forward, and the output head sees only the positions that predict a continuation token.
 - loglikelihood_rolling: a text cut into windows of block_size tokens, each predicted from the one before
   (lm-eval's own get_rolling_token_windows), the windows' log-likelihoods summed.
 - generate_until: greedy (or sampled, as the task asks) decoding through gptlite.generate's KV cache, contexts
@@ -159,11 +160,13 @@ class GPTLiteLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-likelihood, greedy) of each (key, context ids, continuation ids), cropped on the left to
         block_size + 1 tokens, as HFLM crops them."""
-        rows = []
-        for _, context, continuation in requests:
+        rows, groups = [], {}  # the requests of one context (a document's choices) share a pass over it
+        for r, (_, context, continuation) in enumerate(requests):
             tokens = (context + continuation)[-(self.max_length + 1) :]
             rows.append(Row(tokens, len(tokens) - len(continuation), len(tokens)))
-        loss, _, greedy = score_spans(self.model, rows, self.model.config.vocab_size, self.batch_tokens)
+            groups.setdefault(tuple(context), []).append(r)
+        vocab = self.model.config.vocab_size
+        loss, _, greedy = score_spans(self.model, rows, vocab, self.batch_tokens, list(groups.values()))
         answers = [(-nats, bool(g)) for nats, g in zip(loss, greedy, strict=True)]
         for (key, _, _), answer in zip(requests, answers, strict=True):
             if key is not None:

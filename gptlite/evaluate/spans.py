@@ -2,9 +2,16 @@
 token of it greedily. CORE's options and continuations (gptlite.evaluate.core) and lm-eval's log-likelihood requests
 (gptlite.evaluate.lm_harness) are such spans.
 
-Sequences go through the model longest first, right-padded into batches of a token budget: causal attention lets
-padding after a sequence change nothing before it, and no padded position is scored. Only the positions that predict
-a span's token go through the output head (a few of a sequence's positions, each a vocab_size-wide row of logits).
+Three things make it fast, none of which changes a figure:
+- Sequences that share their first tokens (an item's options after its few-shot examples and question) go through
+  the model as one packed sequence: the shared tokens once, then each sequence's own tokens, which attend to the
+  shared ones and to their own (a tree-shaped causal mask; each token keeps its position in its own sequence). A
+  multiple-choice item of k options costs about one prompt, not k.
+- Packed sequences of many items go through the model together, longest first, right-padded to a token budget;
+  padding attends only to padding and the shared tokens, and nothing attends to it or scores it.
+- Only the positions that predict a span's token go through the output head.
+The forward runs without a KV cache: a `TreeMask` hands the model each token's position and the mask, as a cache
+(gptlite.kvcache.AttentionCache) would.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import torch.nn.functional as F
 
 from gptlite.model import GPT
 
-BATCH_TOKENS = 8192  # padded tokens per forward: rows x the longest row
+BATCH_TOKENS = 8192  # padded tokens per forward: packed sequences x the longest
 HEAD_CHUNK = 4096  # scored positions per output-head call: their float32 logits are HEAD_CHUNK x vocab
 
 
@@ -30,36 +37,102 @@ class Row:
     end: int
 
 
+class TreeMask:
+    """What the model reads from a cache (gptlite.kvcache.AttentionCache), for a forward without one: each token's
+    position and the mask of what it attends to; each layer's keys and values are attended over as computed."""
+
+    def __init__(self, pos: torch.Tensor, mask: torch.Tensor):
+        self.pos = pos  # (B, L)
+        self.mask = mask  # (B, 1, L, L)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
+
+@dataclass
+class Packed:
+    """Rows that share their first tokens, as one sequence: those tokens once, then each distinct row's own tokens but
+    its last. `branch` says whose each token is (-1: shared); `index[r][p]` is where row r's position p went."""
+
+    tokens: list[int]
+    pos: list[int]
+    branch: list[int]
+    index: list[list[int]]
+
+
+def pack(rows: list[Row]) -> Packed:
+    """The rows as one packed sequence (see Packed)."""
+    n = min(len(r.tokens) for r in rows)
+    shared = next((k for k in range(n) if any(r.tokens[k] != rows[0].tokens[k] for r in rows)), n)
+    shared = min(shared, max(len(r.tokens) for r in rows) - 1)  # a row's last token is never input
+    tokens, pos, branch = rows[0].tokens[:shared], list(range(shared)), [-1] * shared
+    index, seen = [], {}  # seen: a row's tokens -> its index; equal rows are computed once, and so tie exactly
+    for b, row in enumerate(rows):
+        if tuple(row.tokens) not in seen:
+            own = row.tokens[shared:-1]
+            start = list(range(min(shared, len(row.tokens) - 1)))
+            seen[tuple(row.tokens)] = start + list(range(len(tokens), len(tokens) + len(own)))
+            tokens += own
+            pos += range(shared, shared + len(own))
+            branch += [b] * len(own)
+        index.append(seen[tuple(row.tokens)])
+    return Packed(tokens, pos, branch, index)
+
+
 @torch.no_grad()
 def score_spans(
-    model: GPT, rows: list[Row], vocab: int, batch_tokens: int = BATCH_TOKENS
+    model: GPT,
+    rows: list[Row],
+    vocab: int,
+    batch_tokens: int = BATCH_TOKENS,
+    groups: list[list[int]] | None = None,
 ) -> tuple[list[float], list[int], list[bool]]:
     """For each row: the summed cross-entropy of its span's tokens in nats, their number, and whether each is the
     greedy prediction, over the first `vocab` ids (the tokenizer's, where the model's vocabulary is padded past it).
-    As many rows per forward as fit in batch_tokens padded tokens."""
+    `groups` lists rows that may share their first tokens (an item's options; default: each row alone), each group
+    packed into one sequence (see the module docstring). As many packed sequences per forward as fit in batch_tokens
+    padded tokens."""
     device = model.tok_emb.weight.device
+    groups = [[r] for r in range(len(rows))] if groups is None else groups
+    packs = [pack([rows[r] for r in group]) for group in groups]
     loss = torch.zeros(len(rows), device=device)  # (R,) summed cross-entropy of each row's span
     count = torch.zeros(len(rows), dtype=torch.long, device=device)  # (R,) its tokens
     wrong = torch.zeros(len(rows), dtype=torch.long, device=device)  # (R,) those that are not the greedy prediction
-    order = sorted(range(len(rows)), key=lambda r: -len(rows[r].tokens))
+    order = sorted(range(len(packs)), key=lambda g: -len(packs[g].tokens))
     first = 0
     while first < len(order):
-        width = len(rows[order[first]].tokens)
+        width = len(packs[order[first]].tokens)
         batch = order[first : first + max(1, batch_tokens // width)]
         first += len(batch)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L) right-padded with id 0
-        scored = torch.zeros(len(batch), width - 1, dtype=torch.bool)  # (B, L-1) position p predicts token p+1
-        for j, r in enumerate(batch):
-            row = rows[r]
-            assert 1 <= row.start and row.end <= len(row.tokens) <= model.config.block_size + 1, (row.start, row.end)
-            tokens[j, : len(row.tokens)] = torch.tensor(row.tokens)
-            scored[j, row.start - 1 : row.end - 1] = True
-        if not scored.any():
+        pos = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L) each token's position in its own row
+        branch = torch.full((len(batch), width), -2, dtype=torch.long)  # (B, L) -1 shared, -2 padding, else its row
+        where, owner, targets = [], [], []  # each scored position: (sequence, packed index), its row, its target
+        for j, g in enumerate(batch):
+            p = packs[g]
+            tokens[j, : len(p.tokens)] = torch.tensor(p.tokens)
+            pos[j, : len(p.tokens)] = torch.tensor(p.pos)
+            branch[j, : len(p.tokens)] = torch.tensor(p.branch)
+            for r, index in zip(groups[g], p.index, strict=True):
+                row = rows[r]
+                assert 1 <= row.start and row.end <= len(row.tokens) <= model.config.block_size + 1, (
+                    row.start,
+                    row.end,
+                )
+                where += [(j, index[q]) for q in range(row.start - 1, row.end - 1)]  # position q predicts token q + 1
+                owner += [r] * (row.end - row.start)
+                targets += row.tokens[row.start : row.end]
+        if not targets:
             continue
-        tokens, scored = tokens.to(device), scored.to(device)
-        hidden = model.hidden(tokens[:, :-1])[scored]  # (N, C): only the positions that predict a span's token
-        targets = tokens[:, 1:][scored]  # (N,)
-        owner = torch.tensor(batch, device=device)[scored.nonzero()[:, 0]]  # (N,) each position's row
+        keys = torch.arange(width)
+        causal = keys[None, :] <= keys[:, None]  # (L, L)
+        # a token sees the shared tokens and its own row's before it; padding sees padding and the shared tokens
+        visible = (branch[:, None, :] == -1) | (branch[:, None, :] == branch[:, :, None])  # (B, L, L)
+        cache = TreeMask(pos.to(device), (causal & visible)[:, None].to(device))  # (B, L), (B, 1, L, L)
+        hidden = model.hidden(tokens.to(device), cache)  # (B, L, C)
+        at = torch.tensor(where, device=device)  # (N, 2)
+        hidden = hidden[at[:, 0], at[:, 1]]  # (N, C): only the positions that predict a span's token
+        targets, owner = torch.tensor(targets, device=device), torch.tensor(owner, device=device)  # (N,) each
         for a in range(0, len(targets), HEAD_CHUNK):
             logits = model.lm_head(hidden[a : a + HEAD_CHUNK])[:, :vocab].float()  # (n, vocab)
             target, rows_of = targets[a : a + HEAD_CHUNK], owner[a : a + HEAD_CHUNK]
