@@ -14,6 +14,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from gptlite.checkpoint import load_checkpoint
 from gptlite.hf import export_hf
+from gptlite.hf.__main__ import main as hf_main
 from gptlite.prepare import prepare
 from gptlite.shards import TARGET, read_roles, read_shard, roles_path
 from gptlite.tokenizer import ByteTokenizer, get_tokenizer, load_tokenizer
@@ -290,3 +291,11 @@ def test_a_pretrained_model_without_a_chat_template_grows_for_chatmls_markers(tm
         torch.testing.assert_close(weights[name][V:], before.mean(0).expand(2, -1))
     error = run_train(*args, f"--out_dir={tmp_path / 'lora'}", "--lora_rank=4").error
     assert "adds 2 token(s)" in error and "fine-tune without --lora_rank" in error
+    # exported, the markers are transformers' special tokens at their ids, and the end of a turn ends a sequence
+    assert hf_main(["export", f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}"]) == 0
+    theirs, ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"), load_tokenizer(run)
+    assert len(theirs) == V + 2 and theirs.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [V, V + 1]
+    assert theirs.eos_token == "<|im_end|>"
+    assert theirs.apply_chat_template(CONVERSATION[1:3], return_dict=False) == ours.apply_chat_template(
+        CONVERSATION[1:3]
+    )

@@ -9,6 +9,7 @@ import json
 from itertools import pairwise
 
 from gptlite.tokenizer import EOT, GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
+from gptlite.tokenizer.chat import IM_END
 from gptlite.tokenizer.huggingface import byte_decoder
 
 
@@ -56,10 +57,24 @@ def as_hf_tokenizer(tokenizer: ByteTokenizer | CharTokenizer) -> HFTokenizer:
         rust = RustTokenizer(models.BPE({c: i for i, c in enumerate(tokenizer.chars)}, []))
         rust.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character a word of its own
         rust.decoder = decoders.Fuse()
-    for text, _ in sorted(tokenizer.added.items(), key=lambda item: item[1]):  # ids past the vocabulary, in order
-        rust.add_special_tokens([text])
     spec = json.loads(rust.to_str())
-    return HFTokenizer(spec, chat_template=tokenizer.chat_template)
+    return with_added_tokens(HFTokenizer(spec, chat_template=tokenizer.chat_template), tokenizer.added)
+
+
+def with_added_tokens(tokenizer: HFTokenizer, added: dict[str, int]) -> HFTokenizer:
+    """`tokenizer` with the special tokens gptlite added past its vocabulary (data/prepare.py --chat's ChatML
+    markers, recorded in gptlite's tokenizer.json alone) written into its Hugging Face spec at their ids, so that
+    transformers knows them; with ChatML's markers, the end of a turn is the end of a sequence, as for a model
+    whose own template is ChatML."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    rust = RustTokenizer.from_str(json.dumps(tokenizer.spec))
+    for text, i in sorted(added.items(), key=lambda item: item[1]):  # ids past the vocabulary, in order
+        rust.add_special_tokens([text])
+        if rust.token_to_id(text) != i:
+            raise ValueError(f"the added token {text!r} would get id {rust.token_to_id(text)}, not its {i}")
+    eos = IM_END if IM_END in added else tokenizer.eos
+    return HFTokenizer(json.loads(rust.to_str()), tokenizer.bos, eos, tokenizer.stop, tokenizer.chat_template)
 
 
 def gpt2_tokenizer_problem(tokenizer: Tokenizer) -> str | None:
@@ -87,6 +102,8 @@ def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
         raise ValueError(f"the tokenizer cannot be written for transformers: {problem}")
     if isinstance(tokenizer, (ByteTokenizer, CharTokenizer)):
         tokenizer = as_hf_tokenizer(tokenizer)
+    elif isinstance(tokenizer, HFTokenizer) and tokenizer.added:
+        tokenizer = with_added_tokens(tokenizer, tokenizer.added)
     if isinstance(tokenizer, HFTokenizer):
         from gptlite.tokenizer.trainer import hf_files
 
