@@ -220,7 +220,7 @@ def test_missing_checkpoints_and_offline_downloads_fail_in_one_line(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert f"huggingface-cli download {GPT2_NAMES['gpt2']} config.json model.safetensors" in result.stderr
+    assert f"hf download {GPT2_NAMES['gpt2']} config.json model.safetensors" in result.stderr
     assert "pass that directory instead of 'gpt2'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 

@@ -173,7 +173,7 @@ def checkpoint_dir(name_or_dir: str, weights: bool = True) -> Path:
         )
     repo = GPT2_NAMES[name_or_dir]
     offline = (
-        f"where you are online, download it (huggingface-cli download {repo} config.json model.safetensors "
+        f"where you are online, download it (hf download {repo} config.json model.safetensors "
         f"--local-dir DIR) and pass that directory instead of '{name_or_dir}'"
     )
     try:
