@@ -20,6 +20,7 @@ GENERATED = [
     "data/mycorpus/downloads/book.txt",
     "data/fineweb10B/fineweb_val_000000.bin",
     "data/hellaswag/hellaswag_val.jsonl",
+    "data/eval_bundle/core.yaml",
     "out/char/ckpt_000250.pt",
     "out/finetune_hf/model.safetensors",
     "loss.png",
