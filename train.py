@@ -39,6 +39,7 @@ from gptlite.checkpoint import (
     nonfinite,
     save_run_checkpoint,
     set_rng_state,
+    step_files,
 )
 from gptlite.cli import StopSignals, run_command
 from gptlite.config import TrainConfig, config_to_dict
@@ -246,8 +247,26 @@ def train(
     # ---------------------------------------------------------------------------------------------
     # 9. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
     # and the model, metrics.jsonl (and Weights & Biases), and in every checkpoint where it came from.
-    metrics = None
     wandb_run = None
+    problem = None
+    if master and cfg.wandb_log:  # first: a wandb that cannot start stops the run before anything more is written
+        import wandb
+
+        try:
+            wandb_run = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.wandb_run_name or None,
+                config=config_to_dict(cfg),
+                id=wandb_id,
+                resume="allow",
+            )
+        except wandb.errors.Error as e:  # e.g. no API key
+            problem = (
+                f"wandb_log=true, but wandb cannot start a run ({str(e).splitlines()[0]}); run `wandb login`, "
+                "set WANDB_MODE=offline, or drop --wandb_log"
+            )
+    stop_together(problem, world_size)
+    metrics = None
     if master:
         copy_tokenizer(cfg.data_dir, out_dir)
         log("config: " + json.dumps(config_to_dict(cfg)))
@@ -256,16 +275,6 @@ def train(
             f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')} | "
             f"world {world_size}{fsdp} | {total_batch} tokens/step = {grad_accum} micro-steps of {B}x{T} per rank"
         )
-        if cfg.wandb_log:
-            import wandb
-
-            wandb_run = wandb.init(
-                project=cfg.wandb_project,
-                name=cfg.wandb_run_name or None,
-                config=config_to_dict(cfg),
-                id=wandb_id,
-                resume="allow",
-            )
         metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if resumed else None, wandb_run=wandb_run)
     meta = {
         "git_commit": git_commit(Path(__file__).parent),
@@ -378,10 +387,15 @@ def train(
             if master:
                 metrics.write(step=step, event="nonfinite", loss=loss_value, grad_norm=norm)
             problem = f"step {step}: loss {loss_value}, gradient norm {norm} are not finite"
-            if cfg.on_nan == "stop":
+            if cfg.on_nan == "stop" and step_files(out_dir):
                 raise FloatingPointError(
                     f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {out_dir}; "
                     "resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
+                )
+            if cfg.on_nan == "stop":
+                raise FloatingPointError(
+                    f"{problem}; stopped before any checkpoint was saved (on_nan=stop); run the command again with "
+                    "--overwrite and a lower --learning_rate, or --on_nan=skip to skip such steps"
                 )
             log(f"{problem}; skipped this update (on_nan=skip)")
         elif step % cfg.log_interval == 0 or last:

@@ -174,6 +174,11 @@ def test_on_nan_stop_raises_without_saving(data, tmp_path, nan_loss_at):
         run.error,
     )
     assert [p.name for p in step_files(tmp_path)] == ["ckpt_000003.pt"]
+    # a NaN before the first checkpoint: nothing to resume from, and the message says so
+    nan_loss_at(4)  # counting afresh
+    run = run_train(*config(data, tmp_path / "early", max_iters=6, eval_interval=5, on_nan="stop"))
+    assert run.code == 1 and "step 4: loss nan" in run.error and "stopped before any checkpoint was saved" in run.error
+    assert "--resume" not in run.error and not step_files(tmp_path / "early")
 
 
 def test_nonfinite_weights_are_never_saved_over_a_good_checkpoint(data, tmp_path, monkeypatch, capsys):
@@ -392,6 +397,22 @@ def test_metrics_file_and_the_plot_of_several_runs(data, tmp_path, capsys):
     (tmp_path / "old.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     assert plot.main([str(tmp_path / "old.jsonl"), "--x=tokens", f"--out={tmp_path / 'x.png'}"]) == 2
     assert "have no token counts" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_wandb_that_cannot_start_is_one_line_before_anything_is_written(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key anywhere
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    try:
+        run = run_train(*config(data, tmp_path / "out", max_iters=2, eval_interval=2, wandb_log=True))
+    finally:
+        import wandb
+
+        wandb.teardown()  # wandb keeps its settings in the process: the next test's run must not inherit them
+    assert re.fullmatch(r"wandb_log=true, but wandb cannot start a run \(.*\); run `wandb login`, set "
+                        r"WANDB_MODE=offline, or drop --wandb_log", run.error)  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]  # no metrics, no tokenizer copy
 
 
 def test_wandb_offline_run_gets_the_metrics(data, tmp_path, monkeypatch):
