@@ -187,7 +187,7 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
 
 def config_help() -> str:
     """One line per key of train.py (model and training) with its default and help, for `train.py --help`."""
-    return help_text((GPTConfig, TrainConfig), "train.py", "")
+    return help_text((GPTConfig, TrainConfig), "train.py", "").lstrip()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def resolve_config(argv: list[str], doc: str = "") -> TrainConfig:
     with --init_from over the pretrained model's shape; otherwise vocab_size comes from the data. `--help` raises
     HelpRequested with `doc` and every key."""
     if "-h" in argv or "--help" in argv:
-        raise HelpRequested(doc.strip() + "\n\nkeys and defaults:\n" + config_help())
+        raise HelpRequested(doc.strip() + "\n\n" + config_help())
     toml_path, overrides = parse_args(argv)
     values = {**(read_toml(toml_path) if toml_path else {}), **overrides}
     unknown = [unknown_key(k, flat_fields()) for k in values if k not in flat_fields()]

@@ -1,6 +1,7 @@
 """The checkout a user clones: following the README leaves `git status` clean (what the commands write is
 ignored, and nothing generated is tracked), and scripts/setup.sh takes torch's CPU build when asked."""
 
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -24,6 +25,8 @@ GENERATED = [
     "out/char/ckpt_000250.pt",
     "out/finetune_hf/model.safetensors",
     "loss.png",
+    "tok/tokenizer.json",
+    "models/SmolLM2-135M/model.safetensors",
 ]
 
 
@@ -48,6 +51,17 @@ def test_a_failed_download_leaves_no_folder_behind(tmp_path):
     with pytest.raises(ConnectionError, match=r"could not download http://127\.0\.0\.1:9/book\.txt"):
         prepare(["http://127.0.0.1:9/book.txt"], "byte", out, log=lambda *a: None)  # port 9: nothing listens
     assert not (tmp_path / "data").exists()
+
+
+def test_the_shakespeare_download_says_how_to_pass_a_copy(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("shakespeare_prepare", ROOT / "data" / "shakespeare" / "prepare.py")
+    shakespeare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shakespeare)
+    monkeypatch.setattr(shakespeare, "URL", "http://127.0.0.1:9/input.txt")  # nothing listens: as offline
+    monkeypatch.setattr(shakespeare, "ROOT", ROOT / "out" / "no-such-checkout")  # no earlier download found
+    assert shakespeare.main([]) == 2
+    assert capsys.readouterr().err.strip().endswith("download it elsewhere and pass the local file instead with "
+                                                    "--input=PATH")  # fmt: skip
 
 
 def fake_venv(root: Path, log: Path) -> None:

@@ -32,7 +32,13 @@ class ShakespeareOptions:
 def run(args: ShakespeareOptions) -> int:
     name = "gpt2" if args.tokenizer.endswith(".tiktoken") else args.tokenizer
     out_dir = Path(args.out_dir or ROOT / "data" / f"shakespeare_{name}")
-    source = Path(args.input) if args.input else download(URL, ROOT / "data" / "shakespeare" / "input.txt")
+    if args.input:
+        source = Path(args.input)
+    else:
+        try:
+            source = download(URL, ROOT / "data" / "shakespeare" / "input.txt")
+        except ConnectionError as e:
+            raise ConnectionError(f"{e} with --input=PATH") from None
     prepare([str(source)], args.tokenizer, out_dir, val_fraction=0.1)
     return 0
 

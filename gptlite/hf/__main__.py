@@ -3,8 +3,9 @@
     python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]
     python -m gptlite.hf export --out_dir=LORA_RUN --hf_dir=DIR --adapter   # a PEFT adapter of a LoRA run
 
-DIR then holds exactly config.json, model.safetensors and, for a GPT-2 BPE tokenizer, its tokenizer files, which
-transformers' AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds anything needs
+DIR then holds exactly config.json, model.safetensors and the run's tokenizer files (a Hugging Face tokenizer's own,
+GPT-2's BPE as vocab.json and merges.txt, a byte or char tokenizer as a tokenizer.json), which transformers'
+AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds anything needs
 --overwrite, and the earlier folder moves aside whole to DIR-previous-TIME; an interrupted export leaves the earlier
 folder as it was. A LoRA run exports as its merged model, or with --adapter as a PEFT adapter
 (adapter_config.json, adapter_model.safetensors) for its base model.
