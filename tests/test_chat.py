@@ -131,6 +131,8 @@ def test_prepare_chat_writes_roles_and_counts_what_it_leaves_out(tmp_path):
     manifest = prepare([str(source)], "byte", tmp_path / "d", chat=True, block_size=64, log=logged.append)
     assert manifest["conversations"] == {"kept": 60, "cut": 0, "too_long": 1, "no_assistant": 1}
     assert "60 conversations kept (0 cut to block_size), 1 left out as too long, 1 without an assistant turn" in logged
+    tokens = manifest["train_tokens"] + manifest["val_tokens"]
+    assert logged[-1].startswith(f"60 conversations, {tokens:,} tokens ({tokens / 60:,.1f} per conversation; ")
     tokenizer = load_tokenizer(tmp_path / "d")
     assert tokenizer.chat_template == CHATML and tokenizer.vocab_size == 258  # recorded for every command
     shard = tmp_path / "d" / "train_000000.bin"

@@ -311,7 +311,11 @@ def save_progress(out_dir: Path, progress: dict, writers: dict[str, ShardWriter]
 
 def log_summary(log, manifest: dict, n_bytes: int, seconds: float) -> None:
     tokens = manifest["train_tokens"] + manifest["val_tokens"]
-    docs = manifest["documents"]
+    docs = manifest["documents"]  # the records read; for conversations, those written are the ones kept
+    what = "documents"
+    if "conversations" in manifest:
+        docs = manifest["conversations"].get("kept", 0)
+        what = "conversations"
     n_train = sum(s["file"].startswith("train") for s in manifest["shards"])
     replaced = (
         f"; replaced {manifest['replaced']:,} undecodable byte sequence(s) with U+FFFD" if manifest["replaced"] else ""
@@ -323,7 +327,7 @@ def log_summary(log, manifest: dict, n_bytes: int, seconds: float) -> None:
             f"{c.get('too_long', 0):,} left out as too long, {c.get('no_assistant', 0):,} without an assistant turn"
         )
     log(
-        f"{docs:,} documents, {tokens:,} tokens ({tokens / max(docs, 1):,.1f} per document; "
+        f"{docs:,} {what}, {tokens:,} tokens ({tokens / max(docs, 1):,.1f} per {what[:-1]}; "
         f"{manifest['train_tokens']:,} train, "
         f"{manifest['val_tokens']:,} val) in {n_train} train + {len(manifest['shards']) - n_train} val shard(s); "
         f"{n_bytes / 1e6:.1f} MB in {seconds:.1f}s ({n_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s){replaced}"
