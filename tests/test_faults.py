@@ -380,6 +380,11 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
         "gptlite.evaluate",
     )
     assert f"folder {tmp_path / 'no'} does not exist" in line
+    line = one_line(
+        run_here(evaluate.main, capsys, f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", "--json=/proc/r.json"),
+        "gptlite.evaluate",
+    )  # a folder no file can be made in (root ignores permissions; /proc refuses anyway), found before scoring
+    assert "--json=/proc/r.json: folder /proc cannot be written" in line
     assert math.isfinite(
         json.loads(
             run_here(

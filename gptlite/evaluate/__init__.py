@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,9 +169,21 @@ def check(args: EvaluateOptions) -> tuple[list[str], list[str]]:
             f"--json={args.json} exists and is not an earlier result of this command (an input, a "
             "checkpoint?); write the results to another file"
         )
+    elif folder is not None and not writable(folder):
+        problems.append(f"--json={args.json}: folder {folder} cannot be written; write the results elsewhere")
     if problems:
         raise ValueError("; ".join(problems))
     return tasks, harness
+
+
+def writable(folder: Path) -> bool:
+    """Whether a file can be made in folder: tried, with a temporary file removed at once, before any task runs
+    (permissions alone do not say it: root, read-only mounts, /proc)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".gptlite-json-check-"):
+            return True
+    except OSError:
+        return False
 
 
 def earlier_results(path: Path) -> bool:
