@@ -1,7 +1,9 @@
-"""python -m gptlite.hf export: a training run's newest checkpoint (and its tokenizer) in Hugging Face's layout.
+"""python -m gptlite.hf export: a training run's newest checkpoint (and its tokenizer) in Hugging Face's layout, or
+any model gptlite loads as one GGUF file for llama.cpp, Ollama and LM Studio.
 
     python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]
     python -m gptlite.hf export --out_dir=LORA_RUN --hf_dir=DIR --adapter   # a PEFT adapter of a LoRA run
+    python -m gptlite.hf export --format=gguf (--out_dir=RUN | --init_from=DIR) --out=FILE.gguf [--type=q8_0]
 
 DIR then holds exactly config.json, model.safetensors and the run's tokenizer files (a Hugging Face tokenizer's own,
 GPT-2's BPE as vocab.json and merges.txt, a byte or char tokenizer as a tokenizer.json), which transformers'
@@ -9,6 +11,10 @@ AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds an
 --overwrite, and the earlier folder moves aside whole to DIR-previous-TIME; an interrupted export leaves the earlier
 folder as it was. A LoRA run exports as its merged model, or with --adapter as a PEFT adapter
 (adapter_config.json, adapter_model.safetensors) for its base model.
+
+--format=gguf writes FILE.gguf (see gptlite.hf.gguf: the weights as f32, f16, bf16 or q8_0, the tokenizer, the chat
+template) and, when the model has a chat template, an Ollama Modelfile beside it (Modelfile; then
+`ollama create NAME -f Modelfile`). An existing file is replaced only with --overwrite, and only by a whole one.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlite.checkpoint import load_checkpoint, lora_model, model_from_checkpoint
+from gptlite.checkpoint import load_checkpoint, load_model, lora_model, model_from_checkpoint
 from gptlite.cli import parse, run_command
 from gptlite.config import option
 from gptlite.hf import export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
+from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, ollama_modelfile, write_text_atomically
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 COMMANDS = ("export",)
@@ -31,10 +38,19 @@ COMMANDS = ("export",)
 @dataclass
 class ExportOptions:
     command: list[str] = option(default_factory=list, help="export", positional=True)
+    format: str = option(
+        "hf", "hf: a Hugging Face folder (--hf_dir); gguf: one file for llama.cpp (--out)", choices=("hf", "gguf")
+    )
     out_dir: str = option("", "the training run (its newest checkpoint and tokenizer.json)")
+    init_from: str = option("", "--format=gguf: pretrained weights instead: gpt2[-medium|-large|-xl] or a directory")
+    tokenizer: str = option("", "--format=gguf: the tokenizer, when not the run's or the directory's own")
     hf_dir: str = option("", "where config.json, model.safetensors and the tokenizer files go")
+    out: str = option("", "--format=gguf: the .gguf file to write")
+    type: str = option("f32", "--format=gguf: how the weight matrices are stored", choices=GGUF_TYPES)
     overwrite: bool = option(
-        False, "replace what hf_dir holds (the earlier folder moves aside to HF_DIR-previous-TIME)"
+        False,
+        "replace what hf_dir (or --out and its Modelfile) holds (an earlier folder moves aside to "
+        "HF_DIR-previous-TIME)",
     )
     adapter: bool = option(False, "a LoRA run: write its adapters as a PEFT adapter instead of the merged model")
 
@@ -45,6 +61,8 @@ def export(options: ExportOptions) -> int:
             f"unknown command {' '.join(options.command) or '(none)'}; use: python -m gptlite.hf export "
             "--out_dir=RUN --hf_dir=DIR"
         )
+    if options.format == "gguf":
+        return export_gguf_file(options)
     missing = [f"--{k}" for k in ("out_dir", "hf_dir") if not getattr(options, k)]
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
@@ -80,6 +98,30 @@ def export(options: ExportOptions) -> int:
     )
     family = family_of(model.config, ckpt.get("meta", {}).get("hf_architecture"))
     print(f"wrote {', '.join(p.name for p in written)} to {hf_dir} ({family.architecture})")
+    return 0
+
+
+def export_gguf_file(options: ExportOptions) -> int:
+    if bool(options.out_dir) == bool(options.init_from) or not options.out:
+        raise ValueError("--format=gguf needs --out=FILE.gguf and one of --out_dir=RUN or --init_from=NAME_OR_DIR")
+    if options.adapter or options.hf_dir:
+        raise ValueError(
+            f"--{'adapter' if options.adapter else 'hf_dir'} is for --format=hf; a GGUF file holds the "
+            "merged model (--out=FILE.gguf)"
+        )
+    out = Path(options.out)
+    check_out(out, options.overwrite)
+    template_file = out.parent / "Modelfile"
+    model, tokenizer = load_model(options.out_dir, options.init_from, options.tokenizer)
+    where = options.out_dir or options.init_from
+    modelfile = ollama_modelfile(out, tokenizer, where) if tokenizer is not None and tokenizer.chat_template else None
+    if modelfile and template_file.exists() and not options.overwrite:
+        raise FileExistsError(f"{template_file} exists; choose another --out folder, or pass --overwrite to replace it")
+    export_gguf(model, out, tokenizer, options.type, options.overwrite, where=where)  # Mistral is llama.cpp's llama
+    print(f"wrote {out} ({options.type}, {out.stat().st_size / 2**20:,.1f} MiB)")
+    if modelfile:
+        write_text_atomically(template_file, modelfile)
+        print(f"wrote {template_file}: ollama create NAME -f {template_file}")
     return 0
 
 

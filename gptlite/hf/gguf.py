@@ -1,0 +1,534 @@
+"""GGUF out: a gptlite model and its tokenizer in one file that llama.cpp (and Ollama, LM Studio, llamafile) runs.
+
+The file is written with the `gguf` package, ggml's own Python writer, laid out as llama.cpp's
+convert_hf_to_gguf.py lays out the same model:
+    gpt2    GPT-2's switches (learned positions, LayerNorm, GELU); q, k and v stay fused (attn_qkv)
+    llama   Llama's (RoPE, RMSNorm, SwiGLU, no biases), Mistral's and SmolLM2's too; q and k rows are reordered
+            from the halves that gptlite (and transformers) rotate to the interleaved pairs llama.cpp rotates,
+            and Llama 3's RoPE scaling is the per-frequency factors of a rope_freqs tensor
+    qwen2   Llama's with biases on q, k and v (llama.cpp rotates halves for it: nothing is reordered)
+    qwen3   Llama's with RMSNorm on each head's q and k
+The tokenizer goes inside as llama.cpp's byte-level BPE ("gpt2" model): every id's token in GPT-2's byte-level
+characters, the merges, each special token marked a control token, and the name of the pre-tokenizer whose
+splitting is gptlite's (GPT-2's pattern: "gpt-2"; GPT-4's, which `python -m gptlite.tokenizer train` uses, and
+Llama 3's: "llama-bpe"; Qwen2's: "qwen2"; SmolLM's digits-first GPT-2 split: "smollm"). Ids past the tokenizer
+(a vocabulary padded to 50,304) are unused tokens. gptlite never puts BOS before plain text, so the file says
+llama.cpp should not either. A chat template goes in as it is.
+
+Types: f32 keeps every tensor in float32; f16 and bf16 store the weight matrices so, and norms, biases and learned
+positions in float32, as llama.cpp's converter does; q8_0 quantizes the matrices with the `gguf` package's
+reference quantizer (blocks of 32; a matrix whose rows are not a multiple of 32 goes in f16).
+
+    python -m gptlite.hf export --format=gguf --out_dir=RUN --out=FILE.gguf [--type=f32|f16|bf16|q8_0]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gptlite.config import GPTConfig
+from gptlite.files import fault, fsync_dir, make_dir
+from gptlite.hf import GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, Family, family_of
+from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
+from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
+from gptlite.tokenizer.chat import check_messages, render
+
+if TYPE_CHECKING:
+    from gptlite.model import GPT
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+ARCHITECTURES = {GPT2: "gpt2", LLAMA: "llama", MISTRAL: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}
+INSTALL = 'pip install gguf (or pip install -e ".[gguf]")'
+
+# pre-tokenizer patterns as tokenizer.json files hold them -> llama.cpp's name for that splitting
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+
+
+def split_patterns() -> dict[str, str]:
+    from gptlite.tokenizer.trainer import GPT4_PATTERN
+
+    return {GPT4_PATTERN: "llama-bpe", LLAMA3_PATTERN: "llama-bpe", QWEN2_PATTERN: "qwen2"}
+
+
+# ---------------------------------------------------------------------------------------------
+# What goes in: the architecture, the tokenizer
+
+
+def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tuple[Family, str]:
+    """The transformers family and llama.cpp's architecture name of a model's switches; a model llama.cpp cannot
+    run is refused in one line naming its settings."""
+    try:
+        family = family_of(config, architecture)
+    except ValueError:
+        raise ValueError(
+            f"llama.cpp has no architecture for a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, "
+            f"ffn={config.ffn!r}, bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
+            f"rope_scaling={config.rope_scaling!r}; GGUF export takes GPT-2's switches (pos_emb=learned "
+            "norm=layernorm ffn=gelu) and Llama's (pos_emb=rope norm=rmsnorm ffn=swiglu bias=false, with qkv_bias "
+            "as Qwen2, qk_norm as Qwen3)"
+        ) from None
+    return family, ARCHITECTURES[family]
+
+
+def pre_tokenizer_name(spec: dict) -> str | None:
+    """llama.cpp's name for the way a byte-level BPE tokenizer.json splits text before merging (None: none that
+    llama.cpp knows)."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") for step in steps]
+    if spec.get("normalizer") or any(step.get("add_prefix_space") for step in steps):
+        return None
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return "smollm"
+    if (
+        kinds == ["Split", "ByteLevel"]
+        and steps[0].get("behavior") == "Isolated"
+        and not steps[0].get("invert")
+        and not steps[1].get("use_regex", True)
+    ):
+        return split_patterns().get(steps[0].get("pattern", {}).get("Regex"))
+    return None
+
+
+class GGUFVocab:
+    """A tokenizer as llama.cpp's byte-level BPE holds it: the token of every id (GPT-2's byte-level characters),
+    each id's type, the merges, the pre-tokenizer's name, the end-of-sequence and beginning ids."""
+
+    def __init__(
+        self,
+        tokens: list[str],
+        specials: set[int],
+        merges: list[str],
+        pre: str,
+        eos: int | None,
+        bos: int | None,
+        template: str | None,
+    ):
+        self.tokens = tokens
+        self.specials = specials
+        self.merges = merges
+        self.pre = pre
+        self.eos = eos
+        self.bos = bos
+        self.template = template
+
+
+def gguf_vocab(tokenizer: Tokenizer | None, where: str) -> GGUFVocab:
+    """The tokenizer in llama.cpp's terms; one that llama.cpp cannot reproduce is refused in one line."""
+    if tokenizer is None:
+        raise ValueError(
+            f"{where} has no tokenizer, and a GGUF file carries its own; pass --tokenizer=PATH (a tokenizer.json or a "
+            ".tiktoken file)"
+        )
+    if isinstance(tokenizer, (ByteTokenizer, CharTokenizer)):
+        raise ValueError(
+            f"{where}: a {tokenizer.kind}-level tokenizer has no form llama.cpp runs; GGUF export takes byte-pair "
+            "tokenizers (GPT-2's, a Hugging Face byte-level BPE, or one from python -m gptlite.tokenizer train)"
+        )
+    if isinstance(tokenizer, TiktokenTokenizer):
+        return tiktoken_vocab(tokenizer, where)
+    if isinstance(tokenizer, HFTokenizer):
+        return hf_vocab(with_added_tokens(tokenizer, tokenizer.added) if tokenizer.added else tokenizer, where)
+    raise ValueError(f"{where}: a {tokenizer.kind} tokenizer cannot go into a GGUF file")
+
+
+def tiktoken_vocab(tokenizer: TiktokenTokenizer, where: str) -> GGUFVocab:
+    """GPT-2's BPE from its tiktoken ranks: token r is rank r, <|endoftext|> after them."""
+    ranks = tokenizer.enc._mergeable_ranks
+    if tokenizer.enc._pat_str != GPT2_PATTERN or sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(
+            f"{where}: a tiktoken tokenizer goes into GGUF only as GPT-2's (its split pattern, ranks 0..N-1); this one "
+            "is another; train a Hugging Face BPE instead (python -m gptlite.tokenizer train)"
+        )
+    chars = bytes_to_unicode()
+    tokens = [""] * len(ranks)
+    for token, rank in ranks.items():
+        tokens[rank] = "".join(chars[b] for b in token)
+    specials = {}
+    for text, i in {**tokenizer.enc._special_tokens, **tokenizer.added}.items():
+        specials[i] = text
+    tokens += [""] * (max(specials, default=len(tokens) - 1) + 1 - len(tokens))
+    for i, text in specials.items():
+        tokens[i] = text
+    merges = [" ".join("".join(chars[b] for b in part) for part in pair) for pair in bpe_merges(ranks)]
+    eot = tokenizer.eot_id
+    return GGUFVocab(tokens, set(specials), merges, "gpt-2", eot, eot, tokenizer.chat_template)
+
+
+def hf_vocab(tokenizer: HFTokenizer, where: str) -> GGUFVocab:
+    """A Hugging Face byte-level BPE's tokenizer.json: its vocabulary, merges and added tokens."""
+    spec = tokenizer.spec
+    model = spec.get("model") or {}
+    decoder = spec.get("decoder") or {}
+    decoders = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    if model.get("type") != "BPE" or not any(d.get("type") == "ByteLevel" for d in decoders):
+        raise ValueError(
+            f"{where}: its tokenizer is a {model.get('type', 'unknown')} model without GPT-2's byte-level "
+            "characters; GGUF export takes byte-level BPE tokenizers only"
+        )
+    pre = pre_tokenizer_name(spec)
+    if pre is None:
+        raise ValueError(
+            f"{where}: its tokenizer splits text in a way gptlite cannot name for llama.cpp (pre_tokenizer "
+            f"{json_brief(spec.get('pre_tokenizer'))}, normalizer {json_brief(spec.get('normalizer'))}); GGUF export "
+            "knows GPT-2's, GPT-4's and Llama 3's, Qwen2's and SmolLM's splits"
+        )
+    by_id = {i: token for token, i in model["vocab"].items()}
+    specials = set()
+    for added in spec.get("added_tokens", []):
+        by_id[added["id"]] = added["content"]
+        if added.get("special", True):
+            specials.add(added["id"])
+    tokens = [by_id.get(i, "") for i in range(max(by_id) + 1)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.eot_id
+    return GGUFVocab(tokens, specials, merges, pre, eos, tokenizer.bos_id, tokenizer.chat_template)
+
+
+def json_brief(value) -> str:
+    import json
+
+    text = json.dumps(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensors, named and laid out as llama.cpp reads them
+
+
+def llama_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q or k rows from the halves gptlite rotates (the first half of a head's width against the second) to the
+    interleaved pairs (0, 1), (2, 3), ... that llama.cpp's llama architecture rotates."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_factors(config: GPTConfig) -> torch.Tensor:
+    """Llama 3's RoPE scaling as the factor each frequency's wavelength is stretched by (llama.cpp's rope_freqs)."""
+    dim = config.head_width
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    low_wavelength = config.rope_original_context / config.rope_low_freq_factor
+    high_wavelength = config.rope_original_context / config.rope_high_freq_factor
+    factors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < high_wavelength:
+            factors.append(1.0)
+        elif wavelength > low_wavelength:
+            factors.append(config.rope_factor)
+        else:
+            smooth = (config.rope_original_context / wavelength - config.rope_low_freq_factor) / (
+                config.rope_high_freq_factor - config.rope_low_freq_factor
+            )
+            factors.append(1 / ((1 - smooth) / config.rope_factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def gguf_tensors(
+    family: Family, state: dict[str, torch.Tensor], config: GPTConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(llama.cpp's name, the tensor in float32) of every weight, in llama.cpp's layout."""
+    weight = lambda name: state[name].detach().to("cpu", torch.float32)  # noqa: E731
+
+    def bias(name: str, rows: int) -> torch.Tensor:  # GPT-2's layout has biases; a bias=False model's are zeros
+        return weight(name) if name in state else torch.zeros(rows)
+
+    yield "token_embd.weight", weight("tok_emb.weight")
+    if family is GPT2:
+        yield "position_embd.weight", weight("pos_emb.table.weight")
+        yield "output_norm.weight", weight("norm.weight")
+        yield "output_norm.bias", bias("norm.bias", config.n_embd)
+    else:
+        yield "output_norm.weight", weight("norm.weight")
+    if not config.tie_embeddings:
+        yield "output.weight", weight("lm_head.weight")
+    if config.rope_scaling == "llama3":
+        yield "rope_freqs.weight", rope_factors(config)
+    for i in range(config.n_layer):
+        ours, theirs = f"blocks.{i}.", f"blk.{i}."
+        if family is GPT2:
+            for name, gguf_name, rows in (
+                ("attn_norm", "attn_norm", config.n_embd),
+                ("attn.qkv", "attn_qkv", 3 * config.n_embd),
+                ("attn.out_proj", "attn_output", config.n_embd),
+                ("ffn_norm", "ffn_norm", config.n_embd),
+                ("ffn.fc", "ffn_up", config.ffn_hidden),
+                ("ffn.out_proj", "ffn_down", config.n_embd),
+            ):
+                yield f"{theirs}{gguf_name}.weight", weight(f"{ours}{name}.weight")
+                yield f"{theirs}{gguf_name}.bias", bias(f"{ours}{name}.bias", rows)
+            continue
+        q_rows, kv_rows = config.n_head * config.head_width, config.kv_heads * config.head_width
+        q, k, v = weight(f"{ours}attn.qkv.weight").split([q_rows, kv_rows, kv_rows])
+        if family in (LLAMA, MISTRAL):
+            q, k = llama_rows(q, config.n_head), llama_rows(k, config.kv_heads)
+        yield f"{theirs}attn_norm.weight", weight(f"{ours}attn_norm.weight")
+        yield f"{theirs}attn_q.weight", q
+        yield f"{theirs}attn_k.weight", k
+        yield f"{theirs}attn_v.weight", v
+        if config.qkv_bias:
+            for name, b in zip(
+                ("q", "k", "v"), weight(f"{ours}attn.qkv.bias").split([q_rows, kv_rows, kv_rows]), strict=True
+            ):
+                yield f"{theirs}attn_{name}.bias", b
+        if config.qk_norm:
+            yield f"{theirs}attn_q_norm.weight", weight(f"{ours}attn.qk_norm.q_norm.weight")
+            yield f"{theirs}attn_k_norm.weight", weight(f"{ours}attn.qk_norm.k_norm.weight")
+        yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
+        yield f"{theirs}ffn_norm.weight", weight(f"{ours}ffn_norm.weight")
+        gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
+        yield f"{theirs}ffn_gate.weight", gate
+        yield f"{theirs}ffn_up.weight", up
+        yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
+
+
+def stored(name: str, tensor: torch.Tensor, kind: str):
+    """(the array to write, its ggml type) of one tensor for a file of `kind`: vectors, norms and learned positions
+    in float32; matrices as `kind` says."""
+    import gguf
+
+    data = tensor.numpy()
+    if kind == "f32" or data.ndim <= 1 or name.endswith("_norm.weight") or name == "position_embd.weight":
+        return data, gguf.GGMLQuantizationType.F32
+    qtype = {
+        "f16": gguf.GGMLQuantizationType.F16,
+        "bf16": gguf.GGMLQuantizationType.BF16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    }[kind]
+    if qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
+        qtype = gguf.GGMLQuantizationType.F16
+    return gguf.quants.quantize(data, qtype), qtype
+
+
+# ---------------------------------------------------------------------------------------------
+# The file
+
+
+def add_hyperparameters(writer, family: Family, config: GPTConfig) -> None:
+    writer.add_context_length(config.block_size)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_feed_forward_length(config.ffn_hidden)
+    writer.add_head_count(config.n_head)
+    writer.add_vocab_size(config.vocab_size)
+    if family is GPT2:
+        writer.add_layer_norm_eps(config.norm_eps)
+        return
+    writer.add_head_count_kv(config.kv_heads)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_rope_dimension_count(config.head_width)
+    if config.head_width * config.n_head != config.n_embd:
+        writer.add_key_length(config.head_width)
+        writer.add_value_length(config.head_width)
+
+
+def add_tokenizer(writer, vocab: GGUFVocab, vocab_size: int) -> None:
+    """The tokenizer's keys; ids past it (a padded vocabulary) are unused tokens."""
+    import gguf
+
+    tokens, types = [], []
+    for i in range(vocab_size):
+        token = vocab.tokens[i] if i < len(vocab.tokens) else ""
+        if not token:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(token)
+            types.append(gguf.TokenType.CONTROL if i in vocab.specials else gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(vocab.merges)
+    if vocab.eos is not None:
+        writer.add_eos_token_id(vocab.eos)
+    if vocab.bos is not None:
+        writer.add_bos_token_id(vocab.bos)
+    writer.add_add_bos_token(False)  # gptlite never puts BOS before plain text (a chat template writes its own)
+    writer.add_add_eos_token(False)
+    if vocab.template:
+        writer.add_chat_template(vocab.template)
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    if out.suffix != ".gguf":
+        raise ValueError(f"--out={out} must name a .gguf file (e.g. --out={out.with_suffix('.gguf').name})")
+    if out.is_dir():
+        raise ValueError(f"--out={out} is a folder; give the path of the .gguf file to write")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; choose another --out, or pass --overwrite to replace it")
+
+
+def export_gguf(
+    model: GPT,
+    out: str | Path,
+    tokenizer: Tokenizer | None,
+    kind: str = "f32",
+    overwrite: bool = False,
+    architecture: str | None = None,
+    name: str = "",
+    where: str = "the model",
+) -> Path:
+    """Write `model` and `tokenizer` to the GGUF file `out` (see the module docstring), as `kind` (one of
+    GGUF_TYPES). Everything is checked before anything is written; the file is written beside `out` under a
+    temporary name and takes its name only when whole, so an interrupted export leaves no partial file and an
+    earlier file is replaced (with overwrite=True) only by a whole one."""
+    from gptlite.quantize import Int8Linear
+
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(f"GGUF export needs ggml's gguf package: {INSTALL}") from None
+    if kind not in GGUF_TYPES:
+        raise ValueError(f"--type={kind} must be one of {', '.join(GGUF_TYPES)}")
+    if isinstance(model.lm_head, Int8Linear):
+        raise ValueError("an int8-quantized model cannot be exported: export the float model (--type=q8_0 quantizes)")
+    out = Path(out)
+    check_out(out, overwrite)
+    family, arch = gguf_architecture(model.config, architecture or getattr(model, "source_architecture", None))
+    vocab = gguf_vocab(tokenizer, where)
+    if len(vocab.tokens) > model.config.vocab_size:
+        raise ValueError(
+            f"{where}: the tokenizer has {len(vocab.tokens)} ids, more than the model's {model.config.vocab_size}"
+        )
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }[kind]
+    folder = make_dir(out.parent or Path("."))
+    tmp = folder / f".{out.name}.tmp-{os.getpid()}"
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        writer.add_name(name or out.stem)
+        writer.add_file_type(file_type)
+        if kind == "q8_0":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_hyperparameters(writer, family, model.config)
+        add_tokenizer(writer, vocab, model.config.vocab_size)
+        for tensor_name, tensor in gguf_tensors(family, model.state_dict(), model.config):
+            data, qtype = stored(tensor_name, tensor, kind)
+            writer.add_tensor(tensor_name, data, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException as e:  # no partial file stays behind; an earlier one is untouched
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise fault(e, f"could not write {out} (nothing there changed)") from None
+        raise
+    os.replace(tmp, out)
+    fsync_dir(folder)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Ollama's Modelfile: the chat template in Go's template language
+
+ROLES = ("system", "user", "assistant")
+
+
+def marker(role: str) -> str:
+    return f"\x00{role}\x00"  # a message's content, found again in the rendering
+
+
+def role_wrappers(template: str, tokenizer: Tokenizer) -> tuple[str, dict[str, str], str, str] | None:
+    """(the text before the first message, each role's text before its content, the text after every message,
+    the generation prompt) of a template that writes each message as the same text around its content, found by
+    rendering conversations whose contents are markers and checked on two more conversations; None when the
+    template is not of that kind (it numbers turns, or writes a default system message, ...)."""
+    special = tokenizer.special_texts()
+    draw = lambda messages, prompt=False: render(template, check_messages(messages), prompt, special)  # noqa: E731
+    try:
+        full = [{"role": role, "content": marker(role)} for role in ROLES]
+        text, prompt_text = draw(full), draw(full, True)
+        alone = draw([full[1]])
+    except ValueError:
+        return None
+    cuts = [text.find(marker(role)) for role in ROLES]
+    if -1 in cuts or cuts != sorted(cuts) or not prompt_text.startswith(text) or marker("user") not in alone:
+        return None
+    after = text[cuts[2] + len(marker("assistant")) :]  # every message ends as the last one does
+    between = [text[cuts[0] + len(marker("system")) : cuts[1]], text[cuts[1] + len(marker("user")) : cuts[2]]]
+    if not all(piece.startswith(after) for piece in between):
+        return None
+    prefixes = {"user": between[0][len(after) :], "assistant": between[1][len(after) :]}
+    head_and_user = alone[: alone.find(marker("user"))]
+    if not head_and_user.endswith(prefixes["user"]):
+        return None
+    head = head_and_user[: len(head_and_user) - len(prefixes["user"])]
+    if not text[: cuts[0]].startswith(head):
+        return None
+    prefixes["system"] = text[len(head) : cuts[0]]
+    generation = prompt_text[len(text) :]
+    for conversation in (
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "?"},
+        ],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}],
+    ):
+        ours = head + "".join(prefixes[m["role"]] + m["content"] + after for m in conversation) + generation
+        if ours != draw(conversation, True):
+            return None
+    return head, prefixes, after, generation
+
+
+def ollama_modelfile(out: Path, tokenizer: Tokenizer, where: str) -> str:
+    """An Ollama Modelfile for the GGUF file `out` beside it: FROM, the chat template as a Go template when it can
+    be written as one (see role_wrappers), and the end-of-turn texts as stop parameters."""
+    import json
+
+    lines = [f"# {where} as Ollama runs it: ollama create NAME -f Modelfile", f"FROM ./{out.name}"]
+    wrappers = role_wrappers(tokenizer.chat_template, tokenizer)
+    literals = [] if wrappers is None else [wrappers[0], *wrappers[1].values(), wrappers[2], wrappers[3]]
+    if wrappers is None or any("{{" in text or '"""' in text for text in literals):
+        lines.append(
+            "# the chat template has no form in Ollama's template language that gptlite can write; Ollama reads "
+            "the GGUF file's own (tokenizer.chat_template)"
+        )
+        stops = []
+    else:
+        head, prefixes, after, generation = wrappers
+        branches = "".join(
+            f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{prefixes[role]}{{{{ .Content }}}}{after}'
+            for i, role in enumerate(ROLES)
+        )
+        lines.append(f'TEMPLATE """{head}{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{generation}"""')
+        stops = [after.strip()] if after.strip() else []
+    eos = tokenizer.eos if isinstance(tokenizer, HFTokenizer) else None
+    for stop in dict.fromkeys([*stops, *getattr(tokenizer, "stop", []), *([eos] if eos else [])]):
+        lines.append(f"PARAMETER stop {json.dumps(stop)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all: written beside it first, then renamed."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise fault(e, f"could not write {path}") from None

@@ -1,0 +1,358 @@
+"""GGUF export against llama.cpp itself (llama-cpp-python): tokens, logits and greedy continuations, the chat
+template, the refusals, and a file that is whole or absent."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gguf
+import llama_cpp
+import numpy as np
+import pytest
+import torch
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+from tokenizers import pre_tokenizers
+
+from gptlite import GPT, GPTConfig
+from gptlite.hf import export_hf
+from gptlite.hf.__main__ import main as hf_main
+from gptlite.hf.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, export_gguf, gguf_tensors, llama_rows, role_wrappers
+from gptlite.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_spec
+from gptlite.tokenizer.chat import render
+from gptlite.tokenizer.trainer import train_bpe
+from tests.conftest import run_train, shared_file
+
+TEXTS = [
+    "Hello world",
+    "héllo wörld — 日本語のテキスト 🙂🙃 naïve café",
+    "  spaces\tand\ttabs  \n\n\n  trailing   ",
+    "it's we'll they've 123 4567 89012 3.14159 !!?? x",
+    "def f(x):\n    return x ** 2  # squares\n\r\n\tindented\r\n",
+    "ROMEO:\nBut, soft! what light through yonder window breaks?",
+    "",
+]
+SHAPE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)
+ARCHITECTURES = {  # llama.cpp's name -> gptlite's switches
+    "gpt2": dict(pos_emb="learned", norm="layernorm", ffn="gelu", bias=True, tie_embeddings=True),
+    "gpt2_untied_no_bias": dict(pos_emb="learned", norm="layernorm", ffn="gelu", bias=False, tie_embeddings=False),
+    "llama": dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", n_kv_head=2, tie_embeddings=False),
+    "qwen2": dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", n_kv_head=2, qkv_bias=True, rope_theta=1e6),
+    "qwen3": dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", n_kv_head=2, qk_norm=True, head_dim=24),
+    "llama_rope_scaled": dict(
+        pos_emb="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        rope_theta=500000.0,
+        rope_scaling="llama3",
+        rope_factor=4.0,
+        rope_original_context=16,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2_tokenizer():
+    return tokenizer_from_spec(str(shared_file("tokenizers/gpt2.tiktoken")))
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE trained as `python -m gptlite.tokenizer train` trains one (GPT-4's split pattern)."""
+    text = shared_file("data/tinyshakespeare.txt").read_text()[:200_000]
+    return train_bpe([text, *TEXTS], vocab_size=600)
+
+
+def random_model(seed: int, vocab_size: int, **switches) -> GPT:
+    """Random weights that make decisive logits: embeddings and head at 1, the blocks' matrices at 0.5/sqrt(their
+    inputs) (larger ones make a chaotic network that multiplies any rounding), norms' gains and all biases random
+    too (zeros and ones would hide a gain or bias put in the wrong place)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, **SHAPE, **switches))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in ("tok_emb.weight", "lm_head.weight"):
+                p.normal_(0.0, 1.0)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.5 / math.sqrt(p.shape[-1]))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def llama(path, **kwargs) -> llama_cpp.Llama:
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=64, n_batch=64, logits_all=True, n_threads=2, verbose=False, **kwargs
+    )
+
+
+def llama_logits(llm: llama_cpp.Llama, ids: list[int]) -> np.ndarray:
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)], dtype=np.float64)
+
+
+def greedy(model: GPT, ids: list[int], n: int) -> list[int]:
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(idx)
+            idx = torch.cat([idx, logits[:, -1:].argmax(-1)], dim=1)
+    return idx[0].tolist()
+
+
+def relative_error(model: GPT, llm: llama_cpp.Llama, ids: list[int]) -> tuple[float, np.ndarray, np.ndarray]:
+    """The largest absolute difference of the logits over their standard deviation, and both sets of logits."""
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0][0].double().numpy()
+    theirs = llama_logits(llm, ids)
+    return float(np.abs(ours - theirs).max() / ours.std()), ours, theirs
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_llama_cpp_tokenizes_and_computes_as_gptlite(arch, gpt2_tokenizer, bpe, tmp_path):
+    tokenizer = gpt2_tokenizer if arch.startswith("gpt2") else bpe
+    vocab_size = 50304 if arch.startswith("gpt2") else 640  # padded past the tokenizer: unused ids
+    model = random_model(1, vocab_size, **ARCHITECTURES[arch])
+    path = export_gguf(model, tmp_path / "m.gguf", tokenizer)
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch.split("_")[0]
+    llm = llama(path)
+    for text in TEXTS:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer.encode(text), text
+        assert llm.detokenize(tokenizer.encode(text)).decode() == text
+    prompt = tokenizer.encode(TEXTS[5])
+    ids = greedy(model, prompt, 32)
+    error, ours, theirs = relative_error(model, llm, ids)
+    assert error < 1e-2, error  # llama.cpp keeps its KV cache in f16
+    assert (theirs[len(prompt) - 1 : -1].argmax(-1) == ours[len(prompt) - 1 : -1].argmax(-1)).all()
+    assert ids[len(prompt) :] == [int(t) for t in theirs[len(prompt) - 1 : -1].argmax(-1)]
+
+
+def byte_level_bpe(pre_tokenizer) -> HFTokenizer:
+    """A byte-level BPE with `pre_tokenizer`, trained on tiny Shakespeare as a model directory's tokenizer.json
+    would be laid out (an end-of-text special token first)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, trainers
+
+    rust = RustTokenizer(models.BPE(ignore_merges=True))
+    rust.pre_tokenizer = pre_tokenizer
+    rust.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rust.train_from_iterator([shared_file("data/tinyshakespeare.txt").read_text()[:100_000], *TEXTS], trainer)
+    return HFTokenizer(json.loads(rust.to_str()), eos="<|endoftext|>")
+
+
+PRE_TOKENIZERS = {  # llama.cpp's name -> how a tokenizer.json splits text that way
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    ),
+    "qwen2": lambda: split_then_bytes(QWEN2_PATTERN),
+    "llama-bpe": lambda: split_then_bytes(LLAMA3_PATTERN),
+}
+
+
+def split_then_bytes(pattern: str):
+    from tokenizers import Regex
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+@pytest.mark.parametrize("pre", list(PRE_TOKENIZERS))
+def test_each_pre_tokenizer_splits_in_llama_cpp_as_in_gptlite(pre, tmp_path):
+    tokenizer = byte_level_bpe(PRE_TOKENIZERS[pre]())
+    model = random_model(7, 512, **ARCHITECTURES["qwen2"])
+    path = export_gguf(model, tmp_path / "m.gguf", tokenizer)
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == pre
+    llm = llama(path)
+    for text in TEXTS:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer.encode(text), text
+
+
+def test_a_pretrained_directory_exports_from_the_command_line(bpe, tmp_path, capsys):
+    """--init_from: a Hugging Face directory (here one gptlite wrote, with its tokenizer) to a GGUF file."""
+    model = random_model(8, 640, **ARCHITECTURES["qwen2"])
+    export_hf(model, tmp_path / "hf", bpe)
+    out = tmp_path / "qwen2.gguf"
+    assert hf_main(["export", "--format=gguf", f"--init_from={tmp_path / 'hf'}", f"--out={out}", "--type=f16"]) == 0
+    error, _, _ = relative_error(model, llama(out), bpe.encode(TEXTS[5]))
+    assert error < BOUNDS["f16"]
+    assert not (tmp_path / "Modelfile").exists()  # no chat template, no Modelfile
+    capsys.readouterr()
+    assert hf_main(["export", "--format=gguf", f"--init_from={tmp_path / 'hf'}"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("--format=gguf needs --out=FILE.gguf and one of --out_dir=RUN or --init_from=NAME_OR_DIR")
+    )
+
+
+# the largest difference over the logits' standard deviation at each type, with room over the most measured on
+# these models (docs/hf.md: f16 0.0025, bf16 0.019, q8_0 0.064: llama.cpp also rounds the activations to 8 bits
+# for q8_0's products, and the output head's logits carry it whole)
+BOUNDS = {"f16": 1e-2, "bf16": 3e-2, "q8_0": 7e-2}
+
+
+@pytest.mark.parametrize("kind", list(BOUNDS))
+def test_half_and_q8_0_files_stay_within_their_bounds(kind, bpe, tmp_path):
+    model = random_model(2, 640, **ARCHITECTURES["llama"])
+    path = export_gguf(model, tmp_path / f"m-{kind}.gguf", bpe, kind)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == kind.upper() and types["blk.0.attn_norm.weight"] == "F32"
+    error, _, _ = relative_error(model, llama(path), bpe.encode(TEXTS[5]))
+    assert error < BOUNDS[kind], error
+
+
+def test_llama_rows_interleave_what_gptlite_rotates_in_halves():
+    """A head of width 4 holds rows (a0, a1, b0, b1), rotated as pairs (a0, b0), (a1, b1); llama.cpp's llama
+    rotates neighbours: (a0, b0, a1, b1)."""
+    w = torch.arange(8.0).reshape(8, 1)  # two heads
+    assert llama_rows(w, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_the_chat_template_goes_in_and_renders_as_gptlites(bpe, tmp_path):
+    tokenizer = train_bpe([shared_file("data/tinyshakespeare.txt").read_text()[:50_000]], vocab_size=400)
+    tokenizer.use_default_template()  # ChatML, its markers added past the vocabulary
+    model = random_model(3, tokenizer.vocab_size, **ARCHITECTURES["qwen3"])
+    path = export_gguf(model, tmp_path / "chat.gguf", tokenizer)
+    llm = llama(path)
+    assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "And?"},
+    ]
+    formatter = Jinja2ChatFormatter(tokenizer.chat_template, eos_token="<|im_end|>", bos_token="")
+    rendered = formatter(messages=messages).prompt
+    assert rendered == render(tokenizer.chat_template, messages, True, tokenizer.special_texts())
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert llm.tokenize(rendered.encode(), add_bos=False, special=True) == ids
+    assert role_wrappers(tokenizer.chat_template, tokenizer) is not None
+
+
+def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_path, capsys):
+    data, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "gguf" / "model.gguf"
+    text = shared_file("data/tinyshakespeare.txt").read_text()[:100_000]
+    tokenizer = make_data(data, text)
+    done = run_train(
+        f"--data_dir={data}",
+        f"--out_dir={run}",
+        "--pos_emb=rope",
+        "--norm=rmsnorm",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=64",
+        "--block_size=32",
+        "--batch_size=4",
+        "--max_iters=3",
+        "--eval_interval=3",
+        "--eval_iters=1",
+        "--device=cpu",
+    )
+    assert done.code == 0, done.err
+    assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={out}", "--type=q8_0"]) == 0
+    assert out.is_file() and "wrote" in capsys.readouterr().out
+    llm = llama(out)
+    assert llm.tokenize(TEXTS[1].encode(), add_bos=False, special=False) == tokenizer.encode(TEXTS[1])
+    modelfile = (out.parent / "Modelfile").read_text()
+    assert "FROM ./model.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert "{{ range .Messages }}" in modelfile
+    # again: the file exists, so nothing is written without --overwrite
+    before = out.read_bytes()
+    capsys.readouterr()  # llama.cpp's own log lines
+    assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={out}"]) == 2  # a user's error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists" in err[0] and "--overwrite" in err[0]
+    assert out.read_bytes() == before
+
+
+def make_data(folder, text: str):
+    """A data folder as data/prepare.py writes one: train and val shards and a BPE trained on the text, with ChatML's
+    markers (so the run has a chat template); returns the tokenizer."""
+    from gptlite.shards import write_shard
+
+    tokenizer = train_bpe([text, *TEXTS], vocab_size=600)
+    tokenizer.use_default_template()
+    folder.mkdir()
+    ids = np.array(tokenizer.encode(text), dtype=np.uint16)
+    cut = int(0.9 * len(ids))
+    write_shard(folder / "train_000000.bin", ids[:cut], tokenizer.vocab_size)
+    write_shard(folder / "val_000000.bin", ids[cut:], tokenizer.vocab_size)
+    tokenizer.save(folder / "tokenizer.json")
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    "switches, message",
+    [
+        (dict(pos_emb="sinusoidal", ffn="swiglu"), "pos_emb='sinusoidal'"),
+        (dict(pos_emb="learned", ffn="swiglu", norm="layernorm"), "llama.cpp has no architecture"),
+        (dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", qkv_bias=True, qk_norm=True), "qk_norm=True"),
+    ],
+)
+def test_a_model_llama_cpp_cannot_run_is_refused_in_one_line(switches, message, bpe, tmp_path):
+    model = GPT(GPTConfig(vocab_size=640, **SHAPE, **switches))
+    with pytest.raises(ValueError, match=message) as e:
+        export_gguf(model, tmp_path / "m.gguf", bpe)
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+def test_char_and_byte_tokenizers_are_refused_in_one_line(tmp_path):
+    tokenizer = CharTokenizer(sorted(set("hello world")))
+    model = GPT(GPTConfig(vocab_size=16, **SHAPE, **ARCHITECTURES["llama"]))
+    with pytest.raises(ValueError, match="char-level tokenizer has no form llama.cpp runs") as e:
+        export_gguf(model, tmp_path / "m.gguf", tokenizer)
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+def test_an_interrupted_export_leaves_no_partial_file_and_the_earlier_one_whole(bpe, tmp_path, monkeypatch):
+    model = random_model(4, 640, **ARCHITECTURES["llama"])
+    out = export_gguf(model, tmp_path / "m.gguf", bpe)
+    before = out.read_bytes()
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_gguf(random_model(5, 640, **ARCHITECTURES["llama"]), out, bpe, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"] and out.read_bytes() == before
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_gguf(model, out, bpe)
+
+
+def test_every_weight_goes_in_once(bpe):
+    for switches in ARCHITECTURES.values():
+        model = random_model(6, 640, **switches)
+        names = [name for name, _ in gguf_tensors_of(model)]
+        assert len(names) == len(set(names))
+        weights = sum(t.numel() for _, t in gguf_tensors_of(model) if not _.startswith("rope_freqs"))
+        assert weights == sum(p.numel() for p in model.parameters()) + missing_biases(model)
+
+
+def gguf_tensors_of(model: GPT):
+    from gptlite.hf import family_of
+
+    return list(gguf_tensors(family_of(model.config), model.state_dict(), model.config))
+
+
+def missing_biases(model: GPT) -> int:
+    """GPT-2's layout has a bias wherever GPT-2 has one; a bias=False model writes zeros there."""
+    c = model.config
+    if c.pos_emb != "learned" or c.bias:
+        return 0
+    per_layer = 2 * c.n_embd + 3 * c.n_embd + c.n_embd + c.ffn_hidden + c.n_embd
+    return c.n_layer * per_layer + c.n_embd
