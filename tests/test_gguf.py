@@ -243,6 +243,53 @@ def test_the_chat_template_goes_in_and_renders_as_gptlites(bpe, tmp_path):
     assert role_wrappers(tokenizer.chat_template, tokenizer) is not None
 
 
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>"
+    "\\n\\n' + message['content'] + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}{{- "
+    "'<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+SMOLLM2_TEMPLATE = (  # ChatML with a system message of its own when the conversation has none
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+NUMBERED_TEMPLATE = "{% for m in messages %}{{ loop.index }}. {{ m['content'] }}\n{% endfor %}"
+
+
+class Specials:
+    """What a chat template may name, as a tokenizer gives it."""
+
+    def __init__(self, bos: str):
+        self.bos = bos
+
+    def special_texts(self) -> dict:
+        return {"bos_token": self.bos, "eos_token": None}
+
+
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        (LLAMA3_TEMPLATE, '<|begin_of_text|>{{ range .Messages }}{{ if eq .Role "system" }}<|start_header_id|>'),
+        (SMOLLM2_TEMPLATE, '{{ if ne (index .Messages 0).Role "system" }}<|im_start|>system\nYou are a helpful'),
+        (NUMBERED_TEMPLATE, None),
+    ],
+)
+def test_ollamas_go_template_writes_what_the_jinja_one_does(template, expected):
+    wrappers = role_wrappers(template, Specials("<|begin_of_text|>"))
+    if expected is None:
+        assert wrappers is None
+        return
+    assert wrappers.go_template().startswith(expected)
+    for messages in (
+        [{"role": "user", "content": "a"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "b"}],
+    ):
+        assert wrappers.render(messages) == render(
+            template, messages, True, Specials("<|begin_of_text|>").special_texts()
+        )
+
+
 def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_path, capsys):
     data, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "gguf" / "model.gguf"
     text = shared_file("data/tinyshakespeare.txt").read_text()[:100_000]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -452,35 +453,78 @@ def marker(role: str) -> str:
     return f"\x00{role}\x00"  # a message's content, found again in the rendering
 
 
-def role_wrappers(template: str, tokenizer: Tokenizer) -> tuple[str, dict[str, str], str, str] | None:
-    """(the text before the first message, each role's text before its content, the text after every message,
-    the generation prompt) of a template that writes each message as the same text around its content, found by
-    rendering conversations whose contents are markers and checked on two more conversations; None when the
-    template is not of that kind (it numbers turns, or writes a default system message, ...)."""
+@dataclass(frozen=True)
+class Wrappers:
+    """A chat template that writes every message as the same text around its content: what comes first, the text
+    before each role's content, the text after every message, the generation prompt, and the system message it
+    writes when a conversation has none (empty: none)."""
+
+    head: str
+    prefixes: dict[str, str]
+    after: str
+    generation: str
+    default_system: str
+
+    def render(self, messages: list[dict]) -> str:
+        default = self.default_system if messages[0]["role"] != "system" else ""
+        body = "".join(self.prefixes[m["role"]] + m["content"] + self.after for m in messages)
+        return self.head + default + body + self.generation
+
+    def go_template(self) -> str:
+        """The same in Ollama's Go template language (literal text only between its actions)."""
+        branches = "".join(
+            f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{self.prefixes[role]}{{{{ .Content }}}}'
+            f"{self.after}"
+            for i, role in enumerate(ROLES)
+        )
+        default = (
+            f'{{{{ if ne (index .Messages 0).Role "system" }}}}{self.default_system}{{{{ end }}}}'
+            if self.default_system
+            else ""
+        )
+        return f"{self.head}{default}{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{self.generation}"
+
+
+def role_wrappers(template: str, tokenizer: Tokenizer) -> Wrappers | None:
+    """The Wrappers of a chat template, found by rendering conversations whose contents are markers and checked by
+    rendering two more; None when the template is not of that kind (it numbers turns, trims or rewrites contents,
+    ...)."""
     special = tokenizer.special_texts()
     draw = lambda messages, prompt=False: render(template, check_messages(messages), prompt, special)  # noqa: E731
+    system, user, assistant = ({"role": role, "content": marker(role)} for role in ROLES)
     try:
-        full = [{"role": role, "content": marker(role)} for role in ROLES]
-        text, prompt_text = draw(full), draw(full, True)
-        alone = draw([full[1]])
+        text, prompt_text = draw([system, user, assistant]), draw([system, user, assistant], True)
+        alone, mixed = draw([user]), draw([user, system])
     except ValueError:
         return None
     cuts = [text.find(marker(role)) for role in ROLES]
-    if -1 in cuts or cuts != sorted(cuts) or not prompt_text.startswith(text) or marker("user") not in alone:
+    if -1 in cuts or cuts != sorted(cuts) or not prompt_text.startswith(text):
         return None
     after = text[cuts[2] + len(marker("assistant")) :]  # every message ends as the last one does
     between = [text[cuts[0] + len(marker("system")) : cuts[1]], text[cuts[1] + len(marker("user")) : cuts[2]]]
-    if not all(piece.startswith(after) for piece in between):
+    if not all(piece.startswith(after) for piece in between) or marker("user") not in alone:
         return None
     prefixes = {"user": between[0][len(after) :], "assistant": between[1][len(after) :]}
-    head_and_user = alone[: alone.find(marker("user"))]
-    if not head_and_user.endswith(prefixes["user"]):
+    head_and_system = text[: cuts[0]]  # the head, then the system prefix
+    before_user = alone[: alone.find(marker("user"))]  # the head (and a default system message), the user prefix
+    if not before_user.endswith(prefixes["user"]):
         return None
-    head = head_and_user[: len(head_and_user) - len(prefixes["user"])]
-    if not text[: cuts[0]].startswith(head):
-        return None
-    prefixes["system"] = text[len(head) : cuts[0]]
-    generation = prompt_text[len(text) :]
+    before_user = before_user[: len(before_user) - len(prefixes["user"])]
+    if head_and_system.startswith(before_user):  # no default system message: what comes before is the head
+        head, default_system = before_user, ""
+        prefixes["system"] = head_and_system[len(head) :]
+    else:  # a system message of its own when there is none: a system message after a user one shows its prefix
+        after_user = mixed.find(marker("user")) + len(marker("user"))
+        if marker("system") not in mixed[after_user:] or not mixed[after_user:].startswith(after):
+            return None
+        prefixes["system"] = mixed[after_user + len(after) : mixed.find(marker("system"), after_user)]
+        if not head_and_system.endswith(prefixes["system"]):
+            return None
+        head = head_and_system[: len(head_and_system) - len(prefixes["system"])]
+        if not before_user.startswith(head):
+            return None
+        default_system = before_user[len(head) :]
+    wrappers = Wrappers(head, prefixes, after, prompt_text[len(text) :], default_system)
     for conversation in (
         [
             {"role": "user", "content": "Hi"},
@@ -489,10 +533,9 @@ def role_wrappers(template: str, tokenizer: Tokenizer) -> tuple[str, dict[str, s
         ],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}],
     ):
-        ours = head + "".join(prefixes[m["role"]] + m["content"] + after for m in conversation) + generation
-        if ours != draw(conversation, True):
+        if wrappers.render(conversation) != draw(conversation, True):
             return None
-    return head, prefixes, after, generation
+    return wrappers
 
 
 def ollama_modelfile(out: Path, tokenizer: Tokenizer, where: str) -> str:
@@ -502,21 +545,17 @@ def ollama_modelfile(out: Path, tokenizer: Tokenizer, where: str) -> str:
 
     lines = [f"# {where} as Ollama runs it: ollama create NAME -f Modelfile", f"FROM ./{out.name}"]
     wrappers = role_wrappers(tokenizer.chat_template, tokenizer)
-    literals = [] if wrappers is None else [wrappers[0], *wrappers[1].values(), wrappers[2], wrappers[3]]
-    if wrappers is None or any("{{" in text or '"""' in text for text in literals):
+    template = wrappers.go_template() if wrappers is not None else ""
+    literals = "" if wrappers is None else template.replace("{{", "").replace("}}", "")  # no braces in the text
+    if wrappers is None or "{" in literals or "}" in literals or '"""' in template:
         lines.append(
             "# the chat template has no form in Ollama's template language that gptlite can write; Ollama reads "
             "the GGUF file's own (tokenizer.chat_template)"
         )
         stops = []
     else:
-        head, prefixes, after, generation = wrappers
-        branches = "".join(
-            f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{prefixes[role]}{{{{ .Content }}}}{after}'
-            for i, role in enumerate(ROLES)
-        )
-        lines.append(f'TEMPLATE """{head}{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{generation}"""')
-        stops = [after.strip()] if after.strip() else []
+        lines.append(f'TEMPLATE """{template}"""')
+        stops = [wrappers.after.strip()] if wrappers.after.strip() else []
     eos = tokenizer.eos if isinstance(tokenizer, HFTokenizer) else None
     for stop in dict.fromkeys([*stops, *getattr(tokenizer, "stop", []), *([eos] if eos else [])]):
         lines.append(f"PARAMETER stop {json.dumps(stop)}")
