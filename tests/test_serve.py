@@ -120,7 +120,7 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
     "missing model": ("/v1/completions", {"prompt": "Hi"}, 400, "model", "Field required"),
     "max_tokens a string": ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
     "temperature a string": ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "valid number"),
-    "max_tokens 0": ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    "max_tokens 0": ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 generates nothing"),
     "temperature 3": ("/v1/completions", {**GOOD, "temperature": 3}, 400, "temperature", "less than or equal to 2"),
     "prompt past the context": ("/v1/completions", {**GOOD, "prompt": "x" * 200}, 400, "prompt", "context is 128"),
     "max_tokens past the context": ("/v1/completions", {**GOOD, "max_tokens": 200}, 400, "max_tokens", "at most 126"),
@@ -152,7 +152,7 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
         None,
         "not a JSON number",
     ),
-    "logprobs": ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs", "not supported"),
+    "logprobs": ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
     "chat without messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
     "a message's role": (
         "/v1/chat/completions",

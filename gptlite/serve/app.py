@@ -2,8 +2,11 @@
 
     GET  /                      the chat page (gptlite/serve/chat.html)
     GET  /v1/models             the one model served, with `chat` (whether it has a chat template) and `context`
-    POST /v1/completions        prompt -> text
+    POST /v1/completions        prompt (text or token ids) -> text, with logprobs and echo as OpenAI's legacy API
     POST /v1/chat/completions   messages, rendered with the tokenizer's chat template -> the assistant's reply
+    GET  /tokenizer_info        the tokenizer's special tokens, chat template and context (vLLM's shape)
+    POST /tokenize              prompt or messages -> tokens, count
+    POST /detokenize            tokens -> prompt
 
 Before a route runs, `gptlite.serve.guard` checks the request's host, key and size (its `Policy`); a JSON route
 reads its body with `read_json` and tokenizes its prompts on a worker thread, never on the event loop.
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Awaitable
 from importlib import resources
 from typing import TYPE_CHECKING, TypeVar
@@ -33,13 +37,17 @@ from starlette.requests import ClientDisconnect
 from gptlite.serve.engine import Job, Params, Piece
 from gptlite.serve.guard import Guard, Policy, read_json
 from gptlite.serve.protocol import (
+    UNSUPPORTED_IN_CHAT,
     APIError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
+    TokenizeRequest,
     chat_completion,
     chunk,
     completion,
+    logprobs_body,
     new_id,
     sse,
     usage,
@@ -121,10 +129,56 @@ class Server:
         except ValueError as e:  # e.g. a character a char tokenizer never saw
             raise APIError(400, str(e), "prompt") from None
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        """Token ids a request sent, each one the tokenizer has."""
+        vocab = self.engine.vocab
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise APIError(
+                    400, f"{param}[{i}]: token id {token} is not in the vocabulary (ids 0 to {vocab - 1})", param
+                )
+        return ids
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's ids: text encoded, token ids checked (an empty list of ids is an error)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if not prompt:
+            raise APIError(400, "prompt holds an empty list of token ids; give at least one", "prompt")
+        return self.check_ids(prompt, "prompt")
+
+    def special_ids(self) -> dict[str, int]:
+        """The special tokens' texts and ids (end of text, the chat markers gptlite added, bos and eos)."""
+        from gptlite.tokenizer import EOT
+
+        specials = dict(self.tokenizer.added)
+        if self.tokenizer.eot_id is not None:
+            specials.setdefault(EOT, self.tokenizer.eot_id)
+        for text in self.tokenizer.special_texts().values():
+            if text and self.tokenizer.special_id(text) is not None:
+                specials.setdefault(text, self.tokenizer.special_id(text))
+        return specials
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text's ids with its special tokens' texts taken as those tokens (what vLLM's /tokenize does)."""
+        specials = self.special_ids()
+        ids, start = [], 0
+        pattern = "|".join(map(re.escape, sorted(specials, key=len, reverse=True)))
+        for match in re.finditer(pattern, text) if specials else ():
+            ids += self.encode_text(text[start : match.start()]) + [specials[match.group()]]
+            start = match.end()
+        return ids + self.encode_text(text[start:])
+
+    def encode_text(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The messages' ids through the tokenizer's chat template, ending where the assistant's reply begins."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except ValueError as e:  # a template's own rules (e.g. roles that must alternate), or an unknown character
             raise APIError(400, str(e), "messages") from None
 
@@ -161,6 +215,12 @@ class Server:
                     "max_tokens",
                     "context_length_exceeded",
                 )
+            logprobs = getattr(body, "logprobs", None)
+            echo = getattr(body, "echo", False)
+            if max_tokens == 0 and not echo:
+                raise APIError(
+                    400, "max_tokens=0 generates nothing; ask for at least 1 (or echo the prompt)", "max_tokens"
+                )
             params = Params(
                 max_tokens,
                 body.temperature,
@@ -168,6 +228,8 @@ class Server:
                 stops,
                 self.stop_tokens(),
                 body.seed,
+                logprobs,
+                echo,
             )
             out += [
                 (prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + j))
@@ -231,19 +293,28 @@ class Server:
     ) -> dict:
         n = len(gen.jobs)
         texts, reasons = [""] * n, [""] * n
+        entries = [[] for _ in range(n)]  # each choice's TokenLogprob: its prompt's (with echo), then its tokens'
         index, piece = first
         while True:
             if piece.error:
                 raise self.failed(piece)
             texts[index] += piece.text
             reasons[index] = piece.finish_reason or reasons[index]
+            entries[index] += (piece.prompt_logprobs or []) + piece.logprobs
             if not gen.open:
                 break
             index, piece = await gen.next()
-        build = chat_completion if chat else completion
-        return build(
-            new_id("chatcmpl" if chat else "cmpl"), body.model, texts, reasons, usage(prompt_tokens, sum(gen.tokens))
-        )
+        rid, use = new_id("chatcmpl" if chat else "cmpl"), usage(prompt_tokens, sum(gen.tokens))
+        if chat:
+            return chat_completion(rid, body.model, texts, reasons, use)
+        params = gen.jobs[0].params
+        if params.echo:
+            texts = [self.tokenizer.decode(job.prompt) + text for job, text in zip(gen.jobs, texts, strict=True)]
+        logprobs = None
+        if params.logprobs is not None:
+            token_bytes = lambda i: self.tokenizer.token_bytes([i])  # noqa: E731
+            logprobs = [logprobs_body(choice, token_bytes) for choice in entries]
+        return completion(rid, body.model, texts, reasons, use, logprobs)
 
     async def stream(
         self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool, prompt_tokens: int
@@ -365,16 +436,21 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request, CompletionRequest, policy)
-        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if not texts:
-            raise APIError(400, "prompt is an empty list; give a string or a list of strings", "prompt")
-        server.check(body, len(texts))
-        prompts = await asyncio.to_thread(lambda: [server.encode(t) for t in texts])
+        given = body.prompts()
+        if not given:
+            raise APIError(400, "prompt is an empty list; give text, token ids, or a list of either", "prompt")
+        if body.stream and (body.echo or body.logprobs is not None):
+            raise APIError(400, "logprobs and echo are not streamed by this server; ask with stream=false", "stream")
+        server.check(body, len(given))
+        prompts = await asyncio.to_thread(lambda: [server.prompt_ids(p) for p in given])
         return await server.respond(request, body, prompts, chat=False, param="prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request, ChatRequest, policy)
+        for name in UNSUPPORTED_IN_CHAT:
+            if (body.model_extra or {}).get(name) not in (None, False, 0):
+                raise APIError(400, f"{name} is not supported by this server's chat route; leave it out", name)
         server.check(body, 1)
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(
@@ -386,5 +462,40 @@ def create_app(
             )
         prompt = await asyncio.to_thread(server.render, [m.as_dict() for m in body.messages])
         return await server.respond(request, body, [prompt], chat=True, param="messages")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        texts = tokenizer.special_texts()
+        eot = server.special_ids()
+        eos = texts.get("eos_token") or next((t for t, i in eot.items() if i == tokenizer.eot_id), None)
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": eos,
+            "bos_token": texts.get("bos_token"),
+            "pad_token": None,
+            "unk_token": None,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": engine.max_len,
+            "vocab_size": engine.vocab,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await read_json(request, TokenizeRequest, policy)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give one of prompt (text) or messages", "prompt")
+        if body.messages is not None:
+            messages = [m.as_dict() for m in body.messages]
+            render = lambda: server.render(messages, body.add_generation_prompt)  # noqa: E731
+            tokens = await asyncio.to_thread(render)
+        else:
+            tokens = await asyncio.to_thread(server.tokenize, body.prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await read_json(request, DetokenizeRequest, policy)
+        tokens = server.check_ids(body.tokens, "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, tokens)}
 
     return app

@@ -11,7 +11,9 @@ a single row (so one request decodes as fast as sample.py's batch of one) and it
 several. Each row samples with its own temperature, top_p and `torch.Generator` (seeded when asked), and
 never an id the tokenizer lacks (a padded vocabulary's extra ids). `emit` is called on the engine's thread
 with a `Piece` for every token: the new text (UTF-8 safe, cut before a stop string) and, on the last piece,
-why the request ended.
+why the request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives')
+under the model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its
+prefill (a job with max_tokens 0 gets only those).
 
 No request stops the engine: an exception while a request is admitted (its seed, its prefill) ends that request
 with finish_reason "error", one in a decode step ends the requests that step ran, and the engine goes on with
@@ -55,6 +57,18 @@ class Params:
     stop: tuple[str, ...] = ()  # text is cut before the first of these, which ends the request
     stop_tokens: tuple[int, ...] = ()  # ids that end the request (end of text, end of turn)
     seed: int | None = None
+    logprobs: int | None = None  # each generated token's log-probability and this many alternatives (None: none)
+    echo: bool = False  # with `logprobs`, the prompt's tokens' log-probabilities too, on the first piece
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model's distribution (before temperature and top_p, as vLLM reports
+    it), and the most likely tokens there with theirs; the first token of a prompt has neither (None, ())."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -66,6 +80,8 @@ class Piece:
     tokens: int  # tokens generated so far
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # this piece's token's, with Params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, on the first piece, with Params.echo
 
 
 @dataclass
@@ -122,6 +138,7 @@ class Engine:
         self.closed = False
         self.thread: threading.Thread | None = None
         self.failure: str | None = None  # why the loop stopped for good, if it did
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # the admitted job's, until its first piece
         self.stopped = threading.Event()  # set when the loop has ended: closed, or failed
 
     # -- the other threads' side
@@ -209,6 +226,11 @@ class Engine:
         seed = job.params.seed if job.params.seed is not None else random.randrange(SEEDS)
         row = None
         try:
+            if job.params.echo and job.params.logprobs is not None:
+                self.prompt_logprobs = self.score_prompt(job.prompt, job.params.logprobs)
+            if job.params.max_tokens == 0:  # the prompt's log-probabilities are all it asked for
+                job.emit(Piece("", 0, "length", prompt_logprobs=self.take_prompt_logprobs()))
+                return
             generator = torch.Generator(device=self.cache.device).manual_seed(seed % SEEDS)
             row = Row(job, TextStream(self.tokenizer, job.params.stop), generator, length=len(job.prompt))
             self.rows.append(row)
@@ -218,10 +240,22 @@ class Engine:
                 logits = self.step(self.one, idx, self.cache)  # (1, V)
                 self.sample(logits, [row])
         except Exception as e:
+            self.prompt_logprobs = None
             if row is None:  # it failed before it had a row
                 job.emit(Piece("", 0, "error", describe(e)))
             else:
                 self.fail([row], e)
+
+    def score_prompt(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Every prompt token's log-probability given the ones before it (a forward of the whole prompt)."""
+        with torch.no_grad():
+            logits, _ = self.model(torch.tensor([prompt], device=self.cache.device))  # (1, T, V)
+            logprobs = torch.log_softmax(mask_vocab(logits[0, :-1].float(), self.vocab), dim=-1)  # (T - 1, V)
+        return [TokenLogprob(prompt[0], None, ())] + token_logprobs(logprobs, prompt[1:], top)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return scored
 
     def decode(self) -> None:
         """One step of every running row: feed its newest token, sample the next."""
@@ -241,6 +275,8 @@ class Engine:
         """Pick each row's next token from logits (n, V), and emit it."""
         logits = mask_vocab(logits, self.vocab)  # (n, V): never an id the tokenizer lacks
         greedy = logits.argmax(dim=-1).tolist()
+        scored = any(row.job.params.logprobs is not None for row in rows)
+        logprobs = torch.log_softmax(logits.float(), dim=-1) if scored else None  # (n, V)
         for i, row in enumerate(rows):
             p = row.job.params
             token = (
@@ -248,11 +284,14 @@ class Engine:
                 if p.temperature == 0
                 else int(sample_next(logits[i : i + 1], p.temperature, None, p.top_p, row.generator))
             )
-            row.token, row.generated = token, row.generated + 1
-            self.emit(row, token)
+            row.token = token
+            row.generated += 1
+            entries = token_logprobs(logprobs[i : i + 1], [token], p.logprobs) if p.logprobs is not None else []
+            self.emit(row, token, entries)
 
-    def emit(self, row: Row, token: int) -> None:
-        """The token's text to the job; the row finishes at a stop token, a stop string or max_tokens."""
+    def emit(self, row: Row, token: int, logprobs: list[TokenLogprob]) -> None:
+        """The token's text (and log-probabilities) to the job; the row finishes at a stop token, a stop string or
+        max_tokens. A prompt's log-probabilities, when asked for, go with its first token."""
         p = row.job.params
         if token in p.stop_tokens:
             text, reason = row.stream.close(), "stop"
@@ -262,8 +301,9 @@ class Engine:
             if reason is None and row.generated >= p.max_tokens:
                 text, reason = text + row.stream.close(), "length"
         row.finished = reason is not None
+        prompt = self.take_prompt_logprobs() if row.generated == 1 else None
         if not row.job.cancelled:
-            row.job.emit(Piece(text, row.generated, reason))
+            row.job.emit(Piece(text, row.generated, reason, logprobs=logprobs, prompt_logprobs=prompt))
 
     def fail(self, rows: list[Row], error: Exception) -> None:
         """End these rows' jobs with the error's message; the engine goes on."""
@@ -284,6 +324,17 @@ class Engine:
             if i < len(self.rows):  # the freed row was not the last: the last running row takes its place
                 self.cache.move(len(self.rows), i, last.length)
                 self.rows[i] = last
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The log-probability of tokens[i] in row i of `logprobs` (len(tokens), V), and the row's `top` most likely
+    tokens with theirs."""
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+    return [
+        TokenLogprob(token, value, tuple(zip(row_ids, row_values, strict=True)))
+        for token, value, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def describe(error: BaseException) -> str:

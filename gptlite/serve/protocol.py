@@ -10,17 +10,16 @@ field is read, so no body makes the parser itself fail.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
-    "echo",
+UNSUPPORTED = (  # asked of /v1/completions and /v1/chat/completions (the chat route refuses logprobs itself)
     "suffix",
     "best_of",
     "logit_bias",
@@ -31,7 +30,9 @@ UNSUPPORTED = (
     "tool_choice",
     "response_format",
 )
+UNSUPPORTED_IN_CHAT = ("logprobs", "top_logprobs", "echo")  # /v1/completions has them
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 MAX_STOP_CHARS = 256  # characters per stop string: each is checked at every token
 MAX_INT_DIGITS = 20  # digits of an integer in a body: 2**64 - 1 has 20
 MAX_DEPTH = 16  # nesting of a body's arrays and objects (OpenAI's fields go 4 deep: messages[i].content[j])
@@ -100,8 +101,18 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    """A prompt is text, token ids, or a list of either (one choice per prompt, times n)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts, each text or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -131,7 +142,24 @@ class ChatRequest(GenerationRequest):
         return self
 
 
-def parse_body(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: text, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # gptlite never puts BOS before text: accepted, changes nothing
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """The request body as `model`, or a 400 APIError naming the first problem and its field."""
     try:
         data = json.loads(raw, parse_int=bounded_int, parse_constant=no_constant)
@@ -199,10 +227,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
+def completion(
+    rid: str, model: str, texts: list[str], reasons: list[str], use: dict, logprobs: list[dict | None] | None = None
+) -> dict:
+    logprobs = logprobs or [None] * len(texts)
     choices = [
-        {"index": i, "text": t, "logprobs": None, "finish_reason": r}
-        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        {"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+        for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs, strict=True))
     ]
     return {
         "id": rid,
@@ -212,6 +243,36 @@ def completion(rid: str, model: str, texts: list[str], reasons: list[str], use: 
         "choices": choices,
         "usage": use,
     }
+
+
+def token_text(data: bytes) -> str:
+    """A token as the logprobs lists name it: its text, or, for a piece of a character, its bytes as OpenAI
+    writes them ("bytes:\\xe2\\x80")."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def logprobs_body(entries: list, token_bytes: Callable[[int], bytes]) -> dict:
+    """A completion choice's `logprobs` as OpenAI's and vLLM's legacy API shape it: `tokens`, `token_logprobs`,
+    `top_logprobs` (token text -> log-probability per position; None where a prompt begins) and `text_offset` (the
+    character where each token starts in the choice's text). `entries` are the engine's TokenLogprob."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    tokens, values, tops, offsets, chars = [], [], [], [], 0
+    for entry in entries:
+        data = token_bytes(entry.token)
+        offsets.append(chars)
+        chars += len(decoder.decode(data))
+        tokens.append(token_text(data))
+        values.append(entry.logprob)
+        if entry.logprob is None:
+            tops.append(None)
+            continue
+        top = {token_text(token_bytes(i)): value for i, value in entry.top}
+        top.setdefault(tokens[-1], entry.logprob)  # the chosen token is always there, as vLLM has it
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:

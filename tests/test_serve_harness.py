@@ -1,0 +1,178 @@
+"""The server as harnesses use it: log-probabilities and echo on /v1/completions (against transformers'
+log-softmax), token-id prompts, vLLM's tokenizer endpoints, and EleutherAI's lm-eval `local-completions` client
+against lm-eval's own hf backend on the same weights (with the client's tokenizer and with the server's)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from gptlite import GPT
+from gptlite.serve.app import create_app
+from gptlite.serve.engine import Engine
+from gptlite.serve.protocol import token_text
+from gptlite.tokenizer import load_tokenizer
+from tests.serving import Running
+from tests.test_lm_eval import model_dir, tasks  # noqa: F401  (fixtures: a tiny GPT-2 folder, local task files)
+
+lm_eval = pytest.importorskip("lm_eval")  # the eval extra, which CI installs with the test extra
+MODEL = "tiny-gpt2"
+CONTEXT = 64
+
+
+class Server:
+    """The model folder's weights and tokenizer served on a free local port."""
+
+    def __init__(self, folder):
+        self.model = GPT.from_pretrained(str(folder)).eval()
+        self.tokenizer = load_tokenizer(folder)
+        self.engine = Engine(self.model, self.tokenizer, max_batch=4).start()
+        self.running = Running(create_app(self.engine, self.tokenizer, MODEL))
+        self.url = self.running.url
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60)
+
+    def close(self) -> None:
+        try:
+            self.running.stop()
+        finally:
+            self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):  # noqa: F811
+    s = Server(model_dir)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):  # noqa: F811
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+def log_softmax(reference, ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities of the next token after each position of ids, (T, V)."""
+    with torch.no_grad():
+        return torch.log_softmax(reference(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+def test_echo_and_logprobs_equal_transformers_log_softmax(server, reference):
+    prompt = server.tokenizer.encode("ROMEO: But soft, what light")
+    r = server.post(
+        "/v1/completions",
+        {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 3, "echo": True},
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    ids = list(prompt)
+    for _ in range(3):  # transformers' greedy continuation
+        ids.append(int(log_softmax(reference, ids)[-1].argmax()))
+    assert choice["text"] == server.tokenizer.decode(ids)
+    assert len(lp["tokens"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # a prompt's first token
+    want = log_softmax(reference, ids)
+    for t in range(1, len(ids)):
+        assert lp["token_logprobs"][t] == pytest.approx(want[t - 1, ids[t]].item(), abs=1e-4)
+        top = want[t - 1].topk(3)
+        names = [token_text(server.tokenizer.token_bytes([i])) for i in top.indices.tolist()]
+        assert len(lp["top_logprobs"][t]) in (3, 4)  # the three most likely, and the chosen token if not among them
+        for name, value in zip(names, top.values.tolist(), strict=True):
+            assert lp["top_logprobs"][t][name] == pytest.approx(value, abs=1e-4)
+    text = choice["text"]
+    assert [text[o : o + len(tok)] for o, tok in zip(lp["text_offset"], lp["tokens"], strict=True)] == lp["tokens"]
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, reference):
+    prompts = [server.tokenizer.encode("To be, or not"), server.tokenizer.encode("to be")]
+    r = server.post(
+        "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 0, "logprobs": 0, "echo": True}
+    )
+    assert r.status_code == 200, r.text
+    for prompt, choice in zip(prompts, r.json()["choices"], strict=True):
+        assert choice["text"] == server.tokenizer.decode(prompt) and choice["finish_reason"] == "length"
+        want = log_softmax(reference, prompt)
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[1:] == pytest.approx([want[t - 1, prompt[t]].item() for t in range(1, len(prompt))], abs=1e-4)
+        assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])  # only the token itself
+    assert r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_the_tokenizer_endpoints_speak_vllms_shapes(server):
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == CONTEXT
+    text = "Hello world<|endoftext|> again"
+    r = server.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    eot = server.tokenizer.eot_id
+    assert r["tokens"] == server.tokenizer.encode("Hello world") + [eot] + server.tokenizer.encode(" again")
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == CONTEXT
+    assert server.post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": text}
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == server.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], True)
+
+
+@pytest.mark.parametrize(
+    "path, body, status, phrase",
+    [
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": [1, 50257]}, 400, "token id 50257 is not in the vocabulary"),
+        ("/v1/completions", {"prompt": [[5], []]}, 400, "empty list of token ids"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens=0 generates nothing"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True}, 400, "not streamed"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+        ("/detokenize", {"tokens": [-1]}, 400, "token id -1"),
+        ("/tokenize", {}, 400, "give one of prompt"),
+    ],
+)
+def test_bad_values_are_4xx_in_openais_shape_and_the_server_goes_on(server, path, body, status, phrase):
+    r = server.post(path, {"model": MODEL, **body})
+    assert r.status_code == status and phrase in r.json()["error"]["message"], r.text
+    ok = server.post("/v1/completions", {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def lm_eval_results(lm, tasks):  # noqa: F811
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    return lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_rolling", "tiny_gen"], task_manager=manager)
+
+
+@pytest.mark.slow  # lm-eval builds its tasks and runs both: seconds
+@pytest.mark.parametrize("backend", ["huggingface", "remote"])
+def test_lm_evals_local_completions_equal_its_hf_backend(server, model_dir, tasks, backend):  # noqa: F811
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    # the API client sends rolling windows of max_length - 1 tokens with their token of context, the hf backend
+    # scores max_length + 1: 63 either way here, one less than the context, for the token the server generates
+    # after an echoed prompt
+    theirs = lm_eval_results(HFLM(pretrained=str(model_dir), device="cpu", batch_size=3, max_length=CONTEXT - 2), tasks)
+    client = LocalCompletionsAPI(
+        base_url=server.url + "/v1/completions",
+        model=MODEL,
+        tokenizer_backend=backend,
+        tokenizer=str(model_dir) if backend == "huggingface" else None,
+        tokenized_requests=True,
+        max_length=CONTEXT,
+        max_gen_toks=8,
+        batch_size=3,
+        max_retries=1,
+    )
+    ours = lm_eval_results(client, tasks)
+    for name in ("tiny_mc", "tiny_rolling", "tiny_gen"):
+        for a, b in zip(ours["samples"][name], theirs["samples"][name], strict=True):
+            if name == "tiny_gen":
+                assert a["resps"] == b["resps"], a["doc"]["question"]
+            else:
+                got, want = (
+                    torch.tensor([[r if name == "tiny_rolling" else r[0] for r in x] for x in s["resps"]])
+                    for s in (a, b)
+                )
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        metrics = {k: v for k, v in theirs["results"][name].items() if isinstance(v, float)}
+        assert {k: ours["results"][name][k] for k in metrics} == pytest.approx(metrics, rel=1e-5)
