@@ -7,8 +7,10 @@
    the last tenth of tiny Shakespeare (the val split of data/shakespeare/prepare.py), modelled on CORE's 22 tasks:
    each one's kind, few-shot count and number of options, `items` items each, as nanochat's --max-per-task runs.
 2. lm-eval wall time: the same local tasks (multiple choice and greedy generation with a stop sequence) through
-   gptlite's model class and through lm-eval's own hf backend on the same weights (exported with gptlite.hf), each
-   after a warm-up run of two documents, in turns; the best time of each.
+   gptlite's model class, through lm-eval's own hf backend on the same weights (exported with gptlite.hf), and
+   (--serve) through gptlite.serve in this process with lm-eval's local-completions client (token-id prompts,
+   echo and logprobs, `batch_size` prompts a request), each after a warm-up run of two documents, in turns; the
+   best time of each.
 
     python benchmarks/bench_core.py [--items=11] [--docs=32] [--rounds=2] [--core=true] [--lm_eval=true]
     python benchmarks/bench_core.py --n_layer=2 --n_embd=64 --n_head=2 --block_size=128 --items=11 --docs=4  # a check
@@ -47,6 +49,7 @@ class Options:
     rounds: int = option(2, "timed runs of each kind, in turn (the best counts: the first pays for first calls)")
     core: bool = option(True, "time CORE, batched against one item at a time")
     lm_eval: bool = option(True, "time lm-eval through gptlite against its hf backend")
+    serve: bool = option(True, "lm-eval: also through gptlite.serve and lm-eval's local-completions client")
     docs: int = option(32, "lm-eval: documents per task")
     batch_size: int = option(8, "lm-eval: generations per batch (both), and the hf backend's batch size")
     corpus: str = option(
@@ -231,8 +234,17 @@ def bench_lm_eval(args: Options, model, tokenizer, tmp: Path, dtype: str) -> Non
         out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, log_samples=True)
         return {n: [s["resps"] for s in out["samples"][n]] for n in names}
 
-    evaluate(ours, 2), evaluate(theirs, 2)  # warm-up: the datasets built and cached, the first calls made
-    measured = best_of(args.rounds, {"gptlite": lambda: evaluate(ours), "hf": lambda: evaluate(theirs)})
+    contenders = {"gptlite": ours, "hf": theirs}
+    server = None
+    if args.serve:
+        server, contenders["serve"] = served_client(model, tokenizer, tmp / "hf", args)
+    try:
+        for lm in contenders.values():  # warm-up: the datasets built and cached, the first calls made
+            evaluate(lm, 2)
+        measured = best_of(args.rounds, {name: (lambda lm=lm: evaluate(lm)) for name, lm in contenders.items()})
+    finally:
+        if server is not None:
+            server.close()
     (t_ours, ours_out), (t_hf, hf_out) = measured["gptlite"], measured["hf"]
     same = ours_out["bench_gen"] == hf_out["bench_gen"]
     print(
@@ -242,6 +254,59 @@ def bench_lm_eval(args: Options, model, tokenizer, tmp: Path, dtype: str) -> Non
     print(f"  gptlite's model class:                 {t_ours:8.2f} s")
     print(f"  lm-eval's hf backend (batch size {args.batch_size}):   {t_hf:8.2f} s")
     print(f"  ratio: hf / gptlite = {t_hf / t_ours:.2f}; generated texts {'the same' if same else 'DIFFER'}")
+    if args.serve:
+        t_serve, serve_out = measured["serve"]
+        same = serve_out["bench_gen"] == hf_out["bench_gen"]
+        print(f"  gptlite.serve + local-completions (batch size {args.batch_size}): {t_serve:8.2f} s")
+        print(f"  ratio: hf / served = {t_hf / t_serve:.2f}; generated texts {'the same' if same else 'DIFFER'}")
+
+
+class InProcessServer:
+    """gptlite.serve on a free local port, on a thread of this process."""
+
+    def __init__(self, model, tokenizer, max_batch: int):
+        import socket
+        import threading
+
+        import uvicorn
+
+        from gptlite.serve.app import create_app
+        from gptlite.serve.connection import uvicorn_config
+        from gptlite.serve.engine import Engine
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.engine = Engine(model, tokenizer, max_batch=max_batch).start()
+        app = create_app(self.engine, tokenizer, "bench")
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, 30.0, 5.0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.close()
+
+
+def served_client(model, tokenizer, hf_dir: Path, args: Options):
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    server = InProcessServer(model, tokenizer, max(args.batch_size, 4))
+    client = LocalCompletionsAPI(
+        base_url=server.url + "/v1/completions",
+        model="bench",
+        tokenizer_backend="huggingface",
+        tokenizer=str(hf_dir),
+        tokenized_requests=True,
+        max_length=args.block_size,
+        batch_size=args.batch_size,
+        max_retries=1,
+    )
+    return server, client
 
 
 def run(args: Options) -> int:

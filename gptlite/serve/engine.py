@@ -13,7 +13,8 @@ never an id the tokenizer lacks (a padded vocabulary's extra ids). `emit` is cal
 with a `Piece` for every token: the new text (UTF-8 safe, cut before a stop string) and, on the last piece,
 why the request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives')
 under the model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its
-prefill (a job with max_tokens 0 gets only those).
+prefill (a job with max_tokens 0 gets only those; one with max_tokens 1 takes its token from that forward and
+needs neither prefill nor row).
 
 No request stops the engine: an exception while a request is admitted (its seed, its prefill) ends that request
 with finish_reason "error", one in a decode step ends the requests that step ran, and the engine goes on with
@@ -225,14 +226,18 @@ class Engine:
         """Prefill the job into the next free row and emit its first token; a failure ends the job alone."""
         seed = job.params.seed if job.params.seed is not None else random.randrange(SEEDS)
         row = None
+        last = None  # the prompt's last logits, when a scoring forward gave them
         try:
             if job.params.echo and job.params.logprobs is not None:
-                self.prompt_logprobs = self.score_prompt(job.prompt, job.params.logprobs)
+                self.prompt_logprobs, last = self.score_prompt(job.prompt, job.params.logprobs)
             if job.params.max_tokens == 0:  # the prompt's log-probabilities are all it asked for
                 job.emit(Piece("", 0, "length", prompt_logprobs=self.take_prompt_logprobs()))
                 return
             generator = torch.Generator(device=self.cache.device).manual_seed(seed % SEEDS)
             row = Row(job, TextStream(self.tokenizer, job.params.stop), generator, length=len(job.prompt))
+            if last is not None and job.params.max_tokens == 1:  # (lm-eval's log-likelihoods) no prefill, no row
+                self.sample(last, [row])
+                return
             self.rows.append(row)
             with torch.no_grad():
                 self.cache.prepare(len(self.rows) - 1, [0], len(job.prompt))
@@ -246,12 +251,13 @@ class Engine:
             else:
                 self.fail([row], e)
 
-    def score_prompt(self, prompt: list[int], top: int) -> list[TokenLogprob]:
-        """Every prompt token's log-probability given the ones before it (a forward of the whole prompt)."""
+    def score_prompt(self, prompt: list[int], top: int) -> tuple[list[TokenLogprob], torch.Tensor]:
+        """Every prompt token's log-probability given the ones before it, and the last position's logits (1, V),
+        from one forward of the whole prompt."""
         with torch.no_grad():
             logits, _ = self.model(torch.tensor([prompt], device=self.cache.device))  # (1, T, V)
             logprobs = torch.log_softmax(mask_vocab(logits[0, :-1].float(), self.vocab), dim=-1)  # (T - 1, V)
-        return [TokenLogprob(prompt[0], None, ())] + token_logprobs(logprobs, prompt[1:], top)
+        return [TokenLogprob(prompt[0], None, ())] + token_logprobs(logprobs, prompt[1:], top), logits[:, -1]
 
     def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
         scored, self.prompt_logprobs = self.prompt_logprobs, None
