@@ -102,6 +102,30 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, reference):
     assert r.json()["usage"]["completion_tokens"] == 0
 
 
+def test_chat_logprobs_in_openais_shape_equal_transformers_log_softmax(server, reference):
+    messages = [{"role": "user", "content": "Who is there?"}]
+    r = server.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    )
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    ids = server.tokenizer.apply_chat_template(messages, True)
+    start = len(ids)
+    for _ in range(len(content)):
+        ids.append(int(log_softmax(reference, ids)[-1].argmax()))
+    want = log_softmax(reference, ids)
+    for t, item in enumerate(content):
+        token = ids[start + t]
+        assert item["bytes"] == list(server.tokenizer.token_bytes([token]))
+        assert item["logprob"] == pytest.approx(want[start + t - 1, token].item(), abs=1e-4)
+        top = want[start + t - 1].topk(2)
+        assert [x["logprob"] for x in item["top_logprobs"]] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [x["bytes"] for x in item["top_logprobs"]] == [
+            list(server.tokenizer.token_bytes([i])) for i in top.indices.tolist()
+        ]
+
+
 def test_the_tokenizer_endpoints_speak_vllms_shapes(server):
     info = httpx.get(server.url + "/tokenizer_info").json()
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == CONTEXT
@@ -123,7 +147,8 @@ def test_the_tokenizer_endpoints_speak_vllms_shapes(server):
         ("/v1/completions", {"prompt": [[5], []]}, 400, "empty list of token ids"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens=0 generates nothing"),
         ("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True}, 400, "not streamed"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
         ("/detokenize", {"tokens": [-1]}, 400, "token id -1"),
         ("/tokenize", {}, 400, "give one of prompt"),
     ],

@@ -45,6 +45,7 @@ from gptlite.serve.protocol import (
     GenerationRequest,
     TokenizeRequest,
     chat_completion,
+    chat_logprobs_body,
     chunk,
     completion,
     logprobs_body,
@@ -215,7 +216,7 @@ class Server:
                     "max_tokens",
                     "context_length_exceeded",
                 )
-            logprobs = getattr(body, "logprobs", None)
+            logprobs = body.logprob_count()
             echo = getattr(body, "echo", False)
             if max_tokens == 0 and not echo:
                 raise APIError(
@@ -305,14 +306,17 @@ class Server:
                 break
             index, piece = await gen.next()
         rid, use = new_id("chatcmpl" if chat else "cmpl"), usage(prompt_tokens, sum(gen.tokens))
-        if chat:
-            return chat_completion(rid, body.model, texts, reasons, use)
         params = gen.jobs[0].params
+        token_bytes = lambda i: self.tokenizer.token_bytes([i])  # noqa: E731
+        if chat:
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [chat_logprobs_body(choice, token_bytes) for choice in entries]
+            return chat_completion(rid, body.model, texts, reasons, use, logprobs)
         if params.echo:
             texts = [self.tokenizer.decode(job.prompt) + text for job, text in zip(gen.jobs, texts, strict=True)]
         logprobs = None
         if params.logprobs is not None:
-            token_bytes = lambda i: self.tokenizer.token_bytes([i])  # noqa: E731
             logprobs = [logprobs_body(choice, token_bytes) for choice in entries]
         return completion(rid, body.model, texts, reasons, use, logprobs)
 
@@ -451,6 +455,8 @@ def create_app(
         for name in UNSUPPORTED_IN_CHAT:
             if (body.model_extra or {}).get(name) not in (None, False, 0):
                 raise APIError(400, f"{name} is not supported by this server's chat route; leave it out", name)
+        if body.stream and body.logprobs:
+            raise APIError(400, "logprobs are not streamed by this server; ask with stream=false", "stream")
         server.check(body, 1)
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(

@@ -30,7 +30,7 @@ UNSUPPORTED = (  # asked of /v1/completions and /v1/chat/completions (the chat r
     "tool_choice",
     "response_format",
 )
-UNSUPPORTED_IN_CHAT = ("logprobs", "top_logprobs", "echo")  # /v1/completions has them
+UNSUPPORTED_IN_CHAT = ("echo",)  # /v1/completions has it
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 MAX_STOP_CHARS = 256  # characters per stop string: each is checked at every token
@@ -85,6 +85,10 @@ class GenerationRequest(BaseModel):
     # the prompt, instead of OpenAI's 400
     fit_max_tokens: bool = False
 
+    def logprob_count(self) -> int | None:
+        """How many alternatives each generated token's log-probability comes with (None: none asked for)."""
+        return None
+
     def stops(self) -> tuple[str, ...]:
         """The stop strings, at most MAX_STOP of at most MAX_STOP_CHARS characters each (a 400 past them)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -107,6 +111,9 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts, each text or token ids."""
@@ -133,7 +140,14 @@ class Message(BaseModel):
 
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def newer_name(self) -> ChatRequest:
@@ -275,10 +289,28 @@ def logprobs_body(entries: list, token_bytes: Callable[[int], bytes]) -> dict:
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_completion(rid: str, model: str, texts: list[str], reasons: list[str], use: dict) -> dict:
+def chat_logprobs_body(entries: list, token_bytes: Callable[[int], bytes]) -> dict:
+    """A chat choice's `logprobs` as OpenAI's chat API shapes it: `content`, a list of {token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]} per generated token."""
+
+    def item(token: int, logprob: float) -> dict:
+        data = token_bytes(token)
+        return {"token": token_text(data), "logprob": logprob, "bytes": list(data)}
+
+    content = [
+        {**item(entry.token, entry.logprob), "top_logprobs": [item(i, value) for i, value in entry.top]}
+        for entry in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def chat_completion(
+    rid: str, model: str, texts: list[str], reasons: list[str], use: dict, logprobs: list[dict | None] | None = None
+) -> dict:
+    logprobs = logprobs or [None] * len(texts)
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": r}
+        for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs, strict=True))
     ]
     return {
         "id": rid,
