@@ -126,6 +126,46 @@ def test_chat_logprobs_in_openais_shape_equal_transformers_log_softmax(server, r
         ]
 
 
+def test_logit_bias_forces_and_bans_tokens(server, reference):
+    prompt = server.tokenizer.encode("KING: ")
+    forced = server.tokenizer.encode(" crown")[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "seed": 3}
+    r = server.post("/v1/completions", {**body, "logit_bias": {str(forced): 100}, "temperature": 1.0})
+    assert r.json()["choices"][0]["text"] == server.tokenizer.decode([forced] * 5)
+    greedy = int(log_softmax(reference, prompt)[-1].argmax())
+    r = server.post("/v1/completions", {**body, "max_tokens": 1, "temperature": 0, "logit_bias": {str(greedy): -100}})
+    second = int(log_softmax(reference, prompt)[-1].topk(2).indices[1])
+    assert r.json()["choices"][0]["text"] == server.tokenizer.decode([second])
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(server, reference):
+    prompt = server.tokenizer.encode("To be, or not to be")
+    presence, frequency = 0.7, 1.3
+    ids, counts = list(prompt), {}
+    for _ in range(12):  # greedy on logit - count * frequency - (count > 0) * presence, over generated tokens
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0, -1].double()
+        for token, count in counts.items():
+            logits[token] -= count * frequency + presence
+        token = int(logits.argmax())
+        counts[token] = counts.get(token, 0) + 1
+        ids.append(token)
+    r = server.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "presence_penalty": presence,
+            "frequency_penalty": frequency,
+        },
+    )
+    assert r.json()["choices"][0]["text"] == server.tokenizer.decode(ids[len(prompt) :])
+    plain = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert plain.json()["choices"][0]["text"] != r.json()["choices"][0]["text"]  # the penalties changed something
+
+
 def test_the_tokenizer_endpoints_speak_vllms_shapes(server):
     info = httpx.get(server.url + "/tokenizer_info").json()
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == CONTEXT
@@ -150,6 +190,9 @@ def test_the_tokenizer_endpoints_speak_vllms_shapes(server):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
         ("/detokenize", {"tokens": [-1]}, 400, "token id -1"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "'abc' is not a token id"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "outside -100..100"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, 400, "2"),
         ("/tokenize", {}, 400, "give one of prompt"),
     ],
 )

@@ -231,6 +231,9 @@ class Server:
                 body.seed,
                 logprobs,
                 echo,
+                body.biases(self.engine.vocab),
+                body.presence_penalty,
+                body.frequency_penalty,
             )
             out += [
                 (prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + j))

@@ -60,6 +60,13 @@ class Params:
     seed: int | None = None
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives (None: none)
     echo: bool = False  # with `logprobs`, the prompt's tokens' log-probabilities too, on the first piece
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit) before sampling
+    presence_penalty: float = 0.0  # taken from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # times the number of times it was generated so far
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class Row:
     token: int = 0  # the newest sampled token, fed at the next step
     generated: int = 0
     finished: bool = field(default=False)
+    counts: dict[int, int] = field(default_factory=dict)  # how often each token was generated (for penalties)
 
 
 class Engine:
@@ -280,9 +288,13 @@ class Engine:
     def sample(self, logits: torch.Tensor, rows: list[Row]) -> None:
         """Pick each row's next token from logits (n, V), and emit it."""
         logits = mask_vocab(logits, self.vocab)  # (n, V): never an id the tokenizer lacks
-        greedy = logits.argmax(dim=-1).tolist()
         scored = any(row.job.params.logprobs is not None for row in rows)
-        logprobs = torch.log_softmax(logits.float(), dim=-1) if scored else None  # (n, V)
+        logprobs = torch.log_softmax(logits.float(), dim=-1) if scored else None  # (n, V): the model's own
+        if any(row.job.params.adjusts for row in rows):
+            logits = logits.clone()
+            for i, row in enumerate(rows):
+                adjust(logits[i], row)
+        greedy = logits.argmax(dim=-1).tolist()
         for i, row in enumerate(rows):
             p = row.job.params
             token = (
@@ -292,6 +304,7 @@ class Engine:
             )
             row.token = token
             row.generated += 1
+            row.counts[token] = row.counts.get(token, 0) + 1
             entries = token_logprobs(logprobs[i : i + 1], [token], p.logprobs) if p.logprobs is not None else []
             self.emit(row, token, entries)
 
@@ -330,6 +343,18 @@ class Engine:
             if i < len(self.rows):  # the freed row was not the last: the last running row takes its place
                 self.cache.move(len(self.rows), i, last.length)
                 self.rows[i] = last
+
+
+def adjust(logits: torch.Tensor, row: Row) -> None:
+    """A row's logits (V,) with OpenAI's logit_bias added and its presence and frequency penalties taken from the
+    tokens it has generated (logit - count * frequency_penalty - presence_penalty, as OpenAI defines them)."""
+    p = row.job.params
+    for token, bias in p.logit_bias:
+        logits[token] += bias
+    if row.counts and (p.presence_penalty or p.frequency_penalty):
+        ids = torch.tensor(list(row.counts), device=logits.device)
+        counts = torch.tensor(list(row.counts.values()), device=logits.device, dtype=logits.dtype)
+        logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -2,7 +2,7 @@
 responses, chunks and errors the official `openai` client reads.
 
 Bodies are checked strictly (a string where a number belongs is an error, as OpenAI's API has it); fields
-this server does not implement are refused when they ask for something (`logprobs`, penalties, tools...)
+this server does not implement are refused when they ask for something (`suffix`, tools, `response_format`...)
 and ignored when they ask for nothing, so a client's defaults pass. Parsing is bounded too: an integer of more
 digits than any field can use, nesting deeper than any field has, NaN and Infinity are each a 400 before a
 field is read, so no body makes the parser itself fail.
@@ -22,9 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 UNSUPPORTED = (  # asked of /v1/completions and /v1/chat/completions (the chat route refuses logprobs itself)
     "suffix",
     "best_of",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
     "tools",
     "functions",
     "tool_choice",
@@ -81,6 +78,9 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> -100..100
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # gptlite's own, which the chat page sends: max_tokens is a ceiling, lowered to what the context leaves after
     # the prompt, instead of OpenAI's 400
     fit_max_tokens: bool = False
@@ -88,6 +88,19 @@ class GenerationRequest(BaseModel):
     def logprob_count(self) -> int | None:
         """How many alternatives each generated token's log-probability comes with (None: none asked for)."""
         return None
+
+    def biases(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (id, bias) pairs, each id in the vocabulary and each bias in -100..100 (a 400 else)."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise APIError(
+                    400, f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})", "logit_bias"
+                )
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias: {bias} for token {key} is outside -100..100", "logit_bias")
+            out.append((int(key), float(bias)))
+        return tuple(out)
 
     def stops(self) -> tuple[str, ...]:
         """The stop strings, at most MAX_STOP of at most MAX_STOP_CHARS characters each (a 400 past them)."""
