@@ -134,7 +134,9 @@ def one_item_at_a_time(model, tokenizer, task) -> list[bool]:
 
     from gptlite.evaluate.core import begin_ids, item_rows, prompts
 
-    begin, vocab, device = begin_ids(tokenizer), tokenizer.vocab_size, model.tok_emb.weight.device
+    begin = begin_ids(tokenizer)
+    vocab = tokenizer.vocab_size
+    device = model.tok_emb.weight.device
     correct = []
     for i in range(len(task.items)):
         rows = item_rows(task, i, [begin + tokenizer.encode(p) for p in prompts(task, i)], model.config.block_size)
@@ -156,7 +158,8 @@ def one_item_at_a_time(model, tokenizer, task) -> list[bool]:
 
 def best_of(rounds: int, runs: dict) -> dict:
     """The lowest wall time of each named callable over `rounds` turns, and each one's last result."""
-    times, results = {name: math.inf for name in runs}, {}
+    times = {name: math.inf for name in runs}
+    results = {}
     for _ in range(rounds):
         for name, fn in runs.items():
             start = time.perf_counter()

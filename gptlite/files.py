@@ -129,6 +129,17 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def write_text(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all: written beside it first and renamed; a fault is one line naming it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise fault(e, f"could not write {path}") from None
+
+
 class FolderLock:
     """An exclusive flock on folder/.lock, held until `release` or the process's end (see the module docstring).
     Where fcntl does not exist (Windows) nothing is locked."""

@@ -190,7 +190,8 @@ def core_task(entry: dict, n: int, folder: Path, baselines: dict[str, float]) ->
     missing = [k for k in needed if not isinstance(entry, dict) or k not in entry]
     if missing:
         raise ValueError(f"{where} has no '{missing[0]}'; each of icl_tasks gives {', '.join(needed)}")
-    label, kind = str(entry["label"]), entry["icl_task_type"]
+    label = str(entry["label"])
+    kind = entry["icl_task_type"]
     if kind not in FIELDS:
         raise ValueError(f"{where} ({label}) has icl_task_type {kind!r}; use one of {', '.join(FIELDS)}")
     shots = entry["num_fewshot"]
@@ -256,7 +257,8 @@ def fewshot(task: CoreTask, i: int) -> list[dict]:
 def prompts(task: CoreTask, i: int) -> list[str]:
     """The item's prompts (see the module docstring): one per option, or for language modeling the prompt without
     the continuation, stripped, and the prompt with it."""
-    item, d = task.items[i], task.delimiter
+    item = task.items[i]
+    d = task.delimiter
     shots = fewshot(task, i)
     if task.kind == "multiple_choice":
         head = "".join(f"{s['query']}{d}{s['choices'][s['gold']]}\n\n" for s in shots)
@@ -293,7 +295,9 @@ def item_rows(task: CoreTask, i: int, ids: list[list[int]], block_size: int) -> 
         shared = common_length([t[::-1] for t in ids])
         starts = [end - shared for end in ends]
     else:  # the continuation: what the prompt with it adds to the prompt without it
-        starts, ids, ends = [common_length(ids)], ids[1:], ends[1:]
+        starts = [common_length(ids)]
+        ids = ids[1:]
+        ends = ends[1:]
     rows = []
     for tokens, start, end in zip(ids, starts, ends, strict=True):
         cut = max(0, len(tokens) - block_size)

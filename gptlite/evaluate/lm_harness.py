@@ -95,7 +95,8 @@ def prefix_ids(tokenizer: Tokenizer) -> list[int]:
     rust = getattr(tokenizer, "tok", None)  # gptlite.tokenizer.HFTokenizer's tokenizers.Tokenizer
     if rust is None:
         return []
-    plain, special = rust.encode("a", add_special_tokens=False).ids, rust.encode("a", add_special_tokens=True).ids
+    plain = rust.encode("a", add_special_tokens=False).ids
+    special = rust.encode("a", add_special_tokens=True).ids
     return special[: special.index(plain[0])] if plain and plain[0] in special else []
 
 
@@ -106,8 +107,10 @@ class GPTLiteLM(TemplateLM):
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, batch_size: int = 8, batch_tokens: int = BATCH_TOKENS):
         super().__init__()
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.batch_tokens = batch_tokens
         self.prefix = prefix_ids(tokenizer)
         self.prefix_text = tokenizer.decode(self.prefix) if self.prefix else None
         self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -160,7 +163,8 @@ class GPTLiteLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-likelihood, greedy) of each (key, context ids, continuation ids), cropped on the left to
         block_size + 1 tokens, as HFLM crops them."""
-        rows, groups = [], {}  # the requests of one context (a document's choices) share a pass over it
+        rows = []
+        groups = {}  # the requests of one context (a document's choices) share a pass over it
         for r, (_, context, continuation) in enumerate(requests):
             tokens = (context + continuation)[-(self.max_length + 1) :]
             rows.append(Row(tokens, len(tokens) - len(continuation), len(tokens)))
@@ -174,7 +178,8 @@ class GPTLiteLM(TemplateLM):
         return answers
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-        windows, owners = [], []
+        windows = []
+        owners = []
         for i, (string,) in enumerate(req.args for req in requests):
             for context, continuation in map(
                 make_disjoint_window,

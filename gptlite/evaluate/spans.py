@@ -65,8 +65,11 @@ def pack(rows: list[Row]) -> Packed:
     n = min(len(r.tokens) for r in rows)
     shared = next((k for k in range(n) if any(r.tokens[k] != rows[0].tokens[k] for r in rows)), n)
     shared = min(shared, max(len(r.tokens) for r in rows) - 1)  # a row's last token is never input
-    tokens, pos, branch = rows[0].tokens[:shared], list(range(shared)), [-1] * shared
-    index, seen = [], {}  # seen: a row's tokens -> its index; equal rows are computed once, and so tie exactly
+    tokens = rows[0].tokens[:shared]
+    pos = list(range(shared))
+    branch = [-1] * shared
+    index = []
+    seen = {}  # a row's tokens -> its index; equal rows are computed once, and so tie exactly
     for b, row in enumerate(rows):
         if tuple(row.tokens) not in seen:
             own = row.tokens[shared:-1]
@@ -107,7 +110,10 @@ def score_spans(
         tokens = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L) right-padded with id 0
         pos = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L) each token's position in its own row
         branch = torch.full((len(batch), width), -2, dtype=torch.long)  # (B, L) -1 shared, -2 padding, else its row
-        where, owner, targets = [], [], []  # each scored position: (sequence, packed index), its row, its target
+        # each scored position: (sequence, packed index), its row, its target
+        where = []
+        owner = []
+        targets = []
         for j, g in enumerate(batch):
             p = packs[g]
             tokens[j, : len(p.tokens)] = torch.tensor(p.tokens)
@@ -132,10 +138,12 @@ def score_spans(
         hidden = model.hidden(tokens.to(device), cache)  # (B, L, C)
         at = torch.tensor(where, device=device)  # (N, 2)
         hidden = hidden[at[:, 0], at[:, 1]]  # (N, C): only the positions that predict a span's token
-        targets, owner = torch.tensor(targets, device=device), torch.tensor(owner, device=device)  # (N,) each
+        targets = torch.tensor(targets, device=device)  # (N,)
+        owner = torch.tensor(owner, device=device)  # (N,)
         for a in range(0, len(targets), HEAD_CHUNK):
             logits = model.lm_head(hidden[a : a + HEAD_CHUNK])[:, :vocab].float()  # (n, vocab)
-            target, rows_of = targets[a : a + HEAD_CHUNK], owner[a : a + HEAD_CHUNK]
+            target = targets[a : a + HEAD_CHUNK]
+            rows_of = owner[a : a + HEAD_CHUNK]
             loss.index_add_(0, rows_of, F.cross_entropy(logits, target, reduction="none"))
             count.index_add_(0, rows_of, torch.ones_like(target))
             wrong.index_add_(0, rows_of, (logits.argmax(-1) != target).long())

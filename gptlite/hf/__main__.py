@@ -27,9 +27,10 @@ from pathlib import Path
 from gptlite.checkpoint import load_checkpoint, load_model, lora_model, model_from_checkpoint
 from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.files import write_text
 from gptlite.hf import export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
-from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, ollama_modelfile, write_text_atomically
+from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, ollama_modelfile
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 COMMANDS = ("export",)
@@ -120,7 +121,7 @@ def export_gguf_file(options: ExportOptions) -> int:
     export_gguf(model, out, tokenizer, options.type, options.overwrite, where=where)  # Mistral is llama.cpp's llama
     print(f"wrote {out} ({options.type}, {out.stat().st_size / 2**20:,.1f} MiB)")
     if modelfile:
-        write_text_atomically(template_file, modelfile)
+        write_text(template_file, modelfile)
         print(f"wrote {template_file}: ollama create NAME -f {template_file}")
     return 0
 

@@ -560,14 +560,3 @@ def ollama_modelfile(out: Path, tokenizer: Tokenizer, where: str) -> str:
     for stop in dict.fromkeys([*stops, *getattr(tokenizer, "stop", []), *([eos] if eos else [])]):
         lines.append(f"PARAMETER stop {json.dumps(stop)}")
     return "\n".join(lines) + "\n"
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """`text` in `path`, whole or not at all: written beside it first, then renamed."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise fault(e, f"could not write {path}") from None

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import re
 from collections.abc import Awaitable
 from importlib import resources
 from typing import TYPE_CHECKING, TypeVar
@@ -162,18 +161,9 @@ class Server:
 
     def tokenize(self, text: str) -> list[int]:
         """Text's ids with its special tokens' texts taken as those tokens (what vLLM's /tokenize does)."""
-        specials = self.special_ids()
-        ids, start = [], 0
-        pattern = "|".join(map(re.escape, sorted(specials, key=len, reverse=True)))
-        for match in re.finditer(pattern, text) if specials else ():
-            ids += self.encode_text(text[start : match.start()]) + [specials[match.group()]]
-            start = match.end()
-        return ids + self.encode_text(text[start:])
-
-    def encode_text(self, text: str) -> list[int]:
         try:
-            return self.tokenizer.encode(text)
-        except ValueError as e:
+            return self.tokenizer.encode_special(text, self.special_ids())[0]
+        except ValueError as e:  # e.g. a character a char tokenizer never saw
             raise APIError(400, str(e), "prompt") from None
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

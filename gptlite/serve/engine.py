@@ -268,7 +268,8 @@ class Engine:
         return [TokenLogprob(prompt[0], None, ())] + token_logprobs(logprobs, prompt[1:], top), logits[:, -1]
 
     def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
-        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        scored = self.prompt_logprobs
+        self.prompt_logprobs = None
         return scored
 
     def decode(self) -> None:

@@ -286,7 +286,11 @@ def logprobs_body(entries: list, token_bytes: Callable[[int], bytes]) -> dict:
     `top_logprobs` (token text -> log-probability per position; None where a prompt begins) and `text_offset` (the
     character where each token starts in the choice's text). `entries` are the engine's TokenLogprob."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    tokens, values, tops, offsets, chars = [], [], [], [], 0
+    tokens = []
+    values = []
+    tops = []
+    offsets = []
+    chars = 0  # characters of the text before the next token
     for entry in entries:
         data = token_bytes(entry.token)
         offsets.append(chars)

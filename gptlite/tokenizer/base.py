@@ -68,14 +68,17 @@ class Tokenizer:
         own = self.special_id(IM_END)
         return own if own is not None else getattr(self, "eos_id", None) or self.eot_id
 
-    def encode_special(self, text: str) -> tuple[list[int], list[int]]:
-        """(ids, the character offset where each token starts) of text in which the added special tokens are
-        special; ordinary text between them is encoded as `encode` does."""
-        ids, starts, pos = [], [], 0
-        pattern = "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) if self.added else None
+    def encode_special(self, text: str, specials: dict[str, int] | None = None) -> tuple[list[int], list[int]]:
+        """(ids, the character offset where each token starts) of text in which the added special tokens (or
+        `specials`, text -> id) are special; ordinary text between them is encoded as `encode` does."""
+        specials = self.added if specials is None else specials
+        ids = []
+        starts = []
+        pos = 0
+        pattern = "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) if specials else None
         for match in re.finditer(pattern, text) if pattern else ():
             part_ids, part_starts = self.encode_offsets(text[pos : match.start()])
-            ids += part_ids + [self.added[match.group()]]
+            ids += part_ids + [specials[match.group()]]
             starts += [pos + s for s in part_starts] + [match.start()]
             pos = match.end()
         part_ids, part_starts = self.encode_offsets(text[pos:])
