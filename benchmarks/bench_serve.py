@@ -1,8 +1,10 @@
 """The server under load: tokens/s of 1, 4, 8 and 16 concurrent streams against the same requests sent one after
-another, time to first token, and the server's memory, on a GPT-2-124M-shaped model with random weights.
+another, time to first token, and the server's memory, on a GPT-2-124M-shaped model with random weights; or, with
+--against=transformers, the same against Hugging Face's own server, `transformers serve --continuous-batching`.
 
     python benchmarks/bench_serve.py                                  # levels 1,4,8,16; 3 rounds; 64 new tokens
     python benchmarks/bench_serve.py --levels 1 8 --rounds=5 --max_tokens=128 --json=serve.json
+    python benchmarks/bench_serve.py --against=transformers --levels 1 8 16 --rounds=3 --json=vs_transformers.json
 
 The script saves the model as a run folder (GPT-2's shape: 12 layers, 12 heads, 768 wide, vocab 50,304, block
 1,024, GELU MLP with biases) with GPT-2's tokenizer, starts `python -m gptlite.serve` on it in a process of its
@@ -13,10 +15,35 @@ batch of requests. Time to first token is from sending a request to its first te
 interleaved, round after round, because the machine may be shared: the table gives each figure's min and
 median over the rounds. Memory: the server's resident set (VmRSS) sampled while the most streams run, and its peak
 (VmHWM) since it started. This is a script that prints a table, not a test.
+
+--against=transformers: the run folder is exported to Hugging Face's layout with gptlite's own exporter
+(`python -m gptlite.hf export`: config.json, model.safetensors, GPT-2's vocab.json and merges.txt), and that one
+directory is served by both servers, one at a time (never both at once: they would share the cores), each on the
+CPU in float32, offline (HF_HUB_OFFLINE=1):
+
+    python -m gptlite.serve --init_from=DIR --device=cpu --dtype=float32 --max_batch=16 ...
+    python -m transformers.cli.transformers serve DIR --continuous-batching --device=cpu --dtype=float32 ...
+
+(the second is the `transformers serve` command; its requests name the model by DIR, the model it was started
+with). Each round starts gptlite's server, warms it up, runs every level, stops it, then does the same with
+transformers', so rounds interleave the servers. At each level the n requests go all at once twice: non-streamed
+(the tokens/s of the table, counted from each response's `usage`) and streamed (their first text gives the time
+to first token, and their tokens/s shows what streaming costs each server). Both servers stop a completion at
+GPT-2's end of text (id 50,256, config.json's eos_token_id), as a random-weight model may greedily emit it: the
+requests are the same for both and greedy, so both stop at the same places; tokens/s counts the tokens each
+server reports, and the table says how many completions ended before max_tokens. The servers' peak memory
+(VmHWM) is printed too; transformers' continuous batching sizes its paged KV cache from the memory it finds free
+(a share of the machine's RAM on a CPU), gptlite preallocates max_batch x block_size tokens.
+
+`transformers serve` needs the packages of transformers' `serving` extra (fastapi, uvicorn, openai, pydantic,
+starlette, rich, accelerate), which gptlite's own extras do not install:
+
+    pip install "transformers[serving]"     # torch is already installed; pip keeps it
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -54,6 +81,10 @@ GPT2_SHAPE = {
     "norm": "layernorm",
 }
 WORDS = "the of and to in is was for that with as on by he at from his it an were are which this be".split()
+SERVERS = ("gptlite", "transformers")
+# What `transformers serve` imports before it starts (transformers.utils.import_utils.is_serve_available).
+SERVE_MODULES = ("transformers", "fastapi", "uvicorn", "openai", "pydantic")
+SERVE_INSTALL = 'pip install "transformers[serving]"'
 
 
 @dataclass
@@ -61,6 +92,12 @@ class BenchOptions:
     levels: list[int] = option(default_factory=lambda: [1, 4, 8, 16], help="concurrent streams per level")
     rounds: int = option(3, "times each level runs in each mode (interleaved)")
     max_tokens: int = option(64, "completion tokens per request")
+    against: str = option(
+        "sequential",
+        "what the concurrent streams are measured against: the same requests one after another on the same server, "
+        "or `transformers serve --continuous-batching` on the same model",
+        choices=("sequential", "transformers"),
+    )
     tokenizer: str = option("", "GPT-2's .tiktoken ranks file (default: ../shared/tokenizers/gpt2.tiktoken)")
     port: int = option(8765, "the server's port")
     max_batch: int = option(16, "the server's --max_batch: rows decoded together (more streams wait their turn)")
@@ -71,7 +108,8 @@ class BenchOptions:
 @dataclass
 class Result:
     tokens_per_s: list[float] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)  # the median over a run's requests, per run
+    ttft_s: list[float] = field(default_factory=list)  # the median over a run's requests, per run (streamed runs)
+    short: list[int] = field(default_factory=list)  # completions that ended before max_tokens, per run
 
 
 def make_run(folder: Path, tokenizer: str) -> None:
@@ -81,22 +119,38 @@ def make_run(folder: Path, tokenizer: str) -> None:
     get_tokenizer(tokenizer).save(folder / "tokenizer.json")
 
 
+def export_hf(run: Path, hf_dir: Path) -> None:
+    """The run folder in Hugging Face's layout, written by `python -m gptlite.hf export` as a user would."""
+    cmd = [sys.executable, "-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={hf_dir}"]
+    done = subprocess.run(cmd, env=server_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the export failed:\n{done.stdout}{done.stderr}")
+
+
+def check_transformers_serve() -> None:
+    """`transformers serve`'s packages are installed, or one line that says how to install them."""
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"--against=transformers needs transformers serve's packages ({', '.join(missing)} missing): "
+            f"{SERVE_INSTALL}"
+        )
+
+
 def prompt(i: int) -> str:
     """A distinct prompt of a dozen words."""
     return " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(12))
 
 
-def one_request(url: str, i: int, max_tokens: int) -> tuple[int, float]:
-    """(completion tokens, seconds to the first text) of one streamed, greedy request."""
-    body = {
-        "model": "bench",
-        "prompt": prompt(i),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def one_request(url: str, model: str, i: int, max_tokens: int, stream: bool = True) -> tuple[int, float]:
+    """(completion tokens, seconds to the first text) of one greedy request; the time is NaN when not streamed."""
+    body = {"model": model, "prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     start, first, tokens = time.perf_counter(), None, 0
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"], float("nan")
+    body["stream_options"] = {"include_usage": True}  # transformers sends usage anyway, and logs that it ignores this
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -110,16 +164,20 @@ def one_request(url: str, i: int, max_tokens: int) -> tuple[int, float]:
     return tokens, first if first is not None else float("nan")
 
 
-def run_level(url: str, n: int, max_tokens: int, concurrent: bool) -> tuple[float, float]:
-    """(tokens/s, median time to first token) of n requests, all at once or one after another."""
+def run_level(
+    url: str, model: str, n: int, max_tokens: int, concurrent: bool, stream: bool = True
+) -> tuple[float, float, int]:
+    """(tokens/s, median time to first token, completions shorter than max_tokens) of n requests, all at once or
+    one after another."""
     start = time.perf_counter()
     if concurrent:
         with ThreadPoolExecutor(n) as pool:
-            results = list(pool.map(lambda i: one_request(url, i, max_tokens), range(n)))
+            results = list(pool.map(lambda i: one_request(url, model, i, max_tokens, stream), range(n)))
     else:
-        results = [one_request(url, i, max_tokens) for i in range(n)]
+        results = [one_request(url, model, i, max_tokens, stream) for i in range(n)]
     seconds = time.perf_counter() - start
-    return sum(t for t, _ in results) / seconds, statistics.median(f for _, f in results)
+    short = sum(t < max_tokens for t, _ in results)
+    return sum(t for t, _ in results) / seconds, statistics.median(f for _, f in results), short
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -128,20 +186,49 @@ def memory(pid: int) -> dict[str, int]:
     return {k: int(fields[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}
 
 
-def start_server(run: Path, port: int, log: Path, compile: bool, max_batch: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [
+def server_env() -> dict[str, str]:
+    """The environment of the processes the script starts: this checkout's gptlite, and no network for Hugging
+    Face's libraries (everything they load is on disk)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def gptlite_command(source: str, options: BenchOptions, *extra: str) -> list[str]:
+    """`python -m gptlite.serve` on `source` (--out_dir=RUN or --init_from=DIR), its model named "bench"."""
+    return [
         sys.executable,
         "-m",
         "gptlite.serve",
-        f"--out_dir={run}",
+        source,
         "--model_name=bench",
-        f"--port={port}",
-        f"--max_batch={max_batch}",
+        f"--port={options.port}",
+        f"--max_batch={options.max_batch}",
         "--log_level=warning",
-        f"--compile={compile}",
+        f"--compile={options.compile}",
+        *extra,
     ]
-    server = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def transformers_command(hf_dir: Path, port: int) -> list[str]:
+    """`transformers serve DIR --continuous-batching` on the CPU in float32; DIR is loaded at start, and requests
+    must name it as their model."""
+    return [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        str(hf_dir),
+        "--continuous-batching",
+        "--device=cpu",
+        "--dtype=float32",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--log-level=warning",
+    ]
+
+
+def start_server(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
+    """The server of `cmd` once it answers GET /v1/models (both servers load their model before they listen)."""
+    server = subprocess.Popen(cmd, env=server_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while True:
         try:
@@ -149,8 +236,18 @@ def start_server(run: Path, port: int, log: Path, compile: bool, max_batch: int)
             return server
         except httpx.HTTPError:
             if server.poll() is not None or time.time() > deadline:
+                stop_server(server)
                 raise RuntimeError(f"the server did not start:\n{log.read_text()}") from None
             time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(30)
 
 
 def measure(options: BenchOptions, url: str, pid: int) -> tuple[dict, dict]:
@@ -167,12 +264,13 @@ def measure(options: BenchOptions, url: str, pid: int) -> tuple[dict, dict]:
                 )
                 if sampler:
                     sampler.start()
-                tps, ttft = run_level(url, n, options.max_tokens, mode == "concurrent")
+                tps, ttft, short = run_level(url, "bench", n, options.max_tokens, mode == "concurrent")
                 done.set()
                 if sampler:
                     sampler.join()
                 results[n, mode].tokens_per_s.append(tps)
                 results[n, mode].ttft_s.append(ttft)
+                results[n, mode].short.append(short)
                 print(f"round {r + 1}: {n:2d} {mode:10s} {tps:7.1f} tokens/s, first token {ttft:.3f} s", flush=True)
     return results, {"streams_sampled": most, "rss_at_most_streams_mib": max(rss, default=0), **memory(pid)}
 
@@ -182,10 +280,53 @@ def sample_rss(pid: int, out: list[int], done: threading.Event) -> None:
         out.append(memory(pid)["VmRSS"])
 
 
-def table(options: BenchOptions, results: dict, mem: dict) -> str:
-    def mm(xs: list[float], fmt: str) -> str:
-        return f"{format(min(xs), fmt)} / {format(statistics.median(xs), fmt)}"
+def measure_against_transformers(options: BenchOptions, hf_dir: Path, logs: Path) -> tuple[dict, dict]:
+    """Round after round, each server in turn started, warmed up, run through every level (non-streamed, then
+    streamed) and stopped: {(server, streams, streamed): Result}, and each server's peak memory (MiB)."""
+    results = {(s, n, streamed): Result() for s in SERVERS for n in options.levels for streamed in (False, True)}
+    peak = dict.fromkeys(SERVERS, 0)
+    url = f"http://127.0.0.1:{options.port}"
+    for r in range(options.rounds):
+        for name in SERVERS:
+            if name == "gptlite":
+                cmd = gptlite_command(f"--init_from={hf_dir}", options, "--device=cpu", "--dtype=float32")
+                model = "bench"
+            else:
+                cmd, model = transformers_command(hf_dir, options.port), str(hf_dir)
+            started = time.perf_counter()
+            server = start_server(cmd, options.port, logs / f"{name}.log")
+            try:
+                # The first greedy request also starts transformers' continuous batching, whose sampling settings
+                # are those of its first request: greedy, as every request here.
+                run_level(url, model, 1, 8, concurrent=False, stream=False)
+                run_level(url, model, 2, 8, concurrent=True)
+                print(f"round {r + 1}: {name} ready after {time.perf_counter() - started:.1f} s", flush=True)
+                for n in options.levels:
+                    for streamed in (False, True):
+                        tps, ttft, short = run_level(url, model, n, options.max_tokens, True, streamed)
+                        result = results[name, n, streamed]
+                        result.tokens_per_s.append(tps)
+                        result.short.append(short)
+                        if streamed:
+                            result.ttft_s.append(ttft)
+                        first = f", first token {ttft:.3f} s" if streamed else ""
+                        print(
+                            f"round {r + 1}: {name:12s} {n:2d} {'streamed' if streamed else 'plain':8s} "
+                            f"{tps:7.1f} tokens/s{first}" + (f", {short} ended early" if short else ""),
+                            flush=True,
+                        )
+                peak[name] = max(peak[name], memory(server.pid)["VmHWM"])
+            finally:
+                stop_server(server)
+    return results, peak
 
+
+def mm(xs: list[float], fmt: str) -> str:
+    """min / median of xs."""
+    return f"{format(min(xs), fmt)} / {format(statistics.median(xs), fmt)}"
+
+
+def table(options: BenchOptions, results: dict, mem: dict) -> str:
     lines = [
         "| streams | concurrent tokens/s | sequential tokens/s | ratio | first token, concurrent (s) | "
         "first token, sequential (s) |",
@@ -206,22 +347,68 @@ def table(options: BenchOptions, results: dict, mem: dict) -> str:
     return "\n".join(lines)
 
 
+def table_against_transformers(options: BenchOptions, results: dict, peak: dict) -> str:
+    lines = [
+        "| streams | gptlite tokens/s | transformers tokens/s | ratio | streamed: gptlite tokens/s | "
+        "streamed: transformers tokens/s | first token, gptlite (s) | first token, transformers (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in options.levels:
+        g, t = results["gptlite", n, False], results["transformers", n, False]
+        gs, ts = results["gptlite", n, True], results["transformers", n, True]
+        ratio = statistics.median(g.tokens_per_s) / statistics.median(t.tokens_per_s)
+        lines.append(
+            f"| {n} | {mm(g.tokens_per_s, '.1f')} | {mm(t.tokens_per_s, '.1f')} | {ratio:.2f}x | "
+            f"{mm(gs.tokens_per_s, '.1f')} | {mm(ts.tokens_per_s, '.1f')} | {mm(gs.ttft_s, '.3f')} | "
+            f"{mm(ts.ttft_s, '.3f')} |"
+        )
+    short = {s: sum(sum(r.short) for (name, _, _), r in results.items() if name == s) for s in SERVERS}
+    total = 2 * options.rounds * sum(options.levels)
+    lines.append(
+        f"\nmin / median of {options.rounds} rounds, each server started afresh in each; ratio = median gptlite / "
+        f"median transformers, non-streamed; {options.max_tokens} new tokens per request, greedy, the same requests "
+        f"to both; time to first token from the streamed runs. Completions that ended at end of text before "
+        f"max_tokens (tokens/s counts the tokens each server reported): gptlite {short['gptlite']}, transformers "
+        f"{short['transformers']} of {total}. Peak memory (VmHWM): gptlite {peak['gptlite']} MiB, transformers "
+        f"{peak['transformers']} MiB."
+    )
+    return "\n".join(lines)
+
+
+def against_transformers(options: BenchOptions, ranks: str) -> int:
+    check_transformers_serve()
+    with tempfile.TemporaryDirectory() as tmp:
+        run, hf_dir = Path(tmp) / "run", Path(tmp) / "hf"
+        make_run(run, ranks)
+        export_hf(run, hf_dir)
+        results, peak = measure_against_transformers(options, hf_dir, Path(tmp))
+    print(table_against_transformers(options, results, peak))
+    if options.json:
+        data = {f"{s} {n} {'streamed' if streamed else 'plain'}": asdict(r) for (s, n, streamed), r in results.items()}
+        write_json(
+            Path(options.json),
+            {"against": "transformers", "max_tokens": options.max_tokens, "results": data, "peak_memory_mib": peak},
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         options = parse(BenchOptions, sys.argv[1:] if argv is None else argv, "bench_serve.py", __doc__)
         ranks = options.tokenizer or str(ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken")
+        if options.against == "transformers":
+            return against_transformers(options, ranks)
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(tmp)
             make_run(run, ranks)
-            server = start_server(run, options.port, run / "server.log", options.compile, options.max_batch)
+            server = start_server(gptlite_command(f"--out_dir={run}", options), options.port, run / "server.log")
             try:
                 url = f"http://127.0.0.1:{options.port}"
-                run_level(url, 1, 8, concurrent=False)  # warm up (or compile) the one-row path
-                run_level(url, 2, 8, concurrent=True)  # and the batch's
+                run_level(url, "bench", 1, 8, concurrent=False)  # warm up (or compile) the one-row path
+                run_level(url, "bench", 2, 8, concurrent=True)  # and the batch's
                 results, mem = measure(options, url, server.pid)
             finally:
-                server.terminate()
-                server.wait(30)
+                stop_server(server)
         print(table(options, results, mem))
         if options.json:
             data = {f"{n} {mode}": asdict(r) for (n, mode), r in results.items()}
