@@ -158,11 +158,14 @@ def prefill(model: GPT, cache: KVCache, rows: list[list[int]], step: Callable | 
     return (step or decode_step)(model, idx, cache)  # (B, V)
 
 
-def decode_step(model: GPT, token: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+def decode_step(
+    model: GPT, token: torch.Tensor, cache: AttentionCache, last: torch.Tensor | None = None
+) -> torch.Tensor:
     """One step through a prepared cache: token (B, T), one token per row when decoding or the prompts when
-    prefilling, -> logits (B, V) of the last. The one step every cache runs: sample.py's KVCache here, the
-    server's RowCache in gptlite.serve.engine (which compiles it with dynamic shapes)."""
-    return model.step(token, cache)
+    prefilling, -> logits (B, V) of the last (or of token last[b] of each row b, for prompts padded on the right).
+    The one step every cache runs: sample.py's KVCache here, the server's RowCache in gptlite.serve.engine (which
+    compiles it with dynamic shapes)."""
+    return model.step(token, cache, last)
 
 
 _compiled: dict[str, Callable] = {}  # device type -> decode_step through torch.compile

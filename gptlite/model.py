@@ -418,9 +418,12 @@ class GPT(nn.Module):
             x = checkpoint(block, x, rot, use_reentrant=False) if recompute else block(x, rot, cache, i)
         return self.norm(x)
 
-    def step(self, idx: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
-        """Generation: feed idx (B, T) through the cache (see gptlite.kvcache); logits (B, V) of the last token."""
-        return self.lm_head(self.hidden(idx, cache)[:, -1])  # (B, V)
+    def step(self, idx: torch.Tensor, cache: AttentionCache, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Generation: feed idx (B, T) through the cache (see gptlite.kvcache); logits (B, V) of the last token, or
+        of token last[b] of row b (B,) where the rows are prompts padded on the right to one length."""
+        x = self.hidden(idx, cache)  # (B, T, C)
+        x = x[:, -1] if last is None else x[torch.arange(x.size(0), device=x.device), last]  # (B, C)
+        return self.lm_head(x)  # (B, V)
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, dtype: torch.dtype | None = None, **overrides) -> GPT:

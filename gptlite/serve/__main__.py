@@ -58,6 +58,11 @@ class ServeOptions:
     max_len: int = option(
         0, "tokens per request, prompt and completion (0: the model's block_size); the cache holds max_batch x max_len"
     )
+    prefix_cache_mb: float = option(
+        256.0,
+        "memory for the keys and values of recent prompts and completions, in MB: a prompt that begins with them (a "
+        "shared system prompt, a chat's earlier turns) skips their prefill; least recently used dropped first; 0: off",
+    )
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = option(
         "auto",
@@ -106,6 +111,8 @@ class ServeOptions:
             problems.append(f"max_batch={self.max_batch} must be >= 1")
         if self.max_waiting < -1:
             problems.append(f"max_waiting={self.max_waiting} must be >= 0, or -1 for max_batch")
+        if self.prefix_cache_mb < 0:
+            problems.append(f"prefix_cache_mb={self.prefix_cache_mb} must be >= 0 (0 turns the prefix cache off)")
         if self.max_len < 0:
             problems.append(f"max_len={self.max_len} must be >= 1, or 0 for the model's block_size")
         for name in ("max_body_mb", "read_timeout"):
@@ -137,7 +144,9 @@ def build(options: ServeOptions):
     model = model.to(device, getattr(torch, dtype)).eval()
     if options.quantize:
         model.quantize(options.quantize)
-    engine = Engine(model, tokenizer, options.max_batch, options.max_len or None, options.compile).start()
+    engine = Engine(
+        model, tokenizer, options.max_batch, options.max_len or None, options.compile, options.prefix_cache_mb
+    ).start()
     name = options.model_name or Path(options.out_dir or options.init_from).resolve().name or options.init_from
     waiting = options.max_batch if options.max_waiting == -1 else options.max_waiting
     return engine, create_app(engine, tokenizer, name, waiting, options.when_full == "wait", policy(options))

@@ -1,10 +1,18 @@
 """Continuous batching: one background thread decodes every running request together, one token per step.
 
 A request (a `Job`: prompt ids, `Params`, and an `emit` callback) waits in a queue until a row of the shared
-`RowCache` is free. At the next step it is prefilled on its own, its first token is sampled from the prefill,
-and from then on it decodes with the other running rows, one token per step each, until it stops (a stop
-token, a stop string, or max_tokens) or is cancelled; its row is freed before the next step. Running rows
-are kept first (the last running row moves into a freed one), so a step over n requests costs n rows.
+`RowCache` is free. At the next step the requests that arrived are prefilled together, its first token is
+sampled from the prefill, and from then on it decodes with the other running rows, one token per step each,
+until it stops (a stop token, a stop string, or max_tokens) or is cancelled; its row is freed before the next
+step. Running rows are kept first (the last running row moves into a freed one), so a step over n requests
+costs n rows.
+
+Prefilling arrivals together: a prompt first takes whatever `PrefixCache` holds of its beginning (blocks of keys
+and values computed recently: a shared system prompt, a chat's earlier turns; `prefix_cache_mb` bounds it);
+prompts that several arrivals share (the n choices of one request) are prefilled once and the row copied; the
+rest run as batches of similar lengths, each padded on the right to its longest, reading every row's logits at
+its own last token. A padded slot holds junk until the row's next token overwrites it, and no query ever
+attends past its own slot, so a row computes what it would alone.
 
 On the CPU, float32, the rows run through `packed_for_cpu`'s views of the model, made once: its slab layers for
 a single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for
@@ -38,6 +46,8 @@ from gptlite.cpu_decode import packed_for_cpu
 from gptlite.generate import TextStream
 from gptlite.kvcache import decode_step
 from gptlite.sampling import mask_vocab, sample_next
+from gptlite.serve.prefix import BLOCK as PREFIX_BLOCK
+from gptlite.serve.prefix import PrefixCache
 from gptlite.serve.rows import RowCache
 
 if TYPE_CHECKING:
@@ -46,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("uvicorn.error")  # the server's log, so the engine's lines share its format and level
 SEEDS = 2**64  # torch.Generator's seeds are 0..2**64-1; any integer seed is taken modulo this, as torch takes -1
+PAD_SLACK = 1.25  # a batch of prefills may compute this many padded tokens per real one (see `padded_runs`)
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,7 @@ class Job:
         self.cancelled = True
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself: compared and hashed by identity
 class Row:
     """A running job's decoding state."""
 
@@ -117,6 +128,8 @@ class Row:
     token: int = 0  # the newest sampled token, fed at the next step
     generated: int = 0
     finished: bool = field(default=False)
+    failed: bool = False  # ended by an error: its cache row may hold half-written keys and values
+    tokens: list[int] = field(default_factory=list)  # the tokens generated so far
     counts: dict[int, int] = field(default_factory=dict)  # how often each token was generated (for penalties)
 
 
@@ -124,7 +137,13 @@ class Engine:
     """Runs jobs `max_batch` at a time on one thread (see the module docstring); `submit` from any thread."""
 
     def __init__(
-        self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_len: int | None = None, compile: bool = False
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        max_batch: int = 16,
+        max_len: int | None = None,
+        compile: bool = False,
+        prefix_cache_mb: float = 0.0,
     ):
         config = model.config
         weight = model.tok_emb.weight
@@ -134,6 +153,7 @@ class Engine:
         self.max_len = min(max_len or config.block_size, config.block_size)  # a row's prompt + completion
         self.cache = RowCache(config, max_batch, self.max_len, weight.dtype, weight.device, always_mask=compile)
         self.vocab = min(tokenizer.vocab_size, config.vocab_size)  # ids past the tokenizer's are never sampled
+        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         if compile:  # the plain modules, which inductor compiles
             self.one = self.many = model
             self.step = compiled_step()
@@ -201,10 +221,7 @@ class Engine:
                 return False
         try:
             self.retire(lambda row: row.job.cancelled)
-            while self.waiting and len(self.rows) < self.max_batch:
-                job = self.waiting.popleft()  # a deque's ends are thread-safe: submit appends meanwhile
-                if not job.cancelled:
-                    self.admit(job)
+            self.admit_waiting()
             self.retire(lambda row: row.finished or row.job.cancelled)
             if self.rows:
                 self.decode()
@@ -230,9 +247,88 @@ class Engine:
             if not job.cancelled:
                 job.emit(Piece("", 0, "error", self.failure))
 
-    def admit(self, job: Job) -> None:
-        """Prefill the job into the next free row and emit its first token; a failure ends the job alone."""
+    def admit_waiting(self) -> None:
+        """Take waiting jobs into the free rows: a job that scores its prompt on its own (`admit`), the others
+        prefilled together (`prefill`)."""
+        batch = []
+        while self.waiting and len(self.rows) + len(batch) < self.max_batch:
+            job = self.waiting.popleft()  # a deque's ends are thread-safe: submit appends meanwhile
+            if job.cancelled:
+                continue
+            if job.params.echo and job.params.logprobs is not None:
+                self.admit(job)
+            else:
+                batch.append(job)
+        if batch:
+            self.prefill(batch)
+
+    def new_row(self, job: Job) -> Row:
+        """The decoding state of a job about to be prefilled, its generator seeded."""
         seed = job.params.seed if job.params.seed is not None else random.randrange(SEEDS)
+        generator = torch.Generator(device=self.cache.device).manual_seed(seed % SEEDS)
+        return Row(job, TextStream(self.tokenizer, job.params.stop), generator, length=len(job.prompt))
+
+    def prefill(self, jobs: list[Job]) -> None:
+        """Prefill jobs into the next free rows together, and emit their first tokens (see the module docstring);
+        a failure ends the jobs it touched, alone."""
+        rows = []
+        for job in jobs:
+            try:
+                rows.append(self.new_row(job))
+            except Exception as e:
+                job.emit(Piece("", 0, "error", describe(e)))
+        leaders: dict[tuple[int, ...], Row] = {}  # a prompt -> the row that prefills it
+        followers = []  # rows whose prompt a leader prefills: (row, its leader)
+        for row in rows:
+            leader = leaders.setdefault(tuple(row.job.prompt), row)
+            if leader is not row:
+                followers.append((row, leader))
+        logits = self.prefill_rows(list(leaders.values()))  # leader -> its logits (1, V)
+        for row, leader in followers:
+            self.rows.append(row)
+            if leader not in logits:
+                self.fail([row], RuntimeError("the prefill of this prompt failed"))
+                continue
+            self.cache.move(self.rows.index(leader), len(self.rows) - 1, len(row.job.prompt))
+            self.sample(logits[leader], [row])
+
+    def prefill_rows(self, rows: list[Row]) -> dict[Row, torch.Tensor]:
+        """Prefill rows with distinct prompts into the next free cache rows, and emit their first tokens; each
+        prefilled row's last logits (1, V)."""
+        cached = [self.prefix.match(row.job.prompt, len(row.job.prompt) - 1) if self.prefix else [] for row in rows]
+        left = [len(row.job.prompt) - len(blocks) * PREFIX_BLOCK for row, blocks in zip(rows, cached, strict=True)]
+        order = sorted(range(len(rows)), key=left.__getitem__)  # shortest first: similar lengths share a batch
+        first = len(self.rows)
+        reused = []  # tokens each row (in `order`) takes from the prefix cache
+        for index, i in enumerate(order, start=first):
+            self.rows.append(rows[i])
+            reused.append(self.prefix.restore(self.cache, index, cached[i]) if cached[i] else 0)
+        ordered = [rows[i] for i in order]
+        prompts = [row.job.prompt[done:] for row, done in zip(ordered, reused, strict=True)]  # what is left to run
+        logits = {}
+        for run in padded_runs([len(p) for p in prompts], reused, self.max_len):
+            run_rows = [ordered[i] for i in run]
+            try:
+                with torch.no_grad():
+                    T = max(len(prompts[i]) for i in run)
+                    self.cache.prepare(first + run.start, [reused[i] for i in run], T)
+                    padded = [prompts[i] + [0] * (T - len(prompts[i])) for i in run]
+                    idx = torch.tensor(padded, device=self.cache.device)  # (n, T)
+                    last = torch.tensor([len(prompts[i]) - 1 for i in run], device=self.cache.device)  # (n,)
+                    model = self.one if len(run) == 1 else self.many
+                    run_logits = self.step(model, idx, self.cache, last)  # (n, V)
+                if self.prefix is not None:
+                    for i in run:
+                        self.prefix.store(self.cache, first + i, ordered[i].job.prompt)
+                self.sample(run_logits, run_rows)
+                logits.update((row, run_logits[j : j + 1]) for j, row in enumerate(run_rows))
+            except Exception as e:
+                self.fail(run_rows, e)
+        return logits
+
+    def admit(self, job: Job) -> None:
+        """Score the job's prompt, then prefill it into the next free row and emit its first token; a failure ends
+        the job alone."""
         row = None
         last = None  # the prompt's last logits, when a scoring forward gave them
         try:
@@ -241,8 +337,7 @@ class Engine:
             if job.params.max_tokens == 0:  # the prompt's log-probabilities are all it asked for
                 job.emit(Piece("", 0, "length", prompt_logprobs=self.take_prompt_logprobs()))
                 return
-            generator = torch.Generator(device=self.cache.device).manual_seed(seed % SEEDS)
-            row = Row(job, TextStream(self.tokenizer, job.params.stop), generator, length=len(job.prompt))
+            row = self.new_row(job)
             if last is not None and job.params.max_tokens == 1:  # (lm-eval's log-likelihoods) no prefill, no row
                 self.sample(last, [row])
                 return
@@ -304,6 +399,7 @@ class Engine:
                 else int(sample_next(logits[i : i + 1], p.temperature, None, p.top_p, row.generator))
             )
             row.token = token
+            row.tokens.append(token)
             row.generated += 1
             row.counts[token] = row.counts.get(token, 0) + 1
             entries = token_logprobs(logprobs[i : i + 1], [token], p.logprobs) if p.logprobs is not None else []
@@ -332,6 +428,7 @@ class Engine:
             if not row.finished and not row.job.cancelled:
                 row.job.emit(Piece("", row.generated, "error", message))
             row.finished = True
+            row.failed = True
 
     def retire(self, done: Callable[[Row], bool]) -> None:
         """Free the rows of finished or cancelled jobs, moving the last running row into each freed one."""
@@ -340,10 +437,35 @@ class Engine:
             if not done(self.rows[i]):
                 i += 1
                 continue
+            self.remember(i, self.rows[i])
             last = self.rows.pop()
             if i < len(self.rows):  # the freed row was not the last: the last running row takes its place
                 self.cache.move(len(self.rows), i, last.length)
                 self.rows[i] = last
+
+    def remember(self, index: int, row: Row) -> None:
+        """Keep the whole blocks of a leaving row's prompt and completion in the prefix cache (a chat's next turn
+        begins with them), unless an error may have left its cache row half-written."""
+        if self.prefix is not None and not row.failed:
+            self.prefix.store(self.cache, index, (row.job.prompt + row.tokens)[: row.length])
+
+
+def padded_runs(lengths: list[int], reused: list[int], max_len: int) -> list[range]:
+    """Cut prompts sorted by length (ascending), whose rows already hold reused[i] tokens, into runs each prefilled
+    as one batch padded on the right to its longest: a run grows while its padded size stays within PAD_SLACK
+    times its real tokens and every row's padded slots fit in max_len."""
+    runs = []
+    start = 0
+    real = 0
+    for i, n in enumerate(lengths):
+        padded = (i - start + 1) * n  # sorted: row i is the run's longest
+        if i > start and (padded > PAD_SLACK * (real + n) or max(reused[start : i + 1]) + n > max_len):
+            runs.append(range(start, i))
+            start = i
+            real = 0
+        real += n
+    runs.append(range(start, len(lengths)))
+    return runs
 
 
 def adjust(logits: torch.Tensor, row: Row) -> None:

@@ -66,7 +66,21 @@ class RowCache:
         self.v[layer][self.row_ids, :, self.slots] = v.transpose(1, 2)
         return self.k[layer][self.selected, :, : self.span], self.v[layer][self.selected, :, : self.span]
 
+    def read_span(self, row: int, start: int, end: int) -> torch.Tensor:
+        """A copy of every layer's keys and values in slots start..end-1 of a row: (2 * n_layer, KV, end - start, D),
+        the keys' layers first (gptlite.serve.prefix keeps such spans)."""
+        return torch.stack([buffer[row, :, start:end] for buffer in self.k + self.v])
+
+    def write_span(self, row: int, start: int, spans: list[torch.Tensor]) -> None:
+        """Write spans that `read_span` gave, one after another, into a row from slot `start` on."""
+        for span in spans:
+            end = start + span.size(2)
+            for buffer, layer in zip(self.k + self.v, span, strict=True):
+                buffer[row, :, start:end] = layer
+            start = end
+
     def move(self, src: int, dst: int, length: int) -> None:
-        """Row dst takes over the first `length` slots of row src (the engine keeps its running rows first)."""
+        """Row dst takes a copy of the first `length` slots of row src: a running row moves into a freed one (the
+        engine keeps its running rows first), or the n copies of one prompt share its prefill."""
         for buffer in self.k + self.v:
             buffer[dst, :, :length] = buffer[src, :, :length]
