@@ -22,18 +22,27 @@ directory is served by both servers, one at a time (never both at once: they wou
 CPU in float32, offline (HF_HUB_OFFLINE=1):
 
     python -m gptlite.serve --init_from=DIR --device=cpu --dtype=float32 --max_batch=16 ...
-    python -m transformers.cli.transformers serve DIR --continuous-batching --device=cpu --dtype=float32 ...
+    python -m transformers.cli.transformers serve DIR --continuous-batching --device=cpu --dtype=float32 \
+        --cb-num-blocks=64 ...
 
 (the second is the `transformers serve` command; its requests name the model by DIR, the model it was started
 with). Each round starts gptlite's server, warms it up, runs every level, stops it, then does the same with
-transformers', so rounds interleave the servers. At each level the n requests go all at once twice: non-streamed
-(the tokens/s of the table, counted from each response's `usage`) and streamed (their first text gives the time
-to first token, and their tokens/s shows what streaming costs each server). Both servers stop a completion at
-GPT-2's end of text (id 50,256, config.json's eos_token_id), as a random-weight model may greedily emit it: the
-requests are the same for both and greedy, so both stop at the same places; tokens/s counts the tokens each
-server reports, and the table says how many completions ended before max_tokens. The servers' peak memory
-(VmHWM) is printed too; transformers' continuous batching sizes its paged KV cache from the memory it finds free
-(a share of the machine's RAM on a CPU), gptlite preallocates max_batch x block_size tokens.
+transformers', so rounds interleave the servers. The warm-up is one request alone, then as many at once as the
+most streams measured, so that neither server meets a batch of that size for the first time while timed. At each
+level the n requests go all at once twice: non-streamed (the tokens/s of the table, counted from each response's
+`usage`) and streamed (their first text gives the time to first token, and their tokens/s shows what streaming
+costs each server).
+
+End of text: both servers stop a completion at GPT-2's end of text (id 50,256, config.json's eos_token_id), which
+a random-weight model may emit. The requests are the same for both and greedy, so both stop at the same places;
+tokens/s counts the tokens each server reports, and the table says how many completions ended before max_tokens.
+
+The KV cache: gptlite preallocates max_batch x block_size tokens. transformers' continuous batching, left to
+itself, sizes its paged cache on a CPU as 60% of the machine's total RAM less its own resident set, whatever other
+processes hold, and writes all of it before its first request: on a shared machine its speed then depends on what
+else runs. The script gives it as many tokens as gptlite's cache (`--cb-num-blocks` = max_batch x 1,024 / 256,
+its blocks holding 256 tokens; --cb_num_blocks=-1 leaves the size to transformers). Both servers' peak memory
+(VmHWM) is printed under the table.
 
 `transformers serve` needs the packages of transformers' `serving` extra (fastapi, uvicorn, openai, pydantic,
 starlette, rich, accelerate), which gptlite's own extras do not install:
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -102,7 +112,19 @@ class BenchOptions:
     port: int = option(8765, "the server's port")
     max_batch: int = option(16, "the server's --max_batch: rows decoded together (more streams wait their turn)")
     compile: bool = option(False, "start the server with --compile (its first requests compile, before the timing)")
+    cb_num_blocks: int = option(
+        0,
+        "--against=transformers: transformers serve's --cb-num-blocks, KV cache blocks of 256 tokens (0: as many "
+        "tokens as gptlite's cache, max_batch x 1,024; -1: transformers' own size, 60% of the machine's RAM)",
+    )
     json: str = option("", "also write the results here")
+
+    def __post_init__(self) -> None:
+        if self.cb_num_blocks < -1:
+            raise ValueError(
+                f"cb_num_blocks={self.cb_num_blocks}: give a number of blocks, 0 (as many tokens as gptlite's cache) "
+                "or -1 (transformers' own size)"
+            )
 
 
 @dataclass
@@ -208,9 +230,10 @@ def gptlite_command(source: str, options: BenchOptions, *extra: str) -> list[str
     ]
 
 
-def transformers_command(hf_dir: Path, port: int) -> list[str]:
-    """`transformers serve DIR --continuous-batching` on the CPU in float32; DIR is loaded at start, and requests
-    must name it as their model."""
+def transformers_command(hf_dir: Path, port: int, num_blocks: int) -> list[str]:
+    """`transformers serve DIR --continuous-batching` on the CPU in float32, its KV cache `num_blocks` blocks of 256
+    tokens (-1: its own size); DIR is loaded at start, and requests must name it as their model."""
+    blocks = [f"--cb-num-blocks={num_blocks}"] if num_blocks > 0 else []
     return [
         sys.executable,
         "-m",
@@ -223,7 +246,13 @@ def transformers_command(hf_dir: Path, port: int) -> list[str]:
         "--host=127.0.0.1",
         f"--port={port}",
         "--log-level=warning",
+        *blocks,
     ]
+
+
+def transformers_blocks(options: BenchOptions) -> int:
+    """transformers' KV cache in blocks of 256 tokens: options.cb_num_blocks, or (0) as many tokens as gptlite's."""
+    return options.cb_num_blocks or math.ceil(options.max_batch * GPT2_SHAPE["block_size"] / 256)
 
 
 def start_server(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
@@ -286,20 +315,21 @@ def measure_against_transformers(options: BenchOptions, hf_dir: Path, logs: Path
     results = {(s, n, streamed): Result() for s in SERVERS for n in options.levels for streamed in (False, True)}
     peak = dict.fromkeys(SERVERS, 0)
     url = f"http://127.0.0.1:{options.port}"
+    num_blocks = transformers_blocks(options)
     for r in range(options.rounds):
         for name in SERVERS:
             if name == "gptlite":
                 cmd = gptlite_command(f"--init_from={hf_dir}", options, "--device=cpu", "--dtype=float32")
                 model = "bench"
             else:
-                cmd, model = transformers_command(hf_dir, options.port), str(hf_dir)
+                cmd, model = transformers_command(hf_dir, options.port, num_blocks), str(hf_dir)
             started = time.perf_counter()
             server = start_server(cmd, options.port, logs / f"{name}.log")
             try:
                 # The first greedy request also starts transformers' continuous batching, whose sampling settings
-                # are those of its first request: greedy, as every request here.
+                # are those of its first request: greedy, as every request here. Then the largest batch, once.
                 run_level(url, model, 1, 8, concurrent=False, stream=False)
-                run_level(url, model, 2, 8, concurrent=True)
+                run_level(url, model, max(options.levels), 8, concurrent=True)
                 print(f"round {r + 1}: {name} ready after {time.perf_counter() - started:.1f} s", flush=True)
                 for n in options.levels:
                     for streamed in (False, True):
@@ -364,12 +394,15 @@ def table_against_transformers(options: BenchOptions, results: dict, peak: dict)
         )
     short = {s: sum(sum(r.short) for (name, _, _), r in results.items() if name == s) for s in SERVERS}
     total = 2 * options.rounds * sum(options.levels)
+    blocks = transformers_blocks(options)
+    cache = f"{blocks} blocks of 256 tokens" if blocks > 0 else "its own size"
     lines.append(
         f"\nmin / median of {options.rounds} rounds, each server started afresh in each; ratio = median gptlite / "
         f"median transformers, non-streamed; {options.max_tokens} new tokens per request, greedy, the same requests "
         f"to both; time to first token from the streamed runs. Completions that ended at end of text before "
         f"max_tokens (tokens/s counts the tokens each server reported): gptlite {short['gptlite']}, transformers "
-        f"{short['transformers']} of {total}. Peak memory (VmHWM): gptlite {peak['gptlite']} MiB, transformers "
+        f"{short['transformers']} of {total}. KV cache: gptlite {options.max_batch} x {GPT2_SHAPE['block_size']} "
+        f"tokens, transformers {cache}. Peak memory (VmHWM): gptlite {peak['gptlite']} MiB, transformers "
         f"{peak['transformers']} MiB."
     )
     return "\n".join(lines)
@@ -387,7 +420,13 @@ def against_transformers(options: BenchOptions, ranks: str) -> int:
         data = {f"{s} {n} {'streamed' if streamed else 'plain'}": asdict(r) for (s, n, streamed), r in results.items()}
         write_json(
             Path(options.json),
-            {"against": "transformers", "max_tokens": options.max_tokens, "results": data, "peak_memory_mib": peak},
+            {
+                "against": "transformers",
+                "options": asdict(options),
+                "transformers_cache_blocks": transformers_blocks(options),
+                "results": data,
+                "peak_memory_mib": peak,
+            },
         )
     return 0
 
