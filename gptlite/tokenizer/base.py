@@ -51,6 +51,11 @@ class Tokenizer:
         """What a chat template may name: bos_token, eos_token (transformers passes the same)."""
         return {"bos_token": None, "eos_token": None}
 
+    def special_token_ids(self) -> set[int]:
+        """The ids of the special tokens (end of text, chat markers): tokens that stand for no text of their own, so
+        a grammar over text (gptlite.serve.grammar) never allows them as characters."""
+        return set(self.added.values()) | ({self.eot_id} if self.eot_id is not None else set())
+
     def use_default_template(self) -> None:
         """A tokenizer without a chat template gets ChatML, its two markers special tokens (added if need be)."""
         from gptlite.tokenizer.chat import CHATML, IM_END, IM_START

@@ -123,6 +123,11 @@ class HFTokenizer(Tokenizer):
     def special_texts(self) -> dict[str, str | None]:
         return {"bos_token": self.bos, "eos_token": self.eos}
 
+    def special_token_ids(self) -> set[int]:
+        """Its added tokens marked special (an added token that is not, such as a word, is text), and gptlite's."""
+        own = {t["id"] for t in self.spec.get("added_tokens", []) if t.get("special")}
+        return super().special_token_ids() | own
+
     def encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
         """The Rust library's own character offsets (exact for every kind of tokenizer)."""
         encoding = self.tok.encode(text, add_special_tokens=False)

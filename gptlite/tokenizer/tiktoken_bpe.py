@@ -57,6 +57,9 @@ class TiktokenTokenizer(Tokenizer):
         starts = np.flatnonzero(tokens == self.eot_id)  # (len(texts),): ordinary text never encodes to a special id
         return tokens, np.diff(starts, append=len(tokens))
 
+    def special_token_ids(self) -> set[int]:
+        return super().special_token_ids() | set(self.enc._special_tokens.values())
+
     def _token_bytes(self, ids: Iterable[int]) -> bytes:
         return self.enc.decode_bytes(list(ids))
 
