@@ -137,10 +137,10 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
         None,
         "an integer of 5000 digits",
     ),
-    "100,000 nested brackets": ("/v1/completions", b"[" * 100_000, 400, None, "nests deeper than 16 levels"),
+    "100,000 nested brackets": ("/v1/completions", b"[" * 100_000, 400, None, "nests deeper than 32 levels"),
     "nesting past the bound": (
         "/v1/completions",
-        {**GOOD, "user": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]},
+        {**GOOD, "user": json.loads("[" * 32 + "1" + "]" * 32)},  # 33 levels with the body's own
         400,
         None,
         "nests",

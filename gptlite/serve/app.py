@@ -9,7 +9,8 @@
     POST /detokenize            tokens -> prompt
 
 Before a route runs, `gptlite.serve.guard` checks the request's host, key and size (its `Policy`); a JSON route
-reads its body with `read_json` and tokenizes its prompts on a worker thread, never on the event loop.
+reads its body with `read_json` and tokenizes its prompts on a worker thread, never on the event loop, where a
+`response_format` is compiled too (`gptlite.serve.grammar`; the engine keeps each row's tokens to its grammar).
 
 Admission: at most max_batch + max_waiting completions are in flight (running or queued for a row); past that
 a request gets a 429, or with `wait_when_full` waits for room, holding no cache row while it waits. A request
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from gptlite.serve.engine import Job, Params, Piece
+from gptlite.serve.grammar import Format, Grammars
 from gptlite.serve.guard import Guard, Policy, read_json
 from gptlite.serve.protocol import (
     UNSUPPORTED_IN_CHAT,
@@ -102,6 +104,7 @@ class Server:
         self.limit = engine.max_batch + max_waiting
         self.wait_when_full = wait_when_full
         self.in_flight = 0
+        self.grammars = Grammars(tokenizer, engine.model.config.vocab_size, self.stop_tokens())
 
     def check(self, body: GenerationRequest, prompts: int) -> None:
         """What can be checked before tokenizing: the model's name, n x prompts against the batch, the stops."""
@@ -178,7 +181,24 @@ class Server:
         ids = (self.tokenizer.eot_id, getattr(self.tokenizer, "end_of_turn_id", None))
         return tuple(i for i in ids if i is not None)
 
-    def jobs(self, body: GenerationRequest, prompts: list[list[int]], param: str) -> list[tuple[list[int], Params]]:
+    def response_format(self, body: GenerationRequest) -> Format | None:
+        """The request's response_format, compiled (None for none, or "text"); a 400 for a schema that the grammar
+        library refuses."""
+        wanted = body.response_format
+        if wanted is None:
+            return None
+        try:
+            return self.grammars.compile(wanted.type, wanted.json_schema.schema_ if wanted.json_schema else None)
+        except ValueError as e:
+            raise APIError(
+                400,
+                f"response_format.json_schema.schema: {e}; send a JSON schema this server can follow",
+                "response_format",
+            ) from None
+
+    def jobs(
+        self, body: GenerationRequest, prompts: list[list[int]], param: str, response_format: Format | None = None
+    ) -> list[tuple[list[int], Params]]:
         """Each prompt n times with its Params, checked against the context (the rest by `check`)."""
         context = self.engine.max_len
         stops = body.stops()
@@ -224,6 +244,7 @@ class Server:
                 body.biases(self.engine.vocab),
                 body.presence_penalty,
                 body.frequency_penalty,
+                response_format,
             )
             out += [
                 (prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + j))
@@ -255,8 +276,10 @@ class Server:
         self, request: Request, body: GenerationRequest, prompts: list[list[int]], chat: bool, param: str
     ):
         """Run the request's jobs; a JSON response, or a stream of server-sent events. A client that goes away
-        before its response begins cancels it (a stream's own watch takes over once it has begun)."""
-        jobs = self.jobs(body, prompts, param)
+        before its response begins cancels it (a stream's own watch takes over once it has begun). A response_format
+        compiles on a worker thread: a large schema takes a while."""
+        response_format = await asyncio.to_thread(self.response_format, body)
+        jobs = self.jobs(body, prompts, param, response_format)
         return await cancel_on_disconnect(request, self.run(jobs, body, chat, sum(len(p) for p in prompts)))
 
     async def run(self, jobs: list[tuple[list[int], Params]], body: GenerationRequest, chat: bool, prompt_tokens: int):

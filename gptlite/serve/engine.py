@@ -17,7 +17,9 @@ attends past its own slot, so a row computes what it would alone.
 On the CPU, float32, the rows run through `packed_for_cpu`'s views of the model, made once: its slab layers for
 a single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for
 several. Each row samples with its own temperature, top_p and `torch.Generator` (seeded when asked), and
-never an id the tokenizer lacks (a padded vocabulary's extra ids). `emit` is called on the engine's thread
+never an id the tokenizer lacks (a padded vocabulary's extra ids); a row with a response_format, only the tokens
+its grammar allows next (its `Matcher`, gptlite.serve.grammar), and it ends once the grammar is complete; rows
+without one skip all of that. `emit` is called on the engine's thread
 with a `Piece` for every token: the new text (UTF-8 safe, cut before a stop string) and, on the last piece,
 why the request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives')
 under the model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its
@@ -52,6 +54,7 @@ from gptlite.serve.rows import RowCache
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
+    from gptlite.serve.grammar import Format, Matcher
     from gptlite.tokenizer import Tokenizer
 
 log = logging.getLogger("uvicorn.error")  # the server's log, so the engine's lines share its format and level
@@ -74,6 +77,7 @@ class Params:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit) before sampling
     presence_penalty: float = 0.0  # taken from the logit of every token generated so far
     frequency_penalty: float = 0.0  # times the number of times it was generated so far
+    response_format: Format | None = None  # the grammar its text must follow (gptlite.serve.grammar); None: any
 
     @property
     def adjusts(self) -> bool:
@@ -131,6 +135,11 @@ class Row:
     failed: bool = False  # ended by an error: its cache row may hold half-written keys and values
     tokens: list[int] = field(default_factory=list)  # the tokens generated so far
     counts: dict[int, int] = field(default_factory=dict)  # how often each token was generated (for penalties)
+    matcher: Matcher | None = field(init=False)  # its place in its response_format's grammar (None: no format)
+
+    def __post_init__(self) -> None:
+        fmt = self.job.params.response_format
+        self.matcher = fmt.matcher() if fmt is not None else None
 
 
 class Engine:
@@ -393,10 +402,17 @@ class Engine:
         greedy = logits.argmax(dim=-1).tolist()
         for i, row in enumerate(rows):
             p = row.job.params
+            own = logits[i : i + 1]  # (1, V)
+            if row.matcher is not None:  # a response_format: only the tokens its grammar allows next
+                try:
+                    own = row.matcher.constrain(own)
+                except ValueError as e:  # the matcher failed: its request ends, alone
+                    self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
+                    self.fail([row], e)
+                    continue
+                greedy[i] = int(own.argmax())
             token = (
-                greedy[i]
-                if p.temperature == 0
-                else int(sample_next(logits[i : i + 1], p.temperature, None, p.top_p, row.generator))
+                greedy[i] if p.temperature == 0 else int(sample_next(own, p.temperature, None, p.top_p, row.generator))
             )
             row.token = token
             row.tokens.append(token)
@@ -406,14 +422,24 @@ class Engine:
             self.emit(row, token, entries)
 
     def emit(self, row: Row, token: int, logprobs: list[TokenLogprob]) -> None:
-        """The token's text (and log-probabilities) to the job; the row finishes at a stop token, a stop string or
-        max_tokens. A prompt's log-probabilities, when asked for, go with its first token."""
+        """The token's text (and log-probabilities) to the job; the row finishes at a stop token, a stop string, a
+        complete response_format or max_tokens. A prompt's log-probabilities, when asked for, go with its first
+        token."""
         p = row.job.params
+        if row.matcher is not None:
+            try:
+                row.matcher.consume(token)
+            except ValueError as e:  # the matcher failed: its request ends, alone
+                self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
+                self.fail([row], e)
+                return
         if token in p.stop_tokens:
             text, reason = row.stream.close(), "stop"
         else:
             text = row.stream.feed([token])
             reason = "stop" if row.stream.done else None
+            if reason is None and row.matcher is not None and row.matcher.done:  # the format is complete
+                text, reason = text + row.stream.close(), "stop"
             if reason is None and row.generated >= p.max_tokens:
                 text, reason = text + row.stream.close(), "length"
         row.finished = reason is not None

@@ -2,8 +2,8 @@
 responses, chunks and errors the official `openai` client reads.
 
 Bodies are checked strictly (a string where a number belongs is an error, as OpenAI's API has it); fields
-this server does not implement are refused when they ask for something (`suffix`, tools, `response_format`...)
-and ignored when they ask for nothing, so a client's defaults pass. Parsing is bounded too: an integer of more
+this server does not implement are refused when they ask for something (`suffix`, tools...) and ignored when they
+ask for nothing, so a client's defaults pass. Parsing is bounded too: an integer of more
 digits than any field can use, nesting deeper than any field has, NaN and Infinity are each a 400 before a
 field is read, so no body makes the parser itself fail.
 """
@@ -25,14 +25,15 @@ UNSUPPORTED = (  # asked of /v1/completions and /v1/chat/completions (the chat r
     "tools",
     "functions",
     "tool_choice",
-    "response_format",
 )
 UNSUPPORTED_IN_CHAT = ("echo",)  # /v1/completions has it
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 MAX_STOP_CHARS = 256  # characters per stop string: each is checked at every token
 MAX_INT_DIGITS = 20  # digits of an integer in a body: 2**64 - 1 has 20
-MAX_DEPTH = 16  # nesting of a body's arrays and objects (OpenAI's fields go 4 deep: messages[i].content[j])
+# nesting of a body's arrays and objects: a response_format's JSON schema goes deepest (OpenAI's take objects nested 10
+# deep, two levels each, below response_format.json_schema.schema)
+MAX_DEPTH = 32
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -65,6 +66,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """The `json_schema` of a response_format, as OpenAI, vLLM and llama.cpp take it: the schema, and a name, a
+    description and `strict`, which change nothing here (every output follows the schema)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel's method of that name
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """What a completion's text must be: anything ("text"), a JSON object, or JSON that follows a schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def has_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
+        return self
+
+
 class GenerationRequest(BaseModel):
     """The fields both endpoints share."""
 
@@ -81,6 +107,7 @@ class GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> -100..100
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    response_format: ResponseFormat | None = None  # compiled by gptlite.serve.grammar
     # gptlite's own, which the chat page sends: max_tokens is a ceiling, lowered to what the context leaves after
     # the prompt, instead of OpenAI's 400
     fit_max_tokens: bool = False
