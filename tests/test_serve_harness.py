@@ -4,6 +4,8 @@ against lm-eval's own hf backend on the same weights (with the client's tokenize
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -126,6 +128,47 @@ def test_chat_logprobs_in_openais_shape_equal_transformers_log_softmax(server, r
         ]
 
 
+def events(r: httpx.Response) -> list[dict]:
+    """A stream's chunks, in order."""
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_join_to_the_unstreamed_ones(server, echo):
+    """A stream's chunks carry their tokens' logprobs; joined (text offsets counted on across the chunks, the echoed
+    prompt first) they equal the response's without a stream, text included."""
+    body = {"model": MODEL, "prompt": "JULIET: O Romeo", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    whole = server.post("/v1/completions", {**body, "echo": echo}).json()["choices"][0]
+    chunks = [e["choices"][0] for e in events(server.post("/v1/completions", {**body, "echo": echo, "stream": True}))]
+    joined = {key: [] for key in whole["logprobs"]}
+    for c in chunks:
+        for key, values in (c["logprobs"] or {}).items():
+            joined[key] += values
+    assert joined == whole["logprobs"] and "".join(c["text"] for c in chunks) == whole["text"]
+    assert len(joined["tokens"]) == 6 + (len(server.tokenizer.encode(body["prompt"])) if echo else 0)
+
+
+def test_streamed_chat_logprobs_join_to_the_unstreamed_ones(server):
+    messages = [{"role": "user", "content": "Who is there?"}]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = server.post("/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    chunks = events(server.post("/v1/chat/completions", {**body, "stream": True}))
+    joined = [
+        item
+        for e in chunks
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for item in e["choices"][0]["logprobs"]["content"]
+    ]
+    assert joined == whole and len(joined) == 5
+
+
 def test_logit_bias_forces_and_bans_tokens(server, reference):
     prompt = server.tokenizer.encode("KING: ")
     forced = server.tokenizer.encode(" crown")[0]
@@ -186,7 +229,6 @@ def test_the_tokenizer_endpoints_speak_vllms_shapes(server):
         ("/v1/completions", {"prompt": [1, 50257]}, 400, "token id 50257 is not in the vocabulary"),
         ("/v1/completions", {"prompt": [[5], []]}, 400, "empty list of token ids"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens=0 generates nothing"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True}, 400, "not streamed"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
         ("/detokenize", {"tokens": [-1]}, 400, "token id -1"),

@@ -44,6 +44,7 @@ from gptlite.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerationRequest,
+    LogprobsWriter,
     TokenizeRequest,
     chat_completion,
     chat_logprobs_body,
@@ -339,8 +340,13 @@ class Server:
     async def stream(
         self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool, prompt_tokens: int
     ):
-        """Server-sent events: each choice's pieces as chunks, the usage chunk if asked, then [DONE]."""
+        """Server-sent events: each choice's pieces as chunks (with their tokens' log-probabilities when asked for;
+        with echo, a choice's first chunk begins with its prompt and the prompt's), the usage chunk if asked, then
+        [DONE]."""
         rid, started = new_id("chatcmpl" if chat else "cmpl"), set()
+        params = gen.jobs[0].params
+        token_bytes = lambda i: self.tokenizer.token_bytes([i])  # noqa: E731
+        writers = [LogprobsWriter(token_bytes) for _ in gen.jobs]  # each choice's, counting its text's characters
         try:
             index, piece = first
             while True:
@@ -350,8 +356,16 @@ class Server:
                 if chat and index not in started:
                     started.add(index)
                     yield sse(chunk(rid, body.model, chat, index, "", None, first=True))
-                if piece.text or piece.finish_reason:
-                    yield sse(chunk(rid, body.model, chat, index, piece.text, piece.finish_reason))
+                text = piece.text
+                if params.echo and index not in started:  # (completions only) the prompt comes first
+                    started.add(index)
+                    text = self.tokenizer.decode(gen.jobs[index].prompt) + text
+                entries = (piece.prompt_logprobs or []) + piece.logprobs
+                logprobs = None
+                if params.logprobs is not None and entries:
+                    logprobs = chat_logprobs_body(entries, token_bytes) if chat else writers[index].add(entries)
+                if text or piece.finish_reason or logprobs is not None:
+                    yield sse(chunk(rid, body.model, chat, index, text, piece.finish_reason, logprobs=logprobs))
                 if not gen.open:
                     break
                 index, piece = await gen.next()
@@ -459,8 +473,6 @@ def create_app(
         given = body.prompts()
         if not given:
             raise APIError(400, "prompt is an empty list; give text, token ids, or a list of either", "prompt")
-        if body.stream and (body.echo or body.logprobs is not None):
-            raise APIError(400, "logprobs and echo are not streamed by this server; ask with stream=false", "stream")
         server.check(body, len(given))
         prompts = await asyncio.to_thread(lambda: [server.prompt_ids(p) for p in given])
         return await server.respond(request, body, prompts, chat=False, param="prompt")
@@ -471,8 +483,6 @@ def create_app(
         for name in UNSUPPORTED_IN_CHAT:
             if (body.model_extra or {}).get(name) not in (None, False, 0):
                 raise APIError(400, f"{name} is not supported by this server's chat route; leave it out", name)
-        if body.stream and body.logprobs:
-            raise APIError(400, "logprobs are not streamed by this server; ask with stream=false", "stream")
         server.check(body, 1)
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(

@@ -308,29 +308,41 @@ def token_text(data: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
+class LogprobsWriter:
+    """A completion choice's `logprobs` as OpenAI's and vLLM's legacy API shape it, written as its tokens come:
+    `tokens`, `token_logprobs`, `top_logprobs` (token text -> log-probability per position; None where a prompt
+    begins) and `text_offset` (the character where each token starts in the choice's whole text, counted on
+    across a stream's chunks). `entries` are the engine's TokenLogprob."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]):
+        self.token_bytes = token_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0  # characters of the text before the next token
+
+    def add(self, entries: list) -> dict:
+        """The `logprobs` of these entries, the choice's next tokens."""
+        tokens = []
+        values = []
+        tops = []
+        offsets = []
+        for entry in entries:
+            data = self.token_bytes(entry.token)
+            offsets.append(self.chars)
+            self.chars += len(self.decoder.decode(data))
+            tokens.append(token_text(data))
+            values.append(entry.logprob)
+            if entry.logprob is None:
+                tops.append(None)
+                continue
+            top = {token_text(self.token_bytes(i)): value for i, value in entry.top}
+            top.setdefault(tokens[-1], entry.logprob)  # the chosen token is always there, as vLLM has it
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
 def logprobs_body(entries: list, token_bytes: Callable[[int], bytes]) -> dict:
-    """A completion choice's `logprobs` as OpenAI's and vLLM's legacy API shape it: `tokens`, `token_logprobs`,
-    `top_logprobs` (token text -> log-probability per position; None where a prompt begins) and `text_offset` (the
-    character where each token starts in the choice's text). `entries` are the engine's TokenLogprob."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    tokens = []
-    values = []
-    tops = []
-    offsets = []
-    chars = 0  # characters of the text before the next token
-    for entry in entries:
-        data = token_bytes(entry.token)
-        offsets.append(chars)
-        chars += len(decoder.decode(data))
-        tokens.append(token_text(data))
-        values.append(entry.logprob)
-        if entry.logprob is None:
-            tops.append(None)
-            continue
-        top = {token_text(token_bytes(i)): value for i, value in entry.top}
-        top.setdefault(tokens[-1], entry.logprob)  # the chosen token is always there, as vLLM has it
-        tops.append(top)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    """A whole completion choice's `logprobs` (see LogprobsWriter)."""
+    return LogprobsWriter(token_bytes).add(entries)
 
 
 def chat_logprobs_body(entries: list, token_bytes: Callable[[int], bytes]) -> dict:
@@ -375,13 +387,20 @@ def chunk(
     reason: str | None,
     first: bool = False,
     use: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
-    """One streamed chunk of a choice (index None: the closing usage chunk, which has no choices)."""
+    """One streamed chunk of a choice (index None: the closing usage chunk, which has no choices), with the
+    `logprobs` of its tokens when asked for."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": index, "delta": delta if text is not None else {}, "logprobs": None, "finish_reason": reason}
+        choice = {
+            "index": index,
+            "delta": delta if text is not None else {},
+            "logprobs": logprobs,
+            "finish_reason": reason,
+        }
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
     body = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
