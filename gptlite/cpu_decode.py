@@ -85,7 +85,8 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
         return kept[2]
 
     def packs(module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS
+        # exactly nn.Linear: a LoRA layer (a subclass) packed as one would lose its adapters
+        return type(module) is nn.Linear and module.weight.numel() >= PACK_MIN_WEIGHTS
 
     def view(module: nn.Module) -> nn.Module:
         if packs(module):
