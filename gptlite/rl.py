@@ -1,0 +1,464 @@
+"""Reinforcement learning on verifiable rewards: the reward functions (built in, or a user's), the prompts file and
+its reproducible order, sampling a group of completions per prompt, group advantages and the policy-gradient loss.
+
+A step of `train.py --rl` (see docs/chat.md, "Rewards"):
+1. Each rank takes `batch_size` prompts (`PromptLoader`) and samples `rl_samples` completions of each with the KV
+   cache's batched generation (`sample_group`), stopping at the end of a turn or of text, or at
+   `rl_max_new_tokens`.
+2. A reward function scores every completion: `(prompt, completion, record) -> float`, where `prompt` is what the
+   record holds (text or messages), `completion` the generated text and `record` the whole JSON record. Built in:
+   `gsm8k` (the number after "####", commas removed, equal to the answer's, as nanochat's tasks/gsm8k.py scores
+   GSM8K) and `exact` (the completion, stripped, equal to the answer, stripped). A user's function is
+   `--reward=package.module:function` (importable) or `--reward=path/to/file.py:function`.
+3. The advantage of a completion is its reward minus the mean reward of its prompt's group (nanochat's chat_rl.py;
+   GRPO's division by the group's standard deviation is left out, as Dr. GRPO argues, Liu et al., 2025).
+4. The loss (`policy_loss`) is nanochat's REINFORCE form by default: -advantage x log-probability summed over the
+   generated tokens and divided by the number of generated tokens in the batch (DAPO's token-level
+   normalisation, Yu et al., 2025). `rl_loss=grpo` is DeepSeekMath's GRPO (Shao et al., 2024, eq. 3): the ratio to
+   the sampling policy clipped to [1 - eps, 1 + eps] as in PPO, minus beta x the KL divergence to a reference model
+   (the model at the start of the run) by the k3 estimator, averaged per completion and then over completions.
+
+A reward function that raises or returns something other than a finite number never ends a run: the step makes no
+update, is counted, and a one-line warning names the function and the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import math
+import numbers
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from gptlite.generate import PAD, generate_tokens
+
+if TYPE_CHECKING:
+    from gptlite.model import GPT
+    from gptlite.tokenizer import Tokenizer
+
+RL_LOSSES = ("reinforce", "grpo")  # train.py's --rl_loss
+GSM8K_NUMBER = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, from OpenAI's grade-school-math
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards
+
+
+def gsm8k_number(text: str) -> str | None:
+    """The final answer of a GSM8K solution: the number after "####", commas removed; None if there is none."""
+    match = GSM8K_NUMBER.search(text)
+    return match.group(1).strip().replace(",", "") if match else None
+
+
+def gsm8k_reward(completion: str, answer: Any) -> float:
+    """1.0 if the completion's number after "####" equals the answer's, else 0.0. The answer is a GSM8K solution
+    (its "#### N" is read) or the number itself."""
+    answer = str(answer)
+    reference = gsm8k_number(answer) if "####" in answer else answer.strip().replace(",", "")
+    predicted = gsm8k_number(completion)
+    return float(predicted is not None and predicted == reference)
+
+
+def exact_reward(completion: str, answer: Any) -> float:
+    """1.0 if the completion, stripped of surrounding white space, equals the answer, stripped; else 0.0."""
+    return float(completion.strip() == str(answer).strip())
+
+
+BUILTIN_REWARDS = {"gsm8k": gsm8k_reward, "exact": exact_reward}
+
+
+class RewardError(Exception):
+    """A reward function raised or returned something other than a finite number; the message is one line."""
+
+
+@dataclass
+class Reward:
+    """A reward function and the name --reward gave it. Calling it scores one completion, as a float, or raises
+    RewardError naming the function and the record."""
+
+    name: str
+    function: Callable[[Any, str, dict], Any]
+
+    def __call__(self, prompt: Any, completion: str, record: dict, where: str) -> float:
+        try:
+            value = self.function(prompt, completion, record)
+        except Exception as e:  # the user's code: any exception is reported, never lost
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise RewardError(f"reward function {self.name} raised {type(e).__name__}: {first} on {where}") from None
+        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise RewardError(
+                f"reward function {self.name} returned {value!r} on {where}; it must return a finite number"
+            )
+        return float(value)
+
+
+def load_reward(spec: str, answer_field: str = "answer") -> Reward:
+    """The reward function `spec` names: a built-in (gsm8k, exact; they compare with the record's `answer_field`),
+    `package.module:function` importable from here, or `path/to/file.py:function`."""
+    if spec in BUILTIN_REWARDS:
+        builtin = BUILTIN_REWARDS[spec]
+
+        def against_answer(prompt: Any, completion: str, record: dict) -> float:
+            return builtin(completion, record[answer_field])
+
+        return Reward(spec, against_answer)
+    fix = (
+        f"give --reward={', '.join(BUILTIN_REWARDS)}, package.module:function (importable from here) or "
+        "path/to/file.py:function"
+    )
+    module_name, colon, name = spec.rpartition(":")
+    if not colon or not module_name or not name:
+        raise ValueError(f"--reward={spec!r} names no function; {fix}")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise FileNotFoundError(f"file {path} does not exist")
+            module_spec = importlib.util.spec_from_file_location(f"gptlite_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module: whatever its import raises
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"--reward={spec}: cannot import {module_name} ({type(e).__name__}: {first}); {fix}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(
+            f"--reward={spec}: {module_name} has no function {name!r}; define {name}(prompt, completion, record) -> "
+            "float there, or name another"
+        )
+    return Reward(spec, function)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+@dataclass
+class Prompt:
+    """One record of the prompts file: its prompt as the record holds it (text or messages), its token ids (the
+    chat template's generation prompt after messages), the record, and where it came from (for messages)."""
+
+    prompt: Any
+    ids: list[int]
+    record: dict
+    where: str
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Any) -> list[int]:
+    """Token ids of a prompt: text as it is, messages through the chat template with the assistant's turn opened."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+
+
+def read_prompts(
+    path: str | Path,
+    tokenizer: Tokenizer,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    max_prompt_tokens: int | None = None,
+    need_answer: bool = True,
+) -> list[Prompt]:
+    """Every record of a JSONL prompts file, encoded; each holds `prompt_field` (text, or a list of {role, content}
+    messages) and, when `need_answer` (a built-in reward), `answer_field`. A record that is not so, or whose prompt
+    is longer than `max_prompt_tokens`, is a ValueError naming its line and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist; give --rl_prompts=FILE.jsonl")
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"record {number} of {path}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e}); write one JSON object per line") from None
+            if not isinstance(record, dict) or prompt_field not in record:
+                raise ValueError(
+                    f"{where} has no {prompt_field!r} field; name the prompt's field with --rl_prompt_field"
+                )
+            if need_answer and answer_field not in record:
+                raise ValueError(
+                    f"{where} has no {answer_field!r} field, which the built-in reward compares with; name it with "
+                    "--rl_answer_field"
+                )
+            prompt = record[prompt_field]
+            messages = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+            if not (isinstance(prompt, str) and prompt) and not (messages and prompt):
+                raise ValueError(
+                    f"{where}: {prompt_field!r} must be non-empty text or a list of {{role, content}} messages"
+                )
+            ids = encode_prompt(tokenizer, prompt)
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                raise ValueError(
+                    f"{where}: its prompt is {len(ids)} tokens, and block_size leaves {max_prompt_tokens} before "
+                    "rl_max_new_tokens; shorten the prompt, raise block_size or lower rl_max_new_tokens"
+                )
+            prompts.append(Prompt(prompt, ids, record, where))
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no records; write one JSON object per line")
+    return prompts
+
+
+@dataclass
+class PromptLoader:
+    """The prompts in a seeded order, reshuffled every pass: each step takes `batch_size` x world_size of them and
+    rank r the r-th slice, so that ranks never share a prompt within a step. `state` and `restore` resume the
+    order exactly (as the shard loaders do)."""
+
+    prompts: list[Prompt]
+    batch_size: int
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    epoch: int = 0
+    position: int = 0
+    order: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.order = self._order(self.epoch)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Prompt]:
+        """This rank's prompts of the next step."""
+        step = []
+        for _ in range(self.batch_size * self.world_size):
+            if self.position == len(self.order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self.order = self._order(self.epoch)
+            step.append(self.prompts[self.order[self.position]])
+            self.position += 1
+        return step[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "prompts": len(self.prompts)}
+
+    def restore(self, state: dict) -> None:
+        if state.get("prompts") != len(self.prompts):
+            raise ValueError(
+                f"the checkpoint's run read a prompts file of {state.get('prompts')} records and --rl_prompts holds "
+                f"{len(self.prompts)}; resume with the same file, or start a new run"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.order = self._order(self.epoch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and scoring
+
+
+@dataclass
+class Group:
+    """The completions of a step: P prompts x S samples, rows in prompt order (each prompt's S rows together).
+
+    ids (N, L): each row's prompt and completion, padded on the right with 0; mask (N, L - 1): 1.0 where the
+    target ids[:, 1:] is a generated token (the stop token included: the policy learns when to stop);
+    lengths: each completion's tokens; texts: each completion's text (the stop token left out)."""
+
+    prompts: list[Prompt]
+    samples: int
+    ids: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+    texts: list[str]
+
+
+def stop_ids(tokenizer: Tokenizer) -> list[int]:
+    """The tokens that end a completion: the end of a turn and the end of text, where the tokenizer has them."""
+    return sorted({t for t in (tokenizer.end_of_turn_id, tokenizer.eot_id) if t is not None})
+
+
+@torch.no_grad()
+def sample_group(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompts: list[Prompt],
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> Group:
+    """Sample `samples` completions of every prompt with the KV cache (one prefill per prompt, shared by its
+    samples) in eval mode; the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    stops = stop_ids(tokenizer)
+    try:
+        steps = list(
+            generate_tokens(
+                model,
+                [p.ids for p in prompts],
+                max_new_tokens,
+                temperature,
+                generator=generator,
+                num_samples=samples,
+                stop_tokens=stops,
+                vocab_limit=tokenizer.vocab_size,
+            )
+        )
+    finally:
+        model.train(was_training)
+    new = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(len(prompts) * samples)]  # (N, new)
+    rows, completions, texts = [], [], []
+    for i, tokens in enumerate(new):
+        tokens = [t for t in tokens if t != PAD]
+        prompt = prompts[i // samples].ids
+        rows.append(prompt + tokens)
+        completions.append((len(prompt), len(tokens)))
+        texts.append(tokenizer.decode([t for t in tokens if t not in stops]))
+    L = max(len(r) for r in rows)
+    device = model.tok_emb.weight.device
+    ids = torch.zeros(len(rows), L, dtype=torch.long)  # (N, L)
+    mask = torch.zeros(len(rows), L - 1)  # (N, L - 1)
+    for i, (row, (start, n)) in enumerate(zip(rows, completions, strict=True)):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, start - 1 : start - 1 + n] = 1.0  # the target at position t is token t + 1
+    return Group(prompts, samples, ids.to(device), mask.to(device), [n for _, n in completions], texts)
+
+
+def score_group(group: Group, reward: Reward) -> torch.Tensor:
+    """The rewards of a group's completions, (P, S); RewardError from the first that fails."""
+    rewards = [
+        reward(p.prompt, group.texts[i], p.record, p.where)
+        for i, p in enumerate(p for p in group.prompts for _ in range(group.samples))
+    ]
+    return torch.tensor(rewards, dtype=torch.float32).view(len(group.prompts), group.samples)  # (P, S)
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """rewards (P, S) -> advantages (P * S,): each reward minus the mean of its prompt's group."""
+    return (rewards - rewards.mean(dim=1, keepdim=True)).flatten()
+
+
+def pass_at_k(rewards: torch.Tensor) -> float:
+    """rewards (P, S) -> the fraction of prompts with at least one of their S completions rewarded above 0."""
+    return float((rewards > 0).any(dim=1).float().mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+
+
+def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """ids (N, L) -> the log-probability of each next token, (N, L - 1), in float32."""
+    logits, _ = model(ids[:, :-1])  # (N, L - 1, V)
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, L - 1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    kind: str = "reinforce",
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    clip: float = 0.2,
+    kl_beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy-gradient loss of a group, and its KL to the reference (0.0 without one).
+
+    logprobs (N, T): the policy's, with gradients; mask (N, T): 1.0 on generated tokens; advantages (N,).
+    reinforce: -sum(A_i * logp_it * m_it) / sum(m_it), over the whole batch (nanochat; DAPO's normalisation).
+    grpo: old_logprobs (N, T), the sampling policy's, and ref_logprobs (N, T), the reference's (needed when
+    kl_beta > 0); per token, r = exp(logp - old), the surrogate min(r A, clip(r, 1 - clip, 1 + clip) A) minus
+    kl_beta * (exp(ref - logp) - (ref - logp) - 1), averaged over each completion's tokens, then over completions,
+    negated (DeepSeekMath, eq. 3 and 4)."""
+    if kind not in RL_LOSSES:
+        raise ValueError(f"rl_loss={kind!r} must be one of {', '.join(RL_LOSSES)}")
+    mask = mask.to(logprobs.dtype)
+    A = advantages.to(logprobs.dtype)[:, None]  # (N, 1)
+    if kind == "reinforce":
+        return -(A * logprobs * mask).sum() / mask.sum().clamp_min(1.0), {"kl": 0.0}
+    ratio = torch.exp(logprobs - old_logprobs)
+    surrogate = torch.minimum(ratio * A, torch.clamp(ratio, 1 - clip, 1 + clip) * A)  # (N, T)
+    kl = torch.zeros_like(logprobs)
+    if kl_beta > 0:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, and never negative
+    per_token = surrogate - kl_beta * kl  # (N, T)
+    per_completion = (per_token * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # (N,)
+    mean_kl = float(((kl.detach() * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean())
+    return -per_completion.mean(), {"kl": mean_kl}
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The model without its LoRA adapters (their scale set to 0) for the duration: a LoRA run's reference, the
+    base weights, with no second copy in memory."""
+    from gptlite.lora import lora_layers
+
+    layers = lora_layers(model)
+    scales = {name: layer.scaling for name, layer in layers.items()}
+    for layer in layers.values():
+        layer.scaling = 0.0
+    try:
+        yield
+    finally:
+        for name, layer in layers.items():
+            layer.scaling = scales[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def score_prompts(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompts: list[Prompt],
+    reward: Reward,
+    samples: int = 1,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> dict[str, float]:
+    """A model's scores on prompts: pass@1 and the mean reward of its greedy completion, and with `samples` sampled
+    completions at `temperature`, their mean reward, pass@k (k = samples) and mean length in tokens. A reward
+    function that fails is a ValueError naming it and the record."""
+    generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
+    greedy, sampled, lengths = [], [], []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        try:
+            best = sample_group(model, tokenizer, batch, 1, max_new_tokens, 0.0)
+            greedy.append(score_group(best, reward))
+            group = sample_group(model, tokenizer, batch, samples, max_new_tokens, temperature, generator)
+            sampled.append(score_group(group, reward))
+        except RewardError as e:
+            raise ValueError(f"{e}; fix the function, or have it return 0.0 for what it cannot score") from None
+        lengths += group.lengths
+    greedy_rewards, rewards = torch.cat(greedy), torch.cat(sampled)  # (P, 1), (P, S)
+    return {
+        "prompts": len(prompts),
+        "greedy_reward": float(greedy_rewards.mean()),
+        "pass@1": pass_at_k(greedy_rewards),
+        "mean_reward": float(rewards.mean()),
+        f"pass@{samples}": pass_at_k(rewards),
+        "mean_length": sum(lengths) / len(lengths),
+    }
+
+
+def reward_needs_answer(spec: str) -> bool:
+    """Whether --reward is a built-in, which compares with the record's answer field."""
+    return spec in BUILTIN_REWARDS

@@ -1,0 +1,279 @@
+"""Reinforcement learning on verifiable rewards (gptlite/rl.py): the built-in rewards, a user's reward function and
+its faults, the prompts file, the loss against its formula written out, sampling a group, and a toy task whose
+mean reward rises under train.py --rl."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from gptlite.generate import generate
+from gptlite.lora import add_lora
+from gptlite.rl import (
+    Prompt,
+    PromptLoader,
+    RewardError,
+    adapters_off,
+    group_advantages,
+    gsm8k_number,
+    load_reward,
+    pass_at_k,
+    policy_loss,
+    read_prompts,
+    sample_group,
+    score_group,
+    token_logprobs,
+)
+from gptlite.tokenizer import CharTokenizer
+from tests.conftest import tiny_model
+
+DIGITS = CharTokenizer("0123456789=\n")
+
+
+def test_gsm8k_reward_reads_the_number_after_the_four_hashes():
+    reward = load_reward("gsm8k")
+    solution = "She has 3 + 4 = <<3+4=7>>7 boxes of 1,000.\n#### 7,000"
+    assert gsm8k_number(solution) == "7000"
+    assert reward("q", "so 7 boxes\n#### 7,000", {"answer": solution}, "r") == 1.0
+    assert reward("q", "#### 7000.", {"answer": "7000"}, "r") == 0.0  # "7000." is not "7000", as in nanochat
+    assert reward("q", "7000", {"answer": solution}, "r") == 0.0  # no "####": no answer
+    assert reward("q", "#### -3", {"answer": "-3"}, "r") == 1.0
+
+
+def test_exact_reward_compares_stripped_text():
+    reward = load_reward("exact", answer_field="target")
+    assert reward("q", " 4321\n", {"target": "4321"}, "r") == 1.0
+    assert reward("q", "4312", {"target": "4321"}, "r") == 0.0
+    assert reward("q", "12", {"target": 12}, "r") == 1.0
+
+
+def test_a_users_reward_loads_from_a_file_or_a_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(prompt, completion, record):\n    return len(completion) / record['n']\n"
+    )
+    for spec in (f"{tmp_path / 'my_rewards.py'}:length", "my_rewards:length"):
+        monkeypatch.syspath_prepend(str(tmp_path))
+        reward = load_reward(spec)
+        assert reward.name == spec and reward("p", "abcd", {"n": 2}, "r") == 2.0
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_module:score", r"--reward=no_such_module:score: cannot import no_such_module \(ModuleNotFound"),
+        ("missing.py:score", r"cannot import missing.py \(FileNotFoundError: file missing.py does not exist\)"),
+        ("json:score", r"--reward=json:score: json has no function 'score'; define score\(prompt, completion"),
+        ("exactly", r"--reward='exactly' names no function; give --reward=gsm8k, exact, package.module:function"),
+        ("broken.py:score", r"cannot import broken.py \(ZeroDivisionError: division by zero\)"),
+    ],
+)
+def test_a_reward_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch, spec, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    with pytest.raises(ValueError, match=message):
+        load_reward(spec)
+
+
+def test_a_reward_that_raises_or_returns_no_number_names_itself_and_the_record(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "faulty.py").write_text(
+        "def raises(p, c, r):\n    return r['missing']\n\ndef text(p, c, r):\n    return 'yes'\n\n"
+        "def nan(p, c, r):\n    return float('nan')\n"
+    )
+    with pytest.raises(RewardError, match=r"^reward function faulty:raises raised KeyError: 'missing' on record 3"):
+        load_reward("faulty:raises")("p", "c", {}, "record 3 of x.jsonl")
+    with pytest.raises(RewardError, match=r"faulty:text returned 'yes' on record 3 of x.jsonl; it must return a fin"):
+        load_reward("faulty:text")("p", "c", {}, "record 3 of x.jsonl")
+    with pytest.raises(RewardError, match=r"faulty:nan returned nan"):
+        load_reward("faulty:nan")("p", "c", {}, "record 3 of x.jsonl")
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def test_read_prompts_encodes_text_and_messages(tmp_path):
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz \n.=0123456789")
+    tokenizer.use_default_template()
+    messages = [{"role": "user", "content": "add 1 2"}]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"q": "12=", "a": "21"}, "", {"q": messages, "a": "3"}])
+    prompts = read_prompts(path, tokenizer, "q", "a")
+    assert [p.ids for p in prompts] == [
+        tokenizer.encode("12="),
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+    ]
+    assert prompts[1].where == f"record 3 of {path}" and prompts[1].prompt == messages
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ("{nope", r"record 1 of .*p.jsonl is not JSON \(.*\); write one JSON object per line"),
+        ({"question": "12="}, r"record 1 of .*p.jsonl has no 'prompt' field; name the prompt's field with --rl_prom"),
+        ({"prompt": "12="}, r"has no 'answer' field, which the built-in reward compares with; name it with --rl_ans"),
+        ({"prompt": 5, "answer": "1"}, r"'prompt' must be non-empty text or a list of \{role, content\} messages"),
+        ({"prompt": "1234567=", "answer": "1"}, r"its prompt is 8 tokens, and block_size leaves 6 before rl_max_new"),
+    ],
+)
+def test_a_bad_prompt_record_is_one_line(tmp_path, record, message):
+    with pytest.raises(ValueError, match=message):
+        read_prompts(write_jsonl(tmp_path / "p.jsonl", [record]), DIGITS, max_prompt_tokens=6)
+    with pytest.raises(FileNotFoundError, match=r"prompts file .*none.jsonl does not exist; give --rl_prompts"):
+        read_prompts(tmp_path / "none.jsonl", DIGITS)
+
+
+def fixed_batch(seed=0, P=2, S=3, T=5):
+    """A batch of 'sampled completions': rewards per group, the policy's, the sampler's and the reference's
+    log-probabilities of each token, and a mask of generated tokens of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0]])
+    logp = (-torch.rand(P * S, T, generator=g) * 2).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(P * S, T, generator=g)  # ratios far enough from 1 to be clipped
+    ref = logp.detach() + 0.5 * torch.randn(P * S, T, generator=g)
+    lengths = [5, 2, 3, 1, 4, 5]
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(T)] for n in lengths])
+    return rewards, logp, old, ref, mask
+
+
+def test_group_advantages_and_pass_at_k():
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    expected = [2 / 3, -1 / 3, -1 / 3, 0.0, 0.5, -0.5, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(group_advantages(rewards), torch.tensor(expected))
+    assert pass_at_k(rewards) == pytest.approx(2 / 3)
+
+
+def test_the_reinforce_loss_is_nanochats_formula():
+    """-sum_i sum_t A_i log p_it over generated tokens, divided by the batch's generated tokens."""
+    rewards, logp, _, _, mask = fixed_batch()
+    loss, _ = policy_loss(logp, mask, group_advantages(rewards))
+    total, count = 0.0, 0
+    for i in range(6):
+        group = rewards[i // 3].tolist()
+        advantage = rewards[i // 3, i % 3].item() - sum(group) / len(group)
+        for t in range(5):
+            if mask[i, t]:
+                total += -advantage * logp[i, t].item()
+                count += 1
+    assert loss.item() == pytest.approx(total / count, rel=1e-6)
+    loss.backward()  # the gradient of token t of completion i is -A_i / count
+    assert logp.grad[0, 0].item() == pytest.approx(-(1 - 1 / 3) / count, rel=1e-6)
+    assert logp.grad[1, 4].item() == 0.0  # not generated
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_grpo_loss_is_deepseekmaths_formula(beta):
+    """DeepSeekMath eq. 3: mean over completions of the mean over their tokens of min(r A, clip(r, 1-eps, 1+eps) A)
+    - beta (pi_ref / pi - log(pi_ref / pi) - 1), negated; r = pi / pi_old."""
+    rewards, logp, old, ref, mask = fixed_batch(seed=1)
+    eps = 0.2
+    loss, stats = policy_loss(logp, mask, group_advantages(rewards), "grpo", old, ref, clip=eps, kl_beta=beta)
+    objective, kls, clipped = 0.0, 0.0, 0
+    for i in range(6):
+        group = rewards[i // 3].tolist()
+        advantage = rewards[i // 3, i % 3].item() - sum(group) / len(group)
+        terms, kl_terms = [], []
+        for t in range(5):
+            if mask[i, t]:
+                ratio = math.exp(logp[i, t].item() - old[i, t].item())
+                clipped += not 1 - eps <= ratio <= 1 + eps
+                surrogate = min(ratio * advantage, min(max(ratio, 1 - eps), 1 + eps) * advantage)
+                ref_over_pi = math.exp(ref[i, t].item() - logp[i, t].item())
+                kl = ref_over_pi - math.log(ref_over_pi) - 1
+                terms.append(surrogate - beta * kl)
+                kl_terms.append(kl)
+        objective += sum(terms) / len(terms)
+        kls += sum(kl_terms) / len(kl_terms)
+    assert clipped > 0  # the batch exercises the clip
+    assert loss.item() == pytest.approx(-objective / 6, rel=1e-5)
+    assert stats["kl"] == pytest.approx(kls / 6 if beta else 0.0, rel=1e-5)
+
+
+def test_grpo_at_the_sampling_policy_has_reinforces_gradient_per_completion():
+    """With pi_old = pi and no KL the clip is inactive and GRPO's gradient is -A_i / |o_i| / N per token."""
+    rewards, logp, _, _, mask = fixed_batch()
+    loss, _ = policy_loss(logp, mask, group_advantages(rewards), "grpo", logp.detach(), None, kl_beta=0.0)
+    loss.backward()
+    advantages = group_advantages(rewards)
+    expected = -advantages[:, None] * mask / mask.sum(1, keepdim=True) / 6
+    torch.testing.assert_close(logp.grad, expected)
+
+
+def digit_prompts(n, digits=4, seed=0):
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        s = "".join(rng.choice("0123456789") for _ in range(digits))
+        records.append({"prompt": s + "=", "answer": s[::-1]})
+    return records
+
+
+def as_prompts(records):
+    return [Prompt(r["prompt"], DIGITS.encode(r["prompt"]), r, f"record {i + 1}") for i, r in enumerate(records)]
+
+
+def test_a_group_holds_each_prompts_samples_and_masks_their_tokens():
+    """The rows are generate()'s, with the same seed; the mask covers exactly the new tokens, whose
+    log-probabilities token_logprobs reads at the positions before them."""
+    model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16)
+    prompts = as_prompts([{"prompt": "12=", "answer": "21"}, {"prompt": "4567=", "answer": "7654"}])
+    group = sample_group(model, DIGITS, prompts, 3, 4, 1.0, torch.Generator().manual_seed(5))
+    expected = generate(model, [p.ids for p in prompts], 4, 1.0, num_samples=3, seed=5)
+    for i, row in enumerate(expected):
+        assert group.ids[i, : len(row)].tolist() == row and group.texts[i] == DIGITS.decode(row[-4:])
+        targets = group.ids[i, 1:][group.mask[i].bool()]
+        assert targets.tolist() == row[-4:]
+    assert group.lengths == [4] * 6 and group.mask.sum().item() == 24
+    logprobs = token_logprobs(model, group.ids)
+    full = torch.log_softmax(model(group.ids)[0], dim=-1)  # (N, L, V)
+    torch.testing.assert_close(logprobs[3, 4], full[3, 4, group.ids[3, 5]])
+    assert score_group(group, load_reward("exact")).shape == (2, 3)
+
+
+def test_the_prompt_order_resumes_exactly_and_ranks_never_share_a_prompt():
+    prompts = as_prompts(digit_prompts(10))
+    loader = PromptLoader(prompts, 3, seed=7)
+    for _ in range(4):
+        loader.next_batch()
+    state = loader.state()
+    ahead = [[p.where for p in loader.next_batch()] for _ in range(5)]
+    again = PromptLoader(prompts, 3, seed=7)
+    again.restore(state)
+    assert [[p.where for p in again.next_batch()] for _ in range(5)] == ahead
+    ranks = [PromptLoader(prompts, 2, seed=7, rank=r, world_size=2) for r in range(2)]
+    for _ in range(2):
+        first, second = ({p.where for p in rank.next_batch()} for rank in ranks)
+        assert len(first) == len(second) == 2 and not first & second
+    with pytest.raises(ValueError, match="a prompts file of 10 records and --rl_prompts holds 9; resume with the same"):
+        PromptLoader(prompts[:9], 3).restore(state)
+
+
+def test_with_the_adapters_off_a_lora_model_is_its_base():
+    model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16)
+    ids = torch.tensor([DIGITS.encode("1234=4321")])
+    base = model(ids)[0]
+    add_lora(model, 2, 16.0, 0.0, ("attn.qkv", "ffn.fc"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    assert not torch.allclose(model(ids)[0], base)
+    with adapters_off(model):
+        assert torch.equal(model(ids)[0], base)
+    assert not torch.allclose(model(ids)[0], base)
+
+
+def test_sampling_a_lora_model_on_the_cpu_keeps_its_adapters():
+    """The CPU fast path packs large nn.Linear layers for decoding; a LoRA layer (a subclass) is left as it is, so
+    that the policy sampled is the one trained."""
+    from gptlite.lora import merge_lora
+
+    model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16, n_layer=1, n_embd=512, n_head=4).cpu()
+    add_lora(model, 2, 16.0, 0.0, ("attn.qkv", "ffn.fc"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    prompts = [DIGITS.encode("1234="), DIGITS.encode("98=")]
+    sampled = generate(model, prompts, 6, temperature=0)
+    assert sampled == generate(merge_lora(model), prompts, 6, temperature=0)
