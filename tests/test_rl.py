@@ -277,3 +277,36 @@ def test_sampling_a_lora_model_on_the_cpu_keeps_its_adapters():
     prompts = [DIGITS.encode("1234="), DIGITS.encode("98=")]
     sampled = generate(model, prompts, 6, temperature=0)
     assert sampled == generate(merge_lora(model), prompts, 6, temperature=0)
+
+
+def test_evaluate_task_rl_scores_held_out_prompts(tmp_path, capsys):
+    """python -m gptlite.evaluate --task=rl: pass@1 of the greedy completion, and the mean reward and pass@k of
+    sampled ones, equal to what score_prompts gives; a missing flag or an unloadable reward is one line."""
+    from gptlite import evaluate
+    from gptlite.hf import export_hf
+    from gptlite.rl import score_prompts
+
+    model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16, pos_emb="rope", norm="rmsnorm").cpu()
+    export_hf(model, tmp_path / "model")
+    DIGITS.save(tmp_path / "tokenizer.json")
+    records = digit_prompts(6, digits=3)
+    greedy = generate(model, [DIGITS.encode(records[0]["prompt"])], 3, temperature=0)[0]
+    records[0]["answer"] = DIGITS.decode(greedy[4:])  # the first prompt's greedy completion is right
+    prompts = write_jsonl(tmp_path / "held_out.jsonl", records)
+    common = [f"--init_from={tmp_path / 'model'}", f"--tokenizer={tmp_path / 'tokenizer.json'}", "--device=cpu"]
+    task = ["--task=rl", f"--rl_prompts={prompts}"]
+    args = [*common, *task, "--reward=exact", "--rl_samples=4"]
+    assert evaluate.main([*args, "--rl_max_new_tokens=3", f"--json={tmp_path / 'r.json'}"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("rl: pass@1 0.1667 (greedy) | mean reward ") and "| 6 prompts |" in line
+    results = json.loads((tmp_path / "r.json").read_text())["rl"]
+    expected = score_prompts(model, DIGITS, as_prompts(records), load_reward("exact"), 4, 3, 1.0, seed=0)
+    assert {k: results[k] for k in expected} == expected and expected["pass@1"] == pytest.approx(1 / 6)
+    for extra, message in [
+        (["--task=rl"], "--task=rl needs --rl_prompts=FILE.jsonl and --reward=gsm8k|exact|module:function"),
+        ([*task, "--reward=nowhere:f"], "--reward=nowhere:f: cannot import nowhere"),
+        ([*task, "--reward=exact", "--rl_max_new_tokens=16"], "--rl_max_new_tokens=16 leaves no room for a prompt"),
+    ]:
+        assert evaluate.main([*common, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

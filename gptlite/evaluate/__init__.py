@@ -1,11 +1,13 @@
 """Scoring a model, and the command that does it: bits per byte over token windows (gptlite.evaluate.bpb), zero-shot
 HellaSwag accuracy (gptlite.evaluate.hellaswag_task), the CORE metric as nanochat computes it (gptlite.evaluate.core)
-and any task of EleutherAI's lm-eval harness, in this process (gptlite.evaluate.lm_harness).
+any task of EleutherAI's lm-eval harness, in this process (gptlite.evaluate.lm_harness), and the rewards of
+completions to held-out prompts (gptlite.rl).
 
     python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag,core] [--data_dir=DIR | --text=FILE] [--json=FILE]
     python -m gptlite.evaluate --init_from=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
     python -m gptlite.evaluate --init_from=gpt2 --task=core [--bundle=DIR] [--max_per_task=N]
     python -m gptlite.evaluate --out_dir=RUN --task=lm_eval:arc_easy,piqa [--include_path=DIR] [--num_fewshot=N]
+    python -m gptlite.evaluate --out_dir=RUN --task=rl --rl_prompts=HELD_OUT.jsonl --reward=exact [--rl_samples=N]
     torchrun --nproc_per_node=8 -m gptlite.evaluate --init_from=gpt2 --task=core    # the items split over 8 GPUs
 
 --task is comma-separated; `lm_eval:` comes last and everything after it names lm-eval tasks. Under torchrun, CORE
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,7 +52,10 @@ from gptlite.files import fault
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
 
-TASKS = ("val", "hellaswag", "core")  # gptlite's own; lm-eval's come after LM_EVAL
+if TYPE_CHECKING:
+    from gptlite.rl import Reward
+
+TASKS = ("val", "hellaswag", "core", "rl")  # gptlite's own; lm-eval's come after LM_EVAL
 LM_EVAL = "lm_eval:"
 
 __all__ = [
@@ -86,7 +92,7 @@ class EvaluateOptions:
         "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
     )
     task: str = option(
-        "val", "comma-separated: val, hellaswag, core, then lm_eval:TASK[,TASK...] (lm-eval's tasks, last)"
+        "val", "comma-separated: val, hellaswag, core, rl, then lm_eval:TASK[,TASK...] (lm-eval's tasks, last)"
     )
     data_dir: str = option("", "val: the shards whose val split to score (default: the run's)")
     text: str = option("", "val: score this text file instead of val shards")
@@ -101,8 +107,18 @@ class EvaluateOptions:
     num_fewshot: int | None = option(None, "lm_eval: few-shot examples per prompt (default: each task's own)")
     apply_chat_template: bool = option(False, "lm_eval: prompts through the tokenizer's chat template (chat models)")
     system_prompt: str = option("", "lm_eval: a system message before every prompt")
+    rl_prompts: str = option("", "rl: a JSONL file of prompts with answers, held out from training")
+    reward: str = option("", "rl: the reward function: gsm8k, exact, package.module:function or file.py:function")
+    rl_prompt_field: str = option("prompt", "rl: the records' prompt field (text, or a list of messages)")
+    rl_answer_field: str = option("answer", "rl: the records' answer field (what gsm8k and exact compare with)")
+    rl_samples: int = option(8, "rl: completions sampled per prompt (mean reward, pass@k), besides the greedy one")
+    rl_max_new_tokens: int = option(256, "rl: the longest completion, in tokens")
+    rl_temperature: float = option(1.0, "rl: the sampled completions' temperature")
+    seed: int = option(0, "rl: the seed of the sampled completions")
     limit: int | None = option(None, "hellaswag, lm_eval: the first N examples (of each task) only")
-    batch_size: int = option(8, "windows (val), examples (hellaswag) or generations (lm_eval) per forward")
+    batch_size: int = option(
+        8, "windows (val), examples (hellaswag), generations (lm_eval) or prompts (rl) per forward"
+    )
     batch_tokens: int = option(BATCH_TOKENS, "core, lm_eval: padded tokens per forward, many items' sequences together")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = option(
@@ -149,7 +165,7 @@ def check(args: EvaluateOptions) -> tuple[list[str], list[str]]:
         problems.append(f"--task is empty; name one or more of {', '.join(TASKS)}, {LM_EVAL}TASK")
     if bool(args.out_dir) == bool(args.init_from):
         problems.append("give one of --out_dir=RUN or --init_from=NAME_OR_DIR")
-    for name in ("limit", "max_per_task", "batch_size", "batch_tokens"):
+    for name in ("limit", "max_per_task", "batch_size", "batch_tokens", "rl_samples", "rl_max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             problems.append(f"--{name}={value} must be >= 1")
@@ -157,6 +173,10 @@ def check(args: EvaluateOptions) -> tuple[list[str], list[str]]:
         problems.append(f"--num_fewshot={args.num_fewshot} must be >= 0")
     if "val" in tasks and args.init_from and not (args.data_dir or args.text):
         problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
+    if "rl" in tasks and not (args.rl_prompts and args.reward):
+        problems.append("--task=rl needs --rl_prompts=FILE.jsonl and --reward=gsm8k|exact|module:function")
+    if args.rl_temperature <= 0:
+        problems.append(f"--rl_temperature={args.rl_temperature} must be > 0 (pass@1 is scored greedily besides)")
     if args.text and not Path(args.text).is_file():
         problems.append(f"text file {args.text} does not exist")
     if args.include_path and not Path(args.include_path).is_dir():
@@ -207,6 +227,10 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
         hellaswag_path = hellaswag_file(args.hellaswag_file)
     if "core" in tasks:
         core_tasks = read_bundle(core_bundle(args.bundle), args.max_per_task)
+    if "rl" in tasks:
+        from gptlite.rl import load_reward
+
+        reward = load_reward(args.reward, args.rl_answer_field)
     if harness:
         from gptlite.evaluate.lm_harness import task_manager
 
@@ -233,6 +257,16 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
             log(
                 f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
                 f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)"
+            )
+        elif task == "rl":
+            scores = score_rewards(args, model, tokenizer, reward)
+            seconds = time.perf_counter() - start
+            results["rl"] = {**scores, "seconds": seconds}
+            k = args.rl_samples
+            log(
+                f"rl: pass@1 {scores['pass@1']:.4f} (greedy) | mean reward {scores['mean_reward']:.4f} | "
+                f"pass@{k} {scores[f'pass@{k}']:.4f} ({k} samples at temperature {args.rl_temperature:g}) | "
+                f"{scores['mean_length']:.1f} tokens | {scores['prompts']:,} prompts | {seconds:.1f} s"
             )
         else:
             scores = core_score(model, tokenizer, core_tasks, args.batch_tokens, log)
@@ -261,6 +295,37 @@ def hellaswag_file(given: str) -> Path:
         return download(HELLASWAG_URL, path)
     except ConnectionError as e:
         raise ConnectionError(f"{e} with --hellaswag_file=PATH") from None
+
+
+def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, reward: Reward) -> dict:
+    """--task=rl: the greedy and sampled completions of --rl_prompts, scored by the reward (gptlite.rl)."""
+    from gptlite.rl import read_prompts, reward_needs_answer, score_prompts
+
+    room = model.config.block_size - args.rl_max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"--rl_max_new_tokens={args.rl_max_new_tokens} leaves no room for a prompt in the model's "
+            f"block_size={model.config.block_size}; lower it"
+        )
+    prompts = read_prompts(
+        args.rl_prompts,
+        tokenizer,
+        args.rl_prompt_field,
+        args.rl_answer_field,
+        room,
+        need_answer=reward_needs_answer(args.reward),
+    )
+    return score_prompts(
+        model,
+        tokenizer,
+        prompts,
+        reward,
+        args.rl_samples,
+        args.rl_max_new_tokens,
+        args.rl_temperature,
+        args.seed,
+        args.batch_size,
+    )
 
 
 def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[float, float | None, int, str]:
