@@ -14,6 +14,8 @@ is the same as F.cross_entropy(F.linear(h, weight), targets), done chunk by chun
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 CHUNK_BYTES = 256 * 2**20  # float32 logits per chunk: 1,334 tokens at GPT-2's 50,304, 523 at Llama 3's 128,256
 
@@ -28,14 +30,31 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """h (N, C) hidden states, weight (V, C) the head, targets (N,) with -1 ignored -> the cross-entropy of
     h @ weight.T against targets: its mean over the targets that are not -1 (NaN if there are none, as
-    F.cross_entropy), or with reduction="sum" its sum. The matmuls run in autocast's dtype when autocast is on,
-    the softmax in float32, as the whole computation does under autocast. `chunk` tokens at a time (default:
-    chunk_tokens(V))."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    F.cross_entropy), with reduction="sum" its sum, or with reduction="none" each token's (N,), 0 where the
+    target is -1 (what DPO sums per sequence, gptlite.preference). The matmuls run in autocast's dtype when
+    autocast is on, the softmax in float32, as the whole computation does under autocast. `chunk` tokens at a time
+    (default: chunk_tokens(V))."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     chunk = chunk or chunk_tokens(weight.size(0))
+    if reduction == "none":
+        # One loss per token has a gradient per token, which the fused forward below cannot precompute for an
+        # incoming gradient it does not know yet: each chunk is recomputed in backward instead (activation
+        # checkpointing), so still only one chunk's logits are ever in memory.
+        parts = [
+            checkpoint(token_cross_entropy, h[i : i + chunk], weight, targets[i : i + chunk], use_reentrant=False)
+            for i in range(0, h.size(0), chunk)
+        ]
+        return torch.cat(parts)  # (N,)
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)  # else evaluation: the loss only
     return LinearCrossEntropy.apply(h, weight, targets, reduction == "mean", chunk, grads)
+
+
+def token_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """h (n, C), weight (V, C), targets (n,) -> each token's cross-entropy (n,) in float32, 0 where the target is
+    -1: one chunk of linear_cross_entropy(reduction="none")."""
+    logits = F.linear(h, weight).float()  # (n, V)
+    return F.cross_entropy(logits, targets, ignore_index=-1, reduction="none")
 
 
 def compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -386,8 +386,9 @@ class GPT(nn.Module):
         return_logits: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) and the cross-entropy against targets (B, T), where a target of
-        -1 is ignored (a conversation's non-assistant tokens, padding): its mean over the other targets, or with
-        reduction="sum" its sum; the loss is None without targets.
+        -1 is ignored (a conversation's non-assistant tokens, padding): its mean over the other targets, with
+        reduction="sum" its sum, or with reduction="none" each token's (B, T), 0 where the target is -1; the loss is
+        None without targets.
 
         return_logits=False (training) gives (None, loss), the output head and the loss computed a chunk of tokens
         at a time (gptlite.loss), so that the (B, T, V) logits, their softmax and its gradient are never all in
@@ -396,12 +397,13 @@ class GPT(nn.Module):
             self._check_targets(idx, targets)
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:  # not LoRA'd, not int8
             h = self.hidden(idx).flatten(0, 1)  # (B*T, C)
-            return None, linear_cross_entropy(h, self.lm_head.weight, targets.reshape(-1), reduction)
+            loss = linear_cross_entropy(h, self.lm_head.weight, targets.reshape(-1), reduction)
+            return None, loss.view(targets.shape) if reduction == "none" else loss
         logits = self.lm_head(self.hidden(idx))  # (B, T, V)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1), ignore_index=-1, reduction=reduction)
-        return (logits if return_logits else None), loss
+        return (logits if return_logits else None), loss.view(targets.shape) if reduction == "none" else loss
 
     def hidden(self, idx: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         """The final-norm hidden states (B, T, C) of idx (B, T). Without a cache the tokens are at positions

@@ -69,8 +69,24 @@ def test_evaluation_keeps_no_gradients_and_bad_reduction_is_named():
         loss = linear_cross_entropy(h, w, t, chunk=64)
     assert loss.grad_fn is None
     torch.testing.assert_close(loss, F.cross_entropy(F.linear(h, w), t, ignore_index=-1).detach())
-    with pytest.raises(ValueError, match=r"reduction must be 'mean' or 'sum', got 'none'"):
-        linear_cross_entropy(h, w, t, "none")
+    with pytest.raises(ValueError, match=r"reduction must be 'mean', 'sum' or 'none', got 'max'"):
+        linear_cross_entropy(h, w, t, "max")
+
+
+def test_per_token_losses_and_their_gradients_equal_the_whole_computation():
+    h, w, t = inputs()
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    chunked = linear_cross_entropy(h, w, t, "none", chunk=64)  # (N,), several chunks
+    weights = torch.rand_like(chunked)  # a gradient per token, as DPO's per-sequence sums give
+    (chunked * weights).sum().backward()
+    grads = h.grad.clone(), w.grad.clone()
+    h.grad, w.grad = None, None
+    whole = F.cross_entropy(F.linear(h, w), t, ignore_index=-1, reduction="none")
+    (whole * weights).sum().backward()
+    torch.testing.assert_close(chunked, whole)
+    torch.testing.assert_close(grads[0], h.grad)
+    torch.testing.assert_close(grads[1], w.grad)
 
 
 def test_chunks_hold_a_bounded_number_of_logits():
