@@ -6,12 +6,15 @@ that training starts from the base model exactly.
 qkv and output projection, the feed-forward's input and output by default) into LoRALinear in place, keeping their
 weight tensors (no copy, the same state-dict names) and freezing every other parameter; `merge_lora(model)` folds
 the updates into the weights and turns them back into plain nn.Linear. `lora_state_dict(model)` is what a LoRA
-checkpoint saves: the adapters alone, megabytes where the model is gigabytes.
+checkpoint saves: the adapters alone, megabytes where the model is gigabytes. `adapters_off(model)` runs the base
+model, the adapters skipped: DPO's reference model without a second copy of the weights (gptlite.preference).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,8 +46,11 @@ class LoRALinear(nn.Linear):
         self.alpha = alpha
         self.scaling = alpha / rank
         self.drop = nn.Dropout(dropout)
+        self.enabled = True  # adapters_off() clears it: the layer is then the base layer alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
         update = F.linear(F.linear(self.drop(x), self.lora_A), self.lora_B)  # (..., out)
         return F.linear(x, self.weight, self.bias) + self.scaling * update
 
@@ -97,6 +103,20 @@ def add_lora(
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every LoRALinear of `model` computes its base layer alone, so the model computes what it
+    did before add_lora: the same weight tensors, nothing copied. The adapters come back on leaving the block."""
+    layers = list(lora_layers(model).values())
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enabled = True
 
 
 def lora_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
