@@ -5,6 +5,8 @@ train/val token shards + tokenizer.json + manifest.json.
     python data/prepare.py --input 'dump/*.jsonl' --text_field content --tokenizer gpt2 --out_dir DIR
     python data/prepare.py --hf_dataset HuggingFaceFW/fineweb-edu --hf_name sample-10BT --tokenizer gpt2 --out_dir DIR
     python data/prepare.py --input chats.jsonl --chat --tokenizer DIR --out_dir DIR2 # conversations {"messages": [...]}
+    python data/prepare.py --input pairs.jsonl --preference --tokenizer DIR --block_size 1024 --out_dir DIR3
+        # preference pairs {"prompt": ..., "chosen": ..., "rejected": ...} for DPO (train.py trains on them with DPO)
     python data/prepare.py --verify --out_dir DIR          # check DIR's shards against its manifest
 
 SPEC: byte | char | a tiktoken encoding name (gpt2, cl100k_base, o200k_base, ...) | path/to/ranks.tiktoken
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.prepare import SHARD_TOKENS, prepare  # noqa: E402
+from gptlite.prepare.preference import prepare_preference  # noqa: E402
 
 
 @dataclass
@@ -45,8 +48,19 @@ class PrepareOptions:
     messages_field: str = option(
         "messages", "--chat: the field of a record that holds its list of {role, content} messages"
     )
+    preference: bool = option(
+        False,
+        "records hold a prompt and a chosen and a rejected answer (text or messages, TRL's fields) for DPO; "
+        "a record without them is an error, a pair with identical answers or a prompt that fills block_size is "
+        "dropped and counted, an answer too long for block_size is cut (see gptlite/prepare/preference.py)",
+    )
+    prompt_field: str = option("prompt", "--preference: the field that holds the prompt (text or messages)")
+    chosen_field: str = option("chosen", "--preference: the field that holds the chosen answer")
+    rejected_field: str = option("rejected", "--preference: the field that holds the rejected answer")
     block_size: int = option(
-        0, "--chat: a conversation longer than block_size + 1 tokens is cut or dropped (0: no limit)"
+        0,
+        "--chat: a conversation longer than block_size + 1 tokens is cut or dropped; --preference: the training "
+        "window, which answers are cut to (0: no limit)",
     )
     too_long: str = option(
         "drop", "--chat: what happens to a conversation longer than block_size", choices=("drop", "cut")
@@ -65,6 +79,21 @@ def run(args: PrepareOptions) -> int:
 
         manifest = verify_manifest(args.out_dir)
         print(f"{args.out_dir}: {len(manifest['shards'])} shards match manifest.json")
+        return 0
+    if args.preference:
+        if args.chat or args.hf_dataset:
+            raise ValueError("--preference reads local JSONL or Parquet files: leave out --chat and --hf_dataset")
+        prepare_preference(
+            args.input,
+            args.tokenizer,
+            args.out_dir,
+            args.val_fraction,
+            args.shard_tokens,
+            args.overwrite,
+            fields=(args.prompt_field, args.chosen_field, args.rejected_field),
+            block_size=args.block_size,
+            dtype=args.dtype,
+        )
         return 0
     prepare(
         args.input,

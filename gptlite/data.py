@@ -1,5 +1,6 @@
 """The memory-mapped, resumable batch loaders over token shards (their file format is in gptlite.shards): windows of
-a token stream for pretraining (`ShardLoader`), whole conversations for fine-tuning on chats (`ChatLoader`)."""
+a token stream for pretraining (`ShardLoader`), whole conversations for fine-tuning on chats (`ChatLoader`), pairs of
+a chosen and a rejected answer for preference tuning (`PairLoader`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from gptlite.shards import (  # noqa: F401  (the shard format's names, importable from here as before)
+    ANSWER,
     FORMATS,
     HEADER_BYTES,
     HEADER_INTS,
@@ -164,9 +166,7 @@ class ChatLoader:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.conversations = np.array(
-            [(s, a, b) for s, roles in enumerate(self.roles) for a, b in spans(roles)], dtype=np.int64
-        ).reshape(-1, 3)  # (N, 3): shard, start, end
+        self.conversations = self._items()
         need = batch_size * world_size
         if len(self.conversations) < need:
             raise ValueError(
@@ -176,6 +176,12 @@ class ChatLoader:
         self.targets = int(sum(int((r & TARGET).astype(bool).sum()) for r in self.roles))
         self.epoch, self.index = 0, 0
         self.order = self._order()
+
+    def _items(self) -> np.ndarray:
+        """(N, 3) int64: each conversation's shard, start and end."""
+        return np.array(
+            [(s, a, b) for s, roles in enumerate(self.roles) for a, b in spans(roles)], dtype=np.int64
+        ).reshape(-1, 3)
 
     def _order(self) -> np.ndarray:
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.conversations))
@@ -212,6 +218,10 @@ class ChatLoader:
             tokens = self.tokens[shard][start:end].astype(np.int64)
             targets = np.where(self.roles[shard][start + 1 : end] & TARGET, tokens[1:], -1)
             rows.append((tokens[:-1], targets))
+        return self._pad(rows)
+
+    def _pad(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) rows of different lengths -> (R, L) tensors, right-padded (x with 0, y with -1)."""
         width = min(self.block_size, -(-max(len(x) for x, _ in rows) // self.PAD_MULTIPLE) * self.PAD_MULTIPLE)
         x = torch.zeros(len(rows), width, dtype=torch.long)  # (B, L)
         y = torch.full((len(rows), width), -1, dtype=torch.long)  # (B, L)
@@ -234,11 +244,52 @@ class ChatLoader:
         self.order = self._order()
 
 
+class PairLoader(ChatLoader):
+    """Yields (x, y) batches of preference pairs (data/prepare.py --preference) for DPO (gptlite.preference):
+    2 * batch_size rows, the batch's chosen answers each after its prompt, then its rejected answers in the same
+    order, y the next tokens on the answer's tokens and -1 elsewhere, padded as ChatLoader pads (so the two rows of a
+    pair are compared over the same prompt). A pair's tokens lie one after the other in the shard: the prompt (its
+    first token START), the chosen answer, the rejected answer (each answer's first token ANSWER). Order, ranks and
+    state are ChatLoader's, with pairs for conversations."""
+
+    def _items(self) -> np.ndarray:
+        """(N, 5) int64: each pair's shard, start, chosen answer's start, rejected answer's start, end."""
+        pairs = []
+        for s, roles in enumerate(self.roles):
+            for a, b in spans(roles):
+                answers = a + np.flatnonzero(roles[a:b] & ANSWER)
+                if len(answers) != 2 or answers[0] == a:
+                    raise ValueError(
+                        f"{roles_path(self.files[s])}: the pair at token {a} has {len(answers)} answer(s) marked after "
+                        "its prompt, not 2; prepare the data again with data/prepare.py --preference"
+                    )
+                pairs.append((s, a, int(answers[0]), int(answers[1]), b))
+        return np.array(pairs, dtype=np.int64).reshape(-1, 5)
+
+    def _gather(self, picks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen, rejected = [], []
+        for shard, start, first, second, end in self.conversations[picks]:
+            tokens, roles = self.tokens[shard], self.roles[shard]
+            for rows, (a, b) in ((chosen, (first, second)), (rejected, (second, end))):
+                seq = np.concatenate([tokens[start:first], tokens[a:b]]).astype(np.int64)[: self.block_size + 1]
+                target = np.concatenate([roles[start:first], roles[a:b]])[: self.block_size + 1] & TARGET
+                rows.append((seq[:-1], np.where(target[1:], seq[1:], -1)))
+        return self._pad(chosen + rejected)  # (2B, L) each
+
+
 def spans(roles: np.ndarray) -> list[tuple[int, int]]:
     """(start, end) of every conversation in a shard's roles: from one START byte to the next, or the end."""
     starts = np.flatnonzero(roles & START)
     ends = np.append(starts[1:], len(roles))
     return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True) if b - a >= 2]
+
+
+def is_preference_data(files: list[Path]) -> bool:
+    """Whether shards hold preference pairs: their folder's manifest.json says data/prepare.py --preference."""
+    try:
+        return bool(files) and bool(json.loads((files[0].parent / "manifest.json").read_text()).get("preference"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def is_chat_data(files: list[Path]) -> bool:
@@ -258,14 +309,15 @@ def is_chat_data(files: list[Path]) -> bool:
     return bool(files) and all(with_roles)
 
 
-Loader = ShardLoader | ChatLoader  # what training and its evaluation read batches from
+Loader = ShardLoader | ChatLoader | PairLoader  # what training and its evaluation read batches from
 
 
 def make_loaders(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> tuple[Loader, Loader]:
     """Train and val loaders over cfg.data_dir's shards, after checking that no shard is empty, every token id is
-    below vocab_size and each split holds at least one global batch: every problem of the data is found before the
-    first step. Rank r reads the r-th slice of every global batch, so ranks never read the same window. Shards with
-    roles files (data/prepare.py --chat) give whole conversations whose assistant tokens alone are targets."""
+        below vocab_size and each split holds at least one global batch: every problem of the data is found before the
+        first step. Rank r reads the r-th slice of every global batch, so ranks never read the same window. Shards with
+        roles files (data/prepare.py --chat) give whole conversations whose assistant tokens alone are targets, and a
+    preparation of preference pairs (--preference) gives pairs (PairLoader)."""
     if cfg.init_from:
         fix = f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the pretrained model knows"
     else:
@@ -278,6 +330,8 @@ def make_loaders(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> tuple[
                 raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
         check_vocab(files, cfg.model.vocab_size, fix=fix)
         loader = ChatLoader if is_chat_data(files) else ShardLoader
+        if is_preference_data(files):
+            loader = PairLoader
         try:
             loaders.append(
                 loader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank, world_size=world_size)

@@ -27,9 +27,11 @@ FORMATS = {  # magic -> (version, token dtype)
 UINT16_VOCAB = 2**16
 # A conversation's data (data/prepare.py --chat) has beside each token shard `x.bin` a roles file `x.roles` in the
 # same layout, magic ROLES_MAGIC, one byte per token: bit TARGET marks a token the model learns to predict (an
-# assistant's), bit START the first token of a conversation. Token shards stay llm.c's.
+# assistant's), bit START the first token of a conversation. Token shards stay llm.c's. A preference pair's data
+# (data/prepare.py --preference) is laid out as the prompt (START on its first token), then the chosen answer, then the
+# rejected one, each answer's tokens TARGET and its first token ANSWER as well.
 ROLES_MAGIC, ROLES_VERSION = 20241124, 1
-TARGET, START = 1, 2
+TARGET, START, ANSWER = 1, 2, 4
 
 
 def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int) -> None:
@@ -166,8 +168,10 @@ def verify_manifest(data_dir: str | Path, checksums: bool = True) -> dict:
                 "prepare the data again (--overwrite)"
             )
         expected = manifest.get("sha256", {}).get(shard["file"])
-        if manifest.get("chat"):
-            read_roles(roles_path(shard_path), len(tokens))  # a chat preparation's roles: there, and of its length
+        if manifest.get("chat") or manifest.get("preference"):
+            read_roles(
+                roles_path(shard_path), len(tokens)
+            )  # a chat (or preference) preparation's roles: there, and of its length
             roles_sha = manifest["sha256"].get(roles_path(shard_path).name)
             if checksums and roles_sha and file_sha256(roles_path(shard_path)) != roles_sha:
                 raise ValueError(
