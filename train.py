@@ -43,7 +43,7 @@ from gptlite.checkpoint import (
 )
 from gptlite.cli import StopSignals, run_command
 from gptlite.config import TrainConfig, config_to_dict
-from gptlite.data import ChatLoader, make_loaders
+from gptlite.data import ChatLoader, PairLoader, make_loaders
 from gptlite.device import (
     autocast,
     compile_unavailable,
@@ -62,6 +62,7 @@ from gptlite.lora import add_lora, lora_state_dict
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 from gptlite.optim import configure_optimizers, lr_at
+from gptlite.preference import Reference, dpo_loss, evaluate_pairs, frozen_copy, pair_stats, sequence_logps, stats_dict
 from gptlite.run_config import NO_DATA_DIR, resolve_config
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
@@ -117,7 +118,8 @@ def train(
         )
     grad_accum = total_batch // tokens_per_micro_step
     train_loader, val_loader = make_loaders(cfg, rank, world_size)
-    chat = isinstance(train_loader, ChatLoader)  # conversations: the assistant's tokens alone are targets
+    preference = isinstance(train_loader, PairLoader)  # pairs of a chosen and a rejected answer: DPO's loss
+    chat = isinstance(train_loader, ChatLoader) and not preference  # conversations: the assistant's tokens are targets
     lengths = None  # each token's UTF-8 bytes, for the val bits per byte; unknown without the data's tokenizer
     tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
     tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
@@ -143,9 +145,10 @@ def train(
 
     # ---------------------------------------------------------------------------------------------
     # 5. The model: --init_from's weights unless the checkpoint holds them all (a LoRA checkpoint holds its
-    # adapters alone), else fresh ones, the same on every rank (FSDP does not broadcast them).
+    # adapters alone), else fresh ones, the same on every rank (FSDP does not broadcast them). DPO needs the
+    # start-of-run weights even then: its reference is the model as the run began, not as it was resumed.
     torch.manual_seed(cfg.seed)
-    if cfg.init_from and (ckpt is None or "lora" in ckpt):
+    if cfg.init_from and (ckpt is None or "lora" in ckpt or preference):
         model = GPT.from_pretrained(cfg.init_from, torch.float32, block_size=T, dropout=cfg.model.dropout)
         model = model.train().to(device)
         added = cfg.model.vocab_size - model.config.vocab_size  # special tokens the data's tokenizer added
@@ -158,6 +161,9 @@ def train(
             model.grow_vocab(cfg.model.vocab_size)
     else:
         model = GPT(cfg.model).to(device)
+    # DPO's reference (gptlite.preference): without LoRA a frozen copy of these start-of-run weights, taken before
+    # a resume loads the run's own; with LoRA the same model with its adapters off, no copy
+    frozen = frozen_copy(model) if preference and not cfg.lora_rank else None
     model.checkpoint_blocks = cfg.activation_checkpointing  # recompute each block in backward, keep its input only
     if cfg.activation_checkpointing and device == "cpu":
         return_freed_memory()
@@ -243,6 +249,7 @@ def train(
             log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
     resumed = ckpt is not None
     ckpt = None  # free its memory
+    reference = Reference(model, frozen) if preference else None
 
     # ---------------------------------------------------------------------------------------------
     # 9. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
@@ -316,7 +323,11 @@ def train(
 
         # forward and backward over the step's micro-batches; their gradients add up in .grad
         batches = [train_loader.next_batch() for _ in range(grad_accum)]
-        if chat:
+        if preference:
+            # DPO's loss is the mean over pairs, and every micro-batch holds batch_size of them: the step's mean loss
+            # is the mean over micro-batches, as for text
+            weight = 1.0 / grad_accum
+        elif chat:
             # The loss of conversations is the mean over every target token of the step, on every rank: a
             # micro-batch with fewer assistant tokens weighs less. So each micro-batch's summed loss is divided by
             # the step's target count, times world_size, which DDP's mean over the ranks divides away.
@@ -330,6 +341,7 @@ def train(
             reduction = "mean"
             weight = 1.0 / grad_accum
         step_loss = torch.zeros((), device=device)
+        step_pairs = torch.zeros(3 if preference else 0, device=device)  # DPO: rewards and accuracy (pair_stats)
         try:
             for micro, (x, y) in enumerate(batches):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T) each
@@ -341,8 +353,18 @@ def train(
                 elif cfg.fsdp and world_size > 1:
                     model.set_requires_gradient_sync(last_micro)
                 with amp:
-                    # chunked_loss: the head and the loss a chunk of tokens at a time, never every logit at once
-                    _, loss = train_model(x, y, reduction=reduction, return_logits=not cfg.chunked_loss)
+                    if preference:
+                        # DPO: x holds the pairs' chosen answers, then their rejected ones (2B rows). Each answer's
+                        # log-probability under the model and under the reference; the loss rewards the model for
+                        # raising the chosen answer's above the reference's more than the rejected one's.
+                        logps, lengths = sequence_logps(train_model, x, y)  # (2B,) each
+                        ref_logps = reference.logps(x, y)  # (2B,), no gradient
+                        dpo = dpo_loss(logps, ref_logps, lengths, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing)
+                        loss = dpo.loss
+                        step_pairs += pair_stats(dpo) * weight
+                    else:
+                        # chunked_loss: the head and the loss a chunk of tokens at a time, never every logit at once
+                        _, loss = train_model(x, y, reduction=reduction, return_logits=not cfg.chunked_loss)
                 scaler.scale(loss * weight).backward()
                 step_loss += loss.detach() * weight
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
@@ -361,11 +383,11 @@ def train(
         elapsed = (time.time() - t_start) / 60
         out_of_time = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
         votes = torch.tensor([float(bool(signals) or out_of_time), float(out_of_time), elapsed], device=device)
-        stats = torch.cat([torch.stack([step_loss, grad_norm.float()]), votes])
+        stats = torch.cat([torch.stack([step_loss, grad_norm.float()]), step_pairs, votes])
         if world_size > 1:
             dist.all_reduce(stats)
             stats /= world_size
-        loss_value, norm, stop_votes, time_votes, minutes = stats.tolist()
+        loss_value, norm, *pairs, stop_votes, time_votes, minutes = stats.tolist()
         stop, timed_out = stop_votes > 0, time_votes > 0
 
         # the update, unless the loss or the gradient norm is not finite. With float16, gradients that overflowed
@@ -408,6 +430,7 @@ def train(
                 f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
                 f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
                 + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%")
+                + (f" | accuracy {pairs[2]:.3f} | margin {pairs[0] - pairs[1]:.3f}" if preference else "")
             )
             if master:
                 metrics.write(
@@ -419,6 +442,7 @@ def train(
                     ms_per_step=dt * 1000,
                     tokens_per_s=tokens_per_s,
                     mfu=step_mfu,
+                    **(stats_dict(pairs) if preference else {}),
                 )
 
         # evaluate and save: every eval_interval steps and at the end; a stop saves without evaluating
@@ -427,10 +451,33 @@ def train(
         if evaluate:
             # The model as built, not train_model: compiling a second, eval-mode graph costs more than it saves, and
             # DDP adds nothing without gradients.
-            val_loss, val_bpb = evaluate_loader(model, val_loader, cfg.eval_iters, device, amp, lengths)
-            log(f"step {step:5d} | val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}"))
-            if master:
-                metrics.write(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
+            if preference:  # DPO's loss, rewards and accuracy on the val pairs
+                val_loss, val_pairs = evaluate_pairs(
+                    model,
+                    reference,
+                    val_loader,
+                    cfg.eval_iters,
+                    device,
+                    amp,
+                    cfg.dpo_beta,
+                    cfg.dpo_loss,
+                    cfg.dpo_label_smoothing,
+                )
+                val_stats = stats_dict(val_pairs, prefix="val_")
+                log(
+                    f"step {step:5d} | val loss {val_loss:.4f} | val accuracy {val_stats['val_rewards_accuracy']:.3f}"
+                    f" | val margin {val_stats['val_rewards_margin']:.3f}"
+                )
+                if master:
+                    metrics.write(step=step, tokens=step * total_batch, val_loss=val_loss, **val_stats)
+            else:
+                val_loss, val_bpb = evaluate_loader(model, val_loader, cfg.eval_iters, device, amp, lengths)
+                log(
+                    f"step {step:5d} | val loss {val_loss:.4f}"
+                    + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}")
+                )
+                if master:
+                    metrics.write(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
         # CORE (gptlite.evaluate.core) every core_every steps and at the end; the ranks share its items
         score_core = core_tasks is not None and (step % cfg.core_every == 0 or last)
         if score_core:

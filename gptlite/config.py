@@ -224,8 +224,20 @@ class TrainConfig:
     lora_targets: str = option(
         "attn.qkv,attn.out_proj,ffn.fc,ffn.out_proj", "comma-separated ends of the layer names that get adapters"
     )
+    # DPO: on preference data (data/prepare.py --preference) the loss is DPO's, against the start-of-run model
+    dpo_beta: float = option(
+        0.1, "preference data: DPO's beta, how far the model may move from the reference (higher: less far)"
+    )
+    dpo_loss: str = option(
+        "sigmoid",
+        "preference data: DPO's sigmoid loss, or IPO's squared one (gptlite/preference.py)",
+        choices=("sigmoid", "ipo"),
+    )
+    dpo_label_smoothing: float = option(
+        0.0, "preference data, sigmoid loss: the share of pairs taken to be mislabelled (conservative DPO)"
+    )
     # batch
-    batch_size: int = option(12, "sequences per device per micro-step")
+    batch_size: int = option(12, "sequences per device per micro-step (preference data: pairs)")
     total_batch_size: int = option(
         0, "tokens per optimizer step across all devices (0 = one micro-step, no gradient accumulation)"
     )
@@ -334,6 +346,15 @@ class TrainConfig:
                 )
             if not 0 <= self.lora_dropout < 1:
                 problems.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if not self.dpo_beta > 0:
+            problems.append(f"dpo_beta={self.dpo_beta} must be > 0 (e.g. 0.1)")
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            problems.append(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5) (e.g. 0.1)")
+        if self.dpo_label_smoothing and self.dpo_loss != "sigmoid":
+            problems.append(
+                f"dpo_label_smoothing={self.dpo_label_smoothing} applies to dpo_loss=sigmoid only, not "
+                f"{self.dpo_loss!r}; leave it out or use dpo_loss=sigmoid"
+            )
         if self.core_every < 0 or (self.core_max_per_task is not None and self.core_max_per_task < 1):
             problems.append(
                 f"core_every={self.core_every} must be >= 0 and core_max_per_task={self.core_max_per_task} >= 1"
