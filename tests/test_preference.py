@@ -5,6 +5,8 @@ pairs rises, and a resumed run continues exactly (its reference is the start-of-
 import copy
 import json
 import math
+import runpy
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from gptlite.lora import LoRALinear, adapters_off, add_lora
 from gptlite.preference import Reference, dpo_loss, frozen_copy, pair_stats, sequence_logps
 from gptlite.prepare.preference import prepare_preference
 from gptlite.tokenizer import load_tokenizer
-from tests.conftest import run_train, tiny_model
+from tests.conftest import ROOT, run_train, tiny_model
 from tests.test_hf import hf_llama
 
 transformers.logging.set_verbosity_error()
@@ -209,6 +211,31 @@ def test_messages_are_rendered_with_the_chat_template(tmp_path):
     prompt = tokenizer.decode(x[0, : int((y[0] < 0).long().argmin()) + 1].tolist())
     assert prompt == "<|im_start|>user\nq0<|im_end|>\n<|im_start|>assistant\n"
     assert chosen == "good<|im_end|>"  # the answer up to its end-of-turn marker, as --chat's targets
+
+
+def test_the_command_reads_parquet_with_other_field_names(tmp_path, capsys, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = digits_pairs(20)
+    columns = {"question": [r["prompt"] for r in records], "good": [r["chosen"] for r in records]}
+    columns["bad"] = [r["rejected"] for r in records]
+    pq.write_table(pa.table(columns), tmp_path / "pairs.parquet")
+    argv = ["--input", str(tmp_path / "pairs.parquet"), "--preference", "--tokenizer", "byte", "--block_size=32"]
+    argv += ["--prompt_field=question", "--chosen_field=good", "--rejected_field=bad", f"--out_dir={tmp_path / 'd'}"]
+    monkeypatch.setattr(sys, "argv", ["prepare.py", *argv])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(ROOT / "data" / "prepare.py"), run_name="__main__")
+    assert exit.value.code in (0, None)
+    assert "20 pairs kept (0 cut to block_size)" in capsys.readouterr().out
+    x, y = PairLoader(find_shards(tmp_path / "d", "train"), batch_size=18, block_size=32).next_batch()
+    assert x.shape[0] == 36
+    argv = [a for a in argv if not a.startswith(("--chosen_field", "--out_dir"))]
+    monkeypatch.setattr(sys, "argv", ["prepare.py", *argv, "--chosen_field=answer", f"--out_dir={tmp_path / 'e'}"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(ROOT / "data" / "prepare.py"), run_name="__main__")
+    assert exit.value.code == 2
+    assert "pairs.parquet has no column 'answer'" in capsys.readouterr().err
 
 
 def test_a_record_without_an_answer_names_its_line_and_the_option(tmp_path):
