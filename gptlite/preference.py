@@ -98,8 +98,7 @@ class Reference:
     in eval mode (no dropout) and without gradients."""
 
     def __init__(self, model: torch.nn.Module, frozen: torch.nn.Module | None):
-        if frozen is None and not lora_layers(model):
-            raise ValueError("a reference without a frozen copy needs a LoRA model, whose adapters it switches off")
+        assert frozen is not None or lora_layers(model), "without a frozen copy the reference is LoRA's base model"
         self.model, self.frozen = model, frozen
 
     @torch.no_grad()
