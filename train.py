@@ -63,6 +63,20 @@ from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 from gptlite.optim import configure_optimizers, lr_at
 from gptlite.preference import Reference, dpo_loss, evaluate_pairs, frozen_copy, pair_stats, sequence_logps, stats_dict
+from gptlite.rl import (
+    PromptLoader,
+    group_advantages,
+    group_stats,
+    load_reward,
+    policy_loss,
+    read_prompts,
+    reference_logprobs,
+    reward_needs_answer,
+    rl_metrics,
+    rollout,
+    step_generator,
+    token_logprobs,
+)
 from gptlite.run_config import NO_DATA_DIR, resolve_config
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
@@ -133,6 +147,20 @@ def train(
                 "exist; prepare the data with data/prepare.py, or leave --core_every out"
             )
         core_tasks = read_bundle(core_bundle(cfg.core_bundle, "--core_bundle"), cfg.core_max_per_task)
+    reward = None  # --rl: the reward function; the prompts take the train loader's place (gptlite.rl)
+    if cfg.rl:
+        if tokenizer is None or preference:
+            raise ValueError(
+                f"--rl samples completions of --rl_prompts, and needs a data folder with a tokenizer.json and a val "
+                f"split of text or conversations (what the model was fine-tuned on); {cfg.data_dir} "
+                + ("holds preference pairs" if preference else "has no tokenizer.json")
+            )
+        reward = load_reward(cfg.reward, cfg.rl_answer_field)
+        room = T - cfg.rl_max_new_tokens  # a prompt's tokens, that its completion still fits in the context
+        prompts = read_prompts(
+            cfg.rl_prompts, tokenizer, cfg.rl_prompt_field, cfg.rl_answer_field, room, reward_needs_answer(cfg.reward)
+        )
+        train_loader = PromptLoader(prompts, B, seed=cfg.seed, rank=rank, world_size=world_size)
 
     # ---------------------------------------------------------------------------------------------
     # 4. The checkpoint to continue from (--resume): the run folder's newest intact one.
@@ -148,7 +176,8 @@ def train(
     # adapters alone), else fresh ones, the same on every rank (FSDP does not broadcast them). DPO needs the
     # start-of-run weights even then: its reference is the model as the run began, not as it was resumed.
     torch.manual_seed(cfg.seed)
-    if cfg.init_from and (ckpt is None or "lora" in ckpt or preference):
+    kl_reference = cfg.rl and cfg.rl_loss == "grpo" and cfg.rl_kl_beta > 0  # GRPO's KL term: the same reference
+    if cfg.init_from and (ckpt is None or "lora" in ckpt or preference or kl_reference):
         model = GPT.from_pretrained(cfg.init_from, torch.float32, block_size=T, dropout=cfg.model.dropout)
         model = model.train().to(device)
         added = cfg.model.vocab_size - model.config.vocab_size  # special tokens the data's tokenizer added
@@ -161,9 +190,9 @@ def train(
             model.grow_vocab(cfg.model.vocab_size)
     else:
         model = GPT(cfg.model).to(device)
-    # DPO's reference (gptlite.preference): without LoRA a frozen copy of these start-of-run weights, taken before
-    # a resume loads the run's own; with LoRA the same model with its adapters off, no copy
-    frozen = frozen_copy(model) if preference and not cfg.lora_rank else None
+    # DPO's reference (gptlite.preference), and GRPO's for its KL term: without LoRA a frozen copy of these
+    # start-of-run weights, taken before a resume loads the run's own; with LoRA the same model with its adapters off
+    frozen = frozen_copy(model) if (preference or kl_reference) and not cfg.lora_rank else None
     model.checkpoint_blocks = cfg.activation_checkpointing  # recompute each block in backward, keep its input only
     if cfg.activation_checkpointing and device == "cpu":
         return_freed_memory()
@@ -322,8 +351,33 @@ def train(
                 group["lr"] = lr * group["lr_ratio"]
 
         # forward and backward over the step's micro-batches; their gradients add up in .grad
-        batches = [train_loader.next_batch() for _ in range(grad_accum)]
-        if preference:
+        batches = [] if cfg.rl else [train_loader.next_batch() for _ in range(grad_accum)]
+        step_rl = torch.zeros(5 if cfg.rl else 0, device=device)  # RL: rewards, lengths, KL (gptlite.rl.group_stats)
+        if cfg.rl:
+            # RL on verifiable rewards: the step's one micro-batch is rl_samples completions of each of its prompts,
+            # sampled with the KV cache and scored by the reward function. A reward function that fails on any rank
+            # skips the step on every rank (DDP's backward needs them all): counted, and said in one line.
+            generator = step_generator(cfg.seed, step, rank, device)
+            group, rewards, reward_problem = rollout(
+                model,
+                tokenizer,
+                train_loader.next_batch(),
+                reward,
+                cfg.rl_samples,
+                cfg.rl_max_new_tokens,
+                cfg.rl_temperature,
+                generator,
+            )
+            failed = torch.tensor(float(reward_problem is not None), device=device)
+            if world_size > 1:
+                dist.all_reduce(failed)
+            if reward_problem:
+                print(f"warning: step {step + 1}: {reward_problem}; the step makes no update", flush=True)
+            if not failed.item():
+                batches = [(group.ids, group.mask)]  # (N, L) and (N, L - 1): the rows and their generated tokens
+                step_rl = group_stats(group, rewards, cfg.rl_max_new_tokens).to(device)
+            weight = 1.0  # the group's loss is a mean already
+        elif preference:
             # DPO's loss is the mean over pairs, and every micro-batch holds batch_size of them: the step's mean loss
             # is the mean over micro-batches, as for text
             weight = 1.0 / grad_accum
@@ -362,6 +416,18 @@ def train(
                         dpo = dpo_loss(logps, ref_logps, lengths, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing)
                         loss = dpo.loss
                         step_pairs += pair_stats(dpo) * weight
+                    elif cfg.rl:
+                        # The policy gradient (gptlite.rl.policy_loss): each generated token's log-probability
+                        # weighted by its completion's advantage, its reward minus its group's mean. GRPO's ratio is
+                        # to the policy that sampled, this one (one update per group), so its clip is inactive;
+                        # its KL is to the start-of-run model.
+                        logprobs = token_logprobs(train_model, x)  # (N, L - 1)
+                        ref = reference_logprobs(model, frozen, x) if kl_reference else None
+                        advantages = group_advantages(rewards).to(device)  # (N,)
+                        loss, info = policy_loss(
+                            logprobs, y, advantages, cfg.rl_loss, logprobs.detach(), ref, cfg.rl_clip, cfg.rl_kl_beta
+                        )
+                        step_rl[-1] = info["kl"]
                     else:
                         # chunked_loss: the head and the loss a chunk of tokens at a time, never every logit at once
                         _, loss = train_model(x, y, reduction=reduction, return_logits=not cfg.chunked_loss)
@@ -383,11 +449,11 @@ def train(
         elapsed = (time.time() - t_start) / 60
         out_of_time = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
         votes = torch.tensor([float(bool(signals) or out_of_time), float(out_of_time), elapsed], device=device)
-        stats = torch.cat([torch.stack([step_loss, grad_norm.float()]), step_pairs, votes])
+        stats = torch.cat([torch.stack([step_loss, grad_norm.float()]), step_pairs, step_rl, votes])
         if world_size > 1:
             dist.all_reduce(stats)
             stats /= world_size
-        loss_value, norm, *pairs, stop_votes, time_votes, minutes = stats.tolist()
+        loss_value, norm, *pairs, stop_votes, time_votes, minutes = stats.tolist()  # pairs: DPO's or RL's figures
         stop, timed_out = stop_votes > 0, time_votes > 0
 
         # the update, unless the loss or the gradient norm is not finite. With float16, gradients that overflowed
@@ -405,6 +471,8 @@ def train(
         last = step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
 
         # log: a line and a row of metrics.jsonl every log_interval steps; a step that made no update always
+        if cfg.rl and not batches and master:  # a reward function failed: the step made no update
+            metrics.write(step=step, event="reward_error")
         if not finite:
             if master:
                 metrics.write(step=step, event="nonfinite", loss=loss_value, grad_norm=norm)
@@ -431,6 +499,11 @@ def train(
                 f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
                 + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%")
                 + (f" | accuracy {pairs[2]:.3f} | margin {pairs[0] - pairs[1]:.3f}" if preference else "")
+                + (
+                    f" | reward {pairs[0]:.3f} | pass@{cfg.rl_samples} {pairs[1]:.3f} | {pairs[2]:.1f} tokens"
+                    if cfg.rl
+                    else ""
+                )
             )
             if master:
                 metrics.write(
@@ -443,6 +516,7 @@ def train(
                     tokens_per_s=tokens_per_s,
                     mfu=step_mfu,
                     **(stats_dict(pairs) if preference else {}),
+                    **(rl_metrics(pairs, cfg.rl_samples) if cfg.rl else {}),
                 )
 
         # evaluate and save: every eval_interval steps and at the end; a stop saves without evaluating

@@ -23,6 +23,7 @@ else:  # Python 3.10
 
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # every command's --dtype (see gptlite.device)
+RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gptlite.rl.policy_loss)
 QUANTIZE_CHOICES = ("", "int8")  # weight-only quantizations gptlite.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -236,6 +237,31 @@ class TrainConfig:
     dpo_label_smoothing: float = option(
         0.0, "preference data, sigmoid loss: the share of pairs taken to be mislabelled (conservative DPO)"
     )
+    # RL on verifiable rewards (gptlite/rl.py): sample completions of prompts, score them, train on the advantages
+    rl: bool = option(
+        False,
+        "reinforcement learning: each step samples rl_samples completions of batch_size prompts of rl_prompts per "
+        "device and trains on their rewards minus their group's mean (gptlite/rl.py)",
+    )
+    rl_prompts: str = option("", "rl: a JSONL file of prompts (text, or a list of messages) with their answers")
+    reward: str = option(
+        "",
+        "rl: gsm8k, exact, package.module:function or path/to/file.py:function, called as "
+        "function(prompt, completion, record) -> float",
+    )
+    rl_prompt_field: str = option("prompt", "rl: the records' prompt field (text, or a list of messages)")
+    rl_answer_field: str = option("answer", "rl: the records' answer field (what gsm8k and exact compare with)")
+    rl_samples: int = option(8, "rl: completions per prompt: a group, whose mean reward is each one's baseline")
+    rl_max_new_tokens: int = option(256, "rl: the longest completion, in tokens")
+    rl_temperature: float = option(1.0, "rl: the sampling temperature")
+    rl_loss: str = option(
+        "reinforce",
+        "rl: reinforce (nanochat's: -advantage x log-probability over the generated tokens) or grpo "
+        "(DeepSeekMath's clipped ratio and KL to the start-of-run model)",
+        choices=RL_LOSSES,
+    )
+    rl_clip: float = option(0.2, "rl_loss=grpo: the ratio's clip, epsilon")
+    rl_kl_beta: float = option(0.04, "rl_loss=grpo: the weight of the KL to the start-of-run model (0 = none)")
     # batch
     batch_size: int = option(12, "sequences per device per micro-step (preference data: pairs)")
     total_batch_size: int = option(
@@ -355,6 +381,38 @@ class TrainConfig:
                 f"dpo_label_smoothing={self.dpo_label_smoothing} applies to dpo_loss=sigmoid only, not "
                 f"{self.dpo_loss!r}; leave it out or use dpo_loss=sigmoid"
             )
+        if self.rl:
+            if not (self.rl_prompts and self.reward):
+                problems.append(
+                    "rl=true needs --rl_prompts=FILE.jsonl (prompts with answers) and "
+                    "--reward=gsm8k|exact|module:function"
+                )
+            if self.rl_samples < 2:
+                problems.append(
+                    f"rl_samples={self.rl_samples} must be >= 2: a completion's baseline is its group's mean reward, "
+                    "which a group of one equals"
+                )
+            if not 1 <= self.rl_max_new_tokens < self.model.block_size:
+                problems.append(
+                    f"rl_max_new_tokens={self.rl_max_new_tokens} must be in [1, block_size={self.model.block_size}): "
+                    "the prompt and its completion share the context"
+                )
+            if not self.rl_temperature > 0:
+                problems.append(
+                    f"rl_temperature={self.rl_temperature} must be > 0: greedy completions of a prompt are all alike, "
+                    "and their advantages all 0"
+                )
+            if self.total_batch_size:
+                problems.append(
+                    "rl=true takes batch_size prompts per device per step, rl_samples completions each, in one "
+                    f"micro-step; leave total_batch_size={self.total_batch_size} out"
+                )
+            if self.fsdp:
+                problems.append("rl=true samples from whole weights and runs alone or under DDP; drop fsdp=true")
+        elif self.rl_prompts or self.reward:
+            problems.append("rl_prompts and reward configure reinforcement learning; add --rl to train with them")
+        if not self.rl_clip > 0 or self.rl_kl_beta < 0:
+            problems.append(f"rl_clip={self.rl_clip} must be > 0 and rl_kl_beta={self.rl_kl_beta} >= 0")
         if self.core_every < 0 or (self.core_max_per_task is not None and self.core_max_per_task < 1):
             problems.append(
                 f"core_every={self.core_every} must be >= 0 and core_max_per_task={self.core_max_per_task} >= 1"

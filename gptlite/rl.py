@@ -24,7 +24,6 @@ update, is counted, and a one-line warning names the function and the record.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -32,21 +31,21 @@ import math
 import numbers
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
+from gptlite.config import RL_LOSSES
 from gptlite.generate import PAD, generate_tokens
+from gptlite.lora import adapters_off
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
     from gptlite.tokenizer import Tokenizer
 
-RL_LOSSES = ("reinforce", "grpo")  # train.py's --rl_loss
 GSM8K_NUMBER = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, from OpenAI's grade-school-math
 
 
@@ -353,15 +352,54 @@ def pass_at_k(rewards: torch.Tensor) -> float:
     return float((rewards > 0).any(dim=1).float().mean())
 
 
+def step_generator(seed: int, step: int, rank: int, device: str) -> torch.Generator:
+    """The sampling stream of one step on one rank, seeded from (seed, step, rank): a resumed run samples what the
+    straight run would have, and no two ranks sample alike."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) * 1009 + rank)
+
+
+def rollout(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompts: list[Prompt],
+    reward: Reward,
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> tuple[Group, torch.Tensor | None, str | None]:
+    """A step's group of completions and their rewards (P, S); when the reward function fails, no rewards and the
+    one-line reason."""
+    group = sample_group(model, tokenizer, prompts, samples, max_new_tokens, temperature, generator)
+    try:
+        return group, score_group(group, reward), None
+    except RewardError as e:
+        return group, None, str(e)
+
+
+def group_stats(group: Group, rewards: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """What a step logs of its group, (5,): its mean reward, pass@k, mean completion length in tokens, the share of
+    completions cut at max_new_tokens, and 0.0 where the loss puts the KL to the reference (see rl_metrics)."""
+    lengths = torch.tensor(group.lengths, dtype=torch.float32)
+    cut = float((lengths >= max_new_tokens).float().mean())
+    return torch.tensor([float(rewards.mean()), pass_at_k(rewards), float(lengths.mean()), cut, 0.0])
+
+
+def rl_metrics(values: list[float], samples: int) -> dict[str, float]:
+    """group_stats' figures (averaged over ranks) by name, as train.py logs them to metrics.jsonl."""
+    names = ("mean_reward", f"pass@{samples}", "completion_tokens", "cut_at_max_tokens", "kl")
+    return dict(zip(names, values, strict=True))
+
+
 # ---------------------------------------------------------------------------------------------
 # The loss
 
 
 def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """ids (N, L) -> the log-probability of each next token, (N, L - 1), in float32."""
-    logits, _ = model(ids[:, :-1])  # (N, L - 1, V)
-    logprobs = F.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, L - 1)
+    """ids (N, L) -> the log-probability of each next token, (N, L - 1), in float32: minus the per-token
+    cross-entropy, computed a chunk of tokens at a time (gptlite.loss), never all the logits at once."""
+    _, losses = model(ids[:, :-1], ids[:, 1:], reduction="none", return_logits=False)  # (N, L - 1)
+    return -losses
 
 
 def policy_loss(
@@ -400,21 +438,20 @@ def policy_loss(
     return -per_completion.mean(), {"kl": mean_kl}
 
 
-@contextlib.contextmanager
-def adapters_off(model: torch.nn.Module) -> Iterator[None]:
-    """The model without its LoRA adapters (their scale set to 0) for the duration: a LoRA run's reference, the
-    base weights, with no second copy in memory."""
-    from gptlite.lora import lora_layers
-
-    layers = lora_layers(model)
-    scales = {name: layer.scaling for name, layer in layers.items()}
-    for layer in layers.values():
-        layer.scaling = 0.0
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, frozen: torch.nn.Module | None, ids: torch.Tensor) -> torch.Tensor:
+    """ids (N, L) -> the reference's log-probability of each next token, (N, L - 1), without gradients: `frozen`, a
+    copy of the start-of-run weights, or with LoRA (frozen None) the model itself with its adapters off, in eval
+    mode either way."""
+    if frozen is not None:
+        return token_logprobs(frozen, ids)
+    training = model.training
+    model.eval()
     try:
-        yield
+        with adapters_off(model):
+            return token_logprobs(model, ids)
     finally:
-        for name, layer in layers.items():
-            layer.scaling = scales[name]
+        model.train(training)
 
 
 # ---------------------------------------------------------------------------------------------

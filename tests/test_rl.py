@@ -15,7 +15,6 @@ from gptlite.rl import (
     Prompt,
     PromptLoader,
     RewardError,
-    adapters_off,
     group_advantages,
     gsm8k_number,
     load_reward,
@@ -24,6 +23,7 @@ from gptlite.rl import (
     read_prompts,
     sample_group,
     score_group,
+    score_prompts,
     token_logprobs,
 )
 from gptlite.tokenizer import CharTokenizer
@@ -250,20 +250,6 @@ def test_the_prompt_order_resumes_exactly_and_ranks_never_share_a_prompt():
         PromptLoader(prompts[:9], 3).restore(state)
 
 
-def test_with_the_adapters_off_a_lora_model_is_its_base():
-    model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16)
-    ids = torch.tensor([DIGITS.encode("1234=4321")])
-    base = model(ids)[0]
-    add_lora(model, 2, 16.0, 0.0, ("attn.qkv", "ffn.fc"))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p)
-    assert not torch.allclose(model(ids)[0], base)
-    with adapters_off(model):
-        assert torch.equal(model(ids)[0], base)
-    assert not torch.allclose(model(ids)[0], base)
-
-
 def test_sampling_a_lora_model_on_the_cpu_keeps_its_adapters():
     """The CPU fast path packs large nn.Linear layers for decoding; a LoRA layer (a subclass) is left as it is, so
     that the policy sampled is the one trained."""
@@ -284,7 +270,6 @@ def test_evaluate_task_rl_scores_held_out_prompts(tmp_path, capsys):
     sampled ones, equal to what score_prompts gives; a missing flag or an unloadable reward is one line."""
     from gptlite import evaluate
     from gptlite.hf import export_hf
-    from gptlite.rl import score_prompts
 
     model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16, pos_emb="rope", norm="rmsnorm").cpu()
     export_hf(model, tmp_path / "model")
@@ -310,3 +295,179 @@ def test_evaluate_task_rl_scores_held_out_prompts(tmp_path, capsys):
         assert evaluate.main([*common, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py --rl on a toy task: continue "1234=" with the digits reversed, rewarded by exact match
+
+
+def teach_format(steps: int, seed: int = 0):
+    """A tiny Llama-shaped model trained directly for `steps` steps on the reversed digits after "=" (the prompt's
+    digits are no targets): it learns to answer with four digits, and, after few steps, answers right only
+    sometimes."""
+    from gptlite import GPT
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(vocab_size=DIGITS.vocab_size, block_size=16, n_head=2, pos_emb="rope", norm="rmsnorm"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    records = digit_prompts(steps * 32, seed=seed + 100)
+    for i in range(steps):
+        batch = records[i * 32 : (i + 1) * 32]
+        ids = torch.tensor([DIGITS.encode(r["prompt"] + r["answer"] + "\n") for r in batch])  # (32, 10)
+        targets = ids[:, 1:].clone()
+        targets[:, :4] = -1  # "1234=" is given: the answer and the newline are the targets
+        _, loss = model(ids[:, :-1], targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A folder with the format-taught model exported (sft/), a data folder of the task's text (its char tokenizer
+    is DIGITS, and train.py evaluates its val split as usual), training prompts and held-out prompts."""
+    from gptlite.hf import export_hf
+    from gptlite.prepare import prepare
+
+    folder = tmp_path_factory.mktemp("toy")
+    model = teach_format(80)
+    export_hf(model, folder / "sft")
+    text = "".join(f"{r['prompt']}{r['answer']}\n" for r in digit_prompts(300, seed=3))
+    (folder / "corpus.txt").write_text(text)
+    prepare([str(folder / "corpus.txt")], "char", folder / "data", log=lambda *a: None)
+    write_jsonl(folder / "train.jsonl", digit_prompts(2000, seed=1))
+    write_jsonl(folder / "held_out.jsonl", digit_prompts(64, seed=2))
+    return folder, model
+
+
+def rl_args(folder, out, **options):
+    """train.py --rl on the toy task, with --key=value options over these."""
+    values = {
+        "init_from": folder / "sft",
+        "data_dir": folder / "data",
+        "out_dir": out,
+        "rl": "true",
+        "rl_prompts": folder / "train.jsonl",
+        "reward": "exact",
+        "rl_samples": 16,
+        "rl_max_new_tokens": 4,
+        "batch_size": 8,
+        "block_size": 16,
+        "learning_rate": 1e-3,
+        "min_lr": 1e-3,
+        "warmup_iters": 0,
+        "weight_decay": 0.0,
+        "beta2": 0.99,
+        "eval_iters": 1,
+        "log_interval": 1,
+        "device": "cpu",
+        **options,
+    }
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+def held_out_scores(folder, model):
+    prompts = read_prompts(folder / "held_out.jsonl", DIGITS)
+    return score_prompts(model, DIGITS, prompts, load_reward("exact"), samples=8, max_new_tokens=4, temperature=1.0)
+
+
+def test_rl_raises_the_mean_reward_on_held_out_prompts(toy, tmp_path):
+    """The format-taught model's sampled answers are right less than once in ten; 500 steps of train.py --rl (8
+    prompts x 16 samples each) make most of them right on prompts it never trained on, and its greedy answers too."""
+    from gptlite.checkpoint import load_model
+    from gptlite.metrics import read_metrics
+    from tests.conftest import run_train
+
+    folder, model = toy
+    before = held_out_scores(folder, model)
+    run = run_train(*rl_args(folder, tmp_path / "rl", max_iters=500, eval_interval=500, log_interval=25))
+    assert run.code == 0, run.err
+    after = held_out_scores(folder, load_model(tmp_path / "rl", "", "")[0])
+    assert before["mean_reward"] < 0.15 and after["mean_reward"] > 0.5, (before, after)
+    assert after["pass@1"] > before["pass@1"] + 0.2, (before, after)
+    rows = [r for r in read_metrics(tmp_path / "rl" / "metrics.jsonl") if "mean_reward" in r]
+    assert len(rows) == 20 and rows[-1]["mean_reward"] > rows[0]["mean_reward"]
+    assert {"pass@16", "completion_tokens", "cut_at_max_tokens", "kl"} <= rows[0].keys()
+    assert rows[0]["completion_tokens"] == 4.0
+
+
+def test_a_resumed_rl_run_continues_as_the_straight_run(toy, tmp_path):
+    """Resume restores the prompts' order, the optimizer and the step, and each step's sampling is seeded from the
+    step: the resumed run's steps equal the straight run's."""
+    from tests.conftest import run_train
+
+    folder, _ = toy
+    straight = run_train(*rl_args(folder, tmp_path / "straight", max_iters=6, eval_interval=3))
+    first = run_train(*rl_args(folder, tmp_path / "resumed", max_iters=3, eval_interval=3))
+    resumed = run_train(*rl_args(folder, tmp_path / "resumed", max_iters=6, eval_interval=3), "--resume")
+    assert straight.code == first.code == resumed.code == 0, resumed.err
+    assert resumed.history == straight.history[3:] and len(resumed.history) == 3
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_with_its_kl_trains_with_and_without_lora(toy, tmp_path, lora):
+    """rl_loss=grpo with a KL term: the reference is a frozen copy, or with LoRA the model with its adapters off;
+    the KL is 0 at the first step (the policy is the reference) and positive once the policy has moved."""
+    from gptlite.metrics import read_metrics
+    from tests.conftest import run_train
+
+    folder, _ = toy
+    extra = {"lora_rank": 2} if lora else {}
+    run = run_train(*rl_args(folder, tmp_path / "grpo", max_iters=4, eval_interval=4, rl_loss="grpo", **extra))
+    assert run.code == 0, run.err
+    kls = [r["kl"] for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "kl" in r]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 0
+
+
+def test_a_reward_function_that_fails_skips_its_step_and_the_run_goes_on(toy, tmp_path):
+    """A reward that raises on one prompt: each step that samples it makes no update, says so in one line naming
+    the function and the record, and is counted in metrics.jsonl; the other steps train."""
+    from gptlite.metrics import read_metrics
+    from tests.conftest import run_train
+
+    folder, _ = toy
+    records = digit_prompts(12, seed=4)
+    records[5]["prompt"] = "0000="
+    write_jsonl(tmp_path / "prompts.jsonl", records)
+    (tmp_path / "picky.py").write_text(
+        "def reward(prompt, completion, record):\n"
+        "    if prompt == '0000=':\n"
+        "        raise ValueError('cannot score zeros')\n"
+        "    return float(completion == record['answer'])\n"
+    )
+    spec = f"{tmp_path / 'picky.py'}:reward"
+    args = rl_args(folder, tmp_path / "run", max_iters=6, eval_interval=6, batch_size=4, reward=spec)
+    run = run_train(*args, f"--rl_prompts={tmp_path / 'prompts.jsonl'}")
+    assert run.code == 0, run.err
+    warnings = [line for line in run.out.splitlines() if line.startswith("warning: step")]
+    expected = (
+        f"reward function {spec} raised ValueError: cannot score zeros on record 6 of {tmp_path / 'prompts.jsonl'}; "
+        "the step makes no update"
+    )
+    assert len(warnings) == 2 and all(w.endswith(expected) for w in warnings), warnings  # 2 passes over 12 prompts
+    events = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("event") == "reward_error"]
+    assert [f"warning: step {r['step']}: {expected}" for r in events] == warnings
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"rl": "true"}, "rl=true needs --rl_prompts=FILE.jsonl (prompts with answers) and --reward=gsm8k|exact"),
+        ({"rl_prompts": "p.jsonl", "reward": "exact"}, "rl_prompts and reward configure reinforcement learning; add"),
+        ({"rl": "true", "rl_prompts": "p", "reward": "exact", "rl_samples": 1}, "rl_samples=1 must be >= 2: a comp"),
+        (
+            {"rl": "true", "rl_prompts": "p", "reward": "exact", "rl_max_new_tokens": 64},
+            r"must be in \[1, block_size=6",
+        ),
+        ({"rl": "true", "rl_prompts": "p", "reward": "exact", "rl_temperature": 0}, "rl_temperature=0.0 must be > 0"),
+        ({"rl": "true", "rl_prompts": "p", "reward": "exact", "total_batch_size": 512}, "leave total_batch_size=512"),
+        ({"rl_loss": "ppo"}, "rl_loss='ppo' must be one of reinforce, grpo"),
+    ],
+)
+def test_rl_options_are_checked_together(options, message):
+    from gptlite.config import build_config
+
+    with pytest.raises(ValueError, match=message):
+        build_config({"block_size": 64, **options})
