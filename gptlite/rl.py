@@ -147,7 +147,8 @@ def load_reward(spec: str, answer_field: str = "answer") -> Reward:
 @dataclass
 class Prompt:
     """One record of the prompts file: its prompt as the record holds it (text or messages), its token ids (the
-    chat template's generation prompt after messages), the record, and where it came from (for messages)."""
+    chat template's generation prompt after messages), the record, and where it came from ("record N of FILE",
+    for messages)."""
 
     prompt: Any
     ids: list[int]
