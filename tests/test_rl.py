@@ -471,3 +471,17 @@ def test_rl_options_are_checked_together(options, message):
 
     with pytest.raises(ValueError, match=message):
         build_config({"block_size": 64, **options})
+
+
+def test_train_py_refuses_a_reward_or_prompts_it_cannot_use_in_one_line(toy, tmp_path):
+    """Every input is read before the run folder is claimed: an unloadable reward or a prompt too long for the
+    context is train.py's one-line error, and nothing is written."""
+    from tests.conftest import run_train
+
+    folder, _ = toy
+    run = run_train(*rl_args(folder, tmp_path / "a", max_iters=1, reward="nowhere:score"))
+    assert run.code == 2 and run.error.startswith("--reward=nowhere:score: cannot import nowhere (ModuleNotFound")
+    write_jsonl(tmp_path / "long.jsonl", [{"prompt": "1234567890123=", "answer": "1"}])
+    run = run_train(*rl_args(folder, tmp_path / "b", max_iters=1), f"--rl_prompts={tmp_path / 'long.jsonl'}")
+    assert run.code == 2 and "its prompt is 14 tokens, and block_size leaves 12 before rl_max_new_tokens" in run.error
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
