@@ -32,6 +32,16 @@ from tests.conftest import tiny_model
 DIGITS = CharTokenizer("0123456789=\n")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are a few thousand weights wide: a second thread gains nothing, and on a busy machine each of
+    their thousands of small operations waits for it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_gsm8k_reward_reads_the_number_after_the_four_hashes():
     reward = load_reward("gsm8k")
     solution = "She has 3 + 4 = <<3+4=7>>7 boxes of 1,000.\n#### 7,000"
