@@ -40,6 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from bench_serve import GPT2_SHAPE, WORDS  # noqa: E402  (the same model and prompts as the server's benchmark)
+
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
@@ -48,18 +50,6 @@ from gptlite.serve.engine import Engine, Job, Params  # noqa: E402
 from gptlite.serve.grammar import Grammars, Matcher  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
-GPT2_SHAPE = {  # GPT-2 124M's: 12 layers, 12 heads, 768 wide, vocab 50,304, GELU MLP with biases, learned positions
-    "vocab_size": 50304,
-    "block_size": 1024,
-    "n_layer": 12,
-    "n_head": 12,
-    "n_embd": 768,
-    "ffn": "gelu",
-    "bias": True,
-    "pos_emb": "learned",
-    "norm": "layernorm",
-}
-WORDS = "the of and to in is was for that with as on by he at from his it an were are which this be".split()
 SCHEMA = {  # a user record, as an app might ask for one
     "type": "object",
     "properties": {
