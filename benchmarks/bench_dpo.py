@@ -97,7 +97,8 @@ def run(args: Options) -> int:
             ("full (DPO: a frozen copy)", []),
             ("LoRA (DPO: adapters off)", [f"--lora_rank={args.lora_rank}"]),
         ):
-            peaks, steps = {}, {}
+            peaks = {}
+            steps = {}
             for kind, data in runs.items():
                 rss, out = measured([*common, *data, *extra])
                 peaks[kind] = float(re.findall(r"peak memory ([\d,]+) MiB", out)[-1].replace(",", "")) if cuda else rss

@@ -87,7 +87,9 @@ def render(messages: list[dict]) -> str:
 def ask(url: str, messages: list[dict], max_tokens: int) -> tuple[str, float]:
     """The reply to a chat, streamed, and the seconds to its first text."""
     body = {"model": "bench", "prompt": render(messages), "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    start, first, text = time.perf_counter(), None, ""
+    start = time.perf_counter()
+    first = None
+    text = ""
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():

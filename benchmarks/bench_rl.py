@@ -126,7 +126,9 @@ def throughput(args: Options) -> dict:
     ]
 
     class NoStops:  # random weights: no row stops early, every row decodes max_new_tokens tokens
-        vocab_size, eot_id, end_of_turn_id = 50257, None, None
+        vocab_size = 50257
+        eot_id = None
+        end_of_turn_id = None
 
         def decode(self, ids: list[int]) -> str:
             return ""

@@ -322,7 +322,8 @@ def measure_against_transformers(options: BenchOptions, hf_dir: Path, logs: Path
                 cmd = gptlite_command(f"--init_from={hf_dir}", options, "--device=cpu", "--dtype=float32")
                 model = "bench"
             else:
-                cmd, model = transformers_command(hf_dir, options.port, num_blocks), str(hf_dir)
+                cmd = transformers_command(hf_dir, options.port, num_blocks)
+                model = str(hf_dir)
             started = time.perf_counter()
             server = start_server(cmd, options.port, logs / f"{name}.log")
             try:
@@ -384,8 +385,10 @@ def table_against_transformers(options: BenchOptions, results: dict, peak: dict)
         "|---|---|---|---|---|---|---|---|",
     ]
     for n in options.levels:
-        g, t = results["gptlite", n, False], results["transformers", n, False]
-        gs, ts = results["gptlite", n, True], results["transformers", n, True]
+        g = results["gptlite", n, False]
+        t = results["transformers", n, False]
+        gs = results["gptlite", n, True]
+        ts = results["transformers", n, True]
         ratio = statistics.median(g.tokens_per_s) / statistics.median(t.tokens_per_s)
         lines.append(
             f"| {n} | {mm(g.tokens_per_s, '.1f')} | {mm(t.tokens_per_s, '.1f')} | {ratio:.2f}x | "
@@ -411,7 +414,8 @@ def table_against_transformers(options: BenchOptions, results: dict, peak: dict)
 def against_transformers(options: BenchOptions, ranks: str) -> int:
     check_transformers_serve()
     with tempfile.TemporaryDirectory() as tmp:
-        run, hf_dir = Path(tmp) / "run", Path(tmp) / "hf"
+        run = Path(tmp) / "run"
+        hf_dir = Path(tmp) / "hf"
         make_run(run, ranks)
         export_hf(run, hf_dir)
         results, peak = measure_against_transformers(options, hf_dir, Path(tmp))

@@ -124,7 +124,8 @@ def prompt(i: int) -> str:
 
 def run_jobs(engine: Engine, jobs: list[tuple[list[int], Params]]) -> tuple[float, list[int], list[str]]:
     """(seconds from submitting to the last token, tokens generated, finish reasons) of jobs run together."""
-    tokens, reasons = [0] * len(jobs), [""] * len(jobs)
+    tokens = [0] * len(jobs)
+    reasons = [""] * len(jobs)
     done = threading.Event()
 
     def emitter(i: int):
@@ -160,7 +161,8 @@ def measure(options: BenchOptions, engine: Engine, fmt, eot: int, timer: Matcher
     results = {n: Result() for n in options.streams}
     for r in range(options.rounds):
         for n in options.streams:
-            res, (constrained, plain) = results[n], jobs[n]
+            res = results[n]
+            constrained, plain = jobs[n]
             for formatted in (True, False) if r % 2 == 0 else (False, True):
                 before = timer.seconds
                 seconds, tokens, reasons = run_jobs(engine, constrained if formatted else plain)
@@ -212,13 +214,16 @@ class Library:
     module = ""
 
     def __init__(self, tokenizer, token_bytes: list[bytes]):
-        self.tokenizer, self.token_bytes, self.eos = tokenizer, token_bytes, tokenizer.eot_id
+        self.tokenizer = tokenizer
+        self.token_bytes = token_bytes
+        self.eos = tokenizer.eot_id
         self.words = (len(token_bytes) + 31) // 32
         self.bits = np.zeros(self.words, dtype=np.int32)
 
 
 class LLGuidance(Library):
-    name, module = "llguidance 1.9 (gptlite's)", "llguidance"
+    name = "llguidance 1.9 (gptlite's)"
+    module = "llguidance"
 
     def build(self) -> None:  # as the server builds it, from the tokenizer (llguidance tokenizes forced text with it)
         self.tok = Grammars(self.tokenizer, len(self.token_bytes), (self.eos,)).ll_tokenizer()
@@ -243,7 +248,8 @@ class LLGuidance(Library):
 
 
 class XGrammar(Library):
-    name, module = "xgrammar 0.2", "xgrammar"
+    name = "xgrammar 0.2"
+    module = "xgrammar"
 
     def build(self) -> None:
         import xgrammar
@@ -272,7 +278,8 @@ class XGrammar(Library):
 
 
 class OutlinesCore(Library):
-    name, module = "outlines-core 0.2", "outlines_core"
+    name = "outlines-core 0.2"
+    module = "outlines_core"
 
     def build(self) -> None:
         import outlines_core
@@ -327,7 +334,8 @@ def compare_libraries(options: BenchOptions, tokenizer, width: int) -> list[dict
         start = time.perf_counter()
         compiled = lib.compile(SCHEMA)
         compiled_s = time.perf_counter() - start
-        masks, valid = [], 0
+        masks = []
+        valid = 0
         for seed in range(options.seeds):
             lib.start(compiled)
             generator = torch.Generator().manual_seed(seed)

@@ -267,9 +267,11 @@ class PairLoader(ChatLoader):
         return np.array(pairs, dtype=np.int64).reshape(-1, 5)
 
     def _gather(self, picks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        chosen, rejected = [], []
+        chosen = []
+        rejected = []
         for shard, start, first, second, end in self.conversations[picks]:
-            tokens, roles = self.tokens[shard], self.roles[shard]
+            tokens = self.tokens[shard]
+            roles = self.roles[shard]
             for rows, (a, b) in ((chosen, (first, second)), (rejected, (second, end))):
                 seq = np.concatenate([tokens[start:first], tokens[a:b]]).astype(np.int64)[: self.block_size + 1]
                 target = np.concatenate([roles[start:first], roles[a:b]])[: self.block_size + 1] & TARGET

@@ -99,7 +99,8 @@ class Reference:
 
     def __init__(self, model: torch.nn.Module, frozen: torch.nn.Module | None):
         assert frozen is not None or lora_layers(model), "without a frozen copy the reference is LoRA's base model"
-        self.model, self.frozen = model, frozen
+        self.model = model
+        self.frozen = frozen
 
     @torch.no_grad()
     def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -242,7 +242,8 @@ class PromptLoader:
         step = []
         for _ in range(self.batch_size * self.world_size):
             if self.position == len(self.order):
-                self.epoch, self.position = self.epoch + 1, 0
+                self.epoch = self.epoch + 1
+                self.position = 0
                 self.order = self._order(self.epoch)
             step.append(self.prompts[self.order[self.position]])
             self.position += 1
@@ -257,7 +258,8 @@ class PromptLoader:
                 f"the checkpoint's run read a prompts file of {state.get('prompts')} records and --rl_prompts holds "
                 f"{len(self.prompts)}; resume with the same file, or start a new run"
             )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
         self.order = self._order(self.epoch)
 
 
@@ -317,7 +319,9 @@ def sample_group(
     finally:
         model.train(was_training)
     new = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(len(prompts) * samples)]  # (N, new)
-    rows, completions, texts = [], [], []
+    rows = []
+    completions = []
+    texts = []
     for i, tokens in enumerate(new):
         tokens = [t for t in tokens if t != PAD]
         prompt = prompts[i // samples].ids

@@ -31,7 +31,9 @@ UINT16_VOCAB = 2**16
 # (data/prepare.py --preference) is laid out as the prompt (START on its first token), then the chosen answer, then the
 # rejected one, each answer's tokens TARGET and its first token ANSWER as well.
 ROLES_MAGIC, ROLES_VERSION = 20241124, 1
-TARGET, START, ANSWER = 1, 2, 4
+TARGET = 1
+START = 2
+ANSWER = 4
 
 
 def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int) -> None:

@@ -81,7 +81,8 @@ def test_per_token_losses_and_their_gradients_equal_the_whole_computation():
     weights = torch.rand_like(chunked)  # a gradient per token, as DPO's per-sequence sums give
     (chunked * weights).sum().backward()
     grads = h.grad.clone(), w.grad.clone()
-    h.grad, w.grad = None, None
+    h.grad = None
+    w.grad = None
     whole = F.cross_entropy(F.linear(h, w), t, ignore_index=-1, reduction="none")
     (whole * weights).sum().backward()
     torch.testing.assert_close(chunked, whole)

@@ -114,8 +114,10 @@ def test_dpo_loss_rewards_and_accuracy_equal_trl(policy_and_reference, tmp_path,
 
 
 def test_label_smoothing_is_conservative_dpo():
-    logps, ref = torch.tensor([-3.0, -5.0, -4.0, -2.0]), torch.tensor([-4.0, -4.0, -4.0, -4.0])
-    beta, eps = 0.5, 0.2
+    logps = torch.tensor([-3.0, -5.0, -4.0, -2.0])
+    ref = torch.tensor([-4.0, -4.0, -4.0, -4.0])
+    beta = 0.5
+    eps = 0.2
     d = beta * ((logps[:2] - ref[:2]) - (logps[2:] - ref[2:]))
     expected = (-(1 - eps) * torch.nn.functional.logsigmoid(d) - eps * torch.nn.functional.logsigmoid(-d)).mean()
     out = dpo_loss(logps, ref, torch.ones(4), beta, "sigmoid", eps)
@@ -134,7 +136,8 @@ def test_with_lora_the_reference_is_the_base_model_exactly():
         with adapters_off(model):
             assert torch.equal(model(idx)[0], base(idx)[0])
         assert not torch.allclose(model(idx)[0], base(idx)[0])  # the adapters are back
-    x, y = idx[:, :-1], idx[:, 1:]
+    x = idx[:, :-1]
+    y = idx[:, 1:]
     assert torch.equal(Reference(model, None).logps(x, y), sequence_logps(base, x, y)[0])
     assert model.training  # the reference's eval mode does not stick
 

@@ -159,7 +159,8 @@ def test_the_reinforce_loss_is_nanochats_formula():
     """-sum_i sum_t A_i log p_it over generated tokens, divided by the batch's generated tokens."""
     rewards, logp, _, _, mask = fixed_batch()
     loss, _ = policy_loss(logp, mask, group_advantages(rewards))
-    total, count = 0.0, 0
+    total = 0.0
+    count = 0
     for i in range(6):
         group = rewards[i // 3].tolist()
         advantage = rewards[i // 3, i % 3].item() - sum(group) / len(group)
@@ -180,11 +181,14 @@ def test_the_grpo_loss_is_deepseekmaths_formula(beta):
     rewards, logp, old, ref, mask = fixed_batch(seed=1)
     eps = 0.2
     loss, stats = policy_loss(logp, mask, group_advantages(rewards), "grpo", old, ref, clip=eps, kl_beta=beta)
-    objective, kls, clipped = 0.0, 0.0, 0
+    objective = 0.0
+    kls = 0.0
+    clipped = 0
     for i in range(6):
         group = rewards[i // 3].tolist()
         advantage = rewards[i // 3, i % 3].item() - sum(group) / len(group)
-        terms, kl_terms = [], []
+        terms = []
+        kl_terms = []
         for t in range(5):
             if mask[i, t]:
                 ratio = math.exp(logp[i, t].item() - old[i, t].item())

@@ -38,7 +38,8 @@ def recording(engine: Engine) -> list[tuple[int, int]]:
 def test_arrivals_prefilled_together_decode_their_greedy_text(name):
     """Seven prompts of 1 to 40 tokens arrive together: they are prefilled in padded batches of similar lengths
     (fewer prefills than prompts, one of them padded), and each decodes the text it would alone."""
-    model, tokenizer = tiny_model(block_size=CONTEXT, **VARIANTS[name]), CharTokenizer(CHARS)
+    model = tiny_model(block_size=CONTEXT, **VARIANTS[name])
+    tokenizer = CharTokenizer(CHARS)
     prompts = ["a", "xy", "ROMEO:", "JULIET:", "The quick brown fox", "The quick brown dogs", "To be or not " * 3]
     engine = Engine(model, tokenizer, max_batch=8)
     collect = Collect(engine, tokenizer, prompts, Params(max_tokens=12, temperature=0))  # all queued before a step
@@ -69,7 +70,8 @@ def test_padded_runs_keep_the_padding_small_and_every_row_within_its_slots():
 def test_prefix_cached_requests_decode_what_uncached_ones_do():
     """Requests one after another under one system prompt: the later ones take its whole blocks from the cache,
     and each decodes the greedy text it decodes without a cache."""
-    model, tokenizer = tiny_model(block_size=CONTEXT, pos_emb="rope"), CharTokenizer(CHARS)
+    model = tiny_model(block_size=CONTEXT, pos_emb="rope")
+    tokenizer = CharTokenizer(CHARS)
     prompts = [SYSTEM + "Hi", SYSTEM + "Hello there", SYSTEM + "Hi"]
     engine = Engine(model, tokenizer, max_batch=4, prefix_cache_mb=1).start()
     try:
@@ -84,7 +86,8 @@ def test_prefix_cached_requests_decode_what_uncached_ones_do():
 def test_a_chats_next_turn_reuses_the_previous_turns_completion(name):
     """The next turn's prompt is the previous prompt and its completion and more: it reuses every whole block of
     them (the completion's blocks were kept when its request ended), and decodes what it would uncached."""
-    model, tokenizer = tiny_model(block_size=CONTEXT, **VARIANTS[name]), CharTokenizer(CHARS)
+    model = tiny_model(block_size=CONTEXT, **VARIANTS[name])
+    tokenizer = CharTokenizer(CHARS)
     first = SYSTEM + "Q: tell me"
     engine = Engine(model, tokenizer, max_batch=2, prefix_cache_mb=1).start()
     try:
@@ -99,7 +102,8 @@ def test_a_chats_next_turn_reuses_the_previous_turns_completion(name):
 
 
 def test_the_n_copies_of_a_prompt_share_one_prefill_and_sample_as_they_would_alone():
-    model, tokenizer = tiny_model(block_size=CONTEXT), CharTokenizer(CHARS)
+    model = tiny_model(block_size=CONTEXT)
+    tokenizer = CharTokenizer(CHARS)
     seeds = [1, 2, 1, 3]
     params = [Params(max_tokens=12, temperature=1.0, seed=s) for s in seeds]
     engine = Engine(model, tokenizer, max_batch=4)

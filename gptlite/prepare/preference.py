@@ -115,7 +115,8 @@ def prepare_preference(
             continue
         limit = block_size + 1 - len(prompt) if block_size else None  # answer tokens that fit after the prompt
         cut = limit is not None and max(len(chosen), len(rejected)) > limit
-        chosen, rejected = chosen[:limit], rejected[:limit]
+        chosen = chosen[:limit]
+        rejected = rejected[:limit]
         if chosen == rejected:
             counts["identical"] += 1
             first_dropped.setdefault("identical", where)

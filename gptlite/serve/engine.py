@@ -439,7 +439,8 @@ class Engine:
             text = row.stream.feed([token])
             reason = "stop" if row.stream.done else None
             if reason is None and row.matcher is not None and row.matcher.done:  # the format is complete
-                text, reason = text + row.stream.close(), "stop"
+                text = text + row.stream.close()
+                reason = "stop"
             if reason is None and row.generated >= p.max_tokens:
                 text, reason = text + row.stream.close(), "length"
         row.finished = reason is not None

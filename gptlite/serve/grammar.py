@@ -89,7 +89,8 @@ class TokenTable:
     `eos_token_id`, and encoding as a call on bytes; `eos`, the ids that end the grammar."""
 
     def __init__(self, grammars: Grammars):
-        tokenizer, width = grammars.tokenizer, grammars.width
+        tokenizer = grammars.tokenizer
+        width = grammars.width
         known = min(tokenizer.vocab_size, width)
         self.tokens = [tokenizer.token_bytes([i]) for i in range(known)] + [b""] * (width - known)
         self.eos = list(grammars.stops)
