@@ -19,7 +19,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # errno -> (the cause in plain words, what to do about it)
@@ -176,3 +176,21 @@ class FolderLock:
         if self.file is not None:
             self.file.close()  # closing the file releases the lock
             self.file = None
+
+
+def read_jsonl(
+    path: Path, fix: str, name: Callable[[int], str] | None = None, errors: str = "strict"
+) -> Iterator[tuple[str, object]]:
+    """(how errors name the line, its JSON value) for each non-blank line of a JSONL file; `name(n)` names line n
+    ("PATH line n" by default). A line that is not JSON is a ValueError naming it, the parser's reason and `fix`;
+    `errors` is how bytes that are not UTF-8 are decoded (open's argument)."""
+    with open(path, encoding="utf-8", errors=errors) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = name(number) if name else f"{path} line {number}"
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e.msg}); {fix}") from None
+            yield where, value

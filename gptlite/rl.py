@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import math
 import numbers
 import random
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gptlite.config import RL_LOSSES
+from gptlite.files import read_jsonl
 from gptlite.generate import PAD, generate_tokens
 from gptlite.lora import adapters_off
 
@@ -178,37 +178,31 @@ def read_prompts(
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist; give --rl_prompts=FILE.jsonl")
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"record {number} of {path}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not JSON ({e}); write one JSON object per line") from None
-            if not isinstance(record, dict) or prompt_field not in record:
-                raise ValueError(
-                    f"{where} has no {prompt_field!r} field; name the prompt's field with --rl_prompt_field"
-                )
-            if need_answer and answer_field not in record:
-                raise ValueError(
-                    f"{where} has no {answer_field!r} field, which the built-in reward compares with; name it with "
-                    "--rl_answer_field"
-                )
-            prompt = record[prompt_field]
-            messages = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
-            if not (isinstance(prompt, str) and prompt) and not (messages and prompt):
-                raise ValueError(
-                    f"{where}: {prompt_field!r} must be non-empty text or a list of {{role, content}} messages"
-                )
-            ids = encode_prompt(tokenizer, prompt)
-            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                raise ValueError(
-                    f"{where}: its prompt is {len(ids)} tokens, and block_size leaves {max_prompt_tokens} before "
-                    "rl_max_new_tokens; shorten the prompt, raise block_size or lower rl_max_new_tokens"
-                )
-            prompts.append(Prompt(prompt, ids, record, where))
+
+    def where_of(number: int) -> str:  # how errors name a line
+        return f"record {number} of {path}"
+
+    for where, record in read_jsonl(path, "write one JSON object per line", where_of):
+        if not isinstance(record, dict) or prompt_field not in record:
+            raise ValueError(f"{where} has no {prompt_field!r} field; name the prompt's field with --rl_prompt_field")
+        if need_answer and answer_field not in record:
+            raise ValueError(
+                f"{where} has no {answer_field!r} field, which the built-in reward compares with; name it with "
+                "--rl_answer_field"
+            )
+        prompt = record[prompt_field]
+        messages = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+        if not (isinstance(prompt, str) and prompt) and not (messages and prompt):
+            raise ValueError(
+                f"{where}: {prompt_field!r} must be non-empty text or a list of {{role, content}} messages"
+            )
+        ids = encode_prompt(tokenizer, prompt)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise ValueError(
+                f"{where}: its prompt is {len(ids)} tokens, and block_size leaves {max_prompt_tokens} before "
+                "rl_max_new_tokens; shorten the prompt, raise block_size or lower rl_max_new_tokens"
+            )
+        prompts.append(Prompt(prompt, ids, record, where))
     if not prompts:
         raise ValueError(f"prompts file {path} holds no records; write one JSON object per line")
     return prompts

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 import math
 import os
 import random
@@ -49,6 +48,7 @@ from pathlib import Path
 import torch
 
 from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
+from gptlite.files import read_jsonl
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
 
@@ -213,30 +213,18 @@ def read_items(path: Path, kind: str, label: str) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} (the data of CORE task {label!r}) does not exist; check its dataset_uri")
     items = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {n}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{where} is not JSON ({e.msg}); a task's data holds one JSON object per line"
-                ) from None
-            missing = [k for k in FIELDS[kind] if not isinstance(item, dict) or k not in item]
-            if missing:
-                raise ValueError(f"{where} has no field '{missing[0]}'; a {kind} item holds {', '.join(FIELDS[kind])}")
-            options = item.get("choices", item.get("context_options"))
-            if kind != "language_modeling":
-                if not isinstance(options, list) or not options:
-                    raise ValueError(f"{where}: {FIELDS[kind][0]} must be a non-empty list of the options")
-                gold = item["gold"]
-                if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(options):
-                    raise ValueError(
-                        f"{where}: gold {gold!r} must be the index of the right option, 0..{len(options) - 1}"
-                    )
-            items.append(item)
+    for where, item in read_jsonl(path, "a task's data holds one JSON object per line"):
+        missing = [k for k in FIELDS[kind] if not isinstance(item, dict) or k not in item]
+        if missing:
+            raise ValueError(f"{where} has no field '{missing[0]}'; a {kind} item holds {', '.join(FIELDS[kind])}")
+        options = item.get("choices", item.get("context_options"))
+        if kind != "language_modeling":
+            if not isinstance(options, list) or not options:
+                raise ValueError(f"{where}: {FIELDS[kind][0]} must be a non-empty list of the options")
+            gold = item["gold"]
+            if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(options):
+                raise ValueError(f"{where}: gold {gold!r} must be the index of the right option, 0..{len(options) - 1}")
+        items.append(item)
     if not items:
         raise ValueError(f"{path} holds no items of CORE task {label!r}")
     return items

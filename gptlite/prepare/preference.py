@@ -26,14 +26,13 @@ complete one with the same settings returns at once).
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from gptlite.files import make_dir, write_json
+from gptlite.files import make_dir, read_jsonl, write_json
 from gptlite.prepare.progress import clear_preparation, finished_manifest
 from gptlite.prepare.sources import optional_import, resolve_sources
 from gptlite.prepare.workers import SPLITS, val_documents
@@ -206,24 +205,16 @@ def read_records(sources: list[dict], fields: tuple[str, str, str]) -> Iterator[
             for row, values in enumerate(zip(*columns, strict=True)):
                 yield list(values), f"{path} row {row + 1}"
             continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path} line {number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where} is not JSON ({e.msg}); fix or remove that line") from None
-                found = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-                for name, flag in zip(fields, flags, strict=True):
-                    if not isinstance(record, dict) or name not in record:
-                        raise ValueError(
-                            f"{where} has no field '{name}' (found: {found}); a preference record needs a prompt, "
-                            f"a chosen and a rejected answer: pass {flag} with the field that holds it, or fix the "
-                            "record"
-                        )
-                yield [record[name] for name in fields], where
+        for where, record in read_jsonl(path, "fix or remove that line", errors="replace"):
+            found = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+            for name, flag in zip(fields, flags, strict=True):
+                if not isinstance(record, dict) or name not in record:
+                    raise ValueError(
+                        f"{where} has no field '{name}' (found: {found}); a preference record needs a prompt, "
+                        f"a chosen and a rejected answer: pass {flag} with the field that holds it, or fix the "
+                        "record"
+                    )
+            yield [record[name] for name in fields], where
 
 
 def encode_pair(
