@@ -61,7 +61,7 @@ from gptlite.hf import fingerprint
 from gptlite.lora import add_lora, lora_state_dict
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
-from gptlite.optim import configure_optimizers, lr_at
+from gptlite.optim import WeightAverage, configure_optimizers, lr_at, seq_len_at
 from gptlite.preference import Reference, dpo_loss, evaluate_pairs, frozen_copy, pair_stats, sequence_logps, stats_dict
 from gptlite.rl import (
     PromptLoader,
@@ -134,6 +134,11 @@ def train(
     train_loader, val_loader = make_loaders(cfg, rank, world_size)
     preference = isinstance(train_loader, PairLoader)  # pairs of a chosen and a rejected answer: DPO's loss
     chat = isinstance(train_loader, ChatLoader) and not preference  # conversations: the assistant's tokens are targets
+    if cfg.seq_len_start and (preference or cfg.rl):
+        raise ValueError(
+            f"seq_len_start={cfg.seq_len_start} cuts text windows into shorter ones; preference pairs and RL prompts "
+            "are whole sequences: leave seq_len_start out"
+        )
     lengths = None  # each token's UTF-8 bytes, for the val bits per byte; unknown without the data's tokenizer
     tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
     tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
@@ -247,6 +252,7 @@ def train(
             fully_shard(block)
         fully_shard(model)
     optimizers = configure_optimizers(model, cfg, device_type)
+    ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None  # what the end of the run evaluates
 
     # ---------------------------------------------------------------------------------------------
     # 8. Resume: weights, optimizer state, loss scale, data position, step, best val loss and random streams.
@@ -260,6 +266,8 @@ def train(
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         train_loader.restore(ckpt["loader"])
+        if ema is not None and "ema" in ckpt:
+            ema.load_state_dict(ckpt["ema"])
         step = int(ckpt["step"])
         best_val = float(ckpt["best_val_loss"])
         wandb_id = ckpt["meta"].get("wandb_run_id")
@@ -343,12 +351,17 @@ def train(
     minutes = 0.0  # wall-clock minutes since the start, as the ranks agree on them after each step
     t_last = time.perf_counter()  # the last log line's time
     steps_since_log = 0
+    seq_len = T  # the training windows' length (seq_len_start: a warm-up from shorter ones)
     while step < cfg.max_iters:
         # the learning rate: warmup, then cosine decay; every group in proportion to its own peak (Muon's differs)
         lr = lr_at(step, cfg, minutes)
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr * group["lr_ratio"]
+        # seq_len_start: each (B, T) batch is cut into (B * T / seq_len, seq_len) windows, the same tokens
+        if seq_len_at(step, cfg, minutes) != seq_len or (step == first_step and cfg.seq_len_start):
+            seq_len = seq_len_at(step, cfg, minutes)
+            log(f"step {step:5d} | training on windows of {seq_len} tokens")
 
         # forward and backward over the step's micro-batches; their gradients add up in .grad
         batches = [] if cfg.rl else [train_loader.next_batch() for _ in range(grad_accum)]
@@ -399,6 +412,8 @@ def train(
         try:
             for micro, (x, y) in enumerate(batches):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T) each
+                if seq_len != T:
+                    x, y = x.reshape(-1, seq_len), y.reshape(-1, seq_len)  # (B * T / seq_len, seq_len) each
                 # DDP and FSDP average gradients across ranks during backward. Within a step that is needed once,
                 # after the last micro-batch: until then every rank only accumulates its own.
                 last_micro = micro == grad_accum - 1
@@ -463,12 +478,17 @@ def train(
         if finite and math.isfinite(norm):
             for opt in optimizers:
                 scaler.step(opt)
+            if ema is not None:
+                ema.update()
         scaler.update()
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         step += 1
         steps_since_log += 1
         last = step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
+        if last and ema is not None:  # the run ends as its weights' moving average: evaluated, saved and sampled
+            ema.copy_to_model()
+            log(f"step {step:5d} | the weights are now their moving average (ema_decay={cfg.ema_decay:g})")
 
         # log: a line and a row of metrics.jsonl every log_interval steps; a step that made no update always
         if cfg.rl and not batches and master:  # a reward function failed: the step made no update
@@ -577,6 +597,7 @@ def train(
                     "val_loss": val_loss,
                     "meta": meta,
                     **({"lora": lora} if lora else {}),
+                    **({"ema": ema.state_dict()} if ema is not None else {}),
                 }
                 bad = nonfinite(checkpoint["model"])
                 if bad:  # a good checkpoint is never replaced by one of NaN weights

@@ -61,7 +61,7 @@ MODELS = {
 def naive_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """nanoGPT's loop: run the whole (cropped) context through the model for every new token."""
     for _ in range(max_new_tokens):
-        logits = model.lm_head(model.hidden(idx[:, -model.config.block_size :])[:, -1])  # (B, V)
+        logits = model.head(model.hidden(idx[:, -model.config.block_size :])[:, -1])  # (B, V)
         idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
     return idx
 

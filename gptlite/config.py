@@ -74,9 +74,13 @@ class GPTConfig:
     rope_theta: float = option(10000.0, "RoPE's base wavelength (pos_emb=rope)")
     norm: str = option("layernorm", "layernorm or rmsnorm (Llama)", choices=("layernorm", "rmsnorm"))
     norm_eps: float = option(1e-5, "the norms' epsilon")
-    ffn: str = option("swiglu", "feed-forward: swiglu (Llama) or gelu (GPT-2's MLP)", choices=("swiglu", "gelu"))
+    ffn: str = option(
+        "swiglu",
+        "feed-forward: swiglu (Llama), gelu (GPT-2's MLP) or relu2 (ReLU squared: Primer, modded-nanogpt)",
+        choices=("swiglu", "gelu", "relu2"),
+    )
     ffn_hidden: int | None = option(
-        None, "feed-forward width (none: 4 * n_embd for gelu, the same parameter count for swiglu)"
+        None, "feed-forward width (none: 4 * n_embd for gelu and relu2, the same parameter count for swiglu)"
     )
     # the options of today's open models (all off by default: gptlite's own model is unchanged)
     n_kv_head: int | None = option(
@@ -95,6 +99,17 @@ class GPTConfig:
     rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
     rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original / this are kept")
     rope_original_context: int = option(8192, "llama3 scaling: the context the model was first trained on")
+    # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
+    value_embeds: bool = option(
+        False, "every layer adds a token embedding of its own to attention's values, with learned weights"
+    )
+    unet_skips: bool = option(
+        False, "U-net skips: block i's output is added, times a learned weight, to block n_layer-1-i's input"
+    )
+    logit_softcap: float = option(0.0, "> 0: the logits are softcap * tanh(logits / softcap) (Gemma 2); 0 = none")
+    zero_init_out: bool = option(
+        False, "attention's and the feed-forward's output projections start at zero: each block starts as identity"
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -116,7 +131,7 @@ class GPTConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        for name in ("bias", "tie_embeddings", "qkv_bias", "qk_norm"):
+        for name in ("bias", "tie_embeddings", "qkv_bias", "qk_norm", "value_embeds", "unet_skips", "zero_init_out"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         for name in ("n_kv_head", "head_dim", "rope_original_context"):
@@ -153,6 +168,8 @@ class GPTConfig:
                 f"the head width n_embd / n_head = {self.head_width} must be even for "
                 "pos_emb='rope', which rotates pairs of its coordinates; change n_embd or n_head"
             )
+        if not (isinstance(self.logit_softcap, (int, float)) and self.logit_softcap >= 0):
+            problems.append(f"logit_softcap={self.logit_softcap!r} must be >= 0 (0 = no cap; modded-nanogpt uses 15)")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
         problems += choice_problems(type(self), vars(self))
@@ -167,15 +184,16 @@ class GPTConfig:
 def default_ffn_hidden(n_embd: int, ffn: str = "swiglu") -> int:
     """GPT-2's MLP is 4 * n_embd wide. SwiGLU has three matrices, so 8/3 * n_embd (rounded up to a multiple
     of FFN_MULTIPLE) keeps the parameter count of that MLP."""
-    if ffn == "gelu":
+    if ffn in ("gelu", "relu2"):
         return 4 * n_embd
     hidden = int(8 * n_embd / 3)
     return FFN_MULTIPLE * ((hidden + FFN_MULTIPLE - 1) // FFN_MULTIPLE)
 
 
 # What --resume and --init_from cannot change: every field that shapes the weights or the function the model
-# computes. Dropout alone may change: a run can fine-tune with more or less of it.
-MODEL_SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name != "dropout")
+# computes. Dropout may change (a run can fine-tune with more or less of it), and zero_init_out, which only
+# says how a fresh model starts.
+MODEL_SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "zero_init_out"))
 
 
 def model_changes(
@@ -290,6 +308,27 @@ class TrainConfig:
     muon_weight_decay: float = option(
         0.0, "Muon's decoupled weight decay: each step multiplies the matrices by 1 - lr * muon_weight_decay"
     )
+    muon_ns: str = option(
+        "quintic",
+        "Muon's Newton-Schulz coefficients: quintic (Keller Jordan's, five times) or polar_express (Amsel et al.)",
+        choices=("quintic", "polar_express"),
+    )
+    normuon: bool = option(False, "Muon: NorMuon's per-neuron normalisation of the orthogonalised update")
+    normuon_beta2: float = option(0.95, "normuon: the decay of each neuron's running mean square")
+    # the speedrun's schedules and weight averaging (docs/training.md measures them)
+    seq_len_start: int = option(
+        0,
+        "> 0: train on windows this long first, doubling over the first seq_len_warmup of the run up to block_size "
+        "(each batch's rows cut into shorter ones: the same tokens; 0 = block_size throughout)",
+    )
+    seq_len_warmup: float = option(
+        0.3, "seq_len_start: the share of the run (its steps, or with lr_schedule=time its budget) the windows grow in"
+    )
+    ema_decay: float = option(
+        0.0,
+        "> 0: keep an exponential moving average of the weights (this decay per step) and evaluate and save it "
+        "at the end of the run (0 = none)",
+    )
     # evaluation, logging, checkpoints
     eval_interval: int = option(250, "steps between evaluations; each saves out_dir/ckpt_NNNNNN.pt")
     eval_iters: int = option(20, "batches per evaluation (0 = every window of the val split)")
@@ -356,6 +395,23 @@ class TrainConfig:
                 problems.append(f"{name}={getattr(self, name)} must be in [0, 1) (AdamW's betas, e.g. 0.9 and 0.95)")
         if not 0 <= self.muon_momentum < 1:
             problems.append(f"muon_momentum={self.muon_momentum} must be in [0, 1) (e.g. 0.95)")
+        if not 0 <= self.normuon_beta2 < 1 or not 0 <= self.ema_decay < 1:
+            problems.append(
+                f"normuon_beta2={self.normuon_beta2} and ema_decay={self.ema_decay} must be in [0, 1) (e.g. 0.95, 0.99)"
+            )
+        if self.fsdp and (self.normuon or self.ema_decay):
+            problems.append(
+                "normuon=true and ema_decay work on whole matrices, each rank alone; they run without fsdp=true"
+            )
+        if self.seq_len_start:
+            ratio = self.model.block_size / self.seq_len_start if self.seq_len_start > 0 else 0
+            if self.seq_len_start < 0 or ratio < 1 or ratio != 2 ** round(math.log2(ratio)):
+                problems.append(
+                    f"seq_len_start={self.seq_len_start} must be block_size={self.model.block_size} divided by a power "
+                    f"of two (e.g. {max(1, self.model.block_size // 4)}), which the windows double from"
+                )
+            if not 0 < self.seq_len_warmup <= 1:
+                problems.append(f"seq_len_warmup={self.seq_len_warmup} must be in (0, 1]: a share of the run")
         if self.learning_rate < 0 or self.min_lr < 0 or 0 < self.learning_rate < self.min_lr:
             problems.append(
                 f"learning_rate={self.learning_rate}, min_lr={self.min_lr}: need 0 <= min_lr <= learning_rate "

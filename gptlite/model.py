@@ -3,11 +3,15 @@
 Each variant is one module class, picked once from a registry when the model is built:
     pos_emb  POSITIONS  learned (GPT-2) | sinusoidal (Vaswani et al.) | rope (Su et al.; Llama)
     norm     NORMS      layernorm | rmsnorm (Llama)
-    ffn      FFNS       swiglu (Llama) | gelu (GPT-2's MLP)
+    ffn      FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt)
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
 (qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3").
+
+The speedrun techniques of modded-nanogpt and nanochat, off by default: value embeddings mixed into attention's
+values (value_embeds), U-net skips from early to late blocks (unet_skips), logit soft-capping (logit_softcap),
+output projections that start at zero (zero_init_out).
 
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
@@ -206,12 +210,22 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
         self.qk_norm = QKNorm(config) if config.qk_norm else None  # Qwen3: each head's q and k through an RMSNorm
         self.rotate = POSITIONS[config.pos_emb].rotate  # RoPE rotates q and k; the other schemes do nothing here
+        # value_embeds: v <- value_mix[0] v + value_mix[1] ve, ve this layer's embedding of the tokens (GPT.value_emb)
+        self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_embeds else None
 
     def forward(
-        self, x: torch.Tensor, rot: Rotation = None, cache: AttentionCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); ve (B, T, KV*D), the tokens' value embedding where config.value_embeds."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # split's backward writes one contiguous gradient
+        if ve is not None:  # value embeddings (modded-nanogpt): a token's own vector in every head's values
+            v = self.value_mix[0] * v + self.value_mix[1] * ve  # (B, T, KV*D)
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
         k, v = (t.view(B, T, self.n_kv_head, self.head_dim) for t in (k, v))  # (B, T, KV, D) each
         if self.qk_norm is not None:
@@ -323,7 +337,21 @@ class GeluMLP(nn.Module):
         return self.drop(self.out_proj(F.gelu(self.fc(x), approximate="tanh")))  # (B, T, C)
 
 
-FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP}
+class ReluSquaredMLP(nn.Module):
+    """out_proj(relu(fc x)^2): the squared ReLU of Primer (So et al., 2021, "Primer: Searching for Efficient
+    Transformers for Language Modeling", section 4), modded-nanogpt's and nanochat's MLP; ffn_hidden wide."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=config.bias)
+        self.out_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.out_proj(F.relu(self.fc(x)).square()))  # (B, T, C)
+
+
+FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,9 +369,14 @@ class Block(nn.Module):
         self.ffn = FFNS[config.ffn](config)
 
     def forward(
-        self, x: torch.Tensor, rot: Rotation = None, cache: AttentionCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rot, cache, layer)
+        x = x + self.attn(self.attn_norm(x), rot, cache, layer, ve)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -361,14 +394,26 @@ class GPT(nn.Module):
         self.pos_emb = POSITIONS[config.pos_emb](config)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        # value_embeds: a token embedding per layer, as wide as its values, that attention mixes into them
+        value_width = config.kv_heads * config.head_width
+        self.value_emb = (
+            nn.ModuleList(nn.Embedding(config.vocab_size, value_width) for _ in range(config.n_layer))
+            if config.value_embeds
+            else None
+        )
+        # unet_skips: the first n_layer // 2 blocks' outputs, each added to its mirror block's input with a weight
+        self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.unet_skips else None
         self.norm = NORMS[config.norm](config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf, 2017): one tensor
         self.apply(self._init_weights)
-        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer), two per block
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer), two per block; zero_init_out (modded-nanogpt,
+        # nanochat): zeros, so that every block starts as the identity and the residual stream as the embedding
         for name, p in self.named_parameters():
-            if name.endswith("out_proj.weight"):
+            if name.endswith("out_proj.weight") and config.zero_init_out:
+                nn.init.zeros_(p)
+            elif name.endswith("out_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
@@ -397,9 +442,10 @@ class GPT(nn.Module):
             self._check_targets(idx, targets)
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:  # not LoRA'd, not int8
             h = self.hidden(idx).flatten(0, 1)  # (B*T, C)
-            loss = linear_cross_entropy(h, self.lm_head.weight, targets.reshape(-1), reduction)
+            softcap = self.config.logit_softcap
+            loss = linear_cross_entropy(h, self.lm_head.weight, targets.reshape(-1), reduction, softcap=softcap)
             return None, loss.view(targets.shape) if reduction == "none" else loss
-        logits = self.lm_head(self.hidden(idx))  # (B, T, V)
+        logits = self.head(self.hidden(idx))  # (B, T, V)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1), ignore_index=-1, reduction=reduction)
@@ -416,16 +462,33 @@ class GPT(nn.Module):
         x = self.drop(self.pos_emb(self.tok_emb(idx), pos))  # (B, T, C)
         rot = self.pos_emb.rotation(pos)  # once for every layer
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
-        for i, block in enumerate(self.blocks):  # recompute: keep each block's input only, redo it in backward
-            x = checkpoint(block, x, rot, use_reentrant=False) if recompute else block(x, rot, cache, i)
+        n_skips = 0 if self.skip_weights is None else self.skip_weights.numel()
+        skips = []  # unet_skips: the outputs of the first n_skips blocks, the latest last
+        for i, block in enumerate(self.blocks):
+            ve = None if self.value_emb is None else self.value_emb[i](idx)  # (B, T, KV*D)
+            if i >= len(self.blocks) - n_skips:  # block i takes block n_layer-1-i's output, weighted
+                x = x + self.skip_weights[len(self.blocks) - 1 - i] * skips.pop()
+            if recompute:  # keep each block's input only, redo it in backward
+                x = checkpoint(block, x, rot, None, i, ve, use_reentrant=False)
+            else:
+                x = block(x, rot, cache, i, ve)
+            if i < n_skips:
+                skips.append(x)
         return self.norm(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., C) -> logits (..., V): the output head, then logit_softcap's cap * tanh(logits / cap)
+        where it is set (Gemma 2; modded-nanogpt), which keeps every logit within (-cap, cap)."""
+        logits = self.lm_head(h)
+        cap = self.config.logit_softcap
+        return logits if not cap else cap * torch.tanh(logits / cap)
 
     def step(self, idx: torch.Tensor, cache: AttentionCache, last: torch.Tensor | None = None) -> torch.Tensor:
         """Generation: feed idx (B, T) through the cache (see gptlite.kvcache); logits (B, V) of the last token, or
         of token last[b] of row b (B,) where the rows are prompts padded on the right to one length."""
         x = self.hidden(idx, cache)  # (B, T, C)
         x = x[:, -1] if last is None else x[torch.arange(x.size(0), device=x.device), last]  # (B, C)
-        return self.lm_head(x)  # (B, V)
+        return self.head(x)  # (B, V)
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, dtype: torch.dtype | None = None, **overrides) -> GPT:

@@ -6,6 +6,10 @@ Muon (Keller Jordan, 2024, https://kellerjordan.github.io/posts/muon/) is SGD wi
 update of each weight matrix is replaced by the nearest semi-orthogonal matrix, found by a few steps of a
 Newton-Schulz iteration. It is meant for hidden-layer matrices only; the embedding (tied to the head), positions
 and every vector stay with AdamW.
+
+Two refinements from the speedrun records, off by default: the Polar Express coefficients in Newton-Schulz
+(Amsel et al., 2025; muon_ns="polar_express") and NorMuon's per-neuron normalisation of the orthogonalised update
+(Li et al., 2025; normuon=true).
 """
 
 from __future__ import annotations
@@ -24,22 +28,47 @@ if TYPE_CHECKING:
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: its steep slope at 0 lifts small singular values
 NS_STEPS = 5
+# Polar Express (Amsel, Persson, Musco & Gower, 2025, "The Polar Express: Optimal Matrix Sign Methods and Their
+# Application to the Muon Algorithm"): one quintic per step, each the best for the interval of singular values the
+# previous steps leave, so that five steps land closer to 1 than five of the fixed quintic. These are the five of
+# modded-nanogpt and nanochat, computed for a safety factor of 1.02 (the input is divided by 1.02 times its norm).
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+POLAR_EXPRESS_SAFETY = 1.02
+NS_METHODS = ("quintic", "polar_express")  # TrainConfig.muon_ns
 
 
-def newton_schulz(g: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NS_STEPS, eps: float = 1e-7) -> Tensor:
+def ns_schedule(method: str, steps: int = NS_STEPS) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """(the (a, b, c) of every step, the safety factor the input's norm is multiplied by) of a Newton-Schulz method:
+    quintic, Keller Jordan's fixed coefficients `steps` times; polar_express, its five steps."""
+    if method == "polar_express":
+        return POLAR_EXPRESS_COEFFICIENTS, POLAR_EXPRESS_SAFETY
+    return (NS_COEFFICIENTS,) * steps, 1.0
+
+
+def newton_schulz(
+    g: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NS_STEPS, eps: float = 1e-7, method: str = "quintic"
+) -> Tensor:
     """g (rows, cols), or a batch of them (n, rows, cols) -> roughly each one's orthogonal factor U V^T, where
-    g = U S V^T: `steps` iterations of X <- a X + (b A + c A^2) X with A = X X^T, in `dtype`, which push the
-    singular values of X towards 1 (most end between 0.7 and 1.2, not at 1: the coefficients trade accuracy
-    for fewer steps, which does not hurt training). One matrix takes the same arithmetic as torch.optim.Muon's,
-    op for op. Returns g's shape in dtype."""
-    a, b, c = NS_COEFFICIENTS
+    g = U S V^T: iterations of X <- a X + (b A + c A^2) X with A = X X^T, in `dtype`, which push the singular values
+    of X towards 1 (with the fixed quintic most end between 0.7 and 1.2, not at 1: the coefficients trade accuracy
+    for fewer steps, which does not hurt training). `method` picks the coefficients (ns_schedule): "quintic", `steps`
+    times, which for one matrix is torch.optim.Muon's arithmetic op for op; or "polar_express", its own five.
+    Returns g's shape in dtype."""
+    coefficients, safety = ns_schedule(method, steps)
     mm = torch.addmm if g.dim() == 2 else torch.baddbmm  # C + A B, for one matrix or a batch
     tall = g.size(-2) > g.size(-1)
     x = g.to(dtype)
     if tall:  # iterate on the wide orientation, so that A = X X^T is the smaller square
         x = x.mT  # (..., cols, rows)
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # Frobenius norm >= spectral: singular values <= 1
-    for _ in range(steps):
+    norm = x.norm(dim=(-2, -1), keepdim=True)  # Frobenius norm >= spectral: singular values <= 1
+    x = x / (norm * safety).clamp(min=eps)
+    for a, b, c in coefficients:
         A = x @ x.mT  # (..., r, r), r = min(rows, cols)
         x = mm(x, mm(A, A, A, beta=b, alpha=c), x, beta=a)  # a X + (b A + c A A) X
     return x.mT if tall else x  # (..., rows, cols)
@@ -53,13 +82,17 @@ def row_sizes(rows: int, split: Split) -> list[int]:
 
 
 def orthogonalise(
-    updates: list[Tensor], split: Split = 1, dtype: torch.dtype = torch.bfloat16, scaled: bool = False
+    updates: list[Tensor],
+    split: Split = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    scaled: bool = False,
+    method: str = "quintic",
 ) -> list[Tensor]:
     """Updates (rows, cols), each `split` logical matrices stacked along dim 0 -> each logical matrix's
-    newton_schulz in dtype (times its lr_scale if `scaled`), stacked again. Matrices of one shape go through one
-    batched iteration: a few bmm calls instead of a few mm calls per matrix, which matters on the CPU, where small
-    matmuls are mostly overhead. A DTensor (a parameter sharded by FSDP2) is gathered whole on
-    every rank first and this rank's shard of the result returned: simple, not fast (every rank repeats it)."""
+    newton_schulz in dtype with `method`'s coefficients (times its lr_scale if `scaled`), stacked again. Matrices
+    of one shape go through one batched iteration: a few bmm calls instead of a few mm calls per matrix, which
+    matters on the CPU, where small matmuls are mostly overhead. A DTensor (a parameter sharded by FSDP2) is gathered
+    whole on every rank first and this rank's shard of the result returned: simple, not fast (every rank repeats it)."""
     whole = [u.full_tensor() if hasattr(u, "full_tensor") else u for u in updates]  # (rows, cols) each
     n = len(row_sizes(whole[0].size(0), split)) if whole else 0  # logical matrices per update
     chunks = [m for u in whole for m in u.split(row_sizes(u.size(0), split))]
@@ -69,9 +102,9 @@ def orthogonalise(
     done = list(chunks)
     for same in shapes.values():
         batch = (
-            newton_schulz(chunks[same[0]], dtype)[None]
+            newton_schulz(chunks[same[0]], dtype, method=method)[None]
             if len(same) == 1
-            else newton_schulz(torch.stack([chunks[i] for i in same]), dtype)
+            else newton_schulz(torch.stack([chunks[i] for i in same]), dtype, method=method)
         )  # (n, rows, cols)
         for i, m in zip(same, batch, strict=True):
             done[i] = m * lr_scale(m.shape) if scaled else m
@@ -103,7 +136,9 @@ class Muon(torch.optim.Optimizer):
 
         B <- momentum B + (1 - momentum) G          the momentum buffer (an average, as torch.optim.Muon's)
         U <- (1 - momentum) G + momentum B          Nesterov
-        W <- (1 - lr weight_decay) W - lr lr_scale(W) orthogonalise(U, split)
+        O <- orthogonalise(U, split)                (Newton-Schulz with ns_method's coefficients)
+        O <- normalise_neurons(O)                   only with normuon: NorMuon's per-neuron step sizes
+        W <- (1 - lr weight_decay) W - lr lr_scale(W) O
 
     A group's `split` (default 1) says how many logical matrices each of its parameters stacks along dim 0;
     each is orthogonalised and its learning rate scaled on its own, as if the model held separate Linear layers.
@@ -115,7 +150,8 @@ class Muon(torch.optim.Optimizer):
 
     `ns_dtype` is the Newton-Schulz iteration's precision: bfloat16 as Keller Jordan's and torch's, fast on
     GPUs; training takes float32 off CUDA, since a CPU without bf16 instructions multiplies bfloat16 matrices
-    many times more slowly (figures: docs/training.md)."""
+    many times more slowly (figures: docs/training.md). `ns_method` and `normuon` are the refinements of the
+    module's docstring; `normuon_beta2` is the decay of NorMuon's per-neuron second moment."""
 
     def __init__(
         self,
@@ -124,9 +160,15 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         weight_decay: float = 0.0,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "quintic",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
     ):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "split": 1})
         self.ns_dtype = ns_dtype  # not a group value: checkpoints hold plain values only
+        self.ns_method = ns_method
+        self.normuon = normuon
+        self.normuon_beta2 = normuon_beta2
         for group in self.param_groups:
             split = group["split"]
             for p in group["params"]:
@@ -154,11 +196,43 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - momentum)
                 nesterov.append(p.grad.lerp(buf, momentum))
             uneven = not isinstance(split, int)  # matrices of different rows (GQA's q, k, v): each scaled apart
-            updates = orthogonalise(nesterov, split, self.ns_dtype, scaled=uneven)  # (rows, cols) each
+            updates = orthogonalise(nesterov, split, self.ns_dtype, uneven, self.ns_method)  # (rows, cols) each
+            if self.normuon:
+                updates = [
+                    normalise_neurons(u, self._second_moment(p), self.normuon_beta2, split)
+                    for p, u in zip(params, updates, strict=True)
+                ]
             for p, update in zip(params, updates, strict=True):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * (1.0 if uneven else lr_scale(p.shape, split)))
         return loss
+
+    def _second_moment(self, p: Tensor) -> Tensor:
+        """NorMuon's running mean of each row's mean squared update, (rows, 1) in float32, kept in p's state."""
+        state = self.state[p]
+        if "neuron_second_moment" not in state:
+            state["neuron_second_moment"] = torch.zeros(p.size(0), 1, dtype=torch.float32, device=p.device)
+        return state["neuron_second_moment"]
+
+
+def normalise_neurons(update: Tensor, second_moment: Tensor, beta2: float, split: Split = 1) -> Tensor:
+    """NorMuon's per-neuron normalisation (Li et al., 2025, "NorMuon: Making Muon more efficient and scalable",
+    algorithm 1): an orthogonalised update O (rows, cols) leaves some output neurons (rows) with much larger steps
+    than others; each row is divided by the square root of v, the running mean (decay beta2) of that row's mean
+    square, updated here in place ((rows, 1), float32). Each logical matrix of `split` is then scaled back to the
+    Frobenius norm it had, so that Muon's learning rate keeps its meaning (as modded-nanogpt's NorMuon does; the
+    paper rescales to AdamW's update size instead). Returns O's shape and dtype."""
+    mean_square = update.float().square().mean(dim=1, keepdim=True)  # (rows, 1)
+    second_moment.lerp_(mean_square, 1 - beta2)
+    normalised = update.float() * second_moment.clamp_min(1e-10).rsqrt()  # (rows, cols)
+    parts = []
+    for before, after in zip(
+        update.float().split(row_sizes(update.size(0), split)),
+        normalised.split(row_sizes(update.size(0), split)),
+        strict=True,
+    ):
+        parts.append(after * (before.norm() / after.norm().clamp_min(1e-10)))
+    return torch.cat(parts).to(update.dtype)  # (rows, cols)
 
 
 def block_matrices(model: GPT) -> dict[Tensor, int]:
@@ -203,10 +277,76 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device_type: str) -> list
         ]
         ns_dtype = torch.bfloat16 if device_type == "cuda" else torch.float32  # see Muon
         muon = Muon(
-            groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, ns_dtype=ns_dtype
+            groups,
+            lr=cfg.muon_lr,
+            momentum=cfg.muon_momentum,
+            weight_decay=cfg.muon_weight_decay,
+            ns_dtype=ns_dtype,
+            ns_method=cfg.muon_ns,
+            normuon=cfg.normuon,
+            normuon_beta2=cfg.normuon_beta2,
         )
         optimizers.append(muon)
     return optimizers
+
+
+def run_progress(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
+    """How far the run is, in [0, 1]: `minutes` of max_minutes with lr_schedule="time", else step of max_iters."""
+    if cfg.lr_schedule == "time":
+        return min(1.0, minutes / cfg.max_minutes)
+    return min(1.0, step / cfg.max_iters)
+
+
+def seq_len_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> int:
+    """The training windows' length at optimizer step `step`: block_size, or with seq_len_start a sequence-length
+    warm-up (as in Li, Zhang & He, 2022, "The Stability-Efficiency Dilemma", and modded-nanogpt's growing attention
+    windows): seq_len_start, doubled at each of log2(block_size / seq_len_start) equal shares of the first
+    seq_len_warmup of the run (run_progress), then block_size. Short windows early cost less attention, and the
+    first steps learn what a short context shows anyway."""
+    T = cfg.model.block_size
+    if not cfg.seq_len_start:
+        return T
+    share = run_progress(step, cfg, minutes) / cfg.seq_len_warmup
+    if share >= 1:
+        return T
+    doublings = round(math.log2(T / cfg.seq_len_start))
+    return cfg.seq_len_start * 2 ** int(share * doublings)
+
+
+class WeightAverage:
+    """An exponential moving average of a model's trainable parameters (Polyak & Juditsky, 1992; in the speedrun
+    records as an EMA of the weights), in float32: after each optimizer step, average <- average + (1 - d) (weights
+    - average) with d = min(decay, (1 + updates) / (10 + updates)), the warm-up of TensorFlow's
+    ExponentialMovingAverage, so that the first steps' random weights fade fast. The average smooths the last
+    steps' noise; train.py evaluates and saves it at the end of a run (--ema_decay)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.updates = 0
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.average = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self.average, [p.detach().float() for p in self.params], 1 - decay)
+        self.updates += 1
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Put the average into the model's parameters (in their dtype)."""
+        for p, average in zip(self.params, self.average, strict=True):
+            p.copy_(average)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"updates": self.updates, "average": {n: a.cpu() for n, a in zip(self.names, self.average, strict=True)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates = int(state["updates"])
+        for name, average in zip(self.names, self.average, strict=True):
+            average.copy_(state["average"][name])
 
 
 def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:

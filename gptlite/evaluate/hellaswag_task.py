@@ -96,7 +96,7 @@ def ending_losses(model: GPT, tokenizer: Tokenizer, examples: list[dict]) -> tup
     device = model.tok_emb.weight.device
     tokens, target = tokens.to(device), ending[:, 1:].to(device)
     hidden = model.hidden(tokens[:, :-1])[target]  # (N, C): the positions that predict an ending's token
-    ce = F.cross_entropy(model.lm_head(hidden).float(), tokens[:, 1:][target], reduction="none")  # (N,), the head
+    ce = F.cross_entropy(model.head(hidden).float(), tokens[:, 1:][target], reduction="none")  # (N,), the head
     total = torch.zeros(len(rows), device=device).index_add_(0, target.nonzero()[:, 0], ce)  # only where scored
     return total.view(-1, 4), (total / target.sum(1)).view(-1, 4)
 

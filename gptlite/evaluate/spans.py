@@ -141,7 +141,7 @@ def score_spans(
         targets = torch.tensor(targets, device=device)  # (N,)
         owner = torch.tensor(owner, device=device)  # (N,)
         for a in range(0, len(targets), HEAD_CHUNK):
-            logits = model.lm_head(hidden[a : a + HEAD_CHUNK])[:, :vocab].float()  # (n, vocab)
+            logits = model.head(hidden[a : a + HEAD_CHUNK])[:, :vocab].float()  # (n, vocab)
             target = targets[a : a + HEAD_CHUNK]
             rows_of = owner[a : a + HEAD_CHUNK]
             loss.index_add_(0, rows_of, F.cross_entropy(logits, target, reduction="none"))

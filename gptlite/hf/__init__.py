@@ -414,6 +414,12 @@ def fingerprint(name_or_dir: str) -> str:
 def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
     """The transformers architecture a model's switches map to (Mistral, which has Llama's, when `architecture` names
     it); others are refused, naming the switches that export."""
+    speedrun = [k for k in ("value_embeds", "unet_skips", "logit_softcap") if getattr(config, k)]
+    if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
+        raise ValueError(
+            f"a model with {', '.join(f'{k}={getattr(config, k)}' for k in speedrun)} has no transformers "
+            "architecture (these speedrun options change what the model computes); train without them to export"
+        )
     if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
         extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
         if not extra:
