@@ -260,6 +260,8 @@ def train(
     best_val = math.inf  # the lowest val loss so far: best.pt's
     wandb_id = None  # the Weights & Biases run that a resumed run continues
     if ckpt:
+        if "trained_model" in ckpt:  # the run ended as its average (ema_decay): it goes on from the weights it trained
+            ckpt["model"] = ckpt["trained_model"]
         saved = {**model.state_dict(), **ckpt["model"]} if lora else ckpt["model"]
         model.check_state(saved, f"the checkpoint in {out_dir}")
         load_training_state(model, optimizers, ckpt, strict=not lora)  # a LoRA checkpoint: the adapters alone
@@ -486,7 +488,9 @@ def train(
         step += 1
         steps_since_log += 1
         last = step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
+        trained_state = None  # ema_decay: the trained weights, kept beside their average so that --resume goes on
         if last and ema is not None:  # the run ends as its weights' moving average: evaluated, saved and sampled
+            trained_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             ema.copy_to_model()
             log(f"step {step:5d} | the weights are now their moving average (ema_decay={cfg.ema_decay:g})")
 
@@ -598,6 +602,11 @@ def train(
                     "meta": meta,
                     **({"lora": lora} if lora else {}),
                     **({"ema": ema.state_dict()} if ema is not None else {}),
+                    **(
+                        {"trained_model": lora_state_dict(trained_state) if lora else trained_state}
+                        if trained_state
+                        else {}
+                    ),
                 }
                 bad = nonfinite(checkpoint["model"])
                 if bad:  # a good checkpoint is never replaced by one of NaN weights

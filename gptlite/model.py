@@ -624,4 +624,6 @@ class GPT(nn.Module):
         n = self.num_params(exclude_positions=True)
         if not cfg.tie_embeddings:  # an untied embedding is a lookup: no matmul
             n -= self.tok_emb.weight.numel()
+        if self.value_emb is not None:  # value embeddings too
+            n -= sum(table.weight.numel() for table in self.value_emb)
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_width * T

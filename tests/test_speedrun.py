@@ -249,11 +249,6 @@ def test_cached_greedy_decoding_with_every_option_equals_full_recompute():
     assert torch.equal(model.generate(idx, 20, temperature=0), out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GPT.flops_per_token counts the value embeddings' tables in 6N as matmul weights; they are lookups, as "
-    "the untied token embedding it leaves out (GPT-2's shape with value_embeds: 4.25x the FLOPs, so 4.25x the MFU)",
-)
 def test_value_embeddings_are_lookups_that_add_no_matmul_flops():
     plain, mixed = GPT(tiny_config()), GPT(tiny_config(value_embeds=True))
     # 6N counts the parameters a token is multiplied with: each layer's value_mix (2), not the tables it looks up
@@ -710,11 +705,6 @@ def test_an_ema_run_resumes_its_average_exactly(data, tmp_path):
     assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="train.py copies the average into the model at a max_minutes stop too (last = ... or timed_out) and "
-    "saves it as the checkpoint's weights, so the --resume its log line advises trains on from the average",
-)
 def test_an_ema_run_stopped_by_its_time_budget_resumes_as_an_uninterrupted_run(data, tmp_path):
     kw = dict(ema_decay=0.9, eval_interval=20, lr_decay_iters=6)
     straight = run_train(*config(data, tmp_path / "straight", max_iters=6, **kw))
