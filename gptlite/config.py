@@ -103,6 +103,11 @@ class GPTConfig:
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
     )
+    bigram_vocab: int = option(
+        0,
+        "> 0: a second embedding, of each (previous, current) token pair hashed into this many rows, added to the "
+        "token embedding; vocab_size**2 + 1 rows give every pair a row of its own (0 = none)",
+    )
     unet_skips: bool = option(
         False, "U-net skips: block i's output is added, times a learned weight, to block n_layer-1-i's input"
     )
@@ -167,6 +172,13 @@ class GPTConfig:
             problems.append(
                 f"the head width n_embd / n_head = {self.head_width} must be even for "
                 "pos_emb='rope', which rotates pairs of its coordinates; change n_embd or n_head"
+            )
+        if not (isinstance(self.bigram_vocab, int) and not isinstance(self.bigram_vocab, bool)) or not (
+            self.bigram_vocab == 0 or self.bigram_vocab >= 2
+        ):
+            problems.append(
+                f"bigram_vocab={self.bigram_vocab!r} must be 0 (none) or at least 2 rows, e.g. vocab_size**2 + 1 "
+                "for a row per pair"
             )
         if not (isinstance(self.logit_softcap, (int, float)) and self.logit_softcap >= 0):
             problems.append(f"logit_softcap={self.logit_softcap!r} must be >= 0 (0 = no cap; modded-nanogpt uses 15)")

@@ -37,6 +37,11 @@ class AttentionCache(Protocol):
         """Store layer's new k, v (B, KV, T, D); return the keys and values the call attends over (B, KV, S, D)."""
         ...
 
+    def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Store the call's tokens idx (B, T); return the token before each one in its row (B, T), -1 for a row's
+        first (position 0). Only a model with a bigram embedding (GPTConfig.bigram_vocab) asks."""
+        ...
+
 
 def kv_buffers(
     config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
@@ -57,6 +62,7 @@ class KVCache:
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
         self.k, self.v = kv_buffers(config, batch_size, max_len, dtype, device)  # (B, KV, max_len, D) each
+        self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # (B, max_len) (bigram_vocab)
         self.max_len = max_len
         self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
         self.first = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) each row's first real slot
@@ -105,18 +111,26 @@ class KVCache:
         self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer][:, :, : self.span], self.v[layer][:, :, : self.span]
 
+    def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Write idx (B, T) at the prepared slots; each token's previous one (B, T), -1 at position 0 (a row's first
+        real token; its left padding is at position 0 too, and masked)."""
+        self.tokens.index_copy_(1, self.slots, idx)
+        before = self.tokens.index_select(1, (self.slots - 1).clamp_min(0))  # (B, T)
+        return torch.where(self.pos == 0, -1, before)
+
     def repeat_rows(self, n: int) -> None:
         """Give every row n consecutive copies (n samples of each prompt share one prefill)."""
         if n > 1:
             self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
             self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
+            self.tokens = self.tokens.repeat_interleave(n, dim=0)
             self.visible = self.visible.repeat_interleave(n, dim=0)
             self.first = self.first.repeat_interleave(n, dim=0)
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i takes over the contents of row rows[i] (beam search: each beam follows its parent), in place,
         so the buffers keep their addresses (CUDA graphs recorded against them stay valid)."""
-        for buffer in self.k + self.v:
+        for buffer in [*self.k, *self.v, self.tokens]:
             buffer.copy_(buffer.index_select(0, rows))
         self.visible.copy_(self.visible.index_select(0, rows))
         self.first = self.first.index_select(0, rows)
@@ -132,7 +146,7 @@ class KVCache:
 
     def copy_from(self, other: KVCache) -> None:
         """Take over other's contents (same shapes), keeping this cache's buffers where they are."""
-        for mine, theirs in zip(self.k + self.v, other.k + other.v, strict=True):
+        for mine, theirs in zip([*self.k, *self.v, self.tokens], [*other.k, *other.v, other.tokens], strict=True):
             mine.copy_(theirs)
         self.visible.copy_(other.visible)
         self.first = other.first
@@ -249,7 +263,7 @@ def static_cache(model: GPT, cache: KVCache) -> KVCache:
         static.copy_from(cache)
     else:
         static = cache
-        for buffer in static.k + static.v:
+        for buffer in [*static.k, *static.v, static.tokens]:
             torch._dynamo.mark_static_address(buffer)
         if model not in _static_caches or not _static_caches[model].busy:
             _static_caches[model] = static

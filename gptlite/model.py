@@ -10,8 +10,9 @@ own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v 
 (qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3").
 
 The speedrun techniques of modded-nanogpt and nanochat, off by default: value embeddings mixed into attention's
-values (value_embeds), U-net skips from early to late blocks (unet_skips), logit soft-capping (logit_softcap),
-output projections that start at zero (zero_init_out).
+values (value_embeds), an embedding of each token's pair with the one before it (bigram_vocab), U-net skips from
+early to late blocks (unet_skips), logit soft-capping (logit_softcap), output projections that start at zero
+(zero_init_out).
 
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
@@ -380,6 +381,12 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
+    """idx (B, T) -> each token's previous one in its row (B, T), -1 for the first: what the bigram embedding
+    pairs each token with in a forward without a cache."""
+    return torch.cat([torch.full_like(idx[:, :1], -1), idx[:, :-1]], dim=1)
+
+
 class GPT(nn.Module):
     """A decoder-only Transformer language model whose output head is tied to the token embedding (unless
     config.tie_embeddings is false). `checkpoint_blocks` (train.py's --activation_checkpointing) trades a second
@@ -391,6 +398,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        # bigram_vocab: each (previous, current) token pair's own vector, added to the token's (see bigram_ids)
+        self.bigram_emb = nn.Embedding(config.bigram_vocab, config.n_embd) if config.bigram_vocab else None
         self.pos_emb = POSITIONS[config.pos_emb](config)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -459,7 +468,11 @@ class GPT(nn.Module):
             self._check_input(idx)
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,) or (B, T)
-        x = self.drop(self.pos_emb(self.tok_emb(idx), pos))  # (B, T, C)
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.bigram_emb is not None:  # a cache knows the token before its call's first ones
+            prev = previous_tokens(idx) if cache is None else cache.previous_tokens(idx)  # (B, T)
+            x = x + self.bigram_emb(self.bigram_ids(idx, prev))
+        x = self.drop(self.pos_emb(x, pos))  # (B, T, C)
         rot = self.pos_emb.rotation(pos)  # once for every layer
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         n_skips = 0 if self.skip_weights is None else self.skip_weights.numel()
@@ -475,6 +488,15 @@ class GPT(nn.Module):
             if i < n_skips:
                 skips.append(x)
         return self.norm(x)
+
+    def bigram_ids(self, idx: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The bigram embedding's rows of tokens idx (B, T) after tokens prev (B, T), -1 where a token is its
+        sequence's first: modded-nanogpt's bigram hash embedding, with the plainest hash, the pair's index
+        prev * vocab_size + idx modulo bigram_vocab - 1, and the last row for a first token. With bigram_vocab - 1 at
+        least vocab_size**2 the hash is the identity: every pair has its own row."""
+        rows = self.config.bigram_vocab
+        pair = (prev * self.config.vocab_size + idx) % (rows - 1)
+        return torch.where(prev < 0, rows - 1, pair)  # (B, T)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (..., C) -> logits (..., V): the output head, then logit_softcap's cap * tanh(logits / cap)
@@ -626,4 +648,6 @@ class GPT(nn.Module):
             n -= self.tok_emb.weight.numel()
         if self.value_emb is not None:  # value embeddings too
             n -= sum(table.weight.numel() for table in self.value_emb)
+        if self.bigram_emb is not None:  # and the bigram embedding
+            n -= self.bigram_emb.weight.numel()
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_width * T

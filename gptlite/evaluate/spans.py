@@ -41,23 +41,29 @@ class TreeMask:
     """What the model reads from a cache (gptlite.kvcache.AttentionCache), for a forward without one: each token's
     position and the mask of what it attends to; each layer's keys and values are attended over as computed."""
 
-    def __init__(self, pos: torch.Tensor, mask: torch.Tensor):
+    def __init__(self, pos: torch.Tensor, mask: torch.Tensor, prev: torch.Tensor):
         self.pos = pos  # (B, L)
         self.mask = mask  # (B, 1, L, L)
+        self.prev = prev  # (B, L) each token's previous one in its own row, -1 for the first
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
+
+    def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.prev
 
 
 @dataclass
 class Packed:
     """Rows that share their first tokens, as one sequence: those tokens once, then each distinct row's own tokens but
-    its last. `branch` says whose each token is (-1: shared); `index[r][p]` is where row r's position p went."""
+    its last. `branch` says whose each token is (-1: shared); `index[r][p]` is where row r's position p went; `prev`
+    is each token's previous one in its own row (-1 for the first), what a bigram embedding pairs it with."""
 
     tokens: list[int]
     pos: list[int]
     branch: list[int]
     index: list[list[int]]
+    prev: list[int]
 
 
 def pack(rows: list[Row]) -> Packed:
@@ -68,6 +74,7 @@ def pack(rows: list[Row]) -> Packed:
     tokens = rows[0].tokens[:shared]
     pos = list(range(shared))
     branch = [-1] * shared
+    prev = [tokens[p - 1] if p else -1 for p in range(shared)]
     index = []
     seen = {}  # a row's tokens -> its index; equal rows are computed once, and so tie exactly
     for b, row in enumerate(rows):
@@ -78,8 +85,9 @@ def pack(rows: list[Row]) -> Packed:
             tokens += own
             pos += range(shared, shared + len(own))
             branch += [b] * len(own)
+            prev += [row.tokens[p - 1] if p else -1 for p in range(shared, shared + len(own))]
         index.append(seen[tuple(row.tokens)])
-    return Packed(tokens, pos, branch, index)
+    return Packed(tokens, pos, branch, index, prev)
 
 
 @torch.no_grad()
@@ -110,6 +118,7 @@ def score_spans(
         tokens = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L) right-padded with id 0
         pos = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L) each token's position in its own row
         branch = torch.full((len(batch), width), -2, dtype=torch.long)  # (B, L) -1 shared, -2 padding, else its row
+        prev = torch.full((len(batch), width), -1, dtype=torch.long)  # (B, L) each token's previous one in its row
         # each scored position: (sequence, packed index), its row, its target
         where = []
         owner = []
@@ -119,6 +128,7 @@ def score_spans(
             tokens[j, : len(p.tokens)] = torch.tensor(p.tokens)
             pos[j, : len(p.tokens)] = torch.tensor(p.pos)
             branch[j, : len(p.tokens)] = torch.tensor(p.branch)
+            prev[j, : len(p.tokens)] = torch.tensor(p.prev)
             for r, index in zip(groups[g], p.index, strict=True):
                 row = rows[r]
                 assert 1 <= row.start and row.end <= len(row.tokens) <= model.config.block_size + 1, (
@@ -134,7 +144,7 @@ def score_spans(
         causal = keys[None, :] <= keys[:, None]  # (L, L)
         # a token sees the shared tokens and its own row's before it; padding sees padding and the shared tokens
         visible = (branch[:, None, :] == -1) | (branch[:, None, :] == branch[:, :, None])  # (B, L, L)
-        cache = TreeMask(pos.to(device), (causal & visible)[:, None].to(device))  # (B, L), (B, 1, L, L)
+        cache = TreeMask(pos.to(device), (causal & visible)[:, None].to(device), prev.to(device))
         hidden = model.hidden(tokens.to(device), cache)  # (B, L, C)
         at = torch.tensor(where, device=device)  # (N, 2)
         hidden = hidden[at[:, 0], at[:, 1]]  # (N, C): only the positions that predict a span's token

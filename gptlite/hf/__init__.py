@@ -414,7 +414,7 @@ def fingerprint(name_or_dir: str) -> str:
 def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
     """The transformers architecture a model's switches map to (Mistral, which has Llama's, when `architecture` names
     it); others are refused, naming the switches that export."""
-    speedrun = [k for k in ("value_embeds", "unet_skips", "logit_softcap") if getattr(config, k)]
+    speedrun = [k for k in ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap") if getattr(config, k)]
     if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
         raise ValueError(
             f"a model with {', '.join(f'{k}={getattr(config, k)}' for k in speedrun)} has no transformers "

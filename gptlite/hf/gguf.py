@@ -78,6 +78,7 @@ def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tup
             f"llama.cpp has no architecture for a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, "
             f"ffn={config.ffn!r}, bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
             f"rope_scaling={config.rope_scaling!r}, value_embeds={config.value_embeds}, "
+            f"bigram_vocab={config.bigram_vocab}, "
             f"unet_skips={config.unet_skips}, logit_softcap={config.logit_softcap}; GGUF export takes GPT-2's "
             "switches (pos_emb=learned norm=layernorm ffn=gelu) and Llama's (pos_emb=rope norm=rmsnorm ffn=swiglu "
             "bias=false, with qkv_bias as Qwen2, qk_norm as Qwen3), without the speedrun options"

@@ -61,7 +61,7 @@ class PrefixCache:
     def restore(self, cache: RowCache, row: int, blocks: list[Block]) -> int:
         """Write the blocks' keys and values into slots 0.. of the cache's row; the number of tokens written."""
         if blocks:
-            cache.write_span(row, 0, [block.kv for block in blocks])
+            cache.write_span(row, 0, [block.kv for block in blocks], [t for block in blocks for t in block.tokens])
         self.hits += len(blocks) * BLOCK
         return len(blocks) * BLOCK
 

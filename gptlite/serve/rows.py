@@ -33,6 +33,7 @@ class RowCache:
     ):
         self.always_mask = always_mask  # a mask even where none is needed (a compiled step then has one graph less)
         self.k, self.v = kv_buffers(config, rows, max_len, dtype, device)  # (R, KV, L, D) each
+        self.tokens = torch.zeros(rows, max_len, dtype=torch.long, device=device)  # (R, L) (bigram_vocab)
         self.rows = rows
         self.max_len = max_len
         self.device = torch.device(device)
@@ -66,13 +67,21 @@ class RowCache:
         self.v[layer][self.row_ids, :, self.slots] = v.transpose(1, 2)
         return self.k[layer][self.selected, :, : self.span], self.v[layer][self.selected, :, : self.span]
 
+    def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Write idx (n, T) at the prepared slots; each token's previous one in its row (n, T), -1 at slot 0."""
+        self.tokens[self.row_ids, self.slots] = idx
+        before = self.tokens[self.row_ids, (self.slots - 1).clamp_min(0)]  # (n, T)
+        return torch.where(self.slots == 0, -1, before)
+
     def read_span(self, row: int, start: int, end: int) -> torch.Tensor:
         """A copy of every layer's keys and values in slots start..end-1 of a row: (2 * n_layer, KV, end - start, D),
         the keys' layers first (gptlite.serve.prefix keeps such spans)."""
         return torch.stack([buffer[row, :, start:end] for buffer in self.k + self.v])
 
-    def write_span(self, row: int, start: int, spans: list[torch.Tensor]) -> None:
-        """Write spans that `read_span` gave, one after another, into a row from slot `start` on."""
+    def write_span(self, row: int, start: int, spans: list[torch.Tensor], tokens: list[int]) -> None:
+        """Write spans that `read_span` gave, one after another, into a row from slot `start` on, and the tokens they
+        were computed for (what the slots after them pair with, with a bigram embedding)."""
+        self.tokens[row, start : start + len(tokens)] = torch.tensor(tokens, device=self.device)
         for span in spans:
             end = start + span.size(2)
             for buffer, layer in zip(self.k + self.v, span, strict=True):
@@ -84,3 +93,4 @@ class RowCache:
         engine keeps its running rows first), or the n copies of one prompt share its prefill."""
         for buffer in self.k + self.v:
             buffer[dst, :, :length] = buffer[src, :, :length]
+        self.tokens[dst, :length] = self.tokens[src, :length]
