@@ -1,7 +1,9 @@
 """The speedrun options against their definitions, each written out here rather than called from the code it checks:
 ReLU-squared feed-forwards, value embeddings, U-net skips, logit soft-capping (GPT.head and the chunked loss),
 zero-initialised output projections, Polar Express and NorMuon in Muon, the sequence-length warm-up, the moving
-average of the weights; train.py with them end to end; and the errors that name them."""
+average of the weights; train.py with them end to end; the errors that name them; and the bigram hash embedding,
+whose every cached or packed path (KV cache, beam search, the server's rows and prefix cache, packed spans) is
+checked against full forwards of whole rows."""
 
 import copy
 import json
@@ -14,14 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlite import GPT
+from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_checkpoint
 from gptlite.config import MODEL_SHAPE_KEYS, build_config, model_changes
+from gptlite.evaluate.spans import Row as SpanRow
+from gptlite.evaluate.spans import score_spans
+from gptlite.generate import SLIDE_KEEP
 from gptlite.hf import export_hf, family_of
 from gptlite.hf.gguf import gguf_architecture
 from gptlite.kvcache import new_cache, prefill
 from gptlite.loss import linear_cross_entropy
-from gptlite.model import ReluSquaredMLP
+from gptlite.model import ReluSquaredMLP, previous_tokens
 from gptlite.optim import (
     NS_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -36,7 +41,10 @@ from gptlite.optim import (
 )
 from gptlite.prepare.preference import prepare_preference
 from gptlite.run_config import resolve_config
+from gptlite.serve.engine import Engine, Job, Params, TokenLogprob
+from gptlite.serve.prefix import BLOCK
 from gptlite.shards import write_shard
+from gptlite.tokenizer import CharTokenizer
 from tests.conftest import run_train, tiny_config
 
 torch.set_num_threads(1)  # small matrices: one thread is as fast, and leaves the machine's other cores alone
@@ -788,3 +796,340 @@ def test_the_warmup_is_refused_for_preference_pairs(tmp_path):
         "seq_len_start=4 cuts text windows into shorter ones; preference pairs and RL prompts are whole sequences: "
         "leave seq_len_start out"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the bigram hash embedding (bigram_vocab): every path that feeds tokens against a full forward of the whole row
+
+BV = 11  # the bigram models' vocabulary: every pair has a row of its own at bigram_vocab = BV * BV + 1
+PAIRS = BV * BV + 1
+
+
+def bigram_config(bigram_vocab: int = PAIRS, **overrides) -> GPTConfig:
+    kw = dict(vocab_size=BV, n_layer=2, n_head=2, n_embd=16, block_size=64, pos_emb="rope", bigram_vocab=bigram_vocab)
+    kw.update(overrides)
+    return GPTConfig(**kw)
+
+
+def bigram_model(bigram_vocab: int = PAIRS, seed: int = 0, **overrides) -> GPT:
+    """A random bigram model whose pair table (std 1.0) outweighs the rest of the embedding, so that pairing a token
+    with another predecessor changes what it predicts."""
+    model = randomise(GPT(bigram_config(bigram_vocab, **overrides)), std=0.3, seed=seed)
+    with torch.no_grad():
+        model.bigram_emb.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+def pair_rows(rows: list[list[int]], vocab: int, table: int) -> list[list[int]]:
+    """Each token's row of the pair table, from the definition: the last row for a row's first token, else the
+    pair's index (previous * vocab + token) modulo table - 1."""
+    return [
+        [table - 1 if t == 0 else (row[t - 1] * vocab + row[t]) % (table - 1) for t in range(len(row))] for row in rows
+    ]
+
+
+def greedy_window(model: GPT, prompt: list[int], n: int, logprobs: list[float] | None = None) -> list[int]:
+    """Greedy decoding by a full forward of the window at every step, no cache; the window keeps its newest
+    SLIDE_KEEP part when it would pass block_size (gptlite.generate's policy). Each new token's log-probability is
+    appended to `logprobs` when given."""
+    block = model.config.block_size
+    keep = int(block * SLIDE_KEEP)
+    out = list(prompt)
+    start = max(0, len(out) - block)
+    with torch.no_grad():
+        for _ in range(n):
+            if len(out) - start > block:
+                start = len(out) - keep
+            logits = model(torch.tensor([out[start:]]))[0][0, -1]
+            out.append(int(logits.argmax()))
+            if logprobs is not None:
+                logprobs.append(F.log_softmax(logits.double(), dim=-1)[out[-1]].item())
+    return out
+
+
+def random_rows(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(BV) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("table", [PAIRS, 7])
+def test_bigram_ids_are_the_pair_index_modulo_the_table_and_the_last_row_for_a_first_token(table):
+    model = GPT(bigram_config(table))
+    assert model.bigram_emb.weight.shape == (table, 16)
+    prev = torch.tensor([[p for p in range(-1, BV) for _ in range(BV)]])  # every pair, and every first token
+    idx = torch.tensor([[c for _ in range(-1, BV) for c in range(BV)]])
+    want = [
+        table - 1 if p < 0 else (p * BV + c) % (table - 1)
+        for p, c in zip(prev[0].tolist(), idx[0].tolist(), strict=True)
+    ]
+    assert model.bigram_ids(idx, prev).tolist() == [want]
+    if table == PAIRS:  # a row of its own for every pair: the pair's index itself, the first tokens' row after them
+        assert want == [BV * BV] * BV + list(range(BV * BV))
+    # a forward without a cache pairs each token with the one before it in its own row
+    rows = torch.tensor([[3, 3, 0, 10, 7], [10, 0, 1, 2, 3]])
+    assert previous_tokens(rows).tolist() == [[-1, 3, 3, 0, 10], [-1, 10, 0, 1, 2]]
+    assert model.bigram_ids(rows, previous_tokens(rows)).tolist() == pair_rows(rows.tolist(), BV, table)
+
+
+@pytest.mark.parametrize("table", [PAIRS, 7])
+def test_bigram_hidden_states_equal_the_written_out_model_and_train_the_pairs_rows(table):
+    """tok_emb + bigram_emb[the pairs' rows] + the learned positions, then the blocks and the final norm written
+    out (reference_hidden's); the loss reaches exactly the pair rows the batch uses."""
+    model = bigram_model(table, pos_emb="learned", ffn="relu2")
+    rows = random_rows([13, 13], seed=1)
+    idx = torch.tensor(rows)
+    x = model.tok_emb.weight[idx] + model.bigram_emb.weight[torch.tensor(pair_rows(rows, BV, table))]
+    x = x + model.pos_emb.table.weight[: idx.size(1)]
+    for block in model.blocks:
+        x = x + naive_attention(block.attn, layer_norm(x, block.attn_norm))
+        x = x + relu_squared(layer_norm(x, block.ffn_norm), block.ffn)
+    want = layer_norm(x, model.norm)
+    torch.testing.assert_close(model.hidden(idx), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model(idx)[0], want @ model.lm_head.weight.T, atol=1e-4, rtol=1e-4)
+    model.train()
+    targets = torch.tensor(random_rows([13, 13], seed=2))
+    for return_logits in (True, False):  # the plain loss and the chunked one
+        model.zero_grad()
+        model(idx, targets, return_logits=return_logits)[1].backward()
+        used = sorted({r for row in pair_rows(rows, BV, table) for r in row})
+        touched = model.bigram_emb.weight.grad.abs().sum(1).nonzero().flatten().tolist()
+        assert touched == used
+
+
+def test_bigram_logits_are_causal_and_the_next_position_sees_a_token_through_its_pair_alone():
+    t = 6
+    idx = torch.tensor(random_rows([16], seed=3))
+    changed = idx.clone()
+    changed[0, t] = (idx[0, t] + 1) % BV
+    full = bigram_model()
+    with torch.no_grad():
+        a, b = full(idx)[0][0], full(changed)[0][0]
+    torch.testing.assert_close(a[:t], b[:t], atol=1e-6, rtol=0)  # nothing before t sees token t
+    assert ((a[t:] - b[t:]).abs().amax(-1) > 1e-3).all()
+    # blocks that start as the identity (zero output projections): the logits at t + 1 see token t only through
+    # the pair (t, t + 1), so they change with it, and stop changing without the pair table
+    plain = GPT(bigram_config(zero_init_out=True)).eval()
+    assert all(p.abs().sum() == 0 for n, p in plain.named_parameters() if n.endswith("out_proj.weight"))
+    with torch.no_grad():
+        plain.bigram_emb.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(4))
+        moved = (plain(idx)[0][0] - plain(changed)[0][0]).abs().amax(-1) > 1e-4
+        assert moved.nonzero().flatten().tolist() == [t, t + 1]
+        plain.bigram_emb.weight.zero_()
+        moved = (plain(idx)[0][0] - plain(changed)[0][0]).abs().amax(-1) > 1e-4
+        assert moved.nonzero().flatten().tolist() == [t]
+
+
+@pytest.mark.parametrize("table", [PAIRS, 7])
+def test_bigram_cached_greedy_decoding_equals_full_recompute(table):
+    model = bigram_model(table)
+    idx = torch.tensor(random_rows([5, 5, 5], seed=5))
+    out = model.generate(idx, 40, temperature=0)
+    assert out.tolist() == [greedy_window(model, row, 40) for row in idx.tolist()]
+    assert len({tuple(row) for row in out[:, 5:].tolist()}) == 3  # the rows differ: each follows its own pairs
+
+
+def test_bigram_kv_cache_logits_equal_full_forwards_step_by_step():
+    """Left-padded prompts of 1, 4 and 9 tokens prefilled, then given tokens fed one at a time, then a chunk of three
+    at once (a conversation's next turn): every row's logits are its full forward's last ones, where the first real
+    token follows the padding and pairs with nothing, and a chunk's first token with the cache's last."""
+    model = bigram_model()
+    rows = random_rows([1, 4, 9], seed=16)
+    fed = random_rows([9, 9, 9], seed=17)
+    cache = new_cache(model, 3, 20)
+    with torch.no_grad():
+        logits = prefill(model, cache, rows)
+        for i, width in enumerate([1] * 6 + [3]):
+            want = torch.stack([model(torch.tensor([row]))[0][0, -1] for row in rows])
+            torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+            step = [f[i : i + width] for f in fed] if width == 1 else [f[6:] for f in fed]
+            rows = [row + new for row, new in zip(rows, step, strict=True)]
+            cache.prepare(width)
+            logits = model.step(torch.tensor(step), cache)
+        want = torch.stack([model(torch.tensor([row]))[0][0, -1] for row in rows])
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bigram_ragged_prompts_through_sliding_windows_decode_as_each_alone():
+    """Left-padded prompts of different lengths, with windows of 16 that slide at different steps: each window's
+    first token is paired with nothing again, as in a full forward of the window."""
+    model = bigram_model(block_size=16)
+    prompts = random_rows([1, 4, 9, 16, 20], seed=6)
+    with pytest.warns(UserWarning, match="the context reached block_size=16"):
+        out = model.generate(prompts, 30, temperature=0)
+    assert out == [greedy_window(model, p, 30) for p in prompts]
+
+
+def test_bigram_samples_of_one_prompt_share_its_prefill_and_decode_greedily_alike():
+    model = bigram_model()
+    prompts = random_rows([3, 8], seed=7)
+    out = model.generate(prompts, 25, temperature=0, num_samples=3)
+    assert out == [greedy_window(model, p, 25) for p in prompts for _ in range(3)]
+
+
+def test_bigram_extend_context_equals_a_twin_with_a_longer_block_size():
+    """Rotary positions past block_size=16: a twin with block_size=128 and the same weights (the rotation has none)
+    recomputes every step in full."""
+    model = bigram_model(block_size=16)
+    twin = GPT(bigram_config(block_size=128)).eval()
+    twin.load_state_dict(model.state_dict())
+    prompts = random_rows([5, 5], seed=8)
+    out = model.generate(torch.tensor(prompts), 50, temperature=0, extend_context=True)
+    assert out.tolist() == [greedy_window(twin, p, 50) for p in prompts]
+    with pytest.warns(UserWarning, match="the context reached block_size=16"):
+        slid = model.generate(torch.tensor(prompts), 50, temperature=0)
+    assert out.tolist() != slid.tolist()  # the sliding window forgets
+
+
+def beams_by_full_forward(model: GPT, prompt: list[int], new: int, num_beams: int) -> list[list[int]]:
+    """Beam search without stop tokens, every beam's log-probabilities from a full forward: the num_beams best
+    continuations by summed log-probability, best first (all of one length, so the length penalty orders nothing)."""
+    beams = [(0.0, [])]
+    with torch.no_grad():
+        for _ in range(new):
+            logits = model(torch.tensor([prompt + tokens for _, tokens in beams]))[0][:, -1]  # (beams, V)
+            logprobs = F.log_softmax(logits.double(), dim=-1).tolist()
+            candidates = [
+                (s + lp[t], tokens + [t]) for (s, tokens), lp in zip(beams, logprobs, strict=True) for t in range(BV)
+            ]
+            beams = sorted(candidates, key=lambda c: -c[0])[:num_beams]
+    return [tokens for _, tokens in beams]
+
+
+def test_bigram_beam_search_reorders_the_beams_tokens_with_their_keys():
+    model = bigram_model()
+    prompts = random_rows([6, 2], seed=9)
+    out = model.generate(prompts, 12, num_beams=3, num_return_sequences=3)
+    want = [p + beam for p in prompts for beam in beams_by_full_forward(model, p, 12, 3)]
+    assert out == want
+    assert len({tuple(row) for row in out}) == 6
+
+
+def engine_greedy(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy completions of requests submitted together, the engine's steps run here, one after another (no
+    thread): every request queued before a step is admitted by it. Each request asks for its tokens'
+    log-probabilities: its tokens and theirs are checked against greedy decoding by full forwards, which is
+    sensitive where a token paired with a wrong predecessor would still be the greedy one."""
+    got: list[list[TokenLogprob]] = [[] for _ in prompts]
+    reasons: list[str | None] = [None] * len(prompts)
+
+    def emitter(i: int):
+        def emit(piece) -> None:
+            got[i] += piece.logprobs
+            if piece.finish_reason:
+                reasons[i] = piece.error or piece.finish_reason
+
+        return emit
+
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        engine.submit(Job(prompt, Params(max_tokens=n, temperature=0, logprobs=0), emitter(i)))
+    for _ in range(200):
+        if None not in reasons:
+            break
+        assert engine.turn()
+    assert reasons == ["length"] * len(prompts) and engine.active == 0
+    for prompt, n, entries in zip(prompts, max_tokens, got, strict=True):
+        want: list[float] = []
+        assert [e.token for e in entries] == greedy_window(engine.model, prompt, n, want)[len(prompt) :]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in entries]), torch.tensor(want), atol=1e-4, rtol=0)
+    return [[e.token for e in entries] for entries in got]
+
+
+def bigram_engine(**kw) -> tuple[Engine, list[tuple[int, int]]]:
+    """An engine on a bigram model (a tokenizer of 11 characters, ids 0..10), and the (rows, tokens) of every step
+    it runs."""
+    engine = Engine(bigram_model(block_size=128), CharTokenizer("abcdefghijk"), **kw)
+    shapes = []
+    step = engine.step
+
+    def record(model, idx, cache, last=None):
+        shapes.append(tuple(idx.shape))
+        return step(model, idx, cache, last)
+
+    engine.step = record
+    return engine, shapes
+
+
+def test_bigram_engine_prefills_ragged_arrivals_together_and_moves_rows_with_their_tokens():
+    """Prompts of 1 to 21 tokens prefilled together, right-padded; the shorter requests end first, and the last
+    running row moves into each freed one, its tokens with its keys (the freed rows hold an earlier round's
+    tokens there, which a row that moved without its own would pair its next token with). engine_greedy checks
+    every completion against full forwards."""
+    engine, shapes = bigram_engine(max_batch=5)
+    engine_greedy(engine, random_rows([40] * 5, seed=10), [3] * 5)
+    prompts = random_rows([1, 3, 7, 8, 21], seed=11)
+    shapes.clear()
+    engine_greedy(engine, prompts, [3, 14, 5, 14, 14])  # the 1- and 7-token prompts' rows free up first
+    prefills = shapes[: shapes.index((5, 1))]  # the steps before the first decode of all five
+    assert sum(rows for rows, _ in prefills) == 5 and (2, 8) in prefills  # 7 and 8 tokens, padded together
+
+
+def test_bigram_engine_restores_prefix_blocks_with_their_tokens():
+    """A prompt sharing 2 * BLOCK first tokens with an earlier one restores their blocks into a row whose slots a
+    different prompt wrote last: the blocks' tokens, not the row's, pair with the one token prefilled after them."""
+    engine, _ = bigram_engine(max_batch=2, prefix_cache_mb=1)
+    shared, other = random_rows([2 * BLOCK, 2 * BLOCK + 6], seed=12)
+    other[2 * BLOCK - 1] = (shared[2 * BLOCK - 1] + 1) % BV  # what the row holds before the restored blocks' end
+    assert other[:BLOCK] != shared[:BLOCK]  # no block of its own to restore
+    for prompt in (shared + [1, 2, 3, 4, 5], other, shared + [9]):  # one after another, in row 0
+        engine_greedy(engine, [prompt], [10])
+    assert engine.prefix.hits == 2 * BLOCK  # the third prompt's, which prefills one token, at slot 2 * BLOCK
+
+
+def test_bigram_engine_copies_of_one_prompt_take_its_rows_tokens():
+    """n completions of one prompt: one prefill, its row copied to the others, which decode what it does."""
+    engine, shapes = bigram_engine(max_batch=4)
+    prompt = random_rows([9], seed=13)[0] + [7]  # the copied row's last token pairs with the first one decoded
+    out = engine_greedy(engine, [prompt] * 3 + [[4, 5]], [12] * 4)
+    assert out[0] == out[1] == out[2] != out[3]
+    assert sorted(shapes[:2]) == [(1, 2), (1, 10)] and shapes[2] == (4, 1)  # two prefills, then all four decode
+
+
+@pytest.mark.parametrize("table", [PAIRS, 7])
+def test_bigram_packed_spans_pair_each_token_with_its_own_rows_previous_one(table):
+    """Rows sharing a prefix, packed into one sequence: each branch's first own token pairs with the shared prefix's
+    last token, not with the branch packed before it; every row scores as alone and as its log-softmax by hand."""
+    model = bigram_model(table)
+    prefix = random_rows([10], seed=13)[0]
+    tails = random_rows([4, 6, 1, 5], seed=14)
+    rows = [SpanRow(prefix + tail, 3, len(prefix + tail)) for tail in tails]
+    rows.append(SpanRow(prefix + tails[1][:3], 10, 13))  # a row that is the start of another
+    rows.append(SpanRow(random_rows([65], seed=15)[0], 1, 65))  # block_size + 1 tokens, alone
+    groups = [[0, 1, 2, 3, 4], [5]]
+    packed = score_spans(model, rows, BV, groups=groups)
+    alone = score_spans(model, rows, BV)
+    want_loss, want_greedy = [], []
+    with torch.no_grad():
+        for row in rows:
+            logprobs = F.log_softmax(model(torch.tensor([row.tokens[:-1]]))[0][0].double(), dim=-1)
+            span = range(row.start, row.end)
+            want_loss.append(-sum(logprobs[q - 1, row.tokens[q]].item() for q in span))
+            want_greedy.append(all(int(logprobs[q - 1].argmax()) == row.tokens[q] for q in span))
+    for loss, count, greedy in (packed, alone):
+        torch.testing.assert_close(
+            torch.tensor(loss), torch.tensor(want_loss, dtype=torch.float32), atol=1e-4, rtol=1e-5
+        )
+        assert count == [row.end - row.start for row in rows] and greedy == want_greedy
+
+
+def test_bigram_vocab_errors_export_and_flops(tmp_path):
+    for bad in (1, -1, True):
+        with pytest.raises(ValueError, match=rf"bigram_vocab={bad!r} must be 0 \(none\) or at least 2 rows"):
+            bigram_config(bad)
+    with pytest.raises(ValueError, match=r"bigram_vocab=1 must be 0 \(none\) or at least 2 rows"):
+        train_config(bigram_vocab=1)
+    config = tiny_config(pos_emb="rope", norm="rmsnorm", bigram_vocab=97 * 97 + 1)  # Llama's switches otherwise
+    with pytest.raises(ValueError, match=r"a model with bigram_vocab=9410 has no transformers architecture"):
+        family_of(config)
+    with pytest.raises(ValueError, match=r"bigram_vocab=9410, .*without the speedrun options"):
+        gguf_architecture(config)
+    with pytest.raises(ValueError, match=r"bigram_vocab=9410 has no transformers architecture"):
+        export_hf(GPT(config), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    family_of(tiny_config(pos_emb="rope", norm="rmsnorm"))  # the same model without the table exports
+    # 6N leaves the table out, as it leaves out value embeddings and an untied token embedding: it is looked up,
+    # never multiplied with
+    for table in (PAIRS, 7):
+        assert GPT(bigram_config(table)).flops_per_token() == GPT(bigram_config(0)).flops_per_token()
+    untied = GPT(bigram_config(tie_embeddings=False, value_embeds=True)).flops_per_token()
+    assert untied == GPT(bigram_config(0, tie_embeddings=False, value_embeds=True)).flops_per_token()
+    assert GPT(bigram_config()).flops_per_token(100) == GPT(bigram_config(0)).flops_per_token(100)
