@@ -324,32 +324,40 @@ class SwiGLUGate(torch.autograd.Function):
         return grad_h  # (B, T, 2F)
 
 
-class GeluMLP(nn.Module):
+class MLP(nn.Module):
+    """out_proj(activation(fc x)), ffn_hidden wide: the feed-forward of two matrices, whose subclasses say the
+    activation."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=config.bias)
+        self.out_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.out_proj(self.activation(self.fc(x))))  # (B, T, C)
+
+    @staticmethod
+    def activation(h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class GeluMLP(MLP):
     """GPT-2's MLP: out_proj(gelu(fc x)), with GELU's tanh approximation (Hendrycks & Gimpel, 2016) as
     GPT-2 computes it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
 
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=config.bias)
-        self.out_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.out_proj(F.gelu(self.fc(x), approximate="tanh")))  # (B, T, C)
+    @staticmethod
+    def activation(h: torch.Tensor) -> torch.Tensor:
+        return F.gelu(h, approximate="tanh")
 
 
-class ReluSquaredMLP(nn.Module):
+class ReluSquaredMLP(MLP):
     """out_proj(relu(fc x)^2): the squared ReLU of Primer (So et al., 2021, "Primer: Searching for Efficient
-    Transformers for Language Modeling", section 4), modded-nanogpt's and nanochat's MLP; ffn_hidden wide."""
+    Transformers for Language Modeling", section 4), modded-nanogpt's and nanochat's MLP."""
 
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=config.bias)
-        self.out_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.out_proj(F.relu(self.fc(x)).square()))  # (B, T, C)
+    @staticmethod
+    def activation(h: torch.Tensor) -> torch.Tensor:
+        return F.relu(h).square()
 
 
 FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP}

@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from gptlite.serve.prefix import BLOCK
 from gptlite.shards import write_shard
 from gptlite.tokenizer import CharTokenizer
 from tests.conftest import run_train, tiny_config
+from tests.test_serve_prefill import recording
 
 torch.set_num_threads(1)  # small matrices: one thread is as fast, and leaves the machine's other cores alone
 
@@ -786,6 +788,22 @@ def test_every_speedrun_option_together_trains_and_resumes_exactly(data, tmp_pat
     assert {k: a["config"][k] for k in kw} == kw and b["config"]["zero_init_out"] is False
 
 
+def test_the_shipped_speedrun_recipe_trains_on_windows_growing_to_its_block_size(tmp_path):
+    """configs/shakespeare_char_cpu_90s.toml as shipped (a step budget instead of its time budget): a bigram table of
+    a row per character pair, and windows of 64, 128, 256, then 512 tokens over the first 60% of the run."""
+    rng = random.Random(0)
+    (tmp_path / "data").mkdir()
+    write_shard(tmp_path / "data" / "train_000000.bin", [rng.randrange(65) for _ in range(8000)], 65)
+    write_shard(tmp_path / "data" / "val_000000.bin", [rng.randrange(65) for _ in range(3200)], 65)
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "shakespeare_char_cpu_90s.toml"
+    overrides = dict(vocab_size=65, max_minutes=0, lr_schedule="steps", max_iters=10, warmup_iters=2)
+    run = run_train(recipe, data_dir=tmp_path / "data", out_dir=tmp_path / "out", **overrides)
+    assert run.code == 0 and run.step == 10, run.err
+    assert re.findall(r"\| training on windows of (\d+) tokens", run.out) == ["64", "128", "256", "512"]
+    ckpt = load_checkpoint(tmp_path / "out")
+    assert ckpt["model"]["bigram_emb.weight"].shape == (65 * 65 + 1, 96)
+
+
 def test_the_warmup_is_refused_for_preference_pairs(tmp_path):
     records = [{"prompt": f"{n}=", "chosen": f"{n}"[::-1], "rejected": f"{n + 1}"} for n in range(100, 140)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -1038,15 +1056,7 @@ def bigram_engine(**kw) -> tuple[Engine, list[tuple[int, int]]]:
     """An engine on a bigram model (a tokenizer of 11 characters, ids 0..10), and the (rows, tokens) of every step
     it runs."""
     engine = Engine(bigram_model(block_size=128), CharTokenizer("abcdefghijk"), **kw)
-    shapes = []
-    step = engine.step
-
-    def record(model, idx, cache, last=None):
-        shapes.append(tuple(idx.shape))
-        return step(model, idx, cache, last)
-
-    engine.step = record
-    return engine, shapes
+    return engine, recording(engine)
 
 
 def test_bigram_engine_prefills_ragged_arrivals_together_and_moves_rows_with_their_tokens():
