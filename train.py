@@ -361,8 +361,9 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr * group["lr_ratio"]
         # seq_len_start: each (B, T) batch is cut into (B * T / seq_len, seq_len) windows, the same tokens
-        if seq_len_at(step, cfg, minutes) != seq_len or (step == first_step and cfg.seq_len_start):
-            seq_len = seq_len_at(step, cfg, minutes)
+        step_len = seq_len_at(step, cfg, minutes)
+        if step_len != seq_len or (step == first_step and cfg.seq_len_start):
+            seq_len = step_len
             log(f"step {step:5d} | training on windows of {seq_len} tokens")
 
         # forward and backward over the step's micro-batches; their gradients add up in .grad

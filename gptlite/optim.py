@@ -222,15 +222,13 @@ def normalise_neurons(update: Tensor, second_moment: Tensor, beta2: float, split
     square, updated here in place ((rows, 1), float32). Each logical matrix of `split` is then scaled back to the
     Frobenius norm it had, so that Muon's learning rate keeps its meaning (as modded-nanogpt's NorMuon does; the
     paper rescales to AdamW's update size instead). Returns O's shape and dtype."""
-    mean_square = update.float().square().mean(dim=1, keepdim=True)  # (rows, 1)
+    full = update.float()  # (rows, cols)
+    mean_square = full.square().mean(dim=1, keepdim=True)  # (rows, 1)
     second_moment.lerp_(mean_square, 1 - beta2)
-    normalised = update.float() * second_moment.clamp_min(1e-10).rsqrt()  # (rows, cols)
+    normalised = full * second_moment.clamp_min(1e-10).rsqrt()  # (rows, cols)
+    sizes = row_sizes(update.size(0), split)
     parts = []
-    for before, after in zip(
-        update.float().split(row_sizes(update.size(0), split)),
-        normalised.split(row_sizes(update.size(0), split)),
-        strict=True,
-    ):
+    for before, after in zip(full.split(sizes), normalised.split(sizes), strict=True):
         parts.append(after * (before.norm() / after.norm().clamp_min(1e-10)))
     return torch.cat(parts).to(update.dtype)  # (rows, cols)
 

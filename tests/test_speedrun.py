@@ -100,7 +100,9 @@ def naive_attention(attn, x: torch.Tensor, ve: torch.Tensor | None = None) -> to
     B, T, _ = x.shape
     H, KV, D = attn.n_head, attn.n_kv_head, attn.head_dim
     w = attn.qkv.weight  # rows q (H*D), then k (KV*D), then v (KV*D)
-    q, k, v = x @ w[: H * D].T, x @ w[H * D : (H + KV) * D].T, x @ w[(H + KV) * D :].T
+    q = x @ w[: H * D].T
+    k = x @ w[H * D : (H + KV) * D].T
+    v = x @ w[(H + KV) * D :].T
     if ve is not None:
         v = attn.value_mix[0] * v + attn.value_mix[1] * ve
     q = q.view(B, T, H, D).transpose(1, 2)
@@ -167,7 +169,8 @@ def test_attention_with_value_embeds_equals_the_naive_math_on_the_mixed_values()
     attn = model.blocks[0].attn
     with torch.no_grad():
         attn.value_mix.copy_(torch.tensor([0.3, -1.7]))
-    x, ve = torch.randn(3, 11, 32), torch.randn(3, 11, 16)
+    x = torch.randn(3, 11, 32)
+    ve = torch.randn(3, 11, 16)
     got = attn(x, ve=ve)
     torch.testing.assert_close(got, naive_attention(attn, x, ve), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got, naive_attention(attn, x), atol=1e-2)  # ve changes the output
@@ -175,7 +178,8 @@ def test_attention_with_value_embeds_equals_the_naive_math_on_the_mixed_values()
 
 def test_value_mix_1_0_is_the_model_without_value_embeds():
     torch.manual_seed(0)
-    with_ve, without = GPT(tiny_config(value_embeds=True)).eval(), GPT(tiny_config()).eval()
+    with_ve = GPT(tiny_config(value_embeds=True)).eval()
+    without = GPT(tiny_config()).eval()
     without.load_state_dict({k: v for k, v in with_ve.state_dict().items() if k in without.state_dict()})
     idx = torch.randint(0, 97, (2, 20))
     assert not torch.allclose(with_ve(idx)[0], without(idx)[0], atol=1e-4)  # at (0.5, 0.5) they differ
@@ -218,7 +222,8 @@ def test_unet_skips_add_each_early_blocks_output_to_its_mirror_block(n_layer):
 
 def test_unet_skips_weighted_zero_are_the_model_without_them():
     torch.manual_seed(0)
-    skips, plain = GPT(tiny_config(unet_skips=True, n_layer=4)).eval(), GPT(tiny_config(n_layer=4)).eval()
+    skips = GPT(tiny_config(unet_skips=True, n_layer=4)).eval()
+    plain = GPT(tiny_config(n_layer=4)).eval()
     assert set(skips.state_dict()) - set(plain.state_dict()) == {"skip_weights"}
     plain.load_state_dict({k: v for k, v in skips.state_dict().items() if k != "skip_weights"})
     idx = torch.randint(0, 97, (2, 20))
@@ -231,7 +236,8 @@ def test_unet_skips_weighted_zero_are_the_model_without_them():
 def test_every_option_together_equals_the_written_out_model_and_trains_with_checkpointing():
     config = tiny_config(value_embeds=True, unet_skips=True, ffn="relu2", logit_softcap=2.0, n_layer=4)
     model = randomise(GPT(config))
-    idx, targets = torch.randint(0, 97, (2, 13)), torch.randint(0, 97, (2, 13))
+    idx = torch.randint(0, 97, (2, 13))
+    targets = torch.randint(0, 97, (2, 13))
     want = softcapped(reference_hidden(model, idx, MIRRORS[4]) @ model.lm_head.weight.T, 2.0)
     torch.testing.assert_close(model(idx)[0], want, atol=1e-4, rtol=1e-4)
     # activation checkpointing passes the value embeddings and the skips through: the same gradients
@@ -260,7 +266,8 @@ def test_cached_greedy_decoding_with_every_option_equals_full_recompute():
 
 
 def test_value_embeddings_are_lookups_that_add_no_matmul_flops():
-    plain, mixed = GPT(tiny_config()), GPT(tiny_config(value_embeds=True))
+    plain = GPT(tiny_config())
+    mixed = GPT(tiny_config(value_embeds=True))
     # 6N counts the parameters a token is multiplied with: each layer's value_mix (2), not the tables it looks up
     assert mixed.flops_per_token() == plain.flops_per_token() + 6 * 2 * mixed.config.n_layer
 
@@ -310,9 +317,11 @@ def test_the_chunked_loss_with_a_softcap_equals_cross_entropy_of_the_capped_logi
 def test_the_models_chunked_training_loss_equals_its_capped_logits_loss(reduction):
     model = randomise(GPT(tiny_config(logit_softcap=1.5)), std=0.5)
     model.train()
-    idx, targets = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    idx = torch.randint(0, 97, (2, 16))
+    targets = torch.randint(0, 97, (2, 16))
     targets[0, :5] = -1
-    losses, grads = [], []
+    losses = []
+    grads = []
     for return_logits in (True, False):
         model.zero_grad()
         loss = model(idx, targets, reduction=reduction, return_logits=return_logits)[1]
@@ -383,7 +392,12 @@ def test_on_a_diagonal_matrix_each_singular_value_follows_the_scalar_polynomials
     s = [1.0, 0.6, 0.25, 0.1, 0.02, 0.004]
     g = torch.zeros(shape)
     g[range(6), range(6)] = torch.tensor(s)
-    coefficients, safety = (PUBLISHED_POLAR_EXPRESS, 1.02) if method == "polar_express" else ((KELLER_QUINTIC,) * 5, 1)
+    if method == "polar_express":
+        coefficients = PUBLISHED_POLAR_EXPRESS
+        safety = 1.02
+    else:
+        coefficients = (KELLER_QUINTIC,) * 5
+        safety = 1
     want = torch.zeros(shape, dtype=torch.float64)
     want[range(6), range(6)] = torch.tensor(scalar_newton_schulz(s, coefficients, safety), dtype=torch.float64)
     got = newton_schulz(g, torch.float32, method=method)
@@ -464,7 +478,8 @@ def muon_by_hand(weight, grad, buffer, moment, split, lr, momentum, weight_decay
 
 def test_a_muon_step_with_polar_express_and_normuon_is_its_formula_and_its_state_resumes():
     torch.manual_seed(0)
-    qkv, fc = torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(64, 16))
+    qkv = torch.nn.Parameter(torch.randn(48, 16))
+    fc = torch.nn.Parameter(torch.randn(64, 16))
     hyper = dict(lr=0.05, momentum=0.9, weight_decay=0.1)
     options = dict(ns_dtype=torch.float32, ns_method="polar_express", normuon=True, normuon_beta2=0.9)
     opt = Muon([{"params": [qkv], "split": 3}, {"params": [fc]}], **hyper, **options)
@@ -572,7 +587,8 @@ def test_the_weight_average_leaves_frozen_parameters_out_and_copies_in_the_model
     torch.manual_seed(0)
     model = GPT(tiny_config(n_layer=1)).bfloat16()
     model.pos_emb.table.weight.requires_grad_(False)
-    frozen, start = model.pos_emb.table.weight.detach().clone(), model.tok_emb.weight.detach().float()
+    frozen = model.pos_emb.table.weight.detach().clone()
+    start = model.tok_emb.weight.detach().float()
     ema = WeightAverage(model, 0.9)
     assert "pos_emb.table.weight" not in ema.names and all(a.dtype == torch.float32 for a in ema.average)
     with torch.no_grad():
@@ -709,7 +725,8 @@ def test_an_ema_run_resumes_its_average_exactly(data, tmp_path):
     assert load_checkpoint(tmp_path / "resumed")["ema"]["updates"] == 3
     resumed = run_train(*resume(tmp_path / "resumed", "--max_iters=6"))
     assert resumed.code == 0 and resumed.history == straight.history[3:], resumed.err  # bit for bit
-    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    a = load_checkpoint(tmp_path / "straight")
+    b = load_checkpoint(tmp_path / "resumed")
     assert a["ema"]["updates"] == b["ema"]["updates"] == 6
     assert all(torch.equal(a["ema"]["average"][n], b["ema"]["average"][n]) for n in a["ema"]["average"])
     assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
@@ -726,7 +743,8 @@ def test_an_ema_run_stopped_by_its_time_budget_resumes_as_an_uninterrupted_run(d
 
 
 def test_the_sequence_length_warmup_trains_on_shorter_windows_of_the_same_tokens(data, tmp_path, capsys, monkeypatch):
-    seen, forward = [], GPT.forward
+    seen = []
+    forward = GPT.forward
 
     def recording(self, idx, targets=None, *args, **kwargs):
         if self.training:
@@ -782,7 +800,8 @@ def test_every_speedrun_option_together_trains_and_resumes_exactly(data, tmp_pat
     # zero_init_out only says how a fresh model starts: --resume may change it
     resumed = run_train(*resume(tmp_path / "resumed", "--zero_init_out=false"))
     assert resumed.code == 0 and resumed.history == straight.history[3:], resumed.err  # bit for bit
-    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    a = load_checkpoint(tmp_path / "straight")
+    b = load_checkpoint(tmp_path / "resumed")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert "neuron_second_moment" in b["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
     assert {k: a["config"][k] for k in kw} == kw and b["config"]["zero_init_out"] is False
@@ -921,7 +940,8 @@ def test_bigram_logits_are_causal_and_the_next_position_sees_a_token_through_its
     changed[0, t] = (idx[0, t] + 1) % BV
     full = bigram_model()
     with torch.no_grad():
-        a, b = full(idx)[0][0], full(changed)[0][0]
+        a = full(idx)[0][0]
+        b = full(changed)[0][0]
     torch.testing.assert_close(a[:t], b[:t], atol=1e-6, rtol=0)  # nothing before t sees token t
     assert ((a[t:] - b[t:]).abs().amax(-1) > 1e-3).all()
     # blocks that start as the identity (zero output projections): the logits at t + 1 see token t only through
@@ -1107,7 +1127,8 @@ def test_bigram_packed_spans_pair_each_token_with_its_own_rows_previous_one(tabl
     groups = [[0, 1, 2, 3, 4], [5]]
     packed = score_spans(model, rows, BV, groups=groups)
     alone = score_spans(model, rows, BV)
-    want_loss, want_greedy = [], []
+    want_loss = []
+    want_greedy = []
     with torch.no_grad():
         for row in rows:
             logprobs = F.log_softmax(model(torch.tensor([row.tokens[:-1]]))[0][0].double(), dim=-1)
