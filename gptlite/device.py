@@ -1,6 +1,7 @@
 """The device a command computes on: the one "auto" choice of device and precision, and what training needs to
 know of the device (TF32 and autocast, whether torch.compile can work here, peak memory, advice when memory runs
-out, and how glibc returns freed memory to the system).
+out, and how glibc returns freed memory to the system), and which CPU this is: the same command runs at different
+speeds, and through different kernels, on an AMD EPYC with AVX2 and an Intel Xeon with AVX-512 and AMX.
 
 Nothing here runs at import time: torch is imported by the functions that need it, so that the commands that
 only read options (data preparation) start without it.
@@ -10,12 +11,55 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shutil
 import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+
+# /proc/cpuinfo's flags -> the names Intel and AMD give the extensions torch's and llama.cpp's CPU kernels choose by
+CPU_EXTENSIONS = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512",
+    "avx512_bf16": "AVX512-BF16",
+    "amx_tile": "AMX",
+}
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """This CPU's model name and its flags, as Linux's /proc/cpuinfo gives them; elsewhere the name `platform`
+    gives and no flags."""
+    name, flags = "", set()
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return platform.processor() or platform.machine() or "an unknown CPU", flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not name:
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return name or platform.machine() or "an unknown CPU", flags
+
+
+def cpu_extensions() -> list[str]:
+    """The vector and matrix extensions of this CPU that change which kernels run, e.g. ['AVX2'] or
+    ['AVX2', 'AVX-512', 'AVX512-BF16', 'AMX']."""
+    _, flags = cpu_info()
+    return [label for flag, label in CPU_EXTENSIONS.items() if flag in flags]
+
+
+def cpu_summary() -> str:
+    """One line for a benchmark's header or an error: 'AMD EPYC, 2 cores, AVX2', or 'INTEL(R) XEON(R) ..., 2 cores,
+    AVX2/AVX-512/AVX512-BF16/AMX'."""
+    name, _ = cpu_info()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    extensions = cpu_extensions()
+    return f"{name}, {cores} cores, {'/'.join(extensions) or 'no AVX2, AVX-512 or AMX'}"
 
 
 def pick_device(name: str = "auto", local_rank: int = 0) -> str:

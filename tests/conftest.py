@@ -32,6 +32,7 @@ SHARED = (
     else next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")
 )
 DEVICE = os.environ.get("GPTLITE_TEST_DEVICE", "cpu")
+pytest_plugins = ["pytester"]  # a pytest run inside a test: the suite goes on past a crash in native code
 
 
 def pytest_configure(config):

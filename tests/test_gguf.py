@@ -7,7 +7,6 @@ import json
 import math
 
 import gguf
-import llama_cpp
 import numpy as np
 import pytest
 import torch
@@ -15,13 +14,15 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from tokenizers import pre_tokenizers
 
 from gptlite import GPT, GPTConfig
+from gptlite.device import cpu_summary
 from gptlite.hf import export_hf
 from gptlite.hf.__main__ import main as hf_main
 from gptlite.hf.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, export_gguf, gguf_tensors, llama_rows, role_wrappers
 from gptlite.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_spec
 from gptlite.tokenizer.chat import render
 from gptlite.tokenizer.trainer import train_bpe
-from tests.conftest import run_train, shared_file
+from tests.conftest import ROOT, run_train, shared_file
+from tests.llama_cpp_reference import llama_cpp
 
 TEXTS = [
     "Hello world",
@@ -82,18 +83,6 @@ def random_model(seed: int, vocab_size: int, **switches) -> GPT:
     return model.eval()
 
 
-def llama(path, **kwargs) -> llama_cpp.Llama:
-    return llama_cpp.Llama(
-        model_path=str(path), n_ctx=64, n_batch=64, logits_all=True, n_threads=2, verbose=False, **kwargs
-    )
-
-
-def llama_logits(llm: llama_cpp.Llama, ids: list[int]) -> np.ndarray:
-    llm.reset()
-    llm.eval(ids)
-    return np.array(llm.scores[: len(ids)], dtype=np.float64)
-
-
 def greedy(model: GPT, ids: list[int], n: int) -> list[int]:
     idx = torch.tensor([ids])
     with torch.no_grad():
@@ -103,11 +92,12 @@ def greedy(model: GPT, ids: list[int], n: int) -> list[int]:
     return idx[0].tolist()
 
 
-def relative_error(model: GPT, llm: llama_cpp.Llama, ids: list[int]) -> tuple[float, np.ndarray, np.ndarray]:
-    """The largest absolute difference of the logits over their standard deviation, and both sets of logits."""
+def relative_error(model: GPT, path, ids: list[int]) -> tuple[float, np.ndarray, np.ndarray]:
+    """The largest absolute difference of the logits over their standard deviation, and both sets of logits:
+    gptlite's model against llama.cpp reading its GGUF file."""
     with torch.no_grad():
         ours = model(torch.tensor([ids]))[0][0].double().numpy()
-    theirs = llama_logits(llm, ids)
+    theirs = llama_cpp(path, evaluate=[ids]).logits[0]
     return float(np.abs(ours - theirs).max() / ours.std()), ours, theirs
 
 
@@ -118,13 +108,13 @@ def test_llama_cpp_tokenizes_and_computes_as_gptlite(arch, gpt2_tokenizer, bpe, 
     model = random_model(1, vocab_size, **ARCHITECTURES[arch])
     path = export_gguf(model, tmp_path / "m.gguf", tokenizer)
     assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch.split("_")[0]
-    llm = llama(path)
-    for text in TEXTS:
-        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer.encode(text), text
-        assert llm.detokenize(tokenizer.encode(text)).decode() == text
+    reference = llama_cpp(path, tokenize=TEXTS, detokenize=[tokenizer.encode(text) for text in TEXTS])
+    for text, tokens, back in zip(TEXTS, reference.tokens, reference.texts, strict=True):
+        assert tokens == tokenizer.encode(text), text
+        assert back == text
     prompt = tokenizer.encode(TEXTS[5])
     ids = greedy(model, prompt, 32)
-    error, ours, theirs = relative_error(model, llm, ids)
+    error, ours, theirs = relative_error(model, path, ids)
     assert error < 1e-2, error  # llama.cpp keeps its KV cache in f16
     assert (theirs[len(prompt) - 1 : -1].argmax(-1) == ours[len(prompt) - 1 : -1].argmax(-1)).all()
     assert ids[len(prompt) :] == [int(t) for t in theirs[len(prompt) - 1 : -1].argmax(-1)]
@@ -176,9 +166,8 @@ def test_each_pre_tokenizer_splits_in_llama_cpp_as_in_gptlite(pre, tmp_path):
     model = random_model(7, 512, **ARCHITECTURES["qwen2"])
     path = export_gguf(model, tmp_path / "m.gguf", tokenizer)
     assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == pre
-    llm = llama(path)
-    for text in TEXTS:
-        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer.encode(text), text
+    for text, tokens in zip(TEXTS, llama_cpp(path, tokenize=TEXTS).tokens, strict=True):
+        assert tokens == tokenizer.encode(text), text
 
 
 def test_a_pretrained_directory_exports_from_the_command_line(bpe, tmp_path, capsys):
@@ -187,7 +176,7 @@ def test_a_pretrained_directory_exports_from_the_command_line(bpe, tmp_path, cap
     export_hf(model, tmp_path / "hf", bpe)
     out = tmp_path / "qwen2.gguf"
     assert hf_main(["export", "--format=gguf", f"--init_from={tmp_path / 'hf'}", f"--out={out}", "--type=f16"]) == 0
-    error, _, _ = relative_error(model, llama(out), bpe.encode(TEXTS[5]))
+    error, _, _ = relative_error(model, out, bpe.encode(TEXTS[5]))
     assert error < BOUNDS["f16"]
     assert not (tmp_path / "Modelfile").exists()  # no chat template, no Modelfile
     capsys.readouterr()
@@ -211,7 +200,7 @@ def test_half_and_q8_0_files_stay_within_their_bounds(kind, bpe, tmp_path):
     path = export_gguf(model, tmp_path / f"m-{kind}.gguf", bpe, kind)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == kind.upper() and types["blk.0.attn_norm.weight"] == "F32"
-    error, _, _ = relative_error(model, llama(path), bpe.encode(TEXTS[5]))
+    error, _, _ = relative_error(model, path, bpe.encode(TEXTS[5]))
     assert error < BOUNDS[kind], error
 
 
@@ -227,8 +216,6 @@ def test_the_chat_template_goes_in_and_renders_as_gptlites(bpe, tmp_path):
     tokenizer.use_default_template()  # ChatML, its markers added past the vocabulary
     model = random_model(3, tokenizer.vocab_size, **ARCHITECTURES["qwen3"])
     path = export_gguf(model, tmp_path / "chat.gguf", tokenizer)
-    llm = llama(path)
-    assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
@@ -239,7 +226,9 @@ def test_the_chat_template_goes_in_and_renders_as_gptlites(bpe, tmp_path):
     rendered = formatter(messages=messages).prompt
     assert rendered == render(tokenizer.chat_template, messages, True, tokenizer.special_texts())
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    assert llm.tokenize(rendered.encode(), add_bos=False, special=True) == ids
+    reference = llama_cpp(path, tokenize=[rendered], special=True)
+    assert reference.metadata["tokenizer.chat_template"] == tokenizer.chat_template
+    assert reference.tokens == [ids]
     assert role_wrappers(tokenizer.chat_template, tokenizer) is not None
 
 
@@ -312,8 +301,7 @@ def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_pat
     assert done.code == 0, done.err
     assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={out}", "--type=q8_0"]) == 0
     assert out.is_file() and "wrote" in capsys.readouterr().out
-    llm = llama(out)
-    assert llm.tokenize(TEXTS[1].encode(), add_bos=False, special=False) == tokenizer.encode(TEXTS[1])
+    assert llama_cpp(out, tokenize=[TEXTS[1]]).tokens == [tokenizer.encode(TEXTS[1])]
     modelfile = (out.parent / "Modelfile").read_text()
     assert "FROM ./model.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
     assert "{{ range .Messages }}" in modelfile
@@ -403,3 +391,46 @@ def missing_biases(model: GPT) -> int:
         return 0
     per_layer = 2 * c.n_embd + 3 * c.n_embd + c.n_embd + c.ffn_hidden + c.n_embd
     return c.n_layer * per_layer + c.n_embd
+
+
+def test_a_crash_in_llama_cpp_fails_one_test_that_names_the_library_and_the_cpu(bpe, tmp_path):
+    """The child dies of SIGSEGV once the model is loaded, as llama.cpp's AMX path does on some Intel CPUs: the
+    check fails with the library, the signal and the CPU in its first line, and this process goes on."""
+    path = export_gguf(random_model(9, 640, **ARCHITECTURES["llama"]), tmp_path / "m.gguf", bpe, "q8_0")
+    with pytest.raises(pytest.fail.Exception) as e:
+        llama_cpp(path, tokenize=[TEXTS[0]], crash=True)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("llama.cpp died of SIGSEGV in a child process reading m.gguf (llama-cpp-python ")
+    assert cpu_summary() in first
+    assert llama_cpp(path, tokenize=[TEXTS[0]]).tokens == [bpe.encode(TEXTS[0])]
+
+
+def test_the_suite_runs_on_past_a_crash_in_llama_cpp(pytester):
+    """In a pytest run of its own: a test whose llama.cpp child crashes fails, and the test after it passes."""
+    pytester.makepyfile(
+        f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import torch
+        from gptlite import GPT, GPTConfig
+        from gptlite.hf.gguf import export_gguf
+        from gptlite.tokenizer.trainer import train_bpe
+        from tests.llama_cpp_reference import llama_cpp
+
+        def model_file(tmp_path):
+            tokenizer = train_bpe(["a small corpus of words, words and more words"] * 20, vocab_size=300)
+            config = GPTConfig(vocab_size=320, block_size=16, n_layer=1, n_head=2, n_embd=32, pos_emb="rope",
+                               norm="rmsnorm")
+            return export_gguf(GPT(config), tmp_path / "m.gguf", tokenizer), tokenizer
+
+        def test_crashes(tmp_path):
+            llama_cpp(model_file(tmp_path)[0], tokenize=["words"], crash=True)
+
+        def test_after_it(tmp_path):
+            path, tokenizer = model_file(tmp_path)
+            assert llama_cpp(path, tokenize=["words"]).tokens == [tokenizer.encode("words")]
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*llama.cpp died of SIGSEGV in a child process reading m.gguf*"])
