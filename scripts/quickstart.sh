@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# gptlite's main job from nothing: set up .venv, prepare tiny Shakespeare (char level), train a small
-# model (a few minutes on a laptop CPU, less on a GPU), then print samples.
+# gptlite's main job from nothing: set up .venv (torch and gptlite's own dependencies, nothing compiled), prepare
+# tiny Shakespeare (char level), train a small model (a few minutes on a laptop CPU, less on a GPU), print samples.
+#   bash scripts/quickstart.sh                                  # downloads tiny Shakespeare (1.1 MB)
+#   SHAKESPEARE=path/to/tinyshakespeare.txt bash scripts/quickstart.sh    # offline: a copy you have
+#   bash scripts/quickstart.sh --max_iters=500                  # arguments go to train.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-if python data/shakespeare/prepare.py; then
+if [ -n "${SHAKESPEARE:-}" ]; then
+    python data/shakespeare/prepare.py --input="$SHAKESPEARE"
+    DATA=data/shakespeare_char
+    echo "corpus: tiny Shakespeare from $SHAKESPEARE"
+elif python data/shakespeare/prepare.py; then
     DATA=data/shakespeare_char
     echo "corpus: tiny Shakespeare"
 else
     # Offline: Python's own standard library is on every machine that runs this script.
     STDLIB=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
-    echo "corpus: tiny Shakespeare could not be downloaded, so training on Python's standard-library source ($STDLIB/*.py) instead"
+    echo "corpus: tiny Shakespeare could not be downloaded (SHAKESPEARE=FILE names a copy you have), so training on Python's standard-library source ($STDLIB/*.py) instead"
     DATA=data/python_stdlib_char
     python data/prepare.py --input "$STDLIB/*.py" --tokenizer=char --out_dir="$DATA"
 fi
