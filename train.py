@@ -45,8 +45,10 @@ from gptlite.cli import StopSignals, run_command
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.data import ChatLoader, PairLoader, make_loaders
 from gptlite.device import (
+    CpuThreads,
     autocast,
     compile_unavailable,
+    cpu_summary,
     out_of_memory_advice,
     peak_memory_mb,
     pick_device,
@@ -59,7 +61,7 @@ from gptlite.evaluate import byte_lengths, core_bundle, core_score, evaluate_loa
 from gptlite.files import error
 from gptlite.hf import fingerprint
 from gptlite.lora import add_lora, lora_state_dict
-from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
+from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, pace_note, peak_flops
 from gptlite.model import GPT
 from gptlite.optim import WeightAverage, configure_optimizers, lr_at, seq_len_at
 from gptlite.preference import Reference, dpo_loss, evaluate_pairs, frozen_copy, pair_stats, sequence_logps, stats_dict
@@ -333,15 +335,22 @@ def train(
     # 10. What trains: the model compiled (if asked, and possible here), and in DDP under torchrun without FSDP.
     # `model`, the module as built, is what is evaluated and saved.
     train_model = model
+    compiled = False
     if cfg.compile:
         reason = compile_unavailable(device_type)
         if reason:
             log(f"warning: torch.compile is unavailable ({reason}); training uncompiled")
         else:
+            compiled = True
+            log("torch.compile: the first step compiles the model, a minute or more on a CPU (--compile=false: none)")
             train_model = torch.compile(model)
     if world_size > 1 and not cfg.fsdp:
         train_model = DDP(train_model, device_ids=[torch.device(device)] if device_type == "cuda" else None)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None  # MFU's denominator
+    where = torch.cuda.get_device_name(device) if device_type == "cuda" else f"this {device_type} ({cpu_summary()})"
+    # On a CPU that other processes share, torch's threads follow the cores they leave free (gptlite.device)
+    threads = CpuThreads() if device_type == "cpu" and world_size == 1 else None
+    cleanup.callback(torch.set_num_threads, torch.get_num_threads())
 
     # ---------------------------------------------------------------------------------------------
     # 11. The training loop: optimizer steps until max_iters, a stop signal or the time budget (max_minutes).
@@ -355,6 +364,7 @@ def train(
     steps_since_log = 0
     seq_len = T  # the training windows' length (seq_len_start: a warm-up from shorter ones)
     while step < cfg.max_iters:
+        t_step = time.perf_counter()
         # the learning rate: warmup, then cosine decay; every group in proportion to its own peak (Muon's differs)
         lr = lr_at(step, cfg, minutes)
         for opt in optimizers:
@@ -488,6 +498,18 @@ def train(
             opt.zero_grad(set_to_none=True)
         step += 1
         steps_since_log += 1
+        # the pace: a run that will take long without a time budget says so after its first step (its second when
+        # the first compiled)
+        if step == first_step + (2 if compiled else 1) and not cfg.max_minutes:
+            peak_mb, _ = peak_memory_mb(device)
+            memory = "" if peak_mb is None else f", {peak_mb / 1024:.1f} GiB of memory"
+            note = pace_note(time.perf_counter() - t_step, cfg.max_iters - step, where, memory)
+            if note:
+                log(f"step {step:5d} | {note}")
+        if threads is not None:
+            note = threads.update()
+            if note:
+                log(f"step {step:5d} | {note}")
         last = step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
         trained_state = None  # ema_decay: the trained weights, kept beside their average so that --resume goes on
         if last and ema is not None:  # the run ends as its weights' moving average: evaluated, saved and sampled

@@ -83,6 +83,31 @@ class MetricsLog:
         self.file.close()
 
 
+PACE_NOTE_MINUTES = 10  # a run projected to take longer than this says so after its first step
+
+
+def duration(seconds: float) -> str:
+    """'7 h 23 min', '12 min', '45 s'."""
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
+def pace_note(seconds_per_step: float, steps_left: int, where: str, memory: str) -> str | None:
+    """What the rest of a run will take at the pace of its first step, when that is more than PACE_NOTE_MINUTES:
+    a recipe written for a GPU says, early, what it costs on a CPU. `where` names the device, `memory` the peak
+    so far."""
+    seconds = seconds_per_step * steps_left
+    if seconds < PACE_NOTE_MINUTES * 60:
+        return None
+    return (
+        f"{seconds_per_step:.2f} s a step on {where}{memory}: the {steps_left:,} steps left take about "
+        f"{duration(seconds)}; --max_minutes=M caps a run, and a smaller model, batch or block_size steps faster"
+    )
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a metrics.jsonl file ([] if it does not exist); a line cut short by a crash is ignored."""
     path = Path(path)

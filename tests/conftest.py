@@ -32,6 +32,10 @@ SHARED = (
     else next((p / "shared" for p in ROOT.parents if (p / "shared").is_dir()), ROOT.parent / "shared")
 )
 DEVICE = os.environ.get("GPTLITE_TEST_DEVICE", "cpu")
+# A fixed thread count for the whole run: train.py would otherwise fit torch's threads to the load of other
+# processes (gptlite.device.CpuThreads), and a reduction over another number of threads rounds differently where
+# tests compare runs bit for bit. Setting it keeps torch's own count.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 pytest_plugins = ["pytester"]  # a pytest run inside a test: the suite goes on past a crash in native code
 
 

@@ -1,0 +1,100 @@
+"""What gptlite knows of the machine: the CPU's name and extensions, torch's threads fitted to the cores other
+work leaves free, and the one-time note of how long a run will take at its first step's pace."""
+
+import re
+
+import pytest
+import torch
+
+from gptlite import device, metrics
+from gptlite.device import CpuThreads, cpu_extensions, cpu_info, cpu_summary
+from gptlite.metrics import pace_note
+from tests.conftest import run_train, shared_file
+
+
+def test_the_cpu_summary_names_the_model_its_cores_and_the_extensions_its_flags_list():
+    name, flags = cpu_info()
+    assert name and name in cpu_summary()
+    expected = [label for flag, label in device.CPU_EXTENSIONS.items() if flag in flags]
+    assert cpu_extensions() == expected
+    assert ("/".join(expected) or "no AVX2, AVX-512 or AMX") in cpu_summary()
+    assert re.search(r", \d+ cores, ", cpu_summary())
+
+
+def test_the_extensions_of_an_intel_cpu_with_amx(monkeypatch):
+    flags = "fpu sse2 avx avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8"
+    monkeypatch.setattr(
+        device, "cpu_info", lambda: ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", set(flags.split()))
+    )
+    assert cpu_extensions() == ["AVX2", "AVX-512", "AVX512-BF16", "AMX"]
+    assert cpu_summary().endswith("cores, AVX2/AVX-512/AVX512-BF16/AMX")
+
+
+class FakeClock:
+    """The machine's and this process's CPU seconds and the wall clock, advanced by hand: `others` cores of
+    other work and `own` of this process's for `seconds`."""
+
+    def __init__(self):
+        self.now, self.busy, self.own = 100.0, 1000.0, 10.0
+
+    def advance(self, seconds: float, others: float, own: float = 1.0) -> None:
+        self.now += seconds
+        self.busy += (others + own) * seconds
+        self.own += own * seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(device.time, "monotonic", lambda: clock.now)
+    monkeypatch.setattr(device, "cpu_times", lambda: (clock.busy, clock.own))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield clock
+    torch.set_num_threads(threads)
+
+
+def test_torch_computes_on_the_cores_other_work_leaves_free_and_takes_them_back(clock):
+    threads = CpuThreads()
+    assert threads.active and threads.cores == 2
+    clock.advance(5, others=0.05, own=2.0)  # background noise
+    assert threads.update() is None and torch.get_num_threads() == 2
+    clock.advance(5, others=0.7, own=1.3)  # another process on a core
+    note = threads.update()
+    assert note.startswith("other processes kept 0.7 of 2 cores busy: torch now computes on 1 thread (was 2")
+    assert torch.get_num_threads() == 1
+    clock.advance(1, others=0.0)  # too short a window to measure: nothing changes yet
+    assert threads.update() is None and torch.get_num_threads() == 1
+    clock.advance(5, others=1.0)
+    assert threads.update() is None and torch.get_num_threads() == 1
+    clock.advance(5, others=0.1)  # the other process ended
+    assert "torch now computes on 2 threads (was 1" in threads.update()
+    assert torch.get_num_threads() == 2
+
+
+def test_a_thread_count_the_user_chose_is_kept(clock, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    threads = CpuThreads()
+    clock.advance(5, others=1.0)
+    assert not threads.active and threads.update() is None and torch.get_num_threads() == 2
+
+
+def test_the_pace_note_says_how_long_the_steps_left_take_only_when_that_is_long():
+    assert pace_note(0.05, 2000, "this cpu (X)", "") is None  # 100 s
+    note = pace_note(15.2, 1748, "this cpu (AMD EPYC, 2 cores, AVX2)", ", 6.6 GiB of memory")
+    assert note.startswith("15.20 s a step on this cpu (AMD EPYC, 2 cores, AVX2), 6.6 GiB of memory: the 1,748 steps")
+    assert "take about 7 h 22 min; --max_minutes=M caps a run" in note
+
+
+def test_a_long_run_says_its_pace_after_the_first_step(tmp_path, monkeypatch):
+    from data.shakespeare.prepare import main as prepare
+
+    assert prepare([f"--input={shared_file('data/tinyshakespeare.txt')}", f"--out_dir={tmp_path / 'data'}"]) == 0
+    monkeypatch.setattr(metrics, "PACE_NOTE_MINUTES", 0)  # every run is "long"
+    args = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=3, eval_interval=3)
+    done = run_train(f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--eval_iters=1", **args)
+    assert done.code == 0, done.err
+    notes = [line for line in done.out.splitlines() if " s a step on " in line]
+    assert len(notes) == 1 and notes[0].startswith("step     1 | ")
+    assert f"s a step on this cpu ({cpu_summary()}), " in notes[0] and "the 2 steps left take about" in notes[0]
