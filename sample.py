@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.quantize:
             model.quantize(args.quantize)
         notes.print()  # what loading warned about comes before any text
+        if args.compile:
+            compiling = "the first tokens wait while the decode step compiles (a minute or more on a CPU)"
+            sys.stderr.write(f"sample.py: note: --compile: {compiling}\n")
         if args.chat:
             return chat(model, tokenizer, args, notes)
         prompt = read_prompt(args.start)
