@@ -188,6 +188,20 @@ def test_a_pretrained_directory_exports_from_the_command_line(bpe, tmp_path, cap
     )
 
 
+def test_a_q8_0_export_on_a_cpu_with_amx_says_how_to_run_it_in_llama_cpp(bpe, tmp_path, capsys, monkeypatch):
+    import gptlite.hf.__main__ as command
+
+    export_hf(random_model(8, 640, **ARCHITECTURES["qwen2"]), tmp_path / "hf", bpe)
+    for extensions, said in ((["AVX2"], False), (["AVX2", "AVX-512", "AVX512-BF16", "AMX"], True)):
+        monkeypatch.setattr(command, "cpu_extensions", lambda extensions=extensions: extensions)
+        out = tmp_path / f"{len(extensions)}.gguf"
+        assert (
+            hf_main(["export", "--format=gguf", f"--init_from={tmp_path / 'hf'}", f"--out={out}", "--type=q8_0"]) == 0
+        )
+        printed = capsys.readouterr().out
+        assert ("llama.cpp with --no-repack (or LLAMA_ARG_REPACK=0), or export --type=f16" in printed) == said
+
+
 # the largest difference over the logits' standard deviation at each type, with room over the most measured on
 # these models (docs/hf.md: f16 0.0025, bf16 0.019, q8_0 0.064: llama.cpp also rounds the activations to 8 bits
 # for q8_0's products, and the output head's logits carry it whole)

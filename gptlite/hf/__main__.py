@@ -27,6 +27,7 @@ from pathlib import Path
 from gptlite.checkpoint import load_checkpoint, load_model, lora_model, model_from_checkpoint
 from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.device import cpu_extensions
 from gptlite.files import write_text
 from gptlite.hf import export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
@@ -120,6 +121,11 @@ def export_gguf_file(options: ExportOptions) -> int:
         raise FileExistsError(f"{template_file} exists; choose another --out folder, or pass --overwrite to replace it")
     export_gguf(model, out, tokenizer, options.type, options.overwrite, where=where)  # Mistral is llama.cpp's llama
     print(f"wrote {out} ({options.type}, {out.stat().st_size / 2**20:,.1f} MiB)")
+    if options.type == "q8_0" and "AMX" in cpu_extensions():
+        print(
+            "note: on this CPU (AMX), llama.cpp's AMX path crashes on q8_0 files (ggml-org/llama.cpp#20824): run "
+            "llama.cpp with --no-repack (or LLAMA_ARG_REPACK=0), or export --type=f16; see docs/hf.md"
+        )
     if modelfile:
         write_text(template_file, modelfile)
         print(f"wrote {template_file}: ollama create NAME -f {template_file}")
