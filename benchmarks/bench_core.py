@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 
 
 @dataclass
@@ -313,6 +314,7 @@ def served_client(model, tokenizer, hf_dir: Path, args: Options):
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     import torch
 
     if args.write_bundle:

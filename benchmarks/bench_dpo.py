@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_lora import SHAPE, measured  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 
 
@@ -52,6 +53,7 @@ def write_pairs(corpus: str, path: Path, tokens: int, n: int = 64) -> None:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     import torch
     import transformers
 

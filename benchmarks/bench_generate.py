@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
-from gptlite.device import pick_dtype  # noqa: E402
+from gptlite.device import machine_line, pick_dtype  # noqa: E402
 from gptlite.generate import generate  # noqa: E402
 
 MODELS = {
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     paths = args.paths.split(",")
     if any(p not in PATHS for p in paths):
         raise ValueError(f"--paths={args.paths!r}: choose from {', '.join(PATHS)}")

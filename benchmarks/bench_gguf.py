@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.generate import generate  # noqa: E402
 from gptlite.hf.gguf import GGUF_TYPES, export_gguf  # noqa: E402
 
@@ -135,6 +136,7 @@ def copy_of(model: GPT) -> GPT:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     torch.manual_seed(0)
     print(f"CPU threads: {torch.get_num_threads()}; torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:

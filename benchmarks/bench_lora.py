@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 
 SHAPE = dict(
@@ -59,6 +60,7 @@ def measured(command: list[str]) -> tuple[float, str]:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     import torch
     import transformers
 

@@ -23,6 +23,7 @@ from bench_lora import measured  # noqa: E402
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 
 BODY = dict(
     hidden_size=576,
@@ -46,6 +47,7 @@ class Options:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     import torch
     import transformers
 

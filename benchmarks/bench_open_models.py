@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 
 SHAPE = dict(
@@ -215,6 +216,7 @@ def logits() -> None:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     parts, results = args.parts.split(","), {"device": args.device}
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_open_models_") as tmp:
         if "memory" in parts or "decode" in parts:

@@ -38,6 +38,7 @@ from gptlite import GPT  # noqa: E402
 from gptlite.checkpoint import save_checkpoint  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import build_config, config_to_dict, option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
@@ -122,6 +123,7 @@ def mm(xs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         options = parse(BenchOptions, sys.argv[1:] if argv is None else argv, "bench_prefix_cache.py", __doc__)
+        print(machine_line(), flush=True)
         ranks = options.tokenizer or str(ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken")
         times = measure(options, ranks)
         print(table(options, times))

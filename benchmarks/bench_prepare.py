@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.download import download  # noqa: E402
 from gptlite.prepare.workers import default_workers  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     if len(args.sizes_mb) != 2 or any(f not in FORMATS for f in args.formats):
         raise ValueError(f"--sizes_mb takes two sizes and --formats some of {', '.join(FORMATS)}")
     args.source = Path(args.source)

@@ -27,6 +27,7 @@ from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.checkpoint import load_model  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.hf import export_hf  # noqa: E402
 from gptlite.prepare import prepare  # noqa: E402
 from gptlite.rl import Prompt, load_reward, read_prompts, sample_group, score_prompts  # noqa: E402
@@ -152,7 +153,7 @@ def main() -> int:
     args = parse(Options, sys.argv[1:], "python benchmarks/bench_rl.py", __doc__)
     with tempfile.TemporaryDirectory() as tmp:
         toy = toy_task(args, Path(tmp))
-    print(json.dumps({"toy": toy, "throughput": throughput(args)}, indent=1))
+    print(json.dumps({"machine": machine_line(), "toy": toy, "throughput": throughput(args)}, indent=1))
     return 0
 
 

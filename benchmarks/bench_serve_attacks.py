@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from gptlite.checkpoint import save_checkpoint  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import build_config, config_to_dict, option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.model import GPT  # noqa: E402
 from gptlite.tokenizer import CharTokenizer  # noqa: E402
 
@@ -122,6 +123,7 @@ def abandoned_requests(url: str) -> None:
 
 
 def run(options: Options) -> int:
+    print(machine_line(), flush=True)
     tree = Path(options.tree or ROOT)
     url = f"http://127.0.0.1:{options.port}"
     with tempfile.TemporaryDirectory() as temporary:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu_90s.toml"
@@ -97,6 +98,7 @@ def timed_run(overrides: list[str], seed: int, data_dir: str, out_dir: Path) -> 
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

@@ -45,6 +45,7 @@ from bench_serve import GPT2_SHAPE, WORDS  # noqa: E402  (the same model and pro
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 from gptlite.serve.engine import Engine, Job, Params  # noqa: E402
 from gptlite.serve.grammar import Grammars, Matcher  # noqa: E402
@@ -388,6 +389,7 @@ def library_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         options = parse(BenchOptions, sys.argv[1:] if argv is None else argv, "bench_structured.py", __doc__)
+        print(machine_line(), flush=True)
         ranks = options.tokenizer or str(ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken")
         tokenizer = get_tokenizer(ranks)
         torch.manual_seed(0)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
 from gptlite.tokenizer import get_tokenizer, load_tokenizer  # noqa: E402
 
 RUSTBPE = """import sys, rustbpe
@@ -90,6 +91,7 @@ def train_command(corpus: Path, vocab: int, out: Path) -> list[str]:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_tokenizer_") as tmp:
         tmp = Path(tmp)
         corpus = Path(args.corpus) if args.corpus else tmp / "stdlib.txt"

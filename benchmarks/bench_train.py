@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
-from gptlite.device import autocast  # noqa: E402
+from gptlite.device import autocast, machine_line  # noqa: E402
 from gptlite.metrics import METRICS_FILE, read_metrics  # noqa: E402
 from gptlite.run_config import resolve_config  # noqa: E402
 
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: Options) -> int:
+    print(machine_line(), flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.optimizers:
         compare_optimizers(args.optimizers.split(","), args.tokens, args.muon_lr)

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # gptlite from this checkout, installed or not (row 6 looks for a module of it)
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.device import cpu_summary, machine_line  # noqa: E402
 
 CHECKS = ("tests", "recipe", "mfu", "generate", "sample", "hellaswag", "open", "lora", "serve")
 RECIPE = "configs/shakespeare_char_gpu.toml"
@@ -517,6 +518,7 @@ def header(smoke: bool) -> dict:
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name() if cuda else "CPU",
+        "cpu": cpu_summary(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
         "date": datetime.date.today().isoformat(),
@@ -546,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_all(args: Options) -> int:
+    print(machine_line(), flush=True)
     args.corpus, args.tiktoken, args.work_dir = Path(args.corpus), Path(args.tiktoken), Path(args.work_dir)
     checks = args.checks.split(",")
     problems = [f"--checks: unknown {c!r} (choose from {', '.join(CHECKS)})" for c in checks if c not in CHECKS]

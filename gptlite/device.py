@@ -230,3 +230,12 @@ class CpuThreads:
             f"other processes kept {others:.1f} of {self.cores} cores busy: torch now computes on {threads} "
             f"thread{'s' if threads > 1 else ''} (was {was}; OMP_NUM_THREADS=N fixes the count)"
         )
+
+
+def machine_line() -> str:
+    """A benchmark's first line: the CPU and its extensions, torch and its threads, the GPU if there is one. Every
+    figure depends on them, and the machines this project runs on change from day to day."""
+    import torch
+
+    gpu = f" | GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"machine: {cpu_summary()} | torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}"
