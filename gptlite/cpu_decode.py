@@ -1,15 +1,34 @@
-"""The CPU fast path of eager decoding: large linear layers run as per-thread weight slabs (one row) or through
-oneDNN on prepacked weights (a batch), in a view of the model that shares everything else (`packed_for_cpu`)."""
+"""The CPU fast path of eager decoding: each large linear layer runs through the kernel that measured fastest for its
+shape on this CPU, in a view of the model that shares everything else (`packed_for_cpu`).
+
+The kernels: per-thread weight slabs (`SlabLinear`, one row), oneDNN on a prepacked weight (`PackedLinear`), and
+plain `F.linear` (MKL). Which one streams a layer's weights fastest depends on the CPU: on a 2-core AMD EPYC with
+AVX2 the slabs led at one row and oneDNN at a batch, and on an Intel Xeon with AVX-512 and AMX the slab path made
+batch-1 decode slower than Hugging Face's plain linear layers. So the choice is measured, not assumed: the first
+time a shape and row count meet a CPU, each kernel runs it a few times on a random weight of that shape, and the
+fastest replaces the default (slabs at one row, oneDNN at a batch) where it was at least 10% faster (a closer call
+is within what other work on the machine can shift); the choice is kept in a small JSON file (`choices_file`) under
+the CPU's model name, the thread count and torch's version, so that later processes start without measuring.
+GPTLITE_CPU_LINEAR=slab|packed|linear forces one kernel for every layer (to compare them, or when a measurement went
+wrong); deleting the file measures again.
+"""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import time
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from gptlite.device import cpu_info
+from gptlite.files import write_text
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
@@ -22,7 +41,8 @@ class SlabLinear(nn.Module):
     (q/k/v, the feed-forward input, the head: N > K) keep their slabs transposed, (K, N/P) each, and multiply
     the row into them; the others multiply each slab (N/P, K) by the row. On a 2-core AVX2 CPU this streamed
     the weights faster than oneDNN on a prepacked weight (`PackedLinear`) at every GPT-2-124M shape, close to a
-    plain sum over the same bytes (figures: docs/benchmarks.md). Several rows (a prompt) go through F.linear."""
+    plain sum over the same bytes (figures: docs/benchmarks.md). Several rows (a prompt) go through F.linear.
+    `parts` is the number of slabs (default: torch's threads)."""
 
     def __init__(self, linear: nn.Linear, parts: int | None = None):
         super().__init__()
@@ -64,14 +84,122 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., N)
 
 
+class PlainLinear(nn.Module):
+    """An nn.Linear through F.linear (MKL's GEMM, or its matrix-vector product at one row), as the model runs it:
+    the measured choice where it streams the weights fastest."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+KERNELS = ("slab", "packed", "linear")
+DEFAULT = {True: "slab", False: "packed"}  # the kernels that led on the AVX2 machine, at one row and at a batch
+MARGIN = 0.9  # another kernel replaces the default one where it measured at least 10% faster
 PACK_MIN_WEIGHTS = 1 << 18  # smaller layers (the char model's) decode faster as they are: per-call overhead
+FORCE_ENV = "GPTLITE_CPU_LINEAR"
+_choices: dict[Path, dict[str, dict[str, str]]] = {}  # each choices file's contents, read once per process
+
+
+def choices_file() -> Path:
+    """Where the measured choices are kept: $XDG_CACHE_HOME/gptlite (or ~/.cache/gptlite)/cpu_linear.json."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "gptlite" / "cpu_linear.json"
+
+
+def machine_key() -> str:
+    """What a measurement holds for: the CPU's model, the thread count, torch's version."""
+    return f"{cpu_info()[0]} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def make_kernel(name: str, linear: nn.Linear, rows: int) -> nn.Module:
+    """`linear` as kernel `name` for `rows` rows at a time (1: one row decoding)."""
+    if name == "slab":
+        return SlabLinear(linear)
+    if name == "packed":
+        return PackedLinear(linear, rows)
+    return PlainLinear(linear)
+
+
+def measure(shape: tuple[int, int], rows: int, rounds: int = 5) -> dict[str, float]:
+    """Seconds a call of each kernel takes on `rows` rows of a random (N, K) float32 weight: the best of `rounds`
+    rounds of a few calls (about 4M weights' worth), the kernels taking turns within each round so that a burst of
+    other work slows all of them alike. The slab kernel is measured at one row only (it runs several rows through
+    F.linear). For GPT-2-124M's five shapes at one row this takes about a second."""
+    N, K = shape
+    calls = max(2, min(16, 4_000_000 // (N * K)))
+    linear = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        linear.weight.normal_(0.0, 0.02)
+    names = [n for n in KERNELS if n != "slab" or rows == 1]
+    kernels = {n: make_kernel(n, linear, rows) for n in names}
+    x = torch.randn(rows, K)
+    best = dict.fromkeys(names, float("inf"))
+    with torch.no_grad():
+        for kernel in kernels.values():
+            kernel(x)  # first calls allocate and pack
+        for _ in range(rounds):
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    kernel(x)
+                best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
+
+
+def choose_kernel(shape: tuple[int, int], rows: int) -> str:
+    """The kernel for a linear layer of weight `shape` (N, K) at `rows` rows: forced by GPTLITE_CPU_LINEAR, kept
+    from an earlier measurement on this machine, or measured now and kept."""
+    forced = os.environ.get(FORCE_ENV)
+    if forced:
+        if forced not in KERNELS:
+            raise ValueError(f"{FORCE_ENV}={forced!r}: choose one of {', '.join(KERNELS)}, or unset it to measure")
+        return "linear" if forced == "slab" and rows != 1 else forced
+    path = choices_file()
+    if path not in _choices:
+        _choices[path] = read_choices(path)
+    choices = _choices[path]
+    machine, key = machine_key(), f"{shape[0]}x{shape[1]}, {rows} rows"
+    kept = choices.get(machine, {}).get(key)
+    if kept in KERNELS:
+        return kept
+    times = measure(shape, rows)
+    choice = DEFAULT[rows == 1]
+    fastest = min(times, key=times.get)
+    if times[fastest] < MARGIN * times[choice]:
+        choice = fastest
+    choices.setdefault(machine, {})[key] = choice
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(choices, indent=1, sort_keys=True))
+    except OSError:
+        pass  # a read-only home: the choice holds for this process, and is measured again in the next
+    return choice
+
+
+def read_choices(path: Path) -> dict[str, dict[str, str]]:
+    """The choices file's {machine: {shape: kernel}}; empty when there is none yet or it is not such a table (then
+    what is measured next replaces it)."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        return {}
+    return table
+
+
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its weights' state, layout, view)
 
 
 def packed_for_cpu(model: GPT, rows: int) -> GPT:
     """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the
-    nn.Linear layers of at least PACK_MIN_WEIGHTS weights, which become `SlabLinear`s for one row and
-    `PackedLinear`s for a batch; smaller layers are bound by per-call overhead, and are left as they are. The
+    nn.Linear layers of at least PACK_MIN_WEIGHTS weights, which become the kernel measured fastest for their
+    shape at one row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are
+    left as they are. The
     view is kept for the next call (the slabs and packed copies cost up to as much memory as the linear
     weights) and made again when the weights or the thread count change. Other devices and dtypes, and
     builds without oneDNN, get the model itself."""
@@ -90,7 +218,7 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
 
     def view(module: nn.Module) -> nn.Module:
         if packs(module):
-            return SlabLinear(module) if rows == 1 else PackedLinear(module, layout[0])
+            return make_kernel(choose_kernel(tuple(module.weight.shape), layout[0]), module, layout[0])
         if not any(packs(m) for m in module.modules()):
             return module  # shared as it is
         clone = copy.copy(module)  # the same parameters and buffers; its own table of submodules

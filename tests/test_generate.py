@@ -1,5 +1,6 @@
 """Generation against a full recompute, and the sampling controls against their definitions."""
 
+import json
 import sys
 import warnings
 import weakref
@@ -396,14 +397,18 @@ def test_generate_argument_errors(prompts, kwargs, message):
 
 
 @cpu_only
-def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, monkeypatch):
-    """Eager float32 decoding on the CPU runs large layers as SlabLinear (one row) or PackedLinear (oneDNN on
-    prepacked weights, a batch): the same logits as the model's own layers, every other module and tensor
-    shared, made again once the weights or the thread count change, and the model itself for other dtypes
-    and for small layers."""
+def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, monkeypatch, tmp_path):
+    """Eager float32 decoding on the CPU runs large layers through the kernel measured fastest, here (as measured
+    on the AMD AVX2 machine) SlabLinear for one row and PackedLinear (oneDNN on prepacked weights) for a batch:
+    the same logits as the model's own layers, every other module and tensor shared, made again once the weights
+    or the thread count change, and the model itself for other dtypes and for small layers."""
     import gptlite.cpu_decode
     from gptlite.cpu_decode import PackedLinear, SlabLinear, packed_for_cpu
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # this test's own choices file
+    monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
+    times = {1: {"slab": 1.0, "packed": 2.0, "linear": 3.0}, 8: {"packed": 1.0, "linear": 2.0}}
+    monkeypatch.setattr(gptlite.cpu_decode, "measure", lambda shape, rows: times[rows])
     model = tiny_model(**variant).eval()
     assert packed_for_cpu(model, 1) is model  # 32-wide layers: overhead-bound, left as they are
     monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
@@ -431,6 +436,53 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     finally:
         torch.set_num_threads(threads)
     assert packed_for_cpu(model.to(torch.bfloat16), 1) is model
+
+
+def test_each_cpu_kernel_computes_the_linear_and_is_measured(monkeypatch):
+    """Every kernel the CPU path may choose equals nn.Linear at one row and at a batch, and `measure` times each
+    one (the slabs at one row only)."""
+    from gptlite.cpu_decode import KERNELS, make_kernel, measure
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    for rows in (1, 8):
+        for name in KERNELS:
+            x = torch.randn(rows, 64)
+            with torch.no_grad():
+                torch.testing.assert_close(make_kernel(name, linear, rows)(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert set(measure((96, 64), 1)) == set(KERNELS) and set(measure((96, 64), 8)) == {"packed", "linear"}
+    assert all(0 < t < 1 for t in measure((96, 64), 1).values())
+
+
+def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monkeypatch, tmp_path):
+    import gptlite.cpu_decode as cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
+    measured = []
+
+    def fake_measure(shape, rows):
+        measured.append((shape, rows))
+        return {"slab": 3.0, "packed": 2.0, "linear": 1.0} if shape[0] > 100 else {"slab": 1.0, "packed": 0.95}
+
+    monkeypatch.setattr(cpu, "measure", fake_measure)
+    assert cpu.choose_kernel((768, 3072), 1) == "linear"
+    assert cpu.choose_kernel((50, 50), 1) == "slab"
+    assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 2  # kept in this process
+    table = json.loads(cpu.choices_file().read_text())
+    assert table == {cpu.machine_key(): {"768x3072, 1 rows": "linear", "50x50, 1 rows": "slab"}}
+    cpu._choices.clear()  # a new process reads the file: nothing is measured again
+    assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 2
+    cpu._choices.clear()
+    cpu.choices_file().write_text("[not, a table")  # damaged: measured again, and the file rewritten whole
+    assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 3
+    assert json.loads(cpu.choices_file().read_text()) == {cpu.machine_key(): {"768x3072, 1 rows": "linear"}}
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "slab")  # forced: slabs for one row, F.linear for a batch
+    assert cpu.choose_kernel((768, 3072), 1) == "slab" and cpu.choose_kernel((768, 3072), 8) == "linear"
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "fast")
+    with pytest.raises(ValueError, match=r"GPTLITE_CPU_LINEAR='fast': choose one of slab, packed, linear, or unset"):
+        cpu.choose_kernel((768, 3072), 1)
+    cpu._choices.clear()
 
 
 @pytest.mark.parametrize("in_features, out_features, bias", [(32, 97, True), (33, 7, False), (16, 16, True)])
