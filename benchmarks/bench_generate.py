@@ -197,6 +197,7 @@ def measure_model(
         models |= {"int8": int8, "int8+compile": int8}
     hf = hf_model(shape, hf_dtype, device) if model_name == "gpt2" else None
     beams = {"num_beams": args.num_beams} if args.num_beams > 1 else {}
+    bound = memory_bound(model, args.repeats) if device == "cpu" else None
     results = []
     for batch in map(int, args.batch_sizes.split(",")):
         idx = torch.randint(0, shape["vocab_size"], (batch, args.prompt_len), device=device)
@@ -235,11 +236,33 @@ def measure_model(
                 "tokens_per_s": {"gptlite": rate.get(p), "hf": rate.get("hf"), "naive": naive},
             }
             row["vs_hf"] = rate[p] / rate["hf"] if p in rate and "hf" in rate else None
+            row["memory_bound_tokens_per_s"] = bound * batch if bound and batch == 1 else None
             results.append(row)
             print_row(row)
         if "hf" in rate:
             print(f"{model_name:6} {batch:>5} {'HF generate':>20} {first['hf']:>12.1f} {rate['hf']:>12.1f}")
+        if bound and batch == 1:
+            shares = ", ".join(f"{name} {100 * r / bound:.0f}%" for name, r in rate.items() if "compile" not in name)
+            print(f"{model_name:6} {batch:>5} {'memory bound':>20} {'':>12} {bound:>12.1f}   ({shares} of it)")
     return results
+
+
+def memory_bound(model: GPT, repeats: int) -> float:
+    """Tokens/s at batch 1 if a token cost nothing but reading each weight once: one over the time of a plain pass
+    (a sum) over every parameter's bytes, the median of `repeats` passes (at least 3) after one to warm up. The
+    model's weights are far larger than the CPU's caches, so each pass streams them from memory, as decoding does."""
+    weights = [p.detach() for p in model.parameters()]
+    passes = []
+    for i in range(max(3, repeats) + 1):
+        start = time.perf_counter()
+        for w in weights:
+            w.sum()
+        if i:
+            passes.append(time.perf_counter() - start)
+    gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    seconds = statistics.median(passes)
+    print(f"memory bound: a sum over the {gb:.2f} GB of weights took {seconds * 1000:.1f} ms ({gb / seconds:.1f} GB/s)")
+    return 1 / seconds
 
 
 def print_row(row: dict) -> None:
