@@ -1,12 +1,19 @@
-"""Loss curves of one or more runs, from their metrics.jsonl, overlaid in one PNG with matplotlib.
+"""The curves of one or more runs, from their metrics.jsonl, overlaid in one PNG with matplotlib.
 
     python -m gptlite.plot RUN [RUN ...] [--x=step|tokens] [--log] [--out=loss.png|.pdf|.svg]
 
-Each run gets one colour: its train loss as a line, its val loss as dots joined by a dashed line, and, when
-the runs logged them, val bits per byte and CORE (train.py --core_every) in panels of their own. `--x=tokens`
-puts tokens trained on along the x axis (runs of different batch sizes compare), `--log` makes the axes
-logarithmic (CORE's y axis, which can be negative, stays linear). Needs matplotlib (`pip install matplotlib`, or
-`pip install -e ".[plot]"`).
+Each run gets one colour, its training figures as lines and its evaluations as dots joined by a dashed line, and
+each kind of figure an axis of its own, drawn when some run logged it:
+    loss            the language-model loss in nats per token (text, conversations; an RL run's val loss)
+    DPO loss        a preference run's loss and val loss (not nats per token of text: it starts at ln 2)
+    policy loss     an RL run's loss
+    rewards         an RL run's mean reward and pass@k, training and val
+    accuracy        a preference run's reward accuracy and margin, training and val
+    bits per byte   val bits per byte
+    CORE            train.py --core_every
+`--x=tokens` puts tokens trained on along the x axis (runs of different batch sizes compare), `--log` makes the
+axes logarithmic where the figures are positive (losses, bits per byte). Needs matplotlib (`pip install
+matplotlib`, or `pip install -e ".[plot]"`).
 """
 
 from __future__ import annotations
@@ -57,8 +64,64 @@ def curve(rows: list[dict], key: str, x: str) -> tuple[list[float], list[float]]
     return [p[0] for p in points], [p[1] for p in points]
 
 
-# the panels beside the loss's, each drawn when a run logged its key: (key, axis label, logarithmic with --log)
-PANELS = (("val_bpb", "val bits per byte", True), ("core", "CORE (mean centered accuracy)", False))
+def run_kind(rows: list[dict]) -> str:
+    """'dpo' (rows with reward accuracy), 'rl' (rows with a mean reward) or 'lm': what its loss means."""
+    if any("rewards_accuracy" in r for r in rows):
+        return "dpo"
+    if any("mean_reward" in r for r in rows):
+        return "rl"
+    return "lm"
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axis: its label, whether --log makes its y axis logarithmic, and which of a run's keys it draws (by the
+    run's kind), each as a line (training) or dots (evaluation)."""
+
+    ylabel: str
+    log_y: bool
+    keys: dict  # kind ('lm', 'dpo', 'rl' or '*' for any) -> ((key, evaluation), ...)
+
+    def series(self, kind: str, rows: list[dict]) -> list[tuple[str, bool]]:
+        """The keys this panel draws for a run of `kind`, those the run logged."""
+        wanted = [*self.keys.get(kind, ()), *self.keys.get("*", ())]
+        found = []
+        for key, evaluation in wanted:
+            if key.endswith("@"):  # pass@k, whatever k the run sampled
+                found += sorted({(k, evaluation) for r in rows for k in r if k.startswith(key)})
+            elif any(r.get(key) is not None for r in rows):
+                found.append((key, evaluation))
+        return found
+
+
+PANELS = (
+    Panel(
+        "loss (nats per token)",
+        True,
+        {"lm": (("loss", False), ("val_loss", True)), "rl": (("val_loss", True),)},
+    ),
+    Panel("DPO loss", True, {"dpo": (("loss", False), ("val_loss", True))}),
+    Panel("policy loss", False, {"rl": (("loss", False),)}),
+    Panel(
+        "reward and pass@k",
+        False,
+        {"rl": (("mean_reward", False), ("pass@", False), ("val_mean_reward", True), ("val_pass@", True))},
+    ),
+    Panel(
+        "reward accuracy and margin",
+        False,
+        {
+            "dpo": (
+                ("rewards_accuracy", False),
+                ("rewards_margin", False),
+                ("val_rewards_accuracy", True),
+                ("val_rewards_margin", True),
+            )
+        },
+    ),
+    Panel("val bits per byte", True, {"*": (("val_bpb", True),)}),
+    Panel("CORE (mean centered accuracy)", False, {"*": (("core", True),)}),
+)
 
 
 def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: bool = False) -> Path:
@@ -79,26 +142,29 @@ def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: boo
                 f"the metrics of {', '.join(old)} have no token counts (runs of older gptlite versions "
                 "did not log them); plot them with --x=step"
             )
-    panels = [p for p in PANELS if any(r.get(p[0]) is not None for _, rows in labelled for r in rows)]
-    fig = Figure(figsize=(8 + 4 * len(panels), 5), layout="constrained")
+    kinds = [run_kind(rows) for _, rows in labelled]
+    panels = [p for p in PANELS if any(p.series(k, rows) for k, (_, rows) in zip(kinds, labelled, strict=True))]
+    fig = Figure(figsize=(8 + 4 * (len(panels) - 1), 5), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 1 + len(panels), squeeze=False)[0]
-    for i, (label, rows) in enumerate(labelled):
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    several = len(labelled) > 1
+    for i, ((label, rows), kind) in enumerate(zip(labelled, kinds, strict=True)):
         color = f"C{i % 10}"
-        axes[0].plot(*curve(rows, "loss", x), color=color, linewidth=1.2, label=f"{label} train")
-        axes[0].plot(
-            *curve(rows, "val_loss", x), color=color, linestyle="--", marker="o", markersize=3, label=f"{label} val"
-        )
-        for ax, (key, _, _) in zip(axes[1:], panels, strict=True):
-            ax.plot(*curve(rows, key, x), color=color, linestyle="--", marker="o", markersize=3, label=label)
-    for ax, (_, ylabel, log_y) in zip(axes, [("loss", "loss (nats per token)", True), *panels], strict=True):
+        for ax, panel in zip(axes, panels, strict=True):
+            for key, evaluation in panel.series(kind, rows):
+                name = f"{label} {key}" if several else key
+                if evaluation:
+                    ax.plot(*curve(rows, key, x), color=color, linestyle="--", marker="o", markersize=3, label=name)
+                else:
+                    ax.plot(*curve(rows, key, x), color=color, linewidth=1.2, label=name)
+    for ax, panel in zip(axes, panels, strict=True):
         ax.set_xlabel("tokens" if x == "tokens" else "step")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         if log:
             ax.set_xscale("log")
-            ax.set_yscale("log" if log_y else "linear")
+            ax.set_yscale("log" if panel.log_y else "linear")
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
