@@ -178,7 +178,7 @@ def test_a_pretrained_directory_exports_from_the_command_line(bpe, tmp_path, cap
     assert hf_main(["export", "--format=gguf", f"--init_from={tmp_path / 'hf'}", f"--out={out}", "--type=f16"]) == 0
     error, _, _ = relative_error(model, out, bpe.encode(TEXTS[5]))
     assert error < BOUNDS["f16"]
-    assert not (tmp_path / "Modelfile").exists()  # no chat template, no Modelfile
+    assert not list(tmp_path.glob("*Modelfile"))  # no chat template, no Modelfile
     capsys.readouterr()
     assert hf_main(["export", "--format=gguf", f"--init_from={tmp_path / 'hf'}"]) == 2
     assert (
@@ -316,7 +316,7 @@ def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_pat
     assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={out}", "--type=q8_0"]) == 0
     assert out.is_file() and "wrote" in capsys.readouterr().out
     assert llama_cpp(out, tokenize=[TEXTS[1]]).tokens == [tokenizer.encode(TEXTS[1])]
-    modelfile = (out.parent / "Modelfile").read_text()
+    modelfile = (out.parent / "model.Modelfile").read_text()
     assert "FROM ./model.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
     assert "{{ range .Messages }}" in modelfile
     # again: the file exists, so nothing is written without --overwrite
@@ -326,6 +326,12 @@ def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "exists" in err[0] and "--overwrite" in err[0]
     assert out.read_bytes() == before
+    # another type beside it: its own file and Modelfile, the first pair untouched
+    f16 = out.with_name("model-f16.gguf")
+    assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={f16}", "--type=f16"]) == 0
+    assert "FROM ./model-f16.gguf" in (out.parent / "model-f16.Modelfile").read_text()
+    assert (out.parent / "model.Modelfile").read_text() == modelfile and out.read_bytes() == before
+    assert llama_cpp(f16, tokenize=[TEXTS[1]]).tokens == [tokenizer.encode(TEXTS[1])]
 
 
 def make_data(folder, text: str):

@@ -13,8 +13,9 @@ folder as it was. A LoRA run exports as its merged model, or with --adapter as a
 (adapter_config.json, adapter_model.safetensors) for its base model.
 
 --format=gguf writes FILE.gguf (see gptlite.hf.gguf: the weights as f32, f16, bf16 or q8_0, the tokenizer, the chat
-template) and, when the model has a chat template, an Ollama Modelfile beside it (Modelfile; then
-`ollama create NAME -f Modelfile`). An existing file is replaced only with --overwrite, and only by a whole one.
+template) and, when the model has a chat template, an Ollama Modelfile beside it (FILE.Modelfile for FILE.gguf, so
+that files of several types share a folder; then `ollama create NAME -f FILE.Modelfile`). An existing file is
+replaced only with --overwrite, and only by a whole one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from gptlite.device import cpu_extensions
 from gptlite.files import write_text
 from gptlite.hf import export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
-from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, ollama_modelfile
+from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, modelfile_path, ollama_modelfile
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 COMMANDS = ("export",)
@@ -113,7 +114,7 @@ def export_gguf_file(options: ExportOptions) -> int:
         )
     out = Path(options.out)
     check_out(out, options.overwrite)
-    template_file = out.parent / "Modelfile"
+    template_file = modelfile_path(out)
     model, tokenizer = load_model(options.out_dir, options.init_from, options.tokenizer)
     where = options.out_dir or options.init_from
     modelfile = ollama_modelfile(out, tokenizer, where) if tokenizer is not None and tokenizer.chat_template else None

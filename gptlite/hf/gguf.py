@@ -540,12 +540,18 @@ def role_wrappers(template: str, tokenizer: Tokenizer) -> Wrappers | None:
     return wrappers
 
 
+def modelfile_path(out: Path) -> Path:
+    """The Ollama Modelfile of the GGUF file `out`: model-q8_0.gguf's is model-q8_0.Modelfile beside it, so that
+    files of several types share a folder, each with its own (`ollama create NAME -f` takes any file name)."""
+    return out.with_suffix(".Modelfile")
+
+
 def ollama_modelfile(out: Path, tokenizer: Tokenizer, where: str) -> str:
     """An Ollama Modelfile for the GGUF file `out` beside it: FROM, the chat template as a Go template when it can
     be written as one (see role_wrappers), and the end-of-turn texts as stop parameters."""
     import json
 
-    lines = [f"# {where} as Ollama runs it: ollama create NAME -f Modelfile", f"FROM ./{out.name}"]
+    lines = [f"# {where} as Ollama runs it: ollama create NAME -f {modelfile_path(out).name}", f"FROM ./{out.name}"]
     wrappers = role_wrappers(tokenizer.chat_template, tokenizer)
     template = wrappers.go_template() if wrappers is not None else ""
     literals = "" if wrappers is None else template.replace("{{", "").replace("}}", "")  # no braces in the text
