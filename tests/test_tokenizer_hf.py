@@ -172,7 +172,7 @@ def test_training_reads_every_input_kind(corpus, tmp_path, kind):
     [
         (
             ["--vocab_size=200"],
-            r"vocab_size=200 is too small: the 256 bytes and 5 special tokens take 261 ids; give at least",
+            r"vocab_size=200 is too small: the 256 bytes and 7 special tokens take 263 ids; give at least",
         ),
         (["--input", "nowhere.txt"], r"input nowhere\.txt is not a file, directory, glob with matches, or URL"),
         (["--input", "EMPTY"], r"are empty; there is no text to train on"),

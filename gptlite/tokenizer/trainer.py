@@ -1,7 +1,9 @@
 """Train a byte-level BPE on your own corpus with the `tokenizers` library: GPT-4's split pattern (tiktoken's
 cl100k, as nanochat's trainer uses), all 256 bytes in the base vocabulary so that no text is ever unknown,
-<|endoftext|> and a few reserved special tokens. The result is a Hugging Face tokenizer.json plus the
-tokenizer_config.json that lets `transformers.AutoTokenizer.from_pretrained(DIR)` load it.
+<|endoftext|>, ChatML's two markers and a few reserved special tokens. The result is a Hugging Face tokenizer.json
+plus the tokenizer_config.json that lets `transformers.AutoTokenizer.from_pretrained(DIR)` load it, with ChatML as
+its chat template: a model pretrained on it is fine-tuned on conversations with the markers it already has, so a
+LoRA fine-tune (whose embeddings are frozen) needs no new rows.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from gptlite.files import fault
 from gptlite.tokenizer.base import EOT
+from gptlite.tokenizer.chat import CHATML, IM_END, IM_START
 from gptlite.tokenizer.huggingface import HFTokenizer
 
 # tiktoken's cl100k_base pattern (GPT-4's): letters with a leading non-letter, numbers of 1-3 digits, punctuation runs
@@ -20,12 +23,12 @@ GPT4_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|"""
     r"""\s+(?!\S)|\s+"""
 )
-RESERVED = 4  # <|reserved_0|> .. <|reserved_3|>: room for special tokens a fine-tune adds (chat markers, tools)
+RESERVED = 4  # <|reserved_0|> .. <|reserved_3|>: room for special tokens a fine-tune adds (tools, ...)
 CHUNK_CHARS = 1 << 20  # long documents reach the trainer in pieces of about this size, cut at line ends
 
 
 def special_tokens(reserved: int = RESERVED) -> list[str]:
-    return [EOT, *(f"<|reserved_{i}|>" for i in range(reserved))]
+    return [EOT, IM_START, IM_END, *(f"<|reserved_{i}|>" for i in range(reserved))]
 
 
 def check_vocab_size(vocab_size: int, reserved: int = RESERVED) -> None:
@@ -76,7 +79,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, reserved: int = RESERVED) -
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
-    return HFTokenizer(json.loads(tok.to_str()), bos=None, eos=EOT)
+    return HFTokenizer(json.loads(tok.to_str()), bos=None, eos=EOT, chat_template=CHATML)
 
 
 def tokenizer_config(tokenizer: HFTokenizer, max_length: int | None = None) -> dict:
