@@ -29,9 +29,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gptlite.config import DPO_LOSSES
 from gptlite.lora import adapters_off, lora_layers
-
-LOSSES = ("sigmoid", "ipo")  # train.py's --dpo_loss
 
 
 class DPOOutput(NamedTuple):
@@ -70,7 +69,7 @@ def dpo_loss(
         n_chosen, n_rejected = per_token.chunk(2)
         losses = (n_chosen - n_rejected - 1 / (2 * beta)) ** 2
     else:
-        raise ValueError(f"dpo_loss={loss_type!r} must be one of {', '.join(LOSSES)}")
+        raise ValueError(f"dpo_loss={loss_type!r} must be one of {', '.join(DPO_LOSSES)}")
     return DPOOutput(losses.mean(), beta * chosen.detach(), beta * rejected.detach())
 
 
