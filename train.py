@@ -326,7 +326,7 @@ def train(
         "git_commit": git_commit(Path(__file__).parent),
         "command": shlex.join([sys.argv[0], *argv]),
         "wandb_run_id": wandb_run.id if wandb_run else None,
-        "hf_architecture": getattr(model, "source_architecture", None),  # how it exports back (gptlite.hf)
+        "hf_architecture": model.source_architecture,  # how it exports back (gptlite.hf)
     }
 
     # ---------------------------------------------------------------------------------------------

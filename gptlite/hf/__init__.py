@@ -540,7 +540,7 @@ def export_hf(
             "an int8-quantized model cannot be exported: its weights are rounded; export the float model "
             "(quantize after loading, e.g. sample.py --quantize=int8)"
         )
-    family = family_of(model.config, architecture or getattr(model, "source_architecture", None))
+    family = family_of(model.config, architecture or model.source_architecture)
     state = model.state_dict()
     dtype = state["tok_emb.weight"].dtype
     weights = from_gptlite(family, state, model.config)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
     """The PEFT state dict of the model's LoRA layers (transformers' names) and the transformers modules they adapt."""
-    family = family_of(model.config, getattr(model, "source_architecture", None))
+    family = family_of(model.config, model.source_architecture)
     names = {ours.removesuffix(".weight"): theirs for ours, theirs, _ in entries(family, model.config)}
     tensors, modules = {}, []
     for name, layer in lora_layers(model).items():

@@ -403,7 +403,7 @@ def export_gguf(
         raise ValueError("an int8-quantized model cannot be exported: export the float model (--type=q8_0 quantizes)")
     out = Path(out)
     check_out(out, overwrite)
-    family, arch = gguf_architecture(model.config, architecture or getattr(model, "source_architecture", None))
+    family, arch = gguf_architecture(model.config, architecture or model.source_architecture)
     vocab = gguf_vocab(tokenizer, where)
     if len(vocab.tokens) > model.config.vocab_size:
         raise ValueError(
