@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlite.checkpoint import (
+    check_lora_base,
     claim_run_folder,
     copy_tokenizer,
     discard_damaged,
@@ -37,6 +38,7 @@ from gptlite.checkpoint import (
     load_checkpoint,
     load_training_state,
     nonfinite,
+    run_checkpoint,
     save_run_checkpoint,
     set_rng_state,
     step_files,
@@ -57,8 +59,7 @@ from gptlite.device import (
 from gptlite.distributed import processes, stop_together
 from gptlite.evaluate import byte_lengths, core_bundle, core_score, evaluate_loader, read_bundle
 from gptlite.files import error
-from gptlite.hf import fingerprint
-from gptlite.lora import add_lora, lora_state_dict
+from gptlite.lora import add_lora
 from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
 from gptlite.model import GPT
 from gptlite.optim import WeightAverage, configure_optimizers, lr_at, seq_len_at
@@ -208,13 +209,7 @@ def train(
     if cfg.lora_rank:
         # LoRA freezes the pretrained weights and trains low-rank adapters beside them; a resumed run's adapters
         # only make sense on the weights they were trained on.
-        base = fingerprint(cfg.init_from)
-        if ckpt and ckpt["lora"]["sha256"] != base:
-            raise ValueError(
-                f"the base weights of --init_from={cfg.init_from} are not the ones this LoRA run in {out_dir} "
-                f"started from (sha256 {base[:12]}..., the run's {ckpt['lora']['sha256'][:12]}...); put the "
-                "original weights back there, or start a new run"
-            )
+        base = check_lora_base(cfg.init_from, ckpt["lora"]["sha256"] if ckpt else None, f"this LoRA run in {out_dir}")
         targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
         add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets)
         lora = {
@@ -589,26 +584,22 @@ def train(
             model_state, optimizer_state, rngs = gather_training_state(model, optimizers, world_size)  # every rank
             if master:
                 best = val_loss is not None and val_loss < best_val
-                checkpoint = {
-                    "config": config_to_dict(cfg),
-                    "model": lora_state_dict(model_state) if lora else model_state,  # LoRA: the adapters alone
-                    "optimizer": optimizer_state,
-                    "scaler": scaler.state_dict(),
-                    "step": step,
-                    "loader": train_loader.state(),
-                    "world_size": world_size,
-                    "rng": rngs,
-                    "best_val_loss": val_loss if best else best_val,
-                    "val_loss": val_loss,
-                    "meta": meta,
-                    **({"lora": lora} if lora else {}),
-                    **({"ema": ema.state_dict()} if ema is not None else {}),
-                    **(
-                        {"trained_model": lora_state_dict(trained_state) if lora else trained_state}
-                        if trained_state
-                        else {}
-                    ),
-                }
+                checkpoint = run_checkpoint(
+                    config=config_to_dict(cfg),
+                    model=model_state,
+                    optimizer=optimizer_state,
+                    scaler=scaler.state_dict(),
+                    step=step,
+                    loader=train_loader.state(),
+                    world_size=world_size,
+                    rng=rngs,
+                    best_val_loss=val_loss if best else best_val,
+                    val_loss=val_loss,
+                    meta=meta,
+                    lora=lora,
+                    ema=None if ema is None else ema.state_dict(),
+                    trained_model=trained_state,
+                )
                 bad = nonfinite(checkpoint["model"])
                 if bad:  # a good checkpoint is never replaced by one of NaN weights
                     log(

@@ -3,16 +3,28 @@ few plus the best, claimed and locked by one run at a time; safe loading (`weigh
 a damaged file; rebuilding a model from one; and the training state a checkpoint holds, gathered from every rank
 and put back on a resume.
 
-A checkpoint is a plain dict of tensors and primitive values:
-    config      the flat training config (see gptlite.config.config_to_dict)
-    model       the uncompiled, unwrapped module's state_dict (no `_orig_mod.` or `module.` prefixes)
-    optimizer   the optimizers' state (AdamW's, and Muon's with optimizer="muon") keyed by parameter name
-                (torch.distributed.checkpoint's full state dict, one for all)
-    scaler      the fp16 GradScaler's state ({} when unused)
-    step        optimizer steps taken; the learning-rate schedule is a function of it
-    loader      the train loader's global position (see gptlite.data.ShardLoader.state), world_size
-    rng         one entry per rank: python, numpy, torch CPU and CUDA generator states
-    best_val_loss, val_loss, meta (git commit, command line)
+A checkpoint is a plain dict of tensors and primitive values (train.py builds it with `run_checkpoint`, below):
+    config          the flat training config (see gptlite.config.config_to_dict)
+    model           the uncompiled, unwrapped module's state_dict (no `_orig_mod.` or `module.` prefixes); a LoRA
+                    run's holds its adapters alone (lora_A, lora_B)
+    optimizer       the optimizers' state (AdamW's, and Muon's with optimizer="muon") keyed by parameter name
+                    (torch.distributed.checkpoint's full state dict, one for all)
+    scaler          the fp16 GradScaler's state ({} when unused)
+    step            optimizer steps taken; the learning-rate schedule is a function of it
+    loader          the objective's position in its data (gptlite.objective: the train loader's state, see
+                    gptlite.data.ShardLoader.state; an RL run's prompt order, gptlite.rl.PromptLoader.state)
+    world_size      the processes that trained
+    rng             one entry per rank: python, numpy, torch CPU and CUDA generator states
+    best_val_loss   the lowest val loss so far (best.pt's)
+    val_loss        this save's val loss (None for a save without an evaluation: a stop)
+    meta            git_commit, command (the command line), wandb_run_id (what a resumed run continues) and
+                    hf_architecture (the Hugging Face architecture --init_from was read as: how it exports back)
+and, where they apply:
+    lora            a LoRA run's adapters: base (its --init_from), sha256 (those base weights' fingerprint,
+                    gptlite.hf.fingerprint), rank, alpha, targets
+    ema             ema_decay: the weights' moving average (gptlite.optim.WeightAverage.state_dict)
+    trained_model   a run that ended as its moving average: the weights it trained, which --resume continues from
+                    (`model` then holds the average)
 
 A run directory (train.py's out_dir) holds
     ckpt_000500.pt          one file per save, each beside ckpt_000500.pt.sha256 (`sha256sum -c` reads it)
@@ -39,7 +51,7 @@ import torch
 
 from gptlite.config import GPTConfig, build_config
 from gptlite.files import FolderLock, fault, fsync_dir, make_dir
-from gptlite.lora import add_lora, merge_lora
+from gptlite.lora import add_lora, lora_state_dict, merge_lora
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 from gptlite.tokenizer.huggingface import has_bpe_files
@@ -365,26 +377,33 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
 
 def lora_model(ckpt: dict, merge: bool = True) -> GPT:
     """The base model of a LoRA checkpoint with its adapters, merged into its weights (or as LoRALinear layers)."""
-    from gptlite.hf import fingerprint
-
     lora, config = ckpt["lora"], build_config(ckpt["config"])
-    try:
-        base = fingerprint(lora["base"])
-    except (OSError, ConnectionError) as e:
-        raise FileNotFoundError(
-            f"the LoRA run's base model {lora['base']} cannot be read ({e}); its adapters need it "
-            "where --init_from named it"
-        ) from None
-    if base != lora["sha256"]:
-        raise ValueError(
-            f"the base weights in {lora['base']} are not the ones this LoRA run was trained on (sha256 "
-            f"{base[:12]}..., the run's {lora['sha256'][:12]}...); put the original weights back there"
-        )
+    check_lora_base(lora["base"], lora["sha256"], "this LoRA run")
     model = GPT.from_pretrained(lora["base"], torch.float32, block_size=config.model.block_size)
     add_lora(model, lora["rank"], lora["alpha"], 0.0, tuple(lora["targets"]))
     model.check_state({**model.state_dict(), **ckpt["model"]}, "the LoRA checkpoint")
     model.load_state_dict(ckpt["model"], strict=False)
     return merge_lora(model).requires_grad_(True) if merge else model
+
+
+def check_lora_base(base: str, sha256: str | None, run: str) -> str:
+    """The sha256 of the base weights in `base` (gptlite.hf.fingerprint), which a LoRA run records. A run's adapters
+    only make sense on the weights they were trained on: when `sha256`, the one `run` recorded, differs, a
+    ValueError; weights that cannot be read are a FileNotFoundError."""
+    from gptlite.hf import fingerprint
+
+    try:
+        found = fingerprint(base)
+    except (OSError, ConnectionError) as e:
+        raise FileNotFoundError(
+            f"the LoRA run's base model {base} cannot be read ({e}); its adapters need it where --init_from named it"
+        ) from None
+    if sha256 is not None and found != sha256:
+        raise ValueError(
+            f"the base weights in {base} are not the ones {run} was trained on (sha256 {found[:12]}..., the run's "
+            f"{sha256[:12]}...); put the original weights back there, or start a new run"
+        )
+    return found
 
 
 def load_model(
@@ -501,3 +520,45 @@ def load_training_state(
 def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
     """The names of a state dict's floating-point tensors that hold a NaN or an infinity."""
     return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+
+
+def run_checkpoint(
+    *,
+    config: dict,
+    model: dict[str, torch.Tensor],
+    optimizer: dict,
+    scaler: dict,
+    step: int,
+    loader: dict,
+    world_size: int,
+    rng: list[dict],
+    best_val_loss: float,
+    val_loss: float | None,
+    meta: dict,
+    lora: dict | None = None,
+    ema: dict | None = None,
+    trained_model: dict[str, torch.Tensor] | None = None,
+) -> dict:
+    """A training checkpoint as the module's docstring lays it out, from its entries. A LoRA run's (`lora` given)
+    keeps the adapters alone of `model` and `trained_model`; `lora`, `ema` and `trained_model` are left out where
+    they are None."""
+    checkpoint = {
+        "config": config,
+        "model": lora_state_dict(model) if lora else model,
+        "optimizer": optimizer,
+        "scaler": scaler,
+        "step": step,
+        "loader": loader,
+        "world_size": world_size,
+        "rng": rng,
+        "best_val_loss": best_val_loss,
+        "val_loss": val_loss,
+        "meta": meta,
+    }
+    if lora:
+        checkpoint["lora"] = lora
+    if ema is not None:
+        checkpoint["ema"] = ema
+    if trained_model:
+        checkpoint["trained_model"] = lora_state_dict(trained_model) if lora else trained_model
+    return checkpoint
