@@ -61,7 +61,7 @@ from gptlite.distributed import processes, stop_together
 from gptlite.evaluate import core_bundle, core_score, read_bundle
 from gptlite.files import error
 from gptlite.lora import add_lora
-from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops
+from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, peak_flops, start_wandb
 from gptlite.model import GPT
 from gptlite.objective import make_objective
 from gptlite.optim import WeightAverage, configure_optimizers, lr_at
@@ -252,24 +252,9 @@ def train(
     # ---------------------------------------------------------------------------------------------
     # 9. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
     # and the model, metrics.jsonl (and Weights & Biases), and in every checkpoint where it came from.
-    wandb_run = None
-    problem = None
+    wandb_run, problem = None, None
     if master and cfg.wandb_log:  # first: a wandb that cannot start stops the run before anything more is written
-        import wandb
-
-        try:
-            wandb_run = wandb.init(
-                project=cfg.wandb_project,
-                name=cfg.wandb_run_name or None,
-                config=config_to_dict(cfg),
-                id=wandb_id,
-                resume="allow",
-            )
-        except wandb.errors.Error as e:  # e.g. no API key
-            problem = (
-                f"wandb_log=true, but wandb cannot start a run ({str(e).splitlines()[0]}); run `wandb login`, "
-                "set WANDB_MODE=offline, or drop --wandb_log"
-            )
+        wandb_run, problem = start_wandb(cfg, wandb_id)
     stop_together(problem, world_size)
     metrics = None
     if master:

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from gptlite.config import TrainConfig, config_to_dict
 from gptlite.files import fault
 
 METRICS_FILE = "metrics.jsonl"
@@ -91,6 +92,27 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def start_wandb(cfg: TrainConfig, run_id: str | None = None) -> tuple[Any, str | None]:
+    """(a Weights & Biases run for train.py's config, None), continuing the run `run_id` if given; or, when wandb
+    cannot start one (e.g. no API key), (None, the one-line problem)."""
+    import wandb
+
+    try:
+        run = wandb.init(
+            project=cfg.wandb_project,
+            name=cfg.wandb_run_name or None,
+            config=config_to_dict(cfg),
+            id=run_id,
+            resume="allow",
+        )
+    except wandb.errors.Error as e:
+        return None, (
+            f"wandb_log=true, but wandb cannot start a run ({str(e).splitlines()[0]}); run `wandb login`, "
+            "set WANDB_MODE=offline, or drop --wandb_log"
+        )
+    return run, None
 
 
 def read_metrics(path: str | Path) -> list[dict]:
