@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptlite.files import write_folder
-from gptlite.hf import GPT2, entries, family_of, part_sizes, save_weights, their_name
+from gptlite.hf.families import GPT2, entries, family_of, part_sizes, their_name
+from gptlite.hf.weights import save_weights
 from gptlite.lora import lora_layers
 
 if TYPE_CHECKING:
