@@ -6,10 +6,12 @@
 Config precedence: defaults (gptlite/config.py) < TOML file < --key=value. `python train.py --help` lists keys.
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits; --resume continues exactly.
 
-This file reads top to bottom in the order training happens: configuration, device, data, model, run folder,
-optimizer, resume, then the loop, whose optimizer step (learning rate, micro-steps, clip, update, log, evaluate
-and save) is one block. What is not the story of training (run folders and checkpoints, devices, processes,
-loaders, the optimizers' groups) lives in gptlite/, where sample.py, the server and the tests use it too.
+This file reads top to bottom in the order training happens: configuration, device, data and objective, model, run
+folder, optimizer, resume, then the loop, whose optimizer step (learning rate, micro-steps, clip, update, log,
+evaluate and save) is one block. The step is the same for every way of training; what differs (the batches, the
+loss and its figures, how the run is judged, what resumes) is the objective's, chosen once from the config and the
+data (gptlite/objective.py lists them). What is not the story of training (run folders and checkpoints, devices,
+processes, loaders, the optimizers' groups) lives in gptlite/, where sample.py, the server and the tests use it too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlite.checkpoint import (
+    check_lora_base,
     claim_run_folder,
     copy_tokenizer,
     discard_damaged,
@@ -37,13 +40,13 @@ from gptlite.checkpoint import (
     load_checkpoint,
     load_training_state,
     nonfinite,
+    run_checkpoint,
     save_run_checkpoint,
     set_rng_state,
     step_files,
 )
 from gptlite.cli import StopSignals, run_command
 from gptlite.config import TrainConfig, config_to_dict
-from gptlite.data import ChatLoader, PairLoader, make_loaders
 from gptlite.device import (
     CpuThreads,
     autocast,
@@ -57,28 +60,13 @@ from gptlite.device import (
     use_device,
 )
 from gptlite.distributed import processes, stop_together
-from gptlite.evaluate import byte_lengths, core_bundle, core_score, evaluate_loader, read_bundle
+from gptlite.evaluate import core_bundle, core_score, read_bundle
 from gptlite.files import error
-from gptlite.hf import fingerprint
-from gptlite.lora import add_lora, lora_state_dict
-from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, pace_note, peak_flops
+from gptlite.lora import add_lora
+from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, pace_note, peak_flops, start_wandb
 from gptlite.model import GPT
-from gptlite.optim import WeightAverage, configure_optimizers, lr_at, seq_len_at
-from gptlite.preference import Reference, dpo_loss, evaluate_pairs, frozen_copy, pair_stats, sequence_logps, stats_dict
-from gptlite.rl import (
-    PromptLoader,
-    group_advantages,
-    group_stats,
-    load_reward,
-    policy_loss,
-    read_prompts,
-    reference_logprobs,
-    reward_needs_answer,
-    rl_metrics,
-    rollout,
-    step_generator,
-    token_logprobs,
-)
+from gptlite.objective import make_objective
+from gptlite.optim import WeightAverage, configure_optimizers, lr_at
 from gptlite.run_config import NO_DATA_DIR, resolve_config
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
@@ -121,8 +109,10 @@ def train(
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     # ---------------------------------------------------------------------------------------------
-    # 3. Data. An optimizer step takes total_batch_size tokens: micro-batches of batch_size x block_size tokens in
-    # every process, grad_accum of them one after the other. Every shard is checked here, before the first step.
+    # 3. Data and objective. An optimizer step takes total_batch_size tokens: micro-batches of batch_size x block_size
+    # tokens in every process, grad_accum of them one after the other. The objective (gptlite.objective) is the one
+    # the config and the data ask for. Every input it reads, every shard included, is checked here, before the first
+    # step.
     B, T = cfg.batch_size, cfg.model.block_size
     tokens_per_micro_step = B * T * world_size
     total_batch = cfg.total_batch_size or tokens_per_micro_step
@@ -133,19 +123,9 @@ def train(
             f"{tokens_per_micro_step}"
         )
     grad_accum = total_batch // tokens_per_micro_step
-    train_loader, val_loader = make_loaders(cfg, rank, world_size)
-    preference = isinstance(train_loader, PairLoader)  # pairs of a chosen and a rejected answer: DPO's loss
-    chat = isinstance(train_loader, ChatLoader) and not preference  # conversations: the assistant's tokens are targets
-    if cfg.seq_len_start and (preference or cfg.rl):
-        raise ValueError(
-            f"seq_len_start={cfg.seq_len_start} cuts text windows into shorter ones; preference pairs and RL prompts "
-            "are whole sequences: leave seq_len_start out"
-        )
-    lengths = None  # each token's UTF-8 bytes, for the val bits per byte; unknown without the data's tokenizer
     tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
-    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
-    if tokenizer:
-        lengths = byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None  # the data's, if it has one
+    objective = make_objective(cfg, tokenizer, grad_accum, device, amp, rank, world_size, log)
     core_tasks = None  # CORE's tasks (--core_every), each file checked here too; the prompts need the tokenizer
     if cfg.core_every:
         if tokenizer is None:
@@ -154,20 +134,6 @@ def train(
                 "exist; prepare the data with data/prepare.py, or leave --core_every out"
             )
         core_tasks = read_bundle(core_bundle(cfg.core_bundle, "--core_bundle"), cfg.core_max_per_task)
-    reward = None  # --rl: the reward function; the prompts take the train loader's place (gptlite.rl)
-    if cfg.rl:
-        if tokenizer is None or preference:
-            raise ValueError(
-                f"--rl samples completions of --rl_prompts, and needs a data folder with a tokenizer.json and a val "
-                f"split of text or conversations (what the model was fine-tuned on); {cfg.data_dir} "
-                + ("holds preference pairs" if preference else "has no tokenizer.json")
-            )
-        reward = load_reward(cfg.reward, cfg.rl_answer_field)
-        room = T - cfg.rl_max_new_tokens  # a prompt's tokens, that its completion still fits in the context
-        prompts = read_prompts(
-            cfg.rl_prompts, tokenizer, cfg.rl_prompt_field, cfg.rl_answer_field, room, reward_needs_answer(cfg.reward)
-        )
-        train_loader = PromptLoader(prompts, B, seed=cfg.seed, rank=rank, world_size=world_size)
 
     # ---------------------------------------------------------------------------------------------
     # 4. The checkpoint to continue from (--resume): the run folder's newest intact one.
@@ -180,11 +146,11 @@ def train(
 
     # ---------------------------------------------------------------------------------------------
     # 5. The model: --init_from's weights unless the checkpoint holds them all (a LoRA checkpoint holds its
-    # adapters alone), else fresh ones, the same on every rank (FSDP does not broadcast them). DPO needs the
-    # start-of-run weights even then: its reference is the model as the run began, not as it was resumed.
+    # adapters alone), else fresh ones, the same on every rank (FSDP does not broadcast them). An objective with a
+    # reference needs the start-of-run weights even then: its reference is the model as the run began, not as it was
+    # resumed.
     torch.manual_seed(cfg.seed)
-    kl_reference = cfg.rl and cfg.rl_loss == "grpo" and cfg.rl_kl_beta > 0  # GRPO's KL term: the same reference
-    if cfg.init_from and (ckpt is None or "lora" in ckpt or preference or kl_reference):
+    if cfg.init_from and (ckpt is None or "lora" in ckpt or objective.needs_reference):
         model = GPT.from_pretrained(cfg.init_from, torch.float32, block_size=T, dropout=cfg.model.dropout)
         model = model.train().to(device)
         added = cfg.model.vocab_size - model.config.vocab_size  # special tokens the data's tokenizer added
@@ -197,9 +163,6 @@ def train(
             model.grow_vocab(cfg.model.vocab_size)
     else:
         model = GPT(cfg.model).to(device)
-    # DPO's reference (gptlite.preference), and GRPO's for its KL term: without LoRA a frozen copy of these
-    # start-of-run weights, taken before a resume loads the run's own; with LoRA the same model with its adapters off
-    frozen = frozen_copy(model) if (preference or kl_reference) and not cfg.lora_rank else None
     model.checkpoint_blocks = cfg.activation_checkpointing  # recompute each block in backward, keep its input only
     if cfg.activation_checkpointing and device == "cpu":
         return_freed_memory()
@@ -210,13 +173,7 @@ def train(
     if cfg.lora_rank:
         # LoRA freezes the pretrained weights and trains low-rank adapters beside them; a resumed run's adapters
         # only make sense on the weights they were trained on.
-        base = fingerprint(cfg.init_from)
-        if ckpt and ckpt["lora"]["sha256"] != base:
-            raise ValueError(
-                f"the base weights of --init_from={cfg.init_from} are not the ones this LoRA run in {out_dir} "
-                f"started from (sha256 {base[:12]}..., the run's {ckpt['lora']['sha256'][:12]}...); put the "
-                "original weights back there, or start a new run"
-            )
+        base = check_lora_base(cfg.init_from, ckpt["lora"]["sha256"] if ckpt else None, f"this LoRA run in {out_dir}")
         targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
         add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets)
         lora = {
@@ -231,6 +188,9 @@ def train(
             f"LoRA: {trainable:,} trainable parameters in adapters of rank {cfg.lora_rank} on {', '.join(targets)}; "
             f"the {n_params:,} of {cfg.init_from} stay frozen"
         )
+    # the objective's start: its reference is the model as it is now (gptlite.lora.ReferenceModel: without LoRA a
+    # frozen copy of these weights, taken before a resume loads the run's own; with LoRA the adapters off)
+    objective.start(model)
 
     # ---------------------------------------------------------------------------------------------
     # 6. The run folder, claimed only now that every input has been read: a run that cannot start leaves it as it
@@ -269,7 +229,7 @@ def train(
         load_training_state(model, optimizers, ckpt, strict=not lora)  # a LoRA checkpoint: the adapters alone
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
-        train_loader.restore(ckpt["loader"])
+        objective.restore(ckpt["loader"])
         if ema is not None and "ema" in ckpt:
             ema.load_state_dict(ckpt["ema"])
         step = int(ckpt["step"])
@@ -290,29 +250,13 @@ def train(
             log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
     resumed = ckpt is not None
     ckpt = None  # free its memory
-    reference = Reference(model, frozen) if preference else None
 
     # ---------------------------------------------------------------------------------------------
     # 9. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
     # and the model, metrics.jsonl (and Weights & Biases), and in every checkpoint where it came from.
-    wandb_run = None
-    problem = None
+    wandb_run, problem = None, None
     if master and cfg.wandb_log:  # first: a wandb that cannot start stops the run before anything more is written
-        import wandb
-
-        try:
-            wandb_run = wandb.init(
-                project=cfg.wandb_project,
-                name=cfg.wandb_run_name or None,
-                config=config_to_dict(cfg),
-                id=wandb_id,
-                resume="allow",
-            )
-        except wandb.errors.Error as e:  # e.g. no API key
-            problem = (
-                f"wandb_log=true, but wandb cannot start a run ({str(e).splitlines()[0]}); run `wandb login`, "
-                "set WANDB_MODE=offline, or drop --wandb_log"
-            )
+        wandb_run, problem = start_wandb(cfg, wandb_id)
     stop_together(problem, world_size)
     metrics = None
     if master:
@@ -328,7 +272,7 @@ def train(
         "git_commit": git_commit(Path(__file__).parent),
         "command": shlex.join([sys.argv[0], *argv]),
         "wandb_run_id": wandb_run.id if wandb_run else None,
-        "hf_architecture": getattr(model, "source_architecture", None),  # how it exports back (gptlite.hf)
+        "hf_architecture": model.source_architecture,  # how it exports back (gptlite.hf)
     }
 
     # ---------------------------------------------------------------------------------------------
@@ -362,7 +306,6 @@ def train(
     minutes = 0.0  # wall-clock minutes since the start, as the ranks agree on them after each step
     t_last = time.perf_counter()  # the last log line's time
     steps_since_log = 0
-    seq_len = T  # the training windows' length (seq_len_start: a warm-up from shorter ones)
     while step < cfg.max_iters:
         t_step = time.perf_counter()
         # the learning rate: warmup, then cosine decay; every group in proportion to its own peak (Muon's differs)
@@ -370,97 +313,25 @@ def train(
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr * group["lr_ratio"]
-        # seq_len_start: each (B, T) batch is cut into (B * T / seq_len, seq_len) windows, the same tokens
-        step_len = seq_len_at(step, cfg, minutes)
-        if step_len != seq_len or (step == first_step and cfg.seq_len_start):
-            seq_len = step_len
-            log(f"step {step:5d} | training on windows of {seq_len} tokens")
 
-        # forward and backward over the step's micro-batches; their gradients add up in .grad
-        batches = [] if cfg.rl else [train_loader.next_batch() for _ in range(grad_accum)]
-        step_rl = torch.zeros(5 if cfg.rl else 0, device=device)  # RL: rewards, lengths, KL (gptlite.rl.group_stats)
-        if cfg.rl:
-            # RL on verifiable rewards: the step's one micro-batch is rl_samples completions of each of its prompts,
-            # sampled with the KV cache and scored by the reward function. A reward function that fails on any rank
-            # skips the step on every rank (DDP's backward needs them all): counted, and said in one line.
-            generator = step_generator(cfg.seed, step, rank, device)
-            group, rewards, reward_problem = rollout(
-                model,
-                tokenizer,
-                train_loader.next_batch(),
-                reward,
-                cfg.rl_samples,
-                cfg.rl_max_new_tokens,
-                cfg.rl_temperature,
-                generator,
-            )
-            failed = torch.tensor(float(reward_problem is not None), device=device)
-            if world_size > 1:
-                dist.all_reduce(failed)
-            if reward_problem:
-                print(f"warning: step {step + 1}: {reward_problem}; the step makes no update", flush=True)
-            if not failed.item():
-                batches = [(group.ids, group.mask)]  # (N, L) and (N, L - 1): the rows and their generated tokens
-                step_rl = group_stats(group, rewards, cfg.rl_max_new_tokens).to(device)
-            weight = 1.0  # the group's loss is a mean already
-        elif preference:
-            # DPO's loss is the mean over pairs, and every micro-batch holds batch_size of them: the step's mean loss
-            # is the mean over micro-batches, as for text
-            weight = 1.0 / grad_accum
-        elif chat:
-            # The loss of conversations is the mean over every target token of the step, on every rank: a
-            # micro-batch with fewer assistant tokens weighs less. So each micro-batch's summed loss is divided by
-            # the step's target count, times world_size, which DDP's mean over the ranks divides away.
-            n_targets = torch.tensor(float(sum(int((y >= 0).sum()) for _, y in batches)), device=device)
-            if world_size > 1:
-                dist.all_reduce(n_targets)
-            reduction = "sum"
-            weight = world_size / n_targets.clamp_min(1.0)
-        else:
-            # text: every micro-batch holds B x T targets, so the step's mean loss is the mean over micro-batches
-            reduction = "mean"
-            weight = 1.0 / grad_accum
+        # forward and backward over the step's micro-batches, which the objective gives (none, with the event that
+        # metrics.jsonl records, when it has a reason to make no update); their gradients add up in .grad
+        batches, no_update = objective.batches(step, minutes)
         step_loss = torch.zeros((), device=device)
-        step_pairs = torch.zeros(3 if preference else 0, device=device)  # DPO: rewards and accuracy (pair_stats)
         try:
             for micro, (x, y) in enumerate(batches):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T) each
-                if seq_len != T:
-                    x, y = x.reshape(-1, seq_len), y.reshape(-1, seq_len)  # (B * T / seq_len, seq_len) each
                 # DDP and FSDP average gradients across ranks during backward. Within a step that is needed once,
                 # after the last micro-batch: until then every rank only accumulates its own.
-                last_micro = micro == grad_accum - 1
+                last_micro = micro == len(batches) - 1
                 if isinstance(train_model, DDP):
                     train_model.require_backward_grad_sync = last_micro
                 elif cfg.fsdp and world_size > 1:
                     model.set_requires_gradient_sync(last_micro)
                 with amp:
-                    if preference:
-                        # DPO: x holds the pairs' chosen answers, then their rejected ones (2B rows). Each answer's
-                        # log-probability under the model and under the reference; the loss rewards the model for
-                        # raising the chosen answer's above the reference's more than the rejected one's.
-                        logps, lengths = sequence_logps(train_model, x, y)  # (2B,) each
-                        ref_logps = reference.logps(x, y)  # (2B,), no gradient
-                        dpo = dpo_loss(logps, ref_logps, lengths, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing)
-                        loss = dpo.loss
-                        step_pairs += pair_stats(dpo) * weight
-                    elif cfg.rl:
-                        # The policy gradient (gptlite.rl.policy_loss): each generated token's log-probability
-                        # weighted by its completion's advantage, its reward minus its group's mean. GRPO's ratio is
-                        # to the policy that sampled, this one (one update per group), so its clip is inactive;
-                        # its KL is to the start-of-run model.
-                        logprobs = token_logprobs(train_model, x)  # (N, L - 1)
-                        ref = reference_logprobs(model, frozen, x) if kl_reference else None
-                        advantages = group_advantages(rewards).to(device)  # (N,)
-                        loss, info = policy_loss(
-                            logprobs, y, advantages, cfg.rl_loss, logprobs.detach(), ref, cfg.rl_clip, cfg.rl_kl_beta
-                        )
-                        step_rl[-1] = info["kl"]
-                    else:
-                        # chunked_loss: the head and the loss a chunk of tokens at a time, never every logit at once
-                        _, loss = train_model(x, y, reduction=reduction, return_logits=not cfg.chunked_loss)
-                scaler.scale(loss * weight).backward()
-                step_loss += loss.detach() * weight
+                    loss = objective.loss(train_model, x, y)  # this micro-batch's share of the step's loss
+                scaler.scale(loss).backward()
+                step_loss += loss.detach()
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
             if step == first_step and "out of memory" in str(e):
                 raise ValueError(out_of_memory_advice(B, T, cfg.total_batch_size, total_batch)) from None
@@ -473,15 +344,18 @@ def train(
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
 
-        # every rank agrees on the loss, the gradient norm and whether to stop: one all-reduce, one host sync
+        # every rank agrees on the loss, the gradient norm, the objective's figures and whether to stop: one
+        # all-reduce, one host sync
         elapsed = (time.time() - t_start) / 60
         out_of_time = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
         votes = torch.tensor([float(bool(signals) or out_of_time), float(out_of_time), elapsed], device=device)
-        stats = torch.cat([torch.stack([step_loss, grad_norm.float()]), step_pairs, step_rl, votes])
+        step_figures = objective.figures()  # name -> 0-d tensor
+        stats = torch.cat([torch.stack([step_loss, grad_norm.float(), *step_figures.values()]), votes])
         if world_size > 1:
             dist.all_reduce(stats)
             stats /= world_size
-        loss_value, norm, *pairs, stop_votes, time_votes, minutes = stats.tolist()  # pairs: DPO's or RL's figures
+        loss_value, norm, *values, stop_votes, time_votes, minutes = stats.tolist()
+        figures = dict(zip(step_figures, values, strict=True))  # name -> its mean over the ranks
         stop, timed_out = stop_votes > 0, time_votes > 0
 
         # the update, unless the loss or the gradient norm is not finite. With float16, gradients that overflowed
@@ -518,8 +392,8 @@ def train(
             log(f"step {step:5d} | the weights are now their moving average (ema_decay={cfg.ema_decay:g})")
 
         # log: a line and a row of metrics.jsonl every log_interval steps; a step that made no update always
-        if cfg.rl and not batches and master:  # a reward function failed: the step made no update
-            metrics.write(step=step, event="reward_error")
+        if no_update and master:
+            metrics.write(step=step, event=no_update)
         if not finite:
             if master:
                 metrics.write(step=step, event="nonfinite", loss=loss_value, grad_norm=norm)
@@ -545,12 +419,7 @@ def train(
                 f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
                 f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
                 + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%")
-                + (f" | accuracy {pairs[2]:.3f} | margin {pairs[0] - pairs[1]:.3f}" if preference else "")
-                + (
-                    f" | reward {pairs[0]:.3f} | pass@{cfg.rl_samples} {pairs[1]:.3f} | {pairs[2]:.1f} tokens"
-                    if cfg.rl
-                    else ""
-                )
+                + objective.log_text(figures)
             )
             if master:
                 metrics.write(
@@ -562,8 +431,7 @@ def train(
                     ms_per_step=dt * 1000,
                     tokens_per_s=tokens_per_s,
                     mfu=step_mfu,
-                    **(stats_dict(pairs) if preference else {}),
-                    **(rl_metrics(pairs, cfg.rl_samples) if cfg.rl else {}),
+                    **objective.log_fields(figures),
                 )
 
         # evaluate and save: every eval_interval steps and at the end; a stop saves without evaluating
@@ -571,34 +439,12 @@ def train(
         val_loss = None
         if evaluate:
             # The model as built, not train_model: compiling a second, eval-mode graph costs more than it saves, and
-            # DDP adds nothing without gradients.
-            if preference:  # DPO's loss, rewards and accuracy on the val pairs
-                val_loss, val_pairs = evaluate_pairs(
-                    model,
-                    reference,
-                    val_loader,
-                    cfg.eval_iters,
-                    device,
-                    amp,
-                    cfg.dpo_beta,
-                    cfg.dpo_loss,
-                    cfg.dpo_label_smoothing,
-                )
-                val_stats = stats_dict(val_pairs, prefix="val_")
-                log(
-                    f"step {step:5d} | val loss {val_loss:.4f} | val accuracy {val_stats['val_rewards_accuracy']:.3f}"
-                    f" | val margin {val_stats['val_rewards_margin']:.3f}"
-                )
-                if master:
-                    metrics.write(step=step, tokens=step * total_batch, val_loss=val_loss, **val_stats)
-            else:
-                val_loss, val_bpb = evaluate_loader(model, val_loader, cfg.eval_iters, device, amp, lengths)
-                log(
-                    f"step {step:5d} | val loss {val_loss:.4f}"
-                    + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}")
-                )
-                if master:
-                    metrics.write(step=step, tokens=step * total_batch, val_loss=val_loss, val_bpb=val_bpb)
+            # DDP adds nothing without gradients. The objective judges the run; its val loss picks best.pt.
+            evaluation = objective.evaluate(model)
+            val_loss = evaluation.loss
+            log(f"step {step:5d} | {evaluation.line}")
+            if master:
+                metrics.write(step=step, tokens=step * total_batch, **evaluation.fields)
         # CORE (gptlite.evaluate.core) every core_every steps and at the end; the ranks share its items
         score_core = core_tasks is not None and (step % cfg.core_every == 0 or last)
         if score_core:
@@ -611,26 +457,22 @@ def train(
             model_state, optimizer_state, rngs = gather_training_state(model, optimizers, world_size)  # every rank
             if master:
                 best = val_loss is not None and val_loss < best_val
-                checkpoint = {
-                    "config": config_to_dict(cfg),
-                    "model": lora_state_dict(model_state) if lora else model_state,  # LoRA: the adapters alone
-                    "optimizer": optimizer_state,
-                    "scaler": scaler.state_dict(),
-                    "step": step,
-                    "loader": train_loader.state(),
-                    "world_size": world_size,
-                    "rng": rngs,
-                    "best_val_loss": val_loss if best else best_val,
-                    "val_loss": val_loss,
-                    "meta": meta,
-                    **({"lora": lora} if lora else {}),
-                    **({"ema": ema.state_dict()} if ema is not None else {}),
-                    **(
-                        {"trained_model": lora_state_dict(trained_state) if lora else trained_state}
-                        if trained_state
-                        else {}
-                    ),
-                }
+                checkpoint = run_checkpoint(
+                    config=config_to_dict(cfg),
+                    model=model_state,
+                    optimizer=optimizer_state,
+                    scaler=scaler.state_dict(),
+                    step=step,
+                    loader=objective.state(),
+                    world_size=world_size,
+                    rng=rngs,
+                    best_val_loss=val_loss if best else best_val,
+                    val_loss=val_loss,
+                    meta=meta,
+                    lora=lora,
+                    ema=None if ema is None else ema.state_dict(),
+                    trained_model=trained_state,
+                )
                 bad = nonfinite(checkpoint["model"])
                 if bad:  # a good checkpoint is never replaced by one of NaN weights
                     log(

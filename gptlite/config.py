@@ -23,6 +23,7 @@ else:  # Python 3.10
 
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # every command's --dtype (see gptlite.device)
+DPO_LOSSES = ("sigmoid", "ipo")  # train.py's losses on preference pairs (gptlite.preference.dpo_loss)
 RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gptlite.rl.policy_loss)
 QUANTIZE_CHOICES = ("", "int8")  # weight-only quantizations gptlite.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
@@ -262,7 +263,7 @@ class TrainConfig:
     dpo_loss: str = option(
         "sigmoid",
         "preference data: DPO's sigmoid loss, or IPO's squared one (gptlite/preference.py)",
-        choices=("sigmoid", "ipo"),
+        choices=DPO_LOSSES,
     )
     dpo_label_smoothing: float = option(
         0.0, "preference data, sigmoid loss: the share of pairs taken to be mislabelled (conservative DPO)"
@@ -377,13 +378,33 @@ class TrainConfig:
     max_minutes: float = option(0.0, "> 0: end the run with a checkpoint once this much wall-clock time has passed")
 
     def __post_init__(self) -> None:
+        """Every problem of the values, reported together in one ValueError; each concern checks its own fields."""
+        problems = self._finite_problems()
+        if problems:  # NaN passes every comparison below, and a NaN learning rate skips every update
+            raise ValueError("invalid training config: " + "; ".join(problems))
         problems = [
+            *self._range_problems(),
+            *self._optimizer_problems(),
+            *self._schedule_problems(),
+            *self._lora_problems(),
+            *self._dpo_problems(),
+            *self._rl_problems(),
+            *self._evaluation_problems(),
+            *self._system_problems(),
+        ]
+        if problems:
+            raise ValueError("invalid training config: " + "; ".join(problems))
+
+    def _finite_problems(self) -> list[str]:
+        return [
             f"{f.name}={getattr(self, f.name)} must be a finite number"
             for f in fields(self)
             if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
         ]
-        if problems:  # NaN passes every comparison below, and a NaN learning rate skips every update
-            raise ValueError("invalid training config: " + "; ".join(problems))
+
+    def _range_problems(self) -> list[str]:
+        """Counts that must be positive, sizes and rates that must not be negative, and every choice list."""
+        problems = []
         positive = ("batch_size", "max_iters", "eval_interval", "log_interval", "keep_last")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -401,7 +422,11 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        problems += choice_problems(type(self), vars(self))
+        return problems + choice_problems(type(self), vars(self))
+
+    def _optimizer_problems(self) -> list[str]:
+        """AdamW's betas, Muon's momentum, NorMuon's and the weight average's decays."""
+        problems = []
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be in [0, 1) (AdamW's betas, e.g. 0.9 and 0.95)")
@@ -415,6 +440,11 @@ class TrainConfig:
             problems.append(
                 "normuon=true and ema_decay work on whole matrices, each rank alone; they run without fsdp=true"
             )
+        return problems
+
+    def _schedule_problems(self) -> list[str]:
+        """The windows' warm-up (seq_len_start) and the learning rate's schedule."""
+        problems = []
         if self.seq_len_start:
             ratio = self.model.block_size / self.seq_len_start if self.seq_len_start > 0 else 0
             if self.seq_len_start < 0 or ratio < 1 or ratio != 2 ** round(math.log2(ratio)):
@@ -431,6 +461,10 @@ class TrainConfig:
             )
         if self.lr_schedule == "time" and not self.max_minutes:
             problems.append("lr_schedule='time' decays over the time budget; set max_minutes > 0")
+        return problems
+
+    def _lora_problems(self) -> list[str]:
+        problems = []
         if self.lora_rank is not None:
             if self.lora_rank < 1:
                 problems.append(f"lora_rank={self.lora_rank} must be >= 1 (leave it out to train every weight)")
@@ -440,6 +474,10 @@ class TrainConfig:
                 )
             if not 0 <= self.lora_dropout < 1:
                 problems.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        return problems
+
+    def _dpo_problems(self) -> list[str]:
+        problems = []
         if not self.dpo_beta > 0:
             problems.append(f"dpo_beta={self.dpo_beta} must be > 0 (e.g. 0.1)")
         if not 0 <= self.dpo_label_smoothing < 0.5:
@@ -449,6 +487,10 @@ class TrainConfig:
                 f"dpo_label_smoothing={self.dpo_label_smoothing} applies to dpo_loss=sigmoid only, not "
                 f"{self.dpo_loss!r}; leave it out or use dpo_loss=sigmoid"
             )
+        return problems
+
+    def _rl_problems(self) -> list[str]:
+        problems = []
         if self.rl:
             if not (self.rl_prompts and self.reward):
                 problems.append(
@@ -481,6 +523,11 @@ class TrainConfig:
             problems.append("rl_prompts and reward configure reinforcement learning; add --rl to train with them")
         if not self.rl_clip > 0 or self.rl_kl_beta < 0:
             problems.append(f"rl_clip={self.rl_clip} must be > 0 and rl_kl_beta={self.rl_kl_beta} >= 0")
+        return problems
+
+    def _evaluation_problems(self) -> list[str]:
+        """CORE's schedule and its options."""
+        problems = []
         if self.core_every < 0 or (self.core_max_per_task is not None and self.core_max_per_task < 1):
             problems.append(
                 f"core_every={self.core_every} must be >= 0 and core_max_per_task={self.core_max_per_task} >= 1"
@@ -490,12 +537,15 @@ class TrainConfig:
                 "core_bundle and core_max_per_task choose how CORE is scored, and core_every=0 scores it never; "
                 "set core_every=N (steps)"
             )
+        return problems
+
+    def _system_problems(self) -> list[str]:
+        problems = []
         if self.fsdp and self.dtype == "float16":
             problems.append(
                 "fsdp=true trains in bfloat16 or float32, not float16 (no sharded loss scaler here); use dtype=bfloat16"
             )
-        if problems:
-            raise ValueError("invalid training config: " + "; ".join(problems))
+        return problems
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ class ShardLoader:
     same window. The position (epoch, shard, index) is all the state: `state()` / `restore()`.
     """
 
+    kind = "text"  # what its rows hold (gptlite.objective.make_objective picks the objective by it)
+
     def __init__(
         self,
         files: list[Path],
@@ -155,6 +157,7 @@ class ChatLoader:
     which rank r takes the r-th slice. The position (epoch, index) is all the state: `state()` / `restore()`."""
 
     PAD_MULTIPLE = 32  # rows are padded to a multiple of this: few distinct shapes, little padding
+    kind = "conversations"
 
     def __init__(
         self, files: list[Path], batch_size: int, block_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
@@ -251,6 +254,8 @@ class PairLoader(ChatLoader):
     pair are compared over the same prompt). A pair's tokens lie one after the other in the shard: the prompt (its
     first token START), the chosen answer, the rejected answer (each answer's first token ANSWER). Order, ranks and
     state are ChatLoader's, with pairs for conversations."""
+
+    kind = "pairs"
 
     def _items(self) -> np.ndarray:
         """(N, 5) int64: each pair's shard, start, chosen answer's start, rejected answer's start, end."""

@@ -7,12 +7,15 @@ qkv and output projection, the feed-forward's input and output by default) into 
 weight tensors (no copy, the same state-dict names) and freezing every other parameter; `merge_lora(model)` folds
 the updates into the weights and turns them back into plain nn.Linear. `lora_state_dict(model)` is what a LoRA
 checkpoint saves: the adapters alone, megabytes where the model is gigabytes. `adapters_off(model)` runs the base
-model, the adapters skipped: DPO's reference model without a second copy of the weights (gptlite.preference).
+model, the adapters skipped. `ReferenceModel` is the model as a run began, that DPO (gptlite.preference) and GRPO's KL
+term (gptlite.rl) measure the policy against: the base model with the adapters off where there are adapters, else a
+frozen copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -117,6 +120,45 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for layer in layers:
             layer.enabled = True
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` in eval mode whose parameters take no gradients: the reference of a run without LoRA."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+class ReferenceModel:
+    """The model as a run began, that a loss measures the policy against (DPO's reference, GRPO's KL term). With LoRA
+    it is `model` itself with its adapters off (`frozen` is None): memory holds one model. Without, it is `frozen`, a
+    copy of the start-of-run weights (frozen_copy), which costs a second set of weights (no gradients, no optimizer
+    state). Either way it runs in eval mode (no dropout) and without gradients."""
+
+    def __init__(self, model: nn.Module, frozen: nn.Module | None):
+        assert frozen is not None or lora_layers(model), "without a frozen copy the reference is LoRA's base model"
+        self.model = model
+        self.frozen = frozen
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ReferenceModel:
+        """`model` as it is now, before it trains (and before a resume loads other weights into it): its adapters
+        off where it has LoRA layers, else a frozen copy."""
+        return cls(model, None if lora_layers(model) else frozen_copy(model))
+
+    @contextlib.contextmanager
+    def module(self) -> Iterator[nn.Module]:
+        """Within the block, the reference as a module to call, without gradients. With LoRA, the model's mode and
+        adapters come back on leaving the block."""
+        if self.frozen is not None:
+            with torch.no_grad():
+                yield self.frozen
+            return
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), adapters_off(self.model):
+                yield self.model
+        finally:
+            self.model.train(training)
 
 
 def lora_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,8 +2,9 @@
 
 out_dir/metrics.jsonl holds one JSON object per line, each with a "step" and, from training and evaluation
 rows, "tokens" (trained on so far):
-    training    loss, lr, grad_norm, ms_per_step, tokens_per_s, mfu (null where the peak is unknown)
-    evaluation  val_loss, val_bpb (null without the data's tokenizer; see gptlite.evaluate)
+    training    loss, lr, grad_norm, ms_per_step, tokens_per_s, mfu (null where the peak is unknown), and the
+                objective's figures (gptlite.objective: DPO's rewards and accuracy, RL's rewards, lengths and KL)
+    evaluation  val_loss, val_bpb (null without the data's tokenizer; see gptlite.evaluate), or DPO's val_ figures
     CORE        core (train.py --core_every; see gptlite.evaluate.core)
     events      event (e.g. a skipped non-finite step), with loss and grad_norm
 `python -m gptlite.plot OUT_DIR [OUT_DIR ...]` draws runs to a PNG.
@@ -14,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from gptlite.config import TrainConfig, config_to_dict
 from gptlite.files import fault
 
 METRICS_FILE = "metrics.jsonl"
@@ -47,6 +49,15 @@ def peak_flops(device_name: str) -> float | None:
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation of one device (PaLM, Chowdhery et al. 2022, appendix B): achieved / peak."""
     return None if not peak else flops_per_token * tokens_per_s / peak
+
+
+class Evaluation(NamedTuple):
+    """An evaluation as a run records it: the val loss (best.pt is the checkpoint with the lowest), the text of its
+    log line after "step N | ", and the fields of its metrics.jsonl row after "step" and "tokens"."""
+
+    loss: float
+    line: str
+    fields: dict[str, float | None]
 
 
 class MetricsLog:
@@ -106,6 +117,27 @@ def pace_note(seconds_per_step: float, steps_left: int, where: str, memory: str)
         f"{seconds_per_step:.2f} s a step on {where}{memory}: the {steps_left:,} steps left take about "
         f"{duration(seconds)}; --max_minutes=M caps a run, and a smaller model, batch or block_size steps faster"
     )
+
+
+def start_wandb(cfg: TrainConfig, run_id: str | None = None) -> tuple[Any, str | None]:
+    """(a Weights & Biases run for train.py's config, None), continuing the run `run_id` if given; or, when wandb
+    cannot start one (e.g. no API key), (None, the one-line problem)."""
+    import wandb
+
+    try:
+        run = wandb.init(
+            project=cfg.wandb_project,
+            name=cfg.wandb_run_name or None,
+            config=config_to_dict(cfg),
+            id=run_id,
+            resume="allow",
+        )
+    except wandb.errors.Error as e:
+        return None, (
+            f"wandb_log=true, but wandb cannot start a run ({str(e).splitlines()[0]}); run `wandb login`, "
+            "set WANDB_MODE=offline, or drop --wandb_log"
+        )
+    return run, None
 
 
 def read_metrics(path: str | Path) -> list[dict]:

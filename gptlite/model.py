@@ -398,9 +398,12 @@ def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
 class GPT(nn.Module):
     """A decoder-only Transformer language model whose output head is tied to the token embedding (unless
     config.tie_embeddings is false). `checkpoint_blocks` (train.py's --activation_checkpointing) trades a second
-    forward pass of each block in backward for its activations: training memory no longer grows with depth."""
+    forward pass of each block in backward for its activations: training memory no longer grows with depth.
+    `source_architecture` is the Hugging Face architecture a pretrained model was read as (from_pretrained), which
+    says how it exports back (gptlite.hf); None for a model built here."""
 
     checkpoint_blocks = False
+    source_architecture: str | None = None
 
     def __init__(self, config: GPTConfig):
         super().__init__()

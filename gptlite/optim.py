@@ -40,7 +40,6 @@ POLAR_EXPRESS_COEFFICIENTS = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 POLAR_EXPRESS_SAFETY = 1.02
-NS_METHODS = ("quintic", "polar_express")  # TrainConfig.muon_ns
 
 
 def ns_schedule(method: str, steps: int = NS_STEPS) -> tuple[tuple[tuple[float, float, float], ...], float]:

@@ -1,5 +1,5 @@
-"""Preference tuning with DPO: the loss on pairs of a chosen and a rejected answer, the reference model it is measured
-against, and the evaluation on val pairs.
+"""Preference tuning with DPO: the loss on pairs of a chosen and a rejected answer, measured against the reference
+model, the evaluation on val pairs, and `DPO`, train.py's objective on preference data.
 
 DPO (Rafailov et al., 2023, "Direct Preference Optimization", https://arxiv.org/abs/2305.18290) trains the policy
 pi directly on preferences, with no reward model and no sampling: with the log-ratios r = log pi(y|x) - log
@@ -12,9 +12,9 @@ variants, as TRL's DPOTrainer computes them:
   does not push the margin to infinity, where d' takes each answer's log-ratio averaged over its tokens (TRL's
   choice, which the IPO authors confirmed matches the paper's results).
 
-The reference is the model at the start of the run. With LoRA it is the same weights with the adapters switched
-off (gptlite.lora.adapters_off): memory holds one model. Without LoRA it is a frozen copy, which costs a second
-set of weights (no gradients, no optimizer state).
+The reference is the model at the start of the run (gptlite.lora.ReferenceModel): with LoRA the same weights with
+the adapters switched off, so memory holds one model; without LoRA a frozen copy, which costs a second set of
+weights (no gradients, no optimizer state).
 
 Batches come from gptlite.data.PairLoader: 2B rows, the B chosen answers (each after its prompt) then the B
 rejected ones, targets -1 except on the answers' tokens.
@@ -23,15 +23,19 @@ rejected ones, targets -1 except on the answers' tokens.
 from __future__ import annotations
 
 import contextlib
-import copy
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from gptlite.lora import adapters_off, lora_layers
+from gptlite.config import DPO_LOSSES
+from gptlite.lora import ReferenceModel
+from gptlite.metrics import Evaluation
 
-LOSSES = ("sigmoid", "ipo")  # train.py's --dpo_loss
+if TYPE_CHECKING:
+    from gptlite.config import TrainConfig
+    from gptlite.data import PairLoader
+    from gptlite.model import GPT
 
 
 class DPOOutput(NamedTuple):
@@ -53,24 +57,24 @@ def sequence_logps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
 def dpo_loss(
     logps: torch.Tensor,
     ref_logps: torch.Tensor,
-    lengths: torch.Tensor,
+    answer_tokens: torch.Tensor,
     beta: float,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
 ) -> DPOOutput:
     """The DPO loss of a batch: logps and ref_logps (2B,), each answer's summed log-probability under the policy and
-    the reference, chosen answers first; lengths (2B,) their token counts (IPO averages over them)."""
+    the reference, chosen answers first; answer_tokens (2B,) their token counts (IPO averages over them)."""
     logratios = logps.float() - ref_logps.float()  # (2B,)
     chosen, rejected = logratios.chunk(2)  # (B,) each
     if loss_type == "sigmoid":
         d = beta * (chosen - rejected)
         losses = -(1 - label_smoothing) * F.logsigmoid(d) - label_smoothing * F.logsigmoid(-d)
     elif loss_type == "ipo":
-        per_token = logratios / lengths.clamp_min(1)
+        per_token = logratios / answer_tokens.clamp_min(1)
         n_chosen, n_rejected = per_token.chunk(2)
         losses = (n_chosen - n_rejected - 1 / (2 * beta)) ** 2
     else:
-        raise ValueError(f"dpo_loss={loss_type!r} must be one of {', '.join(LOSSES)}")
+        raise ValueError(f"dpo_loss={loss_type!r} must be one of {', '.join(DPO_LOSSES)}")
     return DPOOutput(losses.mean(), beta * chosen.detach(), beta * rejected.detach())
 
 
@@ -82,43 +86,28 @@ def pair_stats(out: DPOOutput) -> torch.Tensor:
     return torch.stack([out.chosen_rewards.mean(), out.rejected_rewards.mean(), right.mean()])
 
 
-STAT_NAMES = ("rewards_chosen", "rewards_rejected", "rewards_accuracy")  # pair_stats' order
+FIGURES = ("rewards_chosen", "rewards_rejected", "rewards_accuracy")  # pair_stats' figures, in its order
 
 
-def stats_dict(stats: list[float], prefix: str = "") -> dict[str, float]:
-    """pair_stats' numbers by name, with the margin (chosen minus rejected reward), for the log and metrics.jsonl."""
-    named = dict(zip(STAT_NAMES, stats, strict=True))
-    named["rewards_margin"] = named["rewards_chosen"] - named["rewards_rejected"]
-    return {prefix + k: v for k, v in named.items()}
+def reward_figures(chosen: float, rejected: float, accuracy: float) -> dict[str, float]:
+    """pair_stats' figures by name, with the margin (the chosen answers' mean reward minus the rejected ones'), as
+    training logs them to metrics.jsonl (with "val_" before each name for the val pairs)."""
+    return {
+        "rewards_chosen": chosen,
+        "rewards_rejected": rejected,
+        "rewards_accuracy": accuracy,
+        "rewards_margin": chosen - rejected,
+    }
 
 
-class Reference:
-    """DPO's reference model: the policy at the start of the run. With LoRA, `model` itself with its adapters off
-    (`frozen` is None); otherwise `frozen`, a copy of the start-of-run weights (see frozen_copy). Either way it runs
-    in eval mode (no dropout) and without gradients."""
+class Reference(ReferenceModel):
+    """DPO's reference model: the policy at the start of the run (gptlite.lora.ReferenceModel), scoring whole
+    answers."""
 
-    def __init__(self, model: torch.nn.Module, frozen: torch.nn.Module | None):
-        assert frozen is not None or lora_layers(model), "without a frozen copy the reference is LoRA's base model"
-        self.model = model
-        self.frozen = frozen
-
-    @torch.no_grad()
     def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The reference's summed log-probability of each row's targets, (R,)."""
-        if self.frozen is not None:
-            return sequence_logps(self.frozen, x, y)[0]
-        training = self.model.training
-        self.model.eval()
-        try:
-            with adapters_off(self.model):
-                return sequence_logps(self.model, x, y)[0]
-        finally:
-            self.model.train(training)
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` in eval mode whose parameters take no gradients: the reference of a run without LoRA."""
-    return copy.deepcopy(model).eval().requires_grad_(False)
+        with self.module() as reference:
+            return sequence_logps(reference, x, y)[0]
 
 
 @torch.no_grad()
@@ -132,8 +121,8 @@ def evaluate_pairs(
     beta: float,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
-) -> tuple[float, list[float]]:
-    """(the loss, pair_stats) over the val pairs, each averaged over pairs: the first `iters` batches, the same
+) -> tuple[float, dict[str, float]]:
+    """(the loss, reward_figures) over the val pairs, each averaged over pairs: the first `iters` batches, the same
     at every evaluation, or every pair when iters=0. Under torchrun each rank scores its share and the sums are
     all-reduced, so every rank gets the same figures."""
     import torch.distributed as dist
@@ -145,8 +134,8 @@ def evaluate_pairs(
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (2B, L) each
         with autocast:
-            logps, lengths = sequence_logps(model, x, y)
-            out = dpo_loss(logps, reference.logps(x, y), lengths, beta, loss_type, label_smoothing)
+            logps, answer_tokens = sequence_logps(model, x, y)
+            out = dpo_loss(logps, reference.logps(x, y), answer_tokens, beta, loss_type, label_smoothing)
         n = out.chosen_rewards.numel()
         right = (out.chosen_rewards > out.rejected_rewards).float().sum()
         sums += torch.stack(
@@ -155,5 +144,93 @@ def evaluate_pairs(
     if dist.is_initialized():
         dist.all_reduce(sums)
     model.train()
-    loss, *stats = (sums[:4] / sums[4].clamp_min(1)).tolist()
-    return loss, stats
+    loss, chosen, rejected, accuracy = (sums[:4] / sums[4].clamp_min(1)).tolist()
+    return loss, reward_figures(chosen, rejected, accuracy)
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective
+
+
+class DPO:
+    """train.py's objective on preference pairs (see gptlite.objective.Objective): each step takes grad_accum
+    batches of batch_size pairs, and its loss is DPO's against the start-of-run model. Its figures are the implicit
+    rewards of the chosen and the rejected answers and the share of pairs ranked right; it is judged by the same loss
+    and figures on the val pairs. Its state is the pair loader's position."""
+
+    needs_reference = True  # --init_from's weights are loaded even on a resume: they are the reference
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        train_loader: PairLoader,
+        val_loader: PairLoader,
+        grad_accum: int,
+        device: str,
+        autocast: contextlib.AbstractContextManager,
+    ):
+        self.cfg = cfg
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.grad_accum = grad_accum
+        self.device = device
+        self.autocast = autocast
+        self.reference: Reference | None = None  # taken at start()
+        self.weight = 1.0 / grad_accum  # each micro-batch's share of the step's loss
+        self.step_figures = torch.zeros(len(FIGURES), device=device)  # pair_stats over the step's micro-batches
+
+    def start(self, model: GPT) -> None:
+        self.reference = Reference.of(model)
+
+    def batches(self, step: int, minutes: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+        # DPO's loss is the mean over pairs, and every micro-batch holds batch_size of them: the step's mean loss is
+        # the mean over micro-batches (self.weight), as for text
+        self.step_figures = torch.zeros(len(FIGURES), device=self.device)
+        return [self.train_loader.next_batch() for _ in range(self.grad_accum)], None
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # x holds the pairs' chosen answers, then their rejected ones (2B rows). Each answer's log-probability under
+        # the model and under the reference; the loss rewards the model for raising the chosen answer's above the
+        # reference's more than the rejected one's.
+        logps, answer_tokens = sequence_logps(model, x, y)  # (2B,) each
+        ref_logps = self.reference.logps(x, y)  # (2B,), no gradient
+        cfg = self.cfg
+        dpo = dpo_loss(logps, ref_logps, answer_tokens, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing)
+        self.step_figures += pair_stats(dpo) * self.weight
+        return dpo.loss * self.weight
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        return dict(zip(FIGURES, self.step_figures, strict=True))
+
+    def log_text(self, figures: dict[str, float]) -> str:
+        margin = figures["rewards_chosen"] - figures["rewards_rejected"]
+        return f" | accuracy {figures['rewards_accuracy']:.3f} | margin {margin:.3f}"
+
+    def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
+        return reward_figures(*(figures[name] for name in FIGURES))
+
+    def evaluate(self, model: GPT) -> Evaluation:
+        """DPO's loss, rewards and accuracy on the val pairs."""
+        cfg = self.cfg
+        val_loss, figures = evaluate_pairs(
+            model,
+            self.reference,
+            self.val_loader,
+            cfg.eval_iters,
+            self.device,
+            self.autocast,
+            cfg.dpo_beta,
+            cfg.dpo_loss,
+            cfg.dpo_label_smoothing,
+        )
+        line = (
+            f"val loss {val_loss:.4f} | val accuracy {figures['rewards_accuracy']:.3f}"
+            f" | val margin {figures['rewards_margin']:.3f}"
+        )
+        return Evaluation(val_loss, line, {"val_loss": val_loss, **{f"val_{k}": v for k, v in figures.items()}})
+
+    def state(self) -> dict:
+        return self.train_loader.state()
+
+    def restore(self, state: dict) -> None:
+        self.train_loader.restore(state)

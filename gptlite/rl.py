@@ -20,6 +20,8 @@ A step of `train.py --rl` (see docs/chat.md, "Rewards"):
 
 A reward function that raises or returns something other than a finite number never ends a run: the step makes no
 update, is counted, and a one-line warning names the function and the record.
+
+`RL` is train.py's objective for --rl (see gptlite.objective.Objective): these steps, their figures and their state.
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from gptlite.config import RL_LOSSES
 from gptlite.files import read_jsonl
 from gptlite.generate import PAD, generate_tokens
-from gptlite.lora import adapters_off
+from gptlite.lora import ReferenceModel
 
 if TYPE_CHECKING:
+    from gptlite.config import TrainConfig
+    from gptlite.metrics import Evaluation
     from gptlite.model import GPT
+    from gptlite.objective import Objective
     from gptlite.tokenizer import Tokenizer
 
 GSM8K_NUMBER = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, from OpenAI's grade-school-math
@@ -376,18 +382,16 @@ def rollout(
         return group, None, str(e)
 
 
-def group_stats(group: Group, rewards: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """What a step logs of its group, (5,): its mean reward, pass@k, mean completion length in tokens, the share of
-    completions cut at max_new_tokens, and 0.0 where the loss puts the KL to the reference (see rl_metrics)."""
+def group_figures(group: Group, rewards: torch.Tensor, max_new_tokens: int) -> dict[str, float]:
+    """What a step logs of its group: its mean reward, pass@k (k = its samples), mean completion length in tokens
+    and the share of completions cut at max_new_tokens."""
     lengths = torch.tensor(group.lengths, dtype=torch.float32)
-    cut = float((lengths >= max_new_tokens).float().mean())
-    return torch.tensor([float(rewards.mean()), pass_at_k(rewards), float(lengths.mean()), cut, 0.0])
-
-
-def rl_metrics(values: list[float], samples: int) -> dict[str, float]:
-    """group_stats' figures (averaged over ranks) by name, as train.py logs them to metrics.jsonl."""
-    names = ("mean_reward", f"pass@{samples}", "completion_tokens", "cut_at_max_tokens", "kl")
-    return dict(zip(names, values, strict=True))
+    return {
+        "mean_reward": float(rewards.mean()),
+        f"pass@{group.samples}": pass_at_k(rewards),
+        "completion_tokens": float(lengths.mean()),
+        "cut_at_max_tokens": float((lengths >= max_new_tokens).float().mean()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,22 +441,6 @@ def policy_loss(
     return -per_completion.mean(), {"kl": mean_kl}
 
 
-@torch.no_grad()
-def reference_logprobs(model: torch.nn.Module, frozen: torch.nn.Module | None, ids: torch.Tensor) -> torch.Tensor:
-    """ids (N, L) -> the reference's log-probability of each next token, (N, L - 1), without gradients: `frozen`, a
-    copy of the start-of-run weights, or with LoRA (frozen None) the model itself with its adapters off, in eval
-    mode either way."""
-    if frozen is not None:
-        return token_logprobs(frozen, ids)
-    training = model.training
-    model.eval()
-    try:
-        with adapters_off(model):
-            return token_logprobs(model, ids)
-    finally:
-        model.train(training)
-
-
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 
@@ -498,3 +486,116 @@ def score_prompts(
 def reward_needs_answer(spec: str) -> bool:
     """Whether --reward is a built-in, which compares with the record's answer field."""
     return spec in BUILTIN_REWARDS
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective
+
+
+class RL:
+    """train.py --rl's objective (see gptlite.objective.Objective). A step's one micro-batch is rl_samples completions
+    of each of its batch_size prompts, sampled with the KV cache and scored by the reward function; its loss is the
+    policy gradient (policy_loss), with GRPO's KL to the start-of-run model where rl_kl_beta > 0. Its figures are the
+    group's rewards, lengths and KL. The data folder's val split is evaluated by `fine_tuning`, the objective the
+    model was fine-tuned with there, which shows how far the policy drifts from that data. Its state is the prompts'
+    order."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tokenizer: Tokenizer,
+        prompts: PromptLoader,
+        reward: Reward,
+        fine_tuning: Objective,
+        device: str,
+        rank: int,
+        world_size: int,
+    ):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.reward = reward
+        self.fine_tuning = fine_tuning
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        # GRPO's KL term measures the policy against the start-of-run model, as DPO does
+        self.needs_reference = cfg.rl_loss == "grpo" and cfg.rl_kl_beta > 0
+        self.model: GPT | None = None  # the model that samples, given at start()
+        self.reference: ReferenceModel | None = None
+        self.rewards: torch.Tensor | None = None  # the step's group's rewards, (P, S)
+        # the step's figures: group_figures' and the KL, which the loss gives; all 0.0 for a step without a group
+        self.names = ("mean_reward", f"pass@{cfg.rl_samples}", "completion_tokens", "cut_at_max_tokens", "kl")
+        self.step_figures = dict.fromkeys(self.names, 0.0)
+
+    def start(self, model: GPT) -> None:
+        self.model = model
+        self.reference = ReferenceModel.of(model) if self.needs_reference else None
+
+    def batches(self, step: int, minutes: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+        # A reward function that fails on any rank skips the step on every rank (DDP's backward needs them all):
+        # counted as a reward_error event, and said in one line.
+        cfg = self.cfg
+        generator = step_generator(cfg.seed, step, self.rank, self.device)
+        group, rewards, problem = rollout(
+            self.model,
+            self.tokenizer,
+            self.prompts.next_batch(),
+            self.reward,
+            cfg.rl_samples,
+            cfg.rl_max_new_tokens,
+            cfg.rl_temperature,
+            generator,
+        )
+        failed = torch.tensor(float(problem is not None), device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(failed)
+        if problem:
+            print(f"warning: step {step + 1}: {problem}; the step makes no update", flush=True)
+        self.step_figures = dict.fromkeys(self.names, 0.0)
+        if failed.item():
+            return [], "reward_error"
+        self.rewards = rewards
+        self.step_figures.update(group_figures(group, rewards, cfg.rl_max_new_tokens))
+        return [(group.ids, group.mask)], None  # (N, L) and (N, L - 1): the rows and their generated tokens
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # The policy gradient: each generated token's log-probability weighted by its completion's advantage, its
+        # reward minus its group's mean. GRPO's ratio is to the policy that sampled, this one (one update per
+        # group), so its clip is inactive; its KL is to the start-of-run model. The group's loss is a mean already:
+        # the step's one micro-batch weighs 1.
+        cfg = self.cfg
+        logprobs = token_logprobs(model, x)  # (N, L - 1)
+        ref = None
+        if self.reference is not None:
+            with self.reference.module() as reference:
+                ref = token_logprobs(reference, x)  # (N, L - 1), no gradient
+        advantages = group_advantages(self.rewards).to(self.device)  # (N,)
+        loss, info = policy_loss(
+            logprobs, y, advantages, cfg.rl_loss, logprobs.detach(), ref, cfg.rl_clip, cfg.rl_kl_beta
+        )
+        self.step_figures["kl"] = info["kl"]
+        return loss
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        values = torch.tensor(list(self.step_figures.values())).to(self.device)  # one copy to the device
+        return dict(zip(self.step_figures, values, strict=True))
+
+    def log_text(self, figures: dict[str, float]) -> str:
+        samples = self.cfg.rl_samples
+        return (
+            f" | reward {figures['mean_reward']:.3f} | pass@{samples} {figures[f'pass@{samples}']:.3f}"
+            f" | {figures['completion_tokens']:.1f} tokens"
+        )
+
+    def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
+        return dict(figures)
+
+    def evaluate(self, model: GPT) -> Evaluation:
+        return self.fine_tuning.evaluate(model)
+
+    def state(self) -> dict:
+        return self.prompts.state()
+
+    def restore(self, state: dict) -> None:
+        self.prompts.restore(state)

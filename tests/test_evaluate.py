@@ -270,7 +270,8 @@ def test_an_offline_hellaswag_download_fails_first_and_names_the_option(char_run
     --hellaswag_file; no results file and no empty folder are left."""
     _, out, _ = char_run
     monkeypatch.chdir(tmp_path)  # the default file, data/hellaswag/hellaswag_val.jsonl, is relative to here
-    monkeypatch.setattr(evaluate, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # nothing listens
+    # nothing listens
+    monkeypatch.setattr(evaluate.hellaswag_task, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")
     code = evaluate.main([f"--out_dir={out}", "--task=val,hellaswag", f"--json={tmp_path / 'r.json'}"])
     captured = capsys.readouterr()
     assert code == 2 and "val:" not in captured.out

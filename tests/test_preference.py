@@ -15,8 +15,8 @@ import transformers
 from gptlite import GPT
 from gptlite.config import TrainConfig
 from gptlite.data import PairLoader, find_shards
-from gptlite.lora import LoRALinear, adapters_off, add_lora
-from gptlite.preference import Reference, dpo_loss, frozen_copy, pair_stats, sequence_logps
+from gptlite.lora import LoRALinear, adapters_off, add_lora, frozen_copy
+from gptlite.preference import Reference, dpo_loss, pair_stats, sequence_logps
 from gptlite.prepare.preference import prepare_preference
 from gptlite.tokenizer import load_tokenizer
 from tests.conftest import ROOT, run_train, tiny_model

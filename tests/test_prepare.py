@@ -13,7 +13,7 @@ import pytest
 
 import gptlite.prepare
 from gptlite.data import find_shards, read_shard
-from gptlite.prepare import prepare
+from gptlite.prepare import pipeline, prepare
 from gptlite.tokenizer import load_tokenizer
 from tests.conftest import shared_file
 
@@ -117,7 +117,7 @@ def test_split_never_cuts_a_character(tmp_path, spec):
 def test_small_read_blocks_keep_text_exact(tmp_path, monkeypatch, block_bytes):
     """Blocks cut at line ends or character starts, many of them: the text still comes back byte for byte."""
     monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", block_bytes)
-    monkeypatch.setattr(gptlite.prepare, "BATCH_BLOCKS", 3)
+    monkeypatch.setattr(pipeline, "BATCH_BLOCKS", 3)
     text = UNICODE_TEXT + "no newline at the end: 🙂🙂🙂 日本"
     src = write(tmp_path / "u.txt", text)
     for i, spec in enumerate(["byte", "char", str(gpt2_ranks())]):
@@ -193,7 +193,7 @@ def test_uint32_shards_for_a_large_vocabulary(tmp_path, monkeypatch):
         def encode(self, text):
             return [69999 - b for b in text.encode()]
 
-    monkeypatch.setattr(gptlite.prepare, "get_tokenizer", lambda spec: Wide())
+    monkeypatch.setattr(pipeline, "get_tokenizer", lambda spec: Wide())
     src = write(tmp_path / "corpus.txt", TEXT)
     prepare([str(src)], "wide", tmp_path / "out", log=quiet)
     shard = tmp_path / "out" / "train_000000.bin"
@@ -218,7 +218,7 @@ def test_rerun_returns_the_manifest_without_rewriting(tmp_path, monkeypatch):
         raise AssertionError("a complete output must not be tokenized again")
 
     with monkeypatch.context() as m:
-        m.setattr(gptlite.prepare, "get_tokenizer", no_tokenizing)
+        m.setattr(pipeline, "get_tokenizer", no_tokenizing)
         logged = []
         again = prepare([str(src)], "char", out, shard_tokens=500, log=logged.append)
     assert again == first

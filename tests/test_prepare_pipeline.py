@@ -11,7 +11,7 @@ import pytest
 
 import gptlite.prepare
 from gptlite.data import read_shard, verify_manifest, write_shard
-from gptlite.prepare import prepare
+from gptlite.prepare import pipeline, prepare
 from tests.conftest import ROOT, shared_file
 
 TEXT = "".join(f"Line {i}: all the world's a stage — 舞台 {i * 7}.\n" for i in range(400))  # ~20 kB
@@ -25,7 +25,7 @@ def quiet(*args, **kwargs):
 def small_blocks(monkeypatch):
     """Blocks of 256 bytes, batches of two: a 20 kB corpus makes dozens of batches."""
     monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", 256)
-    monkeypatch.setattr(gptlite.prepare, "BATCH_BLOCKS", 2)
+    monkeypatch.setattr(pipeline, "BATCH_BLOCKS", 2)
 
 
 def corpus(tmp_path: Path) -> list[str]:
@@ -58,7 +58,7 @@ def test_reading_stays_at_most_a_few_batches_ahead(tmp_path, small_blocks, monke
     """Memory is bounded: the reader never runs more than IN_FLIGHT_PER_WORKER batches per worker ahead of the
     writer."""
     read, written, ahead = [0], [0], []
-    batched, save_progress = gptlite.prepare.batched, gptlite.prepare.save_progress
+    batched, save_progress = pipeline.batched, pipeline.save_progress
 
     def counting_batches(*args):
         for batch in batched(*args):
@@ -70,8 +70,8 @@ def test_reading_stays_at_most_a_few_batches_ahead(tmp_path, small_blocks, monke
         ahead.append(read[0] - written[0])
         save_progress(*args)
 
-    monkeypatch.setattr(gptlite.prepare, "batched", counting_batches)
-    monkeypatch.setattr(gptlite.prepare, "save_progress", counting_saves)
+    monkeypatch.setattr(pipeline, "batched", counting_batches)
+    monkeypatch.setattr(pipeline, "save_progress", counting_saves)
     prepare(corpus(tmp_path), "byte", tmp_path / "out", workers=workers, log=quiet)
     assert written[0] > 30
     assert max(ahead) <= (gptlite.prepare.workers.IN_FLIGHT_PER_WORKER * workers if workers > 1 else 0)
@@ -87,7 +87,7 @@ class Interrupt(Exception):
 
 def interrupt_after(monkeypatch, checkpoints: int, where: str) -> None:
     """Make prepare stop like a Ctrl-C or a crash, at the given point of the checkpoint after `checkpoints` batches."""
-    save_progress, commit, count = gptlite.prepare.save_progress, gptlite.prepare.ShardWriter.commit, [0]
+    save_progress, commit, count = pipeline.save_progress, pipeline.ShardWriter.commit, [0]
 
     def save(out_dir, progress, writers):
         count[0] += 1
@@ -104,8 +104,8 @@ def interrupt_after(monkeypatch, checkpoints: int, where: str) -> None:
             raise Interrupt
         commit(self)
 
-    monkeypatch.setattr(gptlite.prepare, "save_progress", save)
-    monkeypatch.setattr(gptlite.prepare.ShardWriter, "commit", commit_or_crash)
+    monkeypatch.setattr(pipeline, "save_progress", save)
+    monkeypatch.setattr(pipeline.ShardWriter, "commit", commit_or_crash)
 
 
 @pytest.mark.parametrize(
@@ -135,8 +135,8 @@ def test_resume_after_an_interruption_writes_what_an_uninterrupted_run_does(
     assert progress["bytes"] > 8000
 
     logged, reread = [], []
-    batched = gptlite.prepare.batched
-    monkeypatch.setattr(gptlite.prepare, "batched", lambda *args: (reread.append(b) or b for b in batched(*args)))
+    batched = pipeline.batched
+    monkeypatch.setattr(pipeline, "batched", lambda *args: (reread.append(b) or b for b in batched(*args)))
     resumed = prepare(inputs, "byte", out, shard_tokens=2000, workers=workers, log=logged.append)
     assert logged[0].startswith(f"resuming {out} after ")
     total = sum(p.stat().st_size for p in Path(inputs[0]).iterdir())
@@ -232,7 +232,7 @@ def test_vocabulary_too_large_for_the_dtype(tmp_path, monkeypatch):
     class Wide(ByteTokenizer):
         vocab_size = 100_277
 
-    monkeypatch.setattr(gptlite.prepare, "get_tokenizer", lambda spec: Wide())
+    monkeypatch.setattr(pipeline, "get_tokenizer", lambda spec: Wide())
     src = tmp_path / "corpus.txt"
     src.write_text(TEXT)
     with pytest.raises(

@@ -14,7 +14,7 @@ import pytest
 
 import gptlite.prepare
 from gptlite.data import find_shards, read_shard
-from gptlite.prepare import prepare
+from gptlite.prepare import pipeline, prepare
 from gptlite.tokenizer import load_tokenizer
 from tests.conftest import ROOT, shared_file
 
@@ -163,7 +163,7 @@ def test_records_longer_than_a_read_block_are_whole(tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
     whole = prepare([str(src)], gpt2(), tmp_path / "whole", log=quiet)
     monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", 64)
-    monkeypatch.setattr(gptlite.prepare, "BATCH_BLOCKS", 2)
+    monkeypatch.setattr(pipeline, "BATCH_BLOCKS", 2)
     small = prepare([str(src)], gpt2(), tmp_path / "small", log=quiet)
     assert small["sha256"] == whole["sha256"] and small["documents"] == 60
     assert documents(tmp_path / "small", "train") == [d for i, d in enumerate(docs) if i % 10 != 9]

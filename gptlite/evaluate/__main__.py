@@ -2,6 +2,6 @@
 
 import sys
 
-from gptlite.evaluate import main
+from gptlite.evaluate.command import main
 
 sys.exit(main())

@@ -26,6 +26,22 @@ def no_hellaswag_file(path: Path) -> FileNotFoundError:
     return FileNotFoundError(f"HellaSwag file {path} does not exist; download {HELLASWAG_URL} and pass its path")
 
 
+def hellaswag_file(given: str) -> Path:
+    """The HellaSwag file to score: the one given, or HELLASWAG_FILE, downloaded from HELLASWAG_URL once. Offline, the
+    download's error says how to pass a copy."""
+    from gptlite.download import download
+
+    path = Path(given)
+    if path.is_file():
+        return path
+    if path != HELLASWAG_FILE:
+        raise no_hellaswag_file(path)
+    try:
+        return download(HELLASWAG_URL, path)
+    except ConnectionError as e:
+        raise ConnectionError(f"{e} with --hellaswag_file=PATH") from None
+
+
 def read_hellaswag(path: str | Path, limit: int | None = None) -> list[dict]:
     """The examples of a HellaSwag JSONL file (ctx, 4 endings, label), the first `limit` of them if given; a bad
     line is a ValueError naming the file, the line and what is wrong."""

@@ -44,7 +44,7 @@ except ImportError:
     ) from None
 
 if TYPE_CHECKING:
-    from gptlite.evaluate import EvaluateOptions
+    from gptlite.evaluate.command import EvaluateOptions
 
 
 def task_manager(names: list[str], include_path: str = "") -> TaskManager:

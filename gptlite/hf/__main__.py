@@ -35,8 +35,6 @@ from gptlite.hf.adapter import export_adapter
 from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, modelfile_path, ollama_modelfile
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
-COMMANDS = ("export",)
-
 
 @dataclass
 class ExportOptions:

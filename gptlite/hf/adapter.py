@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptlite.files import write_folder
-from gptlite.hf import GPT2, entries, family_of, part_sizes, save_weights, their_name
+from gptlite.hf.families import GPT2, entries, family_of, part_sizes, their_name
+from gptlite.hf.weights import save_weights
 from gptlite.lora import lora_layers
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
     """The PEFT state dict of the model's LoRA layers (transformers' names) and the transformers modules they adapt."""
-    family = family_of(model.config, getattr(model, "source_architecture", None))
+    family = family_of(model.config, model.source_architecture)
     names = {ours.removesuffix(".weight"): theirs for ours, theirs, _ in entries(family, model.config)}
     tensors, modules = {}, []
     for name, layer in lora_layers(model).items():

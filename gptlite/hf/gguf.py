@@ -35,7 +35,7 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.files import fault, fsync_dir, make_dir
-from gptlite.hf import GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, Family, family_of
+from gptlite.hf.families import GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, Family, family_of
 from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
 from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
 from gptlite.tokenizer.chat import check_messages, render
@@ -403,7 +403,7 @@ def export_gguf(
         raise ValueError("an int8-quantized model cannot be exported: export the float model (--type=q8_0 quantizes)")
     out = Path(out)
     check_out(out, overwrite)
-    family, arch = gguf_architecture(model.config, architecture or getattr(model, "source_architecture", None))
+    family, arch = gguf_architecture(model.config, architecture or model.source_architecture)
     vocab = gguf_vocab(tokenizer, where)
     if len(vocab.tokens) > model.config.vocab_size:
         raise ValueError(

@@ -1,0 +1,201 @@
+"""The checkpoint file: what it holds (`run_checkpoint` builds it), written atomically with a checksum beside it
+(`save_checkpoint`), and read back without unpickling arbitrary objects (`weights_only=True`) once its checksum
+holds (`load_file`).
+
+A checkpoint is a plain dict of tensors and primitive values (train.py builds it with `run_checkpoint`):
+    config          the flat training config (see gptlite.config.config_to_dict)
+    model           the uncompiled, unwrapped module's state_dict (no `_orig_mod.` or `module.` prefixes); a LoRA
+                    run's holds its adapters alone (lora_A, lora_B)
+    optimizer       the optimizers' state (AdamW's, and Muon's with optimizer="muon") keyed by parameter name
+                    (torch.distributed.checkpoint's full state dict, one for all)
+    scaler          the fp16 GradScaler's state ({} when unused)
+    step            optimizer steps taken; the learning-rate schedule is a function of it
+    loader          the objective's position in its data (gptlite.objective: the train loader's state, see
+                    gptlite.data.ShardLoader.state; an RL run's prompt order, gptlite.rl.PromptLoader.state)
+    world_size      the processes that trained
+    rng             one entry per rank: python, numpy, torch CPU and CUDA generator states
+    best_val_loss   the lowest val loss so far (best.pt's)
+    val_loss        this save's val loss (None for a save without an evaluation: a stop)
+    meta            git_commit, command (the command line), wandb_run_id (what a resumed run continues) and
+                    hf_architecture (the Hugging Face architecture --init_from was read as: how it exports back)
+and, where they apply:
+    lora            a LoRA run's adapters: base (its --init_from), sha256 (those base weights' fingerprint,
+                    gptlite.hf.fingerprint), rank, alpha, targets
+    ema             ema_decay: the weights' moving average (gptlite.optim.WeightAverage.state_dict)
+    trained_model   a run that ended as its moving average: the weights it trained, which --resume continues from
+                    (`model` then holds the average)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gptlite.files import fault, fsync_dir, make_dir
+from gptlite.lora import lora_state_dict
+
+CHECKSUM_SUFFIX = ".sha256"
+READ_CHUNK = 1 << 20
+
+
+class _HashingWriter:
+    """Passes torch.save's writes to a file and hashes them on the way, so the checksum needs no second read.
+    A failed write is kept in `error` (torch.save reports it as a RuntimeError of its own)."""
+
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.error = None
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def _write_durably(path: Path, write: Callable) -> None:
+    """Call write(f) on path's temp file, fsync it, then rename it over path."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
+    """Write atomically with a checksum: path.tmp, then path.sha256, then rename path.tmp to path.
+
+    Until the last rename the old `path` (if any) is untouched. Give each save a new name (as
+    `save_run_checkpoint` does): overwriting a name leaves a moment where its old bytes meet the new checksum.
+    """
+    path = Path(path)
+    make_dir(path.parent)
+    tmp, writer = path.with_name(path.name + ".tmp"), None
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(checkpoint, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        line = f"{writer.sha.hexdigest()}  {path.name}\n".encode()
+        _write_durably(checksum_path(path), lambda f: f.write(line))
+    except BaseException as e:  # a full disk, an interruption: nothing half-written stays behind
+        for leftover in (tmp, checksum_path(path).with_name(checksum_path(path).name + ".tmp")):
+            leftover.unlink(missing_ok=True)
+        cause = next((c for c in (e, getattr(writer, "error", None), e.__context__) if isinstance(c, OSError)), None)
+        if cause is not None:
+            raise fault(cause, f"could not save checkpoint {path}") from None
+        raise
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise ValueError if a checkpoint file's bytes do not match the sha256 saved beside it (beside the
+    symlink's target for ckpt.pt and best.pt). A file without a checksum (older gptlite) is not checked."""
+    path = Path(path)
+    real = Path(os.path.realpath(path))
+    checksum = checksum_path(real)
+    if not checksum.is_file():
+        return
+    expected = (checksum.read_text().split() or [""])[0]
+    sha = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            sha.update(chunk)
+    if sha.hexdigest() != expected:
+        raise ValueError(
+            f"checkpoint {path} is damaged: its {real.stat().st_size} bytes do not match the sha256 in "
+            f"{checksum.name} (cut short or changed after it was saved)"
+        )
+
+
+def load_file(path: Path, map_location: str | torch.device) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist; train first (python train.py ... --out_dir={path.parent})"
+        )
+    verify_checkpoint(path)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise ValueError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); it is damaged or not "
+            "a gptlite checkpoint"
+        ) from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
+        raise ValueError(f"checkpoint {path} is not a gptlite checkpoint (no 'model' and 'config' entries)")
+    return ckpt
+
+
+def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
+    """The names of a state dict's floating-point tensors that hold a NaN or an infinity."""
+    return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+
+
+def git_commit(folder: str | Path) -> str:
+    """The commit checked out in the git work tree that holds `folder`, for a checkpoint's meta ("unknown" outside
+    one, or without git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=folder)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_checkpoint(
+    *,
+    config: dict,
+    model: dict[str, torch.Tensor],
+    optimizer: dict,
+    scaler: dict,
+    step: int,
+    loader: dict,
+    world_size: int,
+    rng: list[dict],
+    best_val_loss: float,
+    val_loss: float | None,
+    meta: dict,
+    lora: dict | None = None,
+    ema: dict | None = None,
+    trained_model: dict[str, torch.Tensor] | None = None,
+) -> dict:
+    """A training checkpoint as the module's docstring lays it out, from its entries. A LoRA run's (`lora` given)
+    keeps the adapters alone of `model` and `trained_model`; `lora`, `ema` and `trained_model` are left out where
+    they are None."""
+    checkpoint = {
+        "config": config,
+        "model": lora_state_dict(model) if lora else model,
+        "optimizer": optimizer,
+        "scaler": scaler,
+        "step": step,
+        "loader": loader,
+        "world_size": world_size,
+        "rng": rng,
+        "best_val_loss": best_val_loss,
+        "val_loss": val_loss,
+        "meta": meta,
+    }
+    if lora:
+        checkpoint["lora"] = lora
+    if ema is not None:
+        checkpoint["ema"] = ema
+    if trained_model:
+        checkpoint["trained_model"] = lora_state_dict(trained_model) if lora else trained_model
+    return checkpoint

@@ -1,0 +1,101 @@
+"""Loading a model to sample from, evaluate or export: a run's newest checkpoint (a LoRA run's adapters on their
+checked base weights) or pretrained weights, with its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gptlite.checkpoint.run_folder import load_checkpoint
+from gptlite.config import GPTConfig, build_config
+from gptlite.lora import add_lora, merge_lora
+from gptlite.model import GPT
+from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
+from gptlite.tokenizer.huggingface import has_bpe_files
+
+
+def model_from_checkpoint(ckpt: dict) -> GPT:
+    """Build the GPT described by a checkpoint's config and load its weights. A LoRA run's checkpoint holds its
+    adapters alone: its base model is loaded from where init_from names it (checked against the sha256 the run
+    recorded) and the adapters merged into it."""
+    if "lora" in ckpt:
+        return lora_model(ckpt)
+    model_config: GPTConfig = build_config(ckpt["config"]).model
+    model = GPT(model_config)
+    model.check_state(ckpt["model"], "the checkpoint")
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def lora_model(ckpt: dict, merge: bool = True) -> GPT:
+    """The base model of a LoRA checkpoint with its adapters, merged into its weights (or as LoRALinear layers)."""
+    lora, config = ckpt["lora"], build_config(ckpt["config"])
+    check_lora_base(lora["base"], lora["sha256"], "this LoRA run")
+    model = GPT.from_pretrained(lora["base"], torch.float32, block_size=config.model.block_size)
+    add_lora(model, lora["rank"], lora["alpha"], 0.0, tuple(lora["targets"]))
+    model.check_state({**model.state_dict(), **ckpt["model"]}, "the LoRA checkpoint")
+    model.load_state_dict(ckpt["model"], strict=False)
+    return merge_lora(model).requires_grad_(True) if merge else model
+
+
+def check_lora_base(base: str, sha256: str | None, run: str) -> str:
+    """The sha256 of the base weights in `base` (gptlite.hf.fingerprint), which a LoRA run records. A run's adapters
+    only make sense on the weights they were trained on: when `sha256`, the one `run` recorded, differs, a
+    ValueError; weights that cannot be read are a FileNotFoundError."""
+    from gptlite.hf import fingerprint
+
+    try:
+        found = fingerprint(base)
+    except (OSError, ConnectionError) as e:
+        raise FileNotFoundError(
+            f"the LoRA run's base model {base} cannot be read ({e}); its adapters need it where --init_from named it"
+        ) from None
+    if sha256 is not None and found != sha256:
+        raise ValueError(
+            f"the base weights in {base} are not the ones {run} was trained on (sha256 {found[:12]}..., the run's "
+            f"{sha256[:12]}...); put the original weights back there, or start a new run"
+        )
+    return found
+
+
+def load_model(
+    out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = ""
+) -> tuple[GPT, Tokenizer]:
+    """A model to sample from or evaluate, on the CPU in float32, with its tokenizer: a run's newest checkpoint
+    (out_dir), or pretrained weights (init_from: see GPT.from_pretrained). The tokenizer is `tokenizer` (a
+    tokenizer.json or a folder holding one, a .tiktoken file or tiktoken name) if given, else the run's
+    tokenizer.json (in out_dir, or beside its training data), else a pretrained directory's own tokenizer.json,
+    else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken.
+    quantize="int8" quantizes the weights for inference (see gptlite.quantize)."""
+    from gptlite.quantize import check_mode
+
+    check_mode(quantize)  # before anything is loaded
+    model, tok = _load_model(out_dir, init_from, tokenizer)
+    return (model.quantize(quantize) if quantize else model), tok
+
+
+def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GPT, Tokenizer]:
+    if init_from:
+        model = GPT.from_pretrained(init_from)
+        if tokenizer:
+            return model, tokenizer_from_spec(tokenizer)
+        if (Path(init_from) / TOKENIZER_FILE).is_file() or has_bpe_files(Path(init_from)):  # the directory's own
+            return model, load_tokenizer(init_from)
+        if model.config.vocab_size != 50257:
+            raise ValueError(
+                f"{init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown to "
+                "gptlite (no tokenizer.json beside its weights); pass one (--tokenizer=PATH: a "
+                "tokenizer.json, a folder holding one, or a .tiktoken file)"
+            )
+        return model, get_tokenizer("gpt2")
+    out_dir = Path(out_dir)
+    ckpt = load_checkpoint(out_dir)
+    if tokenizer:
+        return model_from_checkpoint(ckpt), tokenizer_from_spec(tokenizer)
+    for path in (out_dir / TOKENIZER_FILE, Path(ckpt["config"].get("data_dir", "")) / TOKENIZER_FILE):
+        if path.is_file():
+            return model_from_checkpoint(ckpt), load_tokenizer(path)
+    raise FileNotFoundError(
+        f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's {TOKENIZER_FILE} into {out_dir}"
+    )

@@ -1,0 +1,305 @@
+"""Scoring a model, and the command that does it: bits per byte over token windows (gptlite.evaluate.bpb), zero-shot
+HellaSwag accuracy (gptlite.evaluate.hellaswag_task), the CORE metric as nanochat computes it (gptlite.evaluate.core)
+any task of EleutherAI's lm-eval harness, in this process (gptlite.evaluate.lm_harness), and the rewards of
+completions to held-out prompts (gptlite.rl).
+
+    python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag,core] [--data_dir=DIR | --text=FILE] [--json=FILE]
+    python -m gptlite.evaluate --init_from=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
+    python -m gptlite.evaluate --init_from=gpt2 --task=core [--bundle=DIR] [--max_per_task=N]
+    python -m gptlite.evaluate --out_dir=RUN --task=lm_eval:arc_easy,piqa [--include_path=DIR] [--num_fewshot=N]
+    python -m gptlite.evaluate --out_dir=RUN --task=rl --rl_prompts=HELD_OUT.jsonl --reward=exact [--rl_samples=N]
+    torchrun --nproc_per_node=8 -m gptlite.evaluate --init_from=gpt2 --task=core    # the items split over 8 GPUs
+
+--task is comma-separated; `lm_eval:` comes last and everything after it names lm-eval tasks. Under torchrun, CORE
+and lm-eval share their items among the ranks; val and hellaswag run whole on every rank. Rank 0 prints and writes
+--json.
+
+Each kind of score is a module of its own (see gptlite.evaluate); this one holds the command.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gptlite.cli import parse, run_command
+from gptlite.config import DTYPE_CHOICES, option
+from gptlite.device import pick_device, pick_dtype
+from gptlite.distributed import processes
+from gptlite.evaluate.bpb import byte_lengths, evaluate_windows
+from gptlite.evaluate.core import EVAL_BUNDLE_DIR, EVAL_BUNDLE_URL, core_bundle, core_score, read_bundle
+from gptlite.evaluate.hellaswag_task import HELLASWAG_FILE, HELLASWAG_URL, hellaswag, hellaswag_file
+from gptlite.evaluate.spans import BATCH_TOKENS
+from gptlite.files import fault
+from gptlite.model import GPT
+from gptlite.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from gptlite.rl import Reward
+
+TASKS = ("val", "hellaswag", "core", "rl")  # gptlite's own; lm-eval's come after LM_EVAL
+LM_EVAL = "lm_eval:"
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+@dataclass
+class EvaluateOptions:
+    out_dir: str = option("", "a training run (its newest checkpoint and tokenizer)")
+    init_from: str = option("", "pretrained weights instead: gpt2[-medium|-large|-xl] or a Hugging Face directory")
+    tokenizer: str = option(
+        "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
+    )
+    task: str = option(
+        "val", "comma-separated: val, hellaswag, core, rl, then lm_eval:TASK[,TASK...] (lm-eval's tasks, last)"
+    )
+    data_dir: str = option("", "val: the shards whose val split to score (default: the run's)")
+    text: str = option("", "val: score this text file instead of val shards")
+    hellaswag_file: str = option(
+        str(HELLASWAG_FILE), f"hellaswag_val.jsonl (downloaded from {HELLASWAG_URL} when missing)"
+    )
+    bundle: str = option(
+        "", f"core: the DCLM eval bundle folder (default: {EVAL_BUNDLE_DIR}, downloaded from {EVAL_BUNDLE_URL} once)"
+    )
+    max_per_task: int | None = option(None, "core: the first N items of each task, after its fixed shuffle")
+    include_path: str = option("", "lm_eval: a folder of task YAML files of your own")
+    num_fewshot: int | None = option(None, "lm_eval: few-shot examples per prompt (default: each task's own)")
+    apply_chat_template: bool = option(False, "lm_eval: prompts through the tokenizer's chat template (chat models)")
+    system_prompt: str = option("", "lm_eval: a system message before every prompt")
+    rl_prompts: str = option("", "rl: a JSONL file of prompts with answers, held out from training")
+    reward: str = option("", "rl: the reward function: gsm8k, exact, package.module:function or file.py:function")
+    rl_prompt_field: str = option("prompt", "rl: the records' prompt field (text, or a list of messages)")
+    rl_answer_field: str = option("answer", "rl: the records' answer field (what gsm8k and exact compare with)")
+    rl_samples: int = option(8, "rl: completions sampled per prompt (mean reward, pass@k), besides the greedy one")
+    rl_max_new_tokens: int = option(256, "rl: the longest completion, in tokens")
+    rl_temperature: float = option(1.0, "rl: the sampled completions' temperature")
+    seed: int = option(0, "rl: the seed of the sampled completions")
+    limit: int | None = option(None, "hellaswag, lm_eval: the first N examples (of each task) only")
+    batch_size: int = option(
+        8, "windows (val), examples (hellaswag), generations (lm_eval) or prompts (rl) per forward"
+    )
+    batch_tokens: int = option(BATCH_TOKENS, "core, lm_eval: padded tokens per forward, many items' sequences together")
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = option(
+        "auto",
+        "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+        choices=DTYPE_CHOICES,
+    )
+    json: str = option("", "also write the results to this JSON file")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body() -> int:
+        args = parse(EvaluateOptions, argv, "python -m gptlite.evaluate", __doc__)
+        with processes() as (rank, local_rank, _):  # under torchrun, the process group
+            results = run(args, local_rank, log=print if rank == 0 else lambda *a, **k: None)
+        if args.json and rank == 0:
+            tmp = Path(f"{args.json}.tmp")
+            try:
+                tmp.write_text(json.dumps(results, indent=1) + "\n")
+                tmp.replace(args.json)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise fault(e, f"could not write {args.json}") from None
+        return 0
+
+    return run_command("gptlite.evaluate", body, "nothing was written")
+
+
+def split_tasks(task: str) -> tuple[list[str], list[str]]:
+    """--task as (gptlite's tasks, lm-eval's task names): everything after LM_EVAL names lm-eval tasks."""
+    ours, marker, theirs = task.partition(LM_EVAL)
+    return [t for t in ours.split(",") if t], ([t.strip() for t in theirs.split(",") if t.strip()] if marker else [])
+
+
+def check(args: EvaluateOptions) -> tuple[list[str], list[str]]:
+    """Every argument, checked before the model loads: (gptlite's tasks, lm-eval's tasks)."""
+    tasks, harness = split_tasks(args.task)
+    problems = [f"--task: unknown {t!r} ({', '.join(TASKS)}, {LM_EVAL}TASK)" for t in tasks if t not in TASKS]
+    if LM_EVAL in args.task and not harness:
+        problems.append(f"--task={args.task} names no lm-eval task after {LM_EVAL}; e.g. --task={LM_EVAL}arc_easy,piqa")
+    elif not tasks and not harness:
+        problems.append(f"--task is empty; name one or more of {', '.join(TASKS)}, {LM_EVAL}TASK")
+    if bool(args.out_dir) == bool(args.init_from):
+        problems.append("give one of --out_dir=RUN or --init_from=NAME_OR_DIR")
+    for name in ("limit", "max_per_task", "batch_size", "batch_tokens", "rl_samples", "rl_max_new_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            problems.append(f"--{name}={value} must be >= 1")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        problems.append(f"--num_fewshot={args.num_fewshot} must be >= 0")
+    if "val" in tasks and args.init_from and not (args.data_dir or args.text):
+        problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
+    if "rl" in tasks and not (args.rl_prompts and args.reward):
+        problems.append("--task=rl needs --rl_prompts=FILE.jsonl and --reward=gsm8k|exact|module:function")
+    if args.rl_temperature <= 0:
+        problems.append(f"--rl_temperature={args.rl_temperature} must be > 0 (pass@1 is scored greedily besides)")
+    if args.text and not Path(args.text).is_file():
+        problems.append(f"text file {args.text} does not exist")
+    if args.include_path and not Path(args.include_path).is_dir():
+        problems.append(f"--include_path={args.include_path} is not a folder; give the folder of your task YAML files")
+    folder = Path(args.json).parent if args.json else None
+    if folder is not None and not folder.is_dir():
+        problems.append(f"--json={args.json}: folder {folder} does not exist; create it or write the results elsewhere")
+    elif args.json and Path(args.json).exists() and not earlier_results(Path(args.json)):
+        problems.append(
+            f"--json={args.json} exists and is not an earlier result of this command (an input, a "
+            "checkpoint?); write the results to another file"
+        )
+    elif folder is not None and not writable(folder):
+        problems.append(f"--json={args.json}: folder {folder} cannot be written; write the results elsewhere")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return tasks, harness
+
+
+def writable(folder: Path) -> bool:
+    """Whether a file can be made in folder: tried, with a temporary file removed at once, before any task runs
+    (permissions alone do not say it: root, read-only mounts, /proc)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".gptlite-json-check-"):
+            return True
+    except OSError:
+        return False
+
+
+def earlier_results(path: Path) -> bool:
+    """True if path holds what --json writes (a JSON object naming the model, device and dtype): only such a file
+    is replaced, never an input or a checkpoint given there by mistake."""
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(results, dict) and {"model", "device", "dtype"} <= results.keys()
+
+
+def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = print) -> dict:
+    """The command's work: check every argument and read every input, load the model once, run each task, `log` a
+    line per task (CORE: per CORE task), lm-eval's table last."""
+    from gptlite.checkpoint import load_model
+
+    tasks, harness = check(args)
+    # what the tasks read, downloaded if need be and checked, before any task spends minutes
+    if "hellaswag" in tasks:
+        hellaswag_path = hellaswag_file(args.hellaswag_file)
+    if "core" in tasks:
+        core_tasks = read_bundle(core_bundle(args.bundle), args.max_per_task)
+    if "rl" in tasks:
+        from gptlite.rl import load_reward
+
+        reward = load_reward(args.reward, args.rl_answer_field)
+    if harness:
+        from gptlite.evaluate.lm_harness import task_manager
+
+        manager = task_manager(harness, args.include_path)
+    device = pick_device(args.device, local_rank)
+    dtype = pick_dtype(args.dtype, device)
+    model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
+    model = model.to(device, getattr(torch, dtype)).eval()
+    results = {"model": args.out_dir or args.init_from, "device": device, "dtype": dtype}
+    for task in tasks:
+        start = time.perf_counter()
+        if task == "val":
+            loss, bpb, n, what = score_val(args, model, tokenizer)
+            seconds = time.perf_counter() - start
+            results["val"] = {"loss": loss, "bpb": bpb, "tokens": n, "on": what, "seconds": seconds}
+            log(
+                f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
+                f"{seconds:.1f} s"
+            )
+        elif task == "hellaswag":
+            scores = hellaswag(model, tokenizer, hellaswag_path, args.limit, args.batch_size)
+            seconds = time.perf_counter() - start
+            results["hellaswag"] = {**scores, "seconds": seconds}
+            log(
+                f"hellaswag: acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {scores['n']:,} examples "
+                f"| {seconds:.1f} s ({1000 * seconds / scores['n']:.0f} s per 1,000)"
+            )
+        elif task == "rl":
+            scores = score_rewards(args, model, tokenizer, reward)
+            seconds = time.perf_counter() - start
+            results["rl"] = {**scores, "seconds": seconds}
+            k = args.rl_samples
+            log(
+                f"rl: pass@1 {scores['pass@1']:.4f} (greedy) | mean reward {scores['mean_reward']:.4f} | "
+                f"pass@{k} {scores[f'pass@{k}']:.4f} ({k} samples at temperature {args.rl_temperature:g}) | "
+                f"{scores['mean_length']:.1f} tokens | {scores['prompts']:,} prompts | {seconds:.1f} s"
+            )
+        else:
+            scores = core_score(model, tokenizer, core_tasks, args.batch_tokens, log)
+            seconds = time.perf_counter() - start
+            results["core"] = {**scores, "seconds": seconds}
+            log(f"core: CORE {scores['metric']:.4f} over {len(core_tasks)} tasks | {seconds:.1f} s")
+    if harness:
+        from gptlite.evaluate.lm_harness import evaluate_tasks
+
+        results["lm_eval"], table = evaluate_tasks(model, tokenizer, manager, harness, args)
+        log(table)
+    return results
+
+
+def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, reward: Reward) -> dict:
+    """--task=rl: the greedy and sampled completions of --rl_prompts, scored by the reward (gptlite.rl)."""
+    from gptlite.rl import read_prompts, reward_needs_answer, score_prompts
+
+    room = model.config.block_size - args.rl_max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"--rl_max_new_tokens={args.rl_max_new_tokens} leaves no room for a prompt in the model's "
+            f"block_size={model.config.block_size}; lower it"
+        )
+    prompts = read_prompts(
+        args.rl_prompts,
+        tokenizer,
+        args.rl_prompt_field,
+        args.rl_answer_field,
+        room,
+        need_answer=reward_needs_answer(args.reward),
+    )
+    return score_prompts(
+        model,
+        tokenizer,
+        prompts,
+        reward,
+        args.rl_samples,
+        args.rl_max_new_tokens,
+        args.rl_temperature,
+        args.seed,
+        args.batch_size,
+    )
+
+
+def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[float, float | None, int, str]:
+    """(loss, bpb, tokens scored, what was scored) of --text or of the val split of --data_dir (default: the run's)."""
+    if args.text:
+        ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
+        if len(ids) < 2:
+            raise ValueError(
+                f"text file {args.text} gives {len(ids)} token(s); scoring needs at least 2 (one to predict "
+                "from, one to predict)"
+            )
+        streams, what = [torch.tensor(ids)], args.text
+    else:
+        from gptlite.checkpoint import load_checkpoint
+        from gptlite.data import check_vocab, find_shards, read_shard
+
+        data_dir = args.data_dir or load_checkpoint(args.out_dir)["config"]["data_dir"]
+        files = find_shards(data_dir, "val")
+        check_vocab(files, model.config.vocab_size, fix="score data prepared with the model's own tokenizer")
+        streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]
+        what = f"{data_dir} val split"
+    lengths = byte_lengths(tokenizer, model.config.vocab_size)
+    loss, bpb, n = evaluate_windows(model, streams, args.batch_size, lengths, progress=True)
+    return loss, bpb, n, what

@@ -1,0 +1,153 @@
+"""Out: a gptlite model -> a directory transformers loads (config.json, model.safetensors and the tokenizer's files)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gptlite.config import GPTConfig
+from gptlite.files import write_folder
+from gptlite.hf.families import GPT2, LLAMA, QWEN2, QWEN3, Family, entries, family_of, part_sizes, their_name
+from gptlite.hf.tokenizer_files import hf_tokenizer_files
+from gptlite.hf.weights import save_weights
+from gptlite.tokenizer import HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from gptlite.model import GPT
+
+
+def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """gptlite's state dict -> the transformers names (a tied head left out, as save_pretrained does; GPT-2's
+    biases as zeros where the model has none)."""
+    out = {}
+    for ours, theirs, transposed in entries(family, config):
+        w = state.get(ours)
+        if w is None:  # a bias of a bias=False model: GPT-2 has them, so they are zeros
+            weight = state[ours.removesuffix("bias") + "weight"]
+            w = torch.zeros(weight.size(0), dtype=weight.dtype)
+        w = w.t() if transposed else w
+        parts = w.split(part_sizes(ours, config)) if len(theirs) > 1 else (w,)
+        for name, part in zip(theirs, parts, strict=True):
+            out[their_name(family, name)] = part.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: Tokenizer | None) -> dict:
+    """config.json for transformers."""
+    eos = tokenizer.eot_id if tokenizer is not None else None
+    bos = tokenizer.bos_id if isinstance(tokenizer, HFTokenizer) else eos
+    eos = tokenizer.eos_id if isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id is not None else eos
+    common = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "initializer_range": 0.02,
+    }
+    if family is GPT2:
+        return {
+            **common,
+            "n_positions": config.block_size,
+            "n_embd": config.n_embd,
+            "n_layer": config.n_layer,
+            "n_head": config.n_head,
+            "n_inner": config.ffn_hidden,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": config.norm_eps,
+            "resid_pdrop": config.dropout,
+            "embd_pdrop": config.dropout,
+            "attn_pdrop": config.dropout,
+            "scale_attn_weights": True,
+        }
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling == "llama3":
+        rope = {
+            **rope,
+            "rope_type": "llama3",
+            "factor": config.rope_factor,
+            "low_freq_factor": config.rope_low_freq_factor,
+            "high_freq_factor": config.rope_high_freq_factor,
+            "original_max_position_embeddings": config.rope_original_context,
+        }
+    windows = {
+        "sliding_window": None,
+        **({"use_sliding_window": False, "max_window_layers": config.n_layer} if family in (QWEN2, QWEN3) else {}),
+    }
+    return {
+        **common,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.ffn_hidden,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_width,
+        "max_position_embeddings": config.block_size,
+        "rms_norm_eps": config.norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": config.dropout,
+        # transformers < 5 reads rope_theta and rope_scaling, 5 and later rope_parameters
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope if config.rope_scaling else None,
+        "rope_parameters": rope,
+        **(windows if family is not LLAMA else {}),
+    }
+
+
+def export_hf(
+    model: GPT,
+    directory: str | Path,
+    tokenizer: Tokenizer | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+    architecture: str | None = None,
+) -> list[Path]:
+    """Write config.json and model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained(directory)`
+    loads with the same logits, as the class its switches map to (`architecture`, by default the one the model was
+    loaded from, tells Mistral from Llama), and, given a tokenizer transformers can reproduce, its files. Everything
+    is checked before the first write, and the folder ends holding exactly these files, all written or none: a
+    folder that holds anything is replaced only with overwrite=True, and then moves aside whole to
+    DIR-previous-TIME (which `log` is told)."""
+    from gptlite.quantize import Int8Linear
+
+    if isinstance(model.lm_head, Int8Linear):
+        raise ValueError(
+            "an int8-quantized model cannot be exported: its weights are rounded; export the float model "
+            "(quantize after loading, e.g. sample.py --quantize=int8)"
+        )
+    family = family_of(model.config, architecture or model.source_architecture)
+    state = model.state_dict()
+    dtype = state["tok_emb.weight"].dtype
+    weights = from_gptlite(family, state, model.config)
+    files = {"config.json": json.dumps(hf_config(family, model.config, dtype, tokenizer), indent=2) + "\n"}
+    if tokenizer is not None:
+        files.update(hf_tokenizer_files(tokenizer, model.config.block_size))
+    directory = Path(directory)
+    names = ["model.safetensors", *files]
+    if directory.is_dir() and not overwrite:
+        held = sorted(p.name for p in directory.iterdir())
+        present = [n for n in names if n in held] + [n for n in held if n not in names]
+        if present:
+            raise FileExistsError(
+                f"{directory} already holds {', '.join(present[:3])}{' ...' if len(present) > 3 else ''}"
+                "; export to a new directory, or pass overwrite=True (--overwrite) to replace it (the "
+                "earlier folder is kept beside it as DIR-previous-TIME)"
+            )
+
+    def write(folder: Path) -> None:
+        save_weights(weights, folder / "model.safetensors")
+        for name, text in files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+
+    previous = write_folder(directory, write, overwrite=True, what="export folder")
+    if previous and log:
+        log(f"moved the earlier contents of {directory} to {previous}")
+    return [directory / name for name in names]

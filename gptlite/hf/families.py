@@ -1,0 +1,136 @@
+"""The transformers architectures gptlite's model maps onto, weight for weight: each family's names (`entries`), and
+the family a model's switches export as (`family_of`). See gptlite.hf for the list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gptlite.config import GPTConfig
+
+Entry = tuple[str, tuple[str, ...], bool]  # gptlite name, transformers names concatenated along dim 0, transposed
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers architecture: its class, model_type, what save_pretrained puts before its names, and the
+    blocks' prefix (with {i})."""
+
+    architecture: str
+    model_type: str
+    prefix: str
+    layers: str
+
+
+GPT2 = Family("GPT2LMHeadModel", "gpt2", "transformer.", "h.{i}.")
+LLAMA = Family("LlamaForCausalLM", "llama", "", "model.layers.{i}.")
+MISTRAL = Family("MistralForCausalLM", "mistral", "", "model.layers.{i}.")
+QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "", "model.layers.{i}.")
+QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
+FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
+UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
+    "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
+    "gemma2": "Gemma 2's soft-capped logits",
+    "gemma3": "Gemma 3's scaled embeddings and sliding-window layers",
+    "mixtral": "Mixtral's mixture of experts",
+    "qwen2_moe": "a mixture of experts",
+    "qwen3_moe": "a mixture of experts",
+    "phi3": "Phi-3's fused qkv layout",
+}
+EXPORTABLE = (
+    "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
+    "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
+    "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's"
+)
+
+
+def entries(family: Family, config: GPTConfig) -> list[Entry]:
+    """Every weight of a model of `config` in `family`: (gptlite name, transformers names, transposed)."""
+    if family is GPT2:
+        top = [
+            ("tok_emb.weight", ("wte.weight",), False),
+            ("pos_emb.table.weight", ("wpe.weight",), False),
+            ("norm.weight", ("ln_f.weight",), False),
+            ("norm.bias", ("ln_f.bias",), False),
+        ]
+        layer = [
+            ("attn_norm", "ln_1", False),
+            ("attn.qkv", "attn.c_attn", True),
+            ("attn.out_proj", "attn.c_proj", True),
+            ("ffn_norm", "ln_2", False),
+            ("ffn.fc", "mlp.c_fc", True),
+            ("ffn.out_proj", "mlp.c_proj", True),
+        ]
+        layer = [
+            (f"{ours}.{p}", (f"{theirs}.{p}",), transposed and p == "weight")
+            for ours, theirs, transposed in layer
+            for p in ("weight", "bias")
+        ]
+    else:
+        top = [
+            ("tok_emb.weight", ("model.embed_tokens.weight",), False),
+            ("norm.weight", ("model.norm.weight",), False),
+        ]
+        attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        layer = [
+            ("attn_norm.weight", ("input_layernorm.weight",), False),
+            ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
+            *([("attn.qkv.bias", tuple(f"{t}.bias" for t in attn), False)] if config.qkv_bias else []),
+            ("attn.out_proj.weight", ("self_attn.o_proj.weight",), False),
+            *(
+                [
+                    ("attn.qk_norm.q_norm.weight", ("self_attn.q_norm.weight",), False),
+                    ("attn.qk_norm.k_norm.weight", ("self_attn.k_norm.weight",), False),
+                ]
+                if config.qk_norm
+                else []
+            ),
+            ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
+            # SwiGLU's fc: its first half is the gate (through silu), the second the value
+            ("ffn.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), False),
+            ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False),
+        ]
+    if not config.tie_embeddings:
+        top.append(("lm_head.weight", ("lm_head.weight",), False))
+    out = list(top)
+    for i in range(config.n_layer):
+        p = family.layers.format(i=i)
+        out += [(f"blocks.{i}.{ours}", tuple(p + t for t in theirs), transposed) for ours, theirs, transposed in layer]
+    return out
+
+
+def part_sizes(ours: str, config: GPTConfig) -> list[int]:
+    """The rows of each transformers tensor that a fused gptlite tensor stacks (q, k, v; the gate and value)."""
+    if "attn.qkv" in ours:
+        return [config.n_head * config.head_width] + [config.kv_heads * config.head_width] * 2
+    return [config.ffn_hidden] * 2
+
+
+def their_name(family: Family, name: str) -> str:
+    """A transformers name as save_pretrained writes it (GPT-2's blocks under "transformer.", its head not)."""
+    return name if name.startswith("lm_head.") else family.prefix + name
+
+
+def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
+    """The transformers architecture a model's switches map to (Mistral, which has Llama's, when `architecture` names
+    it); others are refused, naming the switches that export."""
+    speedrun = [k for k in ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap") if getattr(config, k)]
+    if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
+        raise ValueError(
+            f"a model with {', '.join(f'{k}={getattr(config, k)}' for k in speedrun)} has no transformers "
+            "architecture (these speedrun options change what the model computes); train without them to export"
+        )
+    if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
+        extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
+        if not extra:
+            return GPT2
+    elif (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias:
+        family = QWEN3 if config.qk_norm else QWEN2 if config.qkv_bias else LLAMA
+        if family is LLAMA and architecture == MISTRAL.architecture and not config.rope_scaling:
+            family = MISTRAL
+        if not (config.qk_norm and config.qkv_bias) and not (config.rope_scaling and family is not LLAMA):
+            return family
+    raise ValueError(
+        f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
+        f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
+        f"rope_scaling={config.rope_scaling!r} has no transformers architecture; exportable are {EXPORTABLE}"
+    )

@@ -1,0 +1,263 @@
+"""In: a transformers checkpoint (a directory, or a GPT-2 name downloaded from the Hub) -> a GPTConfig and gptlite's
+state dict, tensor by tensor (GPT.from_pretrained builds the model from them), and the fingerprint of its weights."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from gptlite.config import GPTConfig
+from gptlite.hf.families import FAMILIES, GPT2, MISTRAL, QWEN2, QWEN3, UNSUPPORTED, Family, entries
+from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json
+
+GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+# buffers some checkpoints store beside their weights (GPT-2's causal masks, old Llamas' RoPE frequencies)
+BUFFERS = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def checkpoint_dir(name_or_dir: str, weights: bool = True) -> Path:
+    """A local directory holding the checkpoint: name_or_dir itself, or the download of a GPT-2 name."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        return path
+    if name_or_dir not in GPT2_NAMES:
+        raise FileNotFoundError(
+            f"{name_or_dir} is neither a directory nor one of {', '.join(GPT2_NAMES)}; pass a directory in Hugging "
+            "Face's layout (config.json and model.safetensors)"
+        )
+    repo = GPT2_NAMES[name_or_dir]
+    offline = (
+        f"where you are online, download it (hf download {repo} config.json model.safetensors "
+        f"--local-dir DIR) and pass that directory instead of '{name_or_dir}'"
+    )
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ImportError(
+            f"downloading {name_or_dir} needs huggingface_hub (pip install huggingface_hub); or {offline}"
+        ) from None
+    try:
+        return Path(
+            snapshot_download(repo, allow_patterns=["config.json", *(["model.safetensors"] if weights else [])])
+        )
+    except Exception as e:  # huggingface_hub's errors for no network, offline mode, a missing repository, ...
+        raise ConnectionError(
+            f"could not download {name_or_dir} from the Hugging Face Hub ({type(e).__name__}); {offline}"
+        ) from None
+
+
+def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
+    """The family, the GPTConfig and the attention window (None: none) of directory/config.json; what gptlite cannot
+    hold is refused in one line naming it."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and its weights"
+        )
+    c = read_json(path, "a Hugging Face config.json")
+    kind = c.get("model_type")
+    family = FAMILIES.get(kind)
+    if family is None:
+        what = f"{UNSUPPORTED[kind]}, which gptlite does not have" if kind in UNSUPPORTED else "not supported"
+        raise ValueError(
+            f"{path}: model_type={kind!r} is {what}; gptlite loads "
+            f"{', '.join(f'{f.architecture} ({f.model_type})' for f in FAMILIES.values())}"
+        )
+    try:
+        values, window, unsupported = (gpt2_values if family is GPT2 else llama_values)(c, family)
+    except KeyError as e:
+        raise ValueError(f"{path} has no {e.args[0]}, which a {family.architecture} config needs") from None
+    if unsupported:
+        raise ValueError(f"{path}: gptlite cannot hold this {family.architecture}: {'; '.join(unsupported)}")
+    return family, GPTConfig(**values), window
+
+
+def gpt2_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
+    unsupported = []
+    if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        unsupported.append(
+            f"activation_function={c['activation_function']!r} (gptlite's GELU is GPT-2's tanh approximation, gelu_new)"
+        )
+    if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
+        unsupported.append("attention scaled other than by 1/sqrt(head width)")
+    values = dict(
+        vocab_size=c["vocab_size"],
+        block_size=c["n_positions"],
+        n_layer=c["n_layer"],
+        n_head=c["n_head"],
+        n_embd=c["n_embd"],
+        bias=True,
+        pos_emb="learned",
+        norm="layernorm",
+        norm_eps=c.get("layer_norm_epsilon", 1e-5),
+        ffn="gelu",
+        ffn_hidden=c.get("n_inner") or 4 * c["n_embd"],
+        tie_embeddings=c.get("tie_word_embeddings", True) is not False,
+    )
+    return values, None, unsupported
+
+
+def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
+    """The switches of the Llama layout's families, and what of the config they cannot hold."""
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    values = dict(
+        vocab_size=c["vocab_size"],
+        block_size=c["max_position_embeddings"],
+        n_layer=c["num_hidden_layers"],
+        n_head=heads,
+        n_kv_head=kv_heads if kv_heads != heads else None,
+        n_embd=hidden,
+        head_dim=head_dim if head_dim * heads != hidden else None,
+        bias=False,
+        pos_emb="rope",
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        norm="rmsnorm",
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        ffn="swiglu",
+        ffn_hidden=c["intermediate_size"],
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=family is QWEN2,
+        qk_norm=family is QWEN3,
+    )
+    unsupported = []
+    if c.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
+    if c.get("attention_bias") and family is not QWEN2:
+        unsupported.append("biases on the attention's projections, its output's too (attention_bias=true)")
+    if c.get("mlp_bias"):
+        unsupported.append("biases in the feed-forward (mlp_bias=true)")
+    if rope_type == "llama3":
+        values.update(
+            rope_scaling="llama3",
+            rope_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_context=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's)")
+    window = c.get("sliding_window") if family is MISTRAL or c.get("use_sliding_window") else None
+    if family in (QWEN2, QWEN3) and c.get("use_sliding_window"):
+        unsupported.append("sliding-window attention in some layers (use_sliding_window=true)")
+    if window:
+        values["block_size"] = min(values["block_size"], window)  # within the window, attention is exact
+    return values, window, unsupported
+
+
+def to_gptlite(
+    family: Family, weights: Weights, config: GPTConfig, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """A transformers checkpoint -> gptlite's state dict for a model of `config`, read and converted tensor by
+    tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights."""
+    names = {n.removeprefix(family.prefix): n for n in weights.names()}  # the Hub's gpt2 has no prefix
+    state, used = {}, set()
+    for ours, theirs, transposed in entries(family, config):
+        missing = [t for t in theirs if t not in names]
+        if missing:
+            raise ValueError(
+                f"the checkpoint has no {missing[0]}, which a {family.architecture} of {config.n_layer} layers needs"
+            )
+        state[ours] = read_fused(weights, [names[t] for t in theirs], transposed, dtype)
+        used.update(theirs)
+    if "pos_emb.table.weight" in state:  # a smaller block_size keeps the first positions
+        state["pos_emb.table.weight"] = state["pos_emb.table.weight"][: config.block_size].clone()
+    if config.tie_embeddings and "lm_head.weight" in names:
+        head = weights.pop(names["lm_head.weight"])
+        if not torch.equal(head.to(state["tok_emb.weight"].dtype), state["tok_emb.weight"]):
+            raise ValueError(
+                "the checkpoint's lm_head.weight differs from its token embedding though its config ties "
+                "them (tie_word_embeddings)"
+            )
+        used.add("lm_head.weight")
+    unknown = sorted(n for n in names if n not in used and not n.endswith(BUFFERS))
+    if unknown:
+        raise ValueError(
+            f"the checkpoint has weights a {family.architecture} of gptlite's kind does not: "
+            f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}"
+        )
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return state
+
+
+def read_fused(weights: Weights, names: list[str], transposed: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensors `names` stacked along dim 0 (gptlite's fused q/k/v, gate/up), or one tensor transposed (GPT-2's
+    Conv1D), each read straight into its place in one tensor allocated once (in `dtype`, or the checkpoint's)."""
+    if transposed:
+        (name,) = names
+        return weights.pop(name).t().to(dtype or None).contiguous()
+    shapes = [weights.shape(n) for n in names]
+    out = torch.empty(
+        (sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype or weights.dtype(names[0])
+    )  # (rows, ...)
+    row = 0
+    for name, shape in zip(names, shapes, strict=True):
+        weights.pop(name, out=out[row : row + shape[0]])
+        row += shape[0]
+    return out
+
+
+def pretrained_config(name_or_dir: str, **overrides) -> GPTConfig:
+    """The GPTConfig of a pretrained checkpoint (downloading only its config.json), with `block_size` (at most
+    the checkpoint's) and `dropout` overridden if given."""
+    _, config, window = read_config(checkpoint_dir(name_or_dir, weights=False))
+    return _override(config, overrides, name_or_dir, window)
+
+
+def _override(config: GPTConfig, overrides: dict, source: str, window: int | None) -> GPTConfig:
+    wrong = sorted(set(overrides) - {"block_size", "dropout"})
+    if wrong:
+        raise ValueError(
+            f"{source}: the pretrained model fixes {', '.join(wrong)}; only block_size (smaller) and "
+            "dropout can be changed"
+        )
+    block_size = overrides.get("block_size", config.block_size)
+    if config.pos_emb == "learned" and block_size > config.block_size:
+        raise ValueError(
+            f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
+            f"use block_size <= {config.block_size}"
+        )
+    if window and block_size > window:
+        raise ValueError(
+            f"{source}: its sliding window {window} is shorter than block_size={block_size}; gptlite "
+            f"attends to the whole context: use block_size <= {window}"
+        )
+    return GPTConfig(**{**vars(config), **overrides})
+
+
+def load_pretrained(
+    name_or_dir: str, dtype: torch.dtype | None = None, **overrides
+) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
+    """The GPTConfig, the gptlite state dict (in `dtype`, or the checkpoint's own) and the transformers class of a
+    checkpoint (see the module docstring), for GPT.from_pretrained. `block_size` may be set smaller (learned
+    positions are cropped, as nanoGPT does) and `dropout` set for fine-tuning."""
+    directory = checkpoint_dir(name_or_dir)
+    family, config, window = read_config(directory)
+    config = _override(config, overrides, name_or_dir, window)
+    return config, to_gptlite(family, Weights(directory), config, dtype), family.architecture
+
+
+def fingerprint(name_or_dir: str) -> str:
+    """The sha256 of a checkpoint's config.json and weight files, in name order: what a LoRA run records of its base
+    weights, to find out when they are not the ones its adapters were trained on."""
+    directory = checkpoint_dir(name_or_dir)
+    names = ["config.json", *WEIGHT_FILES]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names += sorted(set(map(str, read_json(index, "a sharded checkpoint's index").get("weight_map", {}).values())))
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        raise FileNotFoundError(f"{directory} holds none of {', '.join(WEIGHT_FILES)}")
+    digest = hashlib.sha256()
+    for name in names:
+        if (directory / name).is_file():
+            digest.update(name.encode())
+            with open(directory / name, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+    return digest.hexdigest()

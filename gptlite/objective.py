@@ -1,0 +1,222 @@
+"""Training objectives: what differs between the ways train.py trains, one small object per mode behind one
+interface (`Objective`), chosen once at set-up by `make_objective`, as the model's variants are chosen once when it is
+built.
+
+The optimizer step is the same for every mode (train.py); an objective owns the rest: which batches a step takes
+(or why it takes none), the loss of a micro-batch and the step's figures, each under its name, the extra part of the
+step's log line, how the run is judged at each evaluation, and what its state is for a resume. The modes:
+- text (`Text`): next-token prediction on windows of a token stream, gptlite's pretraining;
+- conversations (`Conversations`): the same on whole conversations, the assistant's tokens alone being targets;
+- preference pairs (gptlite.preference.DPO): DPO's loss against the start-of-run model;
+- prompts and rewards (gptlite.rl.RL, --rl): the policy gradient on sampled completions.
+A new mode is a class with these methods and a line in make_objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+
+from gptlite.data import ChatLoader, ShardLoader, make_loaders
+from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
+from gptlite.metrics import Evaluation
+from gptlite.optim import seq_len_at
+from gptlite.preference import DPO
+from gptlite.rl import RL, PromptLoader, load_reward, read_prompts, reward_needs_answer
+
+if TYPE_CHECKING:
+    from gptlite.config import TrainConfig
+    from gptlite.model import GPT
+    from gptlite.tokenizer import Tokenizer
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]  # a step's micro-batches, each (x, y)
+
+
+class Objective(Protocol):
+    """One way of training: train.py calls these in this order, and nothing else differs between the modes."""
+
+    needs_reference: bool  # it measures the model against the start-of-run model: --init_from loads on a resume too
+
+    def start(self, model: GPT) -> None:
+        """The model is built (with its LoRA adapters, if any), before it trains or a resume loads its weights: the
+        moment to take the start-of-run reference, and the model that samples."""
+
+    def batches(self, step: int, minutes: float) -> tuple[Batches, str | None]:
+        """The micro-batches of optimizer step `step` (`minutes` into the run), on the CPU or the device; with none,
+        the event that metrics.jsonl records for the step, which makes no update."""
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the step's loss (its backward adds its share of the gradient), computed by `model`
+        (compiled and wrapped for DDP where they apply); the step's figures are accumulated on the way."""
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        """The step's figures by name, each a 0-d tensor on the device: train.py averages them over the ranks with the
+        loss, in its one all-reduce."""
+
+    def log_text(self, figures: dict[str, float]) -> str:
+        """The end of a step's log line, from its averaged figures ("" for none)."""
+
+    def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
+        """The fields the step's metrics.jsonl row adds, from its averaged figures."""
+
+    def evaluate(self, model: GPT) -> Evaluation:
+        """How the run is judged at an evaluation (every rank calls it); its loss picks best.pt."""
+
+    def state(self) -> dict:
+        """Its position in its data, saved in every checkpoint (as "loader")."""
+
+    def restore(self, state: dict) -> None:
+        """Continue from a checkpoint's `state()`."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The language model's objective: text and conversations
+
+
+class Text:
+    """Next-token prediction on text: each step takes grad_accum windows of batch_size x block_size tokens per rank,
+    its loss the mean cross-entropy over them. With seq_len_start the windows grow: each (B, T) batch is cut into
+    (B * T / seq_len, seq_len) ones, the same tokens. It has no figures of its own; it is judged by the val split's
+    loss and bits per byte (gptlite.evaluate.bpb). Its state is the train loader's position."""
+
+    needs_reference = False
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        train_loader: ShardLoader | ChatLoader,
+        val_loader: ShardLoader | ChatLoader,
+        token_bytes: torch.Tensor | None,
+        grad_accum: int,
+        device: str,
+        autocast: contextlib.AbstractContextManager,
+        world_size: int,
+        log: Callable[[str], None],
+    ):
+        self.cfg = cfg
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.token_bytes = token_bytes  # each token's UTF-8 bytes, for the val bits per byte (None: unknown)
+        self.grad_accum = grad_accum
+        self.device = device
+        self.autocast = autocast
+        self.world_size = world_size
+        self.log = log
+        self.seq_len: int | None = None  # the training windows' length, from the first step on
+        self.reduction = "mean"  # the loss of a micro-batch: the mean over its targets, or (conversations) the sum
+        self.weight: float | torch.Tensor = 1.0 / grad_accum  # each micro-batch's share of the step's loss
+
+    def start(self, model: GPT) -> None:
+        pass
+
+    def batches(self, step: int, minutes: float) -> tuple[Batches, str | None]:
+        step_len = seq_len_at(step, self.cfg, minutes)  # block_size, or with seq_len_start a warm-up from shorter
+        if step_len != self.seq_len and self.cfg.seq_len_start:
+            self.log(f"step {step:5d} | training on windows of {step_len} tokens")
+        self.seq_len = step_len
+        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum)]
+        self.reduction, self.weight = self.weighting(batches)
+        return batches, None
+
+    def weighting(self, batches: Batches) -> tuple[str, float | torch.Tensor]:
+        """(the loss's reduction, each micro-batch's weight) for a step's batches. Every micro-batch of text holds
+        B x T targets, so the step's mean loss is the mean over micro-batches."""
+        return "mean", 1.0 / self.grad_accum
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.seq_len != self.cfg.model.block_size:
+            x, y = x.reshape(-1, self.seq_len), y.reshape(-1, self.seq_len)  # (B * T / seq_len, seq_len) each
+        # chunked_loss: the head and the loss a chunk of tokens at a time, never every logit at once
+        _, loss = model(x, y, reduction=self.reduction, return_logits=not self.cfg.chunked_loss)
+        return loss * self.weight
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def log_text(self, figures: dict[str, float]) -> str:
+        return ""
+
+    def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
+        return {}
+
+    def evaluate(self, model: GPT) -> Evaluation:
+        """The val split's mean loss per target token and bits per byte (None without the data's tokenizer)."""
+        val_loss, val_bpb = evaluate_loader(
+            model, self.val_loader, self.cfg.eval_iters, self.device, self.autocast, self.token_bytes
+        )
+        line = f"val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}")
+        return Evaluation(val_loss, line, {"val_loss": val_loss, "val_bpb": val_bpb})
+
+    def state(self) -> dict:
+        return self.train_loader.state()
+
+    def restore(self, state: dict) -> None:
+        self.train_loader.restore(state)
+
+
+class Conversations(Text):
+    """Next-token prediction on whole conversations (gptlite.data.ChatLoader), an assistant's tokens alone being
+    targets; otherwise as Text."""
+
+    def weighting(self, batches: Batches) -> tuple[str, float | torch.Tensor]:
+        """The loss of conversations is the mean over every target token of the step, on every rank: a micro-batch
+        with fewer assistant tokens weighs less. So each micro-batch's summed loss is divided by the step's target
+        count, times world_size, which DDP's mean over the ranks divides away."""
+        n_targets = torch.tensor(float(sum(int((y >= 0).sum()) for _, y in batches)), device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(n_targets)
+        return "sum", self.world_size / n_targets.clamp_min(1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one place the mode is decided
+
+
+def make_objective(
+    cfg: TrainConfig,
+    tokenizer: Tokenizer | None,
+    grad_accum: int,
+    device: str,
+    autocast: contextlib.AbstractContextManager,
+    rank: int,
+    world_size: int,
+    log: Callable[[str], None],
+) -> Objective:
+    """The run's objective: --rl's, else the one for what the data folder holds (text, conversations or preference
+    pairs: data/prepare.py says which). Its inputs are read and checked here, before the run folder is claimed: every
+    shard (gptlite.data.make_loaders), and for --rl the reward function and the prompts. `tokenizer` is the data's
+    (None if it has none)."""
+    train_loader, val_loader = make_loaders(cfg, rank, world_size)
+    kind = train_loader.kind  # "text", "conversations" or "pairs"
+    if cfg.seq_len_start and (kind == "pairs" or cfg.rl):
+        raise ValueError(
+            f"seq_len_start={cfg.seq_len_start} cuts text windows into shorter ones; preference pairs and RL prompts "
+            "are whole sequences: leave seq_len_start out"
+        )
+    if cfg.rl and (tokenizer is None or kind == "pairs"):
+        raise ValueError(
+            f"--rl samples completions of --rl_prompts, and needs a data folder with a tokenizer.json and a val "
+            f"split of text or conversations (what the model was fine-tuned on); {cfg.data_dir} "
+            + ("holds preference pairs" if kind == "pairs" else "has no tokenizer.json")
+        )
+    if kind == "pairs":
+        return DPO(cfg, train_loader, val_loader, grad_accum, device, autocast)
+    token_bytes = None if tokenizer is None else byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
+    language_model = Conversations if kind == "conversations" else Text
+    objective = language_model(
+        cfg, train_loader, val_loader, token_bytes, grad_accum, device, autocast, world_size, log
+    )
+    if not cfg.rl:
+        return objective
+    # --rl: the prompts take the train loader's place; the data folder's val split is still evaluated
+    reward = load_reward(cfg.reward, cfg.rl_answer_field)
+    room = cfg.model.block_size - cfg.rl_max_new_tokens  # a prompt's tokens, that its completion still fits in
+    prompts = read_prompts(
+        cfg.rl_prompts, tokenizer, cfg.rl_prompt_field, cfg.rl_answer_field, room, reward_needs_answer(cfg.reward)
+    )
+    loader = PromptLoader(prompts, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
+    return RL(cfg, tokenizer, loader, reward, objective, device, rank, world_size)
