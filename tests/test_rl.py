@@ -388,21 +388,24 @@ def held_out_scores(folder, model):
 
 
 def test_rl_raises_the_mean_reward_on_held_out_prompts(toy, tmp_path):
-    """The format-taught model's sampled answers are right less than once in ten; 500 steps of train.py --rl (8
-    prompts x 16 samples each) make most of them right on prompts it never trained on, and its greedy answers too."""
+    """The format-taught model's sampled answers are right less than once in ten; 800 steps of train.py --rl (8
+    prompts x 16 samples each) make most of them right on prompts it never trained on, and its greedy answers too.
+    The path there is chaotic: any change of rounding (another CPU's kernels) makes another run. At 500 steps four
+    seeds on the AMD AVX2 machine ended at greedy pass@1 0.61-0.98 (the default seed short of the bar); at 800 steps
+    at 0.80-1.00 (mean reward 0.73-0.97), clear of it."""
     from gptlite.checkpoint import load_model
     from gptlite.metrics import read_metrics
     from tests.conftest import run_train
 
     folder, model = toy
     before = held_out_scores(folder, model)
-    run = run_train(*rl_args(folder, tmp_path / "rl", max_iters=500, eval_interval=500, log_interval=25))
+    run = run_train(*rl_args(folder, tmp_path / "rl", max_iters=800, eval_interval=800, log_interval=25))
     assert run.code == 0, run.err
     after = held_out_scores(folder, load_model(tmp_path / "rl", "", "")[0])
     assert before["mean_reward"] < 0.15 and after["mean_reward"] > 0.5, (before, after)
     assert after["pass@1"] > before["pass@1"] + 0.2, (before, after)
     rows = [r for r in read_metrics(tmp_path / "rl" / "metrics.jsonl") if "mean_reward" in r]
-    assert len(rows) == 20 and rows[-1]["mean_reward"] > rows[0]["mean_reward"]
+    assert len(rows) == 32 and rows[-1]["mean_reward"] > rows[0]["mean_reward"]
     assert {"pass@16", "completion_tokens", "cut_at_max_tokens", "kl"} <= rows[0].keys()
     assert rows[0]["completion_tokens"] == 4.0
 
