@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlite.checkpoint import (
     check_lora_base,
+    check_same_data,
     claim_run_folder,
     copy_tokenizer,
     discard_damaged,
@@ -143,6 +144,9 @@ def train(
             ckpt = load_checkpoint(out_dir, on_fallback=log)  # a damaged newer file is skipped, and said so
         except FileNotFoundError:
             log(f"no checkpoint in {out_dir}; starting from scratch")
+    identity = objective.identity()  # what the run trains on, kept in its checkpoints
+    if ckpt is not None:
+        check_same_data(ckpt.get("data"), identity, str(out_dir), cfg.data_dir, ckpt["config"].get("data_dir"))
 
     # ---------------------------------------------------------------------------------------------
     # 5. The model: --init_from's weights unless the checkpoint holds them all (a LoRA checkpoint holds its
@@ -229,7 +233,14 @@ def train(
         load_training_state(model, optimizers, ckpt, strict=not lora)  # a LoRA checkpoint: the adapters alone
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
-        objective.restore(ckpt["loader"])
+        try:
+            objective.restore(ckpt["loader"])
+        except (KeyError, TypeError):  # a checkpoint from before its data was recorded, of another kind of data
+            raise ValueError(
+                f"cannot --resume the run in {out_dir} on {cfg.data_dir}: its checkpoint's position is in other data "
+                f"(its config names --data_dir={ckpt['config'].get('data_dir')}); resume with that, or start a new run "
+                "in another --out_dir"
+            ) from None
         if ema is not None and "ema" in ckpt:
             ema.load_state_dict(ckpt["ema"])
         step = int(ckpt["step"])
@@ -409,7 +420,7 @@ def train(
                     "--overwrite and a lower --learning_rate, or --on_nan=skip to skip such steps"
                 )
             log(f"{problem}; skipped this update (on_nan=skip)")
-        elif step % cfg.log_interval == 0 or last:
+        elif (step % cfg.log_interval == 0 or last) and not no_update:  # a skipped step's figures are not figures
             dt = (time.perf_counter() - t_last) / steps_since_log
             t_last = time.perf_counter()
             steps_since_log = 0
@@ -464,6 +475,7 @@ def train(
                     scaler=scaler.state_dict(),
                     step=step,
                     loader=objective.state(),
+                    data=identity,
                     world_size=world_size,
                     rng=rngs,
                     best_val_loss=val_loss if best else best_val,
@@ -474,20 +486,21 @@ def train(
                     trained_model=trained_state,
                 )
                 bad = nonfinite(checkpoint["model"])
+                # what a failed save leaves: the latest good checkpoint, or (the first save) none yet
+                kept = (
+                    f"the latest good checkpoint stays in {out_dir}"
+                    if step_files(out_dir)
+                    else f"no checkpoint of this run was saved yet in {out_dir}"
+                )
                 if bad:  # a good checkpoint is never replaced by one of NaN weights
-                    log(
-                        f"step {step}: not saving a checkpoint, the weights are not finite ({', '.join(bad[:3])}); "
-                        f"the latest good checkpoint stays in {out_dir}"
-                    )
+                    names = ", ".join(bad[:3])
+                    log(f"step {step}: not saving a checkpoint, the weights are not finite ({names}); {kept}")
                 else:
                     try:
                         path = save_run_checkpoint(out_dir, checkpoint, keep_last=cfg.keep_last, best=best)
                     except OSError as e:  # e.g. a full disk: nothing half-written is left, the previous file is whole
-                        raise error(
-                            e.errno,
-                            f"step {step}: {e}; the latest good checkpoint stays in {out_dir}: fix that, then "
-                            "continue with --resume",
-                        ) from None
+                        message = f"step {step}: {e}; {kept}: fix that, then continue with --resume"
+                        raise error(e.errno, message) from None
                     best_val = checkpoint["best_val_loss"]
                     log(f"step {step:5d} | saved {path}{' (best val loss)' if best else ''}")
         if evaluate or score_core:

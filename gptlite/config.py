@@ -25,6 +25,20 @@ FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # every command's --dtype (see gptlite.device)
 DPO_LOSSES = ("sigmoid", "ipo")  # train.py's losses on preference pairs (gptlite.preference.dpo_loss)
 RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gptlite.rl.policy_loss)
+# Options that one optimizer or one mode alone reads: set where it does not run, each would do nothing, so it is
+# refused (see set_options)
+MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "normuon", "normuon_beta2")
+DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing")  # preference data (gptlite.preference)
+RL_OPTIONS = (  # --rl (gptlite.rl); rl_prompts and reward have a message of their own
+    "rl_prompt_field",
+    "rl_answer_field",
+    "rl_samples",
+    "rl_max_new_tokens",
+    "rl_temperature",
+    "rl_loss",
+    "rl_clip",
+    "rl_kl_beta",
+)
 QUANTIZE_CHOICES = ("", "int8")  # weight-only quantizations gptlite.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -54,6 +68,12 @@ def choice_problems(cls: type, values: typing.Mapping[str, typing.Any]) -> list[
         if choices and f.name in values and values[f.name] not in choices:
             problems.append(f"{f.name}={values[f.name]!r} must be one of {', '.join(map(str, choices))}")
     return problems
+
+
+def set_options(config, names: tuple[str, ...]) -> list[str]:
+    """The options among `names` that `config` sets to other than their defaults, as 'name=value'."""
+    defaults = {f.name: f.default for f in fields(config)}
+    return [f"{name}={getattr(config, name)}" for name in names if getattr(config, name) != defaults[name]]
 
 
 @dataclass
@@ -181,8 +201,14 @@ class GPTConfig:
                 f"bigram_vocab={self.bigram_vocab!r} must be 0 (none) or at least 2 rows, e.g. vocab_size**2 + 1 "
                 "for a row per pair"
             )
-        if not (isinstance(self.logit_softcap, (int, float)) and self.logit_softcap >= 0):
-            problems.append(f"logit_softcap={self.logit_softcap!r} must be >= 0 (0 = no cap; modded-nanogpt uses 15)")
+        softcap = self.logit_softcap
+        if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+            problems.append(f"logit_softcap={softcap!r} must be a finite number >= 0 (0 = no cap; modded-nanogpt: 15)")
+        if self.unet_skips is True and isinstance(self.n_layer, int) and self.n_layer < 2:
+            problems.append(
+                f"unet_skips=true joins block i's output to block n_layer-1-i's input, and n_layer={self.n_layer} "
+                "has no such pair; use n_layer >= 2 or leave unet_skips out"
+            )
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
         problems += choice_problems(type(self), vars(self))
@@ -432,9 +458,15 @@ class TrainConfig:
                 problems.append(f"{name}={getattr(self, name)} must be in [0, 1) (AdamW's betas, e.g. 0.9 and 0.95)")
         if not 0 <= self.muon_momentum < 1:
             problems.append(f"muon_momentum={self.muon_momentum} must be in [0, 1) (e.g. 0.95)")
-        if not 0 <= self.normuon_beta2 < 1 or not 0 <= self.ema_decay < 1:
+        if not 0 <= self.normuon_beta2 < 1:
+            problems.append(f"normuon_beta2={self.normuon_beta2} must be in [0, 1) (e.g. 0.95)")
+        if not 0 <= self.ema_decay < 1:
+            problems.append(f"ema_decay={self.ema_decay} must be in [0, 1) (0 = no average; e.g. 0.99)")
+        muon = set_options(self, MUON_OPTIONS)
+        if self.optimizer != "muon" and muon:
             problems.append(
-                f"normuon_beta2={self.normuon_beta2} and ema_decay={self.ema_decay} must be in [0, 1) (e.g. 0.95, 0.99)"
+                f"{', '.join(muon)} configure Muon, and optimizer={self.optimizer} trains without it; add "
+                "--optimizer=muon or leave them out"
             )
         if self.fsdp and (self.normuon or self.ema_decay):
             problems.append(
@@ -521,6 +553,11 @@ class TrainConfig:
                 problems.append("rl=true samples from whole weights and runs alone or under DDP; drop fsdp=true")
         elif self.rl_prompts or self.reward:
             problems.append("rl_prompts and reward configure reinforcement learning; add --rl to train with them")
+        elif set_options(self, RL_OPTIONS):
+            problems.append(
+                f"{', '.join(set_options(self, RL_OPTIONS))} configure reinforcement learning (--rl), which this run "
+                "does not do; add --rl or leave them out"
+            )
         if not self.rl_clip > 0 or self.rl_kl_beta < 0:
             problems.append(f"rl_clip={self.rl_clip} must be > 0 and rl_kl_beta={self.rl_kl_beta} >= 0")
         return problems

@@ -4,6 +4,7 @@ a chosen and a rejected answer for preference tuning (`PairLoader`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,7 @@ class ShardLoader:
     """
 
     kind = "text"  # what its rows hold (gptlite.objective.make_objective picks the objective by it)
+    past_block = 0  # windows of text always hold targets (ChatLoader counts its items that do not)
 
     def __init__(
         self,
@@ -172,13 +174,34 @@ class ChatLoader:
         self.conversations = self._items()
         need = batch_size * world_size
         if len(self.conversations) < need:
+            items = "preference pairs" if self.kind == "pairs" else "conversations"
             raise ValueError(
-                f"{len(self.conversations)} conversations in {len(self.files)} shard(s) ({self.files[0]}...)"
+                f"{len(self.conversations)} {items} in {len(self.files)} shard(s) ({self.files[0]}...)"
                 f" are fewer than one batch of {need}; use more data or a smaller batch_size"
             )
         self.targets = int(sum(int((r & TARGET).astype(bool).sum()) for r in self.roles))
+        self.past_block = self._check_block()
         self.epoch, self.index = 0, 0
         self.order = self._order()
+
+    def _check_block(self) -> int:
+        """How many items have no target within block_size (a row holds block_size + 1 tokens at most): they train
+        nothing. All of them is a one-line error, before anything is written: the data was prepared for longer
+        rows than --block_size gives."""
+        firsts = []  # each item's first target, counted from its first token
+        for shard, start, *_, end in self.conversations:
+            targets = np.flatnonzero(self.roles[shard][start:end] & TARGET)
+            firsts.append(int(targets[0]) if len(targets) else end - start)
+        past = sum(first > self.block_size for first in firsts)
+        if past == len(firsts):
+            what = "preference pairs' answers" if self.kind == "pairs" else "conversations' assistant turns"
+            raise ValueError(
+                f"block_size={self.block_size} cuts every one of the {len(firsts):,} {what} in "
+                f"{self.files[0].parent} away (the shortest prompt before one is {min(firsts):,} tokens), so nothing "
+                f"would train: give --block_size={max(firsts):,} or more, or prepare the data again with "
+                f"--block_size={self.block_size}"
+            )
+        return past
 
     def _items(self) -> np.ndarray:
         """(N, 3) int64: each conversation's shard, start and end."""
@@ -346,3 +369,16 @@ def make_loaders(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> tuple[
         except ValueError as e:
             raise ValueError(f"{split} split: {e}") from None
     return loaders[0], loaders[1]
+
+
+def data_identity(files: list[Path], kind: str) -> dict[str, str]:
+    """What a run trains on, for its checkpoints: the train split's kind (text, conversations or pairs) and a
+    fingerprint of its shards (their names and sizes, and the manifest data/prepare.py wrote beside them), so that
+    a resume can tell another data folder from the run's own, wherever it lies now."""
+    sha = hashlib.sha256()
+    for path in files:
+        sha.update(f"{path.name} {path.stat().st_size}\n".encode())
+    manifest = files[0].parent / "manifest.json" if files else None
+    if manifest is not None and manifest.is_file():
+        sha.update(manifest.read_bytes())
+    return {"kind": kind, "data": sha.hexdigest()[:16]}

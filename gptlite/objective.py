@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from gptlite.data import ChatLoader, ShardLoader, make_loaders
+from gptlite.config import DPO_OPTIONS, set_options
+from gptlite.data import ChatLoader, ShardLoader, data_identity, make_loaders
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
 from gptlite.metrics import Evaluation
 from gptlite.optim import seq_len_at
@@ -65,6 +66,10 @@ class Objective(Protocol):
 
     def evaluate(self, model: GPT) -> Evaluation:
         """How the run is judged at an evaluation (every rank calls it); its loss picks best.pt."""
+
+    def identity(self) -> dict[str, str]:
+        """What it trains on (gptlite.data.data_identity, and an RL run's prompts), saved in every checkpoint (as
+        "data"): a resume on other data is refused before anything is restored."""
 
     def state(self) -> dict:
         """Its position in its data, saved in every checkpoint (as "loader")."""
@@ -151,6 +156,9 @@ class Text:
         line = f"val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}")
         return Evaluation(val_loss, line, {"val_loss": val_loss, "val_bpb": val_bpb})
 
+    def identity(self) -> dict[str, str]:
+        return data_identity(self.train_loader.files, self.train_loader.kind)
+
     def state(self) -> dict:
         return self.train_loader.state()
 
@@ -192,6 +200,17 @@ def make_objective(
     (None if it has none)."""
     train_loader, val_loader = make_loaders(cfg, rank, world_size)
     kind = train_loader.kind  # "text", "conversations" or "pairs"
+    if train_loader.past_block:  # conversations or pairs with no target within the block
+        log(
+            f"note: {train_loader.past_block:,} of the {len(train_loader.conversations):,} {kind} in "
+            f"{cfg.data_dir}'s train split have no target within block_size={cfg.model.block_size}: they train nothing"
+        )
+    unread = set_options(cfg, DPO_OPTIONS)
+    if kind != "pairs" and unread:
+        raise ValueError(
+            f"{', '.join(unread)} configure DPO on preference pairs, and {cfg.data_dir} holds {kind}; leave them out, "
+            "or give a data folder prepared with data/prepare.py --preference"
+        )
     if cfg.seq_len_start and (kind == "pairs" or cfg.rl):
         raise ValueError(
             f"seq_len_start={cfg.seq_len_start} cuts text windows into shorter ones; preference pairs and RL prompts "

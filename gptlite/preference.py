@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlite.config import DPO_LOSSES
+from gptlite.data import data_identity
 from gptlite.lora import ReferenceModel
 from gptlite.metrics import Evaluation
 
@@ -228,6 +229,9 @@ class DPO:
             f" | val margin {figures['rewards_margin']:.3f}"
         )
         return Evaluation(val_loss, line, {"val_loss": val_loss, **{f"val_{k}": v for k, v in figures.items()}})
+
+    def identity(self) -> dict[str, str]:
+        return data_identity(self.train_loader.files, self.train_loader.kind)
 
     def state(self) -> dict:
         return self.train_loader.state()

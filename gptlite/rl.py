@@ -26,8 +26,10 @@ update, is counted, and a one-line warning names the function and the record.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import math
 import numbers
 import random
@@ -97,7 +99,7 @@ class Reward:
     def __call__(self, prompt: Any, completion: str, record: dict, where: str) -> float:
         try:
             value = self.function(prompt, completion, record)
-        except Exception as e:  # the user's code: any exception is reported, never lost
+        except (Exception, SystemExit) as e:  # the user's code: any exception (exit() too) is reported, never lost
             first = str(e).splitlines()[0] if str(e) else ""
             raise RewardError(f"reward function {self.name} raised {type(e).__name__}: {first} on {where}") from None
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
@@ -195,6 +197,13 @@ def read_prompts(
             raise ValueError(
                 f"{where} has no {answer_field!r} field, which the built-in reward compares with; name it with "
                 "--rl_answer_field"
+            )
+        answer = record.get(answer_field)
+        if need_answer and (not isinstance(answer, (str, int, float)) or isinstance(answer, bool)):
+            raise ValueError(
+                f"{where}: its {answer_field!r} is {json.dumps(answer)[:40]}, and the built-in reward compares the "
+                "completion with text or a number; write the answer as one, or score the record with your own "
+                "--reward=module:function"
             )
         prompt = record[prompt_field]
         messages = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
@@ -593,6 +602,10 @@ class RL:
 
     def evaluate(self, model: GPT) -> Evaluation:
         return self.fine_tuning.evaluate(model)
+
+    def identity(self) -> dict[str, str]:
+        prompts = hashlib.sha256(Path(self.cfg.rl_prompts).read_bytes()).hexdigest()[:16]
+        return {**self.fine_tuning.identity(), "prompts": prompts}
 
     def state(self) -> dict:
         return self.prompts.state()

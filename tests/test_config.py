@@ -147,8 +147,9 @@ def test_train_config_validation():
     ("muon_weight_decay", "-1", r"muon_weight_decay=-1.0 must be >= 0"),
 ])  # fmt: skip
 def test_optimizer_options(key, value, message):
+    muon = {} if key == "optimizer" else {"optimizer": "muon"}  # Muon's options are read by Muon alone
     with pytest.raises(ValueError, match=rf"^invalid training config: {message}$"):
-        build_config({key: value})
+        build_config({key: value, **muon})
     cfg = build_config({"optimizer": "muon", "muon_lr": "0.05", "muon_momentum": "0", "fsdp": "true"})
     assert (cfg.optimizer, cfg.muon_lr, cfg.muon_momentum) == ("muon", 0.05, 0.0)  # FSDP too: Muon gathers
     assert TrainConfig().optimizer == "adamw"

@@ -202,7 +202,7 @@ def test_each_layer_mixes_its_own_value_embedding_of_the_tokens():
 # U-net skips
 
 # receiver block -> the block whose output it gets (block n_layer-1-i of the first n_layer // 2), written out
-MIRRORS = {1: {}, 2: {1: 0}, 4: {2: 1, 3: 0}, 5: {3: 1, 4: 0}}
+MIRRORS = {2: {1: 0}, 4: {2: 1, 3: 0}, 5: {3: 1, 4: 0}}
 
 
 @pytest.mark.parametrize("n_layer", list(MIRRORS))
@@ -218,6 +218,13 @@ def test_unet_skips_add_each_early_blocks_output_to_its_mirror_block(n_layer):
     if n_layer >= 4:  # the reference tells the mirror order from its reverse
         swapped = {receiver: n_layer // 2 - 1 - sender for receiver, sender in MIRRORS[n_layer].items()}
         assert not torch.allclose(got, reference_hidden(model, idx, swapped), atol=1e-2)
+
+
+def test_unet_skips_with_one_layer_are_refused_in_one_line():
+    """One block has no mirror: the switch would do nothing, so it is refused rather than accepted without a word."""
+    with pytest.raises(ValueError, match=r"unet_skips=true joins block i's output to block n_layer-1-i's input, and "
+                       r"n_layer=1 has no such pair; use n_layer >= 2 or leave unet_skips out"):  # fmt: skip
+        tiny_config(unet_skips=True, n_layer=1)
 
 
 def test_unet_skips_weighted_zero_are_the_model_without_them():
@@ -610,9 +617,10 @@ def test_the_weight_average_leaves_frozen_parameters_out_and_copies_in_the_model
 @pytest.mark.parametrize(
     "values, message",
     [
-        (dict(logit_softcap=-1), r"logit_softcap=-1.0 must be >= 0 \(0 = no cap; modded-nanogpt uses 15\)"),
-        (dict(ema_decay=1.0), r"normuon_beta2=0.95 and ema_decay=1.0 must be in \[0, 1\)"),
-        (dict(normuon_beta2=-0.1), r"normuon_beta2=-0.1 and ema_decay=0.0 must be in \[0, 1\)"),
+        (dict(logit_softcap=-1), r"logit_softcap=-1.0 must be a finite number >= 0 \(0 = no cap; modded-nanogpt: 15\)"),
+        (dict(ema_decay=1.0), r"config: ema_decay=1.0 must be in \[0, 1\) \(0 = no average; e.g. 0.99\)$"),
+        (dict(ema_decay=1.5, normuon_beta2=0.95), r"config: ema_decay=1.5 must be in \[0, 1\)"),  # names 1.5 alone
+        (dict(normuon_beta2=-0.1), r"config: normuon_beta2=-0.1 must be in \[0, 1\) \(e.g. 0.95\);"),
         (dict(fsdp=True, normuon=True), r"normuon=true and ema_decay work on whole matrices, .* without fsdp=true"),
         (dict(fsdp=True, ema_decay=0.9), r"normuon=true and ema_decay work on whole matrices, .* without fsdp=true"),
         (dict(muon_ns="polar"), r"muon_ns='polar' must be one of quintic, polar_express"),

@@ -35,9 +35,16 @@ from gptlite.checkpoint.run_folder import (
     save_run_checkpoint,
     step_files,
 )
-from gptlite.checkpoint.training_state import gather_training_state, load_training_state, rng_state, set_rng_state
+from gptlite.checkpoint.training_state import (
+    check_same_data,
+    gather_training_state,
+    load_training_state,
+    rng_state,
+    set_rng_state,
+)
 
 __all__ = [
+    "check_same_data",
     "BEST_NAME",
     "CHECKPOINT_NAME",
     "CHECKSUM_SUFFIX",

@@ -12,6 +12,8 @@ A checkpoint is a plain dict of tensors and primitive values (train.py builds it
     step            optimizer steps taken; the learning-rate schedule is a function of it
     loader          the objective's position in its data (gptlite.objective: the train loader's state, see
                     gptlite.data.ShardLoader.state; an RL run's prompt order, gptlite.rl.PromptLoader.state)
+    data            what the run trains on (the objective's identity(): the data's kind and a fingerprint of its
+                    shards, an RL run's prompts file's too), which a resume checks (absent before 2026-11-27)
     world_size      the processes that trained
     rng             one entry per rank: python, numpy, torch CPU and CUDA generator states
     best_val_loss   the lowest val loss so far (best.pt's)
@@ -167,6 +169,7 @@ def run_checkpoint(
     scaler: dict,
     step: int,
     loader: dict,
+    data: dict,
     world_size: int,
     rng: list[dict],
     best_val_loss: float,
@@ -186,6 +189,7 @@ def run_checkpoint(
         "scaler": scaler,
         "step": step,
         "loader": loader,
+        "data": data,
         "world_size": world_size,
         "rng": rng,
         "best_val_loss": best_val_loss,

@@ -74,3 +74,22 @@ def load_training_state(
     for opt, groups in zip(optimizers, hyper, strict=True):
         for group, values in zip(opt.param_groups, groups, strict=True):
             group.update(values)
+
+
+def check_same_data(saved: dict | None, current: dict[str, str], out_dir: str, data_dir: str, run_data: str) -> None:
+    """A resume continues on the data the run trained on: its kind, its shards and (RL) its prompts, as the
+    checkpoint's "data" recorded them (gptlite.objective's identity); `run_data` is the data_dir its config names.
+    Other data is a one-line error before anything is restored; a checkpoint from before the record (None) is taken
+    as it is."""
+    if saved is None or saved == current:
+        return
+    if saved.get("kind") != current.get("kind"):
+        differs = f"the run trained on {saved.get('kind')} and {data_dir} holds {current.get('kind')}"
+    elif saved.get("data") != current.get("data"):
+        differs = f"{data_dir} holds other shards than the run trained on"
+    else:
+        differs = "--rl_prompts names another prompts file than the run sampled from (its contents differ)"
+    raise ValueError(
+        f"cannot --resume the run in {out_dir} on other data: {differs}; resume with its own "
+        f"(--data_dir={run_data}), or start a new run in another --out_dir"
+    )

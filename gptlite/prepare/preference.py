@@ -11,16 +11,16 @@ template and a generation prompt, and each answer is what the template adds afte
 taken as plain text, each answer ending with the end-of-text token where there is one (as TRL appends EOS). The
 prompt and the answers are tokenized apart, as TRL does.
 
-What is refused and what is counted. A record without one of the three fields, or whose field holds neither text
-nor messages, stops the preparation with one line naming the file and line (or row) and the fix: the data is not
-what the options say. Pairs that are well-formed but teach nothing are left out and counted, the first of each kind
-named in the summary: identical answers (the DPO gradient of such a pair is zero), and a prompt of block_size
-tokens or more (no answer token would fit the window). An answer that does not fit after its prompt is cut to
-block_size + 1 tokens in all, and counted as cut.
+What is refused and what is counted. A record without one of the three fields, or whose field holds neither text nor
+messages, or nothing (an empty answer or prompt), stops the preparation with one line naming the file and line (or
+row) and the fix: the data is not what the options say. Pairs that are well-formed but teach nothing are left out
+and counted, the first of each kind named in the summary: identical answers (the DPO gradient of such a pair is
+zero), and a prompt of block_size tokens or more (no answer token would fit the window). An answer that does not fit
+after its prompt is cut to block_size + 1 tokens in all, and counted as cut.
 
 Every (1 / val_fraction)-th record goes to val, as records do in gptlite.prepare. Preference sets are small (tens of
-thousands of pairs): they are read and tokenized in this one process, and a run starts afresh each time (a
-complete one with the same settings returns at once).
+thousands of pairs): they are read and tokenized in this one process, twice (every record is checked before the
+folder is touched), and a run starts afresh each time (a complete one with the same settings returns at once).
 """
 
 from __future__ import annotations
@@ -97,6 +97,12 @@ def prepare_preference(
     template = tokenizer.chat_template is not None or isinstance(first[0][0], list)
     if template:
         tokenizer.use_default_template()  # ChatML's markers, if it has no template: recorded in tokenizer.json
+    # every record is read and encoded once before anything is written or cleared: a malformed one (in the last line
+    # as in the first) stops the preparation with the folder as it was, an earlier preparation's data included
+    for values, where in itertools.chain([first], records):
+        encode_pair(tokenizer, values, fields, template, where)
+    records = read_records(sources, fields)
+    first = next(records)
     tokens_dtype = token_dtype(tokenizer.vocab_size, dtype)
     make_dir(out_dir)
     clear_preparation(out_dir, log)
@@ -226,6 +232,11 @@ def encode_pair(
             raise ValueError(
                 f"{where}: field '{name}' holds {type(value).__name__}, not text or a list of messages; fix the "
                 "record, or pass the option that names the right field"
+            )
+        if not value or (isinstance(value, str) and not value.strip()):
+            raise ValueError(
+                f"{where}: field '{name}' is empty; a pair needs a prompt and two answers with text in each (to "
+                "prefer saying nothing, write the answer that says so), so fix or drop the record"
             )
     prompt, chosen, rejected = values
     if not template:

@@ -1,0 +1,176 @@
+"""Training meets careless input (issue 55's training cases): each is a one-line error naming the value and the fix,
+refused before anything is written, or a figure that is not made up; nothing a user saved is lost.
+
+- options that do nothing in the run's mode or with its optimizer (--dpo_* on text, --rl_* without --rl, Muon's
+  options under AdamW) are refused, as is a switch that cannot act (unet_skips with one layer) or an infinite softcap;
+- a resume on other data (text into a DPO run, other pairs, another prompts file of the same length) is refused
+  before anything is restored, by the data's fingerprint in the checkpoint;
+- DPO at a block_size that cuts every answer away is refused, not trained to a loss of ln 2 and no gradient;
+- a reward that exits (SystemExit) is the reward's fault, said in a line; a step a reward skipped writes its event,
+  not a row of zeros; an answer that is null or a list is refused; a pair with an empty answer is refused;
+- the messages name what is wrong: ema_decay alone, "pairs" for pairs, "no checkpoint yet" when there is none."""
+
+import json
+
+import pytest
+
+from gptlite.checkpoint import load_checkpoint
+from gptlite.config import build_config
+from gptlite.prepare.preference import prepare_preference
+from gptlite.rl import load_reward, read_prompts
+from gptlite.tokenizer import ByteTokenizer
+from tests.conftest import FullDisk, run_train
+
+TINY = dict(n_layer=1, n_head=2, n_embd=32, batch_size=4, eval_iters=1, log_interval=1, device="cpu")
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def pairs(n, seed=0):
+    """Toy preference pairs: a number reversed is chosen, the same digits in another order rejected."""
+    import random
+
+    rng = random.Random(seed)
+    records = []
+    while len(records) < n:
+        digits = str(rng.randint(1000, 99999))
+        wrong = "".join(rng.sample(digits, len(digits)))
+        if wrong != digits[::-1]:
+            records.append({"prompt": f"reverse {digits}:", "chosen": digits[::-1], "rejected": wrong})
+    return records
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Pairs prepared at block_size 32 (two different sets) and a text folder, all in the byte tokenizer."""
+    from gptlite.prepare import prepare
+
+    root = tmp_path_factory.mktemp("careless")
+    for name, seed in (("pairs", 0), ("other_pairs", 1)):
+        source = write_jsonl(root / f"{name}.jsonl", pairs(80, seed))
+        prepare_preference([str(source)], "byte", root / name, block_size=32, log=lambda *a: None)
+    (root / "text.txt").write_text("to be or not to be, that is the question. " * 400)
+    prepare([str(root / "text.txt")], "byte", root / "text", log=lambda *a: None)
+    return root
+
+
+def train(*args, **options):
+    return run_train(*args, **{**TINY, **options})
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"muon_ns": "polar_express"}, r"muon_ns=polar_express configure Muon, and optimizer=adamw trains without it; "
+                                       r"add --optimizer=muon or leave them out"),
+        ({"normuon": "true", "muon_lr": "0.05"}, r"muon_lr=0.05, normuon=True configure Muon, and optimizer=adamw"),
+        ({"rl_samples": "4"}, r"rl_samples=4 configure reinforcement learning \(--rl\), which this run does not do; "
+                              r"add --rl or leave them out"),
+        ({"logit_softcap": "inf"}, r"logit_softcap=inf must be a finite number >= 0"),
+        ({"unet_skips": "true", "n_layer": "1"}, r"unet_skips=true joins .* n_layer=1 has no such pair"),
+        ({"ema_decay": "1.5"}, r"^invalid training config: ema_decay=1.5 must be in \[0, 1\) \(0 = no average"),
+    ],
+)  # fmt: skip
+def test_options_that_would_do_nothing_or_cannot_act_are_refused(values, message):
+    with pytest.raises(ValueError, match=message) as e:
+        build_config({"vocab_size": 256, **values})
+    assert "\n" not in str(e.value) and "normuon_beta2=0.95" not in str(e.value)
+
+
+def test_dpo_options_on_text_data_are_refused_before_the_run_folder_is_made(folders, tmp_path):
+    done = train(data_dir=folders / "text", out_dir=tmp_path / "run", block_size=32, dpo_beta=0.3, max_iters=2)
+    assert done.code == 2 and not (tmp_path / "run").exists()
+    assert done.err.strip().endswith(
+        f"dpo_beta=0.3 configure DPO on preference pairs, and {folders / 'text'} holds text; leave them out, or give "
+        "a data folder prepared with data/prepare.py --preference"
+    )
+
+
+def test_dpo_at_a_block_that_cuts_every_answer_away_is_refused(folders, tmp_path):
+    done = train(data_dir=folders / "pairs", out_dir=tmp_path / "run", block_size=8, max_iters=2)
+    assert done.code == 2 and not (tmp_path / "run").exists()
+    assert "block_size=8 cuts every one of the 72 preference pairs' answers in " in done.err
+    assert (
+        "nothing would train: give --block_size=14 or more, or prepare the data again with --block_size=8" in done.err
+    )
+
+
+def test_a_dpo_batch_larger_than_the_data_speaks_of_pairs(folders, tmp_path):
+    done = train(data_dir=folders / "pairs", out_dir=tmp_path / "run", block_size=32, batch_size=1000, max_iters=2)
+    assert done.code == 2 and "72 preference pairs in 1 shard(s)" in done.err and "conversations" not in done.err
+
+
+def test_a_resume_on_other_data_is_refused_before_anything_is_restored(folders, tmp_path):
+    run = tmp_path / "dpo"
+    first = train(data_dir=folders / "pairs", out_dir=run, block_size=32, max_iters=2, eval_interval=2)
+    assert first.code == 0, first.err
+    saved = load_checkpoint(run)
+    assert saved["data"]["kind"] == "pairs" and len(saved["data"]["data"]) == 16
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    text = train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=4, resume=True)
+    assert text.code == 2 and "Traceback" not in text.err
+    assert (
+        f"cannot --resume the run in {run} on other data: the run trained on pairs and {folders / 'text'} holds text; "
+        f"resume with its own (--data_dir={folders / 'pairs'}), or start a new run in another --out_dir"
+    ) in text.err
+    other = train(data_dir=folders / "other_pairs", out_dir=run, block_size=32, max_iters=4, resume=True)
+    assert other.code == 2 and f"{folders / 'other_pairs'} holds other shards than the run trained on" in other.err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before  # nothing written
+    again = train(data_dir=folders / "pairs", out_dir=run, block_size=32, max_iters=4, eval_interval=2, resume=True)
+    assert again.code == 0 and again.step == 4, again.err
+
+
+def test_rl_answers_must_be_text_or_a_number(tmp_path):
+    tokenizer = ByteTokenizer()
+    for answer, shown in ((None, "null"), (["4", "5"], '["4", "5"]'), (True, "true")):
+        path = write_jsonl(
+            tmp_path / "p.jsonl", [{"prompt": "2+2=", "answer": "4"}, {"prompt": "1+1=", "answer": answer}]
+        )
+        with pytest.raises(
+            ValueError, match=r"record 2 of .*p.jsonl: its 'answer' is (.+), and the built-in reward"
+        ) as e:
+            read_prompts(path, tokenizer)
+        assert e.value.args[0].split("is ", 1)[1].startswith(shown)
+    numbers = write_jsonl(tmp_path / "n.jsonl", [{"prompt": "a", "answer": 3}])
+    assert [p.record["answer"] for p in read_prompts(numbers, tokenizer)] == [3]
+
+
+def test_a_reward_that_exits_is_the_rewards_fault_in_one_line(tmp_path, monkeypatch):
+    from gptlite.rl import RewardError
+
+    (tmp_path / "quits.py").write_text("def reward(p, c, r):\n    raise SystemExit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match=r"reward function quits:reward raised SystemExit: 3 on record 1 of x.jsonl"):
+        load_reward("quits:reward")("p", "c", {}, "record 1 of x.jsonl")
+
+
+def test_an_empty_answer_in_a_pair_is_refused_naming_its_record(tmp_path):
+    records = pairs(5)
+    records[3]["chosen"] = ""
+    source = write_jsonl(tmp_path / "pairs.jsonl", records)
+    with pytest.raises(ValueError, match=r"pairs.jsonl line 4: field 'chosen' is empty; a pair needs") as e:
+        prepare_preference([str(source)], "byte", tmp_path / "d", log=lambda *a: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    # over an earlier preparation, --overwrite with the bad record leaves the earlier one whole
+    good = write_jsonl(tmp_path / "good.jsonl", pairs(40))
+    prepare_preference([str(good)], "byte", tmp_path / "d", log=lambda *a: None)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()}
+    with pytest.raises(ValueError, match=r"field 'chosen' is empty"):
+        prepare_preference([str(source)], "byte", tmp_path / "d", overwrite=True, log=lambda *a: None)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()} == before
+
+
+def test_a_full_disk_at_the_first_save_says_no_checkpoint_was_saved_yet(folders, tmp_path, monkeypatch):
+    from gptlite import checkpoint
+
+    real_init = checkpoint._HashingWriter.__init__
+    monkeypatch.setattr(checkpoint._HashingWriter, "__init__", lambda self, f: real_init(self, FullDisk(f, 20_000)))
+    done = train(data_dir=folders / "text", out_dir=tmp_path / "run", block_size=32, max_iters=2, eval_interval=2)
+    assert done.code == 2
+    assert f"no checkpoint of this run was saved yet in {tmp_path / 'run'}: fix that, then continue with --resume" in (
+        done.err
+    )
+    assert "latest good checkpoint" not in done.err
