@@ -286,6 +286,23 @@ def test_a_huge_body_is_refused_before_it_is_read(served, client):
     assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+def test_a_client_still_sending_a_huge_body_reads_its_413(served, client, path):
+    """A client that goes on sending a 10 MB body after the server has answered its Content-Length with a 413 (as
+    an HTTP client does: it reads the response once its body is sent) can send it and then read the 413, where the
+    server's close with the client's bytes unread once reset the connection under it (a broken pipe, "connection
+    reset")."""
+    conn = raw(served, headers(path, 10_000_000) + b"x" * 2**16)
+    time.sleep(0.3)  # the server has answered (and once closed: this sendall then failed with a broken pipe)
+    conn.sendall(b"x" * 4_000_000)
+    status, body = response(conn)
+    assert status == 413
+    assert_openai_error(body, "the request body is 9.5 MB, over this server's limit of 4 MB (its --max_body_mb)")
+    r = post(served, path, content=b'{"prompt": "' + b"x" * 10_000_000 + b'"}', headers=JSON)  # an HTTP client's
+    assert r.status_code == 413 and r.headers["connection"] == "close"
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+
+
 def test_a_small_request_is_not_held_up_by_a_huge_prompt(served, client, monkeypatch):
     """Prompts are tokenized on a worker thread: while a huge prompt's tokenizing is held, a small request goes
     through, then the huge one gets its 400."""
