@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from gptlite.serve.engine import Job, Params, Piece
-from gptlite.serve.grammar import Format, Grammars
+from gptlite.serve.grammar import Format, GrammarError, Grammars
 from gptlite.serve.guard import Guard, Policy, read_json
 from gptlite.serve.protocol import (
     UNSUPPORTED_IN_CHAT,
@@ -190,12 +190,9 @@ class Server:
             return None
         try:
             return self.grammars.compile(wanted.type, wanted.json_schema.schema_ if wanted.json_schema else None)
-        except ValueError as e:
-            raise APIError(
-                400,
-                f"response_format.json_schema.schema: {e}; send a JSON schema this server can follow",
-                "response_format",
-            ) from None
+        except GrammarError as e:
+            fix = "" if e.explained else "; send a JSON schema this server can follow"
+            raise APIError(400, f"response_format.json_schema.schema: {e}{fix}", "response_format") from None
 
     def jobs(
         self, body: GenerationRequest, prompts: list[list[int]], param: str, response_format: Format | None = None
@@ -269,7 +266,10 @@ class Server:
         self.in_flight += k
 
     def failed(self, piece: Piece) -> APIError:
-        """A piece's error as the request's: a 503 once the engine has stopped for good, else a 500."""
+        """A piece's error as the request's: a 400 where its response_format's grammar failed, a 503 once the engine
+        has stopped for good, else a 500."""
+        if piece.invalid:
+            return APIError(400, piece.error or "", "response_format")
         status = 503 if self.engine.failure is not None else 500
         return APIError(status, piece.error or "", None, None, "server_error")
 

@@ -48,6 +48,7 @@ from gptlite.cpu_decode import packed_for_cpu
 from gptlite.generate import TextStream
 from gptlite.kvcache import decode_step
 from gptlite.sampling import mask_vocab, sample_next
+from gptlite.serve.grammar import GrammarError
 from gptlite.serve.prefix import BLOCK as PREFIX_BLOCK
 from gptlite.serve.prefix import PrefixCache
 from gptlite.serve.rows import RowCache
@@ -103,6 +104,7 @@ class Piece:
     tokens: int  # tokens generated so far
     finish_reason: str | None = None
     error: str | None = None
+    invalid: bool = False  # the error is the request's own (its response_format's grammar failed): a 400, not a 500
     logprobs: list[TokenLogprob] = field(default_factory=list)  # this piece's token's, with Params.logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, on the first piece, with Params.echo
 
@@ -406,7 +408,7 @@ class Engine:
             if row.matcher is not None:  # a response_format: only the tokens its grammar allows next
                 try:
                     own = row.matcher.constrain(own)
-                except ValueError as e:  # the matcher failed: its request ends, alone
+                except ValueError as e:  # the matcher failed (a GrammarError): its request ends, alone
                     self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
                     self.fail([row], e)
                     continue
@@ -429,7 +431,7 @@ class Engine:
         if row.matcher is not None:
             try:
                 row.matcher.consume(token)
-            except ValueError as e:  # the matcher failed: its request ends, alone
+            except ValueError as e:  # the matcher failed (a GrammarError): its request ends, alone
                 self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
                 self.fail([row], e)
                 return
@@ -449,11 +451,13 @@ class Engine:
             row.job.emit(Piece(text, row.generated, reason, logprobs=logprobs, prompt_logprobs=prompt))
 
     def fail(self, rows: list[Row], error: Exception) -> None:
-        """End these rows' jobs with the error's message; the engine goes on."""
-        message = describe(error)
+        """End these rows' jobs with the error's message; the engine goes on. A grammar's failure is the request's
+        own (its schema), said in the grammar's plain words."""
+        invalid = isinstance(error, GrammarError)
+        message = str(error) if invalid else describe(error)
         for row in rows:
             if not row.finished and not row.job.cancelled:
-                row.job.emit(Piece("", row.generated, "error", message))
+                row.job.emit(Piece("", row.generated, "error", message, invalid))
             row.finished = True
             row.failed = True
 
