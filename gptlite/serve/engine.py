@@ -23,8 +23,8 @@ without one skip all of that. `emit` is called on the engine's thread
 with a `Piece` for every token: the new text (UTF-8 safe, cut before a stop string) and, on the last piece,
 why the request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives')
 under the model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its
-prefill (a job with max_tokens 0 gets only those; one with max_tokens 1 takes its token from that forward and
-needs neither prefill nor row).
+prefill (a job with max_tokens 0 gets only those, and no token at all without logprobs; one with max_tokens 1 takes
+its token from that forward and needs neither prefill nor row).
 
 No request stops the engine: an exception while a request is admitted (its seed, its prefill) ends that request
 with finish_reason "error", one in a decode step ends the requests that step ran, and the engine goes on with
@@ -266,7 +266,7 @@ class Engine:
             job = self.waiting.popleft()  # a deque's ends are thread-safe: submit appends meanwhile
             if job.cancelled:
                 continue
-            if job.params.echo and job.params.logprobs is not None:
+            if (job.params.echo and job.params.logprobs is not None) or job.params.max_tokens == 0:
                 self.admit(job)
             else:
                 batch.append(job)
@@ -514,7 +514,10 @@ def adjust(logits: torch.Tensor, row: Row) -> None:
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """The log-probability of tokens[i] in row i of `logprobs` (len(tokens), V), and the row's `top` most likely
     tokens with theirs."""
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    rows = torch.arange(len(tokens), device=logprobs.device)
+    # long, said: a one-token prompt scores no token, and torch.tensor([]) would be float
+    ids = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs[rows, ids].tolist()
     values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[:, :0], logprobs[:, :0].long())
     return [
         TokenLogprob(token, value, tuple(zip(row_ids, row_values, strict=True)))
