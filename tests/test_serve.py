@@ -177,6 +177,20 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
         "not in this char",
     ),
     "unknown path": ("/v1/embeddings", {}, 404, None, "Not Found"),
+    "a logit_bias key of a superscript digit": (  # str.isdigit takes it, int() does not: was a 500
+        "/v1/completions",
+        {**GOOD, "logit_bias": {"\u00b2": 1}},
+        400,
+        "logit_bias",
+        "logit_bias: '\u00b2' is not a token id of this model (0 to 96)",
+    ),
+    "a logit_bias key of another script's digit": (  # int() took it as 3: now refused as OpenAI's ids are ASCII
+        "/v1/completions",
+        {**GOOD, "logit_bias": {"\u0663": 1}},
+        400,
+        "logit_bias",
+        "is not a token id of this model",
+    ),
     "an empty prompt on a tokenizer without end-of-text": (
         "/v1/completions",
         {**GOOD, "prompt": ""},
@@ -262,6 +276,15 @@ def test_echo_with_max_tokens_0_generates_nothing(served, stream):
     assert (use["prompt_tokens"], use["completion_tokens"]) == (8, 0)
     scored = post(served, "/v1/completions", json={**body, "stream": False, "logprobs": 0}).json()["choices"][0]
     assert scored["text"] == "hi there" and scored["logprobs"]["tokens"] == list("hi there")
+
+
+@pytest.mark.parametrize("sampling", [{"top_p": 1e-300}, {"temperature": 1e-300}, {"temperature": 1e-45}])
+def test_a_vanishing_top_p_or_temperature_samples_the_most_likely_token(served, sampling):
+    """top_p 1e-300 is 0 in float32, and dropped even the most likely token; temperature 1e-300 sent the logits past
+    float's range (NaN): each was a 500. Both are greedy in the limit, and now sample the greedy text."""
+    r = post(served, "/v1/completions", json={**GOOD, "prompt": "ROMEO:", "max_tokens": 10, "seed": 1, **sampling})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == served.greedy("ROMEO:", 10)
 
 
 def test_the_openai_client_raises_on_a_4xx(client):
