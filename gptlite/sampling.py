@@ -61,9 +61,12 @@ def sample_next(
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that it is 0 in float32: greedy, its limit
         return logits.argmax(dim=-1)
     logits = logits.float()
-    # shifted so that the largest is 0 before dividing (softmax does not change): a tiny temperature (1e-300) then
-    # sends the others to -inf, where logits / temperature would pass float's range, and +inf - +inf is NaN
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    scaled = logits / temperature
+    # a row that a tiny temperature sent past float's range (+inf - +inf is NaN in softmax) is divided shifted so
+    # that its largest is 0 (softmax does not change), which sends the others to -inf; other rows stay as they are,
+    # bit for bit (chosen per row without asking the device whether any overflowed)
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = torch.where(torch.isposinf(scaled).any(dim=-1, keepdim=True), shifted, scaled)
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
