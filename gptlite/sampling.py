@@ -58,9 +58,15 @@ def sample_next(
     k most likely tokens; top_p keeps the smallest set whose probability reaches p (Holtzman et al., 2019,
     "The Curious Case of Neural Text Degeneration"). top_k=None and top_p=1 change nothing."""
     Sampling(temperature, top_k, top_p)  # checks the values
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that it is 0 in float32: greedy, its limit
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    scaled = logits / temperature
+    # a row that a tiny temperature sent past float's range (+inf - +inf is NaN in softmax) is divided shifted so
+    # that its largest is 0 (softmax does not change), which sends the others to -inf; other rows stay as they are,
+    # bit for bit (chosen per row without asking the device whether any overflowed)
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = torch.where(torch.isposinf(scaled).any(dim=-1, keepdim=True), shifted, scaled)
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -69,6 +75,7 @@ def sample_next(
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop_sorted[:, 0] = False  # a top_p below float32's smallest (1e-300 is 0 there) would drop the first too
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)

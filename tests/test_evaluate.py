@@ -280,3 +280,22 @@ def test_an_offline_hellaswag_download_fails_first_and_names_the_option(char_run
                         r"\(.*\); download it elsewhere and pass the local file instead with --hellaswag_file=PATH",
                         error), error  # fmt: skip
     assert not (tmp_path / "data").exists() and not (tmp_path / "r.json").exists()
+
+
+def test_a_text_folder_and_a_run_without_data_are_named(char_run, tmp_path, capsys):
+    """--text=FOLDER was said not to exist; a checkpoint whose config names no data_dir (made by hand) gave 'data
+    does not exist; ... --out_dir=)' with the empty path. Each is one line naming what to give."""
+    from gptlite.checkpoint import load_checkpoint, save_checkpoint
+
+    _, out, _ = char_run
+    assert evaluate.main([f"--out_dir={out}", f"--text={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--text={tmp_path} is a folder; give a text file (or --data_dir=DIR for prepared shards)" in err, err
+    ckpt = load_checkpoint(out)
+    ckpt["config"]["data_dir"] = ""
+    run = tmp_path / "run"
+    run.mkdir()
+    save_checkpoint(run / "ckpt.pt", ckpt)
+    assert evaluate.main([f"--out_dir={run}", "--task=val", f"--tokenizer={out / 'tokenizer.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--task=val: the run {run} names no data_dir in its checkpoint's" in err

@@ -318,8 +318,19 @@ def test_top_k_and_top_p_keep_the_right_tokens():
         seen_p.add(sample_next(logits, 1.0, top_p=0.8, generator=g).item())
     assert seen_k == {0, 1}
     assert seen_p == {0, 1}
-    # a tiny top_p always keeps the most likely token
+    # a tiny top_p always keeps the most likely token, one that is 0 in float32 too
     assert sample_next(logits, 1.0, top_p=1e-6, generator=g).item() == 0
+    assert sample_next(logits, 1.0, top_p=1e-300, generator=g).item() == 0
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    """logits / 1e-30 pass float32's range (+inf - +inf is NaN in softmax) and 1e-300 is 0 in float32: both were a
+    RuntimeError from torch.multinomial; the shifted logits sample the argmax, with -inf entries kept out."""
+    logits = torch.randn(3, 50, device=DEVICE) * 10
+    logits[0, 20:] = float("-inf")
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for temperature in (1e-30, 1e-40, 1e-300):
+        assert torch.equal(sample_next(logits, temperature, generator=g), logits.argmax(dim=-1)), temperature
 
 
 def test_penalties_match_their_formulas():

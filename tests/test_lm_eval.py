@@ -180,3 +180,23 @@ def test_lm_eval_mistakes_are_one_line(model_dir, tasks, tmp_path, capsys, monke
     monkeypatch.delitem(sys.modules, "gptlite.evaluate.lm_harness", raising=False)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
     assert "needs EleutherAI's lm-eval harness: pip install -e '.[eval]'" in error("--task=lm_eval:tiny_mc")
+
+
+def test_a_task_name_gets_a_close_name_only():
+    """'did you mean' names a task a letter or two away, or one the name begins; else nothing (difflib's default
+    cutoff offered 'injongointent_tasks' for 'nonexistent_task')."""
+    from gptlite.evaluate.lm_harness import close_name
+
+    known = ["injongointent_tasks", "hellaswag", "lambada_openai", "lambada_standard", "arc_easy", "tiny_mc"]
+    assert close_name("nonexistent_task", known) is None
+    assert close_name("hellaswg", known) == "hellaswag"
+    assert close_name("tiny_mcc", known) == "tiny_mc"
+    assert close_name("lambada", known) == "lambada_openai"
+
+
+def test_an_unknown_task_of_lm_evals_own_index_suggests_nothing_far():
+    """The issue's case against lm-eval's whole index of tasks: no suggestion for a name like no task's."""
+    from gptlite.evaluate.lm_harness import task_manager
+
+    with pytest.raises(ValueError, match="lm_eval:nonexistent_task: lm-eval knows no task of that name; \\(`lm-eval"):
+        task_manager(["nonexistent_task"])

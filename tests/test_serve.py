@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from gptlite.serve.__main__ import ServeOptions
 from gptlite.serve.guard import Policy
@@ -176,6 +177,41 @@ BAD_INPUTS = {  # name: (path, body (a dict is sent as JSON), status, the error'
         "not in this char",
     ),
     "unknown path": ("/v1/embeddings", {}, 404, None, "Not Found"),
+    "a logit_bias key of a superscript digit": (  # str.isdigit takes it, int() does not: was a 500
+        "/v1/completions",
+        {**GOOD, "logit_bias": {"\u00b2": 1}},
+        400,
+        "logit_bias",
+        "logit_bias: '\u00b2' is not a token id of this model (0 to 96)",
+    ),
+    "a logit_bias key of another script's digit": (  # int() took it as 3: now refused as OpenAI's ids are ASCII
+        "/v1/completions",
+        {**GOOD, "logit_bias": {"\u0663": 1}},
+        400,
+        "logit_bias",
+        "is not a token id of this model",
+    ),
+    "an empty prompt on a tokenizer without end-of-text": (
+        "/v1/completions",
+        {**GOOD, "prompt": ""},
+        400,
+        "prompt",
+        "this model's char tokenizer has no end-of-text token to start a document with; give at least one character",
+    ),
+    "an empty prompt echoed and scored": (
+        "/v1/completions",
+        {**GOOD, "prompt": "", "echo": True, "logprobs": 1},
+        400,
+        "prompt",
+        "no end-of-text token",
+    ),
+    "token ids past the vocabulary": (
+        "/v1/completions",
+        {**GOOD, "prompt": [5, 97]},
+        400,
+        "prompt",
+        "prompt[1]: token id 97 is not in this model's vocabulary of 97 ids (0 to 96); send ids below 97",
+    ),
 }
 
 
@@ -187,6 +223,68 @@ def test_bad_input_gets_its_4xx_and_the_server_goes_on(served, client, name):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and phrase in error["message"]
     assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+
+
+def model_logprobs(served, ids: list[int]) -> torch.Tensor:
+    """The model's log-probabilities of the token after `ids` (V,), from a plain forward."""
+    with torch.no_grad():
+        logits, _ = served.model(torch.tensor([ids], device=served.model.tok_emb.weight.device))
+    return torch.log_softmax(logits[0, -1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("prompt", ["h", [5]])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_a_one_token_prompt(served, prompt, stream):
+    """A one-token prompt has no token to score but its first (None, as OpenAI lists it); its completion's token has
+    the model's own log-probability. Was a 500 (IndexError: an empty list of ids made a float tensor)."""
+    body = {**GOOD, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0, "stream": stream}
+    r = post(served, "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        logprobs = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+        tokens = [t for lp in logprobs for t in lp["tokens"]]
+        values = [v for lp in logprobs for v in lp["token_logprobs"]]
+    else:
+        choice = r.json()["choices"][0]
+        text, tokens, values = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+    ids = served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    first = served.tokenizer.decode(ids)
+    expected = model_logprobs(served, ids)
+    chosen = int(expected.argmax())
+    assert text == first + served.tokenizer.decode([chosen]) and tokens == [first, served.tokenizer.decode([chosen])]
+    assert values[0] is None and values[1] == pytest.approx(expected[chosen].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_generates_nothing(served, stream):
+    """echo with max_tokens 0 is the prompt alone: no token generated, completion_tokens 0 (it generated one)."""
+    body = {**GOOD, "prompt": "hi there", "max_tokens": 0, "echo": True, "stream": stream}
+    body |= {"stream_options": {"include_usage": True}} if stream else {}
+    r = post(served, "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        reason = [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]
+        use = events[-1]["usage"]
+    else:
+        (choice,) = r.json()["choices"]
+        text, reason, use = choice["text"], choice["finish_reason"], r.json()["usage"]
+    assert (text, reason) == ("hi there", "length")
+    assert (use["prompt_tokens"], use["completion_tokens"]) == (8, 0)
+    scored = post(served, "/v1/completions", json={**body, "stream": False, "logprobs": 0}).json()["choices"][0]
+    assert scored["text"] == "hi there" and scored["logprobs"]["tokens"] == list("hi there")
+
+
+@pytest.mark.parametrize("sampling", [{"top_p": 1e-300}, {"temperature": 1e-300}, {"temperature": 1e-45}])
+def test_a_vanishing_top_p_or_temperature_samples_the_most_likely_token(served, sampling):
+    """top_p 1e-300 is 0 in float32, and dropped even the most likely token; temperature 1e-300 sent the logits past
+    float's range (NaN): each was a 500. Both are greedy in the limit, and now sample the greedy text."""
+    r = post(served, "/v1/completions", json={**GOOD, "prompt": "ROMEO:", "max_tokens": 10, "seed": 1, **sampling})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == served.greedy("ROMEO:", 10)
 
 
 def test_the_openai_client_raises_on_a_4xx(client):
@@ -283,6 +381,23 @@ def test_a_huge_body_is_refused_before_it_is_read(served, client):
     chunks = (b"x" * 2**16 for _ in range(65))  # the last chunk crosses 4 MB
     r = post(served, "/v1/completions", content=chunks, headers=JSON)
     assert r.status_code == 413 and "is over this server's limit of 4 MB" in r.json()["error"]["message"]
+    assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+def test_a_client_still_sending_a_huge_body_reads_its_413(served, client, path):
+    """A client that goes on sending a 10 MB body after the server has answered its Content-Length with a 413 (as
+    an HTTP client does: it reads the response once its body is sent) can send it and then read the 413, where the
+    server's close with the client's bytes unread once reset the connection under it (a broken pipe, "connection
+    reset")."""
+    conn = raw(served, headers(path, 10_000_000) + b"x" * 2**16)
+    time.sleep(0.3)  # the server has answered (and once closed: this sendall then failed with a broken pipe)
+    conn.sendall(b"x" * 4_000_000)
+    status, body = response(conn)
+    assert status == 413
+    assert_openai_error(body, "the request body is 9.5 MB, over this server's limit of 4 MB (its --max_body_mb)")
+    r = post(served, path, content=b'{"prompt": "' + b"x" * 10_000_000 + b'"}', headers=JSON)  # an HTTP client's
+    assert r.status_code == 413 and r.headers["connection"] == "close"
     assert client.completions.create(**GOOD).choices[0].finish_reason == "length"
 
 
@@ -452,6 +567,111 @@ def test_chat_without_a_template_is_a_400_that_says_so(served, client, monkeypat
     with pytest.raises(openai.BadRequestError, match="has no chat template"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     assert client.models.list().data[0].chat is False
+
+
+class GPT2Served:
+    """A tiny model served with GPT-2's tiktoken tokenizer, which has no chat template, and `vocab_size` ids."""
+
+    def __init__(self, vocab_size: int = 50257, tokenizer=None):
+        from gptlite.serve.app import create_app
+        from gptlite.serve.engine import Engine
+        from gptlite.tokenizer import get_tokenizer
+        from tests.conftest import shared_file, tiny_model
+        from tests.serving import Running
+
+        self.tokenizer = tokenizer or get_tokenizer(str(shared_file("tokenizers/gpt2.tiktoken")))
+        self.model = tiny_model(vocab_size=vocab_size, block_size=64)
+        self.engine = Engine(self.model, self.tokenizer, max_batch=2).start()
+        self.running = Running(create_app(self.engine, self.tokenizer, MODEL))
+        self.url = self.running.url
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json={"model": MODEL, **body}, timeout=60)
+
+    def close(self) -> None:
+        try:
+            self.running.stop()
+        finally:
+            self.engine.close()
+
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def test_messages_on_a_base_model_without_a_template_are_a_400_and_leave_its_tokenizer_alone():
+    """/tokenize with messages once gave the tokenizer ChatML (apply_chat_template's default), adding <|im_start|>
+    and <|im_end|> as ids 50257 and 50258, past a GPT-2 base's vocabulary: the chat route then rendered them and the
+    model's embedding failed (a 500, IndexError). Both routes refuse messages for a tokenizer without a template."""
+    s = GPT2Served()
+    try:
+        for path in ("/tokenize", "/v1/chat/completions", "/tokenize", "/v1/chat/completions"):
+            r = s.post(path, {"messages": MESSAGES, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template", r.text
+            assert_openai_error(r.json(), f"the model '{MODEL}' has no chat template, so it cannot render messages")
+        assert s.tokenizer.vocab_size == 50257 and s.tokenizer.added == {} and s.tokenizer.chat_template is None
+        r = s.post("/tokenize", {"prompt": "<|im_start|>user"})
+        assert r.status_code == 200 and max(r.json()["tokens"]) < 50257
+    finally:
+        s.close()
+
+
+def test_ids_a_tokenizer_has_past_the_models_vocabulary_are_a_400():
+    """A tokenizer whose chat markers were added past the vocabulary of the model it serves (ChatML given to GPT-2's
+    tokenizer, a model of 50257 ids): every route that would feed the model such an id says which, and the
+    vocabulary, instead of an IndexError from the embedding."""
+    from gptlite.tokenizer import get_tokenizer
+    from tests.conftest import shared_file
+
+    tokenizer = get_tokenizer(str(shared_file("tokenizers/gpt2.tiktoken")))
+    tokenizer.use_default_template()  # ChatML: <|im_start|> 50257, <|im_end|> 50258
+    s = GPT2Served(50257, tokenizer)
+    try:
+        past = "the chat template gave token id 50257 '<|im_start|>' (at 0), which is past this model's vocabulary "
+        past += "of 50257 ids (0 to 50256): the tokenizer has ids the model was not trained with"
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = s.post(path, {"messages": MESSAGES})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert_openai_error(r.json(), past)
+        r = s.post("/v1/completions", {"prompt": [50258]})
+        assert r.status_code == 400
+        assert_openai_error(r.json(), "prompt[0]: token id 50258 is not in this model's vocabulary of 50257 ids")
+        assert s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    finally:
+        s.close()
+
+
+def test_text_whose_ids_pass_the_models_vocabulary_is_a_400():
+    """A model with fewer ids than its tokenizer (50000 of GPT-2's 50257): a text prompt with a token past them."""
+    s = GPT2Served(50000)
+    try:
+        text = s.tokenizer.decode([50100])
+        assert s.tokenizer.encode(text) == [50100]
+        r = s.post("/v1/completions", {"prompt": "Hi" + text})
+        assert r.status_code == 400
+        assert_openai_error(r.json(), "prompt: the text became token id 50100")
+        assert_openai_error(r.json(), "which is past this model's vocabulary of 50000 ids (0 to 49999)")
+    finally:
+        s.close()
+
+
+def test_an_empty_prompt_starts_a_document_with_the_end_of_text_token():
+    """OpenAI's API: "if a prompt is not specified the model will generate as if from the beginning of a new
+    document", which begins with <|endoftext|> (as every document gptlite prepares does): the completion is the
+    model's greedy text after that token alone, which usage counts, echo shows and logprobs list."""
+    s = GPT2Served()
+    try:
+        eot = s.tokenizer.eot_id
+        r = s.post("/v1/completions", {"prompt": "", "max_tokens": 5, "temperature": 0, "echo": True, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        out = s.model.generate(torch.tensor([[eot]]), 5, temperature=0)
+        assert choice["text"] == "<|endoftext|>" + s.tokenizer.decode(out[0, 1:].tolist())
+        assert choice["logprobs"]["tokens"][0] == "<|endoftext|>" and choice["logprobs"]["token_logprobs"][0] is None
+        assert r.json()["usage"]["prompt_tokens"] == 1
+        same = s.post("/v1/completions", {"prompt": [eot], "max_tokens": 5, "temperature": 0, "echo": True})
+        assert same.json()["choices"][0]["text"] == choice["text"]
+    finally:
+        s.close()
 
 
 def test_the_page_is_served(served):

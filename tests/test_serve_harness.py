@@ -226,7 +226,7 @@ def test_the_tokenizer_endpoints_speak_vllms_shapes(server):
     "path, body, status, phrase",
     [
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-        ("/v1/completions", {"prompt": [1, 50257]}, 400, "token id 50257 is not in the vocabulary"),
+        ("/v1/completions", {"prompt": [1, 50257]}, 400, "token id 50257 is not in this model's vocabulary"),
         ("/v1/completions", {"prompt": [[5], []]}, 400, "empty list of token ids"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens=0 generates nothing"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs"),

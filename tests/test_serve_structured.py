@@ -174,6 +174,10 @@ def test_inside_a_string_every_text_token_is_allowed_and_no_special_or_padded_on
     assert len(allowed) > 0.5 * tokenizer.vocab_size
 
 
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
 BAD_FORMATS = {  # name: (response_format, a phrase of the message)
     "an invalid schema": (
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
@@ -188,6 +192,40 @@ BAD_FORMATS = {  # name: (response_format, a phrase of the message)
     "not an object": ("json", "valid dictionary"),
     "no schema": ({"type": "json_schema"}, 'needs "json_schema"'),
     "a schema that is not an object": ({"type": "json_schema", "json_schema": {"schema": True}}, "valid dictionary"),
+    # what the grammar engine cannot take, refused before it sees it (gptlite.serve.schema): each was a 500, a panic
+    # or (the chain of $refs) a crash of the whole server
+    "a schema that is only itself": (schema_format({"$ref": "#"}), "refers to itself with no JSON in between (# -> #)"),
+    "$defs in a loop": (
+        schema_format({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+        "refers to itself with no JSON in between (#/$defs/a -> #/$defs/b -> #/$defs/a)",
+    ),
+    "an anyOf of only itself": (  # llguidance's "NoExtensionBias" at the first token, said in words
+        schema_format({"anyOf": [{"$ref": "#"}]}),
+        "the schema refers to itself with no JSON in between (a $ref or an anyOf that loops back to itself)",
+    ),
+    "a chain of 1,000 $refs": (
+        schema_format(
+            {
+                "$defs": {
+                    f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(1000)
+                }
+                | {"d1000": {"type": "integer"}},
+                "$ref": "#/$defs/d0",
+            }
+        ),
+        "the schema nests more than 64 subschemas deep at #/$defs/d31/properties/x",
+    ),
+    "nested counted repetitions": (
+        schema_format({"type": "string", "pattern": "^(a{1,1000}){1000}$"}),
+        "the pattern at #/pattern (^(a{1,1000}){1000}$) nests repetitions whose counts multiply to 1,000,000, over "
+        "this server's limit of 500",
+    ),
+    "a 1.3 MB schema": (
+        schema_format(
+            {"type": "object", "properties": {f"p{i}": {"enum": [f"v{i}_{j}" for j in range(20)]} for i in range(5000)}}
+        ),
+        "characters of JSON, over this server's limit of 262,144; send a smaller schema",
+    ),
 }
 
 
@@ -298,6 +336,72 @@ def test_a_failing_matcher_ends_its_request_alone(monkeypatch):
     assert results[1][1] == "stop"
     jsonschema.validate(json.loads(results[1][0]), SCHEMA)
     assert results[2] == (greedy(model, tokenizer, prompt, 10), "length", None)
+
+
+def test_a_grammar_that_fails_midway_is_a_400_naming_response_format(server, monkeypatch):
+    """The grammar engine failing after the output began (as a pattern's lexer that grows past its limit does) is
+    the request's fault, said as a 400, not a 500; its neighbours and the next request are served."""
+    from gptlite.serve.grammar import GrammarError
+
+    fmt = server.app.state.server.grammars.compile("json_schema", SCHEMA)
+    make = fmt.matcher
+
+    def matcher():
+        m = make()
+        consume = m.consume
+
+        def consume_then_fail(token: int) -> None:
+            consume(token)
+            raise GrammarError("response_format: a pattern or a length in the schema is too complex; simplify it")
+
+        m.consume = consume_then_fail
+        return m
+
+    monkeypatch.setattr(fmt, "matcher", matcher)
+    r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 20, "response_format": JSON_SCHEMA})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and error["type"] == "invalid_request_error"
+    assert error["message"] == "response_format: a pattern or a length in the schema is too complex; simplify it"
+    monkeypatch.undo()
+    (ok,) = choices(server, False, {"response_format": JSON_SCHEMA, "max_tokens": 200, "seed": 5})
+    assert ok["finish_reason"] == "stop"
+
+
+def test_a_panic_of_the_grammar_engine_never_reaches_the_request(caplog):
+    """llguidance catches its Rust panics and reports them as its error text: the request is told the engine failed
+    on its schema, and the server's log keeps the panic."""
+    from gptlite.serve.grammar import plain
+
+    with caplog.at_level("WARNING", logger="uvicorn.error"):
+        text, explained = plain("panic: assertion failed: bytes.len() <= ExprRef::MAX_BYTE_CONCAT\n<backtrace>...")
+    assert "panic" not in text and "assertion" not in text and explained
+    assert text.startswith("the grammar engine failed on this schema (an internal error, in the server's log)")
+    assert "llguidance failed: panic: assertion failed: bytes.len()" in caplog.text
+    assert plain("Unknown format: panic") == ("Unknown format: panic", False)
+    assert plain("lexer error: too many expressions constructed")[0].startswith("a pattern or a length in the schema")
+
+
+def test_the_schema_check_passes_recursion_that_writes_json():
+    """Recursion through properties or items (a tree), left recursion with another branch, a pattern with one
+    large count or nested small ones: all compile, and the engine follows them."""
+    from gptlite.serve.schema import check_schema
+
+    tree = {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}}}
+    schemas = [
+        tree | {"$ref": "#/$defs/n"},
+        {"anyOf": [{"$ref": "#"}, {"type": "integer"}]},
+        {"type": "object", "additionalProperties": {"$ref": "#"}},
+        {"type": "string", "pattern": "^[a-z]{1,100000}$"},
+        {"type": "string", "pattern": "^((25[0-5]|2[0-4][0-9]|1?[0-9]{1,2})\\.){3}(25[0-5]|2[0-4][0-9]|1?[0-9]{1,2})$"},
+        {"type": "string", "pattern": "^((a{1,7}){7}){7}$"},
+        {"type": "string", "pattern": "(("},  # Python cannot parse it: llguidance says what is wrong
+    ]
+    for schema in schemas:
+        check_schema(schema)
+    grammars = Grammars(TemplateTokenizer(CHARS), 97, ())
+    for schema in schemas[:-1]:
+        grammars.compile("json_schema", schema).matcher().first_mask()
 
 
 def test_grammars_refuse_a_bad_schema_in_one_line():

@@ -146,7 +146,9 @@ def check(args: EvaluateOptions) -> tuple[list[str], list[str]]:
         problems.append("--task=rl needs --rl_prompts=FILE.jsonl and --reward=gsm8k|exact|module:function")
     if args.rl_temperature <= 0:
         problems.append(f"--rl_temperature={args.rl_temperature} must be > 0 (pass@1 is scored greedily besides)")
-    if args.text and not Path(args.text).is_file():
+    if args.text and Path(args.text).is_dir():
+        problems.append(f"--text={args.text} is a folder; give a text file (or --data_dir=DIR for prepared shards)")
+    elif args.text and not Path(args.text).is_file():
         problems.append(f"text file {args.text} does not exist")
     if args.include_path and not Path(args.include_path).is_dir():
         problems.append(f"--include_path={args.include_path} is not a folder; give the folder of your task YAML files")
@@ -296,6 +298,11 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[
         from gptlite.data import check_vocab, find_shards, read_shard
 
         data_dir = args.data_dir or load_checkpoint(args.out_dir)["config"]["data_dir"]
+        if not data_dir:  # (a checkpoint made by hand, not by train.py, which always names its data)
+            raise ValueError(
+                f"--task=val: the run {args.out_dir} names no data_dir in its checkpoint's config; give "
+                "--data_dir=DIR (prepared shards) or --text=FILE"
+            )
         files = find_shards(data_dir, "val")
         check_vocab(files, model.config.vocab_size, fix="score data prepared with the model's own tokenizer")
         streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]

@@ -54,13 +54,24 @@ def task_manager(names: list[str], include_path: str = "") -> TaskManager:
     known = manager.all_tasks
     unknown = [n for n in names if n not in known]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
+        close = close_name(unknown[0], known)
+        hint = f"did you mean '{close}'? " if close else ""
         raise ValueError(
             f"--task=lm_eval:{unknown[0]}: lm-eval knows no task of that name; {hint}(`lm-eval ls tasks` lists them; "
             "--include_path=DIR adds your own task YAML files)"
         )
     return manager
+
+
+def close_name(name: str, known: list[str]) -> str | None:
+    """The task name a typo most likely meant: one that differs by a letter or two (difflib's ratio of at least 0.8:
+    'hellaswg' -> 'hellaswag'; its default of 0.6 took 'nonexistent_task' for 'injongointent_tasks'), else the
+    shortest that extends the name ('lambada' -> 'lambada_openai'), else None."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    if close:
+        return close[0]
+    longer = sorted((k for k in known if k.startswith(name + "_")), key=len)
+    return longer[0] if longer else None
 
 
 def evaluate_tasks(

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from gptlite.serve.engine import Job, Params, Piece
-from gptlite.serve.grammar import Format, Grammars
+from gptlite.serve.grammar import Format, GrammarError, Grammars
 from gptlite.serve.guard import Guard, Policy, read_json
 from gptlite.serve.protocol import (
     UNSUPPORTED_IN_CHAT,
@@ -126,27 +126,47 @@ class Server:
         body.stops()
 
     def encode(self, text: str) -> list[int]:
-        """A prompt's ids; an empty prompt starts from the end-of-text token (else id 0), as sample.py does."""
-        eot = self.tokenizer.eot_id
+        """A prompt's ids. An empty prompt is the start of a document, the end-of-text token, as OpenAI's API defines
+        it ("if a prompt is not specified the model will generate as if from the beginning of a new document") and as
+        every document gptlite prepares begins: usage counts that token, echo shows it and logprobs list it. A
+        tokenizer without one (char, byte) has nothing to start from: a 400."""
         try:
-            return self.tokenizer.encode(text) or [eot if eot is not None else 0]
+            ids = self.tokenizer.encode(text)
         except ValueError as e:  # e.g. a character a char tokenizer never saw
             raise APIError(400, str(e), "prompt") from None
+        if ids:
+            return ids
+        if self.tokenizer.eot_id is None:
+            raise APIError(
+                400,
+                f"prompt is empty, and this model's {self.tokenizer.kind} tokenizer has no end-of-text token to "
+                "start a document with; give at least one character",
+                "prompt",
+            )
+        return [self.tokenizer.eot_id]
 
-    def check_ids(self, ids: list[int], param: str) -> list[int]:
-        """Token ids a request sent, each one the tokenizer has."""
+    def check_ids(self, ids: list[int], param: str, source: str = "") -> list[int]:
+        """Token ids a request sent, or that its text became (`source` says how), each one the model can read and
+        the tokenizer has: a 400 naming the first that is not, and the vocabulary."""
         vocab = self.engine.vocab
-        for i, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise APIError(
-                    400, f"{param}[{i}]: token id {token} is not in the vocabulary (ids 0 to {vocab - 1})", param
-                )
-        return ids
+        if not ids or (0 <= min(ids) and max(ids) < vocab):
+            return ids
+        i, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+        held = f"this model's vocabulary of {vocab} ids (0 to {vocab - 1})"
+        if not source:
+            raise APIError(400, f"{param}[{i}]: token id {token} is not in {held}; send ids below {vocab}", param)
+        text = self.tokenizer.decode([token]) if token < self.tokenizer.vocab_size else ""
+        raise APIError(
+            400,
+            f"{param}: {source} token id {token} {text!r} (at {i}), which is past {held}: the tokenizer has ids the "
+            "model was not trained with; serve the model with the tokenizer it was trained with",
+            param,
+        )
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A prompt's ids: text encoded, token ids checked (an empty list of ids is an error)."""
         if isinstance(prompt, str):
-            return self.encode(prompt)
+            return self.check_ids(self.encode(prompt), "prompt", "the text became")
         if not prompt:
             raise APIError(400, "prompt holds an empty list of token ids; give at least one", "prompt")
         return self.check_ids(prompt, "prompt")
@@ -171,11 +191,22 @@ class Server:
             raise APIError(400, str(e), "prompt") from None
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The messages' ids through the tokenizer's chat template, ending where the assistant's reply begins."""
+        """The messages' ids through the tokenizer's chat template, ending where the assistant's reply begins; a 400
+        for a tokenizer without a template (the tokenizer's apply_chat_template would give it ChatML, adding markers
+        past the vocabulary the model was trained with) and for any id the model cannot read."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(
+                400,
+                f"the model '{self.model_name}' has no chat template, so it cannot render messages; send a plain "
+                "prompt (to /v1/completions, or as /tokenize's prompt)",
+                "messages",
+                "no_chat_template",
+            )
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except ValueError as e:  # a template's own rules (e.g. roles that must alternate), or an unknown character
             raise APIError(400, str(e), "messages") from None
+        return self.check_ids(ids, "messages", "the chat template gave")
 
     def stop_tokens(self) -> tuple[int, ...]:
         """Ids that end a completion: end of text, and the end of a turn where the tokenizer has one."""
@@ -190,12 +221,9 @@ class Server:
             return None
         try:
             return self.grammars.compile(wanted.type, wanted.json_schema.schema_ if wanted.json_schema else None)
-        except ValueError as e:
-            raise APIError(
-                400,
-                f"response_format.json_schema.schema: {e}; send a JSON schema this server can follow",
-                "response_format",
-            ) from None
+        except GrammarError as e:
+            fix = "" if e.explained else "; send a JSON schema this server can follow"
+            raise APIError(400, f"response_format.json_schema.schema: {e}{fix}", "response_format") from None
 
     def jobs(
         self, body: GenerationRequest, prompts: list[list[int]], param: str, response_format: Format | None = None
@@ -269,7 +297,10 @@ class Server:
         self.in_flight += k
 
     def failed(self, piece: Piece) -> APIError:
-        """A piece's error as the request's: a 503 once the engine has stopped for good, else a 500."""
+        """A piece's error as the request's: a 400 where its response_format's grammar failed, a 503 once the engine
+        has stopped for good, else a 500."""
+        if piece.invalid:
+            return APIError(400, piece.error or "", "response_format")
         status = 503 if self.engine.failure is not None else 500
         return APIError(status, piece.error or "", None, None, "server_error")
 
@@ -484,14 +515,6 @@ def create_app(
             if (body.model_extra or {}).get(name) not in (None, False, 0):
                 raise APIError(400, f"{name} is not supported by this server's chat route; leave it out", name)
         server.check(body, 1)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise APIError(
-                400,
-                f"the model '{model_name}' has no chat template, so it cannot render messages; use "
-                "/v1/completions with a plain prompt",
-                "messages",
-                "no_chat_template",
-            )
         prompt = await asyncio.to_thread(server.render, [m.as_dict() for m in body.messages])
         return await server.respond(request, body, [prompt], chat=True, param="messages")
 

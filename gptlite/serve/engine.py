@@ -23,8 +23,8 @@ without one skip all of that. `emit` is called on the engine's thread
 with a `Piece` for every token: the new text (UTF-8 safe, cut before a stop string) and, on the last piece,
 why the request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives')
 under the model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its
-prefill (a job with max_tokens 0 gets only those; one with max_tokens 1 takes its token from that forward and
-needs neither prefill nor row).
+prefill (a job with max_tokens 0 gets only those, and no token at all without logprobs; one with max_tokens 1 takes
+its token from that forward and needs neither prefill nor row).
 
 No request stops the engine: an exception while a request is admitted (its seed, its prefill) ends that request
 with finish_reason "error", one in a decode step ends the requests that step ran, and the engine goes on with
@@ -48,6 +48,7 @@ from gptlite.cpu_decode import packed_for_cpu
 from gptlite.generate import TextStream
 from gptlite.kvcache import decode_step
 from gptlite.sampling import mask_vocab, sample_next
+from gptlite.serve.grammar import GrammarError
 from gptlite.serve.prefix import BLOCK as PREFIX_BLOCK
 from gptlite.serve.prefix import PrefixCache
 from gptlite.serve.rows import RowCache
@@ -103,6 +104,7 @@ class Piece:
     tokens: int  # tokens generated so far
     finish_reason: str | None = None
     error: str | None = None
+    invalid: bool = False  # the error is the request's own (its response_format's grammar failed): a 400, not a 500
     logprobs: list[TokenLogprob] = field(default_factory=list)  # this piece's token's, with Params.logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, on the first piece, with Params.echo
 
@@ -264,7 +266,7 @@ class Engine:
             job = self.waiting.popleft()  # a deque's ends are thread-safe: submit appends meanwhile
             if job.cancelled:
                 continue
-            if job.params.echo and job.params.logprobs is not None:
+            if (job.params.echo and job.params.logprobs is not None) or job.params.max_tokens == 0:
                 self.admit(job)
             else:
                 batch.append(job)
@@ -406,7 +408,7 @@ class Engine:
             if row.matcher is not None:  # a response_format: only the tokens its grammar allows next
                 try:
                     own = row.matcher.constrain(own)
-                except ValueError as e:  # the matcher failed: its request ends, alone
+                except ValueError as e:  # the matcher failed (a GrammarError): its request ends, alone
                     self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
                     self.fail([row], e)
                     continue
@@ -429,7 +431,7 @@ class Engine:
         if row.matcher is not None:
             try:
                 row.matcher.consume(token)
-            except ValueError as e:  # the matcher failed: its request ends, alone
+            except ValueError as e:  # the matcher failed (a GrammarError): its request ends, alone
                 self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
                 self.fail([row], e)
                 return
@@ -449,11 +451,13 @@ class Engine:
             row.job.emit(Piece(text, row.generated, reason, logprobs=logprobs, prompt_logprobs=prompt))
 
     def fail(self, rows: list[Row], error: Exception) -> None:
-        """End these rows' jobs with the error's message; the engine goes on."""
-        message = describe(error)
+        """End these rows' jobs with the error's message; the engine goes on. A grammar's failure is the request's
+        own (its schema), said in the grammar's plain words."""
+        invalid = isinstance(error, GrammarError)
+        message = str(error) if invalid else describe(error)
         for row in rows:
             if not row.finished and not row.job.cancelled:
-                row.job.emit(Piece("", row.generated, "error", message))
+                row.job.emit(Piece("", row.generated, "error", message, invalid))
             row.finished = True
             row.failed = True
 
@@ -510,7 +514,10 @@ def adjust(logits: torch.Tensor, row: Row) -> None:
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """The log-probability of tokens[i] in row i of `logprobs` (len(tokens), V), and the row's `top` most likely
     tokens with theirs."""
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    rows = torch.arange(len(tokens), device=logprobs.device)
+    # long, said: a one-token prompt scores no token, and torch.tensor([]) would be float
+    ids = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs[rows, ids].tolist()
     values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[:, :0], logprobs[:, :0].long())
     return [
         TokenLogprob(token, value, tuple(zip(row_ids, row_values, strict=True)))

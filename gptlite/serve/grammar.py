@@ -9,11 +9,17 @@ docs/serve.md has the measurements behind the choice.
 
 A `Grammars` (one per server) compiles a response_format into a `Format`, cached by the format's JSON text; each
 row that asks for it gets its own `Matcher`, a copy of the Format's matcher at the start of the grammar.
+
+Every failure of the grammar engine is a `GrammarError`, with a plain message: a schema is checked before llguidance
+sees it (gptlite.serve.schema), the first token's mask is computed when the format is compiled (where llguidance
+reports a schema it cannot follow), llguidance's terse messages are said in words, and a panic of its native code
+never reaches a request's error, only the server's log.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -23,12 +29,35 @@ import llguidance
 import numpy as np
 import torch
 
+from gptlite.serve.schema import check_schema
+
 if TYPE_CHECKING:
     from gptlite.tokenizer import Tokenizer
 
 CACHED_FORMATS = 256  # compiled formats kept, the least recently used dropped first
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON (`{"a":1}`): no run of spaces a model could ramble in
 END_TEXT = b"<|gptlite:end|>"  # the end-of-output token the grammar needs, for a tokenizer that has none
+log = logging.getLogger("uvicorn.error")  # the server's log
+PLAIN = {  # a phrase of llguidance's message -> what it means for the schema, and the fix
+    "NoExtensionBias": (
+        "the schema refers to itself with no JSON in between (a $ref or an anyOf that loops back to itself), so no "
+        "output can follow it; give the loop a type, or put the recursion inside properties or items"
+    ),
+    "too many expressions constructed": (
+        "a pattern or a length in the schema is too complex for the grammar engine (nested repetitions such as "
+        "(a{1,100}){100}); simplify it"
+    ),
+    "schema too large": "the schema is too large for the grammar engine; send a smaller schema",
+}
+
+
+class GrammarError(ValueError):
+    """The grammar engine cannot follow a response_format: the request's fault (a 400), with a plain message;
+    `explained` says whether the message already says the fix (llguidance's own messages say only the problem)."""
+
+    def __init__(self, message: str, explained: bool = True):
+        super().__init__(message)
+        self.explained = explained
 
 
 class Grammars:
@@ -57,7 +86,7 @@ class Grammars:
 
     def compile(self, kind: str, schema: dict[str, Any] | None = None) -> Format | None:
         """The Format of a response_format's type ("text": None, "json_object", "json_schema" with its schema);
-        ValueError naming the problem for a schema llguidance refuses."""
+        GrammarError naming the problem for a schema that gptlite.serve.schema or llguidance refuses."""
         if kind == "text":
             return None
         if kind == "json_object":
@@ -67,16 +96,24 @@ class Grammars:
             if key in self.formats:
                 self.formats.move_to_end(key)
                 return self.formats[key]
+        try:
+            check_schema(schema)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
         try:  # llguidance tokenizes the text a grammar forces (keys, enums) with the tokenizer, which must spell it
             self.tokenizer.encode(json.dumps(schema, ensure_ascii=False))
         except ValueError as e:  # a char tokenizer's unknown character
-            raise ValueError(f"this model's tokenizer cannot spell the schema's text ({e})") from None
+            raise GrammarError(f"this model's tokenizer cannot spell the schema's text ({e})", False) from None
         tokenizer = self.ll_tokenizer()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as e:  # e.g. a number JSON cannot hold ("Value is not JSON serializable: 1e400")
+            raise GrammarError(*plain(str(e))) from None
         start = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if start.is_error():
-            raise ValueError(one_line(start.get_error()))
+            raise GrammarError(*plain(start.get_error()))
         compiled = Format(start, tokenizer.vocab_size)
+        compiled.matcher().first_mask()  # where llguidance finds what it cannot follow (a schema that is only itself)
         with self.lock:
             self.formats[key] = compiled
             while len(self.formats) > CACHED_FORMATS:
@@ -125,13 +162,22 @@ class Matcher:
         self.matcher = matcher
         self.bits = np.zeros((size + 31) // 32, dtype=np.int32)  # one bit per id of llguidance's tokenizer
 
+    def first_mask(self) -> None:
+        """Compute the tokens allowed first: GrammarError where the grammar engine cannot."""
+        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        if self.matcher.is_error():
+            raise GrammarError(*plain(self.matcher.get_error()))
+
     def constrain(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (1, V) with every token the grammar does not allow next at -inf: a new tensor."""
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         self.check()
         banned = np.unpackbits(~self.bits.view(np.uint8), bitorder="little")[: logits.size(-1)].view(np.bool_)
         if banned.all():
-            raise ValueError("the response_format's grammar allows no token of this model's vocabulary here")
+            raise GrammarError(
+                "response_format: the schema allows no token of this model's vocabulary here; send a schema whose "
+                "text this model's tokenizer can spell"
+            )
         return logits.masked_fill(torch.from_numpy(banned).to(logits.device), float("-inf"))
 
     def consume(self, token: int) -> None:
@@ -146,9 +192,24 @@ class Matcher:
 
     def check(self) -> None:
         if self.matcher.is_error():
-            raise ValueError(f"response_format: {one_line(self.matcher.get_error())}")
+            text, explained = plain(self.matcher.get_error())
+            fix = "" if explained else "; send a JSON schema this server can follow"
+            raise GrammarError(f"response_format: {text}{fix}")
 
 
-def one_line(message: str) -> str:
-    """llguidance's message on one line, without the parser state or backtrace it may append."""
-    return " ".join(re.split("<state>|<backtrace>", message)[0].split()) or "llguidance failed without a message"
+def plain(message: str) -> tuple[str, bool]:
+    """llguidance's message on one line, without the parser state or backtrace it may append, said in words where it
+    is terse (PLAIN), and whether it says the fix; a panic of its native code is logged, and the request told only
+    that the engine failed."""
+    line = " ".join(re.split("<state>|<backtrace>", message)[0].split())
+    if re.search(r"(^|\W)panic(:|ked)", line):  # how Rust, and llguidance catching it, words a panic
+        log.warning("gptlite.serve: llguidance failed: %s", line)
+        return (
+            "the grammar engine failed on this schema (an internal error, in the server's log); send a smaller or "
+            "simpler schema",
+            True,
+        )
+    for phrase, meaning in PLAIN.items():
+        if phrase in line:
+            return meaning, True
+    return line or "the grammar engine failed without a message", False

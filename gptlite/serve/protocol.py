@@ -120,7 +120,7 @@ class GenerationRequest(BaseModel):
         """logit_bias as (id, bias) pairs, each id in the vocabulary and each bias in -100..100 (a 400 else)."""
         out = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab:
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab:  # "²" and "٣" are digits to isdigit
                 raise APIError(
                     400, f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})", "logit_bias"
                 )
