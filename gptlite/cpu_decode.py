@@ -124,29 +124,38 @@ def make_kernel(name: str, linear: nn.Linear, rows: int) -> nn.Module:
     return PlainLinear(linear)
 
 
+COLD_BYTES = 128 << 20  # measured weights span at least this much memory, more than a CPU's last-level cache
+
+
 def measure(shape: tuple[int, int], rows: int, rounds: int = 5) -> dict[str, float]:
-    """Seconds a call of each kernel takes on `rows` rows of a random (N, K) float32 weight: the best of `rounds`
-    rounds of a few calls (about 4M weights' worth), the kernels taking turns within each round so that a burst of
-    other work slows all of them alike. The slab kernel is measured at one row only (it runs several rows through
-    F.linear). For GPT-2-124M's five shapes at one row this takes about a second."""
+    """Seconds a call of each kernel takes on `rows` rows of a random (N, K) float32 weight, as decoding calls it: a
+    model's weights are far larger than the CPU's caches, so each layer's weight comes from memory. So each kernel
+    gets copies of the weight spanning COLD_BYTES and calls them in turn, each call reading a weight the caches have
+    since lost. The time is the best of `rounds` rounds over every copy, the kernels taking turns within each round
+    so that a burst of other work slows all of them alike. The slab kernel is measured at one row only (it runs
+    several rows through F.linear). For GPT-2-124M's five shapes, one row and eight, this takes a few seconds."""
     N, K = shape
-    calls = max(2, min(16, 4_000_000 // (N * K)))
-    linear = nn.Linear(K, N, bias=False)
-    with torch.no_grad():
-        linear.weight.normal_(0.0, 0.02)
+    copies = max(2, min(64, -(-COLD_BYTES // (N * K * 4))))  # the smallest layers packed (1 MiB) span 64 MiB
     names = [n for n in KERNELS if n != "slab" or rows == 1]
-    kernels = {n: make_kernel(n, linear, rows) for n in names}
+    kernels = {n: [] for n in names}
+    for _ in range(copies):
+        linear = nn.Linear(K, N, bias=False)
+        with torch.no_grad():
+            linear.weight.normal_(0.0, 0.02)
+        for name in names:
+            kernels[name].append(make_kernel(name, linear, rows))
     x = torch.randn(rows, K)
     best = dict.fromkeys(names, float("inf"))
     with torch.no_grad():
-        for kernel in kernels.values():
-            kernel(x)  # first calls allocate and pack
+        for each in kernels.values():
+            for kernel in each:
+                kernel(x)  # first calls allocate and pack
         for _ in range(rounds):
-            for name, kernel in kernels.items():
+            for name, each in kernels.items():
                 start = time.perf_counter()
-                for _ in range(calls):
+                for kernel in each:
                     kernel(x)
-                best[name] = min(best[name], (time.perf_counter() - start) / calls)
+                best[name] = min(best[name], (time.perf_counter() - start) / len(each))
     return best
 
 
