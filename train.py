@@ -39,6 +39,7 @@ from gptlite.checkpoint import (
     gather_training_state,
     git_commit,
     load_checkpoint,
+    load_source,
     load_training_state,
     nonfinite,
     run_checkpoint,
@@ -155,7 +156,7 @@ def train(
     # resumed.
     torch.manual_seed(cfg.seed)
     if cfg.init_from and (ckpt is None or "lora" in ckpt or objective.needs_reference):
-        model = GPT.from_pretrained(cfg.init_from, torch.float32, block_size=T, dropout=cfg.model.dropout)
+        model = load_source(cfg.init_from, torch.float32, block_size=T, dropout=cfg.model.dropout)
         model = model.train().to(device)
         added = cfg.model.vocab_size - model.config.vocab_size  # special tokens the data's tokenizer added
         if added > 0:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gptlite.checkpoint import load_checkpoint
+from gptlite.checkpoint import load_checkpoint, source_config
 from gptlite.cli import HelpRequested, config_help, parse_args
 from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -82,11 +82,10 @@ def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) ->
 
 
 def pretrained_values(init_from: str, values: dict[str, Any]) -> dict[str, Any]:
-    """The model keys of a pretrained checkpoint (its config.json only), after checking that `values` changes none
-    of them but block_size (which may be smaller) and dropout."""
-    from gptlite.hf import pretrained_config
-
-    pretrained = dict(vars(pretrained_config(init_from)))
+    """The model keys of what --init_from names (a run folder's checkpoint config, or a pretrained checkpoint's
+    config.json only), after checking that `values` changes none of them but block_size (which may be smaller) and
+    dropout."""
+    pretrained = dict(vars(source_config(init_from)))
     changed = [f"{k}={v} (the model has {old})" for k, v, old in model_changes(values, pretrained) if k != "block_size"]
     if changed:
         raise ValueError(

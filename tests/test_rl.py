@@ -502,3 +502,17 @@ def test_train_py_refuses_a_reward_or_prompts_it_cannot_use_in_one_line(toy, tmp
     run = run_train(*rl_args(folder, tmp_path / "b", max_iters=1), f"--rl_prompts={tmp_path / 'long.jsonl'}")
     assert run.code == 2 and "its prompt is 14 tokens, and block_size leaves 12 before rl_max_new_tokens" in run.error
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_resume_with_another_prompts_file_of_the_same_length_is_refused(toy, tmp_path):
+    """The checkpoint records a fingerprint of the prompts file: other prompts, even as many, are another run's."""
+    from tests.conftest import run_train
+
+    folder, _ = toy
+    first = run_train(*rl_args(folder, tmp_path / "rl", max_iters=2, eval_interval=2))
+    assert first.code == 0, first.err
+    other = write_jsonl(tmp_path / "other.jsonl", digit_prompts(2000, seed=9))
+    resumed = run_train(*rl_args(folder, tmp_path / "rl", max_iters=4, rl_prompts=other), "--resume")
+    assert resumed.code == 2 and "--rl_prompts names another prompts file than the run sampled from" in resumed.err
+    again = run_train(*rl_args(folder, tmp_path / "rl", max_iters=4, eval_interval=2), "--resume")
+    assert again.code == 0 and again.step == 4, again.err

@@ -19,7 +19,16 @@ from gptlite.checkpoint.file import (
     verify_checkpoint,
 )
 from gptlite.checkpoint.file import _HashingWriter as _HashingWriter  # the writer the tests fault (a full disk)
-from gptlite.checkpoint.inference import check_lora_base, load_model, lora_model, model_from_checkpoint
+from gptlite.checkpoint.inference import (
+    check_lora_base,
+    is_run,
+    load_model,
+    load_source,
+    lora_model,
+    model_from_checkpoint,
+    source_config,
+    source_fingerprint,
+)
 from gptlite.checkpoint.run_folder import (
     BEST_NAME,
     CHECKPOINT_NAME,
@@ -44,6 +53,10 @@ from gptlite.checkpoint.training_state import (
 )
 
 __all__ = [
+    "is_run",
+    "load_source",
+    "source_config",
+    "source_fingerprint",
     "check_same_data",
     "BEST_NAME",
     "CHECKPOINT_NAME",

@@ -1,18 +1,90 @@
-"""Loading a model to sample from, evaluate or export: a run's newest checkpoint (a LoRA run's adapters on their
-checked base weights) or pretrained weights, with its tokenizer."""
+"""Loading a model to sample from, evaluate, export or train on: a run's newest checkpoint (a LoRA run's adapters on
+their checked base weights) or pretrained weights, with its tokenizer.
+
+What `--init_from` names, for every command, is resolved here once (`is_run`, `source_config`, `load_source`,
+`source_fingerprint`): a gptlite run folder (its newest checkpoint; a LoRA run's adapters merged onto its base), a
+Hugging Face directory, or a hub name (gptlite.hf). So each stage of a pipeline (pretrain -> SFT -> DPO -> RL) takes
+the last one's run folder as it is, with no export in between."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 
-from gptlite.checkpoint.run_folder import load_checkpoint
+from gptlite.checkpoint.run_folder import CHECKPOINT_NAME, load_checkpoint, step_files
 from gptlite.config import GPTConfig, build_config
 from gptlite.lora import add_lora, merge_lora
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 from gptlite.tokenizer.huggingface import has_bpe_files
+
+
+def is_run(name: str) -> bool:
+    """Whether `name` is a folder that holds a gptlite run's checkpoint (ckpt_NNNNNN.pt or ckpt.pt)."""
+    path = Path(name)
+    return path.is_dir() and (bool(step_files(path)) or (path / CHECKPOINT_NAME).exists())
+
+
+def source_config(name: str, **overrides) -> GPTConfig:
+    """The GPTConfig of what --init_from names: a run folder's (from its checkpoint's config) or a pretrained
+    checkpoint's (its config.json only), with `block_size` (at most the model's, for learned positions) and
+    `dropout` overridden if given."""
+    if not is_run(name):
+        from gptlite.hf import pretrained_config
+
+        return pretrained_config(name, **overrides)
+    config = build_config(load_checkpoint(name)["config"]).model
+    check_overrides(config, overrides, name)
+    return GPTConfig(**{**vars(config), **overrides})
+
+
+def check_overrides(config: GPTConfig, overrides: dict, source: str) -> None:
+    """A model from `source` may take a smaller block_size and another dropout, nothing else; learned positions
+    stop at the block it learned."""
+    wrong = sorted(set(overrides) - {"block_size", "dropout"})
+    if wrong:
+        raise ValueError(f"{source}: the model fixes {', '.join(wrong)}; only block_size (smaller) and dropout change")
+    block_size = overrides.get("block_size", config.block_size)
+    if config.pos_emb == "learned" and block_size > config.block_size:
+        raise ValueError(
+            f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
+            f"use block_size <= {config.block_size}"
+        )
+
+
+def load_source(name: str, dtype: torch.dtype | None = None, **overrides) -> GPT:
+    """The model --init_from names, in eval mode: a run folder's newest checkpoint (a LoRA run merged onto its
+    base), or pretrained weights (GPT.from_pretrained), with `block_size` and `dropout` overridden if given (a
+    smaller block keeps the first positions of learned ones, as nanoGPT's crop does)."""
+    if not is_run(name):
+        return GPT.from_pretrained(name, dtype, **overrides)
+    ckpt = load_checkpoint(name)
+    model = model_from_checkpoint(ckpt)
+    config = source_config(name, **overrides)
+    if config != model.config:
+        state = model.state_dict()
+        if config.pos_emb == "learned":
+            state["pos_emb.weight"] = state["pos_emb.weight"][: config.block_size]
+        model = GPT(config)
+        model.load_state_dict(state)
+    model.source_architecture = ckpt["meta"].get("hf_architecture")  # how it exports back, if it came from one
+    return (model if dtype is None else model.to(dtype)).eval()
+
+
+def source_fingerprint(name: str) -> str:
+    """The sha256 of what --init_from names, which a LoRA run records of its base: a run folder's weights as
+    load_source gives them (name by name), or a pretrained checkpoint's files (gptlite.hf.fingerprint)."""
+    if not is_run(name):
+        from gptlite.hf import fingerprint
+
+        return fingerprint(name)
+    digest = hashlib.sha256()
+    for key, tensor in sorted(load_source(name).state_dict().items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
@@ -32,7 +104,7 @@ def lora_model(ckpt: dict, merge: bool = True) -> GPT:
     """The base model of a LoRA checkpoint with its adapters, merged into its weights (or as LoRALinear layers)."""
     lora, config = ckpt["lora"], build_config(ckpt["config"])
     check_lora_base(lora["base"], lora["sha256"], "this LoRA run")
-    model = GPT.from_pretrained(lora["base"], torch.float32, block_size=config.model.block_size)
+    model = load_source(lora["base"], torch.float32, block_size=config.model.block_size)
     add_lora(model, lora["rank"], lora["alpha"], 0.0, tuple(lora["targets"]))
     model.check_state({**model.state_dict(), **ckpt["model"]}, "the LoRA checkpoint")
     model.load_state_dict(ckpt["model"], strict=False)
@@ -40,13 +112,11 @@ def lora_model(ckpt: dict, merge: bool = True) -> GPT:
 
 
 def check_lora_base(base: str, sha256: str | None, run: str) -> str:
-    """The sha256 of the base weights in `base` (gptlite.hf.fingerprint), which a LoRA run records. A run's adapters
+    """The sha256 of the base weights in `base` (source_fingerprint), which a LoRA run records. A run's adapters
     only make sense on the weights they were trained on: when `sha256`, the one `run` recorded, differs, a
     ValueError; weights that cannot be read are a FileNotFoundError."""
-    from gptlite.hf import fingerprint
-
     try:
-        found = fingerprint(base)
+        found = source_fingerprint(base)
     except (OSError, ConnectionError) as e:
         raise FileNotFoundError(
             f"the LoRA run's base model {base} cannot be read ({e}); its adapters need it where --init_from named it"
@@ -76,7 +146,9 @@ def load_model(
 
 
 def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GPT, Tokenizer]:
-    if init_from:
+    if init_from and is_run(init_from):  # a run folder, named as --init_from: as --out_dir names it
+        out_dir = init_from
+    elif init_from:
         model = GPT.from_pretrained(init_from)
         if tokenizer:
             return model, tokenizer_from_spec(tokenizer)
