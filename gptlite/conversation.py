@@ -44,7 +44,7 @@ class Conversation:
         self.generator = generator
         self.max_new_tokens = max_new_tokens
         self.messages = [{"role": "system", "content": system}] if system else []
-        self.stops = {i for i in (tokenizer.end_of_turn_id, *getattr(tokenizer, "stop_ids", ())) if i is not None}
+        self.stops = set(tokenizer.end_ids())
         self.cache = new_cache(model, 1)
         self.fed: list[int] = []  # the tokens whose keys and values the cache holds
         self.reused = 0  # prompt tokens the last turn found in the cache

@@ -292,11 +292,6 @@ class Group:
     texts: list[str]
 
 
-def stop_ids(tokenizer: Tokenizer) -> list[int]:
-    """The tokens that end a completion: the end of a turn and the end of text, where the tokenizer has them."""
-    return sorted({t for t in (tokenizer.end_of_turn_id, tokenizer.eot_id) if t is not None})
-
-
 @torch.no_grad()
 def sample_group(
     model: GPT,
@@ -311,7 +306,7 @@ def sample_group(
     samples) in eval mode; the model's mode is restored after."""
     was_training = model.training
     model.eval()
-    stops = stop_ids(tokenizer)
+    stops = tokenizer.end_ids()  # the tokens that end a completion
     try:
         steps = list(
             generate_tokens(

@@ -105,9 +105,13 @@ def test_the_last_run_samples_evaluates_and_exports(chain, tmp_path):
     command("-m", "gptlite.evaluate", f"--out_dir={chain / 'rl'}", f"--json={scores}")
     assert json.loads(scores.read_text())
     command("-m", "gptlite.hf", "export", f"--out_dir={chain / 'rl'}", f"--hf_dir={tmp_path / 'hf'}")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    # one end of sequence for the chat model everywhere: the end of a turn first, then the end of text
+    im_end, eot = 2, 0  # the BPE trainer's ids for <|im_end|> and <|endoftext|>
+    assert hf.config.eos_token_id == hf.generation_config.eos_token_id == [im_end, eot]
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token == "<|im_end|>"
     ours = load_source(str(chain / "rl"))
     idx = torch.tensor([[1, 5, 9, 30]])
     with torch.no_grad():
@@ -117,6 +121,10 @@ def test_the_last_run_samples_evaluates_and_exports(chain, tmp_path):
         command(
             "-m", "gptlite.hf", "export", "--format=gguf", f"--out_dir={chain / 'rl'}", f"--out={out}", f"--type={kind}"
         )
+    import gguf
+
+    assert gguf.GGUFReader(tmp_path / "gguf" / "rl-f16.gguf").fields["tokenizer.ggml.eos_token_id"].contents() == im_end
+    assert 'PARAMETER stop "<|im_end|>"' in (tmp_path / "gguf" / "rl-f16.Modelfile").read_text()
     assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == [
         "rl-f16.Modelfile", "rl-f16.gguf", "rl-q8_0.Modelfile", "rl-q8_0.gguf"
     ]  # fmt: skip

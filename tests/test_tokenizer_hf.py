@@ -281,12 +281,16 @@ def test_a_trained_tokenizer_through_prepare_train_sample_evaluate_export(traine
         assert result.returncode == 0, (command, result.stderr)
     assert sorted(p.name for p in hf.iterdir()) == [
         "config.json",
+        "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
     assert_same_ids(load_tokenizer(trained), hf)
-    assert transformers.AutoModelForCausalLM.from_pretrained(hf).config.eos_token_id == 0
+    # one end of sequence everywhere: the end of a turn (<|im_end|>, 2) first, then the end of text (0)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert exported.config.eos_token_id == exported.generation_config.eos_token_id == [2, 0]
+    assert transformers.AutoTokenizer.from_pretrained(hf).eos_token == "<|im_end|>"
 
 
 def test_a_folder_with_gpt2s_vocab_and_merges_files_loads_as_transformers_reads_it(corpus, tmp_path):

@@ -36,11 +36,26 @@ def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConf
     return out
 
 
+def special_ids(tokenizer: Tokenizer | None) -> tuple[int | None, int | list[int] | None]:
+    """(bos_token_id, eos_token_id) for config.json and generation_config.json: eos is the tokenizer's end_ids (the
+    end of a turn first), one id or a list, as transformers' generate takes either."""
+    if tokenizer is None:
+        return None, None
+    stops = tokenizer.end_ids()
+    bos = tokenizer.bos_id if isinstance(tokenizer, HFTokenizer) else tokenizer.eot_id
+    return bos, (stops[0] if len(stops) == 1 else stops) if stops else None
+
+
+def generation_config(tokenizer: Tokenizer) -> dict:
+    """generation_config.json: what transformers' generate() stops at, and the id it pads finished rows with."""
+    bos, eos = special_ids(tokenizer)
+    stops = tokenizer.end_ids()
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": stops[-1] if stops else None}
+
+
 def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: Tokenizer | None) -> dict:
     """config.json for transformers."""
-    eos = tokenizer.eot_id if tokenizer is not None else None
-    bos = tokenizer.bos_id if isinstance(tokenizer, HFTokenizer) else eos
-    eos = tokenizer.eos_id if isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id is not None else eos
+    bos, eos = special_ids(tokenizer)
     common = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -130,6 +145,7 @@ def export_hf(
     files = {"config.json": json.dumps(hf_config(family, model.config, dtype, tokenizer), indent=2) + "\n"}
     if tokenizer is not None:
         files.update(hf_tokenizer_files(tokenizer, model.config.block_size))
+        files["generation_config.json"] = json.dumps(generation_config(tokenizer), indent=2) + "\n"
     directory = Path(directory)
     names = ["model.safetensors", *files]
     if directory.is_dir() and not overwrite:

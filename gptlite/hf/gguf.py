@@ -170,7 +170,7 @@ def tiktoken_vocab(tokenizer: TiktokenTokenizer, where: str) -> GGUFVocab:
         tokens[i] = text
     merges = [" ".join("".join(chars[b] for b in part) for part in pair) for pair in bpe_merges(ranks)]
     eot = tokenizer.eot_id
-    return GGUFVocab(tokens, set(specials), merges, "gpt-2", eot, eot, tokenizer.chat_template)
+    return GGUFVocab(tokens, set(specials), merges, "gpt-2", tokenizer.end_ids()[0], eot, tokenizer.chat_template)
 
 
 def hf_vocab(tokenizer: HFTokenizer, where: str) -> GGUFVocab:
@@ -199,8 +199,10 @@ def hf_vocab(tokenizer: HFTokenizer, where: str) -> GGUFVocab:
             specials.add(added["id"])
     tokens = [by_id.get(i, "") for i in range(max(by_id) + 1)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.eot_id
-    return GGUFVocab(tokens, specials, merges, pre, eos, tokenizer.bos_id, tokenizer.chat_template)
+    stops = tokenizer.end_ids()  # the end of a turn first: llama.cpp stops there, as sample.py --chat does
+    return GGUFVocab(
+        tokens, specials, merges, pre, stops[0] if stops else None, tokenizer.bos_id, tokenizer.chat_template
+    )
 
 
 def json_brief(value) -> str:

@@ -107,7 +107,8 @@ def hf_tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, str]:
     if isinstance(tokenizer, HFTokenizer):
         from gptlite.tokenizer.trainer import hf_files
 
-        return hf_files(tokenizer, max_length)
+        ends = tokenizer.end_ids()  # the end of a turn first: the eos that config.json and the GGUF name too
+        return hf_files(tokenizer, max_length, tokenizer.tok.id_to_token(ends[0]) if ends else None)
     ranks = tokenizer.enc._mergeable_ranks
     chars = bytes_to_unicode()
     text = lambda token: "".join(chars[b] for b in token)  # noqa: E731

@@ -210,8 +210,7 @@ class Server:
 
     def stop_tokens(self) -> tuple[int, ...]:
         """Ids that end a completion: end of text, and the end of a turn where the tokenizer has one."""
-        ids = (self.tokenizer.eot_id, getattr(self.tokenizer, "end_of_turn_id", None))
-        return tuple(i for i in ids if i is not None)
+        return tuple(self.tokenizer.end_ids())
 
     def response_format(self, body: GenerationRequest) -> Format | None:
         """The request's response_format, compiled (None for none, or "text"); a 400 for a schema that the grammar
@@ -522,7 +521,8 @@ def create_app(
     async def tokenizer_info() -> dict:
         texts = tokenizer.special_texts()
         eot = server.special_ids()
-        eos = texts.get("eos_token") or next((t for t, i in eot.items() if i == tokenizer.eot_id), None)
+        stops = tokenizer.end_ids()  # the end of a turn first: the eos every export of the model names
+        eos = next((t for t, i in eot.items() if stops and i == stops[0]), None) or texts.get("eos_token")
         return {
             "tokenizer_class": type(tokenizer).__name__,
             "eos_token": eos,

@@ -73,6 +73,15 @@ class Tokenizer:
         own = self.special_id(IM_END)
         return own if own is not None else getattr(self, "eos_id", None) or self.eot_id
 
+    def end_ids(self) -> list[int]:
+        """The ids that end a generated sequence, the end of a turn first: ChatML's <|im_end|> where the tokenizer
+        has it, the model's own stop tokens (a Hugging Face directory's generation_config.json), then its
+        end-of-sequence and end-of-text tokens. The one list that sample.py --chat, RL's rollouts, the server and
+        every export name (config.json's and generation_config.json's eos_token_id, the tokenizer files'
+        eos_token, the GGUF's eos), so that every runtime stops where sample.py --chat stops."""
+        ids = [self.end_of_turn_id, *getattr(self, "stop_ids", ()), getattr(self, "eos_id", None), self.eot_id]
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
     def encode_special(self, text: str, specials: dict[str, int] | None = None) -> tuple[list[int], list[int]]:
         """(ids, the character offset where each token starts) of text in which the added special tokens (or
         `specials`, text -> id) are special; ordinary text between them is encoded as `encode` does."""

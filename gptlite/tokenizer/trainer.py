@@ -82,14 +82,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, reserved: int = RESERVED) -
     return HFTokenizer(json.loads(tok.to_str()), bos=None, eos=EOT, chat_template=CHATML)
 
 
-def tokenizer_config(tokenizer: HFTokenizer, max_length: int | None = None) -> dict:
-    """tokenizer_config.json for transformers' AutoTokenizer (a PreTrainedTokenizerFast over tokenizer.json)."""
+def tokenizer_config(tokenizer: HFTokenizer, max_length: int | None = None, eos: str | None = None) -> dict:
+    """tokenizer_config.json for transformers' AutoTokenizer (a PreTrainedTokenizerFast over tokenizer.json); `eos`
+    names another eos_token than the tokenizer's own (an export names the end of a turn, gptlite.hf.export)."""
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length or 10**30,
         "bos_token": tokenizer.bos,
-        "eos_token": tokenizer.eos,
+        "eos_token": eos or tokenizer.eos,
         "unk_token": None,
         "pad_token": None,
     }
@@ -98,11 +99,12 @@ def tokenizer_config(tokenizer: HFTokenizer, max_length: int | None = None) -> d
     return config
 
 
-def hf_files(tokenizer: HFTokenizer, max_length: int | None = None) -> dict[str, str]:
-    """The files of a Hugging Face tokenizer folder: tokenizer.json and tokenizer_config.json."""
+def hf_files(tokenizer: HFTokenizer, max_length: int | None = None, eos: str | None = None) -> dict[str, str]:
+    """The files of a Hugging Face tokenizer folder: tokenizer.json and tokenizer_config.json (`eos`: see
+    tokenizer_config)."""
     return {
         "tokenizer.json": json.dumps(tokenizer.spec, ensure_ascii=False),
-        "tokenizer_config.json": json.dumps(tokenizer_config(tokenizer, max_length), indent=2) + "\n",
+        "tokenizer_config.json": json.dumps(tokenizer_config(tokenizer, max_length, eos), indent=2) + "\n",
     }
 
 
