@@ -382,3 +382,19 @@ def data_identity(files: list[Path], kind: str) -> dict[str, str]:
     if manifest is not None and manifest.is_file():
         sha.update(manifest.read_bytes())
     return {"kind": kind, "data": sha.hexdigest()[:16]}
+
+
+class ReadsTrainLoader:
+    """For an objective that trains on a train loader (`train_loader`): what it trains on (`identity`, kept in every
+    checkpoint) and its position there (`state`, `restore`) are the loader's."""
+
+    train_loader: ShardLoader | ChatLoader
+
+    def identity(self) -> dict[str, str]:
+        return data_identity(self.train_loader.files, self.train_loader.kind)
+
+    def state(self) -> dict:
+        return self.train_loader.state()
+
+    def restore(self, state: dict) -> None:
+        self.train_loader.restore(state)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gptlite.config import DPO_OPTIONS, set_options
-from gptlite.data import ChatLoader, ShardLoader, data_identity, make_loaders
+from gptlite.data import ChatLoader, ReadsTrainLoader, ShardLoader, make_loaders
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
 from gptlite.metrics import Evaluation
 from gptlite.optim import seq_len_at
@@ -82,7 +82,7 @@ class Objective(Protocol):
 # The language model's objective: text and conversations
 
 
-class Text:
+class Text(ReadsTrainLoader):
     """Next-token prediction on text: each step takes grad_accum windows of batch_size x block_size tokens per rank,
     its loss the mean cross-entropy over them. With seq_len_start the windows grow: each (B, T) batch is cut into
     (B * T / seq_len, seq_len) ones, the same tokens. It has no figures of its own; it is judged by the val split's
@@ -155,15 +155,6 @@ class Text:
         )
         line = f"val loss {val_loss:.4f}" + ("" if val_bpb is None else f" | val bpb {val_bpb:.4f}")
         return Evaluation(val_loss, line, {"val_loss": val_loss, "val_bpb": val_bpb})
-
-    def identity(self) -> dict[str, str]:
-        return data_identity(self.train_loader.files, self.train_loader.kind)
-
-    def state(self) -> dict:
-        return self.train_loader.state()
-
-    def restore(self, state: dict) -> None:
-        self.train_loader.restore(state)
 
 
 class Conversations(Text):

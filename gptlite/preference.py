@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlite.config import DPO_LOSSES
-from gptlite.data import data_identity
+from gptlite.data import ReadsTrainLoader
 from gptlite.lora import ReferenceModel
 from gptlite.metrics import Evaluation
 
@@ -153,7 +153,7 @@ def evaluate_pairs(
 # The objective
 
 
-class DPO:
+class DPO(ReadsTrainLoader):
     """train.py's objective on preference pairs (see gptlite.objective.Objective): each step takes grad_accum
     batches of batch_size pairs, and its loss is DPO's against the start-of-run model. Its figures are the implicit
     rewards of the chosen and the rejected answers and the share of pairs ranked right; it is judged by the same loss
@@ -229,12 +229,3 @@ class DPO:
             f" | val margin {figures['rewards_margin']:.3f}"
         )
         return Evaluation(val_loss, line, {"val_loss": val_loss, **{f"val_{k}": v for k, v in figures.items()}})
-
-    def identity(self) -> dict[str, str]:
-        return data_identity(self.train_loader.files, self.train_loader.kind)
-
-    def state(self) -> dict:
-        return self.train_loader.state()
-
-    def restore(self, state: dict) -> None:
-        self.train_loader.restore(state)

@@ -10,8 +10,6 @@ refused before anything is written, or a figure that is not made up; nothing a u
   not a row of zeros; an answer that is null or a list is refused; a pair with an empty answer is refused;
 - the messages name what is wrong: ema_decay alone, "pairs" for pairs, "no checkpoint yet" when there is none."""
 
-import json
-
 import pytest
 
 from gptlite.checkpoint import load_checkpoint
@@ -20,27 +18,10 @@ from gptlite.prepare.preference import prepare_preference
 from gptlite.rl import load_reward, read_prompts
 from gptlite.tokenizer import ByteTokenizer
 from tests.conftest import FullDisk, run_train
+from tests.test_preference import digits_pairs as pairs
+from tests.test_preference import write_jsonl
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, batch_size=4, eval_iters=1, log_interval=1, device="cpu")
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def pairs(n, seed=0):
-    """Toy preference pairs: a number reversed is chosen, the same digits in another order rejected."""
-    import random
-
-    rng = random.Random(seed)
-    records = []
-    while len(records) < n:
-        digits = str(rng.randint(1000, 99999))
-        wrong = "".join(rng.sample(digits, len(digits)))
-        if wrong != digits[::-1]:
-            records.append({"prompt": f"reverse {digits}:", "chosen": digits[::-1], "rejected": wrong})
-    return records
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +71,10 @@ def test_dpo_options_on_text_data_are_refused_before_the_run_folder_is_made(fold
 
 
 def test_dpo_at_a_block_that_cuts_every_answer_away_is_refused(folders, tmp_path):
-    done = train(data_dir=folders / "pairs", out_dir=tmp_path / "run", block_size=8, max_iters=2)
+    done = train(data_dir=folders / "pairs", out_dir=tmp_path / "run", block_size=4, max_iters=2)
     assert done.code == 2 and not (tmp_path / "run").exists()
-    assert "block_size=8 cuts every one of the 72 preference pairs' answers in " in done.err
-    assert (
-        "nothing would train: give --block_size=14 or more, or prepare the data again with --block_size=8" in done.err
-    )
+    assert "block_size=4 cuts every one of the 72 preference pairs' answers in " in done.err
+    assert "nothing would train: give --block_size=6 or more, or prepare the data again with --block_size=4" in done.err
 
 
 def test_a_dpo_batch_larger_than_the_data_speaks_of_pairs(folders, tmp_path):
