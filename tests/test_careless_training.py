@@ -153,3 +153,12 @@ def test_a_full_disk_at_the_first_save_says_no_checkpoint_was_saved_yet(folders,
         done.err
     )
     assert "latest good checkpoint" not in done.err
+
+
+def test_init_from_a_folder_that_holds_no_model_names_both_kinds_of_model(folders, tmp_path):
+    done = train(data_dir=folders / "text", out_dir=tmp_path / "run", init_from=folders / "text", max_iters=2)
+    assert done.code == 2 and not (tmp_path / "run").exists()
+    assert done.err.strip().endswith(
+        f"{folders / 'text'} is neither a gptlite run folder (no ckpt_NNNNNN.pt) nor a Hugging Face checkpoint "
+        "directory (config.json and its weights): name a run's --out_dir or such a directory"
+    )

@@ -54,7 +54,8 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and its weights"
+            f"{directory} is neither a gptlite run folder (no ckpt_NNNNNN.pt) nor a Hugging Face checkpoint directory "
+            f"({path.name} and its weights): name a run's --out_dir or such a directory"
         )
     c = read_json(path, "a Hugging Face config.json")
     kind = c.get("model_type")
