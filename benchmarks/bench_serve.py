@@ -389,7 +389,8 @@ def table_against_transformers(options: BenchOptions, results: dict, peak: dict)
     for n in options.levels:
         ours = statistics.median(results["gptlite", n, False].tokens_per_s)
         for name in SERVERS:
-            plain, streamed = results[name, n, False], results[name, n, True]
+            plain = results[name, n, False]
+            streamed = results[name, n, True]
             ratio = "" if name == "gptlite" else f"**{ours / statistics.median(plain.tokens_per_s):.2f}x**"
             lines.append(
                 f"| {n} | {name} | {spread(plain.tokens_per_s, '.1f')} | {ratio} | "

@@ -171,7 +171,8 @@ def choose_kernel(shape: tuple[int, int], rows: int) -> str:
     if path not in _choices:
         _choices[path] = read_choices(path)
     choices = _choices[path]
-    machine, key = machine_key(), f"{shape[0]}x{shape[1]}, {rows} rows"
+    machine = machine_key()
+    key = f"{shape[0]}x{shape[1]}, {rows} rows"
     kept = choices.get(machine, {}).get(key)
     if kept in KERNELS:
         return kept

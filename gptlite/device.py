@@ -34,7 +34,8 @@ CPU_EXTENSIONS = {
 def cpu_info() -> tuple[str, set[str]]:
     """This CPU's model name and its flags, as Linux's /proc/cpuinfo gives them; elsewhere the name `platform`
     gives and no flags."""
-    name, flags = "", set()
+    name = ""
+    flags = set()
     try:
         text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
     except OSError:
@@ -224,7 +225,8 @@ class CpuThreads:
         threads = max(1, self.cores - math.floor(others + 1 - self.BUSY))
         if threads == self.threads:
             return None
-        was, self.threads = self.threads, threads
+        was = self.threads
+        self.threads = threads
         torch.set_num_threads(threads)
         return (
             f"other processes kept {others:.1f} of {self.cores} cores busy: torch now computes on {threads} "
