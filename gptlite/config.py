@@ -76,6 +76,23 @@ def set_options(config, names: tuple[str, ...]) -> list[str]:
     return [f"{name}={getattr(config, name)}" for name in names if getattr(config, name) != defaults[name]]
 
 
+def check_model_overrides(config, overrides: dict, source: str) -> None:
+    """What a command may change of a model it reads (`source`: a run folder or pretrained weights): a smaller
+    block_size and another dropout, nothing else; learned positions stop at the block they learned."""
+    wrong = sorted(set(overrides) - {"block_size", "dropout"})
+    if wrong:
+        raise ValueError(
+            f"{source}: the pretrained model fixes {', '.join(wrong)}; only block_size (smaller) and "
+            "dropout can be changed"
+        )
+    block_size = overrides.get("block_size", config.block_size)
+    if config.pos_emb == "learned" and block_size > config.block_size:
+        raise ValueError(
+            f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
+            f"use block_size <= {config.block_size}"
+        )
+
+
 @dataclass
 class GPTConfig:
     """Shape of a GPT model. The defaults are gptlite's own model; GPT-2's is pos_emb="learned",

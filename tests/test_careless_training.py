@@ -159,6 +159,7 @@ def test_init_from_a_folder_that_holds_no_model_names_both_kinds_of_model(folder
     done = train(data_dir=folders / "text", out_dir=tmp_path / "run", init_from=folders / "text", max_iters=2)
     assert done.code == 2 and not (tmp_path / "run").exists()
     assert done.err.strip().endswith(
-        f"{folders / 'text'} is neither a gptlite run folder (no ckpt_NNNNNN.pt) nor a Hugging Face checkpoint "
-        "directory (config.json and its weights): name a run's --out_dir or such a directory"
+        f"{folders / 'text' / 'config.json'} does not exist: {folders / 'text'} is neither a gptlite run folder (no "
+        "ckpt_NNNNNN.pt) nor a Hugging Face checkpoint directory (config.json and its weights); name a run's "
+        "--out_dir or such a directory"
     )

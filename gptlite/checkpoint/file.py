@@ -88,7 +88,8 @@ def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
     """
     path = Path(path)
     make_dir(path.parent)
-    tmp, writer = path.with_name(path.name + ".tmp"), None
+    tmp = path.with_name(path.name + ".tmp")
+    writer = None
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from gptlite.checkpoint.run_folder import CHECKPOINT_NAME, load_checkpoint, step_files
-from gptlite.config import GPTConfig, build_config
+from gptlite.config import GPTConfig, build_config, check_model_overrides
 from gptlite.lora import add_lora, merge_lora
 from gptlite.model import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
@@ -36,22 +36,8 @@ def source_config(name: str, **overrides) -> GPTConfig:
 
         return pretrained_config(name, **overrides)
     config = build_config(load_checkpoint(name)["config"]).model
-    check_overrides(config, overrides, name)
+    check_model_overrides(config, overrides, name)
     return GPTConfig(**{**vars(config), **overrides})
-
-
-def check_overrides(config: GPTConfig, overrides: dict, source: str) -> None:
-    """A model from `source` may take a smaller block_size and another dropout, nothing else; learned positions
-    stop at the block it learned."""
-    wrong = sorted(set(overrides) - {"block_size", "dropout"})
-    if wrong:
-        raise ValueError(f"{source}: the model fixes {', '.join(wrong)}; only block_size (smaller) and dropout change")
-    block_size = overrides.get("block_size", config.block_size)
-    if config.pos_emb == "learned" and block_size > config.block_size:
-        raise ValueError(
-            f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
-            f"use block_size <= {config.block_size}"
-        )
 
 
 def load_source(name: str, dtype: torch.dtype | None = None, **overrides) -> GPT:
@@ -102,7 +88,8 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
 
 def lora_model(ckpt: dict, merge: bool = True) -> GPT:
     """The base model of a LoRA checkpoint with its adapters, merged into its weights (or as LoRALinear layers)."""
-    lora, config = ckpt["lora"], build_config(ckpt["config"])
+    lora = ckpt["lora"]
+    config = build_config(ckpt["config"])
     check_lora_base(lora["base"], lora["sha256"], "this LoRA run")
     model = load_source(lora["base"], torch.float32, block_size=config.model.block_size)
     add_lora(model, lora["rank"], lora["alpha"], 0.0, tuple(lora["targets"]))

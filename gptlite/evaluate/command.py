@@ -292,7 +292,8 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[
                 f"text file {args.text} gives {len(ids)} token(s); scoring needs at least 2 (one to predict "
                 "from, one to predict)"
             )
-        streams, what = [torch.tensor(ids)], args.text
+        streams = [torch.tensor(ids)]
+        what = args.text
     else:
         from gptlite.checkpoint import load_checkpoint
         from gptlite.data import check_vocab, find_shards, read_shard

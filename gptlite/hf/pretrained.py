@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gptlite.config import GPTConfig
+from gptlite.config import GPTConfig, check_model_overrides
 from gptlite.hf.families import FAMILIES, GPT2, MISTRAL, QWEN2, QWEN3, UNSUPPORTED, Family, entries
 from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json
 
@@ -54,8 +54,8 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"{directory} is neither a gptlite run folder (no ckpt_NNNNNN.pt) nor a Hugging Face checkpoint directory "
-            f"({path.name} and its weights): name a run's --out_dir or such a directory"
+            f"{path} does not exist: {directory} is neither a gptlite run folder (no ckpt_NNNNNN.pt) nor a Hugging "
+            "Face checkpoint directory (config.json and its weights); name a run's --out_dir or such a directory"
         )
     c = read_json(path, "a Hugging Face config.json")
     kind = c.get("model_type")
@@ -102,7 +102,8 @@ def gpt2_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
 
 def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     """The switches of the Llama layout's families, and what of the config they cannot hold."""
-    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    heads = c["num_attention_heads"]
+    hidden = c["hidden_size"]
     kv_heads = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or hidden // heads
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
@@ -157,7 +158,8 @@ def to_gptlite(
     """A transformers checkpoint -> gptlite's state dict for a model of `config`, read and converted tensor by
     tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights."""
     names = {n.removeprefix(family.prefix): n for n in weights.names()}  # the Hub's gpt2 has no prefix
-    state, used = {}, set()
+    state = {}
+    used = set()
     for ours, theirs, transposed in entries(family, config):
         missing = [t for t in theirs if t not in names]
         if missing:
@@ -212,18 +214,8 @@ def pretrained_config(name_or_dir: str, **overrides) -> GPTConfig:
 
 
 def _override(config: GPTConfig, overrides: dict, source: str, window: int | None) -> GPTConfig:
-    wrong = sorted(set(overrides) - {"block_size", "dropout"})
-    if wrong:
-        raise ValueError(
-            f"{source}: the pretrained model fixes {', '.join(wrong)}; only block_size (smaller) and "
-            "dropout can be changed"
-        )
+    check_model_overrides(config, overrides, source)
     block_size = overrides.get("block_size", config.block_size)
-    if config.pos_emb == "learned" and block_size > config.block_size:
-        raise ValueError(
-            f"block_size={block_size} is more than the {config.block_size} positions {source} learned; "
-            f"use block_size <= {config.block_size}"
-        )
     if window and block_size > window:
         raise ValueError(
             f"{source}: its sliding window {window} is shorter than block_size={block_size}; gptlite "
