@@ -45,6 +45,7 @@ from gptlite.checkpoint import (
     run_checkpoint,
     save_run_checkpoint,
     set_rng_state,
+    source_tokenizer,
     step_files,
 )
 from gptlite.cli import StopSignals, run_command
@@ -70,7 +71,7 @@ from gptlite.model import GPT
 from gptlite.objective import make_objective
 from gptlite.optim import WeightAverage, configure_optimizers, lr_at
 from gptlite.run_config import NO_DATA_DIR, resolve_config
-from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
+from gptlite.tokenizer import TOKENIZER_FILE, check_same_tokenizer, load_tokenizer
 
 
 def main(argv: list[str]) -> int:
@@ -127,6 +128,16 @@ def train(
     grad_accum = total_batch // tokens_per_micro_step
     tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
     tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None  # the data's, if it has one
+    if cfg.init_from and tokenizer is not None:  # the ids of the data must mean what they meant to the model
+        model_tokenizer = source_tokenizer(cfg.init_from)  # None where it cannot be told offline (a hub name)
+        if model_tokenizer is not None:
+            check_same_tokenizer(
+                model_tokenizer,
+                cfg.init_from,
+                tokenizer,
+                f"the data in {cfg.data_dir}",
+                f"prepare the data with --tokenizer={cfg.init_from} (data/prepare.py)",
+            )
     objective = make_objective(cfg, tokenizer, grad_accum, device, amp, rank, world_size, log)
     core_tasks = None  # CORE's tasks (--core_every), each file checked here too; the prompts need the tokenizer
     if cfg.core_every:
@@ -285,6 +296,7 @@ def train(
         "command": shlex.join([sys.argv[0], *argv]),
         "wandb_run_id": wandb_run.id if wandb_run else None,
         "hf_architecture": model.source_architecture,  # how it exports back (gptlite.hf)
+        "tokenizer": None if tokenizer is None else tokenizer.identity(),  # the data's, checked wherever it is read
     }
 
     # ---------------------------------------------------------------------------------------------

@@ -255,3 +255,40 @@ def test_named_encoding_other_errors_propagate(monkeypatch):
 def gpt2_ranks():
     """The GPT-2 BPE ranks file of ../shared (fails in CI if missing, skips elsewhere)."""
     return shared_file("tokenizers/gpt2.tiktoken")
+
+
+def test_a_fingerprint_is_the_tokenizers_content_whatever_its_file(tmp_path, gpt2):
+    # GPT-2's BPE through tiktoken, and as the vocab.json and merges.txt an export writes, which transformers' and
+    # gptlite's Hugging Face tokenizers read: the same pieces under the same ids, the same fingerprint
+    from gptlite.hf.tokenizer_files import hf_tokenizer_files
+
+    for name, text in hf_tokenizer_files(gpt2, 1024).items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    as_files = load_tokenizer(tmp_path)
+    assert type(as_files).__name__ == "HFTokenizer" and as_files.pieces() == gpt2.pieces()
+    assert as_files.fingerprint() == gpt2.fingerprint()
+    gpt2.save(tmp_path / "saved.json")
+    assert load_tokenizer(tmp_path / "saved.json").fingerprint() == gpt2.fingerprint()
+    # one piece moved to another id is another tokenizer, as is another corpus's char vocabulary
+    swapped = CharTokenizer("abc")
+    swapped.chars = ["b", "a", "c"]
+    assert CharTokenizer("abc").fingerprint() != swapped.fingerprint() != CharTokenizer("abd").fingerprint()
+
+
+def test_a_tokenizer_grown_by_chat_markers_is_the_same_tokenizer():
+    from gptlite.tokenizer import check_same_tokenizer
+
+    base = CharTokenizer("abc")
+    grown = CharTokenizer("abc")
+    grown.use_default_template()  # ChatML's two markers, past the vocabulary
+    assert grown.vocab_size == base.vocab_size + 2 and grown.fingerprint(base.vocab_size) == base.fingerprint()
+    check_same_tokenizer(base, "base", grown, "chat data", "fix")  # either way round: no error
+    check_same_tokenizer(grown, "chat model", base, "text data", "fix")
+    with pytest.raises(ValueError, match=r"^other data was tokenized with another tokenizer than base's: 3 ids with "
+                       r"fingerprint \w{16} against 3 ids with fingerprint \w{16} \(2 of 3 pieces shared\); prepare "
+                       r"it again$"):  # fmt: skip
+        check_same_tokenizer(base, "base", CharTokenizer("abd"), "other data", "prepare it again")
+    # pieces added past the vocabulary that are not special tokens are another tokenizer too
+    other = CharTokenizer("abcd")
+    with pytest.raises(ValueError, match="another tokenizer"):
+        check_same_tokenizer(base, "base", other, "data", "fix")

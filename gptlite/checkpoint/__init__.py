@@ -28,6 +28,7 @@ from gptlite.checkpoint.inference import (
     model_from_checkpoint,
     source_config,
     source_fingerprint,
+    source_tokenizer,
 )
 from gptlite.checkpoint.run_folder import (
     BEST_NAME,
@@ -57,6 +58,7 @@ __all__ = [
     "load_source",
     "source_config",
     "source_fingerprint",
+    "source_tokenizer",
     "check_same_data",
     "BEST_NAME",
     "CHECKPOINT_NAME",

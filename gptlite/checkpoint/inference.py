@@ -139,8 +139,9 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
         model = GPT.from_pretrained(init_from)
         if tokenizer:
             return model, tokenizer_from_spec(tokenizer)
-        if (Path(init_from) / TOKENIZER_FILE).is_file() or has_bpe_files(Path(init_from)):  # the directory's own
-            return model, load_tokenizer(init_from)
+        own = source_tokenizer(init_from)
+        if own is not None:
+            return model, own
         if model.config.vocab_size != 50257:
             raise ValueError(
                 f"{init_from} is not GPT-2 ({model.config.vocab_size} ids), so its tokenizer is unknown to "
@@ -148,13 +149,42 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
                 "tokenizer.json, a folder holding one, or a .tiktoken file)"
             )
         return model, get_tokenizer("gpt2")
-    out_dir = Path(out_dir)
     ckpt = load_checkpoint(out_dir)
     if tokenizer:
         return model_from_checkpoint(ckpt), tokenizer_from_spec(tokenizer)
-    for path in (out_dir / TOKENIZER_FILE, Path(ckpt["config"].get("data_dir", "")) / TOKENIZER_FILE):
+    own = run_tokenizer(Path(out_dir), ckpt)
+    if own is None:
+        raise FileNotFoundError(
+            f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's {TOKENIZER_FILE} into "
+            f"{out_dir}"
+        )
+    return model_from_checkpoint(ckpt), own
+
+
+def source_tokenizer(name: str) -> Tokenizer | None:
+    """The tokenizer of what --init_from names, where gptlite can tell it without a download: a run folder's
+    (`run_tokenizer`) or a Hugging Face directory's own files; None for a hub name (or a directory without one)."""
+    if is_run(name):
+        return run_tokenizer(Path(name), load_checkpoint(name))
+    if (Path(name) / TOKENIZER_FILE).is_file() or has_bpe_files(Path(name)):
+        return load_tokenizer(name)
+    return None
+
+
+def run_tokenizer(run: Path, ckpt: dict) -> Tokenizer | None:
+    """The tokenizer a run trained with: its tokenizer.json, else its data folder's (None if neither is there),
+    checked against the fingerprint its checkpoint recorded (a file replaced since is refused, naming both)."""
+    for path in (run / TOKENIZER_FILE, Path(ckpt["config"].get("data_dir", "")) / TOKENIZER_FILE):
         if path.is_file():
-            return model_from_checkpoint(ckpt), load_tokenizer(path)
-    raise FileNotFoundError(
-        f"no {TOKENIZER_FILE} in {out_dir} or the training data_dir; copy the data's {TOKENIZER_FILE} into {out_dir}"
-    )
+            break
+    else:
+        return None
+    tokenizer = load_tokenizer(path)
+    recorded = ckpt.get("meta", {}).get("tokenizer")  # None in checkpoints from before tokenizers were recorded
+    if recorded and tokenizer.fingerprint() != recorded["fingerprint"]:
+        raise ValueError(
+            f"{path} is not the tokenizer the run in {run} trained with (fingerprint {tokenizer.fingerprint()}, "
+            f"{tokenizer.vocab_size:,} ids; its checkpoint records {recorded['fingerprint']}, "
+            f"{recorded['vocab_size']:,} ids); put the run's own {TOKENIZER_FILE} back, or pass --tokenizer=PATH"
+        )
+    return tokenizer

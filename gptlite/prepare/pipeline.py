@@ -289,6 +289,7 @@ def build_manifest(settings: dict, tokenizer: Tokenizer, writers: dict[str, Shar
     return {
         **settings,
         "vocab_size": tokenizer.vocab_size,
+        "tokenizer_fingerprint": tokenizer.fingerprint(),  # its identity by content (Tokenizer.fingerprint)
         "token_dtype": writers["train"].dtype.name,
         "eot_id": tokenizer.eot_id,
         "shards": [{"file": s["file"], "tokens": s["tokens"]} for s in shards],

@@ -156,6 +156,7 @@ def prepare_preference(
     manifest = {
         **settings,
         "vocab_size": tokenizer.vocab_size,
+        "tokenizer_fingerprint": tokenizer.fingerprint(),  # its identity by content (Tokenizer.fingerprint)
         "token_dtype": tokens_dtype.name,
         "eot_id": tokenizer.eot_id,
         "shards": [{"file": s["file"], "tokens": s["tokens"]} for s in shards],

@@ -22,7 +22,15 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from gptlite.tokenizer.base import EOT, TOKENIZER_FILE, ByteTokenizer, CharTokenizer, StreamDecoder, Tokenizer
+from gptlite.tokenizer.base import (
+    EOT,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    CharTokenizer,
+    StreamDecoder,
+    Tokenizer,
+    check_same_tokenizer,
+)
 from gptlite.tokenizer.huggingface import HFTokenizer, has_bpe_files, is_hf_tokenizer_json, load_hf_tokenizer
 from gptlite.tokenizer.tiktoken_bpe import (
     GPT2_PATTERN,
@@ -42,6 +50,7 @@ __all__ = [
     "StreamDecoder",
     "TiktokenTokenizer",
     "Tokenizer",
+    "check_same_tokenizer",
     "get_tokenizer",
     "load_tokenizer",
     "tokenizer_from_dict",

@@ -4,6 +4,7 @@ apply_chat_template), the two that need no file (bytes and characters), and the 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import itertools
 import json
 import os
@@ -173,6 +174,31 @@ class Tokenizer:
     def to_dict(self) -> dict:
         raise NotImplementedError
 
+    # -- identity --------------------------------------------------------------------------------------
+
+    def fingerprint(self, size: int | None = None) -> str:
+        """The tokenizer's identity by content: a sha256 (its first 16 hex digits) of every id's piece (the bytes it
+        stands for) and whether it is special, in id order, over the first `size` ids (default: all). Two tokenizers
+        that give the same ids to the same pieces have the same fingerprint whatever their file's kind (GPT-2's BPE
+        through tiktoken or as a tokenizer.json), and a tokenizer grown by special tokens at its end keeps its
+        fingerprint over its first ids. Kept in the shards' manifest.json and in every checkpoint."""
+        n = self.vocab_size if size is None else size
+        specials = self.special_token_ids()
+        sha = hashlib.sha256()
+        for i, piece in enumerate(self.pieces(n)):
+            sha.update(b"S" if i in specials else b"T")
+            sha.update(len(piece).to_bytes(4, "little"))
+            sha.update(piece)
+        return sha.hexdigest()[:16]
+
+    def pieces(self, size: int | None = None) -> list[bytes]:
+        """The bytes of each of the first `size` ids (default: all), in id order."""
+        return [self.token_bytes([i]) for i in range(self.vocab_size if size is None else size)]
+
+    def identity(self) -> dict:
+        """What a checkpoint and a manifest record of the tokenizer: its fingerprint and its number of ids."""
+        return {"fingerprint": self.fingerprint(), "vocab_size": self.vocab_size}
+
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as JSON, atomically."""
         path = Path(path)
@@ -229,6 +255,31 @@ class CharTokenizer(Tokenizer):
 
     def to_dict(self) -> dict:
         return {"type": "char", "chars": "".join(self.chars)}
+
+
+def extends(longer: Tokenizer, shorter: Tokenizer) -> bool:
+    """Whether `longer` is `shorter` with special tokens added at its end (a chat template's markers, which
+    data/prepare.py --chat adds to a base model's tokenizer): the same pieces under the same ids, the rest added."""
+    n = shorter.vocab_size
+    if longer.vocab_size < n or longer.fingerprint(n) != shorter.fingerprint():
+        return False
+    added = set(longer.added.values())
+    return all(i in added for i in range(n, longer.vocab_size))
+
+
+def check_same_tokenizer(model: Tokenizer, model_name: str, data: Tokenizer, data_name: str, fix: str) -> None:
+    """Refuse to train, fine-tune or evaluate a model on tokens of another tokenizer: the ids would mean other
+    pieces, and every figure would be silently wrong. Equal tokenizers pass, and so does one grown from the other
+    by special tokens at its end (`extends`: a base's vocabulary grown by the chat markers). Otherwise a ValueError
+    naming both, with their fingerprints and the share of pieces they have in common, and `fix`."""
+    if extends(data, model) or extends(model, data):
+        return
+    shared = len(set(model.pieces()) & set(data.pieces()))
+    raise ValueError(
+        f"{data_name} was tokenized with another tokenizer than {model_name}'s: {data.vocab_size:,} ids with "
+        f"fingerprint {data.fingerprint()} against {model.vocab_size:,} ids with fingerprint {model.fingerprint()} "
+        f"({shared:,} of {model.vocab_size:,} pieces shared); {fix}"
+    )
 
 
 def char_of_byte(text: str) -> list[int]:
