@@ -343,32 +343,35 @@ Loader = ShardLoader | ChatLoader | PairLoader  # what training and its evaluati
 
 
 def make_loaders(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> tuple[Loader, Loader]:
-    """Train and val loaders over cfg.data_dir's shards, after checking that no shard is empty, every token id is
-        below vocab_size and each split holds at least one global batch: every problem of the data is found before the
-        first step. Rank r reads the r-th slice of every global batch, so ranks never read the same window. Shards with
-        roles files (data/prepare.py --chat) give whole conversations whose assistant tokens alone are targets, and a
-    preparation of preference pairs (--preference) gives pairs (PairLoader)."""
+    """Train and val loaders over cfg.data_dir's shards (see make_loader); every problem of the data is found before
+    the first step."""
+    train = make_loader(cfg, "train", cfg.seed, rank, world_size)
+    val = make_loader(cfg, "val", cfg.seed + 1, rank, world_size)
+    return train, val
+
+
+def make_loader(cfg: TrainConfig, split: str, seed: int, rank: int = 0, world_size: int = 1) -> Loader:
+    """A loader over one split of cfg.data_dir's shards, after checking that no shard is empty, every token id is
+    below vocab_size and the split holds at least one global batch. Rank r reads the r-th slice of every global
+    batch, so ranks never read the same window. Shards with roles files (data/prepare.py --chat) give whole
+    conversations whose assistant tokens alone are targets, and a preparation of preference pairs (--preference)
+    gives pairs (PairLoader)."""
     if cfg.init_from:
         fix = f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the pretrained model knows"
     else:
         fix = ""
-    loaders = []
-    for split, seed in (("train", cfg.seed), ("val", cfg.seed + 1)):
-        files = find_shards(cfg.data_dir, split)
-        for path in files:
-            if len(read_shard(path)) == 0:
-                raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
-        check_vocab(files, cfg.model.vocab_size, fix=fix)
-        loader = ChatLoader if is_chat_data(files) else ShardLoader
-        if is_preference_data(files):
-            loader = PairLoader
-        try:
-            loaders.append(
-                loader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank, world_size=world_size)
-            )
-        except ValueError as e:
-            raise ValueError(f"{split} split: {e}") from None
-    return loaders[0], loaders[1]
+    files = find_shards(cfg.data_dir, split)
+    for path in files:
+        if len(read_shard(path)) == 0:
+            raise ValueError(f"shard {path} holds no tokens; delete it or prepare the data again")
+    check_vocab(files, cfg.model.vocab_size, fix=fix)
+    loader = ChatLoader if is_chat_data(files) else ShardLoader
+    if is_preference_data(files):
+        loader = PairLoader
+    try:
+        return loader(files, cfg.batch_size, cfg.model.block_size, seed=seed, rank=rank, world_size=world_size)
+    except ValueError as e:
+        raise ValueError(f"{split} split: {e}") from None
 
 
 def data_identity(files: list[Path], kind: str) -> dict[str, str]:

@@ -19,6 +19,8 @@ Each kind of score is a module of its own (see gptlite.evaluate); this one holds
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -40,9 +42,10 @@ from gptlite.evaluate.hellaswag_task import HELLASWAG_FILE, HELLASWAG_URL, hella
 from gptlite.evaluate.spans import BATCH_TOKENS
 from gptlite.files import fault
 from gptlite.model import GPT
-from gptlite.tokenizer import Tokenizer
+from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
+    from gptlite.config import TrainConfig
     from gptlite.rl import Reward
 
 TASKS = ("val", "hellaswag", "core", "rl")  # gptlite's own; lm-eval's come after LM_EVAL
@@ -214,13 +217,7 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     for task in tasks:
         start = time.perf_counter()
         if task == "val":
-            loss, bpb, n, what = score_val(args, model, tokenizer)
-            seconds = time.perf_counter() - start
-            results["val"] = {"loss": loss, "bpb": bpb, "tokens": n, "on": what, "seconds": seconds}
-            log(
-                f"val: loss {loss:.4f} | bpb {'n/a' if bpb is None else f'{bpb:.4f}'} | {n:,} tokens of {what} | "
-                f"{seconds:.1f} s"
-            )
+            results["val"] = score_val(args, model, tokenizer, device, log)
         elif task == "hellaswag":
             scores = hellaswag(model, tokenizer, hellaswag_path, args.limit, args.batch_size)
             seconds = time.perf_counter() - start
@@ -283,8 +280,13 @@ def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, rewar
     )
 
 
-def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[float, float | None, int, str]:
-    """(loss, bpb, tokens scored, what was scored) of --text or of the val split of --data_dir (default: the run's)."""
+def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: str, log: Callable[..., None]) -> dict:
+    """--task=val: the loss of --text, or of the val split of --data_dir (default: the run's) as training scores it
+    there. Text: every window's tokens, and bits per byte. Conversations: the assistant's tokens alone (what
+    fine-tuning trains on). Preference pairs: DPO's loss and figures against the model the DPO run started from.
+    The last two are the run's objective's own evaluation (gptlite.objective.make_judge), so that the figures are
+    train.py's val figures for the same model and split. Logs its line; returns its results."""
+    start = time.perf_counter()
     if args.text:
         ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
         if len(ids) < 2:
@@ -292,22 +294,89 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer) -> tuple[
                 f"text file {args.text} gives {len(ids)} token(s); scoring needs at least 2 (one to predict "
                 "from, one to predict)"
             )
-        streams = [torch.tensor(ids)]
-        what = args.text
-    else:
-        from gptlite.checkpoint import load_checkpoint
-        from gptlite.data import check_vocab, find_shards, read_shard
+        return score_text(model, tokenizer, [torch.tensor(ids)], args.batch_size, args.text, start, log)
+    from gptlite.data import find_shards, read_shard
+    from gptlite.objective import make_judge  # (it imports gptlite.evaluate.bpb: not at this module's import)
 
-        data_dir = args.data_dir or load_checkpoint(args.out_dir)["config"]["data_dir"]
-        if not data_dir:  # (a checkpoint made by hand, not by train.py, which always names its data)
-            raise ValueError(
-                f"--task=val: the run {args.out_dir} names no data_dir in its checkpoint's config; give "
-                "--data_dir=DIR (prepared shards) or --text=FILE"
-            )
-        files = find_shards(data_dir, "val")
-        check_vocab(files, model.config.vocab_size, fix="score data prepared with the model's own tokenizer")
+    cfg, trained_on = judge_config(args, model)
+    data_tokenizer = Path(cfg.data_dir) / TOKENIZER_FILE
+    if data_tokenizer.is_file():
+        check_same_tokenizer(
+            tokenizer,
+            args.out_dir or args.init_from,
+            load_tokenizer(data_tokenizer),
+            f"the data in {cfg.data_dir}",
+            "score data prepared with the model's tokenizer "
+            f"(data/prepare.py --tokenizer={args.out_dir or args.init_from})",
+        )
+    what = f"{cfg.data_dir} val split"
+    judge = make_judge(cfg, tokenizer, device, contextlib.nullcontext(), log)
+    if judge.val_loader.kind == "text":
+        files = find_shards(cfg.data_dir, "val")
         streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]
-        what = f"{data_dir} val split"
+        return score_text(model, tokenizer, streams, args.batch_size, what, start, log)
+    if judge.val_loader.kind == "pairs":
+        judge.start(dpo_reference(args, cfg, trained_on, device))  # a frozen copy of it, DPO's reference
+        scored = f"{len(judge.val_loader.conversations):,} preference pairs, by DPO's loss against {cfg.init_from}"
+    else:
+        scored = f"the assistant's tokens of {len(judge.val_loader.conversations):,} conversations"
+    evaluation = judge.evaluate(model)
+    seconds = time.perf_counter() - start
+    log(f"val: {evaluation.line} | {scored} of {what} | {seconds:.1f} s")
+    figures = {name.removeprefix("val_"): value for name, value in evaluation.fields.items()}
+    return {**figures, "data": judge.val_loader.kind, "scored": scored, "on": what, "seconds": seconds}
+
+
+def score_text(
+    model: GPT,
+    tokenizer: Tokenizer,
+    streams: list[torch.Tensor],
+    batch_size: int,
+    what: str,
+    start: float,
+    log: Callable[..., None],
+) -> dict:
+    """The loss and bits per byte of every window of the token streams (gptlite.evaluate.bpb)."""
     lengths = byte_lengths(tokenizer, model.config.vocab_size)
-    loss, bpb, n = evaluate_windows(model, streams, args.batch_size, lengths, progress=True)
-    return loss, bpb, n, what
+    loss, bpb, n = evaluate_windows(model, streams, batch_size, lengths, progress=True)
+    seconds = time.perf_counter() - start
+    bpb_text = "n/a" if bpb is None else f"{bpb:.4f}"
+    log(f"val: loss {loss:.4f} | bpb {bpb_text} | {n:,} tokens of {what} | {seconds:.1f} s")
+    return {"loss": loss, "bpb": bpb, "tokens": n, "data": "text", "on": what, "seconds": seconds}
+
+
+def judge_config(args: EvaluateOptions, model: GPT) -> tuple[TrainConfig, str | None]:
+    """(the config the val split is scored under, the kind of data the run trained on: text, conversations, pairs,
+    None for pretrained weights). The config is the run's own (its objective's settings: DPO's beta and loss, the
+    model it started from), or for pretrained weights the model's; the data --data_dir's (default: the run's), every
+    window scored (eval_iters=0), --batch_size at a time."""
+    from gptlite.checkpoint import load_checkpoint
+    from gptlite.config import TrainConfig, build_config
+
+    cfg = TrainConfig(model=model.config)
+    trained_on = None
+    if args.out_dir:
+        ckpt = load_checkpoint(args.out_dir)
+        cfg = build_config(ckpt["config"])
+        trained_on = (ckpt.get("data") or {}).get("kind")
+    data_dir = args.data_dir or cfg.data_dir
+    if not data_dir:  # (a checkpoint made by hand, not by train.py, which always names its data)
+        raise ValueError(
+            f"--task=val: the run {args.out_dir} names no data_dir in its checkpoint's config; give "
+            "--data_dir=DIR (prepared shards) or --text=FILE"
+        )
+    cfg = dataclasses.replace(cfg, model=model.config, data_dir=data_dir, eval_iters=0, batch_size=args.batch_size)
+    return cfg, trained_on
+
+
+def dpo_reference(args: EvaluateOptions, cfg: TrainConfig, trained_on: str | None, device: str) -> GPT:
+    """The model a DPO run started from (its --init_from), which DPO's figures measure the run against."""
+    from gptlite.checkpoint import load_source
+
+    if trained_on != "pairs" or not cfg.init_from:
+        raise ValueError(
+            f"{cfg.data_dir} holds preference pairs, which are scored as DPO scores them: against the model a DPO run "
+            f"started from, and {args.out_dir or args.init_from} is not a DPO run; score a DPO run's folder "
+            "(--out_dir=RUN), or text or conversations (--data_dir=DIR)"
+        )
+    return load_source(cfg.init_from, torch.float32, block_size=cfg.model.block_size).to(device)

@@ -172,12 +172,15 @@ class Server:
         return self.check_ids(prompt, "prompt")
 
     def special_ids(self) -> dict[str, int]:
-        """The special tokens' texts and ids (end of text, the chat markers gptlite added, bos and eos)."""
+        """The special tokens' texts and ids (end of text, the chat markers gptlite added, the tokens that end a
+        sequence, bos and eos)."""
         from gptlite.tokenizer import EOT
 
         specials = dict(self.tokenizer.added)
         if self.tokenizer.eot_id is not None:
             specials.setdefault(EOT, self.tokenizer.eot_id)
+        for i in self.tokenizer.end_ids():  # a tokenizer's own chat markers (the BPE trainer reserves them)
+            specials.setdefault(self.tokenizer.decode([i]), i)
         for text in self.tokenizer.special_texts().values():
             if text and self.tokenizer.special_id(text) is not None:
                 specials.setdefault(text, self.tokenizer.special_id(text))
