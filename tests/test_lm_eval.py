@@ -252,11 +252,13 @@ MISTAKES = {  # task: (its YAML file after the task: line, given the tasks fixtu
 
 @pytest.fixture(scope="module")
 def mistakes(tasks, tmp_path_factory):
-    """A folder of task YAML files with a mistake each (MISTAKES, one generating more tokens than the model's
-    block_size leaves), one that works, and groups of it and a broken one."""
+    """A folder of task YAML files with a mistake each (MISTAKES, one that YAML cannot parse, one generating more
+    tokens than the model's block_size leaves), one that works, groups of it and a broken one, and a template."""
     folder = tmp_path_factory.mktemp("mistakes")
     for name, (body, _) in MISTAKES.items():
         (folder / f"{name}.yaml").write_text(f"task: {name}\n" + body(tasks))
+    (folder / "unparsed.yaml").write_text("task: unparsed\n" + multiple_choice(tasks) + ACC + "   bad: [\n")
+    (folder / "_template.yaml").write_text(multiple_choice(tasks))  # no task: read, but not indexed
     (folder / "too_long.yaml").write_text("task: too_long\n" + generation(tasks, max_gen_toks=64) + ACC)
     (folder / "tiny_ok.yaml").write_text("task: tiny_ok\n" + multiple_choice(tasks) + ACC)
     (folder / "ran_group.yaml").write_text("group: ran_group\ntask:\n  - tiny_ok\n  - bad_metric_option\n")
@@ -292,6 +294,18 @@ def test_a_mistake_in_a_groups_task_names_that_tasks_file(model_dir, mistakes, c
     line = error_line(capsys, model_dir, mistakes, "built_group")
     path = re.escape(str(mistakes / "unknown_key.yaml"))
     assert re.search(f"built_group: task 'unknown_key' of 'built_group', in {path}, {BUILT}TypeError: Task", line)
+
+
+def test_a_task_yaml_lm_eval_cannot_read_is_named(model_dir, mistakes, capsys, own_tasks_only):
+    """lm-eval leaves the file out of its index without a word: the task is unknown, and the file is named (not
+    _template.yaml, which reads but defines no task, as a file other task files include)."""
+    line = error_line(capsys, model_dir, mistakes, "unparsed")
+    path = re.escape(str(mistakes / "unparsed.yaml"))
+    assert re.search(
+        f"--task=lm_eval:unparsed: lm-eval knows no task of that name; lm-eval could not read {path}, which may "
+        "define it: ParserError: while parsing a block collection .*; fix that file$",
+        line,
+    ), line
 
 
 def test_lm_evals_own_task_is_named_without_blaming_a_file(model_dir, mistakes, capsys, monkeypatch, own_tasks_only):

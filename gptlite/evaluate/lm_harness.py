@@ -62,18 +62,45 @@ LM_EVAL_TASKS = Path(lm_eval.__file__).resolve().parent / "tasks"  # lm-eval's o
 
 def task_manager(names: list[str], include_path: str = "") -> TaskManager:
     """lm-eval's index of tasks (its own, and the YAML files under include_path), after checking that it knows every
-    name (a task, a group or a tag)."""
+    name (a task, a group or a tag). lm-eval leaves a YAML file it cannot read out of its index without a word, so an
+    unknown name also names the first such file under include_path."""
     manager = TaskManager(include_path=include_path or None)
     known = manager.all_tasks
     unknown = [n for n in names if n not in known]
     if unknown:
         close = close_name(unknown[0], known)
         hint = f"did you mean '{close}'? " if close else ""
+        unreadable = unreadable_yaml(Path(include_path), manager) if include_path else []
+        if unreadable:
+            path, why = unreadable[0]
+            more = f" (and {len(unreadable) - 1} more YAML files)" if len(unreadable) > 1 else ""
+            raise ValueError(
+                f"--task=lm_eval:{unknown[0]}: lm-eval knows no task of that name; {hint}lm-eval could not read "
+                f"{path}{more}, which may define it: {why}; fix that file"
+            )
         raise ValueError(
             f"--task=lm_eval:{unknown[0]}: lm-eval knows no task of that name; {hint}(`lm-eval ls tasks` lists them; "
             "--include_path=DIR adds your own task YAML files)"
         )
     return manager
+
+
+def unreadable_yaml(folder: Path, manager: TaskManager) -> list[tuple[Path, str]]:
+    """The YAML files under folder that lm-eval left out of its index because it could not read them (a YAML syntax
+    error, an `include:` of a missing file), each with lm-eval's error on one line. A file that reads but defines no
+    task (a template other files include) is not one of them."""
+    from lm_eval.tasks._yaml_loader import load_yaml  # what lm-eval's index reads each file with
+
+    indexed = {entry.yaml_path.resolve() for entry in manager.task_index.values() if entry.yaml_path}
+    unreadable = []
+    for path in sorted(folder.glob("**/*.yaml")):
+        if path.resolve() in indexed:
+            continue
+        try:
+            load_yaml(path, resolve_func=False, recursive=True)
+        except Exception as e:  # anything lm-eval's index skipped the file for
+            unreadable.append((path, one_line(e)))
+    return unreadable
 
 
 def close_name(name: str, known: list[str]) -> str | None:
