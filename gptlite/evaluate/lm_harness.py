@@ -16,25 +16,35 @@ weights, only batched on gptlite's code:
   sequence; the text is cut before the first stop sequence, as HFLM cuts it.
 Under torchrun the harness shares the requests among the ranks (rank, world_size, gathers through torch.distributed).
 
+A task that fails inside lm-eval, while it is built from its YAML file or while it runs (its prompts, its metrics and
+their aggregation), is a one-line ValueError naming the task, the YAML file it came from, lm-eval's error and where in
+the file to look; a task of lm-eval's own is named without blaming a file. An error raised in the model class or
+elsewhere in gptlite's code is left as it is.
+
 This module needs lm-eval (`pip install -e ".[eval]"`); without it, importing it is an ImportError that says so.
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from gptlite.cli import USER_ERRORS, in_words
 from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
 from gptlite.generate import PAD, TextStream, generate_tokens
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
 
 try:
+    import jinja2
     import lm_eval
-    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.model import LM, TemplateLM
+    from lm_eval.api.task import Task
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
@@ -46,21 +56,51 @@ except ImportError:
 if TYPE_CHECKING:
     from gptlite.evaluate.command import EvaluateOptions
 
+GPTLITE_DIR = Path(__file__).resolve().parents[1]  # gptlite's own code: its errors are never a task's
+LM_EVAL_TASKS = Path(lm_eval.__file__).resolve().parent / "tasks"  # lm-eval's own task YAML files
+
 
 def task_manager(names: list[str], include_path: str = "") -> TaskManager:
     """lm-eval's index of tasks (its own, and the YAML files under include_path), after checking that it knows every
-    name (a task, a group or a tag)."""
+    name (a task, a group or a tag). lm-eval leaves a YAML file it cannot read out of its index without a word, so an
+    unknown name also names the first such file under include_path."""
     manager = TaskManager(include_path=include_path or None)
     known = manager.all_tasks
     unknown = [n for n in names if n not in known]
     if unknown:
         close = close_name(unknown[0], known)
         hint = f"did you mean '{close}'? " if close else ""
+        unreadable = unreadable_yaml(Path(include_path), manager) if include_path else []
+        if unreadable:
+            path, why = unreadable[0]
+            more = f" (and {len(unreadable) - 1} more YAML files)" if len(unreadable) > 1 else ""
+            raise ValueError(
+                f"--task=lm_eval:{unknown[0]}: lm-eval knows no task of that name; {hint}lm-eval could not read "
+                f"{path}{more}, which may define it: {why}; fix that file"
+            )
         raise ValueError(
             f"--task=lm_eval:{unknown[0]}: lm-eval knows no task of that name; {hint}(`lm-eval ls tasks` lists them; "
             "--include_path=DIR adds your own task YAML files)"
         )
     return manager
+
+
+def unreadable_yaml(folder: Path, manager: TaskManager) -> list[tuple[Path, str]]:
+    """The YAML files under folder that lm-eval left out of its index because it could not read them (a YAML syntax
+    error, an `include:` of a missing file), each with lm-eval's error on one line. A file that reads but defines no
+    task (a template other files include) is not one of them."""
+    from lm_eval.tasks._yaml_loader import load_yaml  # what lm-eval's index reads each file with
+
+    indexed = {entry.yaml_path.resolve() for entry in manager.task_index.values() if entry.yaml_path}
+    unreadable = []
+    for path in sorted(folder.glob("**/*.yaml")):
+        if path.resolve() in indexed:
+            continue
+        try:
+            load_yaml(path, resolve_func=False, recursive=True)
+        except Exception as e:  # anything lm-eval's index skipped the file for
+            unreadable.append((path, one_line(e)))
+    return unreadable
 
 
 def close_name(name: str, known: list[str]) -> str | None:
@@ -78,26 +118,134 @@ def evaluate_tasks(
     model: GPT, tokenizer: Tokenizer, manager: TaskManager, names: list[str], args: EvaluateOptions
 ) -> tuple[dict, str]:
     """Run lm-eval's tasks on the model: (the harness's own `results` mapping, its table of them). `args` gives
-    num_fewshot, limit, apply_chat_template, system_prompt, batch_size and batch_tokens (the command's options)."""
+    num_fewshot, limit, apply_chat_template, system_prompt, batch_size and batch_tokens (the command's options). A
+    task that fails in lm-eval is a ValueError naming it and its YAML file (see task_error)."""
     lm = GPTLiteLM(model, tokenizer, batch_size=args.batch_size, batch_tokens=args.batch_tokens)
     if args.apply_chat_template and not tokenizer.chat_template:
         raise ValueError(
             "--apply_chat_template: this model's tokenizer has no chat template (a base model?); leave the flag out, "
             "or evaluate a model fine-tuned on conversations"
         )
-    out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=names,
-        num_fewshot=args.num_fewshot,
-        limit=args.limit,
-        task_manager=manager,
-        apply_chat_template=args.apply_chat_template,
-        system_instruction=args.system_prompt or None,
-        log_samples=False,
-    )
+    tasks, asked_for = build_tasks(manager, names)
+    try:
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            task_manager=manager,
+            apply_chat_template=args.apply_chat_template,
+            system_instruction=args.system_prompt or None,
+            log_samples=False,
+        )
+    except Exception as e:
+        task = failing_task(e)
+        if task is None:  # gptlite's own code, the model class, or lm-eval's outside any one task
+            raise
+        task_error(manager, asked_for.get(task, task), task, "failed while lm-eval ran it", e)
     if out is None:  # a rank other than 0: the results went to rank 0
         return {}, ""
     return out["results"], make_table(out)
+
+
+def build_tasks(manager: TaskManager, names: list[str]) -> tuple[list, dict[str, str]]:
+    """lm-eval's Task and Group objects of the names, each name built on its own so that a failure names it (see
+    task_error); and the name asked for of each task built (a group's or a tag's for their tasks)."""
+    tasks = []
+    asked_for = {}
+    for name in names:
+        try:
+            loaded = manager.load(name)
+        except Exception as e:
+            task_error(manager, name, failing_task(e) or name, "could not be built", e)
+        tasks += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
+        asked_for.update(dict.fromkeys(loaded["tasks"], name))
+    return tasks, asked_for
+
+
+# -- a task's errors ----------------------------------------------------------------------------------
+
+
+def failing_task(error: Exception) -> str | None:
+    """The name of the task whose code raised `error` (caught in the function that called lm-eval): that of the
+    innermost frame of the traceback that works on a task (see task_in). None where a frame on the way belongs to
+    the model class (lm-eval's LM, whose requests are every task's) or to gptlite's own code: an error there is no
+    task's."""
+    found = None
+    for frame, _ in traceback.walk_tb(error.__traceback__.tb_next):  # the first frame is the caller's own
+        here = frame.f_locals
+        if isinstance(here.get("self"), LM) or in_gptlite(frame.f_code.co_filename):
+            return None
+        found = task_in(here) or found  # the frames run from the outermost in: the last one found is the innermost
+    return found
+
+
+def task_in(here: dict[str, Any]) -> str | None:
+    """The name of the task a frame (its local variables) works on: a Task's method (`self`), lm-eval's evaluator
+    code on one (`task`), or ConfigurableTask(config=...) before it has read its config (the config's `task`)."""
+    me = here.get("self")
+    for candidate in (me, here.get("task")):
+        if isinstance(candidate, Task):
+            # config.task, not task_name: a task whose config failed has a random task_name
+            name = getattr(getattr(candidate, "config", None), "task", None)
+            if name is None and candidate is me and isinstance(here.get("config"), dict):
+                name = here["config"].get("task")
+            if name:
+                return name
+    return None
+
+
+def in_gptlite(filename: str) -> bool:
+    """Whether a frame's file is gptlite's own code (not a jinja template's "<template>", which names no file)."""
+    return Path(filename).is_absolute() and Path(filename).resolve().is_relative_to(GPTLITE_DIR)
+
+
+def task_error(manager: TaskManager, asked: str, task: str, doing: str, error: Exception) -> NoReturn:
+    """Raise `error` of the task `task` (of the name `asked` on the command line) as one line: a ValueError that names
+    the task, its YAML file, lm-eval's error and where in the file to look. For a task of lm-eval's own (or one of no
+    file) the line blames no file: a ValueError for the kinds of error gptlite reports as one line (a download, a
+    missing package), else a RuntimeError chained to lm-eval's traceback (a fault in lm-eval or its data)."""
+    entry = manager.task_index.get(task) or manager.task_index.get(asked)  # an inline task of a group: the group's
+    path = entry.yaml_path if entry else None
+    what = f"task '{task}'" if task == asked else f"task '{task}' of '{asked}'"
+    if path is None or Path(path).resolve().is_relative_to(LM_EVAL_TASKS):
+        line = f"--task=lm_eval:{asked}: lm-eval's own {what} {doing}: {one_line(error)}"
+        if isinstance(error, USER_ERRORS):
+            raise ValueError(line) from error
+        raise RuntimeError(f"{line} (a fault in lm-eval or its data: see the traceback above)") from error
+    raise ValueError(
+        f"--task=lm_eval:{asked}: {what}, in {path}, {doing}: {one_line(error)}; {fix_hint(error)}"
+    ) from error
+
+
+def one_line(error: Exception) -> str:
+    """An error of lm-eval or the libraries it calls, on one line, with its kind; with the error it was raised while
+    handling, where there is one, as that is often the cause (lm-eval calls a metric with keyword arguments, and on a
+    TypeError, such as an option of metric_list the metric does not take, again with a positional one, whose
+    TypeError hides the first)."""
+    if isinstance(error, OSError) and str(error).startswith("[Errno"):
+        return in_words(error)
+    text = error.args[0] if isinstance(error, KeyError) and len(error.args) == 1 else error  # not KeyError's repr
+    line = f"{type(error).__name__}: {' '.join(str(text).split())}"
+    context = error.__context__
+    if context is not None and error.__cause__ is None and not error.__suppress_context__:
+        line += f" (raised while handling {type(context).__name__}: {' '.join(str(context).split())})"
+    return line
+
+
+def fix_hint(error: Exception) -> str:
+    """Where in a task's YAML file to look, from where the error was raised."""
+    modules = [frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    if isinstance(error, jinja2.TemplateError):
+        return "check its doc_to_text, doc_to_target and doc_to_choice templates against the fields of its dataset"
+    if modules and modules[-1].split(".")[0] in ("datasets", "huggingface_hub", "fsspec"):
+        return "check its dataset_path, dataset_name, dataset_kwargs (data_files) and split names"
+    if "lm_eval.tasks._yaml_loader" in modules:
+        return "check its !function lines: each names module.function of a .py file beside the YAML file"
+    return (
+        "check its keys, output_type, metric_list (each metric's name, aggregation and options) and filter_list "
+        "against lm-eval's task guide (docs/task_guide.md in its repository)"
+    )
 
 
 def prefix_ids(tokenizer: Tokenizer) -> list[int]:
