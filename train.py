@@ -78,7 +78,8 @@ def main(argv: list[str]) -> int:
     """Train as argv says. Returns the exit code: 0, or 128 + the number of the signal that stopped the run."""
     # ---------------------------------------------------------------------------------------------
     # 1. Configuration: defaults < TOML file < --key=value. On --resume the run's own config is the base.
-    cfg = resolve_config(argv, doc=__doc__)
+    budget_notes: list[str] = []  # with --budget, why each key of the recipe is what it is
+    cfg = resolve_config(argv, doc=__doc__, notes=budget_notes)
     if not cfg.data_dir:
         raise ValueError(NO_DATA_DIR)
     if Path(cfg.data_dir).resolve() == Path(cfg.out_dir).resolve():
@@ -89,15 +90,23 @@ def main(argv: list[str]) -> int:
     # Under torchrun this starts the process group. On the way out, also on an error, the run folder's lock is
     # released and the group ends, after everything that uses it (see gptlite.distributed).
     with processes() as (rank, local_rank, world_size), contextlib.ExitStack() as cleanup:
-        return train(cfg, argv, rank, local_rank, world_size, cleanup)
+        return train(cfg, argv, rank, local_rank, world_size, cleanup, budget_notes)
 
 
 def train(
-    cfg: TrainConfig, argv: list[str], rank: int, local_rank: int, world_size: int, cleanup: contextlib.ExitStack
+    cfg: TrainConfig,
+    argv: list[str],
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    cleanup: contextlib.ExitStack,
+    budget_notes: list[str],
 ) -> int:
     """The run, from set-up to the last step, in one process of `world_size`."""
     master = rank == 0  # rank 0 alone prints, writes the run folder and logs metrics
     log = functools.partial(print, flush=True) if master else (lambda *args, **kwargs: None)
+    for note in budget_notes:
+        log(f"budget | {note}")
     out_dir = Path(cfg.out_dir)
     t_start = time.time()
 

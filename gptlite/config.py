@@ -419,6 +419,12 @@ class TrainConfig:
         "skip", "a non-finite loss or gradient norm: skip that update, or stop the run", choices=("skip", "stop")
     )
     max_minutes: float = option(0.0, "> 0: end the run with a checkpoint once this much wall-clock time has passed")
+    budget: str = option(
+        "",
+        "derive the recipe from a budget: 90s, 20min, 3h (the whole command's wall-clock), 1e15flops, 50Mtokens; "
+        "every key given besides wins (gptlite.scaling)",
+    )
+    scaling_laws: str = option("", "--budget: the laws.json to derive from (default: this data's on this machine)")
 
     def __post_init__(self) -> None:
         """Every problem of the values, reported together in one ValueError; each concern checks its own fields."""

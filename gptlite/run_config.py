@@ -20,10 +20,11 @@ from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 NO_DATA_DIR = "data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)"
 
 
-def resolve_config(argv: list[str], doc: str = "") -> TrainConfig:
+def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = None) -> TrainConfig:
     """train.py's TrainConfig from its argv: defaults < TOML < --key=value, on --resume over the checkpoint's config,
-    with --init_from over the pretrained model's shape; otherwise vocab_size comes from the data. `--help` raises
-    HelpRequested with `doc` and every key."""
+    with --init_from over the pretrained model's shape; otherwise vocab_size comes from the data. With --budget the
+    recipe derived for it (gptlite.scaling.derive) goes under the TOML and the command line, and a line per choice
+    goes to `notes`. `--help` raises HelpRequested with `doc` and every key."""
     if "-h" in argv or "--help" in argv:
         raise HelpRequested(doc.strip() + "\n\n" + config_help())
     toml_path, overrides = parse_args(argv)
@@ -57,7 +58,31 @@ def resolve_config(argv: list[str], doc: str = "") -> TrainConfig:
         if not values.get("data_dir"):
             raise ValueError(NO_DATA_DIR)
         values["vocab_size"] = read_vocab_size(values["data_dir"])
+    if values.get("budget") and not saved:
+        values = budget_values(values, notes if notes is not None else [])
     return build_config(values)
+
+
+def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """`values` over the recipe derived for values["budget"] (every key given wins, and is said so)."""
+    from gptlite.device import pick_device
+    from gptlite.scaling.derive import derive
+
+    if values.get("init_from"):
+        raise ValueError(
+            f"--budget={values['budget']} derives a model to train from scratch, and --init_from="
+            f"{values['init_from']} gives one; leave --budget out and set max_iters or max_minutes"
+        )
+    vocab_size = int(convert("vocab_size", values["vocab_size"], int))
+    device = pick_device(str(values.get("device", "auto")))
+    derived, lines = derive(
+        str(values["budget"]), values["data_dir"], vocab_size, device, values.get("scaling_laws", "")
+    )
+    notes.extend(lines)
+    for key, value in values.items():
+        if key in derived and str(derived[key]) != str(value):
+            notes.append(f"{key}={value}: as given (the recipe's {derived[key]})")
+    return {**derived, **values}
 
 
 def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) -> None:

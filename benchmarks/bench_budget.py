@@ -1,0 +1,116 @@
+"""train.py --budget against a hand grid, on one corpus and budget: the derived recipe (no config file) run --rounds
+times, and a grid of hand choices around it, each a whole `python train.py --budget=B --key=value ...` in a fresh
+process timed from launch to exit (its wall-clock is the budget's). The grid varies what the derivation chooses:
+the width (and with it depth and heads, gptlite.scaling.recipe.shape) and the learning rates (Muon's and AdamW's
+together, times 0.5, 1 and 2); with --budget each grid point keeps the same time accounting. Prints a row per run
+as it ends, then the derived recipe's median and spread, the grid's best point, and how far the median is from it.
+
+Time nothing else on the machine meanwhile.
+
+    python benchmarks/bench_budget.py --data_dir=data/shakespeare_char --budget=30s [--rounds=3]
+        [--widths=48,72,96,144] [--lr_scales=0.5,1,2] [--json=FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
+from gptlite.device import machine_line  # noqa: E402
+from gptlite.files import write_json  # noqa: E402
+from gptlite.scaling.recipe import ADAMW_LR, BASE_WIDTH, MUON_LR, shape  # noqa: E402
+
+
+@dataclass
+class Options:
+    data_dir: str = option("data/shakespeare_char", "the prepared shards")
+    budget: str = option("30s", "the budget every run gets")
+    rounds: int = option(3, "runs of the derived recipe (the grid's points run once each)")
+    widths: str = option("48,72,96,144", "the grid's widths")
+    lr_scales: str = option("0.5,1,2", "the grid's learning-rate factors (Muon's and AdamW's together)")
+    json: str = option("", "also write every run here")
+
+
+def timed(argv: list[str], out_dir: Path) -> dict:
+    """One whole train.py command, timed from launch to exit: its final val loss, steps, width and wall-clock."""
+    command = [sys.executable, "train.py", *argv, f"--out_dir={out_dir}", "--overwrite"]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    config = json.loads(re.search(r"^config: (.*)$", done.stdout, re.M)[1])
+    return {
+        "val_loss": float(re.findall(r"\| val loss ([\d.]+)", done.stdout)[-1]),
+        "steps": int(re.findall(r"done at step (\d+)", done.stdout)[-1]),
+        "width": config["n_embd"],
+        "n_layer": config["n_layer"],
+        "learning_rate": config["learning_rate"],
+        "muon_lr": config["muon_lr"],
+        "wall": wall,
+        "contended": "other processes kept" in done.stdout,
+    }
+
+
+def grid_point(width: int, scale: float) -> list[str]:
+    """A hand choice: the family's shape at `width`, its learning rates times `scale`."""
+    keys = {k: v for k, v in shape(width).items()}
+    keys["learning_rate"] = ADAMW_LR * (BASE_WIDTH / width) ** 0.5 * scale
+    keys["min_lr"] = keys["learning_rate"] / 40
+    keys["muon_lr"] = MUON_LR * scale
+    return [f"--{k}={v}" for k, v in keys.items()]
+
+
+def run(args: Options) -> int:
+    print(machine_line(), flush=True)
+    base = [f"--data_dir={args.data_dir}", f"--budget={args.budget}"]
+    widths = [int(w) for w in args.widths.split(",")]
+    scales = [float(s) for s in args.lr_scales.split(",")]
+    plan = [("derived", [])] * args.rounds + [
+        (f"width {w}, lr x{s:g}", grid_point(w, s)) for w in widths for s in scales
+    ]
+    runs = []
+    print(f"{'run':22} {'val loss':>9} {'steps':>6} {'width':>5} {'layers':>6} {'wall s':>7}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gptlite_bench_budget_") as tmp:
+        for i, (name, extra) in enumerate(plan):
+            one = {"run": name, **timed(base + extra, Path(tmp) / str(i))}
+            runs.append(one)
+            mark = "  (other work shared the CPU)" if one["contended"] else ""
+            print(
+                f"{name:22} {one['val_loss']:9.4f} {one['steps']:6d} {one['width']:5d} {one['n_layer']:6d} "
+                f"{one['wall']:7.1f}{mark}",
+                flush=True,
+            )
+    derived = [r["val_loss"] for r in runs if r["run"] == "derived"]
+    grid = [r for r in runs if r["run"] != "derived"]
+    best = min(grid, key=lambda r: r["val_loss"])
+    median = statistics.median(derived)
+    print(
+        f"\n--budget={args.budget} on {args.data_dir}: derived {median:.4f} (median of {len(derived)}, spread "
+        f"{max(derived) - min(derived):.4f}: {', '.join(f'{x:.4f}' for x in derived)}); the grid's best of "
+        f"{len(grid)}: {best['run']} at {best['val_loss']:.4f}; derived - best = {median - best['val_loss']:+.4f}"
+    )
+    if args.json:
+        write_json(Path(args.json), {"budget": args.budget, "data_dir": args.data_dir, "runs": runs})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("bench_budget.py", lambda: run(parse(Options, argv, "bench_budget.py", __doc__)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""`train.py --budget=...`: the recipe for a budget, each choice with its reason.
+
+The laws (gptlite.scaling.laws: this data's on this machine, else the defaults measured here) give the model's
+size for the budget; the recipe family (gptlite.scaling.recipe) gives the rest from the size. What the machine
+decides is measured, not assumed: a few training steps of the chosen model on random tokens (`probe`) give its step
+time here, which sets the step count (and with it Muon's momentum), and for a time budget the share left for
+training once start-up and the final evaluation are counted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+from gptlite.scaling.laws import find_laws, power, saturating
+from gptlite.scaling.recipe import BLOCK_SIZE, TOKENS_PER_STEP, WIDTHS, Budget, parse_budget, recipe, shape
+
+MARGIN_S = 1.5  # seconds a time budget keeps back for saving the checkpoint and the process's exit
+
+
+def block_params(width: int) -> int:
+    """The parameters of the blocks of the family's model at `width` (what the laws count), counted on the meta
+    device: nothing is allocated."""
+    import torch
+
+    from gptlite.config import GPTConfig
+    from gptlite.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**shape(width), vocab_size=256, block_size=BLOCK_SIZE, pos_emb="rope"))
+    return sum(p.numel() for p in model.blocks.parameters())
+
+
+def nearest_width(params: float) -> int:
+    """The family's width whose block parameters are nearest `params` in log."""
+    return min(WIDTHS, key=lambda w: abs(math.log(block_params(w) / params)))
+
+
+def process_age() -> float:
+    """Seconds since this process started (its start-up, torch's import included, is in a time budget)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return max(0.0, time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK")))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
+
+
+def probe(keys: dict, device: str, steps: int = 3) -> float:
+    """Seconds a training step of the recipe `keys` takes here: the model and its optimizers built as train.py
+    builds them, one step to warm up, then the mean of `steps`, on random tokens of full windows."""
+    import torch
+
+    from gptlite.config import build_config
+    from gptlite.model import GPT
+    from gptlite.optim import configure_optimizers
+
+    cfg = build_config({k: v for k, v in keys.items() if k not in ("max_minutes", "lr_schedule")})
+    model = GPT(cfg.model).to(device)
+    optimizers = configure_optimizers(model, cfg, device.split(":")[0])
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.model.block_size), device=device)
+    elapsed = 0.0
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        _, loss = model(x, x)
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i:
+            elapsed += time.perf_counter() - start
+    return elapsed / steps
+
+
+def val_tokens(data_dir: str) -> int:
+    """The tokens of the data's val split (its shards' sizes)."""
+    from gptlite.shards import find_shards, read_shard
+
+    return sum(len(read_shard(p)) for p in find_shards(data_dir, "val"))
+
+
+def derive(
+    budget_text: str, data_dir: str, vocab_size: int, device: str, laws_file: str = ""
+) -> tuple[dict, list[str]]:
+    """(train.py's keys for the budget, a line per choice saying why). `vocab_size` is the data's."""
+    from gptlite.data import data_identity
+    from gptlite.shards import find_shards
+
+    budget = parse_budget(budget_text)
+    fingerprint = data_identity(find_shards(data_dir, "train"), "text")["data"]
+    laws, source = find_laws(fingerprint, vocab_size, laws_file)
+    notes = [f"--budget={budget.text}: from {source}"]
+    if budget.kind == "seconds":
+        keys = for_time(budget, laws, data_dir, vocab_size, device, notes)
+    else:
+        keys = for_compute(budget, laws, vocab_size, device, notes)
+    notes.append(
+        f"ingredients: rotary positions, SwiGLU {3}x wide, Muon for the block matrices (lr {keys['muon_lr']:g}, the "
+        f"same at every width) and AdamW for the rest (lr {keys['learning_rate']:.2e}: 4e-3 at width 96, times "
+        f"sqrt(96/width)), windows growing from 64 to {BLOCK_SIZE} tokens over 60% of the run, "
+        + (
+            f"and a bigram embedding of every pair of the {vocab_size} ids"
+            if keys["bigram_vocab"]
+            else f"no bigram embedding (a table of every pair of {vocab_size:,} ids would not fit)"
+        )
+        + "; each measured on the 90-s CPU speedrun (docs/training.md)"
+    )
+    notes.append(
+        f"Muon's momentum {keys['muon_momentum']}: "
+        + ("under 2,000 steps less momentum measured better" if keys["muon_momentum"] < 0.9 else "the usual 0.95")
+    )
+    if device.startswith("cuda"):
+        keys |= {"dtype": "bfloat16", "compile": budget.kind != "seconds" or budget.amount >= 600}
+        notes.append(
+            "precision bfloat16 (autocast) on the GPU; torch.compile "
+            + ("on" if keys["compile"] else "off: compiling would take much of so short a budget")
+        )
+    else:
+        keys |= {"dtype": "float32", "compile": False}
+        notes.append(
+            "precision float32 and no torch.compile on the CPU: bfloat16 autocast measured slower for small models "
+            "on CPUs (docs/training.md), and compiling takes a minute or more of the budget"
+        )
+    return keys, notes
+
+
+def for_time(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, notes: list[str]) -> dict:
+    """A time budget: the size the law gives for the training time left, the step time measured here."""
+    rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
+    if rough < 5:
+        raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
+    width = nearest_width(power(laws["params_per_second"], rough))
+    step_s = probe(recipe(width, vocab_size, steps=1, seconds=rough), device)
+    eval_s = 1.2 * val_tokens(data_dir) / TOKENS_PER_STEP * step_s / 3  # a forward is about a third of a step
+    seconds = budget.amount - process_age() - eval_s - MARGIN_S
+    if seconds < 5:
+        raise ValueError(
+            f"--budget={budget.text} leaves {seconds:.1f} s to train once start-up and the final evaluation "
+            f"({eval_s:.1f} s) are counted; give a larger budget"
+        )
+    steps = int(seconds / step_s)
+    keys = recipe(width, vocab_size, steps=steps, seconds=seconds)
+    n = power(laws["params_per_second"], seconds)
+    notes.append(
+        f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
+        f"block parameters): the law N* = {laws['params_per_second']['coef']:.3g} t^"
+        f"{laws['params_per_second']['exponent']:.3f} gives {n / 1e6:.3g}M for {seconds:.1f} s of training"
+        + range_note(laws["params_per_second"])
+    )
+    notes.append(
+        f"time: {seconds:.1f} s of training (lr_schedule=time: the decay and the windows follow the clock), after "
+        f"{process_age():.1f} s of start-up and before about {eval_s:.1f} s of final evaluation; "
+        f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {TOKENS_PER_STEP:,} tokens"
+    )
+    notes.append(f"expected val loss {saturating(laws['loss_per_second'], seconds):.3f} (the law L*(t))")
+    return keys
+
+
+def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes: list[str]) -> dict:
+    """A FLOPs or tokens budget: the size the law gives for the FLOPs (for tokens: the FLOPs whose optimal run
+    trains on that many), the step count from the tokens."""
+    import torch
+
+    from gptlite.config import build_config
+    from gptlite.model import GPT
+
+    if budget.kind == "flops":
+        flops = budget.amount
+    else:  # D* = H C^b, inverted
+        law = laws["tokens_per_flop"]
+        flops = (budget.amount / law["coef"]) ** (1 / law["exponent"])
+    width = nearest_width(power(laws["params_per_flop"], flops))
+    keys = recipe(width, vocab_size, steps=1)
+    with torch.device("meta"):
+        per_token = GPT(build_config(keys).model).flops_per_token()
+    tokens = budget.amount if budget.kind == "tokens" else flops / per_token
+    steps = max(1, math.ceil(tokens / TOKENS_PER_STEP))
+    keys = recipe(width, vocab_size, steps=steps)
+    step_s = probe(keys, device)
+    notes.append(
+        f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
+        f"block parameters): the law N* = {laws['params_per_flop']['coef']:.3g} C^"
+        f"{laws['params_per_flop']['exponent']:.3f} gives {power(laws['params_per_flop'], flops) / 1e6:.3g}M for "
+        f"{flops:.3g} FLOPs" + range_note(laws["params_per_flop"])
+    )
+    notes.append(
+        f"tokens: {steps:,} steps of {TOKENS_PER_STEP:,} = {steps * TOKENS_PER_STEP:,} tokens; "
+        f"{1000 * step_s:.1f} ms a step measured here: about {steps * step_s / 60:.1f} min"
+    )
+    notes.append(f"expected val loss {saturating(laws['loss_per_flop'], flops):.3f} (the law L*(C))")
+    return keys
+
+
+def range_note(law: dict) -> str:
+    low_high = law.get("range")
+    return f" (exponent {low_high[0]:.3f} to {low_high[1]:.3f} leaving one run out)" if low_high else ""

@@ -1,0 +1,208 @@
+"""Scaling laws fitted to a sweep's runs, and where they are kept.
+
+A sweep (gptlite.scaling.sweep) trains the recipe family (gptlite.scaling.recipe) at several widths for each of
+several time budgets. For each budget the loss against log(parameters) is a valley: a parabola through it gives the
+compute-optimal size at that budget and the loss there (`optimum`), as in Chinchilla's IsoFLOP profiles (Hoffmann
+et al. 2022, approach 2), with a time budget in place of a FLOP count because time is what a user of one machine
+spends. The laws are fitted through those optima:
+- the optimal size against the budget, a power law N* = G t^a (and against the FLOPs the optimal run did);
+- the tokens it trains on against the FLOPs, D* = H C^b;
+- the loss against the budget, L* = E + A t^-alpha (and against the FLOPs), E being what no budget gets below.
+Parameters N are the blocks' (what every token's matmuls use); the embeddings are a lookup. The uncertainty of each
+exponent is its range over the fits that leave one run out. A budget whose best size is the smallest or largest run
+only bounds its optimum: it is left out of the size and token laws where two others remain (its loss stays in the
+loss laws).
+
+`fit_laws` returns a JSON-ready dict; `save_laws` writes it to the sweep's folder and to gptlite's cache under the
+data's fingerprint and the machine (`laws_path`), where `train.py --budget` finds it; `DEFAULT_LAWS` are the laws
+measured for this project (docs/scaling.md), used with a note where no sweep ran for the data and machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from gptlite.files import write_json
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gptlite" / "scaling"
+DEFAULT_LAWS = Path(__file__).with_name("defaults.json")  # {"char": laws, "bpe": laws}, measured here
+
+
+# ---------------------------------------------------------------------------------------------
+# Fits
+
+
+def fit_power(x: list[float], y: list[float]) -> dict:
+    """y = coef * x^exponent, by least squares in log-log: {"coef", "exponent"}."""
+    exponent, intercept = np.polyfit(np.log(x), np.log(y), 1)
+    return {"coef": float(math.exp(intercept)), "exponent": float(exponent)}
+
+
+def fit_saturating(x: list[float], y: list[float]) -> dict:
+    """y = E + A x^-alpha, E in [0, min(y)): for each E on a fine grid the rest is a line in log-log; the E whose fit
+    has the least squared error in y wins. {"E", "A", "alpha"}."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    best = None
+    for E in np.linspace(0.0, 0.999 * y.min(), 400):
+        slope, intercept = np.polyfit(np.log(x), np.log(y - E), 1)
+        error = float(((E + np.exp(intercept) * x**slope - y) ** 2).sum())
+        if best is None or error < best[0]:
+            best = (error, E, float(math.exp(intercept)), float(-slope))
+    _, E, A, alpha = best
+    return {"E": float(E), "A": A, "alpha": alpha}
+
+
+def power(law: dict, x: float) -> float:
+    return law["coef"] * x ** law["exponent"]
+
+
+def saturating(law: dict, x: float) -> float:
+    return law["E"] + law["A"] * x ** -law["alpha"]
+
+
+def optimum(runs: list[dict]) -> dict:
+    """The best size for one budget's runs (each with "params", "val_loss", "flops", "tokens"): the parabola in
+    log(params) through the best run and its two neighbours in size, its lowest point (the valley is not a parabola
+    far from its bottom: too small a model saturates, too large a one hardly trains, so the runs far from the best
+    are left out). Where the best run is the smallest or the largest, that run, with `edge` True: the budget wanted
+    a size the sweep did not reach. The FLOPs and tokens of a run at that size are interpolated in log-log between
+    the three runs."""
+    runs = sorted(runs, key=lambda r: r["params"])
+    u = np.log([r["params"] for r in runs])
+    loss = np.array([r["val_loss"] for r in runs])
+    best = int(loss.argmin())
+    edge = best == 0 or best == len(runs) - 1
+    first = max(0, min(best - 1, len(runs) - 3))
+    near = slice(first, first + 3)  # the best run and its neighbours (the three at that end, at an edge)
+    a, b, c = np.polyfit(u[near], loss[near], 2)
+    if edge or a <= 0:
+        u_star = float(u[best])
+        loss_star = float(loss[best])
+    else:
+        u_star = float(np.clip(-b / (2 * a), u[best - 1], u[best + 1]))
+        loss_star = float(np.polyval([a, b, c], u_star))
+    flops = np.polyfit(u[near], np.log([r["flops"] for r in runs[near]]), 1)
+    tokens = np.polyfit(u[near], np.log([r["tokens"] for r in runs[near]]), 1)
+    return {
+        "params": float(math.exp(u_star)),
+        "val_loss": loss_star,
+        "flops": float(math.exp(np.polyval(flops, u_star))),
+        "tokens": float(math.exp(np.polyval(tokens, u_star))),
+        "edge": bool(edge),
+    }
+
+
+def frontier(runs: list[dict]) -> dict[float, dict]:
+    """Each budget's optimum (budgets with at least three sizes run)."""
+    budgets = sorted({r["seconds"] for r in runs})
+    at = {b: [r for r in runs if r["seconds"] == b] for b in budgets}
+    return {b: optimum(at[b]) for b in budgets if len({r["params"] for r in at[b]}) >= 3}
+
+
+def laws_of(runs: list[dict]) -> dict:
+    """The laws through the optima of `runs` (see the module docstring), without their uncertainty."""
+    every = frontier(runs)
+    if len(every) < 2:
+        raise ValueError(
+            f"the laws need the optimum of at least 2 budgets, each with at least 3 sizes run; these runs give "
+            f"{len(every)}: run more of the sweep"
+        )
+    # a budget whose best size is the smallest or the largest run only bounds where its optimum is: left out of the
+    # size and token laws where two others remain. Its best loss is still near the optimum's: the loss laws keep it.
+    inside = {b: p for b, p in every.items() if not p["edge"]}
+    sized = inside if len(inside) >= 2 else every
+    all_flops = [p["flops"] for p in every.values()]
+    all_loss = [p["val_loss"] for p in every.values()]
+    flops = [p["flops"] for p in sized.values()]
+    return {
+        "params_per_second": fit_power(list(sized), [p["params"] for p in sized.values()]),
+        "loss_per_second": fit_saturating(list(every), all_loss),
+        "params_per_flop": fit_power(flops, [p["params"] for p in sized.values()]),
+        "tokens_per_flop": fit_power(flops, [p["tokens"] for p in sized.values()]),
+        "loss_per_flop": fit_saturating(all_flops, all_loss),
+        "frontier": [{"seconds": s, **p, "fitted": s in sized} for s, p in every.items()],
+    }
+
+
+def fit_laws(runs: list[dict]) -> dict:
+    """`laws_of(runs)` with each exponent's range over the fits that leave one run out ("range": [low, high])."""
+    laws = laws_of(runs)
+    spread: dict[str, list[float]] = {}
+    for i in range(len(runs)):
+        try:
+            fewer = laws_of(runs[:i] + runs[i + 1 :])
+        except ValueError:  # too few runs left for a budget: this one is needed
+            continue
+        for name, law in fewer.items():
+            if name != "frontier":
+                spread.setdefault(name, []).append(law.get("exponent", law.get("alpha")))
+    for name, values in spread.items():
+        laws[name]["range"] = [float(min(values)), float(max(values))]
+    return laws
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the laws are kept
+
+
+def machine_key() -> str:
+    """The machine the step times belong to: the CPU model and the cores this process may use, and the GPU."""
+    import torch
+
+    from gptlite.device import cpu_summary
+
+    gpu = f" | {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return cpu_summary() + gpu
+
+
+def laws_path(data_fingerprint: str, machine: str) -> Path:
+    """The cache file of the laws of this data on this machine."""
+    digest = hashlib.sha256(machine.encode()).hexdigest()[:12]
+    return CACHE / f"{data_fingerprint}-{digest}.json"
+
+
+def save_laws(laws: dict, path: Path) -> None:
+    """Write the laws to `path` and to the cache for their data and machine (laws["data"]["fingerprint"],
+    laws["machine"]), atomically each."""
+    write_json(path, laws)
+    cached = laws_path(laws["data"]["fingerprint"], laws["machine"])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    write_json(cached, laws)
+
+
+def find_laws(data_fingerprint: str, vocab_size: int, laws_file: str = "") -> tuple[dict, str]:
+    """(the laws to derive a recipe from, where they come from): `laws_file` if given; else the ones a sweep fitted
+    for this data on this machine; else the defaults measured for this project (a character vocabulary's or a
+    BPE's), said so."""
+    if laws_file:
+        return read_laws(Path(laws_file)), f"the laws in {laws_file}"
+    cached = laws_path(data_fingerprint, machine_key())
+    if cached.is_file():
+        return read_laws(cached), f"the laws fitted for this data on this machine ({cached})"
+    defaults = json.loads(DEFAULT_LAWS.read_text())
+    kind = "char" if vocab_size <= 256 else "bpe"
+    laws = defaults.get(kind) or defaults["char"]
+    return laws, (
+        f"no laws were fitted for this data on this machine, so the defaults measured for gptlite on "
+        f"{laws['data']['name']} ({laws['machine']}) are used; `python -m gptlite.scaling --data_dir=...` fits "
+        "your own"
+    )
+
+
+def read_laws(path: Path) -> dict:
+    try:
+        laws = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot read the scaling laws in {path} ({e}); fit them again with python -m gptlite.scaling"
+        ) from None
+    if not isinstance(laws, dict) or "params_per_second" not in laws:
+        raise ValueError(f"{path} holds no scaling laws of gptlite's; fit them with python -m gptlite.scaling")
+    return laws

@@ -1,0 +1,110 @@
+"""A training recipe from a budget: `parse_budget` reads what `train.py --budget=` says (a time, FLOPs or tokens),
+`derive` turns it into train.py's keys with the reason for each, from the scaling laws fitted for this data on this
+machine (gptlite.scaling.laws), and `recipe` is the family of recipes the sweep measures and the derivation picks
+from: one knob, the model's width, sets the rest.
+
+The family (`recipe`): the 90-second CPU speedrun's techniques as its ingredients (docs/training.md measured each):
+rotary positions, SwiGLU three times the width, Muon for the block matrices and AdamW for the rest, windows that
+grow from 64 to 512 tokens over the first 60% of the run, and for a vocabulary of at most 256 (characters, bytes)
+the bigram embedding of every pair. Its shape: one layer per 48 of width, heads of 24 (the hand-tuned 2 layers 96
+wide at 90 s is width 96). Learning rates transfer across widths as nanochat scales them: Muon's is the same at every
+width (its update is orthonormalised, so its size does not grow with the width), AdamW's shrinks as 1/sqrt(width)
+from 4e-3 at width 96.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+ASPECT = 48  # width per layer
+HEAD_DIM = 24
+WIDTHS = (48, 72, 96, 120, 144, 192, 240, 288, 384, 480, 576, 768)  # the family's sizes, each a multiple of HEAD_DIM
+BASE_WIDTH = 96  # the width the learning rates were tuned at (the 90-s recipe)
+ADAMW_LR = 4e-3  # at BASE_WIDTH
+MUON_LR = 0.03
+TOKENS_PER_STEP = 3072  # 6 windows of 512
+BLOCK_SIZE = 512
+SHORT_RUN = 2000  # steps: a run shorter than this trains with Muon's momentum at 0.8, a longer one at 0.95
+
+UNITS = {
+    "s": ("seconds", 1),
+    "sec": ("seconds", 1),
+    "min": ("seconds", 60),
+    "h": ("seconds", 3600),
+    "flops": ("flops", 1),
+    "tokens": ("tokens", 1),
+}
+PREFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)(s|sec|min|h|flops|tokens)\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a run may spend: `kind` seconds (the whole command's wall-clock, start-up and the final evaluation
+    included), flops (training FLOPs, gptlite.model.GPT.flops_per_token per token) or tokens (trained on)."""
+
+    kind: str
+    amount: float
+    text: str
+
+
+def parse_budget(text: str) -> Budget:
+    """'90s', '20min', '3h', '1e15flops', '50Mtokens' -> Budget; anything else a one-line ValueError."""
+    match = BUDGET_RE.match(text)
+    if not match or (match[2] and match[3] in ("s", "sec", "min", "h")):
+        raise ValueError(
+            f"--budget={text!r} is not a budget; give a time (90s, 20min, 3h), FLOPs (1e15flops, 2Pflops) or "
+            "tokens (50Mtokens, 2e9tokens)"
+        )
+    kind, unit = UNITS[match[3]]
+    amount = float(match[1]) * PREFIXES[match[2]] * unit
+    if amount <= 0:
+        raise ValueError(f"--budget={text!r} must be more than nothing")
+    return Budget(kind, amount, text)
+
+
+def shape(width: int) -> dict[str, int]:
+    """The model of the family at `width`: layers, heads and the feed-forward's width."""
+    return {
+        "n_layer": max(1, round(width / ASPECT)),
+        "n_embd": width,
+        "n_head": width // HEAD_DIM,
+        "ffn_hidden": 3 * width,
+    }
+
+
+def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None) -> dict:
+    """train.py's keys for the family's model at `width` trained for `seconds` of training time (lr_schedule="time":
+    the learning rate decays and the windows grow over the time budget, `steps` being the steps expected in it) or
+    else for `steps` optimizer steps. The step count sets Muon's momentum: 0.8 below SHORT_RUN steps, where less
+    momentum measured better (docs/training.md), else the usual 0.95."""
+    adamw_lr = ADAMW_LR * math.sqrt(BASE_WIDTH / width)
+    keys = {
+        **shape(width),
+        "vocab_size": vocab_size,
+        "block_size": BLOCK_SIZE,
+        "pos_emb": "rope",
+        "dropout": 0.0,
+        "bigram_vocab": vocab_size * vocab_size + 1 if vocab_size <= 256 else 0,
+        "batch_size": TOKENS_PER_STEP // BLOCK_SIZE,
+        "seq_len_start": 64,
+        "seq_len_warmup": 0.6,
+        "optimizer": "muon",
+        "muon_lr": MUON_LR,
+        "learning_rate": adamw_lr,
+        "min_lr": adamw_lr / 40,
+        "warmup_iters": max(1, min(50, steps // 20)),  # the tuned 50 of ~1,350 steps; at most a twentieth of a run
+        "weight_decay": 0.1,
+        "beta2": 0.99,
+        "eval_iters": 0,  # the final evaluation: every window of the val split
+        "keep_last": 1,
+    }
+    if seconds is not None:
+        keys |= {"lr_schedule": "time", "max_minutes": seconds / 60, "max_iters": 1_000_000_000}
+        keys |= {"eval_interval": 1_000_000_000, "log_interval": 250}
+    else:
+        keys |= {"lr_schedule": "steps", "max_iters": steps, "eval_interval": steps, "log_interval": 250}
+    keys["muon_momentum"] = 0.8 if steps < SHORT_RUN else 0.95
+    return keys

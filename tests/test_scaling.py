@@ -1,0 +1,178 @@
+"""gptlite.scaling: budgets read as written, the fits against laws they must recover, the sweep (resumable, one
+train.py process per run) and train.py --budget's recipe, every key still overridable."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from gptlite.scaling.derive import block_params, nearest_width
+from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating
+from gptlite.scaling.recipe import WIDTHS, parse_budget, recipe, shape
+from tests.conftest import ROOT, run_train, shared_file
+
+
+@pytest.mark.parametrize(
+    "text, kind, amount",
+    [
+        ("90s", "seconds", 90),
+        ("20min", "seconds", 1200),
+        ("3h", "seconds", 10800),
+        ("1e15flops", "flops", 1e15),
+        ("2Pflops", "flops", 2e15),
+        ("50Mtokens", "tokens", 5e7),
+        ("2e9tokens", "tokens", 2e9),
+    ],
+)
+def test_a_budget_reads_as_written(text, kind, amount):
+    budget = parse_budget(text)
+    assert budget.kind == kind and budget.amount == pytest.approx(amount)
+
+
+@pytest.mark.parametrize("text", ["90", "fast", "3Ms", "-5s", "0s", "10 parsecs"])
+def test_a_budget_that_is_not_one_is_named(text):
+    with pytest.raises(ValueError, match=f"--budget={text!r} (is not a budget|must be more)"):
+        parse_budget(text)
+
+
+def test_the_family_at_width_96_is_the_hand_tuned_speedrun_model():
+    keys = recipe(96, 65, steps=1350, seconds=87.0)
+    tuned = {"n_layer": 2, "n_embd": 96, "n_head": 4, "ffn_hidden": 288, "bigram_vocab": 4226, "batch_size": 6}
+    assert {k: keys[k] for k in tuned} == tuned
+    assert keys["muon_lr"] == 0.03 and keys["learning_rate"] == pytest.approx(4e-3) and keys["muon_momentum"] == 0.8
+    assert keys["lr_schedule"] == "time" and keys["max_minutes"] == pytest.approx(1.45)
+    # AdamW's rate goes as 1/sqrt(width); Muon's stays; a long run keeps the usual momentum; no pair table for BPE
+    wide = recipe(384, 50304, steps=5000)
+    assert wide["learning_rate"] == pytest.approx(4e-3 / 2) and wide["muon_lr"] == 0.03
+    assert wide["muon_momentum"] == 0.95 and wide["bigram_vocab"] == 0 and wide["max_iters"] == 5000
+    for width in WIDTHS:  # every width is a model: heads divide it, a layer per 48
+        assert shape(width)["n_embd"] % shape(width)["n_head"] == 0
+
+
+def test_block_params_count_the_blocks_as_the_model_does():
+    from gptlite.config import GPTConfig
+    from gptlite.model import GPT
+
+    model = GPT(GPTConfig(**shape(72), vocab_size=65, block_size=64, pos_emb="rope"))
+    assert block_params(72) == sum(p.numel() for p in model.blocks.parameters())
+    assert nearest_width(block_params(144) * 1.1) == 144
+
+
+def test_the_fits_recover_the_laws_they_are_given():
+    x = np.geomspace(1e12, 1e15, 6)
+    assert fit_power(x, 3.0 * x**0.5) == pytest.approx({"coef": 3.0, "exponent": 0.5}, rel=1e-6)
+    law = fit_saturating(x, 1.2 + 40 * x**-0.1)
+    assert law["E"] == pytest.approx(1.2, abs=0.01) and law["alpha"] == pytest.approx(0.1, rel=0.05)
+    assert saturating(law, 3e15) == pytest.approx(1.2 + 40 * 3e15**-0.1, rel=1e-3)
+
+
+def synthetic_runs(noise: float = 0.0, seed: int = 0) -> list[dict]:
+    """Runs drawn from a known law: at budget t the loss is a valley in log N whose bottom lies at N* = 1e3 t^0.6,
+    its depth L* = 1.3 + 2 t^-0.3; a run of N parameters for t seconds does 6 N D FLOPs at 1e9 FLOPs a second."""
+    rng = np.random.default_rng(seed)
+    runs = []
+    for t in (10.0, 20.0, 40.0, 80.0):
+        best = 1e3 * t**0.6
+        for n in np.geomspace(best / 8, best * 8, 5):
+            loss = 1.3 + 2 * t**-0.3 + 0.05 * math.log(n / best) ** 2 + noise * rng.standard_normal()
+            flops = 1e9 * t
+            runs.append({"seconds": t, "width": int(n), "params": float(n), "val_loss": loss, "flops": flops,
+                         "tokens": flops / (6 * n)})  # fmt: skip
+    return runs
+
+
+def test_the_laws_of_a_sweep_recover_its_optima_and_exponents():
+    laws = fit_laws(synthetic_runs())
+    assert laws["params_per_second"]["exponent"] == pytest.approx(0.6, rel=1e-3)
+    assert laws["params_per_second"]["coef"] == pytest.approx(1e3, rel=1e-2)
+    assert laws["loss_per_second"]["alpha"] == pytest.approx(0.3, rel=0.05)
+    assert saturating(laws["loss_per_second"], 240.0) == pytest.approx(1.3 + 2 * 240**-0.3, rel=2e-3)
+    # against FLOPs (1e9 a second): N* = 1e3 (C / 1e9)^0.6, and D* = C / (6 N*)
+    assert power(laws["params_per_flop"], 1e11) == pytest.approx(1e3 * 100**0.6, rel=1e-2)
+    assert laws["tokens_per_flop"]["exponent"] == pytest.approx(0.4, rel=1e-2)
+    assert not any(point["edge"] for point in laws["frontier"])
+    # with noise, each exponent comes with its range over the fits that leave one run out, around the truth
+    noisy = fit_laws(synthetic_runs(noise=0.01, seed=1))
+    low, high = noisy["params_per_second"]["range"]
+    assert low < noisy["params_per_second"]["exponent"] < high and low < 0.75 and high > 0.45
+
+
+def test_an_optimum_past_the_sizes_run_is_flagged():
+    runs = [r for r in synthetic_runs() if r["seconds"] == 80.0]
+    small = sorted(runs, key=lambda r: r["params"])[:3]  # the valley's bottom is at the largest of these
+    point = optimum(small)
+    assert point["edge"] and point["params"] == pytest.approx(small[-1]["params"])
+    with pytest.raises(ValueError, match="at least 2 budgets"):
+        fit_laws(runs)
+
+
+@pytest.fixture(scope="module")
+def char_data(tmp_path_factory):
+    """A small char-level preparation of tiny Shakespeare."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("scaling")
+    text = root / "text.txt"
+    text.write_text(shared_file("data/tinyshakespeare.txt").read_text()[:200_000])
+    done = subprocess.run(
+        [sys.executable, ROOT / "data/prepare.py", f"--input={text}", "--tokenizer=char", f"--out_dir={root / 'data'}"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return root / "data"
+
+
+def test_the_sweep_resumes_fits_and_feeds_train_budget(char_data, tmp_path, monkeypatch, capsys):
+    from gptlite.scaling import laws as laws_module
+    from gptlite.scaling.sweep import main
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "cache")
+    out = tmp_path / "sweep"
+    options = [f"--data_dir={char_data}", f"--out_dir={out}", "--budgets=1s,2s", "--widths=48,72,96"]
+    assert main([*options, "--widths=48,72"]) == 2  # too few widths: refused before anything runs
+    assert "at least 3 widths" in capsys.readouterr().err and not out.exists()
+    assert main(options) == 0
+    printed = capsys.readouterr().out
+    assert "[6/6] width 96" in printed and "optimal size: N* =" in printed
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert sorted((r["seconds"], r["width"]) for r in runs) == [(s, w) for s in (1, 2) for w in (48, 72, 96)]
+    for run in runs:  # each run's figures are its own train.py run's
+        rows = [json.loads(line) for line in (out / "runs" / f"w{run['width']}-{run['seconds']:g}s" / "metrics.jsonl")
+                .read_text().splitlines()]  # fmt: skip
+        assert run["val_loss"] == [r for r in rows if "val_loss" in r][-1]["val_loss"]
+    laws = json.loads((out / "laws.json").read_text())
+    assert len(laws["frontier"]) == 2 and (out / "frontier.png").stat().st_size > 0
+    cached = list((tmp_path / "cache").iterdir())
+    assert len(cached) == 1 and json.loads(cached[0].read_text()) == laws
+
+    # run again: nothing left to train, the same laws
+    (out / "runs.jsonl").write_text((out / "runs.jsonl").read_text() + '{"cut short')  # an interrupted append
+    assert main(options) == 0
+    assert "0 to go" in capsys.readouterr().out
+
+    # train.py --budget finds these laws for this data on this machine, says each choice, and takes overrides.
+    # (train.py runs inside pytest's process here: its start-up is taken as a command's, 2 s)
+    monkeypatch.setattr("gptlite.scaling.derive.process_age", lambda: 2.0)
+    run = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--budget=15s", "--n_layer=1")
+    assert run.code == 0, run.err
+    assert "budget | --budget=15s: from the laws fitted for this data on this machine" in run.out
+    assert "budget | n_layer=1: as given" in run.out and "expected val loss" in run.out
+    config = json.loads(next(line for line in run.out.splitlines() if line.startswith("config: "))[8:])
+    assert config["budget"] == "15s" and config["n_layer"] == 1 and config["lr_schedule"] == "time"
+    assert 0 < config["max_minutes"] < 15 / 60
+
+
+def test_a_budget_without_laws_uses_the_defaults_and_says_so(char_data, tmp_path, monkeypatch):
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    run = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--budget=20Ktokens")
+    assert run.code == 0, run.err
+    assert "no laws were fitted for this data on this machine, so the defaults measured for gptlite" in run.out
+    config = json.loads(next(line for line in run.out.splitlines() if line.startswith("config: "))[8:])
+    assert config["lr_schedule"] == "steps" and config["max_iters"] == math.ceil(20_000 / 3072)
+    refused = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'no'}", "--budget=fast")
+    assert refused.code == 2 and "--budget='fast' is not a budget" in refused.err
