@@ -166,9 +166,12 @@ class HelpRequested(Exception):
 def help_text(cls: type | tuple[type, ...], prog: str, doc: str) -> str:
     """The command's docstring, then one line per option (of each dataclass): its name, default and help."""
     lines = [doc.strip(), "", f"{prog} options (--key=value or --key value; a CONFIG.toml file may set them too):"]
-    for f in (f for c in (cls if isinstance(cls, tuple) else (cls,)) for f in dataclasses.fields(c)):
-        if not f.init or dataclasses.is_dataclass(f.type) or f.name == "model":
-            continue
+    options = []
+    for c in cls if isinstance(cls, tuple) else (cls,):
+        types = typing.get_type_hints(c)  # the fields' types, where f.type may be the annotation's text
+        # a nested dataclass (train.py's model: GPTConfig) is listed by its own fields, not as one option
+        options += [f for f in dataclasses.fields(c) if f.init and not dataclasses.is_dataclass(types[f.name])]
+    for f in options:
         meta = f.metadata
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             name = f"--{f.name} (required)"
