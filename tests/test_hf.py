@@ -214,7 +214,7 @@ def test_missing_checkpoints_and_offline_downloads_fail_in_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config\.json does not exist"):
         GPT.from_pretrained(str(tmp_path))
     result = subprocess.run(
-        [sys.executable, str(ROOT / "sample.py"), "--init_from=gpt2", "--device=cpu"],
+        [sys.executable, str(ROOT / "sample.py"), "--model=gpt2", "--device=cpu"],
         capture_output=True,
         text=True,
         timeout=120,
