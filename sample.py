@@ -1,13 +1,17 @@
 """Generate text from a trained checkpoint or pretrained weights, streaming tokens to stdout as they are produced.
 
-    python sample.py --out_dir=OUT [--start=TEXT | --start=FILE:prompt.txt] [--num_samples=3]
-    python sample.py --init_from=gpt2 [--tokenizer=gpt2.tiktoken] [--start=TEXT] ...   # no training needed
-    python sample.py --out_dir=OUT --num_beams=4 [--num_samples=2] [--length_penalty=1.0]  # beam search
-    python sample.py --out_dir=OUT --chat [--system=TEXT]     # a conversation: a user turn per line of stdin
+    python sample.py --model=RUN [--start=TEXT | --start=FILE:prompt.txt] [--num_samples=3]
+    python sample.py --model=gpt2 [--tokenizer=gpt2.tiktoken] [--start=TEXT] ...   # no training needed
+    python sample.py --model=RUN --num_beams=4 [--num_samples=2] [--length_penalty=1.0]  # beam search
+    python sample.py --model=RUN --chat [--system=TEXT]     # a conversation: a user turn per line of stdin
                      [--max_new_tokens=500] [--temperature=0.8] [--top_k=200] [--top_p=None]
                      [--repetition_penalty=1.0] [--frequency_penalty=0.0] [--stop=STRING ...]
                      [--stop_at_eot=true] [--batch_size=8] [--seed=1337] [--device=auto] [--dtype=auto]
                      [--compile=false] [--quantize=int8] [--extend_context=false]
+
+--model names a training run's folder (default: out, train.py's), a Hugging Face directory (GPT-2, Llama, Mistral,
+Qwen2, Qwen3) or a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl); --out_dir and --init_from, its old
+spellings, still work.
 
 Samples are generated `batch_size` at a time and share the prompt's prefill. The first sample of each
 batch is printed token by token as it is generated; the others are printed when their batch is done.
@@ -24,8 +28,8 @@ from pathlib import Path
 import torch
 
 from gptlite.checkpoint import load_model
-from gptlite.cli import parse, run_command
-from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option, parse_bool
+from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
+from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, TrainConfig, option, parse_bool
 from gptlite.conversation import Conversation
 from gptlite.device import pick_device, pick_dtype
 from gptlite.generate import generate, generate_text
@@ -34,20 +38,21 @@ from gptlite.sampling import Sampling
 from gptlite.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40 + "\n"
+DEFAULT_MODEL = TrainConfig.out_dir  # train.py's run folder, as in nanoGPT: `python sample.py` reads what it wrote
 
 
 @dataclass
 class SampleOptions:
-    out_dir: str = option("out", "the training run's directory (holds ckpt.pt)")
-    init_from: str = option(
+    model: str = option(
         "",
-        "sample from pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a "
-        "Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)",
+        f"the model to sample from: {MODEL_KINDS} (default: {DEFAULT_MODEL}, where train.py writes its run)",
     )
+    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
+    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
     tokenizer: str = option(
         "",
         "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
-        "tokenizer.json; GPT-2's BPE with --init_from)",
+        "tokenizer.json, or a Hugging Face directory's own; GPT-2's BPE for GPT-2)",
     )
     start: str = option("\n", "prompt text, or FILE:path to read it from a file")
     num_samples: int = option(3, "samples to print (1 by default with --temperature=0: greedy text is always the same)")
@@ -259,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         notes = Notes()
         warnings.showwarning = notes.hold
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch's own, inside compile
+        args.model = model_to_read(args, "sample.py", default=DEFAULT_MODEL)
         resolve(args)
-        model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
+        model, tokenizer = load_model(init_from=args.model, tokenizer=args.tokenizer)
         model = model.to(args.device, getattr(torch, args.dtype)).eval()
         if args.quantize:
             model.quantize(args.quantize)

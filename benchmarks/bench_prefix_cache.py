@@ -148,7 +148,7 @@ def measure(options: BenchOptions, ranks: str) -> dict[str, list[list[float]]]:
                     sys.executable,
                     "-m",
                     "gptlite.serve",
-                    f"--out_dir={run}",
+                    f"--model={run}",
                     "--model_name=bench",
                     f"--port={options.port}",
                     f"--prefix_cache_mb={megabytes}",

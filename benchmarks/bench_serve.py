@@ -21,7 +21,7 @@ median over the rounds. Memory: the server's resident set (VmRSS) sampled while 
 directory is served by both servers, one at a time (never both at once: they would share the cores), each on the
 CPU in float32, offline (HF_HUB_OFFLINE=1):
 
-    python -m gptlite.serve --init_from=DIR --device=cpu --dtype=float32 --max_batch=16 ...
+    python -m gptlite.serve --model=DIR --device=cpu --dtype=float32 --max_batch=16 ...
     python -m transformers.cli.transformers serve DIR --continuous-batching --device=cpu --dtype=float32 \
         --cb-num-blocks=64 ...
 
@@ -145,7 +145,7 @@ def make_run(folder: Path, tokenizer: str) -> None:
 
 def export_hf(run: Path, hf_dir: Path) -> None:
     """The run folder in Hugging Face's layout, written by `python -m gptlite.hf export` as a user would."""
-    cmd = [sys.executable, "-m", "gptlite.hf", "export", f"--out_dir={run}", f"--hf_dir={hf_dir}"]
+    cmd = [sys.executable, "-m", "gptlite.hf", "export", f"--model={run}", f"--out={hf_dir}"]
     done = subprocess.run(cmd, env=server_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the export failed:\n{done.stdout}{done.stderr}")
@@ -217,7 +217,7 @@ def server_env() -> dict[str, str]:
 
 
 def gptlite_command(source: str, options: BenchOptions, *extra: str) -> list[str]:
-    """`python -m gptlite.serve` on `source` (--out_dir=RUN or --init_from=DIR), its model named "bench"."""
+    """`python -m gptlite.serve` on `source` (--model=RUN or --model=DIR), its model named "bench"."""
     return [
         sys.executable,
         "-m",
@@ -320,7 +320,7 @@ def measure_against_transformers(options: BenchOptions, hf_dir: Path, logs: Path
     for r in range(options.rounds):
         for name in SERVERS:
             if name == "gptlite":
-                cmd = gptlite_command(f"--init_from={hf_dir}", options, "--device=cpu", "--dtype=float32")
+                cmd = gptlite_command(f"--model={hf_dir}", options, "--device=cpu", "--dtype=float32")
                 model = "bench"
             else:
                 blocks = transformers_blocks(options) if name == "transformers, matched cache" else -1
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(tmp)
             make_run(run, ranks)
-            server = start_server(gptlite_command(f"--out_dir={run}", options), options.port, run / "server.log")
+            server = start_server(gptlite_command(f"--model={run}", options), options.port, run / "server.log")
             try:
                 url = f"http://127.0.0.1:{options.port}"
                 run_level(url, "bench", 1, 8, concurrent=False)  # warm up (or compile) the one-row path

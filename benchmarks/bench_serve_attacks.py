@@ -130,7 +130,7 @@ def run(options: Options) -> int:
         folder = Path(temporary) / "run"
         folder.mkdir()
         make_run(folder)
-        command = [sys.executable, "-m", "gptlite.serve", f"--out_dir={folder}", f"--port={options.port}"]
+        command = [sys.executable, "-m", "gptlite.serve", f"--model={folder}", f"--port={options.port}"]
         env = {**os.environ, "PYTHONPATH": str(tree)}
         server = subprocess.Popen([*command, "--device=cpu", "--log_level=warning"], cwd=folder, env=env)
         try:

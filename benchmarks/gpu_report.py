@@ -375,7 +375,7 @@ def check_sample(args, report: Report, run_dir: Path | None) -> None:
             [
                 sys.executable,
                 "sample.py",
-                f"--out_dir={run_dir}",
+                f"--model={run_dir}",
                 "--start=ROMEO:",
                 "--num_samples=2",
                 f"--max_new_tokens={n}",

@@ -5,7 +5,9 @@ Options. A command's options are the fields of a dataclass (see `option`), read 
 file (an argument ending in .toml) < `--key=value` or `--key value` on the command line. Values are converted to
 the field's type ("none" for a field that allows None; true/false for a boolean, whose `--flag` alone means true;
 a list field takes every value up to the next `--key`, and gathers repeated `--key=value`s), an unknown key gets a
-"did you mean", every problem is reported together, and `--help` lists each field with its help and default.
+"did you mean", every problem is reported together, and `--help` lists each field with its help and default. A
+renamed option keeps its old spelling working, with a one-line note (`renamed_option`); every command that reads a
+model names it with --model (`model_to_read`).
 
 Errors and interruptions (`run_command`), the same exit codes for every command: a user's error, a missing or
 unwritable file included, is one line on stderr (exit 2); a computation that diverged (train.py's on_nan=stop) is
@@ -166,9 +168,12 @@ class HelpRequested(Exception):
 def help_text(cls: type | tuple[type, ...], prog: str, doc: str) -> str:
     """The command's docstring, then one line per option (of each dataclass): its name, default and help."""
     lines = [doc.strip(), "", f"{prog} options (--key=value or --key value; a CONFIG.toml file may set them too):"]
-    for f in (f for c in (cls if isinstance(cls, tuple) else (cls,)) for f in dataclasses.fields(c)):
-        if not f.init or dataclasses.is_dataclass(f.type) or f.name == "model":
-            continue
+    options = []
+    for c in cls if isinstance(cls, tuple) else (cls,):
+        types = typing.get_type_hints(c)  # the fields' types, where f.type may be the annotation's text
+        # a nested dataclass (train.py's model: GPTConfig) is listed by its own fields, not as one option
+        options += [f for f in dataclasses.fields(c) if f.init and not dataclasses.is_dataclass(types[f.name])]
+    for f in options:
         meta = f.metadata
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             name = f"--{f.name} (required)"
@@ -178,6 +183,41 @@ def help_text(cls: type | tuple[type, ...], prog: str, doc: str) -> str:
         choices = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
         lines.append(f"  {name}" + (f"  {meta['help']}{choices}" if meta.get("help") else choices))
     return "\n".join(lines)
+
+
+def renamed_option(options: Any, new: str, old: tuple[str, ...], prog: str, what: str) -> str:
+    """The value of option `new` of a parsed command, given under its own name or an old one (in `old`, kept so
+    that users' scripts still run): "" when none was given. An old spelling prints one note on stderr with the
+    new spelling; two spellings that disagree are a ValueError. `what` says what the value names ("the model to
+    read")."""
+    given = {name: getattr(options, name) for name in (new, *old) if getattr(options, name)}
+    if len(set(given.values())) > 1:
+        spelled = " and ".join(f"--{name}={value}" for name, value in given.items())
+        raise ValueError(f"{spelled} each name {what}, and they differ; give it once: --{new}=VALUE")
+    if not given:
+        return ""
+    value = next(iter(given.values()))
+    used = [f"--{name}" for name in old if name in given]
+    if used:
+        report(
+            f"{prog}: note: {' and '.join(used)} {'names' if len(used) == 1 else 'name'} {what}; it is spelled "
+            f"--{new}={value} now ({' and '.join(used)} still {'works' if len(used) == 1 else 'work'})"
+        )
+    return value
+
+
+MODEL_KINDS = "a gptlite run folder, a Hugging Face directory or a hub name such as gpt2"
+
+
+def model_to_read(options: Any, prog: str, default: str = "") -> str:
+    """The one model a command reads (sample.py, evaluate, serve, hf export): its --model, or the same value given
+    as --out_dir or --init_from, their old spellings (see renamed_option), else `default`. Whatever gptlite loads
+    may be named (MODEL_KINDS): gptlite.checkpoint.load_model takes it as one value. Nothing given, and no
+    default, is a ValueError."""
+    model = renamed_option(options, "model", ("out_dir", "init_from"), prog, "the model to read") or default
+    if not model:
+        raise ValueError(f"give the model to read: --model=X, where X is {MODEL_KINDS}")
+    return model
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, dict[str, Any]]:

@@ -24,4 +24,4 @@ else
 fi
 # --resume: run again, it continues an interrupted run (or finds the finished one and goes on to sample)
 python train.py configs/shakespeare_char_cpu.toml --data_dir="$DATA" --out_dir=out/quickstart --resume "$@"
-python sample.py --out_dir=out/quickstart --num_samples=2 --max_new_tokens=300
+python sample.py --model=out/quickstart --num_samples=2 --max_new_tokens=300

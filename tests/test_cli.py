@@ -4,11 +4,11 @@ did-you-mean; and that no other module imports a parser library."""
 import ast
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
-from gptlite.cli import HelpRequested, parse, run_command
+from gptlite.cli import HelpRequested, config_help, help_text, parse, run_command
 from gptlite.config import option
 from tests.conftest import ROOT
 
@@ -83,6 +83,26 @@ def test_help_lists_every_option_with_its_default_and_help():
     assert text.startswith("The doc.") and "--steps=10  how many" in text and "RUNS ..." in text
     assert "--kind='a'  which (one of a, b)" in text
     assert run_command("prog", lambda: parse(Options, ["-h"], "prog", "The doc.")) == 0
+
+
+@dataclass
+class Shape:
+    depth: int = option(2, "how deep")
+
+
+@dataclass
+class Reader:
+    model: str = option("", "the model to read")
+    shape: Shape = field(default_factory=Shape)
+
+
+def test_help_leaves_out_a_nested_config_by_its_type_not_its_name():
+    """A field named model is an option like any other (the commands' --model); a nested dataclass (train.py's
+    model: GPTConfig, whose fields train.py lists itself) is not one."""
+    text = help_text(Reader, "prog", "The doc.")
+    assert "  --model=''  the model to read" in text.splitlines() and "--shape" not in text
+    train = config_help()
+    assert "  --n_layer=12" in train and "--model=" not in train
 
 
 def test_only_cli_imports_a_command_line_parser_library():

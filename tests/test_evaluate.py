@@ -253,10 +253,10 @@ def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer, capsys):
     )
     assert result.returncode == 0 and f"tokens of {text}" in result.stdout, result.stderr
     for args, message in [
-        ([], "give one of --out_dir=RUN or --init_from=NAME_OR_DIR"),
-        ([f"--out_dir={out}", "--task=mmlu"], "--task: unknown 'mmlu'"),
+        ([], "give the model to read: --model=X, where X is a gptlite run folder, a Hugging Face directory or a hub"),
+        ([f"--model={out}", "--task=mmlu"], "--task: unknown 'mmlu'"),
         (
-            [f"--out_dir={out}", "--task=hellaswag", f"--hellaswag_file={tmp_path / 'x.jsonl'}"],
+            [f"--model={out}", "--task=hellaswag", f"--hellaswag_file={tmp_path / 'x.jsonl'}"],
             "does not exist; download",
         ),
     ]:
@@ -272,7 +272,7 @@ def test_an_offline_hellaswag_download_fails_first_and_names_the_option(char_run
     monkeypatch.chdir(tmp_path)  # the default file, data/hellaswag/hellaswag_val.jsonl, is relative to here
     # nothing listens
     monkeypatch.setattr(evaluate.hellaswag_task, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")
-    code = evaluate.main([f"--out_dir={out}", "--task=val,hellaswag", f"--json={tmp_path / 'r.json'}"])
+    code = evaluate.main([f"--model={out}", "--task=val,hellaswag", f"--json={tmp_path / 'r.json'}"])
     captured = capsys.readouterr()
     assert code == 2 and "val:" not in captured.out
     error = captured.err.strip()
@@ -288,7 +288,7 @@ def test_a_text_folder_and_a_run_without_data_are_named(char_run, tmp_path, caps
     from gptlite.checkpoint import load_checkpoint, save_checkpoint
 
     _, out, _ = char_run
-    assert evaluate.main([f"--out_dir={out}", f"--text={tmp_path}"]) == 2
+    assert evaluate.main([f"--model={out}", f"--text={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"--text={tmp_path} is a folder; give a text file (or --data_dir=DIR for prepared shards)" in err, err
     ckpt = load_checkpoint(out)
@@ -296,6 +296,6 @@ def test_a_text_folder_and_a_run_without_data_are_named(char_run, tmp_path, caps
     run = tmp_path / "run"
     run.mkdir()
     save_checkpoint(run / "ckpt.pt", ckpt)
-    assert evaluate.main([f"--out_dir={run}", "--task=val", f"--tokenizer={out / 'tokenizer.json'}"]) == 2
+    assert evaluate.main([f"--model={run}", "--task=val", f"--tokenizer={out / 'tokenizer.json'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--task=val: the run {run} names no data_dir in its checkpoint's" in err

@@ -126,7 +126,7 @@ def test_an_int8_model_is_not_exported(tmp_path):
 def test_the_export_command_never_writes_over_its_run(tmp_path):
     cfg = build_config({"vocab_size": 97, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, **LLAMA})
     save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(cfg), "model": tiny_model(**LLAMA).state_dict()})
-    line = one_line(run("export", f"--out_dir={tmp_path}", f"--hf_dir={tmp_path}", script="gptlite.hf"), "gptlite.hf")
+    line = one_line(run("export", f"--model={tmp_path}", f"--out={tmp_path}", script="gptlite.hf"), "gptlite.hf")
     assert "holds the run" in line and (tmp_path / "ckpt.pt").is_file()
 
 
@@ -288,7 +288,7 @@ def test_a_beam_count_below_1_is_refused(tmp_path, beams):
     cfg = build_config({"vocab_size": 97, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32})
     save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(cfg), "model": tiny_model().state_dict()})
     CharTokenizer(CHARS).save(tmp_path / "tokenizer.json")
-    line = one_line(run(f"--out_dir={tmp_path}", f"--num_beams={beams}", "--device=cpu"), "sample.py")
+    line = one_line(run(f"--model={tmp_path}", f"--num_beams={beams}", "--device=cpu"), "sample.py")
     assert f"num_beams={beams} must be >= 1" in line
 
 
@@ -365,7 +365,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
     for content in ("", "a"):
         (tmp_path / "t.txt").write_text(content)
         line = one_line(
-            run_here(evaluate.main, capsys, f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}"), "gptlite.evaluate"
+            run_here(evaluate.main, capsys, f"--model={tmp_path}", f"--text={tmp_path / 't.txt'}"), "gptlite.evaluate"
         )
         assert f"gives {len(content)} token(s); scoring needs at least 2" in line
     (tmp_path / "t.txt").write_text("To be, or not to be.\n")
@@ -373,7 +373,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
         run_here(
             evaluate.main,
             capsys,
-            f"--out_dir={tmp_path}",
+            f"--model={tmp_path}",
             f"--text={tmp_path / 't.txt'}",
             f"--json={tmp_path / 'no' / 'r.json'}",
         ),
@@ -381,7 +381,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
     )
     assert f"folder {tmp_path / 'no'} does not exist" in line
     line = one_line(
-        run_here(evaluate.main, capsys, f"--out_dir={tmp_path}", f"--text={tmp_path / 't.txt'}", "--json=/proc/r.json"),
+        run_here(evaluate.main, capsys, f"--model={tmp_path}", f"--text={tmp_path / 't.txt'}", "--json=/proc/r.json"),
         "gptlite.evaluate",
     )  # a folder no file can be made in (root ignores permissions; /proc refuses anyway), found before scoring
     assert "--json=/proc/r.json: folder /proc cannot be written" in line
@@ -390,7 +390,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
             run_here(
                 evaluate.main,
                 capsys,
-                f"--out_dir={tmp_path}",
+                f"--model={tmp_path}",
                 f"--text={tmp_path / 't.txt'}",
                 f"--json={tmp_path / 'r.json'}",
             ).returncode
@@ -403,7 +403,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
         run_here(
             evaluate.main,
             capsys,
-            f"--out_dir={tmp_path}",
+            f"--model={tmp_path}",
             f"--text={tmp_path / 't.txt'}",
             f"--json={tmp_path / 'r.json'}",
         ).returncode
@@ -415,7 +415,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
             run_here(
                 evaluate.main,
                 capsys,
-                f"--out_dir={tmp_path}",
+                f"--model={tmp_path}",
                 f"--text={tmp_path / 't.txt'}",
                 f"--json={tmp_path / given}",
             ),
@@ -486,7 +486,7 @@ def write_text(path):
 def test_sample_refuses_options_its_mode_would_ignore(tmp_path, capsys, args, message):
     import sample
 
-    assert sample.main([f"--out_dir={tmp_path}", "--device=cpu", *args]) == 2
+    assert sample.main([f"--model={tmp_path}", "--device=cpu", *args]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("sample.py: error: ") and message in line and "\n" not in line
 
@@ -548,7 +548,7 @@ def test_serve_names_an_address_it_cannot_listen_on_before_loading(tmp_path, cap
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert serve_main([f"--out_dir={tmp_path / 'no_run'}", f"--port={port}"]) == 2  # refused before the run is read
+        assert serve_main([f"--model={tmp_path / 'no_run'}", f"--port={port}"]) == 2  # refused before the run is read
     assert capsys.readouterr().err.strip() == (
         f"gptlite.serve: error: cannot listen on 127.0.0.1:{port} (Address already "
         "in use); choose another --port or --host"

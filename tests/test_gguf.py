@@ -183,12 +183,8 @@ def test_a_pretrained_directory_exports_from_the_command_line(bpe, tmp_path, cap
     assert error < BOUNDS["f16"]
     assert not list(tmp_path.glob("*Modelfile"))  # no chat template, no Modelfile
     capsys.readouterr()
-    assert hf_main(["export", "--format=gguf", f"--init_from={tmp_path / 'hf'}"]) == 2
-    assert (
-        capsys.readouterr()
-        .err.strip()
-        .endswith("--format=gguf needs --out=FILE.gguf and one of --out_dir=RUN or --init_from=NAME_OR_DIR")
-    )
+    assert hf_main(["export", "--format=gguf", f"--model={tmp_path / 'hf'}"]) == 2
+    assert capsys.readouterr().err == "gptlite.hf: error: --out is required: --out=FILE.gguf\n"
 
 
 def test_a_q8_0_export_on_a_cpu_with_amx_says_how_to_run_it_in_llama_cpp(bpe, tmp_path, capsys, monkeypatch):
@@ -316,7 +312,7 @@ def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_pat
         "--device=cpu",
     )
     assert done.code == 0, done.err
-    assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={out}", "--type=q8_0"]) == 0
+    assert hf_main(["export", "--format=gguf", f"--model={run}", f"--out={out}", "--type=q8_0"]) == 0
     assert out.is_file() and "wrote" in capsys.readouterr().out
     assert llama_cpp(out, tokenize=[TEXTS[1]]).tokens == [tokenizer.encode(TEXTS[1])]
     modelfile = (out.parent / "model.Modelfile").read_text()
@@ -325,13 +321,13 @@ def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_pat
     # again: the file exists, so nothing is written without --overwrite
     before = out.read_bytes()
     capsys.readouterr()  # llama.cpp's own log lines
-    assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={out}"]) == 2  # a user's error
+    assert hf_main(["export", "--format=gguf", f"--model={run}", f"--out={out}"]) == 2  # a user's error
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "exists" in err[0] and "--overwrite" in err[0]
     assert out.read_bytes() == before
     # another type beside it: its own file and Modelfile, the first pair untouched
     f16 = out.with_name("model-f16.gguf")
-    assert hf_main(["export", "--format=gguf", f"--out_dir={run}", f"--out={f16}", "--type=f16"]) == 0
+    assert hf_main(["export", "--format=gguf", f"--model={run}", f"--out={f16}", "--type=f16"]) == 0
     assert "FROM ./model-f16.gguf" in (out.parent / "model-f16.Modelfile").read_text()
     assert (out.parent / "model.Modelfile").read_text() == modelfile and out.read_bytes() == before
     assert llama_cpp(f16, tokenize=[TEXTS[1]]).tokens == [tokenizer.encode(TEXTS[1])]

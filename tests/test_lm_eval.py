@@ -162,7 +162,7 @@ def test_the_command_writes_lm_evals_results(model_dir, tasks, tmp_path, capsys,
 
 def test_lm_eval_mistakes_are_one_line(model_dir, tasks, tmp_path, capsys, monkeypatch, own_tasks_only):
     def error(*args: str) -> str:
-        code = evaluate.main([f"--init_from={model_dir}", *args])
+        code = evaluate.main([f"--model={model_dir}", *args])
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1, err
         return err

@@ -108,13 +108,13 @@ def test_each_stage_starts_from_the_last_ones_run_folder(chain):
 
 def test_the_last_run_samples_evaluates_and_exports(chain, tmp_path):
     chat = command(
-        ROOT / "sample.py", f"--init_from={chain / 'rl'}", "--chat", "--max_new_tokens=4", stdin="What is 1 plus 2?\n"
+        ROOT / "sample.py", f"--model={chain / 'rl'}", "--chat", "--max_new_tokens=4", stdin="What is 1 plus 2?\n"
     )
     assert chat.stdout  # a reply, streamed
     scores = tmp_path / "scores.json"
-    command("-m", "gptlite.evaluate", f"--out_dir={chain / 'rl'}", f"--json={scores}")
+    command("-m", "gptlite.evaluate", f"--model={chain / 'rl'}", f"--json={scores}")
     assert json.loads(scores.read_text())
-    command("-m", "gptlite.hf", "export", f"--out_dir={chain / 'rl'}", f"--hf_dir={tmp_path / 'hf'}")
+    command("-m", "gptlite.hf", "export", f"--model={chain / 'rl'}", f"--out={tmp_path / 'hf'}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -129,7 +129,7 @@ def test_the_last_run_samples_evaluates_and_exports(chain, tmp_path):
     for kind in ("f16", "q8_0"):
         out = tmp_path / "gguf" / f"rl-{kind}.gguf"
         command(
-            "-m", "gptlite.hf", "export", "--format=gguf", f"--out_dir={chain / 'rl'}", f"--out={out}", f"--type={kind}"
+            "-m", "gptlite.hf", "export", "--format=gguf", f"--model={chain / 'rl'}", f"--out={out}", f"--type={kind}"
         )
     import gguf
 
@@ -149,7 +149,7 @@ def last_evaluation(run) -> dict:
 def test_evaluate_scores_what_training_scored(chain, tmp_path):
     # the LoRA SFT run on conversations: the assistant's tokens alone, as train.py's val loss of the same split
     sft_scores = tmp_path / "sft.json"
-    command("-m", "gptlite.evaluate", f"--out_dir={chain / 'sft'}", f"--json={sft_scores}")
+    command("-m", "gptlite.evaluate", f"--model={chain / 'sft'}", f"--json={sft_scores}")
     val = json.loads(sft_scores.read_text())["val"]
     trained = last_evaluation(chain / "sft")
     assert val["data"] == "conversations" and "assistant's tokens" in val["scored"]
@@ -165,7 +165,7 @@ def test_evaluate_scores_what_training_scored(chain, tmp_path):
 
     # the DPO run on preference pairs: DPO's loss, accuracy and margin against the model it started from
     dpo_scores = tmp_path / "dpo.json"
-    done = command("-m", "gptlite.evaluate", f"--out_dir={chain / 'dpo'}", f"--json={dpo_scores}")
+    done = command("-m", "gptlite.evaluate", f"--model={chain / 'dpo'}", f"--json={dpo_scores}")
     val = json.loads(dpo_scores.read_text())["val"]
     trained = last_evaluation(chain / "dpo")
     assert val["data"] == "pairs" and "val accuracy" in done.stdout and "val margin" in done.stdout
@@ -173,7 +173,7 @@ def test_evaluate_scores_what_training_scored(chain, tmp_path):
         assert val[name] == pytest.approx(trained[f"val_{name}"], rel=1e-3, abs=1e-5), name
 
     # preference pairs have no score for a model that is not a DPO run: no reference to measure it against
-    done = command("-m", "gptlite.evaluate", f"--out_dir={chain / 'pre'}", f"--data_dir={chain / 'pairs'}", code=2)
+    done = command("-m", "gptlite.evaluate", f"--model={chain / 'pre'}", f"--data_dir={chain / 'pairs'}", code=2)
     assert "holds preference pairs" in done.stderr and "is not a DPO run" in done.stderr
 
 
@@ -204,7 +204,7 @@ def test_every_file_names_the_tokenizer_and_another_ones_shards_are_refused(chai
     )
     assert other.fingerprint() in refused.err and fingerprint in refused.err
     assert not (tmp_path / "tuned").exists()  # refused before the run folder was made
-    done = command("-m", "gptlite.evaluate", f"--out_dir={chain / 'pre'}", f"--data_dir={tmp_path / 'other'}", code=2)
+    done = command("-m", "gptlite.evaluate", f"--model={chain / 'pre'}", f"--data_dir={tmp_path / 'other'}", code=2)
     assert "was tokenized with another tokenizer" in done.stderr and other.fingerprint() in done.stderr
 
     # a run's tokenizer.json replaced by another is refused where the run is read
@@ -214,7 +214,7 @@ def test_every_file_names_the_tokenizer_and_another_ones_shards_are_refused(chai
         if path.name.startswith("ckpt") or path.name == "config.json":
             (run / path.name).symlink_to(path)
     other.save(run / "tokenizer.json")
-    done = command(ROOT / "sample.py", f"--out_dir={run}", "--max_new_tokens=2", code=2)
+    done = command(ROOT / "sample.py", f"--model={run}", "--max_new_tokens=2", code=2)
     assert f"{run / 'tokenizer.json'} is not the tokenizer the run in {run} trained with" in done.stderr
 
 
@@ -234,7 +234,7 @@ def test_the_server_answers_as_the_export_does(chain, tmp_path):
     reply, and its end of turn the export's eos."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    command("-m", "gptlite.hf", "export", f"--out_dir={chain / 'rl'}", f"--hf_dir={tmp_path / 'hf'}")
+    command("-m", "gptlite.hf", "export", f"--model={chain / 'rl'}", f"--out={tmp_path / 'hf'}")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     messages = [{"role": "user", "content": "What is 3 plus 4?"}]
@@ -247,7 +247,7 @@ def test_the_server_answers_as_the_export_does(chain, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "gptlite.serve", f"--out_dir={chain / 'rl'}", f"--port={port}", "--device=cpu"],
+        [sys.executable, "-m", "gptlite.serve", f"--model={chain / 'rl'}", f"--port={port}", "--device=cpu"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,

@@ -292,7 +292,7 @@ def test_evaluate_task_rl_scores_held_out_prompts(tmp_path, capsys):
     greedy = generate(model, [DIGITS.encode(records[0]["prompt"])], 3, temperature=0)[0]
     records[0]["answer"] = DIGITS.decode(greedy[4:])  # the first prompt's greedy completion is right
     prompts = write_jsonl(tmp_path / "held_out.jsonl", records)
-    common = [f"--init_from={tmp_path / 'model'}", f"--tokenizer={tmp_path / 'tokenizer.json'}", "--device=cpu"]
+    common = [f"--model={tmp_path / 'model'}", f"--tokenizer={tmp_path / 'tokenizer.json'}", "--device=cpu"]
     task = ["--task=rl", f"--rl_prompts={prompts}"]
     args = [*common, *task, "--reward=exact", "--rl_samples=4"]
     assert evaluate.main([*args, "--rl_max_new_tokens=3", f"--json={tmp_path / 'r.json'}"]) == 0

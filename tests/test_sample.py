@@ -30,7 +30,7 @@ def run_dir(tmp_path_factory):
 
 
 def run(run_dir, capsys, *args) -> tuple[int, str, str]:
-    code = sample.main([f"--out_dir={run_dir}", f"--device={DEVICE}", *args])
+    code = sample.main([f"--model={run_dir}", f"--device={DEVICE}", *args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -171,7 +171,7 @@ def test_a_sliding_window_note_goes_to_stderr_after_the_text(run_dir, capsys, mo
     # on its own line after the text, never inside it, also where stdout and stderr share a terminal
     shared = io.StringIO()
     with contextlib.redirect_stdout(shared), contextlib.redirect_stderr(shared):
-        assert sample.main([f"--out_dir={run_dir}", "--start=A", "--num_samples=1", "--max_new_tokens=80",
+        assert sample.main([f"--model={run_dir}", "--start=A", "--num_samples=1", "--max_new_tokens=80",
                             "--temperature=0", "--device=cpu"]) == 0  # fmt: skip
     assert shared.getvalue() == out + note[0] + "\n"
 

@@ -679,11 +679,16 @@ def test_the_page_is_served(served):
     assert r.status_code == 200 and "/v1/chat/completions" in r.text and "http" not in r.text.replace("http-equiv", "")
 
 
-def test_options_are_checked():
-    with pytest.raises(ValueError, match="give one of --out_dir=RUN"):
-        ServeOptions()
+def test_options_are_checked(capsys):
+    from gptlite.serve.__main__ import main
+
+    assert main(["--port=0"]) == 2
+    assert capsys.readouterr().err == (
+        "gptlite.serve: error: give the model to read: --model=X, where X is a gptlite run folder, a Hugging Face "
+        "directory or a hub name such as gpt2\n"
+    )
     with pytest.raises(ValueError, match="max_batch=0 must be >= 1"):
-        ServeOptions(out_dir="run", max_batch=0)
+        ServeOptions(model="run", max_batch=0)
 
 
 @pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'

@@ -80,7 +80,7 @@ def test_the_options_set_the_policy(monkeypatch):
 def test_listening_beyond_loopback_without_a_key_warns(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(KEY_VARIABLE, raising=False)
     port = free_port()
-    assert main([f"--out_dir={tmp_path / 'no_run'}", "--host=0.0.0.0", f"--port={port}"]) == 2  # no model to load
+    assert main([f"--model={tmp_path / 'no_run'}", "--host=0.0.0.0", f"--port={port}"]) == 2  # no model to load
     warning, refusal = capsys.readouterr().err.strip().splitlines()
     assert warning == (
         f"gptlite.serve: warning: listening on 0.0.0.0:{port} with no API key: anyone who can reach this port can "

@@ -1,10 +1,11 @@
 """Loading a model to sample from, evaluate, export or train on: a run's newest checkpoint (a LoRA run's adapters on
 their checked base weights) or pretrained weights, with its tokenizer.
 
-What `--init_from` names, for every command, is resolved here once (`is_run`, `source_config`, `load_source`,
-`source_fingerprint`): a gptlite run folder (its newest checkpoint; a LoRA run's adapters merged onto its base), a
-Hugging Face directory, or a hub name (gptlite.hf). So each stage of a pipeline (pretrain -> SFT -> DPO -> RL) takes
-the last one's run folder as it is, with no export in between."""
+What names a model to read, for every command (`--model`; train.py's `--init_from`), is resolved here once
+(`is_run`, `source_config`, `load_source`, `source_fingerprint`, `load_model`): a gptlite run folder (its newest
+checkpoint; a LoRA run's adapters merged onto its base), a Hugging Face directory, or a hub name (gptlite.hf). So
+each stage of a pipeline (pretrain -> SFT -> DPO -> RL) takes the last one's run folder as it is, with no export in
+between."""
 
 from __future__ import annotations
 
@@ -120,9 +121,10 @@ def load_model(
     out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = ""
 ) -> tuple[GPT, Tokenizer]:
     """A model to sample from or evaluate, on the CPU in float32, with its tokenizer: a run's newest checkpoint
-    (out_dir), or pretrained weights (init_from: see GPT.from_pretrained). The tokenizer is `tokenizer` (a
-    tokenizer.json or a folder holding one, a .tiktoken file or tiktoken name) if given, else the run's
-    tokenizer.json (in out_dir, or beside its training data), else a pretrained directory's own tokenizer.json,
+    (out_dir), or what a command's --model names (init_from: a run folder, or pretrained weights: see
+    GPT.from_pretrained; a name that is neither is refused by gptlite.hf.check_model_name). The tokenizer is
+    `tokenizer` (a tokenizer.json or a folder holding one, a .tiktoken file or tiktoken name) if given, else the
+    run's tokenizer.json (in out_dir, or beside its training data), else a pretrained directory's own tokenizer.json,
     else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken.
     quantize="int8" quantizes the weights for inference (see gptlite.quantize)."""
     from gptlite.quantize import check_mode

@@ -3,12 +3,15 @@ HellaSwag accuracy (gptlite.evaluate.hellaswag_task), the CORE metric as nanocha
 any task of EleutherAI's lm-eval harness, in this process (gptlite.evaluate.lm_harness), and the rewards of
 completions to held-out prompts (gptlite.rl).
 
-    python -m gptlite.evaluate --out_dir=RUN [--task=val,hellaswag,core] [--data_dir=DIR | --text=FILE] [--json=FILE]
-    python -m gptlite.evaluate --init_from=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
-    python -m gptlite.evaluate --init_from=gpt2 --task=core [--bundle=DIR] [--max_per_task=N]
-    python -m gptlite.evaluate --out_dir=RUN --task=lm_eval:arc_easy,piqa [--include_path=DIR] [--num_fewshot=N]
-    python -m gptlite.evaluate --out_dir=RUN --task=rl --rl_prompts=HELD_OUT.jsonl --reward=exact [--rl_samples=N]
-    torchrun --nproc_per_node=8 -m gptlite.evaluate --init_from=gpt2 --task=core    # the items split over 8 GPUs
+    python -m gptlite.evaluate --model=RUN [--task=val,hellaswag,core] [--data_dir=DIR | --text=FILE] [--json=FILE]
+    python -m gptlite.evaluate --model=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
+    python -m gptlite.evaluate --model=gpt2 --task=core [--bundle=DIR] [--max_per_task=N]
+    python -m gptlite.evaluate --model=RUN --task=lm_eval:arc_easy,piqa [--include_path=DIR] [--num_fewshot=N]
+    python -m gptlite.evaluate --model=RUN --task=rl --rl_prompts=HELD_OUT.jsonl --reward=exact [--rl_samples=N]
+    torchrun --nproc_per_node=8 -m gptlite.evaluate --model=gpt2 --task=core    # the items split over 8 GPUs
+
+--model names a training run's folder, a Hugging Face directory or a hub name (gpt2[-medium|-large|-xl]); --out_dir
+and --init_from, its old spellings, still work.
 
 --task is comma-separated; `lm_eval:` comes last and everything after it names lm-eval tasks. Under torchrun, CORE
 and lm-eval share their items among the ranks; val and hellaswag run whole on every rank. Rank 0 prints and writes
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.cli import parse, run_command
+from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
 from gptlite.distributed import processes
@@ -58,8 +61,9 @@ LM_EVAL = "lm_eval:"
 
 @dataclass
 class EvaluateOptions:
-    out_dir: str = option("", "a training run (its newest checkpoint and tokenizer)")
-    init_from: str = option("", "pretrained weights instead: gpt2[-medium|-large|-xl] or a Hugging Face directory")
+    model: str = option("", f"the model to score: {MODEL_KINDS} (a run: its newest checkpoint and tokenizer)")
+    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
+    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
     tokenizer: str = option(
         "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
     )
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         args = parse(EvaluateOptions, argv, "python -m gptlite.evaluate", __doc__)
+        args.model = model_to_read(args, "gptlite.evaluate")
         with processes() as (rank, local_rank, _):  # under torchrun, the process group
             results = run(args, local_rank, log=print if rank == 0 else lambda *a, **k: None)
         if args.json and rank == 0:
@@ -128,23 +133,29 @@ def split_tasks(task: str) -> tuple[list[str], list[str]]:
 
 
 def check(args: EvaluateOptions) -> tuple[list[str], list[str]]:
-    """Every argument, checked before the model loads: (gptlite's tasks, lm-eval's tasks)."""
+    """Every argument, checked before the model loads: (gptlite's tasks, lm-eval's tasks). args.model is the one
+    model name (gptlite.cli.model_to_read)."""
+    from gptlite.checkpoint import is_run
+    from gptlite.hf import check_model_name
+
+    check_model_name(args.model)  # a mistyped path is said as itself, not as what a run would have had
     tasks, harness = split_tasks(args.task)
     problems = [f"--task: unknown {t!r} ({', '.join(TASKS)}, {LM_EVAL}TASK)" for t in tasks if t not in TASKS]
     if LM_EVAL in args.task and not harness:
         problems.append(f"--task={args.task} names no lm-eval task after {LM_EVAL}; e.g. --task={LM_EVAL}arc_easy,piqa")
     elif not tasks and not harness:
         problems.append(f"--task is empty; name one or more of {', '.join(TASKS)}, {LM_EVAL}TASK")
-    if bool(args.out_dir) == bool(args.init_from):
-        problems.append("give one of --out_dir=RUN or --init_from=NAME_OR_DIR")
     for name in ("limit", "max_per_task", "batch_size", "batch_tokens", "rl_samples", "rl_max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             problems.append(f"--{name}={value} must be >= 1")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         problems.append(f"--num_fewshot={args.num_fewshot} must be >= 0")
-    if "val" in tasks and args.init_from and not (args.data_dir or args.text):
-        problems.append("--task=val with --init_from needs --data_dir=DIR or --text=FILE")
+    if "val" in tasks and not (args.data_dir or args.text or is_run(args.model)):
+        problems.append(
+            f"--task=val of {args.model} (not a gptlite run folder: no training data of its own) needs --data_dir=DIR "
+            "or --text=FILE"
+        )
     if "rl" in tasks and not (args.rl_prompts and args.reward):
         problems.append("--task=rl needs --rl_prompts=FILE.jsonl and --reward=gsm8k|exact|module:function")
     if args.rl_temperature <= 0:
@@ -211,9 +222,9 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
         manager = task_manager(harness, args.include_path)
     device = pick_device(args.device, local_rank)
     dtype = pick_dtype(args.dtype, device)
-    model, tokenizer = load_model(args.out_dir, args.init_from, args.tokenizer)
+    model, tokenizer = load_model(init_from=args.model, tokenizer=args.tokenizer)
     model = model.to(device, getattr(torch, dtype)).eval()
-    results = {"model": args.out_dir or args.init_from, "device": device, "dtype": dtype}
+    results = {"model": args.model, "device": device, "dtype": dtype}
     for task in tasks:
         start = time.perf_counter()
         if task == "val":
@@ -303,11 +314,10 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: s
     if data_tokenizer.is_file():
         check_same_tokenizer(
             tokenizer,
-            args.out_dir or args.init_from,
+            args.model,
             load_tokenizer(data_tokenizer),
             f"the data in {cfg.data_dir}",
-            "score data prepared with the model's tokenizer "
-            f"(data/prepare.py --tokenizer={args.out_dir or args.init_from})",
+            f"score data prepared with the model's tokenizer (data/prepare.py --tokenizer={args.model})",
         )
     what = f"{cfg.data_dir} val split"
     judge = make_judge(cfg, tokenizer, device, contextlib.nullcontext(), log)
@@ -350,19 +360,19 @@ def judge_config(args: EvaluateOptions, model: GPT) -> tuple[TrainConfig, str | 
     None for pretrained weights). The config is the run's own (its objective's settings: DPO's beta and loss, the
     model it started from), or for pretrained weights the model's; the data --data_dir's (default: the run's), every
     window scored (eval_iters=0), --batch_size at a time."""
-    from gptlite.checkpoint import load_checkpoint
+    from gptlite.checkpoint import is_run, load_checkpoint
     from gptlite.config import TrainConfig, build_config
 
     cfg = TrainConfig(model=model.config)
     trained_on = None
-    if args.out_dir:
-        ckpt = load_checkpoint(args.out_dir)
+    if is_run(args.model):
+        ckpt = load_checkpoint(args.model)
         cfg = build_config(ckpt["config"])
         trained_on = (ckpt.get("data") or {}).get("kind")
     data_dir = args.data_dir or cfg.data_dir
     if not data_dir:  # (a checkpoint made by hand, not by train.py, which always names its data)
         raise ValueError(
-            f"--task=val: the run {args.out_dir} names no data_dir in its checkpoint's config; give "
+            f"--task=val: the run {args.model} names no data_dir in its checkpoint's config; give "
             "--data_dir=DIR (prepared shards) or --text=FILE"
         )
     cfg = dataclasses.replace(cfg, model=model.config, data_dir=data_dir, eval_iters=0, batch_size=args.batch_size)
@@ -376,7 +386,7 @@ def dpo_reference(args: EvaluateOptions, cfg: TrainConfig, trained_on: str | Non
     if trained_on != "pairs" or not cfg.init_from:
         raise ValueError(
             f"{cfg.data_dir} holds preference pairs, which are scored as DPO scores them: against the model a DPO run "
-            f"started from, and {args.out_dir or args.init_from} is not a DPO run; score a DPO run's folder "
-            "(--out_dir=RUN), or text or conversations (--data_dir=DIR)"
+            f"started from, and {args.model} is not a DPO run; score a DPO run's folder "
+            "(--model=RUN), or text or conversations (--data_dir=DIR)"
         )
     return load_source(cfg.init_from, torch.float32, block_size=cfg.model.block_size).to(device)

@@ -16,7 +16,7 @@ This package turns a checkpoint into a GPTConfig and a state dict, tensor by ten
 the model from them, holding one copy of the weights), and a model back into files; it never imports
 gptlite.model.
 
-    python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]   # a run's checkpoint -> DIR
+    python -m gptlite.hf export --model=RUN --out=DIR [--overwrite]   # a run's checkpoint -> DIR
 
 The modules: families.py (the architectures and their key maps), pretrained.py (in), export.py (out),
 weights.py (safetensors and .bin files), tokenizer_files.py (a tokenizer's files), adapter.py (PEFT adapters),
@@ -25,12 +25,13 @@ gguf.py (GGUF out).
 
 from gptlite.hf.export import export_hf
 from gptlite.hf.families import family_of
-from gptlite.hf.pretrained import GPT2_NAMES, fingerprint, load_pretrained, pretrained_config
+from gptlite.hf.pretrained import GPT2_NAMES, check_model_name, fingerprint, load_pretrained, pretrained_config
 from gptlite.hf.tokenizer_files import gpt2_tokenizer_problem, hf_tokenizer_files
 from gptlite.hf.weights import read_json, save_weights
 
 __all__ = [
     "GPT2_NAMES",
+    "check_model_name",
     "export_hf",
     "family_of",
     "fingerprint",

@@ -1,9 +1,13 @@
 """python -m gptlite.hf export: a training run's newest checkpoint (and its tokenizer) in Hugging Face's layout, or
 any model gptlite loads as one GGUF file for llama.cpp, Ollama and LM Studio.
 
-    python -m gptlite.hf export --out_dir=RUN --hf_dir=DIR [--overwrite]
-    python -m gptlite.hf export --out_dir=LORA_RUN --hf_dir=DIR --adapter   # a PEFT adapter of a LoRA run
-    python -m gptlite.hf export --format=gguf (--out_dir=RUN | --init_from=DIR) --out=FILE.gguf [--type=q8_0]
+    python -m gptlite.hf export --model=RUN --out=DIR [--overwrite]
+    python -m gptlite.hf export --model=LORA_RUN --out=DIR --adapter   # a PEFT adapter of a LoRA run
+    python -m gptlite.hf export --format=gguf --model=RUN_OR_DIR --out=FILE.gguf [--type=q8_0]
+
+--model names the model to read: for --format=hf a training run's folder; for --format=gguf anything gptlite loads (a
+run's folder, a Hugging Face directory or a hub name such as gpt2). --out names what is written. The old spellings
+still work: --out_dir and --init_from for --model, --hf_dir for --out.
 
 DIR then holds exactly config.json, model.safetensors and the run's tokenizer files (a Hugging Face tokenizer's own,
 GPT-2's BPE as vocab.json and merges.txt, a byte or char tokenizer as a tokenizer.json), which transformers'
@@ -25,12 +29,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlite.checkpoint import load_checkpoint, load_model, lora_model, model_from_checkpoint
-from gptlite.cli import parse, run_command
+from gptlite.checkpoint import is_run, load_checkpoint, load_model, lora_model, model_from_checkpoint
+from gptlite.cli import MODEL_KINDS, model_to_read, parse, renamed_option, run_command
 from gptlite.config import option
 from gptlite.device import cpu_extensions
 from gptlite.files import write_text
-from gptlite.hf import export_hf, family_of, gpt2_tokenizer_problem
+from gptlite.hf import check_model_name, export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
 from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, modelfile_path, ollama_modelfile
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -40,18 +44,22 @@ from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 class ExportOptions:
     command: list[str] = option(default_factory=list, help="export", positional=True)
     format: str = option(
-        "hf", "hf: a Hugging Face folder (--hf_dir); gguf: one file for llama.cpp (--out)", choices=("hf", "gguf")
+        "hf", "hf: a Hugging Face folder; gguf: one file for llama.cpp (both written to --out)", choices=("hf", "gguf")
     )
-    out_dir: str = option("", "the training run (its newest checkpoint and tokenizer.json)")
-    init_from: str = option("", "--format=gguf: pretrained weights instead: gpt2[-medium|-large|-xl] or a directory")
+    model: str = option(
+        "", f"the model to export: a training run's folder (--format=hf: its newest checkpoint), or {MODEL_KINDS}"
+    )
+    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
+    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
     tokenizer: str = option("", "--format=gguf: the tokenizer, when not the run's or the directory's own")
-    hf_dir: str = option("", "where config.json, model.safetensors and the tokenizer files go")
-    out: str = option("", "--format=gguf: the .gguf file to write")
+    out: str = option(
+        "", "where the export goes: the folder for config.json, model.safetensors and the tokenizer files, or FILE.gguf"
+    )
+    hf_dir: str = option("", "the old spelling of --out=DIR for --format=hf (still works)")
     type: str = option("f32", "--format=gguf: how the weight matrices are stored", choices=GGUF_TYPES)
     overwrite: bool = option(
         False,
-        "replace what hf_dir (or --out and its Modelfile) holds (an earlier folder moves aside to "
-        "HF_DIR-previous-TIME)",
+        "replace what --out (and a GGUF file's Modelfile) holds (an earlier folder moves aside to OUT-previous-TIME)",
     )
     adapter: bool = option(False, "a LoRA run: write its adapters as a PEFT adapter instead of the merged model")
 
@@ -60,20 +68,30 @@ def export(options: ExportOptions) -> int:
     if options.command != ["export"]:
         raise ValueError(
             f"unknown command {' '.join(options.command) or '(none)'}; use: python -m gptlite.hf export "
-            "--out_dir=RUN --hf_dir=DIR"
+            "--model=RUN --out=DIR"
         )
+    if options.format == "gguf" and options.hf_dir:
+        raise ValueError("--hf_dir is --format=hf's old spelling of --out; a GGUF file goes to --out=FILE.gguf")
+    model = model_to_read(options, "gptlite.hf")
+    out = renamed_option(options, "out", ("hf_dir",), "gptlite.hf", "where the export goes")
+    if not out:
+        raise ValueError(f"--out is required: --out={'FILE.gguf' if options.format == 'gguf' else 'DIR'}")
+    check_model_name(model)
     if options.format == "gguf":
-        return export_gguf_file(options)
-    missing = [f"--{k}" for k in ("out_dir", "hf_dir") if not getattr(options, k)]
-    if missing:
-        raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
-    run, hf_dir = Path(options.out_dir), Path(options.hf_dir)
+        return export_gguf_file(options, model, Path(out))
+    if not is_run(model):
+        raise ValueError(
+            f"{model} is not a gptlite run folder (no ckpt_NNNNNN.pt or ckpt.pt in it): --format=hf exports a run's "
+            "checkpoint; a Hugging Face directory or hub name is in that layout already (--format=gguf takes any)"
+        )
+    run, hf_dir = Path(model), Path(out)
     if (
         os.path.realpath(hf_dir) == os.path.realpath(run)
         or Path(os.path.realpath(hf_dir)) in Path(os.path.realpath(run)).parents
     ):
         raise ValueError(
-            f"--hf_dir={hf_dir} holds the run {run} itself; export to a folder outside the run (e.g. --hf_dir={run}/hf)"
+            f"--out={hf_dir} holds the run {run} itself; export to a folder that does not hold the run (e.g. "
+            f"--out={run}/hf)"
         )
     ckpt = load_checkpoint(run)
     if options.adapter:
@@ -102,19 +120,13 @@ def export(options: ExportOptions) -> int:
     return 0
 
 
-def export_gguf_file(options: ExportOptions) -> int:
-    if bool(options.out_dir) == bool(options.init_from) or not options.out:
-        raise ValueError("--format=gguf needs --out=FILE.gguf and one of --out_dir=RUN or --init_from=NAME_OR_DIR")
-    if options.adapter or options.hf_dir:
-        raise ValueError(
-            f"--{'adapter' if options.adapter else 'hf_dir'} is for --format=hf; a GGUF file holds the "
-            "merged model (--out=FILE.gguf)"
-        )
-    out = Path(options.out)
+def export_gguf_file(options: ExportOptions, where: str, out: Path) -> int:
+    """--format=gguf: the model `where` names (--model) as the GGUF file `out`, and its Ollama Modelfile."""
+    if options.adapter:
+        raise ValueError("--adapter is for --format=hf; a GGUF file holds the merged model (--out=FILE.gguf)")
     check_out(out, options.overwrite)
     template_file = modelfile_path(out)
-    model, tokenizer = load_model(options.out_dir, options.init_from, options.tokenizer)
-    where = options.out_dir or options.init_from
+    model, tokenizer = load_model(init_from=where, tokenizer=options.tokenizer)
     modelfile = ollama_modelfile(out, tokenizer, where) if tokenizer is not None and tokenizer.chat_template else None
     if modelfile and template_file.exists() and not options.overwrite:
         raise FileExistsError(f"{template_file} exists; choose another --out folder, or pass --overwrite to replace it")

@@ -17,16 +17,26 @@ GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium
 BUFFERS = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")
 
 
+def check_model_name(name_or_dir: str) -> None:
+    """What names a model to read (--model, train.py's --init_from) is a folder here (a gptlite run folder or a
+    Hugging Face directory) or a name gptlite downloads (GPT2_NAMES); anything else, a mistyped path most often, is
+    a FileNotFoundError that names it and what it may be."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir() or name_or_dir in GPT2_NAMES:
+        return
+    what = "is a file, not a folder" if path.exists() else "is not a folder here, nor a name gptlite downloads"
+    raise FileNotFoundError(
+        f"{name_or_dir} {what}: a model to read is a gptlite run folder, a Hugging Face directory (config.json and "
+        f"model.safetensors; hf download REPO --local-dir DIR fetches one) or one of {', '.join(GPT2_NAMES)}"
+    )
+
+
 def checkpoint_dir(name_or_dir: str, weights: bool = True) -> Path:
     """A local directory holding the checkpoint: name_or_dir itself, or the download of a GPT-2 name."""
+    check_model_name(name_or_dir)
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
-    if name_or_dir not in GPT2_NAMES:
-        raise FileNotFoundError(
-            f"{name_or_dir} is neither a directory nor one of {', '.join(GPT2_NAMES)}; pass a directory in Hugging "
-            "Face's layout (config.json and model.safetensors)"
-        )
     repo = GPT2_NAMES[name_or_dir]
     offline = (
         f"where you are online, download it (hf download {repo} config.json model.safetensors "

@@ -1,13 +1,14 @@
 """Serve a model over OpenAI's API, with continuous batching and a chat page at /.
 
-    python -m gptlite.serve --out_dir=RUN                  # a training run's newest checkpoint
-    python -m gptlite.serve --init_from=gpt2 [--port=8000]  # GPT-2's weights, or a Hugging Face directory
+    python -m gptlite.serve --model=RUN                # a training run's newest checkpoint
+    python -m gptlite.serve --model=gpt2 [--port=8000]  # GPT-2's weights, or a Hugging Face directory
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "RUN", "prompt": "ROMEO:", "max_tokens": 50}'
 
-The model's name in requests is the run directory's or init_from's name (see --model_name). Up to --max_batch
-requests decode together; --max_waiting more wait for a row, and past that a request gets a 429 (or waits,
-with --when_full=wait).
+--model names a training run's folder, a Hugging Face directory or a hub name (gpt2[-medium|-large|-xl]); --out_dir
+and --init_from, its old spellings, still work. The model's name in requests is its folder's name, or the hub name
+(see --model_name). Up to --max_batch requests decode together; --max_waiting more wait for a row, and past that a
+request gets a 429 (or waits, with --when_full=wait).
 
 Who may use it: with --api_key (or the GPTLITE_API_KEY environment variable, which other users cannot read in
 the process list) every /v1/ request must send `Authorization: Bearer KEY`, as OpenAI's clients do. On a
@@ -23,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlite.cli import parse, run_command
+from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
 from gptlite.files import error
@@ -34,18 +35,15 @@ KEY_VARIABLE = "GPTLITE_API_KEY"  # the key's environment variable, used when --
 
 @dataclass
 class ServeOptions:
-    out_dir: str = option("", "a training run's directory (its newest checkpoint and tokenizer.json)")
-    init_from: str = option(
-        "",
-        "pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face "
-        "directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)",
-    )
+    model: str = option("", f"the model to serve: {MODEL_KINDS} (a run: its newest checkpoint and tokenizer.json)")
+    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
+    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
     tokenizer: str = option(
         "",
         "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
-        "tokenizer.json; GPT-2's BPE with --init_from)",
+        "tokenizer.json, or a Hugging Face directory's own; GPT-2's BPE for GPT-2)",
     )
-    model_name: str = option("", "the model's name in requests and /v1/models (default: out_dir's or init_from's name)")
+    model_name: str = option("", "the model's name in requests and /v1/models (default: --model's folder name)")
     host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)")
     port: int = option(8000, "the port to listen on")
     max_batch: int = option(16, "requests decoded together; each holds one row of the KV cache")
@@ -101,10 +99,6 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         problems = []
-        if bool(self.out_dir) == bool(self.init_from):
-            problems.append(
-                "give one of --out_dir=RUN (a training run) or --init_from=NAME_OR_DIR (pretrained weights)"
-            )
         if not 0 <= self.port < 65536:
             problems.append(f"port={self.port} must be in 0..65535")
         if self.max_batch < 1:
@@ -131,7 +125,7 @@ class ServeOptions:
 
 
 def build(options: ServeOptions):
-    """The engine (started) and the app for these options."""
+    """The engine (started) and the app for these options (options.model: the one model name, model_to_read's)."""
     import torch
 
     from gptlite.checkpoint import load_model
@@ -140,14 +134,14 @@ def build(options: ServeOptions):
 
     device = pick_device(options.device)
     dtype = pick_dtype(options.dtype, device)
-    model, tokenizer = load_model(options.out_dir, options.init_from, options.tokenizer)
+    model, tokenizer = load_model(init_from=options.model, tokenizer=options.tokenizer)
     model = model.to(device, getattr(torch, dtype)).eval()
     if options.quantize:
         model.quantize(options.quantize)
     engine = Engine(
         model, tokenizer, options.max_batch, options.max_len or None, options.compile, options.prefix_cache_mb
     ).start()
-    name = options.model_name or Path(options.out_dir or options.init_from).resolve().name or options.init_from
+    name = options.model_name or Path(options.model).resolve().name or options.model
     waiting = options.max_batch if options.max_waiting == -1 else options.max_waiting
     return engine, create_app(engine, tokenizer, name, waiting, options.when_full == "wait", policy(options))
 
@@ -219,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         from gptlite.serve.connection import uvicorn_config
 
         options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
+        options.model = model_to_read(options, "gptlite.serve")
         check_address(options.host, options.port)
         for line in warnings(options, policy(options)):
             print(f"gptlite.serve: warning: {line}", file=sys.stderr)
