@@ -3,11 +3,11 @@
 EleutherAI's lm-eval harness, in this process (gptlite.evaluate.lm_harness), and the rewards of completions to
 held-out prompts (gptlite.rl); `python -m gptlite.evaluate` runs them (gptlite.evaluate.command).
 
-This file holds only the names the rest of gptlite and its tests import from gptlite.evaluate.
+This file holds only the names the rest of gptlite and its tests import from gptlite.evaluate. The command is not
+among them: it scores a run by its training objective (gptlite.objective), which builds on the scores here.
 """
 
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader, evaluate_windows, loss_and_bpb, loss_sums
-from gptlite.evaluate.command import EvaluateOptions, main, run
 from gptlite.evaluate.core import core_bundle, core_score, read_bundle
 from gptlite.evaluate.hellaswag_task import (
     HELLASWAG_FILE,
@@ -23,7 +23,6 @@ from gptlite.evaluate.hellaswag_task import (
 __all__ = [
     "HELLASWAG_FILE",
     "HELLASWAG_URL",
-    "EvaluateOptions",
     "byte_lengths",
     "core_bundle",
     "core_score",
@@ -35,9 +34,7 @@ __all__ = [
     "hellaswag_row",
     "loss_and_bpb",
     "loss_sums",
-    "main",
     "no_hellaswag_file",
     "read_bundle",
     "read_hellaswag",
-    "run",
 ]

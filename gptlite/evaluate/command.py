@@ -45,6 +45,7 @@ from gptlite.evaluate.hellaswag_task import HELLASWAG_FILE, HELLASWAG_URL, hella
 from gptlite.evaluate.spans import BATCH_TOKENS
 from gptlite.files import fault
 from gptlite.model import GPT
+from gptlite.objective import make_judge
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -307,7 +308,6 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: s
             )
         return score_text(model, tokenizer, [torch.tensor(ids)], args.batch_size, args.text, start, log)
     from gptlite.data import find_shards, read_shard
-    from gptlite.objective import make_judge  # (it imports gptlite.evaluate.bpb: not at this module's import)
 
     cfg, trained_on = judge_config(args, model)
     data_tokenizer = Path(cfg.data_dir) / TOKENIZER_FILE
