@@ -9,6 +9,7 @@ Time nothing else on the machine meanwhile.
 
     python benchmarks/bench_budget.py --data_dir=data/shakespeare_char --budget=30s [--rounds=3]
         [--widths=48,72,96,144] [--lr_scales=0.5,1,2] [--json=FILE]
+    python benchmarks/bench_budget.py --budget=90s --hand=configs/shakespeare_char_cpu_90s.toml --grid=false
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class Options:
     rounds: int = option(3, "runs of the derived recipe (the grid's points run once each)")
     widths: str = option("48,72,96,144", "the grid's widths")
     lr_scales: str = option("0.5,1,2", "the grid's learning-rate factors (Muon's and AdamW's together)")
+    grid: bool = option(True, "run the grid (false: the derived recipe and --hand only)")
+    hand: str = option("", "a hand-tuned TOML config to run --rounds times too, in turns with the derived recipe")
     json: str = option("", "also write every run here")
 
 
@@ -78,14 +81,18 @@ def run(args: Options) -> int:
     base = [f"--data_dir={args.data_dir}", f"--budget={args.budget}"]
     widths = [int(w) for w in args.widths.split(",")]
     scales = [float(s) for s in args.lr_scales.split(",")]
-    plan = [("derived", [])] * args.rounds + [
-        (f"width {w}, lr x{s:g}", grid_point(w, s)) for w in widths for s in scales
-    ]
+    hand = [[args.hand, f"--data_dir={args.data_dir}"]] if args.hand else []
+    plan = []
+    for _ in range(args.rounds):  # the derived recipe and the hand config take turns
+        plan.append(("derived", base))
+        plan += [(f"hand {Path(args.hand).name}", h) for h in hand]
+    if args.grid:
+        plan += [(f"width {w}, lr x{s:g}", base + grid_point(w, s)) for w in widths for s in scales]
     runs = []
     print(f"{'run':22} {'val loss':>9} {'steps':>6} {'width':>5} {'layers':>6} {'wall s':>7}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_budget_") as tmp:
         for i, (name, extra) in enumerate(plan):
-            one = {"run": name, **timed(base + extra, Path(tmp) / str(i))}
+            one = {"run": name, **timed(extra, Path(tmp) / str(i))}
             runs.append(one)
             mark = "  (other work shared the CPU)" if one["contended"] else ""
             print(
@@ -94,14 +101,27 @@ def run(args: Options) -> int:
                 flush=True,
             )
     derived = [r["val_loss"] for r in runs if r["run"] == "derived"]
-    grid = [r for r in runs if r["run"] != "derived"]
-    best = min(grid, key=lambda r: r["val_loss"])
     median = statistics.median(derived)
     print(
         f"\n--budget={args.budget} on {args.data_dir}: derived {median:.4f} (median of {len(derived)}, spread "
-        f"{max(derived) - min(derived):.4f}: {', '.join(f'{x:.4f}' for x in derived)}); the grid's best of "
-        f"{len(grid)}: {best['run']} at {best['val_loss']:.4f}; derived - best = {median - best['val_loss']:+.4f}"
+        f"{max(derived) - min(derived):.4f}: {', '.join(f'{x:.4f}' for x in derived)})"
     )
+    hand_runs = [r for r in runs if r["run"].startswith("hand ")]
+    if hand_runs:
+        losses = [r["val_loss"] for r in hand_runs]
+        print(
+            f"{args.hand}: {statistics.median(losses):.4f} (median of {len(losses)}, spread "
+            f"{max(losses) - min(losses):.4f}: {', '.join(f'{x:.4f}' for x in losses)}, wall "
+            f"{statistics.median(r['wall'] for r in hand_runs):.1f} s); derived - hand = "
+            f"{median - statistics.median(losses):+.4f}"
+        )
+    grid = [r for r in runs if r["run"].startswith("width ")]
+    if grid:
+        best = min(grid, key=lambda r: r["val_loss"])
+        print(
+            f"the grid's best of {len(grid)}: {best['run']} at {best['val_loss']:.4f}; derived - best = "
+            f"{median - best['val_loss']:+.4f}"
+        )
     if args.json:
         write_json(Path(args.json), {"budget": args.budget, "data_dir": args.data_dir, "runs": runs})
     return 0

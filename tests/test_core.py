@@ -16,8 +16,9 @@ import transformers
 import yaml
 
 import gptlite.evaluate.core as core_module
-from gptlite import GPT, GPTConfig, evaluate, plot
+from gptlite import GPT, GPTConfig, plot
 from gptlite.config import build_config
+from gptlite.evaluate import command as evaluate_command
 from gptlite.evaluate.core import core_bundle, core_score, read_bundle, task_correct
 from gptlite.hf import export_hf
 from gptlite.metrics import read_metrics
@@ -296,7 +297,7 @@ def test_the_command_prints_each_task_and_writes_core_to_json(models, tokenizer,
     run = tmp_path / "model"
     export_hf(model, run, tokenizer)
     out = tmp_path / "r.json"
-    code = evaluate.main(
+    code = evaluate_command.main(
         [f"--init_from={run}", "--task=core", f"--bundle={folder}", "--max_per_task=5", f"--json={out}"]
     )
     printed = capsys.readouterr().out.splitlines()

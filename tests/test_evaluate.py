@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig, evaluate
 from gptlite.evaluate import byte_lengths, ending_losses, evaluate_windows, hellaswag, read_hellaswag
+from gptlite.evaluate import command as evaluate_command
 from gptlite.prepare import prepare
 from gptlite.tokenizer import CharTokenizer, get_tokenizer
 from tests.conftest import ROOT, run_train, shared_file
@@ -260,7 +261,7 @@ def test_evaluate_command(char_run, tmp_path, gpt2_tokenizer, capsys):
             "does not exist; download",
         ),
     ]:
-        code = evaluate.main(args)  # in this process: the same one-line errors, without a Python start each
+        code = evaluate_command.main(args)  # in this process: the same one-line errors, without a Python start each
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
@@ -272,7 +273,7 @@ def test_an_offline_hellaswag_download_fails_first_and_names_the_option(char_run
     monkeypatch.chdir(tmp_path)  # the default file, data/hellaswag/hellaswag_val.jsonl, is relative to here
     # nothing listens
     monkeypatch.setattr(evaluate.hellaswag_task, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")
-    code = evaluate.main([f"--model={out}", "--task=val,hellaswag", f"--json={tmp_path / 'r.json'}"])
+    code = evaluate_command.main([f"--model={out}", "--task=val,hellaswag", f"--json={tmp_path / 'r.json'}"])
     captured = capsys.readouterr()
     assert code == 2 and "val:" not in captured.out
     error = captured.err.strip()
@@ -288,7 +289,7 @@ def test_a_text_folder_and_a_run_without_data_are_named(char_run, tmp_path, caps
     from gptlite.checkpoint import load_checkpoint, save_checkpoint
 
     _, out, _ = char_run
-    assert evaluate.main([f"--model={out}", f"--text={tmp_path}"]) == 2
+    assert evaluate_command.main([f"--model={out}", f"--text={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"--text={tmp_path} is a folder; give a text file (or --data_dir=DIR for prepared shards)" in err, err
     ckpt = load_checkpoint(out)
@@ -296,6 +297,6 @@ def test_a_text_folder_and_a_run_without_data_are_named(char_run, tmp_path, caps
     run = tmp_path / "run"
     run.mkdir()
     save_checkpoint(run / "ckpt.pt", ckpt)
-    assert evaluate.main([f"--model={run}", "--task=val", f"--tokenizer={out / 'tokenizer.json'}"]) == 2
+    assert evaluate_command.main([f"--model={run}", "--task=val", f"--tokenizer={out / 'tokenizer.json'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--task=val: the run {run} names no data_dir in its checkpoint's" in err

@@ -14,9 +14,10 @@ import safetensors.torch
 import torch
 import transformers
 
-from gptlite import GPT, evaluate, plot
+from gptlite import GPT, plot
 from gptlite.checkpoint import save_checkpoint
 from gptlite.config import build_config, config_to_dict
+from gptlite.evaluate import command as evaluate_command
 from gptlite.generate import generate_tokens
 from gptlite.hf import export_hf
 from gptlite.tokenizer import CharTokenizer
@@ -365,13 +366,14 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
     for content in ("", "a"):
         (tmp_path / "t.txt").write_text(content)
         line = one_line(
-            run_here(evaluate.main, capsys, f"--model={tmp_path}", f"--text={tmp_path / 't.txt'}"), "gptlite.evaluate"
+            run_here(evaluate_command.main, capsys, f"--model={tmp_path}", f"--text={tmp_path / 't.txt'}"),
+            "gptlite.evaluate",
         )
         assert f"gives {len(content)} token(s); scoring needs at least 2" in line
     (tmp_path / "t.txt").write_text("To be, or not to be.\n")
     line = one_line(
         run_here(
-            evaluate.main,
+            evaluate_command.main,
             capsys,
             f"--model={tmp_path}",
             f"--text={tmp_path / 't.txt'}",
@@ -381,14 +383,16 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
     )
     assert f"folder {tmp_path / 'no'} does not exist" in line
     line = one_line(
-        run_here(evaluate.main, capsys, f"--model={tmp_path}", f"--text={tmp_path / 't.txt'}", "--json=/proc/r.json"),
+        run_here(
+            evaluate_command.main, capsys, f"--model={tmp_path}", f"--text={tmp_path / 't.txt'}", "--json=/proc/r.json"
+        ),
         "gptlite.evaluate",
     )  # a folder no file can be made in (root ignores permissions; /proc refuses anyway), found before scoring
     assert "--json=/proc/r.json: folder /proc cannot be written" in line
     assert math.isfinite(
         json.loads(
             run_here(
-                evaluate.main,
+                evaluate_command.main,
                 capsys,
                 f"--model={tmp_path}",
                 f"--text={tmp_path / 't.txt'}",
@@ -401,7 +405,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
     assert os.path.getsize(tmp_path / "r.json") > 0
     assert (
         run_here(
-            evaluate.main,
+            evaluate_command.main,
             capsys,
             f"--model={tmp_path}",
             f"--text={tmp_path / 't.txt'}",
@@ -413,7 +417,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
         before = (tmp_path / given).read_bytes()
         line = one_line(
             run_here(
-                evaluate.main,
+                evaluate_command.main,
                 capsys,
                 f"--model={tmp_path}",
                 f"--text={tmp_path / 't.txt'}",

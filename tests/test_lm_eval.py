@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from gptlite import GPT, GPTConfig, evaluate
+from gptlite import GPT, GPTConfig
+from gptlite.evaluate import command as evaluate_command
 from gptlite.hf import export_hf
 from gptlite.tokenizer import get_tokenizer, load_tokenizer
 from tests.conftest import shared_file
@@ -144,7 +145,7 @@ def own_tasks_only(monkeypatch):
 @pytest.mark.slow
 def test_the_command_writes_lm_evals_results(model_dir, tasks, tmp_path, capsys, own_tasks_only):
     out = tmp_path / "r.json"
-    code = evaluate.main(
+    code = evaluate_command.main(
         [
             f"--init_from={model_dir}",
             "--task=lm_eval:tiny_mc,tiny_gen",
@@ -162,7 +163,7 @@ def test_the_command_writes_lm_evals_results(model_dir, tasks, tmp_path, capsys,
 
 def test_lm_eval_mistakes_are_one_line(model_dir, tasks, tmp_path, capsys, monkeypatch, own_tasks_only):
     def error(*args: str) -> str:
-        code = evaluate.main([f"--model={model_dir}", *args])
+        code = evaluate_command.main([f"--model={model_dir}", *args])
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1, err
         return err
@@ -269,7 +270,7 @@ def mistakes(tasks, tmp_path_factory):
 def error_line(capsys, model_dir, folder, name):
     """The command's error on --task=lm_eval:NAME of the folder's tasks: exit code 2 and one line, the last of stderr
     (lm-eval's warnings and progress bars come before it)."""
-    code = evaluate.main(
+    code = evaluate_command.main(
         [f"--init_from={model_dir}", f"--task=lm_eval:{name}", f"--include_path={folder}", "--limit=2"]
     )
     err = capsys.readouterr().err
@@ -323,7 +324,9 @@ def test_lm_evals_own_task_is_named_without_blaming_a_file(model_dir, mistakes, 
     with pytest.raises(
         RuntimeError, match="lm-eval's own task 'missing_field' could not be built: UndefinedError"
     ) as e:
-        evaluate.main([f"--init_from={model_dir}", "--task=lm_eval:missing_field", f"--include_path={mistakes}"])
+        evaluate_command.main(
+            [f"--init_from={model_dir}", "--task=lm_eval:missing_field", f"--include_path={mistakes}"]
+        )
     assert type(e.value.__cause__).__name__ == "UndefinedError"
 
 
@@ -344,7 +347,7 @@ def test_gptlites_own_errors_under_lm_eval_are_left_as_they_are(
 
     monkeypatch.setattr(GPTLiteLM, "_loglikelihood_tokens", broken)
     with pytest.raises(RuntimeError, match="^the model broke$"):
-        evaluate.main([f"--init_from={model_dir}", "--task=lm_eval:tiny_ok", f"--include_path={mistakes}"])
+        evaluate_command.main([f"--init_from={model_dir}", "--task=lm_eval:tiny_ok", f"--include_path={mistakes}"])
 
 
 def test_a_task_name_gets_a_close_name_only():

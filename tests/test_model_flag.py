@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import sample
-from gptlite import GPT, evaluate
+from gptlite import GPT
 from gptlite.checkpoint import load_model, save_checkpoint
 from gptlite.cli import HelpRequested, model_to_read, parse, renamed_option
 from gptlite.config import build_config, config_to_dict, option
+from gptlite.evaluate import command as evaluate_command
 from gptlite.hf.__main__ import ExportOptions
 from gptlite.hf.__main__ import main as hf_main
 from gptlite.serve import __main__ as serve_command
@@ -120,7 +121,7 @@ def test_under_torchrun_rank_0_alone_prints_the_note(monkeypatch, capsys):
     "options,prog",
     [
         (sample.SampleOptions, "sample.py"),
-        (evaluate.EvaluateOptions, "python -m gptlite.evaluate"),
+        (evaluate_command.EvaluateOptions, "python -m gptlite.evaluate"),
         (serve_command.ServeOptions, "python -m gptlite.serve"),
         (ExportOptions, "python -m gptlite.hf"),
     ],
@@ -153,7 +154,7 @@ def test_a_model_name_that_names_nothing_is_one_line_naming_it(tmp_path):
     "main,prog,args",
     [
         (sample.main, "sample.py", ["--device=cpu"]),
-        (evaluate.main, "gptlite.evaluate", ["--device=cpu"]),
+        (evaluate_command.main, "gptlite.evaluate", ["--device=cpu"]),
         (serve_command.main, "gptlite.serve", ["--device=cpu", "--port=0"]),
         (hf_main, "gptlite.hf", ["export", "--out=exported"]),
     ],
@@ -195,7 +196,7 @@ def test_evaluate_reads_the_model_under_each_spelling(char_run, tmp_path, capsys
     scores = {}
     for flag in ("model", "out_dir", "init_from"):
         json_file = tmp_path / f"{flag}.json"
-        assert evaluate.main([f"--{flag}={run}", f"--text={text}", "--device=cpu", f"--json={json_file}"]) == 0
+        assert evaluate_command.main([f"--{flag}={run}", f"--text={text}", "--device=cpu", f"--json={json_file}"]) == 0
         out, err = capsys.readouterr()
         assert out.startswith("val: loss ")
         # stderr: the note, then the windows' progress bar
@@ -208,12 +209,12 @@ def test_evaluate_reads_the_model_under_each_spelling(char_run, tmp_path, capsys
     hf = tmp_path / "hf"
     assert hf_main(["export", f"--model={run}", f"--out={hf}"]) == 0  # a Hugging Face directory: no data of its own
     capsys.readouterr()
-    assert evaluate.main([f"--model={hf}", "--task=val", "--device=cpu"]) == 2
+    assert evaluate_command.main([f"--model={hf}", "--task=val", "--device=cpu"]) == 2
     assert one_error(capsys.readouterr().err, "gptlite.evaluate") == (
         f"--task=val of {hf} (not a gptlite run folder: no training data of its own) needs --data_dir=DIR or "
         "--text=FILE"
     )
-    assert evaluate.main([f"--model={hf}", f"--text={text}", "--device=cpu"]) == 0
+    assert evaluate_command.main([f"--model={hf}", f"--text={text}", "--device=cpu"]) == 0
     assert capsys.readouterr().out.startswith("val: loss ")
 
 

@@ -282,7 +282,7 @@ def test_sampling_a_lora_model_on_the_cpu_keeps_its_adapters():
 def test_evaluate_task_rl_scores_held_out_prompts(tmp_path, capsys):
     """python -m gptlite.evaluate --task=rl: pass@1 of the greedy completion, and the mean reward and pass@k of
     sampled ones, equal to what score_prompts gives; a missing flag or an unloadable reward is one line."""
-    from gptlite import evaluate
+    from gptlite.evaluate import command as evaluate_command
     from gptlite.hf import export_hf
 
     model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16, pos_emb="rope", norm="rmsnorm").cpu()
@@ -295,7 +295,7 @@ def test_evaluate_task_rl_scores_held_out_prompts(tmp_path, capsys):
     common = [f"--model={tmp_path / 'model'}", f"--tokenizer={tmp_path / 'tokenizer.json'}", "--device=cpu"]
     task = ["--task=rl", f"--rl_prompts={prompts}"]
     args = [*common, *task, "--reward=exact", "--rl_samples=4"]
-    assert evaluate.main([*args, "--rl_max_new_tokens=3", f"--json={tmp_path / 'r.json'}"]) == 0
+    assert evaluate_command.main([*args, "--rl_max_new_tokens=3", f"--json={tmp_path / 'r.json'}"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("rl: pass@1 0.1667 (greedy) | mean reward ") and "| 6 prompts |" in line
     results = json.loads((tmp_path / "r.json").read_text())["rl"]
@@ -306,7 +306,7 @@ def test_evaluate_task_rl_scores_held_out_prompts(tmp_path, capsys):
         ([*task, "--reward=nowhere:f"], "--reward=nowhere:f: cannot import nowhere"),
         ([*task, "--reward=exact", "--rl_max_new_tokens=16"], "--rl_max_new_tokens=16 leaves no room for a prompt"),
     ]:
-        assert evaluate.main([*common, *extra]) == 2
+        assert evaluate_command.main([*common, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
 
