@@ -156,12 +156,12 @@ def test_the_sweep_resumes_fits_and_feeds_train_budget(char_data, tmp_path, monk
     # train.py --budget finds these laws for this data on this machine, says each choice, and takes overrides.
     # (train.py runs inside pytest's process here: its start-up is taken as a command's, 2 s)
     monkeypatch.setattr("gptlite.scaling.derive.process_age", lambda: 2.0)
-    run = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--budget=15s", "--n_layer=1")
+    run = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--budget=15s", "--beta2=0.95")
     assert run.code == 0, run.err
     assert "budget | --budget=15s: from the laws fitted for this data on this machine" in run.out
-    assert "budget | n_layer=1: as given" in run.out and "expected val loss" in run.out
+    assert "budget | beta2=0.95: as given (the recipe's 0.99)" in run.out and "expected val loss" in run.out
     config = json.loads(next(line for line in run.out.splitlines() if line.startswith("config: "))[8:])
-    assert config["budget"] == "15s" and config["n_layer"] == 1 and config["lr_schedule"] == "time"
+    assert config["budget"] == "15s" and config["beta2"] == 0.95 and config["lr_schedule"] == "time"
     assert 0 < config["max_minutes"] < 15 / 60
 
 

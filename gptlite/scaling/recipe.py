@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 ASPECT = 48  # width per layer
 HEAD_DIM = 24
-WIDTHS = (48, 72, 96, 120, 144, 192, 240, 288, 384, 480, 576, 768)  # the family's sizes, each a multiple of HEAD_DIM
+WIDTHS = (24, 48, 72, 96, 120, 144, 192, 240, 288, 384, 480, 576, 768)  # the sizes, multiples of HEAD_DIM
 BASE_WIDTH = 96  # the width the learning rates were tuned at (the 90-s recipe)
 ADAMW_LR = 4e-3  # at BASE_WIDTH
 MUON_LR = 0.03
