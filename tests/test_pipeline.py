@@ -119,7 +119,8 @@ def test_the_last_run_samples_evaluates_and_exports(chain, tmp_path):
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     # one end of sequence for the chat model everywhere: the end of a turn first, then the end of text
-    im_end, eot = 2, 0  # the BPE trainer's ids for <|im_end|> and <|endoftext|>
+    im_end = 2  # the BPE trainer's id for <|im_end|>
+    eot = 0  # and for <|endoftext|>
     assert hf.config.eos_token_id == hf.generation_config.eos_token_id == [im_end, eot]
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token == "<|im_end|>"
     ours = load_source(str(chain / "rl"))

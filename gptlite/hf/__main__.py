@@ -84,7 +84,8 @@ def export(options: ExportOptions) -> int:
             f"{model} is not a gptlite run folder (no ckpt_NNNNNN.pt or ckpt.pt in it): --format=hf exports a run's "
             "checkpoint; a Hugging Face directory or hub name is in that layout already (--format=gguf takes any)"
         )
-    run, hf_dir = Path(model), Path(out)
+    run = Path(model)
+    hf_dir = Path(out)
     if (
         os.path.realpath(hf_dir) == os.path.realpath(run)
         or Path(os.path.realpath(hf_dir)) in Path(os.path.realpath(run)).parents

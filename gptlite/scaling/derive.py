@@ -33,6 +33,18 @@ def block_params(width: int) -> int:
     return sum(p.numel() for p in model.blocks.parameters())
 
 
+def flops_per_token(keys: dict) -> float:
+    """Training FLOPs per token of the model train.py's `keys` describe (GPT.flops_per_token), counted on the meta
+    device: nothing is allocated."""
+    import torch
+
+    from gptlite.config import build_config
+    from gptlite.model import GPT
+
+    with torch.device("meta"):
+        return GPT(build_config(keys).model).flops_per_token()
+
+
 def nearest_width(params: float) -> int:
     """The family's width whose block parameters are nearest `params` in log."""
     return min(WIDTHS, key=lambda w: abs(math.log(block_params(w) / params)))
@@ -163,20 +175,13 @@ def for_time(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device:
 def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes: list[str]) -> dict:
     """A FLOPs or tokens budget: the size the law gives for the FLOPs (for tokens: the FLOPs whose optimal run
     trains on that many), the step count from the tokens."""
-    import torch
-
-    from gptlite.config import build_config
-    from gptlite.model import GPT
-
     if budget.kind == "flops":
         flops = budget.amount
     else:  # D* = H C^b, inverted
         law = laws["tokens_per_flop"]
         flops = (budget.amount / law["coef"]) ** (1 / law["exponent"])
     width = nearest_width(power(laws["params_per_flop"], flops))
-    keys = recipe(width, vocab_size, steps=1)
-    with torch.device("meta"):
-        per_token = GPT(build_config(keys).model).flops_per_token()
+    per_token = flops_per_token(recipe(width, vocab_size, steps=1))
     tokens = budget.amount if budget.kind == "tokens" else flops / per_token
     steps = max(1, math.ceil(tokens / TOKENS_PER_STEP))
     keys = recipe(width, vocab_size, steps=steps)

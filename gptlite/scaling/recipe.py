@@ -101,10 +101,15 @@ def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None
         "eval_iters": 0,  # the final evaluation: every window of the val split
         "keep_last": 1,
     }
-    if seconds is not None:
-        keys |= {"lr_schedule": "time", "max_minutes": seconds / 60, "max_iters": 1_000_000_000}
-        keys |= {"eval_interval": 1_000_000_000, "log_interval": 250}
+    if seconds is not None:  # the clock ends the run, and the one evaluation comes at its end
+        keys["lr_schedule"] = "time"
+        keys["max_minutes"] = seconds / 60
+        keys["max_iters"] = 1_000_000_000
+        keys["eval_interval"] = 1_000_000_000
     else:
-        keys |= {"lr_schedule": "steps", "max_iters": steps, "eval_interval": steps, "log_interval": 250}
+        keys["lr_schedule"] = "steps"
+        keys["max_iters"] = steps
+        keys["eval_interval"] = steps
+    keys["log_interval"] = 250
     keys["muon_momentum"] = 0.8 if steps < SHORT_RUN else 0.95
     return keys

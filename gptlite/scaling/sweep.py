@@ -158,10 +158,11 @@ def append_run(path: Path, run: dict) -> None:
 def train_point(options: SweepOptions, out_dir: Path, width: int, seconds: float, vocab_size: int) -> dict:
     """Train the family's model at `width` for `seconds` of training time in a train.py process of its own; its
     figures from the run's metrics.jsonl."""
+    from gptlite.device import pick_device
     from gptlite.scaling.derive import block_params, probe
     from gptlite.scaling.recipe import recipe
 
-    device = pick(options.device)
+    device = pick_device(options.device)
     step_s = probe(recipe(width, vocab_size, steps=1, seconds=seconds), device)  # for Muon's momentum
     keys = recipe(width, vocab_size, steps=int(seconds / step_s), seconds=seconds)
     run_dir = out_dir / "runs" / f"w{width}-{seconds:g}s"
@@ -208,31 +209,20 @@ def train(options: SweepOptions, run_dir: Path, keys: dict) -> bool:
 
 def figures(run_dir: Path, keys: dict) -> dict:
     """A finished run's final val loss, steps, tokens and training FLOPs (its model's flops_per_token x tokens)."""
-    import torch
-
-    from gptlite.config import build_config
-    from gptlite.model import GPT
+    from gptlite.scaling.derive import flops_per_token
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if r.get("val_loss") is not None]
     if not evaluated:
         raise ValueError(f"the run in {run_dir} recorded no val loss; see its log")
     last = evaluated[-1]
-    with torch.device("meta"):
-        per_token = GPT(build_config(keys).model).flops_per_token()
     tokens = int(last["tokens"])
     return {
         "val_loss": float(last["val_loss"]),
         "steps": int(last["step"]),
         "tokens": tokens,
-        "flops": per_token * tokens,
+        "flops": flops_per_token(keys) * tokens,
     }
-
-
-def pick(device: str) -> str:
-    from gptlite.device import pick_device
-
-    return pick_device(device)
 
 
 def check_run(
