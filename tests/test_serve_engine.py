@@ -246,3 +246,48 @@ def test_when_the_loop_stops_every_request_ends_with_why_at_once(monkeypatch):
     later = Collect(engine, tokenizer, ["Hi"], Params(max_tokens=5))  # answered at once, on this thread
     assert later.done.is_set() and later.pieces[0][-1].error == engine.failure
     engine.close()
+
+
+def test_a_steps_pieces_are_emitted_once_every_row_has_its_token():
+    """When a row's piece reaches its job, every row of that step has already sampled its token (so a server can hand
+    the step's pieces over at once)."""
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=3)
+    seen = []  # at each piece: (its job, pieces so far, every running row's generated count)
+
+    def on_piece(i, piece):
+        seen.append((i, piece.tokens, [row.generated for row in engine.rows]))
+
+    collect = Collect(engine, tokenizer, ["Hi", "Ho", "Hu"], Params(max_tokens=6, temperature=0), on_piece)
+    engine.start()
+    try:
+        texts = collect.wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 6) for p in ["Hi", "Ho", "Hu"]]
+    decoded = [(tokens, generated) for _, tokens, generated in seen if len(generated) == 3]
+    assert decoded and all(generated == [tokens] * 3 for tokens, generated in decoded)
+
+
+def test_a_row_that_fails_mid_step_leaves_the_pieces_before_it_emitted(monkeypatch):
+    """An error while one row's piece is made ends the step's requests; the rows before it in that step still get
+    their piece first, so no request that finished in that step is left without its last piece."""
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=2)
+    piece = engine.piece
+
+    def fails_on_the_second_row(row, token, logprobs):
+        if row is engine.rows[1] and row.generated == 3:
+            raise RuntimeError("no piece for you")
+        return piece(row, token, logprobs)
+
+    monkeypatch.setattr(engine, "piece", fails_on_the_second_row)
+    params = [Params(max_tokens=3, temperature=0), Params(max_tokens=10, temperature=0)]
+    collect = Collect(engine, tokenizer, ["Hi", "Ho"], params)
+    engine.start()
+    try:
+        texts = collect.wait()
+    finally:
+        engine.close()
+    assert collect.pieces[0][-1].finish_reason == "length" and texts[0] == greedy(model, tokenizer, "Hi", 3)
+    assert collect.pieces[1][-1].error == "RuntimeError: no piece for you" and engine.failure is None

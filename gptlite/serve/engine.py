@@ -14,17 +14,17 @@ rest run as batches of similar lengths, each padded on the right to its longest,
 its own last token. A padded slot holds junk until the row's next token overwrites it, and no query ever
 attends past its own slot, so a row computes what it would alone.
 
-On the CPU, float32, the rows run through `packed_for_cpu`'s views of the model, made once: its slab layers for
-a single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for
-several. Each row samples with its own temperature, top_p and `torch.Generator` (seeded when asked), and
-never an id the tokenizer lacks (a padded vocabulary's extra ids); a row with a response_format, only the tokens
-its grammar allows next (its `Matcher`, gptlite.serve.grammar), and it ends once the grammar is complete; rows
-without one skip all of that. `emit` is called on the engine's thread
-with a `Piece` for every token: the new text (UTF-8 safe, cut before a stop string) and, on the last piece,
-why the request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives')
-under the model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its
-prefill (a job with max_tokens 0 gets only those, and no token at all without logprobs; one with max_tokens 1 takes
-its token from that forward and needs neither prefill nor row).
+On the CPU, float32, the rows run through `packed_for_cpu`'s views of the model, made once: its slab layers for a
+single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for several.
+Each row samples with its own temperature, top_p and `torch.Generator` (seeded when asked), and never an id the
+tokenizer lacks (a padded vocabulary's extra ids); a row with a response_format, only the tokens its grammar allows
+next (its `Matcher`, gptlite.serve.grammar), and it ends once the grammar is complete; rows without one skip all of
+that. `emit` is called on the engine's thread with a `Piece` for every token (a step's pieces one after another,
+once every row has its token): the new text (UTF-8 safe, cut before a stop string) and, on the last piece, why the
+request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives') under the
+model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its prefill (a
+job with max_tokens 0 gets only those, and no token at all without logprobs; one with max_tokens 1 takes its token
+from that forward and needs neither prefill nor row).
 
 No request stops the engine: an exception while a request is admitted (its seed, its prefill) ends that request
 with finish_reason "error", one in a decode step ends the requests that step ran, and the engine goes on with
@@ -402,31 +402,41 @@ class Engine:
             for i, row in enumerate(rows):
                 adjust(logits[i], row)
         greedy = logits.argmax(dim=-1).tolist()
-        for i, row in enumerate(rows):
-            p = row.job.params
-            own = logits[i : i + 1]  # (1, V)
-            if row.matcher is not None:  # a response_format: only the tokens its grammar allows next
-                try:
-                    own = row.matcher.constrain(own)
-                except ValueError as e:  # the matcher failed (a GrammarError): its request ends, alone
-                    self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
-                    self.fail([row], e)
-                    continue
-                greedy[i] = int(own.argmax())
-            token = (
-                greedy[i] if p.temperature == 0 else int(sample_next(own, p.temperature, None, p.top_p, row.generator))
-            )
-            row.token = token
-            row.tokens.append(token)
-            row.generated += 1
-            row.counts[token] = row.counts.get(token, 0) + 1
-            entries = token_logprobs(logprobs[i : i + 1], [token], p.logprobs) if p.logprobs is not None else []
-            self.emit(row, token, entries)
+        pieces = []  # (job, its piece), emitted once every row has its token
+        try:
+            for i, row in enumerate(rows):
+                piece = self.pick(row, logits[i : i + 1], greedy[i], None if logprobs is None else logprobs[i : i + 1])
+                if piece is not None:
+                    pieces.append((row.job, piece))
+        finally:  # together, after the step's work (a server hands them over in one go); also when a row failed
+            for job, piece in pieces:
+                if not job.cancelled:
+                    job.emit(piece)
 
-    def emit(self, row: Row, token: int, logprobs: list[TokenLogprob]) -> None:
-        """The token's text (and log-probabilities) to the job; the row finishes at a stop token, a stop string, a
+    def pick(self, row: Row, own: torch.Tensor, greedy: int, logprobs: torch.Tensor | None) -> Piece | None:
+        """Row's next token from its logits (1, V) (`greedy` is their argmax), and the piece it gives (None where the
+        row failed instead: its grammar)."""
+        p = row.job.params
+        if row.matcher is not None:  # a response_format: only the tokens its grammar allows next
+            try:
+                own = row.matcher.constrain(own)
+            except ValueError as e:  # the matcher failed (a GrammarError): its request ends, alone
+                self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
+                self.fail([row], e)
+                return None
+            greedy = int(own.argmax())
+        token = greedy if p.temperature == 0 else int(sample_next(own, p.temperature, None, p.top_p, row.generator))
+        row.token = token
+        row.tokens.append(token)
+        row.generated += 1
+        row.counts[token] = row.counts.get(token, 0) + 1
+        entries = token_logprobs(logprobs, [token], p.logprobs) if p.logprobs is not None else []
+        return self.piece(row, token, entries)
+
+    def piece(self, row: Row, token: int, logprobs: list[TokenLogprob]) -> Piece | None:
+        """The token's text (and log-probabilities) for the job; the row finishes at a stop token, a stop string, a
         complete response_format or max_tokens. A prompt's log-probabilities, when asked for, go with its first
-        token."""
+        token. None where the row failed instead (its grammar), which has ended its job."""
         p = row.job.params
         if row.matcher is not None:
             try:
@@ -434,7 +444,7 @@ class Engine:
             except ValueError as e:  # the matcher failed (a GrammarError): its request ends, alone
                 self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
                 self.fail([row], e)
-                return
+                return None
         if token in p.stop_tokens:
             text, reason = row.stream.close(), "stop"
         else:
@@ -447,8 +457,7 @@ class Engine:
                 text, reason = text + row.stream.close(), "length"
         row.finished = reason is not None
         prompt = self.take_prompt_logprobs() if row.generated == 1 else None
-        if not row.job.cancelled:
-            row.job.emit(Piece(text, row.generated, reason, logprobs=logprobs, prompt_logprobs=prompt))
+        return Piece(text, row.generated, reason, logprobs=logprobs, prompt_logprobs=prompt)
 
     def fail(self, rows: list[Row], error: Exception) -> None:
         """End these rows' jobs with the error's message; the engine goes on. A grammar's failure is the request's
