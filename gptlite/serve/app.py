@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Awaitable
 from importlib import resources
 from typing import TYPE_CHECKING, TypeVar
@@ -65,20 +66,66 @@ log = logging.getLogger("uvicorn.error")  # the server's log
 T = TypeVar("T")
 
 
-class Generation:
-    """One request's jobs, their pieces handed from the engine's thread to the event loop as (job index, Piece)."""
+class Mailbox:
+    """Pieces handed from the engine's thread to one event loop in batches. The loop's thread shares the cores and
+    the GIL with the engine's, and every time it wakes it holds the engine up, so it wakes as seldom as it can: a
+    decode step emits a piece for every running row, one after another; the first one posted wakes the loop
+    (call_soon_threadsafe), and those posted before that wake-up has run ride on it."""
 
-    def __init__(self, jobs: list[tuple[list[int], Params]]):
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, list[tuple[int, Piece]]]] = []  # posted, not yet delivered
+
+    def post(self, queue: asyncio.Queue, items: list[tuple[int, Piece]]) -> None:
+        """On the engine's thread: queue.put_nowait(item) for each item, on the loop, soon. RuntimeError once the loop
+        has closed."""
+        if self.loop.is_closed():
+            raise RuntimeError("the event loop has closed")
+        with self.lock:
+            self.pending.append((queue, items))
+            if len(self.pending) > 1:
+                return  # the first one's wake-up has not run yet: it delivers these too
+        try:
+            self.loop.call_soon_threadsafe(self.deliver)
+        except RuntimeError:  # the loop closed since the look above: nothing will be delivered
+            with self.lock:
+                self.pending.clear()
+            raise
+
+    def deliver(self) -> None:
+        """On the loop: every piece posted so far, in the order posted."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, items in pending:
+            for item in items:
+                queue.put_nowait(item)
+
+
+class Generation:
+    """One request's jobs, their pieces handed from the engine's thread to the event loop as (job index, Piece).
+    With `hold` (a response sent whole, not streamed) a job's pieces are held on the engine's side and handed over
+    together with its last one: the loop wakes once a completion, not once a token."""
+
+    def __init__(self, jobs: list[tuple[list[int], Params]], mailbox: Mailbox, hold: bool):
+        self.mailbox = mailbox
+        self.hold = hold
         self.queue: asyncio.Queue[tuple[int, Piece]] = asyncio.Queue()
         self.jobs = [Job(prompt, params, self.emitter(i)) for i, (prompt, params) in enumerate(jobs)]
         self.open = len(self.jobs)
         self.tokens = [0] * len(self.jobs)  # tokens each job has generated
 
     def emitter(self, index: int):
+        held: list[tuple[int, Piece]] = []  # this job's pieces not handed over yet (with `hold`)
+
         def emit(piece: Piece) -> None:  # on the engine's thread
+            held.append((index, piece))
+            if self.hold and piece.finish_reason is None:
+                return
+            items = held.copy()
+            held.clear()
             try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, piece))
+                self.mailbox.post(self.queue, items)
             except RuntimeError:  # the event loop has closed: nobody is listening
                 self.jobs[index].cancel()
 
@@ -106,6 +153,15 @@ class Server:
         self.wait_when_full = wait_when_full
         self.in_flight = 0
         self.grammars = Grammars(tokenizer, engine.model.config.vocab_size, self.stop_tokens())
+        self.mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per event loop that serves requests
+
+    def mailbox(self) -> Mailbox:
+        """The running event loop's mailbox (a test's client may run the app on a loop of its own)."""
+        loop = asyncio.get_running_loop()
+        if loop not in self.mailboxes:
+            self.mailboxes = {old: box for old, box in self.mailboxes.items() if not old.is_closed()}
+            self.mailboxes[loop] = Mailbox(loop)
+        return self.mailboxes[loop]
 
     def check(self, body: GenerationRequest, prompts: int) -> None:
         """What can be checked before tokenizing: the model's name, n x prompts against the batch, the stops."""
@@ -318,7 +374,7 @@ class Server:
 
     async def run(self, jobs: list[tuple[list[int], Params]], body: GenerationRequest, chat: bool, prompt_tokens: int):
         await self.admit(len(jobs))
-        gen = Generation(jobs)
+        gen = Generation(jobs, self.mailbox(), hold=not body.stream)
         streaming = False
         try:
             for job in gen.jobs:
