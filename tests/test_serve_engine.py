@@ -50,6 +50,14 @@ class Collect:
         assert self.done.wait(60), "the engine did not finish"
         return ["".join(p.text for p in pieces) for pieces in self.pieces]
 
+    def run(self, engine: Engine) -> list[str]:
+        """Start the engine (the jobs are queued already), wait for every job, and close it; the texts."""
+        engine.start()
+        try:
+            return self.wait()
+        finally:
+            engine.close()
+
 
 def greedy(model, tokenizer, prompt: str, n: int) -> str:
     ids = tokenizer.encode(prompt)
@@ -189,11 +197,7 @@ def test_a_request_that_fails_to_start_ends_alone_and_the_next_one_runs(monkeypa
     engine = Engine(model, tokenizer, max_batch=2)
     params = [Params(max_tokens=5, stop=("boom",)), Params(max_tokens=5, temperature=0)]
     collect = Collect(engine, tokenizer, ["Hi", "Ho"], params)
-    engine.start()
-    try:
-        texts = collect.wait()
-    finally:
-        engine.close()
+    texts = collect.run(engine)
     (piece,) = collect.pieces[0]
     assert piece.finish_reason == "error" and piece.error == "RuntimeError: no stream for you"
     assert texts[1] == greedy(model, tokenizer, "Ho", 5) and engine.failure is None
@@ -259,11 +263,7 @@ def test_a_steps_pieces_are_emitted_once_every_row_has_its_token():
         seen.append((i, piece.tokens, [row.generated for row in engine.rows]))
 
     collect = Collect(engine, tokenizer, ["Hi", "Ho", "Hu"], Params(max_tokens=6, temperature=0), on_piece)
-    engine.start()
-    try:
-        texts = collect.wait()
-    finally:
-        engine.close()
+    texts = collect.run(engine)
     assert texts == [greedy(model, tokenizer, p, 6) for p in ["Hi", "Ho", "Hu"]]
     decoded = [(tokens, generated) for _, tokens, generated in seen if len(generated) == 3]
     assert decoded and all(generated == [tokens] * 3 for tokens, generated in decoded)
@@ -284,10 +284,6 @@ def test_a_row_that_fails_mid_step_leaves_the_pieces_before_it_emitted(monkeypat
     monkeypatch.setattr(engine, "piece", fails_on_the_second_row)
     params = [Params(max_tokens=3, temperature=0), Params(max_tokens=10, temperature=0)]
     collect = Collect(engine, tokenizer, ["Hi", "Ho"], params)
-    engine.start()
-    try:
-        texts = collect.wait()
-    finally:
-        engine.close()
+    texts = collect.run(engine)
     assert collect.pieces[0][-1].finish_reason == "length" and texts[0] == greedy(model, tokenizer, "Hi", 3)
     assert collect.pieces[1][-1].error == "RuntimeError: no piece for you" and engine.failure is None
