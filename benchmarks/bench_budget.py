@@ -52,8 +52,9 @@ def timed(argv: list[str], out_dir: Path) -> dict:
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    if done.returncode:  # train.py says why in its last line (a budget too small to train, a bad key)
+        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
+        raise ValueError(f"`train.py {' '.join(argv)}` failed: {lines[-1]}")
     config = json.loads(re.search(r"^config: (.*)$", done.stdout, re.M)[1])
     return {
         "val_loss": float(re.findall(r"\| val loss ([\d.]+)", done.stdout)[-1]),
