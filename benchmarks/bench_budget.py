@@ -83,12 +83,15 @@ def run(args: Options) -> int:
     widths = [int(w) for w in args.widths.split(",")]
     scales = [float(s) for s in args.lr_scales.split(",")]
     hand = [[args.hand, f"--data_dir={args.data_dir}"]] if args.hand else []
-    plan = []
-    for _ in range(args.rounds):  # the derived recipe and the hand config take turns
-        plan.append(("derived", base))
-        plan += [(f"hand {Path(args.hand).name}", h) for h in hand]
+    grid = []
     if args.grid:
-        plan += [(f"width {w}, lr x{s:g}", base + grid_point(w, s)) for w in widths for s in scales]
+        grid = [(f"width {w}, lr x{s:g}", base + grid_point(w, s)) for w in widths for s in scales]
+    share = -(-len(grid) // args.rounds)  # grid points after each round: the rounds spread through the grid
+    plan = []
+    for r in range(args.rounds):  # the derived recipe and the hand config take turns, then a share of the grid,
+        plan.append(("derived", base))  # so that the machine's speed drifting over a long sitting touches all alike
+        plan += [(f"hand {Path(args.hand).name}", h) for h in hand]
+        plan += grid[r * share : (r + 1) * share]
     runs = []
     print(f"{'run':22} {'val loss':>9} {'steps':>6} {'width':>5} {'layers':>6} {'wall s':>7}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_budget_") as tmp:
