@@ -197,12 +197,13 @@ def run_level(
     one after another. One client, made before the clock starts, sends them all over its pool of connections, as a
     load generator does: an httpx client of its own per request would build an SSL context each time (tens of
     milliseconds of this machine's two cores, taken from the server while the requests arrive)."""
-    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=n)) as client, ThreadPoolExecutor(n) as pool:
+    workers = n if concurrent else 1  # one worker sends them one after another
+    with (
+        httpx.Client(timeout=600, limits=httpx.Limits(max_connections=n)) as client,
+        ThreadPoolExecutor(workers) as pool,
+    ):
         start = time.perf_counter()
-        if concurrent:
-            results = list(pool.map(lambda i: one_request(client, url, model, i, max_tokens, stream), range(n)))
-        else:
-            results = [one_request(client, url, model, i, max_tokens, stream) for i in range(n)]
+        results = list(pool.map(lambda i: one_request(client, url, model, i, max_tokens, stream), range(n)))
         seconds = time.perf_counter() - start
     short = sum(t < max_tokens for t, _ in results)
     return sum(t for t, _ in results) / seconds, statistics.median(f for _, f in results), short
