@@ -11,7 +11,7 @@ spends. The laws are fitted through those optima:
 Parameters N are the blocks' (what every token's matmuls use); the embeddings are a lookup. The uncertainty of each
 exponent is its range over the fits that leave one run out. A budget whose best size is the smallest or largest run
 only bounds its optimum: it is left out of the size and token laws where two others remain (its loss stays in the
-loss laws).
+loss laws); where they do not, the laws carry a "size_note" saying so and which widths to sweep next.
 
 `fit_laws` returns a JSON-ready dict; `save_laws` writes it to the sweep's folder and to gptlite's cache under the
 data's fingerprint and the machine (`laws_path`), where `train.py --budget` finds it; `DEFAULT_LAWS` are the laws
@@ -121,7 +121,7 @@ def laws_of(runs: list[dict]) -> dict:
     all_flops = [p["flops"] for p in every.values()]
     all_loss = [p["val_loss"] for p in every.values()]
     flops = [p["flops"] for p in sized.values()]
-    return {
+    laws = {
         "params_per_second": fit_power(list(sized), [p["params"] for p in sized.values()]),
         "loss_per_second": fit_saturating(list(every), all_loss),
         "params_per_flop": fit_power(flops, [p["params"] for p in sized.values()]),
@@ -129,6 +129,38 @@ def laws_of(runs: list[dict]) -> dict:
         "loss_per_flop": fit_saturating(all_flops, all_loss),
         "frontier": [{"seconds": s, **p, "fitted": s in sized} for s, p in every.items()],
     }
+    if len(inside) < 2:
+        laws["size_note"] = bound_note(every, runs)
+    return laws
+
+
+def bound_note(every: dict[float, dict], runs: list[dict]) -> str:
+    """What the size laws are worth when fewer than two budgets' optima lie inside the widths run (each edge
+    optimum only says the best size is past the smallest or largest run), and which widths to sweep next."""
+    from gptlite.scaling.recipe import WIDTHS
+
+    widths = sorted({r["width"] for r in runs})
+    below, above = [], []
+    for seconds, point in every.items():
+        if point["edge"]:
+            at = [r for r in runs if r["seconds"] == seconds]
+            best = min(at, key=lambda r: r["val_loss"])
+            smallest = best["params"] == min(r["params"] for r in at)
+            (below if smallest else above).append(seconds)
+    if len(below) >= len(above):
+        side, at, budgets, more = "smallest", widths[0], below, [w for w in WIDTHS if w < widths[0]][-2:]
+    else:
+        side, at, budgets, more = "largest", widths[-1], above, [w for w in WIDTHS if w > widths[-1]][:2]
+    advice = (
+        f"add widths {','.join(map(str, more))} (--widths={','.join(map(str, sorted(more + widths)))})"
+        if more
+        else "the recipe family has no width further out"
+    )
+    return (
+        f"the best size at {', '.join(f'{s:g} s' for s in budgets)} was the {side} width run ({at}): the optimum "
+        f"lies past it, and the size laws through it only bound the optimum; {advice} and run the sweep again (the "
+        "runs done are kept)"
+    )
 
 
 def fit_laws(runs: list[dict]) -> dict:
@@ -141,7 +173,7 @@ def fit_laws(runs: list[dict]) -> dict:
         except ValueError:  # too few runs left for a budget: this one is needed
             continue
         for name, law in fewer.items():
-            if name != "frontier":
+            if name not in ("frontier", "size_note"):  # the laws, not the points or the note
                 spread.setdefault(name, []).append(law.get("exponent", law.get("alpha")))
     for name, values in spread.items():
         laws[name]["range"] = [float(min(values)), float(max(values))]

@@ -101,6 +101,8 @@ def sweep(options: SweepOptions) -> int:
         laws["check"] = check_run(options, out_dir, laws, 3 * max(budgets), vocab_size, earlier)
     save_laws(laws, out_dir / LAWS_FILE)
     print_laws(laws)
+    if "size_note" in laws:
+        print(f"note: {laws['size_note']}")
     plot(laws, out_dir / PLOT_FILE)
     print(f"wrote {out_dir / LAWS_FILE} and {out_dir / PLOT_FILE}; train.py --budget=... now uses these laws")
     return 0
