@@ -9,7 +9,7 @@ import pytest
 
 from gptlite.scaling.derive import block_params, nearest_width
 from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating
-from gptlite.scaling.recipe import WIDTHS, parse_budget, recipe, shape
+from gptlite.scaling.recipe import SHORT_STEPS, WIDTHS, parse_budget, recipe, shape
 from tests.conftest import ROOT, run_train, shared_file
 
 
@@ -48,6 +48,16 @@ def test_the_family_at_width_96_is_the_hand_tuned_speedrun_model():
     assert wide["muon_momentum"] == 0.95 and wide["bigram_vocab"] == 0 and wide["max_iters"] == 5000
     for width in WIDTHS:  # every width is a model: heads divide it, a layer per 48
         assert shape(width)["n_embd"] % shape(width)["n_head"] == 0
+
+
+def test_a_short_run_trains_at_higher_learning_rates():
+    base = recipe(96, 65, steps=SHORT_STEPS)
+    assert base["muon_lr"] == 0.03 and base["learning_rate"] == pytest.approx(4e-3)
+    for steps, scale in ((4 * SHORT_STEPS, 1.0), (SHORT_STEPS // 2, math.sqrt(2)), (SHORT_STEPS // 4, 2.0), (10, 2.0)):
+        keys = recipe(96, 65, steps=steps)
+        assert keys["muon_lr"] == pytest.approx(0.03 * scale)
+        assert keys["learning_rate"] == pytest.approx(4e-3 * scale)
+        assert keys["min_lr"] == pytest.approx(keys["learning_rate"] / 40)
 
 
 def test_block_params_count_the_blocks_as_the_model_does():
@@ -105,6 +115,43 @@ def test_an_optimum_past_the_sizes_run_is_flagged():
     assert point["edge"] and point["params"] == pytest.approx(small[-1]["params"])
     with pytest.raises(ValueError, match="at least 2 budgets"):
         fit_laws(runs)
+
+
+@pytest.mark.parametrize(
+    "sizes, side, advice",
+    [
+        (slice(2, 5), "smallest width run (96)", "add widths 48,72 (--widths=48,72,96,144,192)"),
+        (slice(0, 3), "largest width run (192)", "add widths 240,288 (--widths=96,144,192,240,288)"),
+    ],
+)
+def test_laws_whose_optima_lie_past_the_widths_say_so_and_what_to_sweep(sizes, side, advice):
+    every = synthetic_runs()
+    assert "size_note" not in fit_laws(every)
+    runs = []
+    for t in (10.0, 20.0, 40.0, 80.0):  # three of each budget's five sizes, with the valley's bottom at one end
+        at = sorted((r for r in every if r["seconds"] == t), key=lambda r: r["params"])[sizes]
+        runs += [{**r, "width": w} for r, w in zip(at, (96, 144, 192), strict=True)]
+    laws = fit_laws(runs)
+    assert all(point["edge"] for point in laws["frontier"])
+    assert laws["size_note"].startswith(f"the best size at 10 s, 20 s, 40 s, 80 s was the {side}: the optimum lies")
+    assert advice in laws["size_note"]
+
+
+def test_a_run_that_repeats_the_data_more_than_a_few_times_is_warned(char_data, tmp_path, monkeypatch):
+    from gptlite.scaling import laws as laws_module
+    from gptlite.scaling.derive import FRESH_EPOCHS, derive, repetition_note, split_tokens
+
+    train = split_tokens(char_data, "train")
+    assert train == json.loads((char_data / "manifest.json").read_text())["train_tokens"]
+    assert repetition_note(FRESH_EPOCHS * train, str(char_data)) is None
+    note = repetition_note(10 * train, str(char_data))
+    assert f"are 10.0 passes over the data's {train:,} training tokens" in note
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")  # the defaults' laws
+    keys, notes = derive("3Mtokens", str(char_data), 65, "cpu")
+    warned = [line for line in notes if "passes over the data's" in line]
+    assert len(warned) == 1 and f"{keys['max_iters'] * 3072 / train:.1f} passes" in warned[0]
+    _, notes = derive("200Ktokens", str(char_data), 65, "cpu")
+    assert not any("passes over the data's" in line for line in notes)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,20 @@ import time
 from pathlib import Path
 
 from gptlite.scaling.laws import find_laws, power, saturating
-from gptlite.scaling.recipe import BLOCK_SIZE, TOKENS_PER_STEP, WIDTHS, Budget, parse_budget, recipe, shape
+from gptlite.scaling.recipe import (
+    BLOCK_SIZE,
+    MUON_LR,
+    SHORT_STEPS,
+    TOKENS_PER_STEP,
+    WIDTHS,
+    Budget,
+    parse_budget,
+    recipe,
+    shape,
+)
 
 MARGIN_S = 1.5  # seconds a time budget keeps back for saving the checkpoint and the process's exit
+FRESH_EPOCHS = 4  # passes over the data that train about as well as new tokens (Muennighoff et al. 2023)
 
 
 def block_params(width: int) -> int:
@@ -88,11 +99,26 @@ def probe(keys: dict, device: str, steps: int = 3) -> float:
     return elapsed / steps
 
 
-def val_tokens(data_dir: str) -> int:
-    """The tokens of the data's val split (its shards' sizes)."""
+def split_tokens(data_dir: str, split: str) -> int:
+    """The tokens of a split of the data (its shards' sizes: each is memory-mapped, not read)."""
     from gptlite.shards import find_shards, read_shard
 
-    return sum(len(read_shard(p)) for p in find_shards(data_dir, "val"))
+    return sum(len(read_shard(p)) for p in find_shards(data_dir, split))
+
+
+def repetition_note(tokens: int, data_dir: str) -> str | None:
+    """A warning when a run's `tokens` pass over the data's training split more than FRESH_EPOCHS times: the laws
+    price every token as new, and past a few passes a repeated token teaches less than a new one (Muennighoff et al.
+    2023, "Scaling Data-Constrained Language Models"), so the run will do worse than the law's loss."""
+    unique = split_tokens(data_dir, "train")
+    epochs = tokens / max(1, unique)
+    if epochs <= FRESH_EPOCHS:
+        return None
+    return (
+        f"note: {tokens:,} tokens are {epochs:.1f} passes over the data's {unique:,} training tokens; past about "
+        f"{FRESH_EPOCHS} a repeated token teaches less than a new one (Muennighoff et al. 2023) and a model sized for "
+        "new tokens overfits, so expect a val loss above the law's: more data would serve this budget better"
+    )
 
 
 def derive(
@@ -109,11 +135,15 @@ def derive(
     if budget.kind == "seconds":
         keys = for_time(budget, laws, data_dir, vocab_size, device, notes)
     else:
-        keys = for_compute(budget, laws, vocab_size, device, notes)
+        keys = for_compute(budget, laws, data_dir, vocab_size, device, notes)
+    if "size_note" in laws:
+        notes.append(f"note: {laws['size_note']}")
+    scale = keys["muon_lr"] / MUON_LR
+    horizon = f", times {scale:.2f} for a run under {SHORT_STEPS} steps" if scale > 1 else ""
     notes.append(
-        f"ingredients: rotary positions, SwiGLU {3}x wide, Muon for the block matrices (lr {keys['muon_lr']:g}, the "
-        f"same at every width) and AdamW for the rest (lr {keys['learning_rate']:.2e}: 4e-3 at width 96, times "
-        f"sqrt(96/width)), windows growing from 64 to {BLOCK_SIZE} tokens over 60% of the run, "
+        f"ingredients: rotary positions, SwiGLU {3}x wide, Muon for the block matrices (lr {keys['muon_lr']:.3g}: "
+        f"0.03 at every width{horizon}) and AdamW for the rest (lr {keys['learning_rate']:.2e}: 4e-3 at width 96, "
+        f"times sqrt(96/width){horizon}), windows growing from 64 to {BLOCK_SIZE} tokens over 60% of the run, "
         + (
             f"and a bigram embedding of every pair of the {vocab_size} ids"
             if keys["bigram_vocab"]
@@ -147,7 +177,7 @@ def for_time(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
     width = nearest_width(power(laws["params_per_second"], rough))
     step_s = probe(recipe(width, vocab_size, steps=1, seconds=rough), device)
-    eval_s = 1.2 * val_tokens(data_dir) / TOKENS_PER_STEP * step_s / 3  # a forward is about a third of a step
+    eval_s = 1.2 * split_tokens(data_dir, "val") / TOKENS_PER_STEP * step_s / 3  # a forward: a third of a step
     seconds = budget.amount - process_age() - eval_s - MARGIN_S
     if seconds < 5:
         raise ValueError(
@@ -169,10 +199,13 @@ def for_time(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device:
         f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {TOKENS_PER_STEP:,} tokens"
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_second'], seconds):.3f} (the law L*(t))")
+    repeated = repetition_note(steps * TOKENS_PER_STEP, data_dir)
+    if repeated:
+        notes.append(repeated)
     return keys
 
 
-def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes: list[str]) -> dict:
+def for_compute(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, notes: list[str]) -> dict:
     """A FLOPs or tokens budget: the size the law gives for the FLOPs (for tokens: the FLOPs whose optimal run
     trains on that many), the step count from the tokens."""
     if budget.kind == "flops":
@@ -197,6 +230,9 @@ def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes:
         f"{1000 * step_s:.1f} ms a step measured here: about {steps * step_s / 60:.1f} min"
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_flop'], flops):.3f} (the law L*(C))")
+    repeated = repetition_note(steps * TOKENS_PER_STEP, data_dir)
+    if repeated:
+        notes.append(repeated)
     return keys
 
 

@@ -9,7 +9,10 @@ grow from 64 to 512 tokens over the first 60% of the run, and for a vocabulary o
 the bigram embedding of every pair. Its shape: one layer per 48 of width, heads of 24 (the hand-tuned 2 layers 96
 wide at 90 s is width 96). Learning rates transfer across widths as nanochat scales them: Muon's is the same at every
 width (its update is orthonormalised, so its size does not grow with the width), AdamW's shrinks as 1/sqrt(width)
-from 4e-3 at width 96.
+from 4e-3 at width 96. A run of fewer than SHORT_STEPS steps trains at both rates times sqrt(SHORT_STEPS / steps),
+at most 2x (`horizon_scale`): the hand grids of docs/scaling.md measured the doubled rates better on every run of
+about 100-400 steps and no better at 850 or more, as Bjorck et al. 2024 ("Scaling Optimal LR Across Token Horizons")
+find the best rate falling as a run grows longer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ MUON_LR = 0.03
 TOKENS_PER_STEP = 3072  # 6 windows of 512
 BLOCK_SIZE = 512
 SHORT_RUN = 2000  # steps: a run shorter than this trains with Muon's momentum at 0.8, a longer one at 0.95
+SHORT_STEPS = 600  # steps: a run shorter than this trains at higher learning rates (horizon_scale)
+MAX_HORIZON_SCALE = 2.0
 
 UNITS = {
     "s": ("seconds", 1),
@@ -75,12 +80,19 @@ def shape(width: int) -> dict[str, int]:
     }
 
 
+def horizon_scale(steps: int) -> float:
+    """The factor on both learning rates for a run of `steps`: sqrt(SHORT_STEPS / steps), between 1 and
+    MAX_HORIZON_SCALE (the module's docstring says what measured it)."""
+    return min(MAX_HORIZON_SCALE, max(1.0, math.sqrt(SHORT_STEPS / max(1, steps))))
+
+
 def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None) -> dict:
     """train.py's keys for the family's model at `width` trained for `seconds` of training time (lr_schedule="time":
     the learning rate decays and the windows grow over the time budget, `steps` being the steps expected in it) or
     else for `steps` optimizer steps. The step count sets Muon's momentum: 0.8 below SHORT_RUN steps, where less
-    momentum measured better (docs/training.md), else the usual 0.95."""
-    adamw_lr = ADAMW_LR * math.sqrt(BASE_WIDTH / width)
+    momentum measured better (docs/training.md), else the usual 0.95, and a run under SHORT_STEPS steps trains at
+    higher learning rates (horizon_scale)."""
+    adamw_lr = ADAMW_LR * math.sqrt(BASE_WIDTH / width) * horizon_scale(steps)
     keys = {
         **shape(width),
         "vocab_size": vocab_size,
@@ -92,7 +104,7 @@ def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None
         "seq_len_start": 64,
         "seq_len_warmup": 0.6,
         "optimizer": "muon",
-        "muon_lr": MUON_LR,
+        "muon_lr": MUON_LR * horizon_scale(steps),
         "learning_rate": adamw_lr,
         "min_lr": adamw_lr / 40,
         "warmup_iters": max(1, min(50, steps // 20)),  # the tuned 50 of ~1,350 steps; at most a twentieth of a run
