@@ -10,8 +10,8 @@ the bigram embedding of every pair. Its shape: one layer per 48 of width, heads 
 wide at 90 s is width 96). Learning rates transfer across widths as nanochat scales them: Muon's is the same at every
 width (its update is orthonormalised, so its size does not grow with the width), AdamW's shrinks as 1/sqrt(width)
 from 4e-3 at width 96. A run of fewer than SHORT_STEPS steps trains at both rates times sqrt(SHORT_STEPS / steps),
-at most 2x (`horizon_scale`): the hand grids of docs/scaling.md measured the doubled rates better on every run of
-about 100-400 steps and no better at 850 or more, as Bjorck et al. 2024 ("Scaling Optimal LR Across Token Horizons")
+at most 2x (`horizon_scale`): the hand grids of docs/scaling.md measured the doubled rates better on every run under
+400 steps and worse on every run of 430 or more, as Bjorck et al. 2024 ("Scaling Optimal LR Across Token Horizons")
 find the best rate falling as a run grows longer.
 """
 
