@@ -17,11 +17,11 @@ from pathlib import Path
 from gptlite.scaling.laws import find_laws, power, saturating
 from gptlite.scaling.recipe import (
     BLOCK_SIZE,
-    MUON_LR,
     SHORT_STEPS,
     TOKENS_PER_STEP,
     WIDTHS,
     Budget,
+    horizon_scale,
     parse_budget,
     recipe,
     shape,
@@ -133,12 +133,15 @@ def derive(
     laws, source = find_laws(fingerprint, vocab_size, laws_file)
     notes = [f"--budget={budget.text}: from {source}"]
     if budget.kind == "seconds":
-        keys = for_time(budget, laws, data_dir, vocab_size, device, notes)
+        keys, steps = for_time(budget, laws, data_dir, vocab_size, device, notes)
     else:
-        keys = for_compute(budget, laws, data_dir, vocab_size, device, notes)
+        keys, steps = for_compute(budget, laws, vocab_size, device, notes)
+    repeated = repetition_note(steps * TOKENS_PER_STEP, data_dir)
+    if repeated:
+        notes.append(repeated)
     if "size_note" in laws:
         notes.append(f"note: {laws['size_note']}")
-    scale = keys["muon_lr"] / MUON_LR
+    scale = horizon_scale(steps)
     horizon = f", times {scale:.2f} for a run under {SHORT_STEPS} steps" if scale > 1 else ""
     notes.append(
         f"ingredients: rotary positions, SwiGLU {3}x wide, Muon for the block matrices (lr {keys['muon_lr']:.3g}: "
@@ -170,8 +173,11 @@ def derive(
     return keys, notes
 
 
-def for_time(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, notes: list[str]) -> dict:
-    """A time budget: the size the law gives for the training time left, the step time measured here."""
+def for_time(
+    budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, notes: list[str]
+) -> tuple[dict, int]:
+    """A time budget: the size the law gives for the training time left, the step time measured here. Returns (the
+    keys, the steps expected in that time)."""
     rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
@@ -199,15 +205,12 @@ def for_time(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device:
         f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {TOKENS_PER_STEP:,} tokens"
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_second'], seconds):.3f} (the law L*(t))")
-    repeated = repetition_note(steps * TOKENS_PER_STEP, data_dir)
-    if repeated:
-        notes.append(repeated)
-    return keys
+    return keys, steps
 
 
-def for_compute(budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, notes: list[str]) -> dict:
+def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes: list[str]) -> tuple[dict, int]:
     """A FLOPs or tokens budget: the size the law gives for the FLOPs (for tokens: the FLOPs whose optimal run
-    trains on that many), the step count from the tokens."""
+    trains on that many), the step count from the tokens. Returns (the keys, the steps)."""
     if budget.kind == "flops":
         flops = budget.amount
     else:  # D* = H C^b, inverted
@@ -230,10 +233,7 @@ def for_compute(budget: Budget, laws: dict, data_dir: str, vocab_size: int, devi
         f"{1000 * step_s:.1f} ms a step measured here: about {steps * step_s / 60:.1f} min"
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_flop'], flops):.3f} (the law L*(C))")
-    repeated = repetition_note(steps * TOKENS_PER_STEP, data_dir)
-    if repeated:
-        notes.append(repeated)
-    return keys
+    return keys, steps
 
 
 def range_note(law: dict) -> str:

@@ -148,18 +148,18 @@ def bound_note(every: dict[float, dict], runs: list[dict]) -> str:
             smallest = best["params"] == min(r["params"] for r in at)
             (below if smallest else above).append(seconds)
     if len(below) >= len(above):
-        side, at, budgets, more = "smallest", widths[0], below, [w for w in WIDTHS if w < widths[0]][-2:]
+        side, edge_width, budgets, more = "smallest", widths[0], below, [w for w in WIDTHS if w < widths[0]][-2:]
     else:
-        side, at, budgets, more = "largest", widths[-1], above, [w for w in WIDTHS if w > widths[-1]][:2]
+        side, edge_width, budgets, more = "largest", widths[-1], above, [w for w in WIDTHS if w > widths[-1]][:2]
     advice = (
         f"add widths {','.join(map(str, more))} (--widths={','.join(map(str, sorted(more + widths)))})"
         if more
         else "the recipe family has no width further out"
     )
     return (
-        f"the best size at {', '.join(f'{s:g} s' for s in budgets)} was the {side} width run ({at}): the optimum "
-        f"lies past it, and the size laws through it only bound the optimum; {advice} and run the sweep again (the "
-        "runs done are kept)"
+        f"the best size at {', '.join(f'{s:g} s' for s in budgets)} was the {side} width run ({edge_width}): the "
+        f"optimum lies past it, and the size laws through it only bound the optimum; {advice} and run the sweep again "
+        "(the runs done are kept)"
     )
 
 

@@ -92,7 +92,8 @@ def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None
     else for `steps` optimizer steps. The step count sets Muon's momentum: 0.8 below SHORT_RUN steps, where less
     momentum measured better (docs/training.md), else the usual 0.95, and a run under SHORT_STEPS steps trains at
     higher learning rates (horizon_scale)."""
-    adamw_lr = ADAMW_LR * math.sqrt(BASE_WIDTH / width) * horizon_scale(steps)
+    scale = horizon_scale(steps)
+    adamw_lr = ADAMW_LR * math.sqrt(BASE_WIDTH / width) * scale
     keys = {
         **shape(width),
         "vocab_size": vocab_size,
@@ -104,7 +105,7 @@ def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None
         "seq_len_start": 64,
         "seq_len_warmup": 0.6,
         "optimizer": "muon",
-        "muon_lr": MUON_LR * horizon_scale(steps),
+        "muon_lr": MUON_LR * scale,
         "learning_rate": adamw_lr,
         "min_lr": adamw_lr / 40,
         "warmup_iters": max(1, min(50, steps // 20)),  # the tuned 50 of ~1,350 steps; at most a twentieth of a run
