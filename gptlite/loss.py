@@ -20,11 +20,17 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 CHUNK_BYTES = 256 * 2**20  # float32 logits per chunk: 1,334 tokens at GPT-2's 50,304, 523 at Llama 3's 128,256
+# On a CPU each pass over a chunk's logits runs at the memory's speed unless the chunk stays in the cache: a chunk
+# about the size of a last-level cache, 125 tokens at GPT-2's 50,257, measured faster than 1,334 at widths 24-72
+# and as fast at 192 (docs/scaling.md, AMD EPYC with 32 MiB of L3).
+CPU_CHUNK_BYTES = 24 * 2**20
 
 
-def chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk: as many as keep one chunk's float32 logits within CHUNK_BYTES (at least 64)."""
-    return max(64, CHUNK_BYTES // (4 * vocab_size))
+def chunk_tokens(vocab_size: int, device_type: str = "cuda") -> int:
+    """Tokens per chunk on a device of `device_type`: as many as keep one chunk's float32 logits within
+    CPU_CHUNK_BYTES on a CPU, CHUNK_BYTES elsewhere (at least 64)."""
+    chunk_bytes = CPU_CHUNK_BYTES if device_type == "cpu" else CHUNK_BYTES
+    return max(64, chunk_bytes // (4 * vocab_size))
 
 
 def linear_cross_entropy(
@@ -40,10 +46,18 @@ def linear_cross_entropy(
     F.cross_entropy), with reduction="sum" its sum, or with reduction="none" each token's (N,), 0 where the
     target is -1 (what DPO sums per sequence, gptlite.preference). The matmuls run in autocast's dtype when
     autocast is on, the softmax in float32, as the whole computation does under autocast. `chunk` tokens at a time
-    (default: chunk_tokens(V)); `softcap` > 0 caps the logits first (see the module's docstring)."""
+    (default: chunk_tokens(V, the device's type)); `softcap` > 0 caps the logits first (see the module's
+    docstring)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    chunk = chunk or chunk_tokens(weight.size(0))
+    grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)  # else evaluation: the loss only
+    chunk = chunk or chunk_tokens(weight.size(0), h.device.type)
+    if reduction == "none" and not grads:  # nothing to recompute in a backward
+        parts = [
+            token_cross_entropy(h[i : i + chunk], weight, targets[i : i + chunk], softcap)
+            for i in range(0, h.size(0), chunk)
+        ]
+        return torch.cat(parts)  # (N,)
     if reduction == "none":
         # One loss per token has a gradient per token, which the fused forward below cannot precompute for an
         # incoming gradient it does not know yet: each chunk is recomputed in backward instead (activation
@@ -55,7 +69,6 @@ def linear_cross_entropy(
             for i in range(0, h.size(0), chunk)
         ]
         return torch.cat(parts)  # (N,)
-    grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)  # else evaluation: the loss only
     return LinearCrossEntropy.apply(h, weight, targets, reduction == "mean", chunk, grads, softcap)
 
 
@@ -81,7 +94,8 @@ def compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 class LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and, when gradients are wanted, the loss's gradients with respect to h and weight;
     backward multiplies them by the incoming gradient (a scalar's). Holds one chunk's logits at a time plus the
-    gradients, (N, C) and (V, C): the size of the inputs."""
+    gradients, (N, C) and (V, C): the size of the inputs. A chunk's gradients come from `softmax_gradients`, or in
+    float32 without a cap from `folded_gradients`, the same arithmetic in two fewer passes over the logits."""
 
     @staticmethod
     def forward(
@@ -97,6 +111,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         dtype = compute_dtype(h, weight)
         want_h = grads and ctx.needs_input_grad[0]
         want_w = grads and ctx.needs_input_grad[1]
+        gradients = folded_gradients if dtype == torch.float32 and not softcap else softmax_gradients
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             count = (targets >= 0).sum()
@@ -110,25 +125,17 @@ class LinearCrossEntropy(torch.autograd.Function):
                 keep = (tgt >= 0).unsqueeze(1)  # (n, 1)
                 safe = tgt.clamp_min(0).unsqueeze(1)  # (n, 1): an ignored row reads class 0, then counts 0
                 logits = (hc[rows] @ wc.mT).float()  # (n, V)
-                squash = None  # softcap: tanh(z / softcap), whose derivative the gradient needs
-                if softcap:
-                    squash = torch.tanh(logits / softcap)  # (n, V)
-                    logits = squash * softcap
-                lse = logits.logsumexp(dim=1, keepdim=True)  # (n, 1)
-                total += ((lse - logits.gather(1, safe)) * keep).sum()
-                if grad_h is None and grad_w is None:
+                if not (want_h or want_w):  # evaluation: the loss only
+                    if softcap:
+                        logits = softcap * torch.tanh(logits / softcap)
+                    lse = logits.logsumexp(dim=1, keepdim=True)  # (n, 1)
+                    total += ((lse - logits.gather(1, safe)) * keep).sum()
                     continue
-                probs = logits.sub_(lse).exp_()  # (n, V) softmax, in the logits' memory
-                grad = probs.scatter_add_(1, safe, -torch.ones_like(safe, dtype=probs.dtype))  # softmax - one-hot
-                if squash is not None:  # d(softcap tanh(z / softcap)) / dz = 1 - tanh^2
-                    grad = grad.mul_(1 - squash.square())
-                grad = grad.mul_(keep * scale).to(dtype)  # (n, V); 0 on ignored rows
+                weights = keep * scale  # (n, 1): each row's share of the loss, 0 on ignored rows
+                loss, chunk_grad_h = gradients(logits, hc[rows], wc, safe, weights, softcap, want_h, grad_w)
+                total += (loss * keep).sum()
                 if grad_h is not None:
-                    grad_h[rows] = grad @ wc  # (n, C)
-                if grad_w is not None and dtype == torch.float32:
-                    grad_w.addmm_(grad.mT, hc[rows])  # (V, C), in place
-                elif grad_w is not None:
-                    grad_w += (grad.mT @ hc[rows]).float()  # (V, C); each chunk's sum rounded once to dtype
+                    grad_h[rows] = chunk_grad_h
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         return total * scale
@@ -146,3 +153,65 @@ class LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+def softmax_gradients(
+    logits: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    safe: torch.Tensor,
+    weights: torch.Tensor,
+    softcap: float,
+    want_h: bool,
+    grad_w: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: logits (n, V) float32 of h (n, C) and the head weight (V, C) in the compute dtype, targets safe
+    (n, 1), rows' weights (n, 1) -> (each row's loss (n, 1), the rows' gradient (n, C) or None unless want_h),
+    adding the head's gradient into grad_w (V, C) float32 where it is not None. The gradient with respect to the
+    logits is written out, (softmax - one-hot) x weights (x the cap's 1 - tanh^2), in the logits' memory, then cast
+    to the compute dtype for both products: what a lower precision needs, since the target's entry, p - 1, is small
+    for a confident prediction and would be lost in a difference taken after a bfloat16 product."""
+    squash = None  # softcap: tanh(z / softcap), whose derivative the gradient needs
+    if softcap:
+        squash = torch.tanh(logits / softcap)  # (n, V)
+        logits = squash * softcap
+    lse = logits.logsumexp(dim=1, keepdim=True)  # (n, 1)
+    loss = lse - logits.gather(1, safe)  # (n, 1)
+    probs = logits.sub_(lse).exp_()  # (n, V) softmax, in the logits' memory
+    grad = probs.scatter_add_(1, safe, -torch.ones_like(safe, dtype=probs.dtype))  # softmax - one-hot
+    if squash is not None:  # d(softcap tanh(z / softcap)) / dz = 1 - tanh^2
+        grad = grad.mul_(1 - squash.square())
+    grad = grad.mul_(weights).to(weight.dtype)  # (n, V); 0 on ignored rows
+    if grad_w is not None and weight.dtype == torch.float32:
+        grad_w.addmm_(grad.mT, h)  # (V, C), in place
+    elif grad_w is not None:
+        grad_w += (grad.mT @ h).float()  # (V, C); each chunk's sum rounded once to dtype
+    return loss, (grad @ weight if want_h else None)
+
+
+def folded_gradients(
+    logits: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    safe: torch.Tensor,
+    weights: torch.Tensor,
+    softcap: float,
+    want_h: bool,
+    grad_w: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax_gradients in float32 without a cap, with two fewer passes over the (n, V) logits, each of which runs at
+    the memory's speed on a CPU. With E = exp(z - max z) and s its row sums, the logits' gradient is
+    diag(r) E - diag(w) one-hot for r = w / s: the rows' scales go onto the (n, C) products and onto h, and the one-hot
+    part is a gather and an index_add of (n, C) rows, so E itself is never rescaled or written again."""
+    top = logits.amax(dim=1, keepdim=True)  # (n, 1)
+    target = logits.gather(1, safe)  # (n, 1), before the logits' memory becomes E
+    e = logits.sub_(top).exp_()  # (n, V)
+    sums = e.sum(dim=1, keepdim=True)  # (n, 1)
+    loss = sums.log() + top - target  # (n, 1): logsumexp - the target's logit
+    r = weights / sums  # (n, 1)
+    if grad_w is not None:
+        grad_w.addmm_(e.mT, r * h)  # (V, C): E^T diag(r) h
+        grad_w.index_add_(0, safe.squeeze(1), -(weights * h))  # - one-hot^T diag(w) h
+    if not want_h:
+        return loss, None
+    return loss, r * (e @ weight) - weights * weight[safe.squeeze(1)]  # (n, C)

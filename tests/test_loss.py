@@ -29,15 +29,31 @@ def inputs(n: int = 300, c: int = 24, v: int = 500, dtype=torch.float32):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("chunk", [64, 100, 1000])
-def test_loss_and_gradients_equal_the_whole_computation(reduction, chunk):
+@pytest.mark.parametrize("softcap", [0.0, 3.0])  # float32 uncapped: folded_gradients; capped: softmax_gradients
+def test_loss_and_gradients_equal_the_whole_computation(reduction, chunk, softcap):
     h, w, t = inputs()
-    want = F.cross_entropy(F.linear(h, w), t, ignore_index=-1, reduction=reduction)
+    logits = F.linear(h, w)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    want = F.cross_entropy(logits, t, ignore_index=-1, reduction=reduction)
     want_h, want_w = torch.autograd.grad(want * 3, (h, w))
-    got = linear_cross_entropy(h, w, t, reduction, chunk=chunk)
+    got = linear_cross_entropy(h, w, t, reduction, chunk=chunk, softcap=softcap)
     got_h, got_w = torch.autograd.grad(got * 3, (h, w))  # the incoming gradient scales the stored ones
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_h, want_h)
     torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("trained", ["h", "weight"])
+def test_a_gradient_for_one_input_only_equals_the_whole_computation(trained):
+    """A frozen head (LoRA) or frozen hidden states: only the other gradient is computed, and it is the same."""
+    h, w, t = inputs()
+    frozen = w if trained == "h" else h
+    frozen.requires_grad_(False)
+    live = h if trained == "h" else w
+    (want,) = torch.autograd.grad(F.cross_entropy(F.linear(h, w), t, ignore_index=-1), (live,))
+    (got,) = torch.autograd.grad(linear_cross_entropy(h, w, t, chunk=64), (live,))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_under_autocast_matches_the_whole_computation_in_bfloat16():
@@ -92,6 +108,19 @@ def test_per_token_losses_and_their_gradients_equal_the_whole_computation():
 
 def test_chunks_hold_a_bounded_number_of_logits():
     assert chunk_tokens(50304) == 1334 and chunk_tokens(128256) == 523 and chunk_tokens(10**9) == 64
+    assert chunk_tokens(50257, "cpu") == 125 and chunk_tokens(128256, "cpu") == 64 and chunk_tokens(65, "cpu") == 96791
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_evaluation_in_default_chunks_equals_the_whole_computation(reduction):
+    """Without gradients the default chunk is the evaluation's (on a CPU, 104 tokens at 60,000 ids: three chunks
+    of these 300 tokens, one of them partly ignored)."""
+    h, w, t = inputs(v=60_000)
+    with torch.no_grad():
+        chunked = linear_cross_entropy(h, w, t, reduction)
+        whole = F.cross_entropy(F.linear(h, w), t, ignore_index=-1, reduction=reduction)
+    assert chunked.grad_fn is None
+    torch.testing.assert_close(chunked, whole)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
