@@ -15,7 +15,6 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from gptlite.data import Loader
 from gptlite.model import GPT
@@ -36,10 +35,11 @@ def byte_lengths(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
 def loss_sums(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """Sums over a batch, x and y (B, T): (cross-entropy of every target in nats, targets, cross-entropy of the
     targets that decode to bytes, those bytes); the last two are 0 without `lengths` (see byte_lengths). Targets of
-    -1 (a conversation's non-assistant tokens, padding) count nowhere."""
-    logits, _ = model(x)  # (B, T, V)
+    -1 (a conversation's non-assistant tokens, padding) count nowhere. The head and the cross-entropy run a chunk of
+    tokens at a time (gptlite.loss), never all B x T x V logits at once."""
+    _, ce = model(x, y, reduction="none", return_logits=False)  # (B, T), 0 where y is -1
+    ce = ce.flatten()  # (B*T,)
     y = y.flatten()  # (B*T,)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), y, ignore_index=-1, reduction="none")  # (B*T,), 0 where -1
     sums = torch.stack([ce.sum(), (y >= 0).sum().float()])
     if lengths is None:
         return torch.cat([sums, torch.zeros(2, device=ce.device)])
