@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gptlite.scaling.derive import block_params, nearest_width
+from gptlite.scaling.derive import block_params, nearest_width, probe
 from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating
 from gptlite.scaling.recipe import SHORT_STEPS, WIDTHS, parse_budget, recipe, shape
 from tests.conftest import ROOT, run_train, shared_file
@@ -223,3 +223,20 @@ def test_a_budget_without_laws_uses_the_defaults_and_says_so(char_data, tmp_path
     assert config["lr_schedule"] == "steps" and config["max_iters"] == math.ceil(20_000 / 3072)
     refused = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'no'}", "--budget=fast")
     assert refused.code == 2 and "--budget='fast' is not a budget" in refused.err
+
+
+def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
+    """The probe's steps compute the loss as train.py does (chunked: no logits returned), and once its measured
+    steps have taken `seconds` it stops: here after the warm-up and one measured step of the 10 asked for."""
+    from gptlite.model import GPT
+
+    calls = []
+    forward = GPT.forward
+
+    def counted(self, idx, targets=None, reduction="mean", return_logits=True):
+        calls.append(return_logits)
+        return forward(self, idx, targets, reduction, return_logits)
+
+    monkeypatch.setattr(GPT, "forward", counted)
+    step_s = probe(recipe(24, 65, steps=100), "cpu", steps=10, seconds=0.0)
+    assert step_s > 0 and calls == [False, False]

@@ -71,9 +71,12 @@ def process_age() -> float:
         return 0.0
 
 
-def probe(keys: dict, device: str, steps: int = 3) -> float:
+def probe(keys: dict, device: str, steps: int = 3, seconds: float = 2.0) -> float:
     """Seconds a training step of the recipe `keys` takes here: the model and its optimizers built as train.py
-    builds them, one step to warm up, then the mean of `steps`, on random tokens of full windows."""
+    builds them, its loss computed as train.py computes it (the head and the cross-entropy in chunks), one step to
+    warm up, then the mean of `steps` on random tokens of full windows, or of fewer once the measured ones have
+    taken `seconds` (a step of a large vocabulary's head takes a second or more on a CPU, and the probe's time
+    comes out of a time budget)."""
     import torch
 
     from gptlite.config import build_config
@@ -85,9 +88,10 @@ def probe(keys: dict, device: str, steps: int = 3) -> float:
     optimizers = configure_optimizers(model, cfg, device.split(":")[0])
     x = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.model.block_size), device=device)
     elapsed = 0.0
+    measured = 0
     for i in range(steps + 1):
         start = time.perf_counter()
-        _, loss = model(x, x)
+        _, loss = model(x, x, return_logits=not cfg.chunked_loss)
         loss.backward()
         for optimizer in optimizers:
             optimizer.step()
@@ -96,7 +100,10 @@ def probe(keys: dict, device: str, steps: int = 3) -> float:
             torch.cuda.synchronize()
         if i:
             elapsed += time.perf_counter() - start
-    return elapsed / steps
+            measured += 1
+            if elapsed >= seconds:
+                break
+    return elapsed / measured
 
 
 def split_tokens(data_dir: str, split: str) -> int:
