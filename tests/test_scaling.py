@@ -227,7 +227,8 @@ def test_a_budget_without_laws_uses_the_defaults_and_says_so(char_data, tmp_path
 
 def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
     """The probe's steps compute the loss as train.py does (chunked: no logits returned), and once its measured
-    steps have taken `seconds` it stops: here after the warm-up and one measured step of the 10 asked for."""
+    steps have taken `seconds` it stops: here after the warm-up and one measured step of the 10 asked for; then
+    two forwards as the evaluation scores a batch, per token, without gradients."""
     from gptlite.model import GPT
 
     calls = []
@@ -238,5 +239,5 @@ def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
         return forward(self, idx, targets, reduction, return_logits)
 
     monkeypatch.setattr(GPT, "forward", counted)
-    step_s = probe(recipe(24, 65, steps=100), "cpu", steps=10, seconds=0.0)
-    assert step_s > 0 and calls == [False, False]
+    step_s, eval_s = probe(recipe(24, 65, steps=100), "cpu", steps=10, seconds=0.0)
+    assert step_s > 0 and eval_s > 0 and calls == [False, False, False, False]

@@ -71,12 +71,14 @@ def process_age() -> float:
         return 0.0
 
 
-def probe(keys: dict, device: str, steps: int = 3, seconds: float = 2.0) -> float:
-    """Seconds a training step of the recipe `keys` takes here: the model and its optimizers built as train.py
-    builds them, its loss computed as train.py computes it (the head and the cross-entropy in chunks), one step to
-    warm up, then the mean of `steps` on random tokens of full windows, or of fewer once the measured ones have
-    taken `seconds` (a step of a large vocabulary's head takes a second or more on a CPU, and the probe's time
-    comes out of a time budget)."""
+def probe(keys: dict, device: str, steps: int = 3, seconds: float = 1.0) -> tuple[float, float]:
+    """(seconds a training step of the recipe `keys` takes here, seconds the final evaluation takes for a batch of
+    the same size). The model and its optimizers built as train.py builds them, its loss computed as train.py
+    computes it (the head and the cross-entropy in chunks), one step to warm up, then the mean of `steps` on random
+    tokens of full windows, or of fewer once the measured ones have taken `seconds` (a step of a large
+    vocabulary's head takes a second or more on a CPU, and the probe's time comes out of a time budget); then the
+    second of two forwards without gradients, as the evaluation scores a batch (gptlite.evaluate.bpb; the first
+    warms up): a third of a step for a small vocabulary, near half of one where the head is most of the work."""
     import torch
 
     from gptlite.config import build_config
@@ -96,14 +98,27 @@ def probe(keys: dict, device: str, steps: int = 3, seconds: float = 2.0) -> floa
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        synchronize(device)
         if i:
             elapsed += time.perf_counter() - start
             measured += 1
             if elapsed >= seconds:
                 break
-    return elapsed / measured
+    model.eval()
+    with torch.no_grad():
+        for _ in range(2):
+            start = time.perf_counter()
+            model(x, x, reduction="none", return_logits=False)
+            synchronize(device)
+    return elapsed / measured, time.perf_counter() - start
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work, so that a time measured on the host is the device's."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def split_tokens(data_dir: str, split: str) -> int:
@@ -189,8 +204,8 @@ def for_time(
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
     width = nearest_width(power(laws["params_per_second"], rough))
-    step_s = probe(recipe(width, vocab_size, steps=1, seconds=rough), device)
-    eval_s = 1.2 * split_tokens(data_dir, "val") / TOKENS_PER_STEP * step_s / 3  # a forward: a third of a step
+    step_s, batch_eval_s = probe(recipe(width, vocab_size, steps=1, seconds=rough), device)
+    eval_s = 1.2 * split_tokens(data_dir, "val") / TOKENS_PER_STEP * batch_eval_s  # 20% more: a margin
     seconds = budget.amount - process_age() - eval_s - MARGIN_S
     if seconds < 5:
         raise ValueError(
@@ -228,7 +243,7 @@ def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes:
     tokens = budget.amount if budget.kind == "tokens" else flops / per_token
     steps = max(1, math.ceil(tokens / TOKENS_PER_STEP))
     keys = recipe(width, vocab_size, steps=steps)
-    step_s = probe(keys, device)
+    step_s, _ = probe(keys, device)
     notes.append(
         f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
         f"block parameters): the law N* = {laws['params_per_flop']['coef']:.3g} C^"

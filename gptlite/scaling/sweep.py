@@ -165,7 +165,7 @@ def train_point(options: SweepOptions, out_dir: Path, width: int, seconds: float
     from gptlite.scaling.recipe import recipe
 
     device = pick_device(options.device)
-    step_s = probe(recipe(width, vocab_size, steps=1, seconds=seconds), device)  # for Muon's momentum
+    step_s, _ = probe(recipe(width, vocab_size, steps=1, seconds=seconds), device)  # for Muon's momentum
     keys = recipe(width, vocab_size, steps=int(seconds / step_s), seconds=seconds)
     run_dir = out_dir / "runs" / f"w{width}-{seconds:g}s"
     for attempt in range(1, ATTEMPTS + 1):
