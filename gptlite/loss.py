@@ -22,15 +22,19 @@ from torch.utils.checkpoint import checkpoint
 CHUNK_BYTES = 256 * 2**20  # float32 logits per chunk: 1,334 tokens at GPT-2's 50,304, 523 at Llama 3's 128,256
 # On a CPU each pass over a chunk's logits runs at the memory's speed unless the chunk stays in the cache: a chunk
 # about the size of a last-level cache, 125 tokens at GPT-2's 50,257, measured faster than 1,334 at widths 24-72
-# and as fast at 192 (docs/scaling.md, AMD EPYC with 32 MiB of L3).
+# and as fast at 192 (docs/benchmarks.md, AMD EPYC with 32 MiB of L3). But every chunk also reads the (V, C) head
+# and adds to its gradient, which fewer tokens a chunk repeat more often: a CPU chunk has at least as many tokens
+# as the head is wide.
 CPU_CHUNK_BYTES = 24 * 2**20
 
 
-def chunk_tokens(vocab_size: int, device_type: str = "cuda") -> int:
-    """Tokens per chunk on a device of `device_type`: as many as keep one chunk's float32 logits within
-    CPU_CHUNK_BYTES on a CPU, CHUNK_BYTES elsewhere (at least 64)."""
-    chunk_bytes = CPU_CHUNK_BYTES if device_type == "cpu" else CHUNK_BYTES
-    return max(64, chunk_bytes // (4 * vocab_size))
+def chunk_tokens(vocab_size: int, device_type: str = "cuda", width: int = 0) -> int:
+    """Tokens per chunk on a device of `device_type` for a head of `vocab_size` x `width`: as many as keep one
+    chunk's float32 logits within CHUNK_BYTES, or on a CPU within CPU_CHUNK_BYTES but at least `width` (and always
+    at least 64)."""
+    if device_type == "cpu":
+        return max(64, CPU_CHUNK_BYTES // (4 * vocab_size), width)
+    return max(64, CHUNK_BYTES // (4 * vocab_size))
 
 
 def linear_cross_entropy(
@@ -46,12 +50,12 @@ def linear_cross_entropy(
     F.cross_entropy), with reduction="sum" its sum, or with reduction="none" each token's (N,), 0 where the
     target is -1 (what DPO sums per sequence, gptlite.preference). The matmuls run in autocast's dtype when
     autocast is on, the softmax in float32, as the whole computation does under autocast. `chunk` tokens at a time
-    (default: chunk_tokens(V, the device's type)); `softcap` > 0 caps the logits first (see the module's
+    (default: chunk_tokens(V, the device's type, C)); `softcap` > 0 caps the logits first (see the module's
     docstring)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)  # else evaluation: the loss only
-    chunk = chunk or chunk_tokens(weight.size(0), h.device.type)
+    chunk = chunk or chunk_tokens(weight.size(0), h.device.type, weight.size(1))
     if reduction == "none" and not grads:  # nothing to recompute in a backward
         parts = [
             token_cross_entropy(h[i : i + chunk], weight, targets[i : i + chunk], softcap)

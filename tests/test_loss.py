@@ -109,6 +109,7 @@ def test_per_token_losses_and_their_gradients_equal_the_whole_computation():
 def test_chunks_hold_a_bounded_number_of_logits():
     assert chunk_tokens(50304) == 1334 and chunk_tokens(128256) == 523 and chunk_tokens(10**9) == 64
     assert chunk_tokens(50257, "cpu") == 125 and chunk_tokens(128256, "cpu") == 64 and chunk_tokens(65, "cpu") == 96791
+    assert chunk_tokens(50257, "cpu", width=192) == 192 and chunk_tokens(128256, "cpu", width=576) == 576
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
