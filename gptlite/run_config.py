@@ -76,7 +76,7 @@ def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     vocab_size = int(convert("vocab_size", values["vocab_size"], int))
     device = pick_device(str(values.get("device", "auto")))
     derived, lines = derive(
-        str(values["budget"]), values["data_dir"], vocab_size, device, values.get("scaling_laws", "")
+        str(values["budget"]), values["data_dir"], vocab_size, device, values.get("scaling_laws", ""), values
     )
     notes.extend(lines)
     for key, value in values.items():

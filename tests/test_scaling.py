@@ -154,6 +154,28 @@ def test_a_run_that_repeats_the_data_more_than_a_few_times_is_warned(char_data, 
     assert not any("passes over the data's" in line for line in notes)
 
 
+def test_the_probe_times_the_model_the_given_keys_describe(char_data, tmp_path, monkeypatch):
+    """A width given on the command line is the model that trains, so it is the one whose step time sets the steps
+    (and, for a time budget, the final evaluation's share); the recipe's own width where none is given."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    probed = []
+
+    def fake_probe(keys, device):
+        probed.append(keys)
+        return 0.5, 0.1
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")  # the defaults' laws
+    monkeypatch.setattr(derive_module, "probe", fake_probe)
+    keys, notes = derive_module.derive("200Ktokens", str(char_data), 65, "cpu")
+    assert probed[-1]["n_embd"] == keys["n_embd"] and "500.0 ms a step" in " ".join(notes)
+    other = 192 if keys["n_embd"] != 192 else 144
+    given = {key: str(value) for key, value in shape(other).items()} | {"data_dir": str(char_data)}
+    derive_module.derive("200Ktokens", str(char_data), 65, "cpu", given=given)
+    assert all(probed[-1][key] == given[key] for key in shape(other)) and probed[-1]["n_embd"] == str(other)
+
+
 @pytest.fixture(scope="module")
 def char_data(tmp_path_factory):
     """A small char-level preparation of tiny Shakespeare."""

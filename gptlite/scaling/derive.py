@@ -144,9 +144,12 @@ def repetition_note(tokens: int, data_dir: str) -> str | None:
 
 
 def derive(
-    budget_text: str, data_dir: str, vocab_size: int, device: str, laws_file: str = ""
+    budget_text: str, data_dir: str, vocab_size: int, device: str, laws_file: str = "", given: dict | None = None
 ) -> tuple[dict, list[str]]:
-    """(train.py's keys for the budget, a line per choice saying why). `vocab_size` is the data's."""
+    """(train.py's keys for the budget, a line per choice saying why). `vocab_size` is the data's; `given`, the keys
+    the user set, which win over the recipe's: the probe times the model they describe (another width trains at
+    another speed, and its final evaluation takes another share of the time)."""
+    given = given or {}
     from gptlite.data import data_identity
     from gptlite.shards import find_shards
 
@@ -155,9 +158,9 @@ def derive(
     laws, source = find_laws(fingerprint, vocab_size, laws_file)
     notes = [f"--budget={budget.text}: from {source}"]
     if budget.kind == "seconds":
-        keys, steps = for_time(budget, laws, data_dir, vocab_size, device, notes)
+        keys, steps = for_time(budget, laws, data_dir, vocab_size, device, given, notes)
     else:
-        keys, steps = for_compute(budget, laws, vocab_size, device, notes)
+        keys, steps = for_compute(budget, laws, vocab_size, device, given, notes)
     repeated = repetition_note(steps * TOKENS_PER_STEP, data_dir)
     if repeated:
         notes.append(repeated)
@@ -196,15 +199,15 @@ def derive(
 
 
 def for_time(
-    budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, notes: list[str]
+    budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, given: dict, notes: list[str]
 ) -> tuple[dict, int]:
-    """A time budget: the size the law gives for the training time left, the step time measured here. Returns (the
-    keys, the steps expected in that time)."""
+    """A time budget: the size the law gives for the training time left, the step time measured here (of the model
+    with the `given` keys over the recipe's). Returns (the keys, the steps expected in that time)."""
     rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
     width = nearest_width(power(laws["params_per_second"], rough))
-    step_s, batch_eval_s = probe(recipe(width, vocab_size, steps=1, seconds=rough), device)
+    step_s, batch_eval_s = probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
     eval_s = 1.2 * split_tokens(data_dir, "val") / TOKENS_PER_STEP * batch_eval_s  # 20% more: a margin
     seconds = budget.amount - process_age() - eval_s - MARGIN_S
     if seconds < 5:
@@ -230,9 +233,12 @@ def for_time(
     return keys, steps
 
 
-def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes: list[str]) -> tuple[dict, int]:
+def for_compute(
+    budget: Budget, laws: dict, vocab_size: int, device: str, given: dict, notes: list[str]
+) -> tuple[dict, int]:
     """A FLOPs or tokens budget: the size the law gives for the FLOPs (for tokens: the FLOPs whose optimal run
-    trains on that many), the step count from the tokens. Returns (the keys, the steps)."""
+    trains on that many), the step count from the tokens, the step time measured here (of the model with the
+    `given` keys over the recipe's). Returns (the keys, the steps)."""
     if budget.kind == "flops":
         flops = budget.amount
     else:  # D* = H C^b, inverted
@@ -243,7 +249,7 @@ def for_compute(budget: Budget, laws: dict, vocab_size: int, device: str, notes:
     tokens = budget.amount if budget.kind == "tokens" else flops / per_token
     steps = max(1, math.ceil(tokens / TOKENS_PER_STEP))
     keys = recipe(width, vocab_size, steps=steps)
-    step_s, _ = probe(keys, device)
+    step_s, _ = probe({**keys, **given}, device)
     notes.append(
         f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
         f"block parameters): the law N* = {laws['params_per_flop']['coef']:.3g} C^"
