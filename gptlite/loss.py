@@ -15,6 +15,8 @@ softmax's gradient by 1 - tanh(z / softcap)^2.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -115,7 +117,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         dtype = compute_dtype(h, weight)
         want_h = grads and ctx.needs_input_grad[0]
         want_w = grads and ctx.needs_input_grad[1]
-        gradients = folded_gradients if dtype == torch.float32 and not softcap else softmax_gradients
+        if dtype == torch.float32 and not softcap:
+            gradients = folded_gradients
+        else:
+            gradients = functools.partial(softmax_gradients, softcap=softcap)
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             count = (targets >= 0).sum()
@@ -128,15 +133,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                 tgt = targets[rows]
                 keep = (tgt >= 0).unsqueeze(1)  # (n, 1)
                 safe = tgt.clamp_min(0).unsqueeze(1)  # (n, 1): an ignored row reads class 0, then counts 0
-                logits = (hc[rows] @ wc.mT).float()  # (n, V)
-                if not (want_h or want_w):  # evaluation: the loss only
-                    if softcap:
-                        logits = softcap * torch.tanh(logits / softcap)
-                    lse = logits.logsumexp(dim=1, keepdim=True)  # (n, 1)
-                    total += ((lse - logits.gather(1, safe)) * keep).sum()
+                if not (want_h or want_w):  # evaluation: the loss only, 0 on ignored rows
+                    total += token_cross_entropy(hc[rows], wc, tgt, softcap).sum()
                     continue
+                logits = (hc[rows] @ wc.mT).float()  # (n, V)
                 weights = keep * scale  # (n, 1): each row's share of the loss, 0 on ignored rows
-                loss, chunk_grad_h = gradients(logits, hc[rows], wc, safe, weights, softcap, want_h, grad_w)
+                loss, chunk_grad_h = gradients(logits, hc[rows], wc, safe, weights, want_h, grad_w)
                 total += (loss * keep).sum()
                 if grad_h is not None:
                     grad_h[rows] = chunk_grad_h
@@ -165,9 +167,9 @@ def softmax_gradients(
     weight: torch.Tensor,
     safe: torch.Tensor,
     weights: torch.Tensor,
-    softcap: float,
     want_h: bool,
     grad_w: torch.Tensor | None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: logits (n, V) float32 of h (n, C) and the head weight (V, C) in the compute dtype, targets safe
     (n, 1), rows' weights (n, 1) -> (each row's loss (n, 1), the rows' gradient (n, C) or None unless want_h),
@@ -199,7 +201,6 @@ def folded_gradients(
     weight: torch.Tensor,
     safe: torch.Tensor,
     weights: torch.Tensor,
-    softcap: float,
     want_h: bool,
     grad_w: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
