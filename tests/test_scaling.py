@@ -79,7 +79,8 @@ def test_the_fits_recover_the_laws_they_are_given():
 
 def synthetic_runs(noise: float = 0.0, seed: int = 0) -> list[dict]:
     """Runs drawn from a known law: at budget t the loss is a valley in log N whose bottom lies at N* = 1e3 t^0.6,
-    its depth L* = 1.3 + 2 t^-0.3; a run of N parameters for t seconds does 6 N D FLOPs at 1e9 FLOPs a second."""
+    its depth L* = 1.3 + 2 t^-0.3; a run of N parameters for t seconds does 6 N D FLOPs at 1e9 FLOPs a second, in
+    steps of 3,072 tokens (the best run of each budget takes 136-313 of them)."""
     rng = np.random.default_rng(seed)
     runs = []
     for t in (10.0, 20.0, 40.0, 80.0):
@@ -87,8 +88,9 @@ def synthetic_runs(noise: float = 0.0, seed: int = 0) -> list[dict]:
         for n in np.geomspace(best / 8, best * 8, 5):
             loss = 1.3 + 2 * t**-0.3 + 0.05 * math.log(n / best) ** 2 + noise * rng.standard_normal()
             flops = 1e9 * t
+            tokens = flops / (6 * n)
             runs.append({"seconds": t, "width": int(n), "params": float(n), "val_loss": loss, "flops": flops,
-                         "tokens": flops / (6 * n)})  # fmt: skip
+                         "tokens": tokens, "steps": int(tokens // 3072)})  # fmt: skip
     return runs
 
 
@@ -115,6 +117,38 @@ def test_an_optimum_past_the_sizes_run_is_flagged():
     assert point["edge"] and point["params"] == pytest.approx(small[-1]["params"])
     with pytest.raises(ValueError, match="at least 2 budgets"):
         fit_laws(runs)
+
+
+def too_short(runs: list[dict], budgets: tuple[float, ...]) -> list[dict]:
+    """`runs` with those of `budgets` cut to 20 steps, their valley's bottom moved to 6 times the true size (the
+    clock, not the size, deciding such runs' losses)."""
+    out = []
+    for r in runs:
+        if r["seconds"] in budgets:
+            best = 1e3 * r["seconds"] ** 0.6
+            loss = 1.3 + 2 * r["seconds"] ** -0.3 + 0.05 * math.log(r["params"] / (6 * best)) ** 2
+            r = {**r, "val_loss": loss, "steps": 20}
+        out.append(r)
+    return out
+
+
+def test_budgets_whose_best_runs_took_few_steps_are_left_out_of_the_size_laws():
+    laws = fit_laws(too_short(synthetic_runs(), (10.0, 20.0)))
+    # through the two budgets that trained long enough, the size law is the true one
+    assert laws["params_per_second"]["exponent"] == pytest.approx(0.6, rel=1e-3)
+    assert laws["params_per_second"]["coef"] == pytest.approx(1e3, rel=1e-2)
+    assert [(p["seconds"], p["steps"], p["fitted"]) for p in laws["frontier"]] == [
+        (10.0, 20, False),
+        (20.0, 20, False),
+        (40.0, 237, True),
+        (80.0, 313, True),
+    ]
+    assert "size_note" not in laws
+    # with one such budget left, the laws go through every budget and say why they are worth little
+    laws = fit_laws(too_short(synthetic_runs(), (10.0, 20.0, 40.0)))
+    assert all(p["fitted"] for p in laws["frontier"])
+    assert laws["size_note"].startswith("the best run at 10 s, 20 s, 40 s trained only 20 steps (fewer than 50)")
+    assert "--budgets=10s,20s,40s,80s,160s,320s" in laws["size_note"]
 
 
 @pytest.mark.parametrize(

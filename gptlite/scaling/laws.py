@@ -10,8 +10,9 @@ spends. The laws are fitted through those optima:
 - the loss against the budget, L* = E + A t^-alpha (and against the FLOPs), E being what no budget gets below.
 Parameters N are the blocks' (what every token's matmuls use); the embeddings are a lookup. The uncertainty of each
 exponent is its range over the fits that leave one run out. A budget whose best size is the smallest or largest run
-only bounds its optimum: it is left out of the size and token laws where two others remain (its loss stays in the
-loss laws); where they do not, the laws carry a "size_note" saying so and which widths to sweep next.
+only bounds its optimum, and one whose best run trained fewer than MIN_FIT_STEPS steps measured the clock more than
+the size: each is left out of the size and token laws where two others remain (its loss stays in the loss laws);
+where they do not, the laws carry a "size_note" saying so and which widths or budgets to sweep next.
 
 `fit_laws` returns a JSON-ready dict; `save_laws` writes it to the sweep's folder and to gptlite's cache under the
 data's fingerprint and the machine (`laws_path`), where `train.py --budget` finds it; `DEFAULT_LAWS` are the laws
@@ -32,6 +33,12 @@ from gptlite.files import write_json
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gptlite" / "scaling"
 DEFAULT_LAWS = Path(__file__).with_name("defaults.json")  # {"char": laws, "bpe": laws}, measured here
+# A budget whose best run trained fewer steps than this is left out of the size laws. Early in a run the loss falls
+# so fast that a step more or less, which the clock decides, moves it more than the size does: on Python's standard
+# library with GPT-2's 50,257 ids (docs/scaling.md) the loss fell by 0.04 nat a step around step 40, where the
+# widths of one budget lay within 0.09 of each other; a sweep of such budgets fitted an optimal size that shrank
+# with the budget (N* ~ t^-0.22, its exponent -1.2 to 2.1 leaving one run out).
+MIN_FIT_STEPS = 50
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +80,7 @@ def optimum(runs: list[dict]) -> dict:
     far from its bottom: too small a model saturates, too large a one hardly trains, so the runs far from the best
     are left out). Where the best run is the smallest or the largest, that run, with `edge` True: the budget wanted
     a size the sweep did not reach. The FLOPs and tokens of a run at that size are interpolated in log-log between
-    the three runs."""
+    the three runs; `steps` are the best run's optimizer steps."""
     runs = sorted(runs, key=lambda r: r["params"])
     u = np.log([r["params"] for r in runs])
     loss = np.array([r["val_loss"] for r in runs])
@@ -96,6 +103,7 @@ def optimum(runs: list[dict]) -> dict:
         "flops": float(math.exp(np.polyval(flops, u_star))),
         "tokens": float(math.exp(np.polyval(tokens, u_star))),
         "edge": bool(edge),
+        "steps": int(runs[best]["steps"]),
     }
 
 
@@ -114,9 +122,11 @@ def laws_of(runs: list[dict]) -> dict:
             f"the laws need the optimum of at least 2 budgets, each with at least 3 sizes run; these runs give "
             f"{len(every)}: run more of the sweep"
         )
-    # a budget whose best size is the smallest or the largest run only bounds where its optimum is: left out of the
+    # a budget whose best size is the smallest or the largest run only bounds where its optimum is, and one whose
+    # best run took fewer than MIN_FIT_STEPS steps says more about the clock than the size: each is left out of the
     # size and token laws where two others remain. Its best loss is still near the optimum's: the loss laws keep it.
-    inside = {b: p for b, p in every.items() if not p["edge"]}
+    trained = {b: p for b, p in every.items() if p["steps"] >= MIN_FIT_STEPS}
+    inside = {b: p for b, p in trained.items() if not p["edge"]}
     sized = inside if len(inside) >= 2 else every
     all_flops = [p["flops"] for p in every.values()]
     all_loss = [p["val_loss"] for p in every.values()]
@@ -130,8 +140,26 @@ def laws_of(runs: list[dict]) -> dict:
         "frontier": [{"seconds": s, **p, "fitted": s in sized} for s, p in every.items()],
     }
     if len(inside) < 2:
-        laws["size_note"] = bound_note(every, runs)
+        notes = [short_note(every)] if len(trained) < len(every) else []
+        if any(p["edge"] for p in trained.values()):  # where a short budget's best size lies says little either
+            notes.append(bound_note(trained, runs))
+        laws["size_note"] = "; ".join(notes)
     return laws
+
+
+def short_note(every: dict[float, dict]) -> str:
+    """What the size laws are worth when fewer than two budgets' best runs trained MIN_FIT_STEPS steps or more, and
+    which budgets to sweep next: twice and four times the longest."""
+    short = {seconds: point["steps"] for seconds, point in every.items() if point["steps"] < MIN_FIT_STEPS}
+    fewest, most = min(short.values()), max(short.values())
+    steps = f"{fewest}" if fewest == most else f"{fewest}-{most}"
+    longest = max(every)
+    budgets = ",".join(f"{seconds:g}s" for seconds in [*every, 2 * longest, 4 * longest])
+    return (
+        f"the best run at {', '.join(f'{s:g} s' for s in short)} trained only {steps} steps (fewer than "
+        f"{MIN_FIT_STEPS}), where the clock moves the loss more than the size does, so the size laws through it say "
+        f"little; add longer budgets (--budgets={budgets}) and run the sweep again (the runs done are kept)"
+    )
 
 
 def bound_note(every: dict[float, dict], runs: list[dict]) -> str:

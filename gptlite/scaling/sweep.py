@@ -252,6 +252,8 @@ def check_run(
 
 
 def print_laws(laws: dict) -> None:
+    from gptlite.scaling.laws import MIN_FIT_STEPS
+
     n = laws["params_per_second"]
     loss = laws["loss_per_second"]
     print(f"optimal size: N* = {n['coef']:.3g} t^{n['exponent']:.3f} block parameters, t in seconds of training")
@@ -260,11 +262,16 @@ def print_laws(laws: dict) -> None:
     d = laws["tokens_per_flop"]
     print(f"against FLOPs: N* = {c['coef']:.3g} C^{c['exponent']:.3f}, D* = {d['coef']:.3g} C^{d['exponent']:.3f}")
     for point in laws["frontier"]:
-        edge = " (at the edge of the widths run" + ("" if point["fitted"] else ": left out of the size laws") + ")"
-        edge = edge if point["edge"] else ""
+        doubts = []  # why the point only bounds the optimum or says little about it
+        if point["edge"]:
+            doubts.append("at the edge of the widths run")
+        if point["steps"] < MIN_FIT_STEPS:
+            doubts.append(f"its best run took {point['steps']} steps")
+        left_out = "" if point["fitted"] else ": left out of the size laws"
+        doubt = f" ({', '.join(doubts)}{left_out})" if doubts else ""
         print(
             f"  {point['seconds']:g} s: best {point['params'] / 1e6:.3g}M at val loss {point['val_loss']:.4f}, "
-            f"{point['flops']:.3g} FLOPs, {point['tokens']:,.0f} tokens{edge}"
+            f"{point['flops']:.3g} FLOPs, {point['tokens']:,.0f} tokens{doubt}"
         )
 
 
