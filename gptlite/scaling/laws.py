@@ -125,7 +125,8 @@ def laws_of(runs: list[dict]) -> dict:
     # a budget whose best size is the smallest or the largest run only bounds where its optimum is, and one whose
     # best run took fewer than MIN_FIT_STEPS steps says more about the clock than the size: each is left out of the
     # size and token laws where two others remain. Its best loss is still near the optimum's: the loss laws keep it.
-    trained = {b: p for b, p in every.items() if p["steps"] >= MIN_FIT_STEPS}
+    short = {b: p["steps"] for b, p in every.items() if p["steps"] < MIN_FIT_STEPS}
+    trained = {b: p for b, p in every.items() if b not in short}
     inside = {b: p for b, p in trained.items() if not p["edge"]}
     sized = inside if len(inside) >= 2 else every
     all_flops = [p["flops"] for p in every.values()]
@@ -140,21 +141,21 @@ def laws_of(runs: list[dict]) -> dict:
         "frontier": [{"seconds": s, **p, "fitted": s in sized} for s, p in every.items()],
     }
     if len(inside) < 2:
-        notes = [short_note(every)] if len(trained) < len(every) else []
+        notes = [short_note(short, list(every))] if short else []
         if any(p["edge"] for p in trained.values()):  # where a short budget's best size lies says little either
             notes.append(bound_note(trained, runs))
         laws["size_note"] = "; ".join(notes)
     return laws
 
 
-def short_note(every: dict[float, dict]) -> str:
-    """What the size laws are worth when fewer than two budgets' best runs trained MIN_FIT_STEPS steps or more, and
-    which budgets to sweep next: twice and four times the longest."""
-    short = {seconds: point["steps"] for seconds, point in every.items() if point["steps"] < MIN_FIT_STEPS}
+def short_note(short: dict[float, int], budgets_run: list[float]) -> str:
+    """What the size laws are worth when fewer than two budgets' best runs trained MIN_FIT_STEPS steps or more
+    (`short`: budget -> its best run's steps, for those that did not), and which budgets to sweep next: twice and
+    four times the longest."""
     fewest, most = min(short.values()), max(short.values())
     steps = f"{fewest}" if fewest == most else f"{fewest}-{most}"
-    longest = max(every)
-    budgets = ",".join(f"{seconds:g}s" for seconds in [*every, 2 * longest, 4 * longest])
+    longest = max(budgets_run)
+    budgets = ",".join(f"{seconds:g}s" for seconds in [*budgets_run, 2 * longest, 4 * longest])
     return (
         f"the best run at {', '.join(f'{s:g} s' for s in short)} trained only {steps} steps (fewer than "
         f"{MIN_FIT_STEPS}), where the clock moves the loss more than the size does, so the size laws through it say "
