@@ -53,7 +53,7 @@ def test_the_family_at_width_96_is_the_hand_tuned_speedrun_model():
 def test_a_short_run_trains_at_higher_learning_rates():
     base = recipe(96, 65, steps=SHORT_STEPS)
     assert base["muon_lr"] == 0.03 and base["learning_rate"] == pytest.approx(4e-3)
-    for steps, scale in ((4 * SHORT_STEPS, 1.0), (SHORT_STEPS // 2, math.sqrt(2)), (SHORT_STEPS // 4, 2.0), (10, 2.0)):
+    for steps, scale in ((4 * SHORT_STEPS, 1.0), (SHORT_STEPS * 3 // 4, 4 / 3), (SHORT_STEPS // 2, 2.0), (10, 2.0)):
         keys = recipe(96, 65, steps=steps)
         assert keys["muon_lr"] == pytest.approx(0.03 * scale)
         assert keys["learning_rate"] == pytest.approx(4e-3 * scale)
