@@ -268,6 +268,27 @@ def test_the_sweep_resumes_fits_and_feeds_train_budget(char_data, tmp_path, monk
     assert 0 < config["max_minutes"] < 15 / 60
 
 
+def test_the_defaults_hold_a_character_and_a_bpe_corpus_laws(tmp_path, monkeypatch):
+    """Without a sweep for the data, a vocabulary of characters or bytes gets the laws measured on tiny Shakespeare
+    and a BPE vocabulary the laws measured on a BPE corpus: a 50,257-id head makes each step cost far more, so the
+    character laws would size a BPE model several times too large for its budget."""
+    from gptlite.scaling import laws as laws_module
+    from gptlite.scaling.laws import find_laws
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    char, char_source = find_laws("0" * 16, 65)
+    bpe, bpe_source = find_laws("0" * 16, 50257)
+    assert char["data"]["vocab_size"] <= 256 and char["data"]["name"] in char_source
+    assert bpe["data"]["vocab_size"] > 256 and bpe["data"]["name"] in bpe_source
+    for laws in (char, bpe):
+        fitted = [point for point in laws["frontier"] if point["fitted"]]
+        assert len(fitted) >= 2
+        law = laws["params_per_second"]
+        for point in fitted:  # the law passes near the optima it was fitted through (a factor of 2 at most)
+            assert 0.5 < power(law, point["seconds"]) / point["params"] < 2
+    assert power(bpe["params_per_second"], 270) < power(char["params_per_second"], 270) / 2
+
+
 def test_a_budget_without_laws_uses_the_defaults_and_says_so(char_data, tmp_path, monkeypatch):
     from gptlite.scaling import laws as laws_module
 
