@@ -93,10 +93,18 @@ def run(args: Options) -> int:
         plan += [(f"hand {Path(args.hand).name}", h) for h in hand]
         plan += grid[r * share : (r + 1) * share]
     runs = []
+    refused = []  # grid points train.py would not run (a budget too small for that model here), with its reason
     print(f"{'run':22} {'val loss':>9} {'steps':>6} {'width':>5} {'layers':>6} {'wall s':>7}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_budget_") as tmp:
         for i, (name, extra) in enumerate(plan):
-            one = {"run": name, **timed(extra, Path(tmp) / str(i))}
+            try:
+                one = {"run": name, **timed(extra, Path(tmp) / str(i))}
+            except ValueError as e:
+                if not name.startswith("width "):  # the derived recipe and the hand config are what is measured
+                    raise
+                print(f"{name:22} refused: {e}", flush=True)
+                refused.append({"run": name, "refused": str(e)})
+                continue
             runs.append(one)
             mark = "  (other work shared the CPU)" if one["contended"] else ""
             print(
@@ -126,8 +134,12 @@ def run(args: Options) -> int:
             f"the grid's best of {len(grid)}: {best['run']} at {best['val_loss']:.4f}; derived - best = "
             f"{median - best['val_loss']:+.4f}"
         )
+    if refused:
+        print(f"{len(refused)} grid point(s) refused by train.py: {', '.join(r['run'] for r in refused)}")
     if args.json:
-        write_json(Path(args.json), {"budget": args.budget, "data_dir": args.data_dir, "runs": runs})
+        write_json(
+            Path(args.json), {"budget": args.budget, "data_dir": args.data_dir, "runs": runs, "refused": refused}
+        )
     return 0
 
 
