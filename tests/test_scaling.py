@@ -210,6 +210,23 @@ def test_the_probe_times_the_model_the_given_keys_describe(char_data, tmp_path, 
     assert all(probed[-1][key] == given[key] for key in shape(other)) and probed[-1]["n_embd"] == str(other)
 
 
+def test_a_time_budget_keeps_back_a_step_for_the_last_ones_overrun(char_data, tmp_path, monkeypatch):
+    """train.py reads the clock after each step, so the last step can end a whole step past max_minutes: the
+    training time is the budget less the start-up, the final evaluation, the margin and one step."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
+    for step_s in (0.1, 2.0):
+        monkeypatch.setattr(derive_module, "probe", lambda keys, device, step_s=step_s: (step_s, 0.01))
+        keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
+        eval_s = 1.2 * derive_module.split_tokens(str(char_data), "val") / 3072 * 0.01
+        trained = 60 - 4.0 - eval_s - derive_module.MARGIN_S - step_s
+        assert keys["max_minutes"] * 60 == pytest.approx(trained)
+        assert f"time: {trained:.1f} s of training" in " ".join(notes)
+
+
 @pytest.fixture(scope="module")
 def char_data(tmp_path_factory):
     """A small char-level preparation of tiny Shakespeare."""

@@ -209,7 +209,8 @@ def for_time(
     width = nearest_width(power(laws["params_per_second"], rough))
     step_s, batch_eval_s = probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
     eval_s = 1.2 * split_tokens(data_dir, "val") / TOKENS_PER_STEP * batch_eval_s  # 20% more: a margin
-    seconds = budget.amount - process_age() - eval_s - MARGIN_S
+    # train.py reads the clock after each step, so the last step can end up to a step past max_minutes: keep one back
+    seconds = budget.amount - process_age() - eval_s - MARGIN_S - step_s
     if seconds < 5:
         raise ValueError(
             f"--budget={budget.text} leaves {seconds:.1f} s to train once start-up and the final evaluation "
@@ -226,7 +227,8 @@ def for_time(
     )
     notes.append(
         f"time: {seconds:.1f} s of training (lr_schedule=time: the decay and the windows follow the clock), after "
-        f"{process_age():.1f} s of start-up and before about {eval_s:.1f} s of final evaluation; "
+        f"{process_age():.1f} s of start-up and before about {eval_s:.1f} s of final evaluation, one step kept back "
+        "for the last one's overrun; "
         f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {TOKENS_PER_STEP:,} tokens"
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_second'], seconds):.3f} (the law L*(t))")
