@@ -9,7 +9,16 @@ import pytest
 
 from gptlite.scaling.derive import block_params, nearest_width, probe
 from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating
-from gptlite.scaling.recipe import SHORT_STEPS, WIDTHS, parse_budget, recipe, shape
+from gptlite.scaling.recipe import (
+    FULL_WINDOWS,
+    SHORT_STEPS,
+    STEP_FLOOR,
+    WIDTHS,
+    parse_budget,
+    recipe,
+    shape,
+    windows_per_step,
+)
 from tests.conftest import ROOT, run_train, shared_file
 
 
@@ -58,6 +67,15 @@ def test_a_short_run_trains_at_higher_learning_rates():
         assert keys["muon_lr"] == pytest.approx(0.03 * scale)
         assert keys["learning_rate"] == pytest.approx(4e-3 * scale)
         assert keys["min_lr"] == pytest.approx(keys["learning_rate"] / 40)
+
+
+def test_a_run_of_few_steps_trains_on_fewer_windows_a_step():
+    """Under STEP_FLOOR steps of the family's batch, the windows a step shrink in proportion, to one at least."""
+    assert windows_per_step(STEP_FLOOR) == windows_per_step(100 * STEP_FLOOR) == FULL_WINDOWS == 6
+    assert windows_per_step(STEP_FLOOR / 2) == 3 and windows_per_step(STEP_FLOOR / 3) == 2
+    assert windows_per_step(STEP_FLOOR / 6) == windows_per_step(STEP_FLOOR / 100) == windows_per_step(0) == 1
+    assert recipe(48, 50257, steps=10, seconds=20.0, windows=2)["batch_size"] == 2
+    assert recipe(48, 50257, steps=10)["batch_size"] == FULL_WINDOWS
 
 
 def test_block_params_count_the_blocks_as_the_model_does():
@@ -183,7 +201,8 @@ def test_a_run_that_repeats_the_data_more_than_a_few_times_is_warned(char_data, 
     monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")  # the defaults' laws
     keys, notes = derive("3Mtokens", str(char_data), 65, "cpu")
     warned = [line for line in notes if "passes over the data's" in line]
-    assert len(warned) == 1 and f"{keys['max_iters'] * 3072 / train:.1f} passes" in warned[0]
+    tokens = keys["max_iters"] * keys["batch_size"] * keys["block_size"]
+    assert len(warned) == 1 and f"{tokens / train:.1f} passes" in warned[0]
     _, notes = derive("200Ktokens", str(char_data), 65, "cpu")
     assert not any("passes over the data's" in line for line in notes)
 
@@ -219,12 +238,50 @@ def test_a_time_budget_keeps_back_a_step_for_the_last_ones_overrun(char_data, tm
     monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
     monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
     for step_s in (0.1, 2.0):
-        monkeypatch.setattr(derive_module, "probe", lambda keys, device, step_s=step_s: (step_s, 0.01))
+        monkeypatch.setattr(derive_module, "probe", lambda keys, device, step_s=step_s: (step_s, 1e-5))
         keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
-        eval_s = 1.2 * derive_module.split_tokens(str(char_data), "val") / 3072 * 0.01
+        eval_s = 1.2 * derive_module.split_tokens(str(char_data), "val") * 1e-5
         trained = 60 - 4.0 - eval_s - derive_module.MARGIN_S - step_s
         assert keys["max_minutes"] * 60 == pytest.approx(trained)
         assert f"time: {trained:.1f} s of training" in " ".join(notes)
+
+
+def test_a_time_budget_of_few_steps_probes_again_at_fewer_windows(char_data, tmp_path, monkeypatch):
+    """A time budget whose probed steps of the family's batch come to under STEP_FLOOR trains on the windows
+    windows_per_step gives, its step time probed again at those (it sets the steps), and its final evaluation priced
+    per token of the val split whatever the batch; a batch the user gives is kept and probed once."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
+    probed = []
+    per_window = 54 / (STEP_FLOOR / 2) / FULL_WINDOWS  # the family's batch gets about half STEP_FLOOR steps
+
+    def fake_probe(keys, device):
+        probed.append(int(keys["batch_size"]))
+        return per_window * int(keys["batch_size"]), 1e-5
+
+    monkeypatch.setattr(derive_module, "probe", fake_probe)
+    val = derive_module.split_tokens(str(char_data), "val")
+    full_step_s = per_window * FULL_WINDOWS
+    full_s = 60 - 4.0 - 1.2 * val * 1e-5 - derive_module.MARGIN_S - full_step_s
+    windows = windows_per_step(full_s / full_step_s)
+    assert 1 < windows < FULL_WINDOWS  # the test's own premise: a few windows, neither the floor nor the family's
+    keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
+    assert probed == [FULL_WINDOWS, windows] and keys["batch_size"] == windows
+    step_s = per_window * windows
+    trained = 60 - 4.0 - 1.2 * val * 1e-5 - derive_module.MARGIN_S - step_s
+    assert keys["max_minutes"] * 60 == pytest.approx(trained)
+    said = " ".join(notes)
+    assert f"batch: {windows} window(s) of 512 a step, not the family's 6: those would give only about" in said
+    steps = int(trained / step_s)
+    assert f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {windows * 512:,} tokens" in said
+
+    probed.clear()
+    given = {"batch_size": "6", "data_dir": str(char_data)}
+    keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu", given=given)
+    assert probed == [FULL_WINDOWS] and not any(line.startswith("batch:") for line in notes)
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +371,8 @@ def test_a_budget_without_laws_uses_the_defaults_and_says_so(char_data, tmp_path
     assert run.code == 0, run.err
     assert "no laws were fitted for this data on this machine, so the defaults measured for gptlite" in run.out
     config = json.loads(next(line for line in run.out.splitlines() if line.startswith("config: "))[8:])
-    assert config["lr_schedule"] == "steps" and config["max_iters"] == math.ceil(20_000 / 3072)
+    assert config["batch_size"] == windows_per_step(20_000 / 3072) < FULL_WINDOWS  # so few steps: fewer windows
+    assert config["lr_schedule"] == "steps" and config["max_iters"] == math.ceil(20_000 / (config["batch_size"] * 512))
     refused = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'no'}", "--budget=fast")
     assert refused.code == 2 and "--budget='fast' is not a budget" in refused.err
 

@@ -3,8 +3,8 @@
 The laws (gptlite.scaling.laws: this data's on this machine, else the defaults measured here) give the model's
 size for the budget; the recipe family (gptlite.scaling.recipe) gives the rest from the size. What the machine
 decides is measured, not assumed: a few training steps of the chosen model on random tokens (`probe`) give its step
-time here, which sets the step count (and with it Muon's momentum), and for a time budget the share left for
-training once start-up and the final evaluation are counted.
+time here, which sets the step count (and with it Muon's momentum and, for a run of few steps, the batch), and for a
+time budget the share left for training once start-up and the final evaluation are counted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pathlib import Path
 from gptlite.scaling.laws import find_laws, power, saturating
 from gptlite.scaling.recipe import (
     BLOCK_SIZE,
+    FULL_WINDOWS,
     SHORT_STEPS,
+    STEP_FLOOR,
     TOKENS_PER_STEP,
     WIDTHS,
     Budget,
@@ -25,6 +27,7 @@ from gptlite.scaling.recipe import (
     parse_budget,
     recipe,
     shape,
+    windows_per_step,
 )
 
 MARGIN_S = 1.5  # seconds a time budget keeps back for saving the checkpoint and the process's exit
@@ -72,13 +75,13 @@ def process_age() -> float:
 
 
 def probe(keys: dict, device: str, steps: int = 3, seconds: float = 1.0) -> tuple[float, float]:
-    """(seconds a training step of the recipe `keys` takes here, seconds the final evaluation takes for a batch of
-    the same size). The model and its optimizers built as train.py builds them, its loss computed as train.py
-    computes it (the head and the cross-entropy in chunks), one step to warm up, then the mean of `steps` on random
-    tokens of full windows, or of fewer once the measured ones have taken `seconds` (a step of a large
-    vocabulary's head takes a second or more on a CPU, and the probe's time comes out of a time budget); then the
-    second of two forwards without gradients, as the evaluation scores a batch (gptlite.evaluate.bpb; the first
-    warms up): a third of a step for a small vocabulary, near half of one where the head is most of the work."""
+    """(seconds a training step of the recipe `keys` takes here, seconds the final evaluation takes per token). The
+    model and its optimizers built as train.py builds them, its loss computed as train.py computes it (the head and
+    the cross-entropy in chunks), one step to warm up, then the mean of `steps` on random tokens of full windows, or
+    of fewer once the measured ones have taken `seconds` (a step of a large vocabulary's head takes a second or more
+    on a CPU, and the probe's time comes out of a time budget); then the second of two forwards of a batch without
+    gradients, as the evaluation scores one (gptlite.evaluate.bpb; the first warms up), over its tokens: a batch
+    takes a third of a step for a small vocabulary, near half of one where the head is most of the work."""
     import torch
 
     from gptlite.config import build_config
@@ -110,7 +113,7 @@ def probe(keys: dict, device: str, steps: int = 3, seconds: float = 1.0) -> tupl
             start = time.perf_counter()
             model(x, x, reduction="none", return_logits=False)
             synchronize(device)
-    return elapsed / measured, time.perf_counter() - start
+    return elapsed / measured, (time.perf_counter() - start) / x.numel()
 
 
 def synchronize(device: str) -> None:
@@ -126,6 +129,26 @@ def split_tokens(data_dir: str, split: str) -> int:
     from gptlite.shards import find_shards, read_shard
 
     return sum(len(read_shard(p)) for p in find_shards(data_dir, split))
+
+
+def step_tokens(keys: dict) -> int:
+    """The tokens an optimizer step of train.py's `keys` trains on (one process's: batch_size windows of block_size,
+    or total_batch_size where it is set)."""
+    from gptlite.config import build_config
+
+    cfg = build_config({k: v for k, v in keys.items() if k not in ("max_minutes", "lr_schedule")})
+    return cfg.total_batch_size or cfg.batch_size * cfg.model.block_size
+
+
+def batch_note(windows: int, full_steps: float) -> str:
+    """Why a step trains on `windows` windows, where the family's FULL_WINDOWS would have given `full_steps`."""
+    if windows == FULL_WINDOWS:
+        return f"batch: {FULL_WINDOWS} windows of {BLOCK_SIZE} a step, the family's"
+    return (
+        f"batch: {windows} window(s) of {BLOCK_SIZE} a step, not the family's {FULL_WINDOWS}: those would give only "
+        f"about {full_steps:,.0f} steps, under {STEP_FLOOR}, and so short a run is limited by its steps, not its "
+        "tokens (gptlite.scaling.recipe.windows_per_step)"
+    )
 
 
 def repetition_note(tokens: int, data_dir: str) -> str | None:
@@ -161,7 +184,7 @@ def derive(
         keys, steps = for_time(budget, laws, data_dir, vocab_size, device, given, notes)
     else:
         keys, steps = for_compute(budget, laws, vocab_size, device, given, notes)
-    repeated = repetition_note(steps * TOKENS_PER_STEP, data_dir)
+    repeated = repetition_note(steps * step_tokens({**keys, **given}), data_dir)
     if repeated:
         notes.append(repeated)
     if "size_note" in laws:
@@ -202,22 +225,30 @@ def for_time(
     budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, given: dict, notes: list[str]
 ) -> tuple[dict, int]:
     """A time budget: the size the law gives for the training time left, the step time measured here (of the model
-    with the `given` keys over the recipe's). Returns (the keys, the steps expected in that time)."""
+    with the `given` keys over the recipe's), at fewer windows a step where the family's batch would leave fewer
+    than STEP_FLOOR steps (probed again at those; unless the batch is given). Returns (the keys, the steps expected
+    in that time)."""
     rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
     width = nearest_width(power(laws["params_per_second"], rough))
-    step_s, batch_eval_s = probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
-    eval_s = 1.2 * split_tokens(data_dir, "val") / TOKENS_PER_STEP * batch_eval_s  # 20% more: a margin
-    # train.py reads the clock after each step, so the last step can end up to a step past max_minutes: keep one back
-    seconds = budget.amount - process_age() - eval_s - MARGIN_S - step_s
+    val_tokens = split_tokens(data_dir, "val")
+    step_s, eval_token_s = probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
+    seconds, eval_s = training_time(budget, val_tokens, step_s, eval_token_s)
+    full_steps = seconds / step_s
+    windows = FULL_WINDOWS if batch_given(given) else windows_per_step(full_steps)
+    if windows != FULL_WINDOWS:
+        step_s, eval_token_s = probe(
+            {**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}, device
+        )
+        seconds, eval_s = training_time(budget, val_tokens, step_s, eval_token_s)
     if seconds < 5:
         raise ValueError(
             f"--budget={budget.text} leaves {seconds:.1f} s to train once start-up and the final evaluation "
             f"({eval_s:.1f} s) are counted; give a larger budget"
         )
     steps = int(seconds / step_s)
-    keys = recipe(width, vocab_size, steps=steps, seconds=seconds)
+    keys = recipe(width, vocab_size, steps=steps, seconds=seconds, windows=windows)
     n = power(laws["params_per_second"], seconds)
     notes.append(
         f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
@@ -225,22 +256,39 @@ def for_time(
         f"{laws['params_per_second']['exponent']:.3f} gives {n / 1e6:.3g}M for {seconds:.1f} s of training"
         + range_note(laws["params_per_second"])
     )
+    if not batch_given(given):
+        notes.append(batch_note(windows, full_steps))
     notes.append(
         f"time: {seconds:.1f} s of training (lr_schedule=time: the decay and the windows follow the clock), after "
         f"{process_age():.1f} s of start-up and before about {eval_s:.1f} s of final evaluation, one step kept back "
         "for the last one's overrun; "
-        f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {TOKENS_PER_STEP:,} tokens"
+        f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {step_tokens({**keys, **given}):,} "
+        "tokens"
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_second'], seconds):.3f} (the law L*(t))")
     return keys, steps
+
+
+def training_time(budget: Budget, val_tokens: int, step_s: float, eval_token_s: float) -> tuple[float, float]:
+    """(seconds left to train in a time budget, seconds the final evaluation of `val_tokens` will take): the budget
+    less the process's age so far, the evaluation (20% more than measured: a margin), MARGIN_S and one step, since
+    train.py reads the clock after each step and the last one can end up to a step past max_minutes."""
+    eval_s = 1.2 * val_tokens * eval_token_s
+    return budget.amount - process_age() - eval_s - MARGIN_S - step_s, eval_s
+
+
+def batch_given(given: dict) -> bool:
+    """Whether the user set the batch (then the derivation keeps it)."""
+    return "batch_size" in given or "total_batch_size" in given
 
 
 def for_compute(
     budget: Budget, laws: dict, vocab_size: int, device: str, given: dict, notes: list[str]
 ) -> tuple[dict, int]:
     """A FLOPs or tokens budget: the size the law gives for the FLOPs (for tokens: the FLOPs whose optimal run
-    trains on that many), the step count from the tokens, the step time measured here (of the model with the
-    `given` keys over the recipe's). Returns (the keys, the steps)."""
+    trains on that many), the step count from the tokens (at fewer windows a step where the family's batch would
+    take fewer than STEP_FLOOR steps, unless the batch is given), the step time measured here (of the model with
+    the `given` keys over the recipe's). Returns (the keys, the steps)."""
     if budget.kind == "flops":
         flops = budget.amount
     else:  # D* = H C^b, inverted
@@ -249,8 +297,11 @@ def for_compute(
     width = nearest_width(power(laws["params_per_flop"], flops))
     per_token = flops_per_token(recipe(width, vocab_size, steps=1))
     tokens = budget.amount if budget.kind == "tokens" else flops / per_token
-    steps = max(1, math.ceil(tokens / TOKENS_PER_STEP))
-    keys = recipe(width, vocab_size, steps=steps)
+    full_steps = tokens / TOKENS_PER_STEP
+    windows = FULL_WINDOWS if batch_given(given) else windows_per_step(full_steps)
+    per_step = step_tokens({**recipe(width, vocab_size, steps=1, windows=windows), **given})
+    steps = max(1, math.ceil(tokens / per_step))
+    keys = recipe(width, vocab_size, steps=steps, windows=windows)
     step_s, _ = probe({**keys, **given}, device)
     notes.append(
         f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
@@ -258,8 +309,10 @@ def for_compute(
         f"{laws['params_per_flop']['exponent']:.3f} gives {power(laws['params_per_flop'], flops) / 1e6:.3g}M for "
         f"{flops:.3g} FLOPs" + range_note(laws["params_per_flop"])
     )
+    if not batch_given(given):
+        notes.append(batch_note(windows, full_steps))
     notes.append(
-        f"tokens: {steps:,} steps of {TOKENS_PER_STEP:,} = {steps * TOKENS_PER_STEP:,} tokens; "
+        f"tokens: {steps:,} steps of {per_step:,} = {steps * per_step:,} tokens; "
         f"{1000 * step_s:.1f} ms a step measured here: about {steps * step_s / 60:.1f} min"
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_flop'], flops):.3f} (the law L*(C))")

@@ -14,6 +14,13 @@ from 4e-3 at width 96. A run of fewer than SHORT_STEPS steps trains at both rate
 docs/scaling.md measured the doubled rates better than the family's in every cell under 340 steps but one, twice the
 rates better than 1.5-1.7x at 217 steps, and the family's better at 430 steps and more on characters at 5 minutes,
 as Bjorck et al. 2024 ("Scaling Optimal LR Across Token Horizons") find the best rate falling as a run grows longer.
+
+A run too short for STEP_FLOOR steps of the family's 3,072 tokens trains on fewer windows a step, in proportion
+(`windows_per_step`, at least one): so short a run is limited by its steps more than by its tokens. Early in training
+the gradient noise scale is small, so a small batch wastes few tokens (McCandlish et al. 2018, "An Empirical Model of
+Large-Batch Training"), and each step moves the weights by at most about the learning rate. Where it pays was
+measured on two CPU cores (docs/scaling.md, "The batch of a short run"): far fewer windows for a BPE run of tens of
+steps, a few fewer around 250 steps, none on characters at 450 steps and more.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ WIDTHS = (24, 48, 72, 96, 120, 144, 192, 240, 288, 384, 480, 576, 768)  # the si
 BASE_WIDTH = 96  # the width the learning rates were tuned at (the 90-s recipe)
 ADAMW_LR = 4e-3  # at BASE_WIDTH
 MUON_LR = 0.03
-TOKENS_PER_STEP = 3072  # 6 windows of 512
+TOKENS_PER_STEP = 3072  # 6 windows of 512: the family's batch
 BLOCK_SIZE = 512
+FULL_WINDOWS = TOKENS_PER_STEP // BLOCK_SIZE
+STEP_FLOOR = 350  # steps: a run that would take fewer at the family's batch trains on fewer windows a step
 SHORT_RUN = 2000  # steps: a run shorter than this trains with Muon's momentum at 0.8, a longer one at 0.95
 SHORT_STEPS = 600  # steps: a run shorter than this trains at higher learning rates (horizon_scale)
 MAX_HORIZON_SCALE = 2.0
@@ -87,12 +96,21 @@ def horizon_scale(steps: int) -> float:
     return min(MAX_HORIZON_SCALE, max(1.0, SHORT_STEPS / max(1, steps)))
 
 
-def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None) -> dict:
+def windows_per_step(steps: float) -> int:
+    """The windows of BLOCK_SIZE tokens a step trains on, for a run that would take `steps` steps of the family's
+    FULL_WINDOWS: all of them from STEP_FLOOR steps on, fewer in proportion below it, at least one (the module's
+    docstring says why)."""
+    if steps >= STEP_FLOOR:
+        return FULL_WINDOWS
+    return max(1, int(FULL_WINDOWS * steps / STEP_FLOOR))
+
+
+def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None, windows: int = FULL_WINDOWS) -> dict:
     """train.py's keys for the family's model at `width` trained for `seconds` of training time (lr_schedule="time":
     the learning rate decays and the windows grow over the time budget, `steps` being the steps expected in it) or
-    else for `steps` optimizer steps. The step count sets Muon's momentum: 0.8 below SHORT_RUN steps, where less
-    momentum measured better (docs/training.md), else the usual 0.95, and a run under SHORT_STEPS steps trains at
-    higher learning rates (horizon_scale)."""
+    else for `steps` optimizer steps, each of `windows` windows of BLOCK_SIZE tokens (windows_per_step). The step
+    count sets Muon's momentum: 0.8 below SHORT_RUN steps, where less momentum measured better (docs/training.md),
+    else the usual 0.95, and a run under SHORT_STEPS steps trains at higher learning rates (horizon_scale)."""
     scale = horizon_scale(steps)
     adamw_lr = ADAMW_LR * math.sqrt(BASE_WIDTH / width) * scale
     keys = {
@@ -102,7 +120,7 @@ def recipe(width: int, vocab_size: int, steps: int, seconds: float | None = None
         "pos_emb": "rope",
         "dropout": 0.0,
         "bigram_vocab": vocab_size * vocab_size + 1 if vocab_size <= 256 else 0,
-        "batch_size": TOKENS_PER_STEP // BLOCK_SIZE,
+        "batch_size": windows,
         "seq_len_start": 64,
         "seq_len_warmup": 0.6,
         "optimizer": "muon",
