@@ -1,14 +1,15 @@
 """train.py --budget against a hand grid, on one corpus and budget: the derived recipe (no config file) run --rounds
 times, and a grid of hand choices around it, each a whole `python train.py --budget=B --key=value ...` in a fresh
 process timed from launch to exit (its wall-clock is the budget's). The grid varies what the derivation chooses:
-the width (and with it depth and heads, gptlite.scaling.recipe.shape) and the learning rates (Muon's and AdamW's
-together, times 0.5, 1 and 2); with --budget each grid point keeps the same time accounting. Prints a row per run
+the width (and with it depth and heads, gptlite.scaling.recipe.shape), the learning rates (Muon's and AdamW's
+together, times 0.5, 1 and 2) and, with --batches, the windows a step trains on (else each point's is the one the
+derivation picks for it); with --budget each grid point keeps the same time accounting. Prints a row per run
 as it ends, then the derived recipe's median and spread, the grid's best point, and how far the median is from it.
 
 Time nothing else on the machine meanwhile.
 
     python benchmarks/bench_budget.py --data_dir=data/shakespeare_char --budget=30s [--rounds=3]
-        [--widths=48,72,96,144] [--lr_scales=0.5,1,2] [--json=FILE]
+        [--widths=48,72,96,144] [--lr_scales=0.5,1,2] [--batches=1,2,6] [--json=FILE]
     python benchmarks/bench_budget.py --budget=90s --hand=configs/shakespeare_char_cpu_90s.toml --grid=false
 """
 
@@ -41,13 +42,15 @@ class Options:
     rounds: int = option(3, "runs of the derived recipe (the grid's points run once each)")
     widths: str = option("48,72,96,144", "the grid's widths")
     lr_scales: str = option("0.5,1,2", "the grid's learning-rate factors (Muon's and AdamW's together)")
+    batches: str = option("", "the grid's windows a step, comma-separated (default: each point's derived one)")
     grid: bool = option(True, "run the grid (false: the derived recipe and --hand only)")
     hand: str = option("", "a hand-tuned TOML config to run --rounds times too, in turns with the derived recipe")
     json: str = option("", "also write every run here")
 
 
 def timed(argv: list[str], out_dir: Path) -> dict:
-    """One whole train.py command, timed from launch to exit: its final val loss, steps, width and wall-clock."""
+    """One whole train.py command, timed from launch to exit: its final val loss, steps, width, depth, windows a
+    step and wall-clock."""
     command = [sys.executable, "train.py", *argv, f"--out_dir={out_dir}", "--overwrite"]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -61,6 +64,7 @@ def timed(argv: list[str], out_dir: Path) -> dict:
         "steps": int(re.findall(r"done at step (\d+)", done.stdout)[-1]),
         "width": config["n_embd"],
         "n_layer": config["n_layer"],
+        "batch": config["batch_size"],
         "learning_rate": config["learning_rate"],
         "muon_lr": config["muon_lr"],
         "wall": wall,
@@ -82,10 +86,16 @@ def run(args: Options) -> int:
     base = [f"--data_dir={args.data_dir}", f"--budget={args.budget}"]
     widths = [int(w) for w in args.widths.split(",")]
     scales = [float(s) for s in args.lr_scales.split(",")]
+    batches = [(f", batch {b}", [f"--batch_size={b}"]) for b in args.batches.split(",")] if args.batches else [("", [])]
     hand = [[args.hand, f"--data_dir={args.data_dir}"]] if args.hand else []
     grid = []
     if args.grid:
-        grid = [(f"width {w}, lr x{s:g}", base + grid_point(w, s)) for w in widths for s in scales]
+        grid = [
+            (f"width {w}, lr x{s:g}{named}", base + grid_point(w, s) + batch)
+            for w in widths
+            for s in scales
+            for named, batch in batches
+        ]
     share = -(-len(grid) // args.rounds)  # grid points after each round: the rounds spread through the grid
     plan = []
     for r in range(args.rounds):  # the derived recipe and the hand config take turns, then a share of the grid,
@@ -94,7 +104,7 @@ def run(args: Options) -> int:
         plan += grid[r * share : (r + 1) * share]
     runs = []
     refused = []  # grid points train.py would not run (a budget too small for that model here), with its reason
-    print(f"{'run':22} {'val loss':>9} {'steps':>6} {'width':>5} {'layers':>6} {'wall s':>7}", flush=True)
+    print(f"{'run':30} {'val loss':>9} {'steps':>6} {'width':>5} {'layers':>6} {'batch':>5} {'wall s':>7}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_budget_") as tmp:
         for i, (name, extra) in enumerate(plan):
             try:
@@ -102,14 +112,14 @@ def run(args: Options) -> int:
             except ValueError as e:
                 if not name.startswith("width "):  # the derived recipe and the hand config are what is measured
                     raise
-                print(f"{name:22} refused: {e}", flush=True)
+                print(f"{name:30} refused: {e}", flush=True)
                 refused.append({"run": name, "refused": str(e)})
                 continue
             runs.append(one)
             mark = "  (other work shared the CPU)" if one["contended"] else ""
             print(
-                f"{name:22} {one['val_loss']:9.4f} {one['steps']:6d} {one['width']:5d} {one['n_layer']:6d} "
-                f"{one['wall']:7.1f}{mark}",
+                f"{name:30} {one['val_loss']:9.4f} {one['steps']:6d} {one['width']:5d} {one['n_layer']:6d} "
+                f"{one['batch']:5d} {one['wall']:7.1f}{mark}",
                 flush=True,
             )
     derived = [r["val_loss"] for r in runs if r["run"] == "derived"]
