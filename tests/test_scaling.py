@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gptlite.scaling.derive import block_params, nearest_width, probe
+from gptlite.scaling.derive import Probe, block_params, nearest_width
 from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating
 from gptlite.scaling.recipe import (
     FULL_WINDOWS,
@@ -207,6 +207,25 @@ def test_a_run_that_repeats_the_data_more_than_a_few_times_is_warned(char_data, 
     assert not any("passes over the data's" in line for line in notes)
 
 
+def fake_probe(step_s, probed: list | None = None, eval_token_s: float = 1e-5):
+    """A stand-in for gptlite.scaling.derive.Probe: the model of `keys` takes step_s(keys) seconds a step and
+    `eval_token_s` a token to evaluate; the keys of each one built are appended to `probed`."""
+
+    class FakeProbe:
+        def __init__(self, keys, device):
+            self.keys = keys
+            if probed is not None:
+                probed.append(keys)
+
+        def step_seconds(self):
+            return step_s(self.keys)
+
+        def eval_seconds_per_token(self):
+            return eval_token_s
+
+    return FakeProbe
+
+
 def test_the_probe_times_the_model_the_given_keys_describe(char_data, tmp_path, monkeypatch):
     """A width given on the command line is the model that trains, so it is the one whose step time sets the steps
     (and, for a time budget, the final evaluation's share); the recipe's own width where none is given."""
@@ -214,13 +233,8 @@ def test_the_probe_times_the_model_the_given_keys_describe(char_data, tmp_path, 
     from gptlite.scaling import laws as laws_module
 
     probed = []
-
-    def fake_probe(keys, device):
-        probed.append(keys)
-        return 0.5, 0.1
-
     monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")  # the defaults' laws
-    monkeypatch.setattr(derive_module, "probe", fake_probe)
+    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: 0.5, probed))
     keys, notes = derive_module.derive("200Ktokens", str(char_data), 65, "cpu")
     assert probed[-1]["n_embd"] == keys["n_embd"] and "500.0 ms a step" in " ".join(notes)
     other = 192 if keys["n_embd"] != 192 else 144
@@ -238,7 +252,7 @@ def test_a_time_budget_keeps_back_a_step_for_the_last_ones_overrun(char_data, tm
     monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
     monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
     for step_s in (0.1, 2.0):
-        monkeypatch.setattr(derive_module, "probe", lambda keys, device, step_s=step_s: (step_s, 1e-5))
+        monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys, step_s=step_s: step_s))
         keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
         eval_s = 1.2 * derive_module.split_tokens(str(char_data), "val") * 1e-5
         trained = 60 - 4.0 - eval_s - derive_module.MARGIN_S - step_s
@@ -248,8 +262,8 @@ def test_a_time_budget_keeps_back_a_step_for_the_last_ones_overrun(char_data, tm
 
 def test_a_time_budget_of_few_steps_probes_again_at_fewer_windows(char_data, tmp_path, monkeypatch):
     """A time budget whose probed steps of the family's batch come to under STEP_FLOOR trains on the windows
-    windows_per_step gives, its step time probed again at those (it sets the steps), and its final evaluation priced
-    per token of the val split whatever the batch; a batch the user gives is kept and probed once."""
+    windows_per_step gives, its step time measured again at those (it sets the steps), and its final evaluation
+    priced per token of the val split whatever the batch; a batch the user gives is kept and probed once."""
     from gptlite.scaling import derive as derive_module
     from gptlite.scaling import laws as laws_module
 
@@ -257,19 +271,14 @@ def test_a_time_budget_of_few_steps_probes_again_at_fewer_windows(char_data, tmp
     monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
     probed = []
     per_window = 54 / (STEP_FLOOR / 2) / FULL_WINDOWS  # the family's batch gets about half STEP_FLOOR steps
-
-    def fake_probe(keys, device):
-        probed.append(int(keys["batch_size"]))
-        return per_window * int(keys["batch_size"]), 1e-5
-
-    monkeypatch.setattr(derive_module, "probe", fake_probe)
+    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: per_window * int(keys["batch_size"]), probed))
     val = derive_module.split_tokens(str(char_data), "val")
     full_step_s = per_window * FULL_WINDOWS
-    full_s = 60 - 4.0 - 1.2 * val * 1e-5 - derive_module.MARGIN_S - full_step_s
+    full_s = 60 - 4.0 - derive_module.MARGIN_S - full_step_s  # the evaluation is timed after the batch is chosen
     windows = windows_per_step(full_s / full_step_s)
     assert 1 < windows < FULL_WINDOWS  # the test's own premise: a few windows, neither the floor nor the family's
     keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
-    assert probed == [FULL_WINDOWS, windows] and keys["batch_size"] == windows
+    assert [int(k["batch_size"]) for k in probed] == [FULL_WINDOWS, windows] and keys["batch_size"] == windows
     step_s = per_window * windows
     trained = 60 - 4.0 - 1.2 * val * 1e-5 - derive_module.MARGIN_S - step_s
     assert keys["max_minutes"] * 60 == pytest.approx(trained)
@@ -281,7 +290,9 @@ def test_a_time_budget_of_few_steps_probes_again_at_fewer_windows(char_data, tmp
     probed.clear()
     given = {"batch_size": "6", "data_dir": str(char_data)}
     keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu", given=given)
-    assert probed == [FULL_WINDOWS] and not any(line.startswith("batch:") for line in notes)
+    assert [int(k["batch_size"]) for k in probed] == [FULL_WINDOWS] and not any(
+        line.startswith("batch:") for line in notes
+    )
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +391,7 @@ def test_a_budget_without_laws_uses_the_defaults_and_says_so(char_data, tmp_path
 def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
     """The probe's steps compute the loss as train.py does (chunked: no logits returned), and once its measured
     steps have taken `seconds` it stops: here after the warm-up and one measured step of the 10 asked for; then
-    two forwards as the evaluation scores a batch, per token, without gradients."""
+    forwards as the evaluation scores a batch, per token, without gradients: one to warm up and three timed."""
     from gptlite.model import GPT
 
     calls = []
@@ -391,5 +402,7 @@ def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
         return forward(self, idx, targets, reduction, return_logits)
 
     monkeypatch.setattr(GPT, "forward", counted)
-    step_s, eval_s = probe(recipe(24, 65, steps=100), "cpu", steps=10, seconds=0.0)
-    assert step_s > 0 and eval_s > 0 and calls == [False, False, False, False]
+    probe = Probe(recipe(24, 65, steps=100), "cpu")
+    step_s = probe.step_seconds(steps=10, seconds=0.0)
+    eval_s = probe.eval_seconds_per_token()
+    assert step_s > 0 and eval_s > 0 and calls == [False] * 6

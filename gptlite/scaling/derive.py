@@ -2,15 +2,17 @@
 
 The laws (gptlite.scaling.laws: this data's on this machine, else the defaults measured here) give the model's
 size for the budget; the recipe family (gptlite.scaling.recipe) gives the rest from the size. What the machine
-decides is measured, not assumed: a few training steps of the chosen model on random tokens (`probe`) give its step
+decides is measured, not assumed: a few training steps of the chosen model on random tokens (`Probe`) give its step
 time here, which sets the step count (and with it Muon's momentum and, for a run of few steps, the batch), and for a
 time budget the share left for training once start-up and the final evaluation are counted.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -34,17 +36,16 @@ MARGIN_S = 1.5  # seconds a time budget keeps back for saving the checkpoint and
 FRESH_EPOCHS = 4  # passes over the data that train about as well as new tokens (Muennighoff et al. 2023)
 
 
+@functools.cache
 def block_params(width: int) -> int:
-    """The parameters of the blocks of the family's model at `width` (what the laws count), counted on the meta
-    device: nothing is allocated."""
-    import torch
-
+    """The parameters of the blocks of the family's model at `width` (what the laws count): one block, built on the
+    CPU, times the layers (a model's blocks are alike). A whole model on the meta device would allocate nothing
+    but cost a time budget about 2 s: initialising a meta tensor imports torch's compiler stack."""
     from gptlite.config import GPTConfig
-    from gptlite.model import GPT
+    from gptlite.model import Block
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**shape(width), vocab_size=256, block_size=BLOCK_SIZE, pos_emb="rope"))
-    return sum(p.numel() for p in model.blocks.parameters())
+    config = GPTConfig(**shape(width), vocab_size=256, block_size=BLOCK_SIZE, pos_emb="rope")
+    return config.n_layer * sum(p.numel() for p in Block(config).parameters())
 
 
 def flops_per_token(keys: dict) -> float:
@@ -74,46 +75,64 @@ def process_age() -> float:
         return 0.0
 
 
-def probe(keys: dict, device: str, steps: int = 3, seconds: float = 1.0) -> tuple[float, float]:
-    """(seconds a training step of the recipe `keys` takes here, seconds the final evaluation takes per token). The
-    model and its optimizers built as train.py builds them, its loss computed as train.py computes it (the head and
-    the cross-entropy in chunks), one step to warm up, then the mean of `steps` on random tokens of full windows, or
-    of fewer once the measured ones have taken `seconds` (a step of a large vocabulary's head takes a second or more
-    on a CPU, and the probe's time comes out of a time budget); then the second of two forwards of a batch without
-    gradients, as the evaluation scores one (gptlite.evaluate.bpb; the first warms up), over its tokens: a batch
-    takes a third of a step for a small vocabulary, near half of one where the head is most of the work."""
-    import torch
+class Probe:
+    """The model and optimizers of train.py's `keys`, built as train.py builds them, and a batch of random tokens of
+    full windows, to time here: a training step (`step_seconds`) and the final evaluation (`eval_seconds_per_token`),
+    each only when asked for, since with a large vocabulary each takes a second or more of a time budget."""
 
-    from gptlite.config import build_config
-    from gptlite.model import GPT
-    from gptlite.optim import configure_optimizers
+    def __init__(self, keys: dict, device: str):
+        import torch
 
-    cfg = build_config({k: v for k, v in keys.items() if k not in ("max_minutes", "lr_schedule")})
-    model = GPT(cfg.model).to(device)
-    optimizers = configure_optimizers(model, cfg, device.split(":")[0])
-    x = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.model.block_size), device=device)
-    elapsed = 0.0
-    measured = 0
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        _, loss = model(x, x, return_logits=not cfg.chunked_loss)
-        loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        if i:
-            elapsed += time.perf_counter() - start
-            measured += 1
-            if elapsed >= seconds:
-                break
-    model.eval()
-    with torch.no_grad():
-        for _ in range(2):
+        from gptlite.config import build_config
+        from gptlite.model import GPT
+        from gptlite.optim import configure_optimizers
+
+        self.cfg = build_config({k: v for k, v in keys.items() if k not in ("max_minutes", "lr_schedule")})
+        self.device = device
+        self.model = GPT(self.cfg.model).to(device)
+        self.optimizers = configure_optimizers(self.model, self.cfg, device.split(":")[0])
+        shape = (self.cfg.batch_size, self.cfg.model.block_size)
+        self.x = torch.randint(0, self.cfg.model.vocab_size, shape, device=device)
+
+    def step_seconds(self, steps: int = 3, seconds: float = 1.0) -> float:
+        """Seconds a training step takes here: its loss computed as train.py computes it (the head and the
+        cross-entropy in chunks), one step to warm up, then the mean of `steps`, or of fewer once the measured ones
+        have taken `seconds` (a step of a large vocabulary's head takes a second or more on a CPU)."""
+        self.model.train()
+        elapsed = 0.0
+        measured = 0
+        for i in range(steps + 1):
             start = time.perf_counter()
-            model(x, x, reduction="none", return_logits=False)
-            synchronize(device)
-    return elapsed / measured, (time.perf_counter() - start) / x.numel()
+            _, loss = self.model(self.x, self.x, return_logits=not self.cfg.chunked_loss)
+            loss.backward()
+            for optimizer in self.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            synchronize(self.device)
+            if i:
+                elapsed += time.perf_counter() - start
+                measured += 1
+                if elapsed >= seconds:
+                    break
+        return elapsed / measured
+
+    def eval_seconds_per_token(self, forwards: int = 3) -> float:
+        """Seconds the final evaluation takes per token here: the median of `forwards` forwards of the batch without
+        gradients, as the evaluation scores one (gptlite.evaluate.bpb), after one to warm up, over its tokens. One
+        forward's time varies from run to run, and with a large vocabulary the evaluation is a large share of a short
+        budget: priced from one forward, the training time swung by seconds (docs/scaling.md). A batch takes a third
+        of a step for a small vocabulary, near half of one where the head is most of the work."""
+        import torch
+
+        self.model.eval()
+        times = []
+        with torch.no_grad():
+            for _ in range(forwards + 1):
+                start = time.perf_counter()
+                self.model(self.x, self.x, reduction="none", return_logits=False)
+                synchronize(self.device)
+                times.append(time.perf_counter() - start)
+        return statistics.median(times[1:]) / self.x.numel()
 
 
 def synchronize(device: str) -> None:
@@ -226,22 +245,23 @@ def for_time(
 ) -> tuple[dict, int]:
     """A time budget: the size the law gives for the training time left, the step time measured here (of the model
     with the `given` keys over the recipe's), at fewer windows a step where the family's batch would leave fewer
-    than STEP_FLOOR steps (probed again at those; unless the batch is given). Returns (the keys, the steps expected
-    in that time)."""
+    than STEP_FLOOR steps (timed again at those; unless the batch is given), and the final evaluation's time at the
+    chosen batch. Returns (the keys, the steps expected in that time)."""
     rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
     width = nearest_width(power(laws["params_per_second"], rough))
-    val_tokens = split_tokens(data_dir, "val")
-    step_s, eval_token_s = probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
-    seconds, eval_s = training_time(budget, val_tokens, step_s, eval_token_s)
-    full_steps = seconds / step_s
+    probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
+    step_s = probe.step_seconds()
+    # the evaluation is not yet timed: the steps at the family's batch are counted in the time left without it
+    full_steps = (budget.amount - process_age() - MARGIN_S - step_s) / step_s
     windows = FULL_WINDOWS if batch_given(given) else windows_per_step(full_steps)
-    if windows != FULL_WINDOWS:
-        step_s, eval_token_s = probe(
-            {**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}, device
-        )
-        seconds, eval_s = training_time(budget, val_tokens, step_s, eval_token_s)
+    if windows != FULL_WINDOWS:  # the model at fewer windows a step, timed again
+        probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}, device)
+        step_s = probe.step_seconds()
+    eval_token_s = probe.eval_seconds_per_token()
+    del probe  # its model and optimizers' memory, before train.py builds its own
+    seconds, eval_s = training_time(budget, split_tokens(data_dir, "val"), step_s, eval_token_s)
     if seconds < 5:
         raise ValueError(
             f"--budget={budget.text} leaves {seconds:.1f} s to train once start-up and the final evaluation "
@@ -302,7 +322,7 @@ def for_compute(
     per_step = step_tokens({**recipe(width, vocab_size, steps=1, windows=windows), **given})
     steps = max(1, math.ceil(tokens / per_step))
     keys = recipe(width, vocab_size, steps=steps, windows=windows)
-    step_s, _ = probe({**keys, **given}, device)
+    step_s = Probe({**keys, **given}, device).step_seconds()
     notes.append(
         f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
         f"block parameters): the law N* = {laws['params_per_flop']['coef']:.3g} C^"

@@ -161,15 +161,15 @@ def train_point(options: SweepOptions, out_dir: Path, width: int, seconds: float
     """Train the family's model at `width` for `seconds` of training time in a train.py process of its own; its
     figures from the run's metrics.jsonl."""
     from gptlite.device import pick_device
-    from gptlite.scaling.derive import block_params, probe
+    from gptlite.scaling.derive import Probe, block_params
     from gptlite.scaling.recipe import FULL_WINDOWS, recipe, windows_per_step
 
     device = pick_device(options.device)
     # the step time sets Muon's momentum, the learning rates' horizon and, for a run of few steps, the batch
-    step_s, _ = probe(recipe(width, vocab_size, steps=1, seconds=seconds), device)
+    step_s = Probe(recipe(width, vocab_size, steps=1, seconds=seconds), device).step_seconds()
     windows = windows_per_step(seconds / step_s)
     if windows != FULL_WINDOWS:  # as train.py --budget chooses it: the runs measure the recipes it derives
-        step_s, _ = probe(recipe(width, vocab_size, steps=1, seconds=seconds, windows=windows), device)
+        step_s = Probe(recipe(width, vocab_size, steps=1, seconds=seconds, windows=windows), device).step_seconds()
     keys = recipe(width, vocab_size, steps=int(seconds / step_s), seconds=seconds, windows=windows)
     run_dir = out_dir / "runs" / f"w{width}-{seconds:g}s"
     for attempt in range(1, ATTEMPTS + 1):
