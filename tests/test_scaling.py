@@ -260,32 +260,39 @@ def test_a_time_budget_keeps_back_a_step_for_the_last_ones_overrun(char_data, tm
         assert f"time: {trained:.1f} s of training" in " ".join(notes)
 
 
-def test_a_time_budget_of_few_steps_probes_again_at_fewer_windows(char_data, tmp_path, monkeypatch):
-    """A time budget whose probed steps of the family's batch come to under STEP_FLOOR trains on the windows
-    windows_per_step gives, its step time measured again at those (it sets the steps), and its final evaluation
-    priced per token of the val split whatever the batch; a batch the user gives is kept and probed once."""
+def test_a_time_budget_of_few_steps_trains_on_fewer_windows(char_data, tmp_path, monkeypatch):
+    """A time budget times one window's step first: six of them stand for a step of the family's batch, and where
+    the steps of those come to under STEP_FLOOR the run trains on the windows windows_per_step gives, timed again
+    at those unless that is one (the step time sets the steps); its final evaluation is priced per token of the val
+    split whatever the batch. A batch the user gives is kept and timed once."""
     from gptlite.scaling import derive as derive_module
     from gptlite.scaling import laws as laws_module
 
     monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
     monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
-    probed = []
-    per_window = 54 / (STEP_FLOOR / 2) / FULL_WINDOWS  # the family's batch gets about half STEP_FLOOR steps
-    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: per_window * int(keys["batch_size"]), probed))
     val = derive_module.split_tokens(str(char_data), "val")
-    full_step_s = per_window * FULL_WINDOWS
-    full_s = 60 - 4.0 - derive_module.MARGIN_S - full_step_s  # the evaluation is timed after the batch is chosen
-    windows = windows_per_step(full_s / full_step_s)
-    assert 1 < windows < FULL_WINDOWS  # the test's own premise: a few windows, neither the floor nor the family's
-    keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
-    assert [int(k["batch_size"]) for k in probed] == [FULL_WINDOWS, windows] and keys["batch_size"] == windows
-    step_s = per_window * windows
-    trained = 60 - 4.0 - 1.2 * val * 1e-5 - derive_module.MARGIN_S - step_s
-    assert keys["max_minutes"] * 60 == pytest.approx(trained)
-    said = " ".join(notes)
-    assert f"batch: {windows} window(s) of 512 a step, not the family's 6: those would give only about" in said
-    steps = int(trained / step_s)
-    assert f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {windows * 512:,} tokens" in said
+    for share in (0.5, 0.05, 2.0):  # the family's batch would get these shares of STEP_FLOOR steps
+        probed = []
+        per_window = 54 / (STEP_FLOOR * share) / FULL_WINDOWS
+        monkeypatch.setattr(
+            derive_module, "Probe", fake_probe(lambda k, w=per_window: w * int(k["batch_size"]), probed)
+        )
+        full_step_s = per_window * FULL_WINDOWS
+        windows = windows_per_step((60 - 4.0 - derive_module.MARGIN_S - full_step_s) / full_step_s)
+        assert windows == {0.5: 3, 0.05: 1, 2.0: FULL_WINDOWS}[share]  # the test's own premise
+        keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
+        assert [int(k["batch_size"]) for k in probed] == ([1] if windows == 1 else [1, windows])
+        assert keys["batch_size"] == windows
+        step_s = per_window * windows
+        trained = 60 - 4.0 - 1.2 * val * 1e-5 - derive_module.MARGIN_S - step_s
+        assert keys["max_minutes"] * 60 == pytest.approx(trained)
+        said = " ".join(notes)
+        if windows < FULL_WINDOWS:
+            assert f"batch: {windows} window(s) of 512 a step, not the family's 6: those would give only about" in said
+        else:
+            assert "batch: 6 windows of 512 a step, the family's" in said
+        steps = int(trained / step_s)
+        assert f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {windows * 512:,} tokens" in said
 
     probed.clear()
     given = {"batch_size": "6", "data_dir": str(char_data)}

@@ -245,20 +245,28 @@ def for_time(
 ) -> tuple[dict, int]:
     """A time budget: the size the law gives for the training time left, the step time measured here (of the model
     with the `given` keys over the recipe's), at fewer windows a step where the family's batch would leave fewer
-    than STEP_FLOOR steps (timed again at those; unless the batch is given), and the final evaluation's time at the
-    chosen batch. Returns (the keys, the steps expected in that time)."""
+    than STEP_FLOOR steps (unless the batch is given), and the final evaluation's time at the chosen batch. Returns
+    (the keys, the steps expected in that time)."""
     rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
     width = nearest_width(power(laws["params_per_second"], rough))
-    probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
-    step_s = probe.step_seconds()
-    # the evaluation is not yet timed: the steps at the family's batch are counted in the time left without it
-    full_steps = (budget.amount - process_age() - MARGIN_S - step_s) / step_s
-    windows = FULL_WINDOWS if batch_given(given) else windows_per_step(full_steps)
-    if windows != FULL_WINDOWS:  # the model at fewer windows a step, timed again
-        probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}, device)
+    if batch_given(given):
+        windows, full_steps = FULL_WINDOWS, None
+        probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
         step_s = probe.step_seconds()
+    else:
+        # one window's step first: cheap where a step of the family's batch takes a second (a large vocabulary's
+        # head), and six of it are at least as long as one such step (a step's fixed costs counted six times), so
+        # the steps the family's batch would take, in the time left before the evaluation is timed, are not
+        # overcounted; then the model at the windows those steps call for, timed again unless that is one
+        probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough, windows=1), **given}, device)
+        step_s = probe.step_seconds()
+        full_steps = (budget.amount - process_age() - MARGIN_S - FULL_WINDOWS * step_s) / (FULL_WINDOWS * step_s)
+        windows = windows_per_step(full_steps)
+        if windows != 1:
+            probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}, device)
+            step_s = probe.step_seconds()
     eval_token_s = probe.eval_seconds_per_token()
     del probe  # its model and optimizers' memory, before train.py builds its own
     seconds, eval_s = training_time(budget, split_tokens(data_dir, "val"), step_s, eval_token_s)
@@ -276,7 +284,7 @@ def for_time(
         f"{laws['params_per_second']['exponent']:.3f} gives {n / 1e6:.3g}M for {seconds:.1f} s of training"
         + range_note(laws["params_per_second"])
     )
-    if not batch_given(given):
+    if full_steps is not None:
         notes.append(batch_note(windows, full_steps))
     notes.append(
         f"time: {seconds:.1f} s of training (lr_schedule=time: the decay and the windows follow the clock), after "

@@ -165,10 +165,12 @@ def train_point(options: SweepOptions, out_dir: Path, width: int, seconds: float
     from gptlite.scaling.recipe import FULL_WINDOWS, recipe, windows_per_step
 
     device = pick_device(options.device)
-    # the step time sets Muon's momentum, the learning rates' horizon and, for a run of few steps, the batch
-    step_s = Probe(recipe(width, vocab_size, steps=1, seconds=seconds), device).step_seconds()
-    windows = windows_per_step(seconds / step_s)
-    if windows != FULL_WINDOWS:  # as train.py --budget chooses it: the runs measure the recipes it derives
+    # the step time sets Muon's momentum, the learning rates' horizon and, for a run of few steps, the batch, chosen
+    # as train.py --budget chooses it (from one window's step, six of which stand for the family's), so that the
+    # runs measure the recipes it derives
+    step_s = Probe(recipe(width, vocab_size, steps=1, seconds=seconds, windows=1), device).step_seconds()
+    windows = windows_per_step(seconds / (FULL_WINDOWS * step_s))
+    if windows != 1:
         step_s = Probe(recipe(width, vocab_size, steps=1, seconds=seconds, windows=windows), device).step_seconds()
     keys = recipe(width, vocab_size, steps=int(seconds / step_s), seconds=seconds, windows=windows)
     run_dir = out_dir / "runs" / f"w{width}-{seconds:g}s"
