@@ -261,28 +261,28 @@ def test_a_time_budget_keeps_back_a_step_for_the_last_ones_overrun(char_data, tm
 
 
 def test_a_time_budget_of_few_steps_trains_on_fewer_windows(char_data, tmp_path, monkeypatch):
-    """A time budget times one window's step first: six of them stand for a step of the family's batch, and where
-    the steps of those come to under STEP_FLOOR the run trains on the windows windows_per_step gives, timed again
-    at those unless that is one (the step time sets the steps); its final evaluation is priced per token of the val
-    split whatever the batch. A batch the user gives is kept and timed once."""
+    """A time budget times one window's step first: six of them bound a step of the family's batch from above, and
+    where even twice the steps that bound gives are too few for two windows, the run trains on one, timed once;
+    else a step of the family's batch is timed, and one of the windows its steps call for (windows_per_step), where
+    those are fewer. The step time of the windows chosen sets the steps, and the final evaluation is priced per
+    token of the val split whatever the batch. A batch the user gives is kept and timed once."""
     from gptlite.scaling import derive as derive_module
     from gptlite.scaling import laws as laws_module
 
     monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
     monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
     val = derive_module.split_tokens(str(char_data), "val")
-    for share in (0.5, 0.05, 2.0):  # the family's batch would get these shares of STEP_FLOOR steps
+    rough = 60 - 4.0 - 3.0  # the training time the batch is chosen for: before the evaluation is timed
+    # the family's batch would take these shares of STEP_FLOOR steps; the windows and the steps timed that follow
+    for share, windows, timed in ((0.05, 1, [1]), (0.6, 3, [1, FULL_WINDOWS, 3]), (2.0, 6, [1, FULL_WINDOWS])):
         probed = []
-        per_window = 54 / (STEP_FLOOR * share) / FULL_WINDOWS
+        per_window = rough / (STEP_FLOOR * share) / FULL_WINDOWS  # no fixed costs: six windows take six times one
         monkeypatch.setattr(
             derive_module, "Probe", fake_probe(lambda k, w=per_window: w * int(k["batch_size"]), probed)
         )
-        full_step_s = per_window * FULL_WINDOWS
-        windows = windows_per_step((60 - 4.0 - derive_module.MARGIN_S - full_step_s) / full_step_s)
-        assert windows == {0.5: 3, 0.05: 1, 2.0: FULL_WINDOWS}[share]  # the test's own premise
+        assert windows_per_step(STEP_FLOOR * share) == windows  # the test's own premise
         keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
-        assert [int(k["batch_size"]) for k in probed] == ([1] if windows == 1 else [1, windows])
-        assert keys["batch_size"] == windows
+        assert [int(k["batch_size"]) for k in probed] == timed and keys["batch_size"] == windows
         step_s = per_window * windows
         trained = 60 - 4.0 - 1.2 * val * 1e-5 - derive_module.MARGIN_S - step_s
         assert keys["max_minutes"] * 60 == pytest.approx(trained)

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gptlite.scaling.laws import find_laws, power, saturating
@@ -256,17 +257,11 @@ def for_time(
         probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
         step_s = probe.step_seconds()
     else:
-        # one window's step first: cheap where a step of the family's batch takes a second (a large vocabulary's
-        # head), and six of it are at least as long as one such step (a step's fixed costs counted six times), so
-        # the steps the family's batch would take, in the time left before the evaluation is timed, are not
-        # overcounted; then the model at the windows those steps call for, timed again unless that is one
-        probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough, windows=1), **given}, device)
-        step_s = probe.step_seconds()
-        full_steps = (budget.amount - process_age() - MARGIN_S - FULL_WINDOWS * step_s) / (FULL_WINDOWS * step_s)
-        windows = windows_per_step(full_steps)
-        if windows != 1:
-            probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}, device)
-            step_s = probe.step_seconds()
+
+        def keys_at(windows: int) -> dict:
+            return {**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}
+
+        windows, step_s, probe, full_steps = probe_batch(keys_at, device, rough)
     eval_token_s = probe.eval_seconds_per_token()
     del probe  # its model and optimizers' memory, before train.py builds its own
     seconds, eval_s = training_time(budget, split_tokens(data_dir, "val"), step_s, eval_token_s)
@@ -295,6 +290,29 @@ def for_time(
     )
     notes.append(f"expected val loss {saturating(laws['loss_per_second'], seconds):.3f} (the law L*(t))")
     return keys, steps
+
+
+def probe_batch(keys_at: Callable[[int], dict], device: str, seconds: float) -> tuple[int, float, Probe, float]:
+    """(windows a step for a run of about `seconds` of training whose keys at w windows a step are keys_at(w), its
+    step time here, the Probe that timed it, the steps the family's FULL_WINDOWS would take): windows_per_step of
+    those steps. One window's step is timed first: six of them last at least as long as one step of six (a step's
+    fixed costs count six times), and unless those costs outweigh the tokens' work, at most twice as long. Where
+    even twice the steps that bound gives would call for one window (a large vocabulary's head at a short budget,
+    where a step of six windows takes a second), the run trains on one window, timed once; else a step of the
+    family's batch is timed, and then one of the windows it calls for, where those are fewer."""
+    probe = Probe(keys_at(1), device)
+    one_s = probe.step_seconds()
+    at_least = seconds / (FULL_WINDOWS * one_s)
+    if windows_per_step(2 * at_least) == 1:
+        return 1, one_s, probe, at_least
+    probe = Probe(keys_at(FULL_WINDOWS), device)
+    full_s = probe.step_seconds()
+    full_steps = seconds / full_s
+    windows = windows_per_step(full_steps)
+    if windows == FULL_WINDOWS:
+        return windows, full_s, probe, full_steps
+    probe = Probe(keys_at(windows), device)
+    return windows, probe.step_seconds(), probe, full_steps
 
 
 def training_time(budget: Budget, val_tokens: int, step_s: float, eval_token_s: float) -> tuple[float, float]:

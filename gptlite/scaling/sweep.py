@@ -161,17 +161,17 @@ def train_point(options: SweepOptions, out_dir: Path, width: int, seconds: float
     """Train the family's model at `width` for `seconds` of training time in a train.py process of its own; its
     figures from the run's metrics.jsonl."""
     from gptlite.device import pick_device
-    from gptlite.scaling.derive import Probe, block_params
-    from gptlite.scaling.recipe import FULL_WINDOWS, recipe, windows_per_step
+    from gptlite.scaling.derive import block_params, probe_batch
+    from gptlite.scaling.recipe import recipe
 
     device = pick_device(options.device)
+
     # the step time sets Muon's momentum, the learning rates' horizon and, for a run of few steps, the batch, chosen
-    # as train.py --budget chooses it (from one window's step, six of which stand for the family's), so that the
-    # runs measure the recipes it derives
-    step_s = Probe(recipe(width, vocab_size, steps=1, seconds=seconds, windows=1), device).step_seconds()
-    windows = windows_per_step(seconds / (FULL_WINDOWS * step_s))
-    if windows != 1:
-        step_s = Probe(recipe(width, vocab_size, steps=1, seconds=seconds, windows=windows), device).step_seconds()
+    # as train.py --budget chooses it, so that the runs measure the recipes it derives
+    def keys_at(windows: int) -> dict:
+        return recipe(width, vocab_size, steps=1, seconds=seconds, windows=windows)
+
+    windows, step_s, _, _ = probe_batch(keys_at, device, seconds)
     keys = recipe(width, vocab_size, steps=int(seconds / step_s), seconds=seconds, windows=windows)
     run_dir = out_dir / "runs" / f"w{width}-{seconds:g}s"
     for attempt in range(1, ATTEMPTS + 1):
