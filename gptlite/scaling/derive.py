@@ -40,8 +40,7 @@ FRESH_EPOCHS = 4  # passes over the data that train about as well as new tokens 
 @functools.cache
 def block_params(width: int) -> int:
     """The parameters of the blocks of the family's model at `width` (what the laws count): one block, built on the
-    CPU, times the layers (a model's blocks are alike). A whole model on the meta device would allocate nothing
-    but cost a time budget about 2 s: initialising a meta tensor imports torch's compiler stack."""
+    CPU, times the layers (a model's blocks are alike)."""
     from gptlite.config import GPTConfig
     from gptlite.model import Block
 
