@@ -25,7 +25,6 @@ import dataclasses
 import os
 import signal
 import sys
-import time
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -273,23 +272,11 @@ class StopSignals(list):
         self.previous = {}
 
 
-RANK_GRACE_S = 30.0  # seconds a rank other than 0 waits before it ends on an error (report)
-
-
 def report(line: str) -> None:
     """An error's line on stderr. Under torchrun every process runs the same checks on the same inputs (and the
-    ranks stop together on a problem rank 0 found), so rank 0 alone prints it: one line, not one per process.
-    Another rank that stops waits RANK_GRACE_S first: torchrun ends every rank once one has failed, so a rank that
-    ended first could have rank 0 ended before it printed the line (still importing torch, say), and the command
-    would stop without a word. torchrun's SIGTERM ends the waiting rank quietly; a rank whose problem rank 0 does
-    not share prints its line after the wait, naming itself."""
-    rank = os.environ.get("RANK", "0")
-    if rank == "0":
+    ranks stop together on a problem rank 0 found), so rank 0 alone prints it: one line, not one per process."""
+    if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr)
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    time.sleep(RANK_GRACE_S)
-    print(f"rank {rank}: {line}", file=sys.stderr)
 
 
 def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable[[], str] = "nothing was saved") -> int:
