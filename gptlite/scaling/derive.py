@@ -75,6 +75,13 @@ def process_age() -> float:
         return 0.0
 
 
+def train_config(keys: dict):
+    """train.py's TrainConfig for a recipe's `keys`, less the time budget's keys (its clock is not a model's)."""
+    from gptlite.config import build_config
+
+    return build_config({k: v for k, v in keys.items() if k not in ("max_minutes", "lr_schedule")})
+
+
 class Probe:
     """The model and optimizers of train.py's `keys`, built as train.py builds them, and a batch of random tokens of
     full windows, to time here: a training step (`step_seconds`) and the final evaluation (`eval_seconds_per_token`),
@@ -83,11 +90,10 @@ class Probe:
     def __init__(self, keys: dict, device: str):
         import torch
 
-        from gptlite.config import build_config
         from gptlite.model import GPT
         from gptlite.optim import configure_optimizers
 
-        self.cfg = build_config({k: v for k, v in keys.items() if k not in ("max_minutes", "lr_schedule")})
+        self.cfg = train_config(keys)
         self.device = device
         self.model = GPT(self.cfg.model).to(device)
         self.optimizers = configure_optimizers(self.model, self.cfg, device.split(":")[0])
@@ -153,9 +159,7 @@ def split_tokens(data_dir: str, split: str) -> int:
 def step_tokens(keys: dict) -> int:
     """The tokens an optimizer step of train.py's `keys` trains on (one process's: batch_size windows of block_size,
     or total_batch_size where it is set)."""
-    from gptlite.config import build_config
-
-    cfg = build_config({k: v for k, v in keys.items() if k not in ("max_minutes", "lr_schedule")})
+    cfg = train_config(keys)
     return cfg.total_batch_size or cfg.batch_size * cfg.model.block_size
 
 
