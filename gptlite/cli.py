@@ -25,6 +25,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -273,10 +274,30 @@ class StopSignals(list):
 
 
 def report(line: str) -> None:
-    """An error's line on stderr. Under torchrun every process runs the same checks on the same inputs (and the
-    ranks stop together on a problem rank 0 found), so rank 0 alone prints it: one line, not one per process."""
+    """A note's or an error's line on stderr. Under torchrun every process runs the same checks on the same inputs
+    (and the ranks stop together on a problem rank 0 found), so rank 0 alone prints it: one line, not one per
+    process."""
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr)
+
+
+RANK_GRACE_S = 30.0  # seconds a rank other than 0 waits before it ends on an error (report_error)
+
+
+def report_error(line: str) -> None:
+    """The line of an error that ends the command, as report() prints it, except that a rank other than 0 waits
+    RANK_GRACE_S before it returns. torchrun ends every rank once one has exited with an error, so a rank that
+    ended first could have rank 0 ended before it printed the line (still importing torch, say), and the command
+    would stop without a word. torchrun's SIGTERM ends the waiting rank quietly once rank 0 has failed; a rank
+    whose problem rank 0 does not share prints its line after the wait, naming itself. Notes (report()) never
+    wait: the command goes on after them."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print(line, file=sys.stderr)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(RANK_GRACE_S)
+    print(f"rank {rank}: {line}", file=sys.stderr)
 
 
 def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable[[], str] = "nothing was saved") -> int:
@@ -296,10 +317,10 @@ def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable
         print(f"\n{prog}: interrupted ({signal.Signals(signum).name}); {kept}", file=sys.stderr)
         return 128 + signum
     except USER_ERRORS as e:
-        report(f"{prog}: error: {in_words(e)}")
+        report_error(f"{prog}: error: {in_words(e)}")
         return 2
     except FloatingPointError as e:  # the loss or the gradients went non-finite and the run was told to stop
-        report(f"{prog}: error: {e}")
+        report_error(f"{prog}: error: {e}")
         return 1
     finally:
         for s, handler in previous.items():

@@ -138,3 +138,34 @@ def test_every_command_has_help_and_did_you_mean(command, typo, meant):
     out = subprocess.run([sys.executable, *path, typo], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and f"did you mean '{meant}'?" in out.stderr.replace("'--", "'"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_rank_other_than_0_waits_before_its_error_and_ends_quietly_on_sigterm(tmp_path):
+    """Under torchrun rank 0 alone prints an error's line; another rank waits first, so that torchrun, which ends
+    every rank once one has failed, cannot end rank 0 before it has printed. Ended by SIGTERM while it waits, the
+    rank stops without a word (no traceback); left to wait out the grace, it prints its own line, naming itself."""
+    import os
+    import signal
+    import time
+
+    script = (
+        "import sys, gptlite.cli as cli\n"
+        "cli.RANK_GRACE_S = float(sys.argv[1])\n"
+        "sys.exit(cli.run_command('demo', lambda: (_ for _ in ()).throw(ValueError('bad input'))))\n"
+    )
+    env = {**os.environ, "RANK": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script, "0.2"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == "rank 1: demo: error: bad input"
+    rank0 = subprocess.run(
+        [sys.executable, "-c", script, "30"], env={**env, "RANK": "0"}, capture_output=True, text=True, timeout=60
+    )
+    assert rank0.returncode == 2 and rank0.stderr.strip() == "demo: error: bad input"  # at once: no wait on rank 0
+    waiting = subprocess.Popen([sys.executable, "-c", script, "30"], env=env, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # started, failed, waiting
+    waiting.send_signal(signal.SIGTERM)
+    assert waiting.wait(timeout=20) == -signal.SIGTERM and waiting.stderr.read() == ""
+    # a note is not an error: the command goes on after it, on every rank, with no wait (a 600-s grace would
+    # overrun the timeout); and rank 1 does not print it
+    note = "import gptlite.cli as cli\ncli.RANK_GRACE_S = 600.0\ncli.report('demo: note: spelled --new now')\n"
+    noted = subprocess.run([sys.executable, "-c", note], env=env, capture_output=True, text=True, timeout=60)
+    assert noted.returncode == 0 and noted.stderr == ""
