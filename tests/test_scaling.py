@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gptlite.scaling.derive import Probe, block_params, nearest_width
-from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating
+from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating, size_at
 from gptlite.scaling.recipe import (
     FULL_WINDOWS,
     SHORT_STEPS,
@@ -132,9 +132,73 @@ def test_an_optimum_past_the_sizes_run_is_flagged():
     runs = [r for r in synthetic_runs() if r["seconds"] == 80.0]
     small = sorted(runs, key=lambda r: r["params"])[:3]  # the valley's bottom is at the largest of these
     point = optimum(small)
-    assert point["edge"] and point["params"] == pytest.approx(small[-1]["params"])
+    assert point["edge"] and point["params"] == pytest.approx(small[-1]["params"]) and point["side"] == "largest"
+    large = sorted(runs, key=lambda r: r["params"])[-3:]  # the bottom is below the smallest of these
+    assert optimum(large)["side"] == "smallest" and optimum(runs)["side"] == ""
     with pytest.raises(ValueError, match="at least 2 budgets"):
         fit_laws(runs)
+
+
+def edge_laws(short_steps: int = 200) -> dict:
+    """Laws whose size law N* = 1e3 t is fitted through 40 s and 80 s, with a 20-s budget whose best run was the
+    smallest width (5,000 parameters, its run `short_steps` steps long) and a 320-s one whose best was the largest
+    (1e6): the law gives 19,000 at 19 s and 400,000 at 400 s, past what those bounds allow."""
+    point = {"val_loss": 3.0, "flops": 1e12, "tokens": 1e5}
+    return {
+        "params_per_second": {"coef": 1e3, "exponent": 1.0},
+        "frontier": [
+            {**point, "seconds": 20.0, "params": 5e3, "edge": True, "side": "smallest", "steps": short_steps},
+            {**point, "seconds": 40.0, "params": 4e4, "edge": False, "side": "", "steps": 300},
+            {**point, "seconds": 80.0, "params": 8e4, "edge": False, "side": "", "steps": 400},
+            {**point, "seconds": 320.0, "params": 1e6, "edge": True, "side": "largest", "steps": 900},
+        ],
+    }
+
+
+def test_the_size_law_is_held_within_what_the_edge_budgets_bound():
+    """A budget whose best run was the smallest width bounds the optimum from above there and at any shorter
+    budget (the optimal size grows with the budget); the largest width, from below there and at any longer one.
+    Inside, and where the edge's best run was too short to say (MIN_FIT_STEPS), the law alone."""
+    from gptlite.scaling.laws import MIN_FIT_STEPS
+
+    laws = edge_laws()
+    params, why = size_at(laws, 19.0)
+    assert params == 5e3 and why.startswith("held at most 0.005M: the sweep's best run at 20 s was its smallest")
+    assert size_at(laws, 20.0)[0] == 5e3 and size_at(laws, 10.0)[0] == 5e3
+    assert size_at(laws, 25.0) == (pytest.approx(25e3), "")  # past the 20-s bound: the law
+    assert size_at(laws, 4.0) == (pytest.approx(4e3), "")  # the law is already below the bound
+    params, why = size_at(laws, 400.0)
+    assert params == 1e6 and "held at least 1M" in why and "its largest width" in why
+    assert size_at(laws, 300.0) == (pytest.approx(3e5), "")
+    assert size_at(edge_laws(short_steps=MIN_FIT_STEPS - 1), 19.0) == (pytest.approx(19e3), "")
+    for point in laws["frontier"]:  # laws fitted before the frontier named an edge's side: no bounds
+        del point["side"]
+    assert size_at(laws, 19.0) == (pytest.approx(19e3), "")
+
+
+def test_a_time_budget_sizes_the_model_for_the_training_time_left(char_data, tmp_path, monkeypatch):
+    """The width is chosen first for a rough training time, before the final evaluation is priced; where the time
+    left once it is (here far less: a slow evaluation) calls for another width, that one is measured too and
+    trains. A width the user gives is kept, measured once."""
+    from gptlite.scaling import derive as derive_module
+
+    laws = {**edge_laws(), "loss_per_second": {"E": 1.0, "A": 1.0, "alpha": 0.5}}
+    monkeypatch.setattr(derive_module, "find_laws", lambda *args: (laws, "test laws"))
+    monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
+    val = derive_module.split_tokens(str(char_data), "val")
+    eval_token_s = 35.0 / (1.2 * val)  # 35 s of final evaluation
+    probed = []
+    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: 0.01, probed, eval_token_s))
+    keys, notes = derive_module.derive("60s", str(char_data), 65, "cpu", given={"batch_size": "6"})
+    rough = 60 - 4.0 - 3.0  # 53 s: N* = 53,000, width 48 (30,000 block parameters); 19.5 s left: held at 5,000
+    assert nearest_width(power(laws["params_per_second"], rough)) == 48 and nearest_width(5e3) == 24
+    assert [k["n_embd"] for k in probed] == [48, 24] and keys["n_embd"] == 24
+    trained = 60 - 4.0 - 35.0 - derive_module.MARGIN_S - 0.01
+    assert keys["max_minutes"] * 60 == pytest.approx(trained) and trained < 20
+    assert "held at most 0.005M" in " ".join(notes)
+    probed.clear()
+    keys, _ = derive_module.derive("60s", str(char_data), 65, "cpu", given={"batch_size": "6", "n_embd": "48"})
+    assert [k["n_embd"] for k in probed] == ["48"]
 
 
 def too_short(runs: list[dict], budgets: tuple[float, ...]) -> list[dict]:

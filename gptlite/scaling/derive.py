@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gptlite.scaling.laws import find_laws, power, saturating
+from gptlite.scaling.laws import find_laws, power, saturating, size_at
 from gptlite.scaling.recipe import (
     BLOCK_SIZE,
     FULL_WINDOWS,
@@ -249,25 +249,39 @@ def for_time(
 ) -> tuple[dict, int]:
     """A time budget: the size the law gives for the training time left, the step time measured here (of the model
     with the `given` keys over the recipe's), at fewer windows a step where the family's batch would leave fewer
-    than STEP_FLOOR steps (unless the batch is given), and the final evaluation's time at the chosen batch. Returns
-    (the keys, the steps expected in that time)."""
+    than STEP_FLOOR steps (unless the batch is given), and the final evaluation's time at the chosen batch. The
+    size is chosen first for a rough training time (before the evaluation is priced); where the time left once it
+    is gives another width, that width is measured again and kept. Returns (the keys, the steps expected in that
+    time)."""
     rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
-    width = nearest_width(power(laws["params_per_second"], rough))
-    if batch_given(given):
-        windows, full_steps = FULL_WINDOWS, None
-        probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
-        step_s = probe.step_seconds()
-    else:
+    val_tokens = split_tokens(data_dir, "val")
 
-        def keys_at(windows: int) -> dict:
-            return {**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}
+    def measured(width: int) -> tuple[int, float, float | None, float, float]:
+        """(windows a step, step seconds, the family's steps or None, training seconds, evaluation seconds) of
+        `width` here."""
+        if batch_given(given):
+            windows, full_steps = FULL_WINDOWS, None
+            probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
+            step_s = probe.step_seconds()
+        else:
 
-        windows, step_s, probe, full_steps = probe_batch(keys_at, device, rough)
-    eval_token_s = probe.eval_seconds_per_token()
-    del probe  # its model and optimizers' memory, before train.py builds its own
-    seconds, eval_s = training_time(budget, split_tokens(data_dir, "val"), step_s, eval_token_s)
+            def keys_at(windows: int) -> dict:
+                return {**recipe(width, vocab_size, steps=1, seconds=rough, windows=windows), **given}
+
+            windows, step_s, probe, full_steps = probe_batch(keys_at, device, rough)
+        eval_token_s = probe.eval_seconds_per_token()
+        del probe  # its model and optimizers' memory, before train.py (or the next probe) builds its own
+        seconds, eval_s = training_time(budget, val_tokens, step_s, eval_token_s)
+        return windows, step_s, full_steps, seconds, eval_s
+
+    width = nearest_width(size_at(laws, rough)[0])
+    windows, step_s, full_steps, seconds, eval_s = measured(width)
+    for_seconds = nearest_width(size_at(laws, seconds)[0])
+    if for_seconds != width and "n_embd" not in given:  # one more measurement: the time left decides the width
+        width = for_seconds
+        windows, step_s, full_steps, seconds, eval_s = measured(width)
     if seconds < 5:
         raise ValueError(
             f"--budget={budget.text} leaves {seconds:.1f} s to train once start-up and the final evaluation "
@@ -275,12 +289,12 @@ def for_time(
         )
     steps = int(seconds / step_s)
     keys = recipe(width, vocab_size, steps=steps, seconds=seconds, windows=windows)
-    n = power(laws["params_per_second"], seconds)
+    held = size_at(laws, seconds)[1]
     notes.append(
         f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
         f"block parameters): the law N* = {laws['params_per_second']['coef']:.3g} t^"
-        f"{laws['params_per_second']['exponent']:.3f} gives {n / 1e6:.3g}M for {seconds:.1f} s of training"
-        + range_note(laws["params_per_second"])
+        f"{laws['params_per_second']['exponent']:.3f} gives {power(laws['params_per_second'], seconds) / 1e6:.3g}M "
+        f"for {seconds:.1f} s of training" + range_note(laws["params_per_second"]) + (f", {held}" if held else "")
     )
     if full_steps is not None:
         notes.append(batch_note(windows, full_steps))

@@ -79,8 +79,9 @@ def optimum(runs: list[dict]) -> dict:
     log(params) through the best run and its two neighbours in size, its lowest point (the valley is not a parabola
     far from its bottom: too small a model saturates, too large a one hardly trains, so the runs far from the best
     are left out). Where the best run is the smallest or the largest, that run, with `edge` True: the budget wanted
-    a size the sweep did not reach. The FLOPs and tokens of a run at that size are interpolated in log-log between
-    the three runs; `steps` are the best run's optimizer steps."""
+    a size the sweep did not reach, and `side` says which ("smallest" or "largest"; "" inside). The FLOPs and
+    tokens of a run at that size are interpolated in log-log between the three runs; `steps` are the best run's
+    optimizer steps."""
     runs = sorted(runs, key=lambda r: r["params"])
     u = np.log([r["params"] for r in runs])
     loss = np.array([r["val_loss"] for r in runs])
@@ -103,8 +104,35 @@ def optimum(runs: list[dict]) -> dict:
         "flops": float(math.exp(np.polyval(flops, u_star))),
         "tokens": float(math.exp(np.polyval(tokens, u_star))),
         "edge": bool(edge),
+        "side": ("smallest" if best == 0 else "largest") if edge else "",
         "steps": int(runs[best]["steps"]),
     }
+
+
+def size_at(laws: dict, seconds: float) -> tuple[float, str]:
+    """The optimal block parameters for `seconds` of training, and "" or why: the law N*(t), held within what the
+    sweep's edge budgets bound. A budget whose best run was the smallest width run says that its optimum is at most
+    that size; the optimal size grows with the budget, so it is at most that size for a shorter run too (a largest
+    width best: at least that size for a longer run). The law, fitted through the budgets whose optimum lay inside
+    the widths, knows nothing of those bounds, and extrapolated below its shortest budget it can give a size the
+    sweep measured to be too large. A budget whose best run trained fewer than MIN_FIT_STEPS steps bounds nothing:
+    its clock, not its size, decided it. (Laws fitted before the frontier recorded an edge's side hold no bounds.)"""
+    params = power(laws["params_per_second"], seconds)
+    why = ""
+    for point in sorted(laws["frontier"], key=lambda p: p["seconds"]):
+        side = point.get("side", "")
+        if not side or point["steps"] < MIN_FIT_STEPS:
+            continue
+        below = side == "smallest" and seconds <= point["seconds"] and params > point["params"]
+        above = side == "largest" and seconds >= point["seconds"] and params < point["params"]
+        if below or above:
+            params = point["params"]
+            why = (
+                f"held at {'most' if below else 'least'} {params / 1e6:.3g}M: the sweep's best run at "
+                f"{point['seconds']:g} s was its {side} width, and a {'shorter' if below else 'longer'} run's "
+                f"optimum is no {'larger' if below else 'smaller'}"
+            )
+    return params, why
 
 
 def frontier(runs: list[dict]) -> dict[float, dict]:
