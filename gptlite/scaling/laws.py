@@ -200,10 +200,7 @@ def bound_note(every: dict[float, dict], runs: list[dict]) -> str:
     below, above = [], []
     for seconds, point in every.items():
         if point["edge"]:
-            at = [r for r in runs if r["seconds"] == seconds]
-            best = min(at, key=lambda r: r["val_loss"])
-            smallest = best["params"] == min(r["params"] for r in at)
-            (below if smallest else above).append(seconds)
+            (below if point["side"] == "smallest" else above).append(seconds)
     if len(below) >= len(above):
         side, edge_width, budgets, more = "smallest", widths[0], below, [w for w in WIDTHS if w < widths[0]][-2:]
     else:
