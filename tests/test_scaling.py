@@ -253,6 +253,30 @@ def test_laws_whose_optima_lie_past_the_widths_say_so_and_what_to_sweep(sizes, s
     assert advice in laws["size_note"]
 
 
+def test_a_check_that_misses_the_law_says_which_budget_to_add(tmp_path, capsys):
+    """The check at 3x the longest budget, its run already in runs.jsonl (`earlier`): within 2% of the law it says
+    nothing more; past it, by how much, which way, and the sweep's budgets with twice the longest added."""
+    from gptlite.scaling.sweep import SweepOptions, check_run
+
+    laws = fit_laws(synthetic_runs())
+    budgets = [10.0, 20.0, 40.0, 80.0]
+    predicted = saturating(laws["loss_per_second"], 240.0)
+    width = nearest_width(power(laws["params_per_second"], 240.0))
+    for ratio, said in [(1.019, ""), (0.985, ""), (1.035, "3.5% above"), (0.97, "3.0% below")]:
+        earlier = [{"width": width, "seconds": 240.0, "val_loss": ratio * predicted, "check": True}]
+        check = check_run(SweepOptions(data_dir=str(tmp_path)), tmp_path, laws, budgets, 65, earlier)
+        printed = capsys.readouterr().out
+        assert check["predicted"] == pytest.approx(predicted) and check["off"] == pytest.approx(ratio - 1)
+        assert f"check: 240 s of training (3x the largest budget) at width {width}" in printed
+        if not said:
+            assert check["note"] == "" and "note:" not in printed
+            continue
+        assert check["note"].startswith(f"the check lay {said} the law, more than 2%: ")
+        assert ("flattened more" if ratio > 1 else "fell further") in check["note"]
+        assert "--budgets=10s,20s,40s,80s,160s" in check["note"] and f"note: {check['note']}" in printed
+    assert not (tmp_path / "runs.jsonl").exists()  # nothing trained: the check's run was the earlier one
+
+
 def test_a_run_that_repeats_the_data_more_than_a_few_times_is_warned(char_data, tmp_path, monkeypatch):
     from gptlite.scaling import laws as laws_module
     from gptlite.scaling.derive import FRESH_EPOCHS, derive, repetition_note, split_tokens
