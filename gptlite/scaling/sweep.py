@@ -103,7 +103,7 @@ def sweep(options: SweepOptions) -> int:
     laws["machine"] = machine_key()
     laws["runs"] = runs
     if options.check:
-        earlier = [r for r in every_run if r.get("check") and r["seconds"] == 3 * max(budgets)]
+        earlier = [r for r in every_run if r.get("check")]
         laws["check"] = check_run(options, out_dir, laws, budgets, vocab_size, earlier)
     save_laws(laws, out_dir / LAWS_FILE)
     print_laws(laws)
@@ -243,13 +243,14 @@ def check_run(
     options: SweepOptions, out_dir: Path, laws: dict, budgets: list[float], vocab_size: int, earlier: list[dict]
 ) -> dict:
     """The recipe the laws give for three times the longest of the sweep's `budgets` of training, trained (or this
-    sweep's earlier run of it, `earlier`, kept in runs.jsonl), against the loss the law predicts for it."""
+    sweep's earlier run of it, among the check runs kept in runs.jsonl, `earlier`), against the loss the law predicts
+    for it."""
     from gptlite.scaling.derive import nearest_width
     from gptlite.scaling.laws import power, saturating
 
     seconds = 3 * max(budgets)
     width = nearest_width(power(laws["params_per_second"], seconds))
-    done = [r for r in earlier if r["width"] == width]
+    done = [r for r in earlier if r["seconds"] == seconds and r["width"] == width]
     if done:
         run = done[-1]
     else:
