@@ -53,6 +53,7 @@ from gptlite.config import TrainConfig, config_to_dict
 from gptlite.device import (
     CpuThreads,
     autocast,
+    batch_mover,
     compile_unavailable,
     cpu_summary,
     out_of_memory_advice,
@@ -72,6 +73,7 @@ from gptlite.objective import make_objective
 from gptlite.optim import WeightAverage, configure_optimizers, lr_at
 from gptlite.run_config import NO_DATA_DIR, resolve_config
 from gptlite.tokenizer import TOKENIZER_FILE, check_same_tokenizer, load_tokenizer
+from gptlite.update import make_update, step_stats
 
 
 def main(argv: list[str]) -> int:
@@ -118,6 +120,7 @@ def train(
     use_device(device)
     dtype = getattr(torch, pick_dtype(cfg.dtype, device))
     amp = autocast(device, dtype)
+    to_device = batch_mover(device)  # a GPU's batches through page-locked memory
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     # ---------------------------------------------------------------------------------------------
@@ -240,6 +243,7 @@ def train(
         fully_shard(model)
     optimizers = configure_optimizers(model, cfg, device_type)
     ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None  # what the end of the run evaluates
+    update = make_update(optimizers, scaler, ema, device_type)  # the update, decided on the host or the GPU
 
     # ---------------------------------------------------------------------------------------------
     # 8. Resume: weights, optimizer state, loss scale, data position, step, best val loss and random streams.
@@ -353,7 +357,7 @@ def train(
         step_loss = torch.zeros((), device=device)
         try:
             for micro, (x, y) in enumerate(batches):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T) each
+                x, y = to_device(x), to_device(y)  # (B, T) each
                 # DDP and FSDP average gradients across ranks during backward. Within a step that is needed once,
                 # after the last micro-batch: until then every rank only accumulates its own.
                 last_micro = micro == len(batches) - 1
@@ -378,33 +382,30 @@ def train(
             grad_norm = grad_norm.full_tensor()
 
         # every rank agrees on the loss, the gradient norm, the objective's figures and whether to stop: one
-        # all-reduce, one host sync
+        # all-reduce
         elapsed = (time.time() - t_start) / 60
         out_of_time = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
         votes = torch.tensor([float(bool(signals) or out_of_time), float(out_of_time), elapsed], device=device)
         step_figures = objective.figures()  # name -> 0-d tensor
-        stats = torch.cat([torch.stack([step_loss, grad_norm.float(), *step_figures.values()]), votes])
+        stats = step_stats(step_loss, grad_norm, step_figures, votes)
         if world_size > 1:
             dist.all_reduce(stats)
             stats /= world_size
-        loss_value, norm, *values, stop_votes, time_votes, minutes = stats.tolist()
-        figures = dict(zip(step_figures, values, strict=True))  # name -> its mean over the ranks
-        stop, timed_out = stop_votes > 0, time_votes > 0
 
-        # the update, unless the loss or the gradient norm is not finite. With float16, gradients that overflowed
-        # skip every optimizer's step (the scaler alone decides per optimizer: Muon could step while AdamW skips)
-        # and scaler.update() lowers the scale; such a step is no fault.
-        finite = math.isfinite(loss_value) and (scaler.is_enabled() or math.isfinite(norm))
-        if finite and math.isfinite(norm):
-            for opt in optimizers:
-                scaler.step(opt)
-            if ema is not None:
-                ema.update()
-        scaler.update()
+        # the update, unless the loss or the gradient norm is not finite, and the figures the host reads now: this
+        # step's, or where the update is decided on the GPU itself, the step's before (gptlite.update), so that
+        # the host queues the next step's work while this one runs. Those are read at once only where the loop
+        # needs them: an evaluation and save, a stop, the last step.
+        step += 1
+        records = update.apply(step, lr, no_update, list(step_figures), stats)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-        step += 1
-        steps_since_log += 1
+        if update.pending and (step == cfg.max_iters or step % cfg.eval_interval == 0 or any(r.stop for r in records)):
+            records += update.flush()
+        stop = any(r.stop for r in records)
+        timed_out = any(r.timed_out for r in records)
+        if records:
+            minutes = records[-1].minutes
         # the pace: a run that will take long without a time budget says so after its first step (its second when
         # the first compiled)
         if step == first_step + (2 if compiled else 1) and not cfg.max_minutes:
@@ -425,46 +426,53 @@ def train(
             log(f"step {step:5d} | the weights are now their moving average (ema_decay={cfg.ema_decay:g})")
 
         # log: a line and a row of metrics.jsonl every log_interval steps; a step that made no update always
-        if no_update and master:
-            metrics.write(step=step, event=no_update)
-        if not finite:
-            if master:
-                metrics.write(step=step, event="nonfinite", loss=loss_value, grad_norm=norm)
-            problem = f"step {step}: loss {loss_value}, gradient norm {norm} are not finite"
-            if cfg.on_nan == "stop" and step_files(out_dir):
-                raise FloatingPointError(
-                    f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in {out_dir}; "
-                    "resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such steps"
-                )
-            if cfg.on_nan == "stop":
-                raise FloatingPointError(
-                    f"{problem}; stopped before any checkpoint was saved (on_nan=stop); run the command again with "
-                    "--overwrite and a lower --learning_rate, or --on_nan=skip to skip such steps"
-                )
-            log(f"{problem}; skipped this update (on_nan=skip)")
-        elif (step % cfg.log_interval == 0 or last) and not no_update:  # a skipped step's figures are not figures
+        for record in records:
+            steps_since_log += 1
+            if record.no_update and master:
+                metrics.write(step=record.step, event=record.no_update)
+            if not record.finite:
+                if master:
+                    metrics.write(step=record.step, event="nonfinite", loss=record.loss, grad_norm=record.grad_norm)
+                problem = f"step {record.step}: loss {record.loss}, gradient norm {record.grad_norm} are not finite"
+                if cfg.on_nan == "stop" and step_files(out_dir):
+                    raise FloatingPointError(
+                        f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in "
+                        f"{out_dir}; resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such "
+                        "steps"
+                    )
+                if cfg.on_nan == "stop":
+                    raise FloatingPointError(
+                        f"{problem}; stopped before any checkpoint was saved (on_nan=stop); run the command again "
+                        "with --overwrite and a lower --learning_rate, or --on_nan=skip to skip such steps"
+                    )
+                log(f"{problem}; skipped this update (on_nan=skip)")
+                continue
+            if record.no_update:  # a skipped step's figures are not figures
+                continue
+            if record.step % cfg.log_interval and not (last and record.step == step):
+                continue
             dt = (time.perf_counter() - t_last) / steps_since_log
             t_last = time.perf_counter()
             steps_since_log = 0
             tokens_per_s = total_batch / dt
             step_mfu = mfu(flops_per_token, tokens_per_s / world_size, peak)
             log(
-                f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
-                f"{dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
+                f"step {record.step:5d} | loss {record.loss:.4f} | lr {record.lr:.2e} | "
+                f"grad norm {record.grad_norm:.3f} | {dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
                 + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%")
-                + objective.log_text(figures)
+                + objective.log_text(record.figures)
             )
             if master:
                 metrics.write(
-                    step=step,
-                    tokens=step * total_batch,
-                    loss=loss_value,
-                    lr=lr,
-                    grad_norm=norm,
+                    step=record.step,
+                    tokens=record.step * total_batch,
+                    loss=record.loss,
+                    lr=record.lr,
+                    grad_norm=record.grad_norm,
                     ms_per_step=dt * 1000,
                     tokens_per_s=tokens_per_s,
                     mfu=step_mfu,
-                    **objective.log_fields(figures),
+                    **objective.log_fields(record.figures),
                 )
 
         # evaluate and save: every eval_interval steps and at the end; a stop saves without evaluating

@@ -16,6 +16,7 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -107,6 +108,15 @@ def autocast(device: str, dtype: torch.dtype) -> contextlib.AbstractContextManag
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.split(":")[0], dtype=dtype)
+
+
+def batch_mover(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a training batch goes to `device`: to a GPU through page-locked host memory, whose copy is queued behind the
+    GPU's earlier work without the host waiting for it (a copy from ordinary memory may wait for the stream); to
+    other devices as it is."""
+    if device.startswith("cuda"):
+        return lambda t: t.pin_memory().to(device, non_blocking=True)
+    return lambda t: t.to(device)
 
 
 def compile_unavailable(device_type: str) -> str | None:
