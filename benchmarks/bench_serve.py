@@ -218,7 +218,8 @@ def memory(pid: int) -> dict[str, int]:
 def server_env() -> dict[str, str]:
     """The environment of the processes the script starts: this checkout's gptlite, and no network for Hugging
     Face's libraries (everything they load is on disk)."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # wheels carried beside it
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
 def gptlite_command(source: str, options: BenchOptions, *extra: str) -> list[str]:

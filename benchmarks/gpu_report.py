@@ -1,28 +1,29 @@
-"""Check and measure gptlite on an NVIDIA GPU in one command, and print the results as a table.
+"""Check and measure gptlite on an NVIDIA GPU in one command of about 8 minutes, and print the results as a table.
 
     python benchmarks/gpu_report.py --corpus=tinyshakespeare.txt --tiktoken=gpt2.tiktoken --json=report.json
+    python benchmarks/gpu_report.py --device=cpu --tiny --corpus=... --tiktoken=...   # a dry run of the script
 
 Each row runs the toolkit as a user does, in its own process and with a time limit, so that one failure
-leaves the other rows standing:
-    1 tests     the device-generic tests on CUDA (GPTLITE_TEST_DEVICE=cuda python -m pytest)
-    2 recipe    configs/shakespeare_char_gpu.toml through train.py: final val loss and the command's wall time
-    3 mfu       GPT-2 124M shape (block 1024, bf16, compile) through train.py, largest batch that fits:
-                tokens/s and MFU as train.py logs them (the median of its log lines after the first), with the
-                chunked head + loss (the default) and then with --chunked_loss=false at the same batch
-    4 generate  benchmarks/bench_generate.py at the 124M shape, batch 1 and 8: gptlite's default and
-                compiled (CUDA graphs) decode against Hugging Face `generate`, in one process
-    5 sample    sample.py from row 2's checkpoint, with and without --compile
-    6 hellaswag HellaSwag throughput, once gptlite has an evaluation module
-    7 open      benchmarks/bench_open_models.py at the SmolLM2-360M shape: loading memory (host and GPU) and
-                GQA decode tokens/s at batch 1 and 8 in bf16 against transformers
-    8 lora      benchmarks/bench_lora.py: LoRA against full fine-tuning at that shape, bf16, time per step and
-                the peak GPU memory train.py reports, with and without --activation_checkpointing
-    9 serve     benchmarks/bench_serve.py: the server's tokens/s at 1, 8 and 32 concurrent streams (GPT-2
-                124M shape) against the same requests one after another; needs fastapi, uvicorn and httpx
-Needs no network and no wandb: the corpus (tiny Shakespeare) and the GPT-2 BPE ranks (a .tiktoken file) come
-as paths. Data, runs and every command's log (each line with its seconds since the start) go to --work_dir;
-nothing there is deleted. `--smoke` shrinks every row to seconds (any device, the CPU too) to check the
-script itself; its figures mean nothing.
+leaves the other rows standing. The default rows, in the order they run (the most wanted first):
+    mfu       GPT-2 124M shape (block 1024, bf16, compile) through train.py at --mfu_batch_sizes' first batch that
+              fits: tokens/s and MFU as train.py logs them (the median of its log lines after the first), with the
+              chunked head + loss (the default) and then with --chunked_loss=false (inductor's fused cross-entropy)
+    tests     GPTLITE_TEST_DEVICE=cuda python -m pytest -q -m "not slow": the device-generic tests on the GPU
+    generate  benchmarks/bench_generate.py at the 124M shape, batch 1 and 8: gptlite's default and compiled
+              (CUDA graphs) decode against Hugging Face `generate`, in one process
+    speedrun  configs/shakespeare_char_gpu_90s.toml through train.py: the val loss of 90 s of wall-clock
+    sample    sample.py from the speedrun's checkpoint (row generate measures the compiled decode)
+    serve     benchmarks/bench_serve.py: the server's tokens/s at 8 and 32 concurrent streams (GPT-2 124M shape)
+              against the same requests one after another; needs fastapi, uvicorn and llguidance
+    budget    train.py --budget=2min on GPT-2 tokens of the corpus: what it chose, and the val loss it reached
+    profile   benchmarks/profile_train_step.py: where the 124M step's GPU time goes (the faster loss of row mfu)
+and, when asked for with --checks: open (bench_open_models.py, SmolLM2-360M shape: loading memory and GQA decode)
+and lora (bench_lora.py: LoRA against full fine-tuning). A row that would start after --deadline seconds is
+listed as not run, and every command ends by --hard_stop seconds, so that the table comes back within a lease
+(--checks=... runs the rest in a second call). Needs no network and no wandb: the corpus (tiny Shakespeare) and
+the GPT-2 BPE ranks (a .tiktoken file) come as paths. Data, runs and every command's log (each line with its seconds
+since the start) go to --work_dir; nothing there is deleted. `--tiny` shrinks every row to seconds (any device, the
+CPU too) to check the script itself; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import math
 import os
+import platform
 import re
 import shutil
 import signal
@@ -45,15 +48,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # gptlite from this checkout, installed or not (row 6 looks for a module of it)
+sys.path.insert(0, str(ROOT))  # gptlite from this checkout, installed or not
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.device import cpu_summary, machine_line  # noqa: E402
 
-CHECKS = ("tests", "recipe", "mfu", "generate", "sample", "hellaswag", "open", "lora", "serve")
-RECIPE = "configs/shakespeare_char_gpu.toml"
+CHECKS = ("mfu", "tests", "generate", "speedrun", "sample", "serve", "budget", "profile", "open", "lora")
+DEFAULT_CHECKS = CHECKS[:8]
+SPEEDRUN = "configs/shakespeare_char_gpu_90s.toml"
 MFU_CONFIG = "configs/gpt2_124m.toml"
-SMOKE_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--compile=false"]
+TINY_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--compile=false"]
 
 
 class Report:
@@ -73,8 +77,8 @@ class Report:
     def table(self) -> str:
         h = self.header
         title = (
-            f"gptlite GPU report | {h['device']} | torch {h['torch']} (CUDA {h['cuda']}) | {h['date']} | "
-            f"commit {h['commit']}{' | SMOKE RUN: figures mean nothing' if h['smoke'] else ''}"
+            f"gptlite GPU report | {h['device']} (driver {h['driver']}) | torch {h['torch']} (CUDA {h['cuda']}) | "
+            f"{h['date']} | commit {h['commit']}{' | TINY DRY RUN: figures mean nothing' if h['tiny'] else ''}"
         )
         lines = [title, "", "| check | result | goal | status |", "|---|---|---|---|"]
         lines += [f"| {r['check']} | {r['result']} | {r['goal']} | {r['status']} |" for r in self.rows]
@@ -120,6 +124,11 @@ def run(
     return (None if expired else code), lines
 
 
+def time_left(args) -> float:
+    """A command's time limit: --row_timeout, or less where the report's --hard_stop comes sooner."""
+    return max(1.0, min(args.row_timeout, args.stop_at - time.monotonic()))
+
+
 def tail(lines: list[tuple[float, str]], n: int = 1) -> str:
     return " / ".join(line for _, line in lines[-n:] if line.strip())[-300:]
 
@@ -132,6 +141,7 @@ def failed(what: str, code: int | None, lines: list[tuple[float, str]], log: Pat
 def prepare_data(args, name: str, inputs: list[Path], tokenizer: str) -> Path:
     """work_dir/NAME: token shards of `inputs` through data/prepare.py (a finished folder is reused)."""
     out = args.work / name
+    log = args.logs / f"prepare_{name}.log"
     code, lines = run(
         [
             sys.executable,
@@ -141,12 +151,22 @@ def prepare_data(args, name: str, inputs: list[Path], tokenizer: str) -> Path:
             f"--tokenizer={tokenizer}",
             f"--out_dir={out}",
         ],
-        args.logs / f"prepare_{name}.log",
-        600,
+        log,
+        300,
     )
     if code != 0:
-        raise RuntimeError(failed("data/prepare.py", code, lines, args.logs / f"prepare_{name}.log"))
+        raise RuntimeError(failed("data/prepare.py", code, lines, log))
     return out
+
+
+def corpus_copies(args, copies: int) -> Path:
+    """work_dir/corpus_xN.txt: the corpus N times over (a val split that holds a batch of 64 x 1024 GPT-2 tokens)."""
+    corpus = args.work / f"corpus_x{copies}.txt"
+    if not corpus.is_file():
+        text = args.corpus.read_text(encoding="utf-8")
+        corpus.with_suffix(".tmp").write_text(text * copies, encoding="utf-8")
+        corpus.with_suffix(".tmp").replace(corpus)
+    return corpus
 
 
 def new_run_dir(args, name: str) -> Path:
@@ -154,105 +174,19 @@ def new_run_dir(args, name: str) -> Path:
     return args.work / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def train_rows(out: Path) -> list[dict]:
+    """The run's metrics.jsonl rows ([] if it wrote none)."""
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
 # ---------------------------------------------------------------------------------------------
 # The checks: each adds one or more rows
 
 
-def check_tests(args, report: Report) -> None:
-    shared = args.work / "shared"  # laid out as ../shared, for the tests that read the corpus and the ranks
-    for relative, source in (("data/tinyshakespeare.txt", args.corpus), ("tokenizers/gpt2.tiktoken", args.tiktoken)):
-        (shared / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, shared / relative)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    workers = ["-n", "4"] if importlib.util.find_spec("xdist") and not args.smoke else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        *workers,
-        *(["tests/test_model.py"] if args.smoke else ["tests"]),
-    ]
-    log = args.logs / "tests.log"
-    start = time.monotonic()
-    code, lines = run(cmd, log, args.timeout, env={"GPTLITE_TEST_DEVICE": device, "GPTLITE_SHARED": str(shared)})
-    summary = next(
-        (line.strip("= ") for _, line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), ""
-    )
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)}
-    ok = code == 0 and counts.get("passed", 0) > 0
-    result = f"{summary} ({time.monotonic() - start:.0f} s)" if summary else failed("pytest", code, lines, log)
-    report.add(
-        f"1. test suite on {device} (GPTLITE_TEST_DEVICE={device})",
-        result,
-        "all pass",
-        "pass" if ok else "FAIL",
-        counts=counts,
-        exit_code=code,
-        log=str(log),
-    )
-
-
-def check_recipe(args, report: Report) -> Path | None:
-    """Row 2; returns the run folder for sample.py (None if training failed)."""
-    data = prepare_data(args, "shakespeare_char", [args.corpus], "char")
-    out = new_run_dir(args, "shakespeare_char_gpu")
-    smoke = (
-        [
-            *SMOKE_MODEL,
-            "--max_iters=20",
-            "--eval_interval=10",
-            "--eval_iters=2",
-            "--log_interval=5",
-            "--batch_size=8",
-            "--block_size=64",
-        ]
-        if args.smoke
-        else []
-    )
-    log = args.logs / "recipe.log"
-    code, lines = run(
-        [sys.executable, "train.py", RECIPE, f"--data_dir={data}", f"--out_dir={out}", *smoke], log, args.timeout
-    )
-    wall = lines[-1][0] if lines else 0.0
-    vals = [(t, float(m.group(2))) for t, line in lines if (m := re.match(r"step\s+(\d+) \| val loss ([\d.]+)", line))]
-    steps = [t for t, line in lines if re.match(r"step\s+\d+ \| loss", line)]
-    if code != 0 or not vals:
-        report.add(
-            "2. Shakespeare-char GPU recipe",
-            failed("train.py", code, lines, log),
-            "val <= 1.47 in < 60 s",
-            "FAIL",
-            log=str(log),
-        )
-        return None
-    val = vals[-1][1]
-    ok = val <= 1.47 and wall < 60
-    first = f", first step logged at {steps[0]:.1f} s" if steps else ""
-    report.add(
-        f"2. Shakespeare-char GPU recipe ({RECIPE})",
-        f"val {val:.4f} in {wall:.1f} s wall{first}",
-        "val <= 1.47 in < 60 s",
-        "pass" if ok else "miss",
-        val_loss=val,
-        wall_s=wall,
-        first_step_s=steps[0] if steps else None,
-        val_history=[v for _, v in vals],
-        run_dir=str(out),
-        log=str(log),
-    )
-    return out
-
-
 def check_mfu(args, report: Report) -> None:
-    corpus = args.work / "corpus_x4.txt"  # four copies: a val split that holds a batch of 64 x 1024 tokens
-    if not corpus.is_file():
-        text = args.corpus.read_text(encoding="utf-8")
-        corpus.with_suffix(".tmp").write_text(text * 4, encoding="utf-8")
-        corpus.with_suffix(".tmp").replace(corpus)
-    data = prepare_data(args, "shakespeare_gpt2_x4", [corpus], str(args.tiktoken))
+    """GPT-2 124M through train.py: the chunked loss, then all logits at once, at the first batch that fits."""
+    data = prepare_data(args, "shakespeare_gpt2_x4", [corpus_copies(args, 4)], str(args.tiktoken))
     tried = []
     for batch in args.mfu_batch_sizes:
         code, lines, rows, log = train_for_mfu(args, data, batch, chunked=True)
@@ -261,7 +195,7 @@ def check_mfu(args, report: Report) -> None:
             continue
         if not rows:
             report.add(
-                "3. GPT-2 124M training throughput",
+                "mfu: GPT-2 124M training",
                 failed("train.py", code, lines, log),
                 "MFU >= 50%",
                 "FAIL",
@@ -269,21 +203,22 @@ def check_mfu(args, report: Report) -> None:
                 log=str(log),
             )
             return
-        add_mfu_row(
-            report, f"3. GPT-2 124M training (block 1024, bf16, compile, batch {batch})", rows, tried, log, batch
-        )
+        check = f"mfu: GPT-2 124M training (block 1024, bf16, compile, batch {batch}, chunked head + loss)"
+        args.mfu_results["chunked"] = add_mfu_row(report, check, rows, tried, log, batch)
         code, lines, rows, log = train_for_mfu(args, data, batch, chunked=False)
         if rows:
-            add_mfu_row(report, "3. the same with all logits at once (--chunked_loss=false)", rows, [], log, batch)
+            check = "mfu: the same with all logits at once (--chunked_loss=false: inductor's fused cross-entropy)"
+            args.mfu_results["whole"] = add_mfu_row(report, check, rows, [], log, batch)
         else:
-            report.add("3. --chunked_loss=false", failed("train.py", code, lines, log), "-", "FAIL", log=str(log))
+            report.add("mfu: --chunked_loss=false", failed("train.py", code, lines, log), "-", "FAIL", log=str(log))
+        args.mfu_batch = batch
         return
-    report.add("3. GPT-2 124M training throughput", "; ".join(tried), "MFU >= 50%", "FAIL", tried=tried)
+    report.add("mfu: GPT-2 124M training", "; ".join(tried), "MFU >= 50%", "FAIL", tried=tried)
 
 
 def train_for_mfu(args, data: Path, batch: int, chunked: bool) -> tuple[int | None, list, list[dict], Path]:
     """train.py at the 124M shape: (exit code, output lines, metrics rows after the first logged one, log)."""
-    smoke = [*SMOKE_MODEL, "--block_size=128"] if args.smoke else []
+    tiny = [*TINY_MODEL, "--block_size=128"] if args.tiny else []
     name = f"mfu_b{batch}" + ("" if chunked else "_whole_logits")
     out, log = new_run_dir(args, name), args.logs / f"{name}.log"
     code, lines = run(
@@ -293,32 +228,36 @@ def train_for_mfu(args, data: Path, batch: int, chunked: bool) -> tuple[int | No
             MFU_CONFIG,
             f"--data_dir={data}",
             f"--out_dir={out}",
+            f"--device={args.device}",
             f"--batch_size={batch}",
             "--total_batch_size=0",
             f"--max_iters={args.mfu_iters}",
             "--warmup_iters=10",
-            "--log_interval=10",
+            "--log_interval=5",
             "--eval_interval=1000000",
             "--eval_iters=1",
             "--keep_last=1",
             f"--chunked_loss={str(chunked).lower()}",
-            *smoke,
+            *tiny,
         ],
         log,
-        args.timeout,
+        time_left(args),
     )
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if code == 0 else []
-    return code, lines, [r for r in rows if "tokens_per_s" in r][1:], log  # the first log line includes compiling
+    rows = [r for r in train_rows(out) if "tokens_per_s" in r] if code == 0 else []
+    return code, lines, rows[1:], log  # the first log line includes compiling
 
 
-def add_mfu_row(report: Report, check: str, rows: list[dict], tried: list[str], log: Path, batch: int) -> None:
+def add_mfu_row(report: Report, check: str, rows: list[dict], tried: list[str], log: Path, batch: int) -> float:
+    """Adds the row; returns its median ms per step."""
     tps = statistics.median(r["tokens_per_s"] for r in rows)
     mfu = statistics.median(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None
-    ms = statistics.median(r["ms_per_step"] for r in rows)
+    ms = [r["ms_per_step"] for r in rows]
     mfu_text = "n/a (unknown peak)" if mfu is None else f"{100 * mfu:.1f}%"
+    spread = f" (ms/step {min(ms):.1f}-{max(ms):.1f} over {len(ms)} log lines)"
     report.add(
         check,
-        f"{tps:,.0f} tok/s, {ms:.0f} ms/step, MFU {mfu_text}" + (f" ({'; '.join(tried)})" if tried else ""),
+        f"{tps:,.0f} tok/s, {statistics.median(ms):.1f} ms/step, MFU {mfu_text}{spread}"
+        + (f" ({'; '.join(tried)})" if tried else ""),
         "MFU >= 50%",
         "pass" if mfu and mfu >= 0.5 else "miss",
         batch_size=batch,
@@ -328,20 +267,25 @@ def add_mfu_row(report: Report, check: str, rows: list[dict], tried: list[str], 
         tried=tried,
         log=str(log),
     )
+    return statistics.median(ms)
 
 
 def check_generate(args, report: Report) -> None:
     out = args.logs / "generate.json"
     log = args.logs / "generate.log"
     options = (
-        ["--models=char", "--batch_sizes=1", "--new_tokens=32", "--paths=default,int8"]
-        if args.smoke
-        else ["--models=gpt2", "--batch_sizes=1,8", "--naive_max_batch=0"]
+        ["--models=char", "--batch_sizes=1", "--new_tokens=32", "--paths=default,compile"]
+        if args.tiny
+        else ["--models=gpt2", "--batch_sizes=1,8", "--naive_max_batch=0", "--paths=default,compile"]
     )
-    code, lines = run([sys.executable, "benchmarks/bench_generate.py", *options, f"--json={out}"], log, args.timeout)
+    code, lines = run(
+        [sys.executable, "benchmarks/bench_generate.py", *options, f"--device={args.device}", f"--json={out}"],
+        log,
+        time_left(args),
+    )
     if code != 0 or not out.is_file():
         report.add(
-            "4. generation, 124M",
+            "generate: 124M",
             failed("bench_generate.py", code, lines, log),
             ">= 2x HF at batch 1",
             "FAIL",
@@ -350,25 +294,64 @@ def check_generate(args, report: Report) -> None:
         return
     for row in json.loads(out.read_text())["rows"]:
         rates, path = row["tokens_per_s"], row["path"]
-        name = f"4. generation {row['model']}, batch {row['batch']}, {path}, {row['dtype']}"
+        name = f"generate: {row['model']}, batch {row['batch']}, {path}, {row['dtype']}"
         if rates["gptlite"] is None:  # the second process: its first compiled call only
             report.add(name, f"first call {row['first_call_s']:.1f} s", "-", "info", **row)
             continue
-        vs_hf = f" = {row['vs_hf']:.2f}x HF ({rates['hf']:,.0f})" if row["vs_hf"] else ""
-        goal = {"default": ">= 1.5x HF", "int8": ">= 2x HF", "compile": ">= 2x HF"}.get(path, "-")
-        floor = {"default": 1.5, "int8": 2.0, "compile": 2.0}.get(path)
+        vs_hf = f" = {row['vs_hf']:.2f}x HF generate ({rates['hf']:,.0f})" if row["vs_hf"] else ""
+        goal = {"default": ">= 1.5x HF", "compile": ">= 2x HF"}.get(path, "-")
+        floor = {"default": 1.5, "compile": 2.0}.get(path)
         status = ("pass" if row["vs_hf"] >= floor else "miss") if floor and row["vs_hf"] else "info"
         report.add(
             name, f"{rates['gptlite']:,.0f} tok/s{vs_hf}, first call {row['first_call_s']:.1f} s", goal, status, **row
         )
 
 
+def check_speedrun(args, report: Report) -> Path | None:
+    """The 90-second char run; returns its run folder for sample.py (None if training failed)."""
+    data = prepare_data(args, "shakespeare_char", [args.corpus], "char")
+    out = new_run_dir(args, "speedrun_gpu_90s")
+    tiny = [*TINY_MODEL, "--max_minutes=0.1", "--batch_size=8", "--block_size=64"] if args.tiny else []
+    log = args.logs / "speedrun.log"
+    code, lines = run(
+        [
+            sys.executable,
+            "train.py",
+            SPEEDRUN,
+            f"--data_dir={data}",
+            f"--out_dir={out}",
+            f"--device={args.device}",
+            *tiny,
+        ],
+        log,
+        time_left(args),
+    )
+    wall = lines[-1][0] if lines else 0.0
+    vals = [r["val_loss"] for r in train_rows(out) if r.get("val_loss") is not None]
+    steps = [r["step"] for r in train_rows(out) if "tokens_per_s" in r]
+    if code != 0 or not vals:
+        report.add(f"speedrun: {SPEEDRUN}", failed("train.py", code, lines, log), "val in 90 s wall", "FAIL")
+        return None
+    report.add(
+        f"speedrun: 90 s of char-level tiny Shakespeare ({SPEEDRUN})",
+        f"val {vals[-1]:.4f} after {steps[-1] if steps else '?'} steps, {wall:.1f} s wall",
+        "<= 90 s wall",
+        "pass" if wall <= 90 else "miss",
+        val_loss=vals[-1],
+        wall_s=wall,
+        steps=steps[-1] if steps else None,
+        run_dir=str(out),
+        log=str(log),
+    )
+    return out
+
+
 def check_sample(args, report: Report, run_dir: Path | None) -> None:
     if run_dir is None:
-        report.add("5. sample.py", "no checkpoint: row 2 failed", "prints text", "FAIL")
+        report.add("sample: sample.py", "no checkpoint: the speedrun row failed", "prints text", "FAIL")
         return
-    n = 32 if args.smoke else 256
-    for compile in (False, True):
+    n = 32 if args.tiny else 256
+    for compile in args.sample_compile:
         log = args.logs / f"sample{'_compile' if compile else ''}.log"
         start = time.monotonic()
         code, lines = run(
@@ -380,10 +363,11 @@ def check_sample(args, report: Report, run_dir: Path | None) -> None:
                 "--num_samples=2",
                 f"--max_new_tokens={n}",
                 "--seed=1",
+                f"--device={args.device}",
                 *(["--compile"] if compile else []),
             ],
             log,
-            args.timeout,
+            time_left(args),
         )
         wall = time.monotonic() - start
         text = "\n".join(line for _, line in lines)
@@ -391,7 +375,7 @@ def check_sample(args, report: Report, run_dir: Path | None) -> None:
         first = " ".join(text[text.find("ROMEO:") :].split())[:70]  # stdout's text, after any start-up warnings
         result = f'{wall:.1f} s, {len(text)} chars: "{first}..."' if ok else failed("sample.py", code, lines, log)
         report.add(
-            f"5. sample.py{' --compile' if compile else ''}",
+            f"sample: sample.py{' --compile' if compile else ''} on {args.device}",
             result,
             "prints text",
             "pass" if ok else "FAIL",
@@ -401,44 +385,166 @@ def check_sample(args, report: Report, run_dir: Path | None) -> None:
         )
 
 
-def check_hellaswag(args, report: Report) -> None:
-    if importlib.util.find_spec("gptlite.evaluate") is None:
-        report.add("6. HellaSwag throughput", "not built: gptlite has no evaluation module yet", "-", "n/a")
+def check_serve(args, report: Report) -> None:
+    levels = ["1", "2"] if args.tiny else ["1", "8", "32"]
+    tiny = ["--rounds=1", "--max_tokens=8"] if args.tiny else ["--rounds=2", "--max_tokens=64"]
+    results, problem, log = benchmark(
+        args, "serve", "bench_serve.py", ["--levels", *levels, "--max_batch=32", f"--tokenizer={args.tiktoken}", *tiny]
+    )
+    if results is None:
+        report.add("serve: the server under load", problem, "-", "FAIL", log=str(log))
         return
-    report.add("6. HellaSwag throughput", "gptlite.evaluate exists: add its row to this report", "-", "n/a")
+    sequential = statistics.median(results["results"]["1 sequential"]["tokens_per_s"])
+    for n in levels[1:]:
+        row = results["results"][f"{n} concurrent"]
+        tps, ttft = statistics.median(row["tokens_per_s"]), statistics.median(row["ttft_s"])
+        report.add(
+            f"serve: GPT-2 124M shape, {n} concurrent streams",
+            f"{tps:,.0f} tok/s = {tps / sequential:.2f}x one stream ({sequential:,.0f}), first token {ttft:.2f} s",
+            "-",
+            "info",
+            tokens_per_s=tps,
+            ttft_s=ttft,
+        )
+
+
+def check_budget(args, report: Report) -> None:
+    """train.py --budget=2min on GPT-2 tokens of the corpus: the recipe it derived and what it reached."""
+    data = prepare_data(args, "shakespeare_gpt2", [args.corpus], str(args.tiktoken))
+    out = new_run_dir(args, "budget_2min")
+    log = args.logs / "budget.log"
+    budget = "1min" if args.tiny else "2min"
+    code, lines = run(
+        [
+            sys.executable,
+            "train.py",
+            f"--data_dir={data}",
+            f"--out_dir={out}",
+            f"--budget={budget}",
+            f"--device={args.device}",
+        ],
+        log,
+        time_left(args),
+    )
+    wall = lines[-1][0] if lines else 0.0
+    chose = [line.removeprefix("budget | ") for _, line in lines if line.startswith("budget | ")]
+    model = next((line for _, line in lines if line.startswith("model: ")), "")
+    vals = [r["val_loss"] for r in train_rows(out) if r.get("val_loss") is not None]
+    steps = [r["step"] for r in train_rows(out) if "tokens_per_s" in r]
+    if code != 0 or not vals:
+        report.add(f"budget: train.py --budget={budget}", failed("train.py", code, lines, log), "-", "FAIL")
+        return
+    report.add(
+        f"budget: train.py --budget={budget} on GPT-2 tokens of tiny Shakespeare",
+        f"val {vals[-1]:.4f} after {steps[-1] if steps else '?'} steps in {wall:.1f} s wall; "
+        f"{model.removeprefix('model: ').split(' | ')[0]}; chose: " + " / ".join(chose)[:400],
+        f"ends within {budget}",
+        "info",
+        val_loss=vals[-1],
+        wall_s=wall,
+        chose=chose,
+        log=str(log),
+    )
+
+
+def check_tests(args, report: Report) -> None:
+    shared = args.work / "shared"  # laid out as ../shared, for the tests that read the corpus and the ranks
+    for relative, source in (("data/tinyshakespeare.txt", args.corpus), ("tokenizers/gpt2.tiktoken", args.tiktoken)):
+        (shared / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, shared / relative)
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") and not args.tiny else []
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not slow",
+        *workers,
+        *(["tests/test_model.py", "tests/test_update.py"] if args.tiny else ["tests"]),
+    ]
+    log = args.logs / "tests.log"
+    start = time.monotonic()
+    code, lines = run(
+        cmd, log, time_left(args), env={"GPTLITE_TEST_DEVICE": args.device, "GPTLITE_SHARED": str(shared)}
+    )
+    summary = next(
+        (line.strip("= ") for _, line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), ""
+    )
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)}
+    ok = code == 0 and counts.get("passed", 0) > 0
+    result = f"{summary} ({time.monotonic() - start:.0f} s)" if summary else failed("pytest", code, lines, log)
+    failures = [line for _, line in lines if line.startswith(("FAILED", "ERROR"))]
+    report.add(
+        f'tests: GPTLITE_TEST_DEVICE={args.device} python -m pytest -q -m "not slow"',
+        result + (f"; {' / '.join(failures)[:600]}" if failures else ""),
+        "all pass",
+        "pass" if ok else "FAIL",
+        counts=counts,
+        failures=failures,
+        exit_code=code,
+        log=str(log),
+    )
+
+
+def check_profile(args, report: Report) -> None:
+    """The 124M step profiled, with the loss that trained faster in row mfu (the chunked one if it did not run)."""
+    results = args.mfu_results
+    chunked = not results or results.get("chunked", math.inf) <= results.get("whole", math.inf)
+    batch = getattr(args, "mfu_batch", args.mfu_batch_sizes[0])
+    options = [f"--batch_size={batch}", f"--chunked_loss={str(chunked).lower()}", f"--device={args.device}"]
+    results, problem, log = benchmark(
+        args, "profile", "profile_train_step.py", [*options, *(["--tiny"] if args.tiny else [])]
+    )
+    if results is None:
+        report.add("profile: the 124M training step", problem, "-", "FAIL", log=str(log))
+        return
+    step_ms = results["step_ms"]
+    groups = sorted(results["groups_ms"].items(), key=lambda kv: -kv[1])
+    shares = ", ".join(f"{group} {100 * ms / step_ms:.0f}%" for group, ms in groups if ms > 0.005 * step_ms)
+    mfu_text = "n/a" if results["mfu"] is None else f"{100 * results['mfu']:.1f}%"
+    report.add(
+        f"profile: the bare 124M step (batch {batch}, {'chunked' if chunked else 'whole-logits'} loss, no host reads)",
+        f"{step_ms:.1f} ms/step, MFU {mfu_text}; {shares}",
+        "-",
+        "info",
+        **results,
+    )
 
 
 def benchmark(args, name: str, script: str, options: list[str]) -> tuple[dict | None, str, Path]:
     """Run benchmarks/SCRIPT with --json: (its results, or None if it failed; the failure in words; its log)."""
     out, log = args.logs / f"{name}.json", args.logs / f"{name}.log"
-    code, lines = run([sys.executable, f"benchmarks/{script}", *options, f"--json={out}"], log, args.timeout)
+    code, lines = run([sys.executable, f"benchmarks/{script}", *options, f"--json={out}"], log, time_left(args))
     if code != 0 or not out.is_file():
         return None, failed(script, code, lines, log), log
     return json.loads(out.read_text()), "", log
 
 
 def check_open(args, report: Report) -> None:
-    cuda = torch.cuda.is_available()
-    smoke = ["--prompt=16", "--new_tokens=4", "--batch_sizes=1"] if args.smoke else []
+    cuda = args.device.startswith("cuda")
+    tiny = ["--prompt=16", "--new_tokens=4", "--batch_sizes=1"] if args.tiny else []
     results, problem, log = benchmark(
         args,
         "open_models",
         "bench_open_models.py",
         [
             "--parts=memory,decode",
-            f"--device={'cuda' if cuda else 'cpu'}",
+            f"--device={args.device}",
             f"--dtype={'bfloat16' if cuda else 'float32'}",
-            *smoke,
+            *tiny,
         ],
     )
     if results is None:
-        report.add("7. open models (SmolLM2-360M shape)", problem, "-", "FAIL", log=str(log))
+        report.add("open: open models (SmolLM2-360M shape)", problem, "-", "FAIL", log=str(log))
         return
     for row in results["memory"]:
         ours = row["loader"] == "gptlite"
         gpu = f"; GPU {row['gpu_peak_mb'] / row['model_mb']:.2f}x" if row["gpu_peak_mb"] else ""
         report.add(
-            f"7. loading SmolLM2-360M shape, {row['loader']}, {row['dtype']}",
+            f"open: loading SmolLM2-360M shape, {row['loader']}, {row['dtype']}",
             f"host peak {row['peak_rss_mb']:,.0f} MB = {row['peak_rss_mb'] / row['model_mb']:.2f}x the model's "
             f"{row['model_mb']:,.0f} MB{gpu}",
             "host <= 1.3x" if ours else "-",
@@ -448,7 +554,7 @@ def check_open(args, report: Report) -> None:
     for row in results["decode"]:
         ratio = row["gqa"] / row["hf"]
         report.add(
-            f"7. decode SmolLM2-360M shape (GQA), batch {row['batch']}, {row['dtype']}",
+            f"open: decode SmolLM2-360M shape (GQA), batch {row['batch']}, {row['dtype']}",
             f"{row['gqa']:,.0f} tok/s = {ratio:.2f}x transformers ({row['hf']:,.0f}); with n_kv_head = n_head "
             f"{row['full_kv_heads']:,.0f}",
             ">= 1x transformers",
@@ -458,20 +564,19 @@ def check_open(args, report: Report) -> None:
 
 
 def check_lora(args, report: Report) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     results, problem, log = benchmark(
         args,
         "lora",
         "bench_lora.py",
-        [f"--device={device}", f"--steps={2 if args.smoke else 6}", f"--corpus={args.corpus}"],
+        [f"--device={args.device}", f"--steps={2 if args.tiny else 6}", f"--corpus={args.corpus}"],
     )
     if results is None:
-        report.add("8. LoRA against full fine-tuning", problem, "-", "FAIL", log=str(log))
+        report.add("lora: LoRA against full fine-tuning", problem, "-", "FAIL", log=str(log))
         return
     for row in results["rows"]:
         kept = "recomputed" if row["activation_checkpointing"] else "kept"
         report.add(
-            f"8. fine-tuning SmolLM2-360M shape, block 1024, activations {kept}",
+            f"lora: fine-tuning SmolLM2-360M shape, block 1024, activations {kept}",
             f"full {row['full_mb']:,.0f} MB, {row['full_s_per_step']:.3f} s/step; LoRA {row['lora_mb']:,.0f} MB "
             f"({row['lora_mb'] / row['full_mb']:.2f}x), {row['lora_s_per_step']:.3f} s/step",
             "-",
@@ -480,33 +585,10 @@ def check_lora(args, report: Report) -> None:
         )
 
 
-def check_serve(args, report: Report) -> None:
-    levels = ["1", "2"] if args.smoke else ["1", "8", "32"]
-    smoke = ["--rounds=1", "--max_tokens=8"] if args.smoke else ["--rounds=3", "--max_tokens=128"]
-    results, problem, log = benchmark(
-        args, "serve", "bench_serve.py", ["--levels", *levels, "--max_batch=32", f"--tokenizer={args.tiktoken}", *smoke]
-    )
-    if results is None:
-        report.add("9. server under load", problem, "-", "FAIL", log=str(log))
-        return
-    sequential = statistics.median(results["results"]["1 sequential"]["tokens_per_s"])
-    for n in levels:
-        row = results["results"][f"{n} concurrent"]
-        tps, ttft = statistics.median(row["tokens_per_s"]), statistics.median(row["ttft_s"])
-        report.add(
-            f"9. server, GPT-2 124M shape, {n} concurrent stream{'s' if n != '1' else ''}",
-            f"{tps:,.0f} tok/s = {tps / sequential:.2f}x one stream ({sequential:,.0f}), first token {ttft:.2f} s",
-            "-",
-            "info",
-            tokens_per_s=tps,
-            ttft_s=ttft,
-        )
-
-
 # ---------------------------------------------------------------------------------------------
 
 
-def header(smoke: bool) -> dict:
+def header(args) -> dict:
     try:
         git = [
             subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -515,16 +597,28 @@ def header(smoke: bool) -> dict:
         commit = git[0] + (" with local changes" if git[0] and git[1] else "")  # the measured code is not that commit
     except OSError:
         commit = ""
-    cuda = torch.cuda.is_available()
+    cuda = args.device.startswith("cuda")
     return {
         "device": torch.cuda.get_device_name() if cuda else "CPU",
+        "driver": driver_version() if cuda else "none",
         "cpu": cpu_summary(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
+        "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "commit": commit or "unknown",
-        "smoke": smoke,
+        "tiny": args.tiny,
     }
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except OSError:
+        return "unknown"
 
 
 @dataclass
@@ -533,13 +627,15 @@ class Options:
     tiktoken: str = option(help="the GPT-2 BPE ranks as a .tiktoken file")
     json: str | None = option(None, "write the report here as JSON (rewritten after every row)")
     work_dir: str = option(str(ROOT / "out" / "gpu_report"), "data, runs and logs (nothing there is deleted)")
-    checks: str = option(
-        ",".join(CHECKS), "comma-separated rows to run, in the order given (sample uses the newest recipe run)"
-    )
-    mfu_batch_sizes: str = option("64,32,16", "row 3 takes the first that fits in memory")
-    mfu_iters: int = option(60, "row 3's training steps")
-    timeout: float = option(600.0, "seconds each command may run")
-    smoke: bool = option(False, "tiny versions of every row, on any device (checks the script)")
+    checks: str = option(",".join(DEFAULT_CHECKS), f"comma-separated rows to run, in that order: {', '.join(CHECKS)}")
+    device: str = option("cuda", "cuda, or cpu for a dry run with --tiny")
+    mfu_batch_sizes: str = option("64,32,16", "row mfu takes the first that fits in memory")
+    mfu_iters: int = option(40, "row mfu's training steps (logged every 5)")
+    row_timeout: float = option(300.0, "seconds each command may run")
+    sample_compile: str = option("false", "row sample: comma-separated --compile values to run sample.py with")
+    deadline: float = option(480.0, "seconds after the start past which no further row starts")
+    hard_stop: float = option(570.0, "seconds after the start by which every command has ended (its time limit)")
+    tiny: bool = option(False, "tiny versions of every row, on any device (checks the script)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_all(args: Options) -> int:
+    started = time.monotonic()
     print(machine_line(), flush=True)
     args.corpus, args.tiktoken, args.work_dir = Path(args.corpus), Path(args.tiktoken), Path(args.work_dir)
     checks = args.checks.split(",")
@@ -557,46 +654,63 @@ def report_all(args: Options) -> int:
         for name, path in (("corpus", args.corpus), ("tiktoken", args.tiktoken))
         if not path.is_file()
     ]
-    if not torch.cuda.is_available() and not args.smoke:
-        problems.append("CUDA is not available here; this report measures an NVIDIA GPU (--smoke runs it anywhere)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append("--device=cuda, but CUDA is not available here; --device=cpu --tiny dry-runs the script")
+    elif not args.device.startswith(("cuda", "cpu")):
+        problems.append(f"--device={args.device!r}: give cuda, or cpu for a dry run with --tiny")
+    elif args.device == "cpu" and not args.tiny:
+        problems.append("--device=cpu measures nothing worth the hours it takes: add --tiny for a dry run")
     if problems:
         raise ValueError("; ".join(problems))
     args.corpus, args.tiktoken = args.corpus.resolve(), args.tiktoken.resolve()
     args.mfu_batch_sizes = [int(b) for b in args.mfu_batch_sizes.split(",")]
-    if args.smoke:
-        args.mfu_batch_sizes, args.mfu_iters = [4], 30
+    args.sample_compile = [c.strip() == "true" for c in args.sample_compile.split(",")]
+    args.stop_at = started + args.hard_stop
+    args.mfu_results = {}  # "chunked" / "whole" -> median ms per step, for the profile row's choice
+    if args.tiny:
+        args.mfu_batch_sizes, args.mfu_iters = [4], 20
     args.work = args.work_dir.resolve()
     args.logs = args.work / "logs" / time.strftime("%Y%m%d-%H%M%S")
     args.logs.mkdir(parents=True, exist_ok=True)
 
-    report = Report(header(args.smoke), args.json)
+    report = Report(header(args), args.json)
     print(f"logs: {args.logs}", flush=True)
-    run_dir = None
+    speedrun_dir = None
     for check in checks:
+        if time.monotonic() - started > args.deadline:
+            report.add(check, f"not run: the report passed its --deadline of {args.deadline:.0f} s", "-", "not run")
+            continue
+        row_start = time.monotonic()
         try:
-            if check == "tests":
-                check_tests(args, report)
-            elif check == "recipe":
-                run_dir = check_recipe(args, report)
+            if check == "speedrun":
+                speedrun_dir = check_speedrun(args, report)
             elif check == "sample":
-                check_sample(args, report, run_dir if "recipe" in checks else latest_run(args, "shakespeare_char_gpu"))
-            elif check == "mfu":
-                check_mfu(args, report)
-            elif check == "generate":
-                check_generate(args, report)
-            elif check == "hellaswag":
-                check_hellaswag(args, report)
+                run_dir = speedrun_dir if "speedrun" in checks else latest_run(args, "speedrun_gpu_90s")
+                check_sample(args, report, run_dir)
             else:
-                {"open": check_open, "lora": check_lora, "serve": check_serve}[check](args, report)
+                ROWS[check](args, report)
         except Exception as e:  # a broken row must not hide the others
             report.add(check, f"the report itself failed: {type(e).__name__}: {e}", "-", "FAIL")
+        print(f"({check}: {time.monotonic() - row_start:.0f} s; {time.monotonic() - started:.0f} s so far)", flush=True)
     print("\n" + report.table())
     return 0 if all(r["status"] != "FAIL" for r in report.rows) else 1
 
 
+ROWS = {
+    "mfu": check_mfu,
+    "generate": check_generate,
+    "serve": check_serve,
+    "budget": check_budget,
+    "tests": check_tests,
+    "profile": check_profile,
+    "open": check_open,
+    "lora": check_lora,
+}
+
+
 def latest_run(args, name: str) -> Path | None:
-    """The newest run folder of `name` with a checkpoint (for --checks=sample without the recipe)."""
-    runs = sorted(p for p in (args.work / "runs").glob(f"{name}-*") if (p / "ckpt.pt").exists())
+    """The newest run folder of `name` with a checkpoint (for --checks=sample without the speedrun)."""
+    runs = sorted(p for p in (args.work / "runs").glob(f"{name}-*") if (p / "config.json").exists())
     return runs[-1] if runs else None
 
 
