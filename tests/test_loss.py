@@ -40,7 +40,9 @@ def test_loss_and_gradients_equal_the_whole_computation(reduction, chunk, softca
     got = linear_cross_entropy(h, w, t, reduction, chunk=chunk, softcap=softcap)
     got_h, got_w = torch.autograd.grad(got * 3, (h, w))  # the incoming gradient scales the stored ones
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_h, want_h)
+    # float32 sums in another order (a GPU's kernels, chunk by chunk) round differently: about 1e-5 of the largest
+    # entries, which a sum over the tokens makes hundreds of times those of the mean
+    torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
 
 
@@ -138,8 +140,11 @@ def test_the_models_training_loss_equals_its_logits_loss(variant, reduction):
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     torch.testing.assert_close(results[1][0], results[0][0])
+    # a sum's gradients are the mean's times the targets counted, and so are their rounding errors (which differ
+    # where a GPU's kernels sum in another order): compared at the mean's scale
+    scale = 1.0 if reduction == "mean" else float((targets >= 0).sum())
     for name, grad in results[0][1].items():
-        torch.testing.assert_close(results[1][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(results[1][1][name] / scale, grad / scale, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_no_logits_are_kept_for_backward():
