@@ -710,7 +710,7 @@ ROWS = {
 
 def latest_run(args, name: str) -> Path | None:
     """The newest run folder of `name` with a checkpoint (for --checks=sample without the speedrun)."""
-    runs = sorted(p for p in (args.work / "runs").glob(f"{name}-*") if (p / "config.json").exists())
+    runs = sorted(p for p in (args.work / "runs").glob(f"{name}-*") if (p / "ckpt.pt").exists())
     return runs[-1] if runs else None
 
 
