@@ -120,7 +120,7 @@ def train(
     use_device(device)
     dtype = getattr(torch, pick_dtype(cfg.dtype, device))
     amp = autocast(device, dtype)
-    to_device = batch_mover(device)  # a GPU's batches through page-locked memory
+    to_device = batch_mover(device)  # to a GPU through page-locked memory, without waiting for it
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     # ---------------------------------------------------------------------------------------------
@@ -385,7 +385,8 @@ def train(
         # all-reduce
         elapsed = (time.time() - t_start) / 60
         out_of_time = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
-        votes = torch.tensor([float(bool(signals) or out_of_time), float(out_of_time), elapsed], device=device)
+        # built on the host and sent like a batch: torch.tensor(..., device="cuda") would wait for the GPU's queue
+        votes = to_device(torch.tensor([float(bool(signals) or out_of_time), float(out_of_time), elapsed]))
         step_figures = objective.figures()  # name -> 0-d tensor
         stats = step_stats(step_loss, grad_norm, step_figures, votes)
         if world_size > 1:

@@ -111,9 +111,9 @@ def autocast(device: str, dtype: torch.dtype) -> contextlib.AbstractContextManag
 
 
 def batch_mover(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How a training batch goes to `device`: to a GPU through page-locked host memory, whose copy is queued behind the
-    GPU's earlier work without the host waiting for it (a copy from ordinary memory may wait for the stream); to
-    other devices as it is."""
+    """How a training step sends a host tensor (its batch, its stop votes) to `device`: to a GPU through page-locked
+    host memory, whose copy is queued behind the GPU's earlier work without the host waiting for it (torch's
+    blocking copy from ordinary memory waits for the stream to finish); to other devices as it is."""
     if device.startswith("cuda"):
         return lambda t: t.pin_memory().to(device, non_blocking=True)
     return lambda t: t.to(device)
