@@ -12,11 +12,14 @@ Two ways, chosen once for a run (`make_update`):
   queued, or at once where the loop needs them (an evaluation, a save, the last step). A stop vote or a non-finite
   step is therefore seen one step later than on the host path; the update of a non-finite step is skipped all the
   same, on the device.
+
+GPTLITE_UPDATE=host|device forces one way (to compare them: a CPU's fused AdamW takes `found_inf` too).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +153,15 @@ def make_update(
     ema: WeightAverage | None,
     device_type: str,
 ) -> HostUpdate | DeviceUpdate:
-    """The run's way to update and read its figures (see the module's docstring)."""
-    if skips_on_device(optimizers, scaler, device_type):
+    """The run's way to update and read its figures (see the module's docstring; GPTLITE_UPDATE forces one)."""
+    forced = os.environ.get("GPTLITE_UPDATE", "")
+    if forced not in ("", "host", "device"):
+        raise ValueError(f"GPTLITE_UPDATE={forced!r} must be host or device; unset it to choose by the device")
+    if forced == "device" and not skips_on_device(optimizers, scaler, "cuda"):
+        raise ValueError(
+            "GPTLITE_UPDATE=device needs every optimizer to be a fused AdamW and no float16 loss scaler; unset it, "
+            "or train with --optimizer=adamw and --dtype=bfloat16 or float32"
+        )
+    if forced == "device" or (not forced and skips_on_device(optimizers, scaler, device_type)):
         return DeviceUpdate(optimizers, ema)
     return HostUpdate(optimizers, scaler, ema)

@@ -181,6 +181,55 @@ def test_on_nan_stop_raises_without_saving(data, tmp_path, nan_loss_at):
     assert "--resume" not in run.error and not step_files(tmp_path / "early")
 
 
+@pytest.mark.parametrize("on_nan", ["skip", "stop"])
+def test_the_update_decided_on_the_device_trains_as_the_host_s(data, tmp_path, nan_loss_at, monkeypatch, on_nan):
+    """GPTLITE_UPDATE=device forces the GPU's way on the CPU (gptlite.update: fused AdamW's found_inf skips a
+    non-finite step, the figures are read a step late): the same losses, events, messages and checkpoint as the
+    host's way, bit for bit, a NaN at step 4 skipped (or stopped on) in both."""
+    runs = {}
+    for way in ("host", "device"):
+        monkeypatch.setenv("GPTLITE_UPDATE", way)
+        nan_loss_at(4)
+        out = tmp_path / way
+        runs[way] = run_train(*config(data, out, max_iters=7, eval_interval=3, log_interval=2, on_nan=on_nan))
+        monkeypatch.undo()  # the NaN and the variable, before the other way's run
+    host, device = runs["host"], runs["device"]
+    assert host.code == device.code == (0 if on_nan == "skip" else 1)
+    if on_nan == "stop":  # the device reads step 4 while step 5 runs: the same refusal, the same checkpoint kept
+        assert "step 4: loss nan, gradient norm nan are not finite; stopped without saving" in device.error
+        assert host.error.replace("host", "device") == device.error
+        assert load_checkpoint(tmp_path / "device")["step"] == load_checkpoint(tmp_path / "host")["step"] == 3
+        return
+    assert device.history == host.history and [s for s, _ in host.history] == [2, 6, 7]
+    assert device.val_history == host.val_history and device.skipped_steps == host.skipped_steps == 1
+
+    def figures(way: str) -> list[dict]:
+        timing = ("ms_per_step", "tokens_per_s", "mfu")
+        rows = read_metrics(tmp_path / way / "metrics.jsonl")
+        return [
+            {k: v for k, v in r.items() if k not in timing and not (isinstance(v, float) and math.isnan(v))}
+            for r in rows
+        ]
+
+    assert figures("device") == figures("host")
+    saved = {way: load_checkpoint(tmp_path / way) for way in runs}
+    for name, tensor in saved["host"]["model"].items():
+        assert torch.equal(saved["device"]["model"][name], tensor), name
+    host_state, device_state = (saved[w]["optimizer"]["state"] for w in ("host", "device"))  # by parameter name
+    assert host_state.keys() == device_state.keys() and host_state
+    for name, state in host_state.items():  # moments and step counts: the skipped step left them as they were
+        assert all(torch.equal(device_state[name][k], v) for k, v in state.items()), name
+
+
+def test_an_unknown_or_impossible_forced_update_is_refused(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTLITE_UPDATE", "gpu")
+    run = run_train(*config(data, tmp_path / "a", max_iters=2))
+    assert run.code == 2 and "GPTLITE_UPDATE='gpu' must be host or device; unset it" in run.error
+    monkeypatch.setenv("GPTLITE_UPDATE", "device")
+    run = run_train(*config(data, tmp_path / "b", max_iters=2, optimizer="muon"))
+    assert run.code == 2 and "GPTLITE_UPDATE=device needs every optimizer to be a fused AdamW" in run.error
+
+
 def test_nonfinite_weights_are_never_saved_over_a_good_checkpoint(data, tmp_path, monkeypatch, capsys):
     real_step, calls = torch.optim.AdamW.step, [0]
 
