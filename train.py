@@ -67,7 +67,16 @@ from gptlite.distributed import processes, stop_together
 from gptlite.evaluate import core_bundle, core_score, read_bundle
 from gptlite.files import error
 from gptlite.lora import add_lora
-from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, pace_note, peak_flops, start_wandb
+from gptlite.metrics import (
+    METRICS_FILE,
+    MetricsLog,
+    WandbTracker,
+    mfu,
+    pace_note,
+    peak_flops,
+    start_tensorboard,
+    start_wandb,
+)
 from gptlite.model import GPT
 from gptlite.objective import make_objective
 from gptlite.optim import WeightAverage, configure_optimizers, lr_at
@@ -290,9 +299,11 @@ def train(
     # ---------------------------------------------------------------------------------------------
     # 9. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
     # and the model, metrics.jsonl (and Weights & Biases), and in every checkpoint where it came from.
-    wandb_run, problem = None, None
-    if master and cfg.wandb_log:  # first: a wandb that cannot start stops the run before anything more is written
+    wandb_run, tensorboard, problem = None, None, None
+    if master and cfg.wandb_log:  # first: a tracker that cannot start stops the run before anything more is written
         wandb_run, problem = start_wandb(cfg, wandb_id)
+    if master and cfg.tensorboard and problem is None:
+        tensorboard, problem = start_tensorboard(out_dir, step if resumed else None)
     stop_together(problem, world_size)
     metrics = None
     if master:
@@ -303,7 +314,12 @@ def train(
             f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')} | "
             f"world {world_size}{fsdp} | {total_batch} tokens/step = {grad_accum} micro-steps of {B}x{T} per rank"
         )
-        metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if resumed else None, wandb_run=wandb_run)
+        trackers = []  # where the figures go besides metrics.jsonl, the run's own record
+        if wandb_run is not None:
+            trackers.append(WandbTracker(wandb_run))
+        if tensorboard is not None:
+            trackers.append(tensorboard)
+        metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if resumed else None, trackers=trackers)
     meta = {
         "git_commit": git_commit(Path(__file__).parent),
         "command": shlex.join([sys.argv[0], *argv]),
@@ -555,9 +571,7 @@ def train(
     peak_mb, counted = peak_memory_mb(device)
     log(f"done at step {step}" + (f" | peak memory {peak_mb:,.0f} MiB {counted}" if peak_mb is not None else ""))
     if master:
-        metrics.close()
-    if wandb_run:
-        wandb_run.finish()
+        metrics.close()  # and its trackers
     return 128 + signals[0] if stopped and signals else 0
 
 

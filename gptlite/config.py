@@ -398,6 +398,9 @@ class TrainConfig:
     wandb_log: bool = option(False, "log to Weights & Biases too")
     wandb_project: str = option("gptlite", "the wandb project")
     wandb_run_name: str = option("", "the wandb run's name")
+    tensorboard: bool = option(
+        False, "also write TensorBoard event files to OUT_DIR/tensorboard (tensorboard --logdir OUT_DIR)"
+    )
     # system
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = option("auto", "autocast precision: auto (bfloat16 on CUDA, float32 elsewhere)", choices=DTYPE_CHOICES)

@@ -7,7 +7,8 @@ rows, "tokens" (trained on so far):
     evaluation  val_loss, val_bpb (null without the data's tokenizer; see gptlite.evaluate), or DPO's val_ figures
     CORE        core (train.py --core_every; see gptlite.evaluate.core)
     events      event (e.g. a skipped non-finite step), with loss and grad_norm
-`python -m gptlite.plot OUT_DIR [OUT_DIR ...]` draws runs to a PNG.
+`python -m gptlite.plot OUT_DIR [OUT_DIR ...]` draws runs to a PNG. The same numbers go to the run's trackers, where it
+has any: Weights & Biases (--wandb_log) and TensorBoard's event files in out_dir/tensorboard (--tensorboard).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.files import fault
@@ -60,14 +61,58 @@ class Evaluation(NamedTuple):
     fields: dict[str, float | None]
 
 
-class MetricsLog:
-    """Appends rows to a run's metrics.jsonl, and their numbers to a Weights & Biases run when given one. A fresh
-    run starts the file anew; a resumed run keeps the rows up to its checkpoint's step and drops later ones (logged
-    by a run that died before its next checkpoint)."""
+class Tracker(Protocol):
+    """Where a run's figures go besides its own record, metrics.jsonl: a viewer's files or service. `write` takes
+    a row's "step" and its numbers (None where a figure is unknown, e.g. MFU on a CPU)."""
 
-    def __init__(self, path: str | Path, resume_step: int | None = None, wandb_run: Any = None):
+    def write(self, step: int, figures: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WandbTracker:
+    """A Weights & Biases run (start_wandb)."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def write(self, step: int, figures: dict[str, float]) -> None:
+        self.run.log(figures, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+TENSORBOARD_DIR = "tensorboard"  # under the run folder: `tensorboard --logdir OUT_DIR` finds it
+
+
+class TensorBoardTracker:
+    """TensorBoard's event files in out_dir/tensorboard, through torch's own SummaryWriter: the local viewer most
+    of the field already has (`tensorboard --logdir OUT_DIR`), and no account or server. A resumed run drops the
+    events after its checkpoint's step, as metrics.jsonl does (SummaryWriter's purge_step)."""
+
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(str(Path(out_dir) / TENSORBOARD_DIR), purge_step=purge, flush_secs=10)
+
+    def write(self, step: int, figures: dict[str, float]) -> None:
+        for name, value in figures.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MetricsLog:
+    """Appends rows to a run's metrics.jsonl, and their numbers to the run's trackers (Weights & Biases,
+    TensorBoard) when it has any. A fresh run starts the file anew; a resumed run keeps the rows up to its
+    checkpoint's step and drops later ones (logged by a run that died before its next checkpoint)."""
+
+    def __init__(self, path: str | Path, resume_step: int | None = None, trackers: list[Tracker] | None = None):
         self.path = Path(path)
-        self.wandb_run = wandb_run
+        self.trackers = trackers or []
         kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step is not None else []
         tmp = self.path.with_name(self.path.name + ".tmp")  # the kept rows replace the file at once
         try:
@@ -86,12 +131,14 @@ class MetricsLog:
             self.file.flush()
         except OSError as e:
             raise fault(e, f"could not write {self.path}") from None
-        if self.wandb_run is not None:
-            figures = {k: v for k, v in row.items() if k != "step" and isinstance(v, float)}
-            self.wandb_run.log(figures, step=row["step"])
+        figures = {k: v for k, v in row.items() if k != "step" and isinstance(v, float)}
+        for tracker in self.trackers:
+            tracker.write(row["step"], figures)
 
     def close(self) -> None:
         self.file.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 PACE_NOTE_MINUTES = 10  # a run projected to take longer than this says so after its first step
@@ -117,6 +164,19 @@ def pace_note(seconds_per_step: float, steps_left: int, where: str, memory: str)
         f"{seconds_per_step:.2f} s a step on {where}{memory}: the {steps_left:,} steps left take about "
         f"{duration(seconds)}; --max_minutes=M caps a run, and a smaller model, batch or block_size steps faster"
     )
+
+
+def start_tensorboard(out_dir: str | Path, resume_step: int | None = None) -> tuple[Any, str | None]:
+    """(a TensorBoardTracker for the run in out_dir, None); or, without the tensorboard package, (None, the
+    one-line problem)."""
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+    except ImportError:
+        return None, (
+            'tensorboard=true, but the tensorboard package is not installed: pip install -e ".[tensorboard]" (or '
+            "pip install tensorboard), or drop --tensorboard"
+        )
+    return TensorBoardTracker(out_dir, resume_step), None
 
 
 def start_wandb(cfg: TrainConfig, run_id: str | None = None) -> tuple[Any, str | None]:

@@ -464,6 +464,35 @@ def test_wandb_that_cannot_start_is_one_line_before_anything_is_written(data, tm
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]  # no metrics, no tokenizer copy
 
 
+def test_tensorboard_gets_the_metrics_and_a_resumed_run_goes_on_in_them(data, tmp_path):
+    """--tensorboard: TensorBoard's own reader finds every figure of metrics.jsonl at its step, across a resume."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    run_train(*config(data, out, max_iters=4, eval_interval=2, tensorboard=True))
+    resumed = run_train(*config(data, out, max_iters=6, eval_interval=2, tensorboard=True, resume=True))
+    assert resumed.code == 0 and "resumed from" in resumed.out
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rows = read_metrics(out / "metrics.jsonl")
+    for tag in ("loss", "lr", "grad_norm", "val_loss"):
+        want = [(r["step"], r[tag]) for r in rows if r.get(tag) is not None]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in want] and len(want) >= 3, tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), tag
+
+
+def test_tensorboard_without_its_package_is_one_line_before_anything_is_written(data, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
+    run = run_train(*config(data, tmp_path / "out", max_iters=2, tensorboard=True))
+    assert run.code == 2
+    assert run.error.strip() == (
+        'tensorboard=true, but the tensorboard package is not installed: pip install -e ".[tensorboard]" (or pip '
+        "install tensorboard), or drop --tensorboard"
+    )
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_wandb_offline_run_gets_the_metrics(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
