@@ -2,6 +2,7 @@
 did-you-mean; and that no other module imports a parser library."""
 
 import ast
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -169,3 +170,34 @@ def test_a_rank_other_than_0_waits_before_its_error_and_ends_quietly_on_sigterm(
     note = "import gptlite.cli as cli\ncli.RANK_GRACE_S = 600.0\ncli.report('demo: note: spelled --new now')\n"
     noted = subprocess.run([sys.executable, "-c", note], env=env, capture_output=True, text=True, timeout=60)
     assert noted.returncode == 0 and noted.stderr == ""
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize(
+    "extra,blocked,command",
+    [
+        ("serve", "fastapi", ["-m", "gptlite.serve", "--model=run"]),
+        ("serve", "llguidance", ["-m", "gptlite.serve", "--model=run"]),
+        ("data", "pyarrow", ["data/prepare.py", "--input=x.parquet", "--tokenizer=byte", "--out_dir=out"]),
+        ("data", "datasets", ["data/prepare.py", "--hf_dataset=a/b", "--tokenizer=byte", "--out_dir=out"]),
+        ("eval", "lm_eval", ["-m", "gptlite.evaluate", "--model=gpt2", "--task=lm_eval:arc_easy"]),
+        ("gguf", "gguf", ["-m", "gptlite.hf", "export", "--format=gguf", "--model=gpt2", "--out=x.gguf"]),
+        ("plot", "matplotlib", ["-m", "gptlite.plot", "run"]),
+    ],
+)
+def test_a_missing_extra_is_one_line_naming_its_pip_install(extra, blocked, command, tmp_path):
+    """Each command as a user runs it where the extra's package is not installed (its import fails, as Python's
+    does when sys.modules holds None): one line naming the package and `pip install -e ".[EXTRA]"`, exit 2."""
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    if command[0].endswith(".py"):
+        argv = [str(ROOT / command[0]), *command[1:]]
+        run = f"runpy.run_path({argv[0]!r}, run_name='__main__')"
+    else:  # -m MODULE
+        argv = [command[1], *command[2:]]
+        run = f"runpy.run_module({argv[0]!r}, run_name='__main__', alter_sys=True)"
+    code = f"import runpy, sys\nsys.modules[{blocked!r}] = None\nsys.argv = {argv!r}\n{run}\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and f'needs the {blocked} package: pip install -e ".[{extra}]"' in done.stderr

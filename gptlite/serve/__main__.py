@@ -27,8 +27,9 @@ from pathlib import Path
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
+from gptlite.extras import need_extra
 from gptlite.files import error
-from gptlite.serve.guard import Policy, is_loopback
+from gptlite.serve.policy import Policy, is_loopback
 
 KEY_VARIABLE = "GPTLITE_API_KEY"  # the key's environment variable, used when --api_key is not given
 
@@ -208,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
+        need_extra("serve", "python -m gptlite.serve")  # its --help works without them
         import uvicorn
 
         from gptlite.serve.connection import uvicorn_config
 
-        options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
         options.model = model_to_read(options, "gptlite.serve")
         check_address(options.host, options.port)
         for line in warnings(options, policy(options)):
