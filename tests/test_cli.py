@@ -130,12 +130,22 @@ def test_only_cli_imports_a_command_line_parser_library():
         (["-m", "gptlite.evaluate"], "--out_dirr=x", "out_dir"),
         (["-m", "gptlite.plot"], "--outt=x.png", "out"),
         (["-m", "gptlite.hf"], "--hf_dirr=x", "hf_dir"),
+        (["-m", "gptlite.serve"], "--portt=1", "port"),
+        (["-m", "gptlite.tokenizer", "train"], "--vocab_sizee=1", "vocab_size"),
+        (["-m", "gptlite.scaling"], "--data_dirr=x", "data_dir"),
+        (["data/shakespeare/prepare.py"], "--out_dirr=x", "out_dir"),
     ],
 )
 def test_every_command_has_help_and_did_you_mean(command, typo, meant):
-    path = [str(ROOT / command[0])] if command[0].endswith(".py") else command
+    path = [str(ROOT / command[0]), *command[1:]] if command[0].endswith(".py") else command
     out = subprocess.run([sys.executable, *path, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "--" in out.stdout and "Traceback" not in out.stderr, out.stderr
+    # `--help | head -1`: the reader goes away before the help is written; the command ends quietly, as SIGPIPE
+    # ends a command (141), not in a BrokenPipeError's traceback
+    reader_gone = subprocess.Popen([sys.executable, *path, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   cwd=ROOT, text=True)  # fmt: skip
+    reader_gone.stdout.close()
+    assert reader_gone.wait(timeout=120) == 141 and reader_gone.stderr.read() == ""
     out = subprocess.run([sys.executable, *path, typo], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and f"did you mean '{meant}'?" in out.stderr.replace("'--", "'"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
