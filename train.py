@@ -66,7 +66,7 @@ from gptlite.distributed import processes, stop_together
 from gptlite.evaluate import core_bundle, core_score, read_bundle
 from gptlite.files import error
 from gptlite.lora import add_lora
-from gptlite.metrics import METRICS_FILE, MetricsLog, mfu, pace_note, peak_flops, start_wandb
+from gptlite.metrics import METRICS_FILE, PACE_STEPS, MetricsLog, mfu, pace_note, peak_flops, start_wandb
 from gptlite.model import GPT
 from gptlite.objective import make_objective
 from gptlite.optim import WeightAverage, configure_optimizers, lr_at
@@ -340,7 +340,6 @@ def train(
     t_last = time.perf_counter()  # the last log line's time
     steps_since_log = 0
     while step < cfg.max_iters:
-        t_step = time.perf_counter()
         # the learning rate: warmup, then cosine decay; every group in proportion to its own peak (Muon's differs)
         lr = lr_at(step, cfg, minutes)
         for opt in optimizers:
@@ -405,12 +404,15 @@ def train(
             opt.zero_grad(set_to_none=True)
         step += 1
         steps_since_log += 1
-        # the pace: a run that will take long without a time budget says so after its first step (its second when
-        # the first compiled)
-        if step == first_step + (2 if compiled else 1) and not cfg.max_minutes:
+        # the pace: a run that will take long without a time budget says so early, at the pace of the PACE_STEPS
+        # steps after the first (which allocates and warms up; with torch.compile the first two: the first compiles)
+        warm = first_step + (2 if compiled else 1)
+        if step == warm:
+            t_warm = time.perf_counter()
+        if step == warm + PACE_STEPS and not cfg.max_minutes:
             peak_mb, _ = peak_memory_mb(device)
             memory = "" if peak_mb is None else f", {peak_mb / 1024:.1f} GiB of memory"
-            note = pace_note(time.perf_counter() - t_step, cfg.max_iters - step, where, memory)
+            note = pace_note((time.perf_counter() - t_warm) / PACE_STEPS, cfg.max_iters - step, where, memory)
             if note:
                 log(f"step {step:5d} | {note}")
         if threads is not None:

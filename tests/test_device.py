@@ -1,7 +1,8 @@
 """What gptlite knows of the machine: the CPU's name and extensions, torch's threads fitted to the cores other
-work leaves free, and the one-time note of how long a run will take at its first step's pace."""
+work leaves free, and the one-time note of how long a run will take at the pace of its steps after the first."""
 
 import re
+import statistics
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from gptlite import device, metrics
 from gptlite.device import CpuThreads, cpu_extensions, cpu_info, cpu_summary
 from gptlite.metrics import pace_note
-from tests.conftest import run_train, shared_file
+from tests.conftest import ROOT, run_train, shared_file
 
 
 def test_the_cpu_summary_names_the_model_its_cores_and_the_extensions_its_flags_list():
@@ -83,18 +84,40 @@ def test_a_thread_count_the_user_chose_is_kept(clock, monkeypatch):
 def test_the_pace_note_says_how_long_the_steps_left_take_only_when_that_is_long():
     assert pace_note(0.05, 2000, "this cpu (X)", "") is None  # 100 s
     note = pace_note(15.2, 1748, "this cpu (AMD EPYC, 2 cores, AVX2)", ", 6.6 GiB of memory")
-    assert note.startswith("15.20 s a step on this cpu (AMD EPYC, 2 cores, AVX2), 6.6 GiB of memory: the 1,748 steps")
+    assert note.startswith(
+        "15.20 s a step after the first on this cpu (AMD EPYC, 2 cores, AVX2), 6.6 GiB of memory: the 1,748 steps"
+    )
     assert "take about 7 h 22 min; --max_minutes=M caps a run" in note
 
 
-def test_a_long_run_says_its_pace_after_the_first_step(tmp_path, monkeypatch):
+def test_a_long_run_says_its_pace_after_the_first_steps(tmp_path, monkeypatch):
     from data.shakespeare.prepare import main as prepare
 
     assert prepare([f"--input={shared_file('data/tinyshakespeare.txt')}", f"--out_dir={tmp_path / 'data'}"]) == 0
     monkeypatch.setattr(metrics, "PACE_NOTE_MINUTES", 0)  # every run is "long"
-    args = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=3, eval_interval=3)
+    args = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=8, eval_interval=8)
     done = run_train(f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--eval_iters=1", **args)
     assert done.code == 0, done.err
-    notes = [line for line in done.out.splitlines() if " s a step on " in line]
-    assert len(notes) == 1 and notes[0].startswith("step     1 | ")
-    assert f"s a step on this cpu ({cpu_summary()}), " in notes[0] and "the 2 steps left take about" in notes[0]
+    notes = [line for line in done.out.splitlines() if " s a step after the first on " in line]
+    assert len(notes) == 1 and notes[0].startswith(f"step {1 + metrics.PACE_STEPS:5d} | ")
+    assert (
+        f"on this cpu ({cpu_summary()}), " in notes[0] and f"the {7 - metrics.PACE_STEPS} steps left take" in notes[0]
+    )
+
+
+def test_the_pace_note_of_the_quick_start_is_its_steps_pace(tmp_path, monkeypatch):
+    """The quick start's recipe (configs/shakespeare_char_cpu.toml): the note's time a step is, within 2x, what its
+    later steps take (the first step, which allocates and warms up, takes many times as long)."""
+    from data.shakespeare.prepare import main as prepare
+
+    assert prepare([f"--input={shared_file('data/tinyshakespeare.txt')}", f"--out_dir={tmp_path / 'data'}"]) == 0
+    monkeypatch.setattr(metrics, "PACE_NOTE_MINUTES", 0)  # every run is "long"
+    config = str(ROOT / "configs" / "shakespeare_char_cpu.toml")
+    args = dict(max_iters=20, eval_interval=20, eval_iters=1, log_interval=1)
+    done = run_train(config, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", **args)
+    assert done.code == 0, done.err
+    (note,) = [line for line in done.out.splitlines() if " s a step after the first on " in line]
+    paced = float(note.split(" | ")[1].split(" s a step")[0])
+    after = [float(m) for m in re.findall(r"^step +(?:[89]|1\d) \|.* ([\d.]+) ms/step", done.out, re.M)]
+    assert len(after) == 12
+    assert 0.5 < paced / (statistics.median(after) / 1000) < 2.0, (note, after)
