@@ -231,7 +231,7 @@ def bad_data(root: Path, case: str) -> Path:
     if case == "empty shard":
         write_shard(root / "train_000003.bin", [], VOCAB)
     elif case == "small val":
-        write_shard(root / "val_000000.bin", list(range(100)), VOCAB)
+        write_shard(root / "val_000000.bin", list(range(10)), VOCAB)
     elif case == "no val":
         (root / "val_000000.bin").unlink()
     return root
@@ -239,8 +239,8 @@ def bad_data(root: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case, overrides, message", [
     ("empty shard", {}, r"shard .*train_000003\.bin holds no tokens; delete it or prepare the data again"),
-    ("small val", {}, r"val split: 100 tokens in 1 shard\(s\) .* make 6 windows of block_size\+1=17 tokens, fewer "
-                      r"than one batch of 8"),
+    ("small val", {}, r"val split: 10 tokens in 1 shard\(s\) .* make 0 windows of block_size\+1=17 tokens, fewer "
+                      r"than one batch of 1; use more data, or a smaller --block_size"),
     ("no val", {}, r"no val shards found at .*; expected \*val\*\.bin files there"),
     ("ids", {"vocab_size": 100}, r"shard .*train_000000\.bin holds token id \d+ but the model's vocab_size is 100"),
     ("batch", {"total_batch_size": 100}, r"total_batch_size=100 is not a multiple of "
