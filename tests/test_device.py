@@ -2,7 +2,7 @@
 work leaves free, and the one-time note of how long a run will take at the pace of its steps after the first."""
 
 import re
-import statistics
+import time
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch
 from gptlite import device, metrics
 from gptlite.device import CpuThreads, cpu_extensions, cpu_info, cpu_summary
 from gptlite.metrics import pace_note
-from tests.conftest import ROOT, run_train, shared_file
+from tests.conftest import run_train, shared_file
 
 
 def test_the_cpu_summary_names_the_model_its_cores_and_the_extensions_its_flags_list():
@@ -105,19 +105,24 @@ def test_a_long_run_says_its_pace_after_the_first_steps(tmp_path, monkeypatch):
     )
 
 
-def test_the_pace_note_of_the_quick_start_is_its_steps_pace(tmp_path, monkeypatch):
-    """The quick start's recipe (configs/shakespeare_char_cpu.toml): the note's time a step is, within 2x, what its
-    later steps take (the first step, which allocates and warms up, takes many times as long)."""
+def test_the_pace_note_leaves_the_first_step_out(tmp_path, monkeypatch):
+    """A first step made 3 s slower, as allocation and warm-up make a first step slow on a CPU: the note gives the
+    pace of the steps after it, less than those 3 s spread over them, not the first step's."""
     from data.shakespeare.prepare import main as prepare
+    from gptlite.objective import Text
 
     assert prepare([f"--input={shared_file('data/tinyshakespeare.txt')}", f"--out_dir={tmp_path / 'data'}"]) == 0
     monkeypatch.setattr(metrics, "PACE_NOTE_MINUTES", 0)  # every run is "long"
-    config = str(ROOT / "configs" / "shakespeare_char_cpu.toml")
-    args = dict(max_iters=20, eval_interval=20, eval_iters=1, log_interval=1)
-    done = run_train(config, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", **args)
+    batches = Text.batches
+
+    def slow_first_step(self, step, minutes):
+        if step == 0:
+            time.sleep(3.0)
+        return batches(self, step, minutes)
+
+    monkeypatch.setattr(Text, "batches", slow_first_step)
+    args = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=8, eval_interval=8)
+    done = run_train(f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--eval_iters=1", **args)
     assert done.code == 0, done.err
     (note,) = [line for line in done.out.splitlines() if " s a step after the first on " in line]
-    paced = float(note.split(" | ")[1].split(" s a step")[0])
-    after = [float(m) for m in re.findall(r"^step +(?:[89]|1\d) \|.* ([\d.]+) ms/step", done.out, re.M)]
-    assert len(after) == 12
-    assert 0.5 < paced / (statistics.median(after) / 1000) < 2.0, (note, after)
+    assert float(note.split(" | ")[1].split(" s a step")[0]) < 3.0 / metrics.PACE_STEPS, note
