@@ -15,11 +15,13 @@ spellings, still work.
 
 Samples are generated `batch_size` at a time and share the prompt's prefill. The first sample of each
 batch is printed token by token as it is generated; the others are printed when their batch is done.
-With --num_beams the `num_samples` best beams are printed when the search ends (see gptlite.beam).
+With --num_beams the `num_samples` best beams are printed when the search ends (see gptlite.beam), and a note
+where they share most of their text.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -233,7 +235,26 @@ def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptio
         cuts = [i for i in (text.find(s) for s in args.stop if s) if i >= 0]
         texts.append(text[: min(cuts)] if cuts else text)
     sys.stdout.write(SEPARATOR.join(prompt + text + "\n" for text in texts))
+    note = alike_beams_note(texts)
+    if note:
+        notes.held.append(note)
     notes.print()
+
+
+def alike_beams_note(texts: list[str]) -> str | None:
+    """A note where the best beams' texts share more than half of the shortest (or are one text, from different
+    tokens): beam search returns the likeliest continuations, which tend to part only near their end, and the user
+    who asked for several may have wanted different ones."""
+    if len(texts) < 2:
+        return None
+    shared = len(os.path.commonprefix(texts))
+    if shared * 2 <= min(map(len, texts)):
+        return None
+    alike = "are the same text" if len(set(texts)) == 1 else f"share their first {shared:,} characters"
+    return (
+        f"the {len(texts)} best beams {alike}: beam search returns the likeliest continuations, which part little "
+        "and late; for continuations that differ, sample (--num_beams=1, the default)"
+    )
 
 
 def chat(model: GPT, tokenizer: Tokenizer, args: SampleOptions, notes: Notes) -> int:

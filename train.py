@@ -69,6 +69,7 @@ from gptlite.files import error
 from gptlite.lora import add_lora
 from gptlite.metrics import (
     METRICS_FILE,
+    PACE_STEPS,
     MetricsLog,
     WandbTracker,
     mfu,
@@ -360,7 +361,6 @@ def train(
     t_last = time.perf_counter()  # the last log line's time
     steps_since_log = 0
     while step < cfg.max_iters:
-        t_step = time.perf_counter()
         # the learning rate: warmup, then cosine decay; every group in proportion to its own peak (Muon's differs)
         lr = lr_at(step, cfg, minutes)
         for opt in optimizers:
@@ -423,12 +423,15 @@ def train(
         timed_out = any(r.timed_out for r in records)
         if records:
             minutes = records[-1].minutes
-        # the pace: a run that will take long without a time budget says so after its first step (its second when
-        # the first compiled)
-        if step == first_step + (2 if compiled else 1) and not cfg.max_minutes:
+        # the pace: a run that will take long without a time budget says so early, at the pace of the PACE_STEPS
+        # steps after the first (which allocates and warms up; with torch.compile the first two: the first compiles)
+        warm = first_step + (2 if compiled else 1)
+        if step == warm:
+            t_warm = time.perf_counter()
+        if step == warm + PACE_STEPS and not cfg.max_minutes:
             peak_mb, _ = peak_memory_mb(device)
             memory = "" if peak_mb is None else f", {peak_mb / 1024:.1f} GiB of memory"
-            note = pace_note(time.perf_counter() - t_step, cfg.max_iters - step, where, memory)
+            note = pace_note((time.perf_counter() - t_warm) / PACE_STEPS, cfg.max_iters - step, where, memory)
             if note:
                 log(f"step {step:5d} | {note}")
         if threads is not None:
@@ -553,7 +556,11 @@ def train(
         if evaluate or score_core:
             t_last = time.perf_counter()  # evaluating and saving is not training time
 
-        # stop early: a signal, the time budget, or a stop on another rank
+        # stop early: a signal, the time budget, or a stop on another rank. A schedule over the time budget
+        # (lr_schedule="time", as --budget's recipes) has ended when the budget has: the run is done, not stopped.
+        if stop and step < cfg.max_iters and timed_out and not signals and cfg.lr_schedule == "time":
+            log(f"step {step:5d} | the time budget (max_minutes={cfg.max_minutes:g}) is spent: the run is done")
+            break
         if stop and step < cfg.max_iters:
             if signals:
                 stopped = signal.Signals(signals[0]).name

@@ -12,7 +12,8 @@ model names it with --model (`model_to_read`).
 Errors and interruptions (`run_command`), the same exit codes for every command: a user's error, a missing or
 unwritable file included, is one line on stderr (exit 2); a computation that diverged (train.py's on_nan=stop) is
 one line too (exit 1); SIGINT or SIGTERM, sent to the process group or to the main process alone, ends the
-command cleanly (exit 130 or 143, as shells report them) with a line saying what was kept and how to continue.
+command cleanly (exit 130 or 143, as shells report them) with a line saying what was kept and how to continue; a
+reader of its output that went away (`--help | head -1`) ends it quietly (exit 141, as SIGPIPE would).
 While train.py's loop runs, `StopSignals` records the signals instead: the step finishes and a checkpoint is
 saved first.
 
@@ -300,16 +301,36 @@ def report_error(line: str) -> None:
     print(f"rank {rank}: {line}", file=sys.stderr)
 
 
+def run_body(body: Callable[[], int]) -> int:
+    """body()'s exit code, or 0 once the help it asked for is printed; stdout flushed here, where a reader that went
+    away (`| head -1`) is a BrokenPipeError run_command answers, not a report at the interpreter's exit."""
+    try:
+        code = body()
+    except HelpRequested as e:
+        print(str(e))
+        code = 0
+    sys.stdout.flush()
+    return code
+
+
+def output_closed() -> int:
+    """What a command does when the reader of its output went away (`| head -1`): it stops quietly, as a command
+    that SIGPIPE ends, with the rest of its output sent nowhere (Python's flush at exit would fail again) and exit
+    code 128 + SIGPIPE's number."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def run_command(prog: str, body: Callable[[], int], on_interrupt: str | Callable[[], str] = "nothing was saved") -> int:
     """body()'s exit code, with one-line errors and clean interruptions (see the module docstring), and --help
     printed. `on_interrupt` (or what it returns, when called then) completes the line printed on an interruption:
     what was kept, how to continue."""
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return body()
-    except HelpRequested as e:
-        print(str(e))
-        return 0
+        return run_body(body)
+    except BrokenPipeError:  # before USER_ERRORS, which holds OSError: a reader that left is not an error
+        return output_closed()
     except KeyboardInterrupt as e:
         previous = dict.fromkeys(previous, signal.SIG_IGN)  # the command ends: a second Ctrl-C is not a traceback
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT

@@ -4,6 +4,7 @@ a chosen and a rejected answer for preference tuning (`PairLoader`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -67,13 +68,15 @@ class ShardLoader:
         self.world_size = world_size
         self.shuffle = shuffle
         windows = sum(max(0, (len(s) - 1) // block_size) for s in self.shards)
+        self.size = windows  # the windows of the split: every_window's
         need = batch_size * world_size
         if windows < need:
             tokens = sum(len(s) for s in self.shards)
+            fewer = f"--batch_size={windows // world_size} or less, " if windows >= world_size else ""
             raise ValueError(
                 f"{tokens} tokens in {len(self.files)} shard(s) ({self.files[0]}...) make {windows} windows of "
                 f"block_size+1={block_size + 1} tokens, fewer than one batch of {need}; "
-                "use more data or a smaller batch_size / block_size"
+                f"use more data, {fewer}or a smaller --block_size"
             )
         self.epoch = 0
         self.shard = 0
@@ -172,12 +175,14 @@ class ChatLoader:
         self.rank = rank
         self.world_size = world_size
         self.conversations = self._items()
+        self.size = len(self.conversations)  # the items of the split: every_window's
         need = batch_size * world_size
-        if len(self.conversations) < need:
+        if self.size < need:
             items = "preference pairs" if self.kind == "pairs" else "conversations"
+            fewer = f" or --batch_size={self.size // world_size} or less" if self.size >= world_size else ""
             raise ValueError(
-                f"{len(self.conversations)} {items} in {len(self.files)} shard(s) ({self.files[0]}...)"
-                f" are fewer than one batch of {need}; use more data or a smaller batch_size"
+                f"{self.size} {items} in {len(self.files)} shard(s) ({self.files[0]}...)"
+                f" are fewer than one batch of {need}; use more data{fewer}"
             )
         self.targets = int(sum(int((r & TARGET).astype(bool).sum()) for r in self.roles))
         self.past_block = self._check_block()
@@ -344,10 +349,29 @@ Loader = ShardLoader | ChatLoader | PairLoader  # what training and its evaluati
 
 def make_loaders(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> tuple[Loader, Loader]:
     """Train and val loaders over cfg.data_dir's shards (see make_loader); every problem of the data is found before
-    the first step."""
+    the first step. The train split must hold a batch for every rank; the val split is scored as it is, however
+    small (see make_val_loader)."""
     train = make_loader(cfg, "train", cfg.seed, rank, world_size)
-    val = make_loader(cfg, "val", cfg.seed + 1, rank, world_size)
-    return train, val
+    return train, make_val_loader(cfg, rank, world_size)
+
+
+def make_val_loader(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Loader:
+    """The loader of cfg.data_dir's val split, taking batch_size items at a time, which needs only an item for
+    every rank: a split smaller than the batches an evaluation takes is scored whole, each window, conversation or
+    pair once, the last batch short (see evaluation_batches), as `python -m gptlite.evaluate` scores it."""
+    loader = make_loader(dataclasses.replace(cfg, batch_size=1), "val", cfg.seed + 1, rank, world_size)
+    loader.batch_size = cfg.batch_size
+    return loader
+
+
+def evaluation_batches(loader: Loader, iters: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches an evaluation scores, from the split's start: the first `iters` global batches, the same at every
+    evaluation, or every window, conversation or pair once (the last batch short) when iters=0 or the split holds
+    fewer items than those batches would take."""
+    loader.restore({"epoch": 0, "shard": 0, "index": 0})
+    if iters == 0 or loader.size < iters * loader.batch_size * loader.world_size:
+        return loader.every_window()
+    return (loader.next_batch() for _ in range(iters))
 
 
 def make_loader(cfg: TrainConfig, split: str, seed: int, rank: int = 0, world_size: int = 1) -> Loader:

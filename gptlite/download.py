@@ -5,21 +5,13 @@ local copy instead."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 from pathlib import Path
 
+from gptlite.extras import need
 from gptlite.files import write_json
 from gptlite.shards import MANIFEST, file_sha256, read_shard
 from gptlite.tokenizer import TOKENIZER_FILE, get_tokenizer
-
-
-def optional_import(module: str, what: str):
-    """Import a module of the `data` extra, or say how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ImportError(f"{what} needs the {module.split('.')[0]} package: pip install -e '.[data]'") from None
 
 
 def download(url: str, dest: Path) -> Path:
@@ -70,7 +62,7 @@ def download_token_shards(
     repo, prefix, available = TOKEN_SHARDS[name]
     if not 1 <= train_shards <= available:
         raise ValueError(f"train_shards={train_shards} must be between 1 and {available} for {name} (100M tokens each)")
-    hub = optional_import("huggingface_hub", "Downloading token shards")
+    hub = need("huggingface_hub", "data", "Downloading token shards")
     tokenizer = get_tokenizer(tokenizer_spec)  # before gigabytes of download: fails fast offline
     out_dir = Path(out_dir)
     files = [f"{prefix}_val_000000.bin"] + [f"{prefix}_train_{i:06d}.bin" for i in range(1, train_shards + 1)]

@@ -141,7 +141,10 @@ class MetricsLog:
             tracker.close()
 
 
-PACE_NOTE_MINUTES = 10  # a run projected to take longer than this says so after its first step
+PACE_NOTE_MINUTES = 10  # a run projected to take longer than this says so early
+# steps whose mean time the pace note gives, after the first: the first step allocates and warms up, and takes many
+# times a step's time
+PACE_STEPS = 5
 
 
 def duration(seconds: float) -> str:
@@ -154,14 +157,14 @@ def duration(seconds: float) -> str:
 
 
 def pace_note(seconds_per_step: float, steps_left: int, where: str, memory: str) -> str | None:
-    """What the rest of a run will take at the pace of its first step, when that is more than PACE_NOTE_MINUTES:
-    a recipe written for a GPU says, early, what it costs on a CPU. `where` names the device, `memory` the peak
-    so far."""
+    """What the rest of a run will take at the pace of its steps after the first (train.py times PACE_STEPS of them),
+    when that is more than PACE_NOTE_MINUTES: a recipe written for a GPU says, early, what it costs on a CPU. `where`
+    names the device, `memory` the peak so far."""
     seconds = seconds_per_step * steps_left
     if seconds < PACE_NOTE_MINUTES * 60:
         return None
     return (
-        f"{seconds_per_step:.2f} s a step on {where}{memory}: the {steps_left:,} steps left take about "
+        f"{seconds_per_step:.2f} s a step after the first on {where}{memory}: the {steps_left:,} steps left take about "
         f"{duration(seconds)}; --max_minutes=M caps a run, and a smaller model, batch or block_size steps faster"
     )
 

@@ -15,7 +15,6 @@ A new mode is a class with these methods and a line in make_objective.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gptlite.config import DPO_OPTIONS, set_options
-from gptlite.data import ChatLoader, ReadsTrainLoader, ShardLoader, make_loader, make_loaders
+from gptlite.data import ChatLoader, ReadsTrainLoader, ShardLoader, make_loaders, make_val_loader
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
 from gptlite.metrics import Evaluation
 from gptlite.optim import seq_len_at
@@ -245,10 +244,7 @@ def make_judge(
     when cfg.eval_iters is 0): conversations on the assistant's tokens alone, preference pairs by DPO's loss and
     figures against the reference its `start` is given (the model the DPO run began from). It trains nothing: it has
     no train loader."""
-    # a split of any size is scored: the loader is made to need one item, then takes batch_size at a time (every
-    # window or pair once, the last batch short)
-    val_loader = make_loader(dataclasses.replace(cfg, batch_size=1), "val", cfg.seed + 1)
-    val_loader.batch_size = cfg.batch_size
+    val_loader = make_val_loader(cfg)  # a split of any size: every window or pair once, the last batch short
     if val_loader.kind == "pairs":
         return DPO(cfg, None, val_loader, 1, device, autocast)
     token_bytes = None if tokenizer is None else byte_lengths(tokenizer, cfg.model.vocab_size).to(device)

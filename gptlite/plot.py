@@ -26,6 +26,7 @@ from pathlib import Path
 
 from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.extras import need
 from gptlite.files import fault
 from gptlite.metrics import METRICS_FILE, read_metrics
 
@@ -126,13 +127,8 @@ PANELS = (
 
 def plot_runs(runs: list[str | Path], out: str | Path, x: str = "step", log: bool = False) -> Path:
     """Draw the runs' curves (see the module docstring) to `out` (.png, .pdf or .svg); returns its path."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError(
-            "gptlite.plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')"
-        ) from None
+    FigureCanvasAgg = need("matplotlib.backends.backend_agg", "plot", "gptlite.plot").FigureCanvasAgg
+    Figure = need("matplotlib.figure", "plot", "gptlite.plot").Figure
     check_out([str(r) for r in runs], Path(out))
     labelled = [run_rows(run) for run in runs]
     if x == "tokens":

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlite.config import DPO_LOSSES
-from gptlite.data import ReadsTrainLoader
+from gptlite.data import ReadsTrainLoader, evaluation_batches
 from gptlite.lora import ReferenceModel
 from gptlite.metrics import Evaluation
 
@@ -124,13 +124,12 @@ def evaluate_pairs(
     label_smoothing: float = 0.0,
 ) -> tuple[float, dict[str, float]]:
     """(the loss, reward_figures) over the val pairs, each averaged over pairs: the first `iters` batches, the same
-    at every evaluation, or every pair when iters=0. Under torchrun each rank scores its share and the sums are
-    all-reduced, so every rank gets the same figures."""
+    at every evaluation, or every pair when iters=0 or the split is smaller (gptlite.data.evaluation_batches). Under
+    torchrun each rank scores its share and the sums are all-reduced, so every rank gets the same figures."""
     import torch.distributed as dist
 
     model.eval()
-    loader.restore({"epoch": 0, "index": 0})
-    batches = loader.every_window() if iters == 0 else (loader.next_batch() for _ in range(iters))
+    batches = evaluation_batches(loader, iters)
     sums = torch.zeros(5, device=device)  # loss x pairs, chosen, rejected, right, pairs
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (2B, L) each

@@ -398,6 +398,28 @@ def group_figures(group: Group, rewards: torch.Tensor, max_new_tokens: int) -> d
     }
 
 
+def no_signal_note(rewards: torch.Tensor, samples: int) -> str | None:
+    """What a step whose every group scored alike (rewards (P, S), each row a prompt's samples) teaches: nothing, as
+    each completion's advantage, its reward minus its group's mean, is 0; and what to try. None where some group's
+    rewards differ."""
+    if not bool((rewards == rewards[:, :1]).all()):
+        return None
+    if not bool(rewards.any()):
+        scored = "no completion scored (every reward is 0)"
+        advice = (
+            f"try more samples per prompt (--rl_samples, now {samples}), a longer --rl_max_new_tokens where answers "
+            "are cut (cut_at_max_tokens in metrics.jsonl), an easier reward, or first fine-tune on answers in the "
+            "reward's format"
+        )
+    else:
+        scored = "every sample of each prompt scored the same"
+        advice = f"try more samples per prompt (--rl_samples, now {samples}) or prompts the model gets right at times"
+    return (
+        f"{scored}, so every advantage (a reward minus its group's mean) is 0 and such a step learns nothing; "
+        f"{advice} (said once)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The loss
 
@@ -531,6 +553,7 @@ class RL:
         # the step's figures: group_figures' and the KL, which the loss gives; all 0.0 for a step without a group
         self.names = ("mean_reward", f"pass@{cfg.rl_samples}", "completion_tokens", "cut_at_max_tokens", "kl")
         self.step_figures = dict.fromkeys(self.names, 0.0)
+        self.said_no_signal = False  # a step that learns nothing, as every group scored alike, is said once
 
     def start(self, model: GPT) -> None:
         self.model = model
@@ -561,6 +584,10 @@ class RL:
             return [], "reward_error"
         self.rewards = rewards
         self.step_figures.update(group_figures(group, rewards, cfg.rl_max_new_tokens))
+        note = None if self.said_no_signal else no_signal_note(rewards, cfg.rl_samples)
+        if note and self.rank == 0:
+            print(f"note: step {step + 1}: {note}", flush=True)
+            self.said_no_signal = True
         return [(group.ids, group.mask)], None  # (N, L) and (N, L - 1): the rows and their generated tokens
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 #   bash scripts/setup.sh            # what training, sampling and the other commands need: nothing compiles
 #   bash scripts/setup.sh test       # ... and the test extra (references: transformers, llama.cpp, ...), as pip
 #                                    # install -e ".[test]"; llama-cpp-python compiles llama.cpp (minutes, once)
-#   TORCH_CPU=1 / TORCH_CPU=0        # torch's CPU-only build / its default build (default: CPU-only where no
-#                                    # NVIDIA GPU is found on Linux, if PyTorch's CPU index answers)
+#   TORCH_CPU=1 / TORCH_CPU=0        # torch's CPU-only build / torch from pip's index (PyPI: the default build,
+#                                    # with CUDA's libraries). Unset: CPU-only where no NVIDIA GPU is found on
+#                                    # Linux and PyTorch's CPU index answers, else pip's index
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=${1:-}
@@ -31,7 +32,7 @@ if [ -z "${TORCH_CPU:-}" ]; then
         if cpu_index_answers; then
             TORCH_CPU=1
         else
-            echo "setup: no NVIDIA GPU here, but PyTorch's CPU index ($TORCH_CPU_INDEX) does not answer: torch's default build"
+            echo "setup: no NVIDIA GPU here, but PyTorch's CPU index ($TORCH_CPU_INDEX) did not answer: torch from pip's own index (on PyPI its default build, with CUDA's libraries; the line at the end names the build installed)"
         fi
     fi
 fi

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+import sample
 from gptlite import GPT
 from gptlite.beam import beam_search
 from gptlite.tokenizer import CharTokenizer
@@ -132,6 +133,19 @@ def test_beam_argument_errors(kwargs, message):
         tiny_model().generate(torch.tensor([[1, 2]]), 3, **kwargs)
 
 
+def test_beams_that_part_late_or_not_at_all_are_said_to():
+    """The README's --num_beams=4 --num_samples=2 on its char model printed two samples that looked the same: the
+    best beams part little and late. Where they share more than half their text, a note says so and how to get
+    continuations that differ; beams that part early get none."""
+    assert sample.alike_beams_note(["the king is dead", "the king is here"]) == (
+        "the 2 best beams share their first 12 characters: beam search returns the likeliest continuations, which "
+        "part little and late; for continuations that differ, sample (--num_beams=1, the default)"
+    )
+    assert "the 2 best beams are the same text: " in sample.alike_beams_note(["the king", "the king"])
+    assert sample.alike_beams_note(["the king is dead", "a queen lives on"]) is None
+    assert sample.alike_beams_note(["the king is dead"]) is None
+
+
 def test_beams_need_the_whole_context_within_block_size():
     with pytest.raises(ValueError, match=r"prompt plus max_new_tokens - 1 = 40 is more than block_size=32; shorten"):
         beam_search(tiny_model(), [[1] * 10], 31, 2)
@@ -154,7 +168,7 @@ def test_sample_py_prints_the_best_beams(tmp_path):
         [
             sys.executable,
             str(ROOT / "sample.py"),
-            f"--out_dir={tmp_path}",
+            f"--model={tmp_path}",
             "--start=ROMEO:",
             "--num_beams=4",
             "--num_samples=2",
@@ -171,6 +185,9 @@ def test_sample_py_prints_the_best_beams(tmp_path):
     assert result.stdout == "".join(
         tokenizer.decode(row) + "\n" + ("-" * 40 + "\n" if i == 0 else "") for i, row in enumerate(expected)
     )
+    texts = [tokenizer.decode(row)[len("ROMEO:") :] for row in expected]
+    note = sample.alike_beams_note(texts)
+    assert result.stderr == (f"sample.py: note: {note}\n" if note else "")
     refused = subprocess.run(
         [
             sys.executable,

@@ -3,6 +3,7 @@
 
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -123,7 +124,7 @@ def write_chats(path, n: int, seed: int = 0, extra: list | None = None):
     return path
 
 
-def test_prepare_chat_writes_roles_and_counts_what_it_leaves_out(tmp_path):
+def test_prepare_chat_writes_roles_and_counts_what_it_leaves_out(tmp_path, capsys):
     long = {"messages": [{"role": "user", "content": "x" * 500}, {"role": "assistant", "content": "no"}]}
     silent = {"messages": [{"role": "user", "content": "anyone?"}]}
     source = write_chats(tmp_path / "c.jsonl", 60, extra=[long, silent])
@@ -133,6 +134,8 @@ def test_prepare_chat_writes_roles_and_counts_what_it_leaves_out(tmp_path):
     assert "60 conversations kept (0 cut to block_size), 1 left out as too long, 1 without an assistant turn" in logged
     tokens = manifest["train_tokens"] + manifest["val_tokens"]
     assert logged[-1].startswith(f"60 conversations, {tokens:,} tokens ({tokens / 60:,.1f} per conversation; ")
+    # the progress bar counts the same tokens as the summary (not the roles files' bytes beside them too)
+    assert re.findall(r"tokens=([\d,]+)", capsys.readouterr().err)[-1] == f"{tokens:,}"
     tokenizer = load_tokenizer(tmp_path / "d")
     assert tokenizer.chat_template == CHATML and tokenizer.vocab_size == 258  # recorded for every command
     shard = tmp_path / "d" / "train_000000.bin"

@@ -2,6 +2,7 @@
 did-you-mean; and that no other module imports a parser library."""
 
 import ast
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -129,12 +130,22 @@ def test_only_cli_imports_a_command_line_parser_library():
         (["-m", "gptlite.evaluate"], "--out_dirr=x", "out_dir"),
         (["-m", "gptlite.plot"], "--outt=x.png", "out"),
         (["-m", "gptlite.hf"], "--hf_dirr=x", "hf_dir"),
+        (["-m", "gptlite.serve"], "--portt=1", "port"),
+        (["-m", "gptlite.tokenizer", "train"], "--vocab_sizee=1", "vocab_size"),
+        (["-m", "gptlite.scaling"], "--data_dirr=x", "data_dir"),
+        (["data/shakespeare/prepare.py"], "--out_dirr=x", "out_dir"),
     ],
 )
 def test_every_command_has_help_and_did_you_mean(command, typo, meant):
-    path = [str(ROOT / command[0])] if command[0].endswith(".py") else command
+    path = [str(ROOT / command[0]), *command[1:]] if command[0].endswith(".py") else command
     out = subprocess.run([sys.executable, *path, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "--" in out.stdout and "Traceback" not in out.stderr, out.stderr
+    # `--help | head -1`: the reader goes away before the help is written; the command ends quietly, as SIGPIPE
+    # ends a command (141), not in a BrokenPipeError's traceback
+    reader_gone = subprocess.Popen([sys.executable, *path, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   cwd=ROOT, text=True)  # fmt: skip
+    reader_gone.stdout.close()
+    assert reader_gone.wait(timeout=120) == 141 and reader_gone.stderr.read() == ""
     out = subprocess.run([sys.executable, *path, typo], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and f"did you mean '{meant}'?" in out.stderr.replace("'--", "'"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
@@ -169,3 +180,34 @@ def test_a_rank_other_than_0_waits_before_its_error_and_ends_quietly_on_sigterm(
     note = "import gptlite.cli as cli\ncli.RANK_GRACE_S = 600.0\ncli.report('demo: note: spelled --new now')\n"
     noted = subprocess.run([sys.executable, "-c", note], env=env, capture_output=True, text=True, timeout=60)
     assert noted.returncode == 0 and noted.stderr == ""
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize(
+    "extra,blocked,command",
+    [
+        ("serve", "fastapi", ["-m", "gptlite.serve", "--model=run"]),
+        ("serve", "llguidance", ["-m", "gptlite.serve", "--model=run"]),
+        ("data", "pyarrow", ["data/prepare.py", "--input=x.parquet", "--tokenizer=byte", "--out_dir=out"]),
+        ("data", "datasets", ["data/prepare.py", "--hf_dataset=a/b", "--tokenizer=byte", "--out_dir=out"]),
+        ("eval", "lm_eval", ["-m", "gptlite.evaluate", "--model=gpt2", "--task=lm_eval:arc_easy"]),
+        ("gguf", "gguf", ["-m", "gptlite.hf", "export", "--format=gguf", "--model=gpt2", "--out=x.gguf"]),
+        ("plot", "matplotlib", ["-m", "gptlite.plot", "run"]),
+    ],
+)
+def test_a_missing_extra_is_one_line_naming_its_pip_install(extra, blocked, command, tmp_path):
+    """Each command as a user runs it where the extra's package is not installed (its import fails, as Python's
+    does when sys.modules holds None): one line naming the package and `pip install -e ".[EXTRA]"`, exit 2."""
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    if command[0].endswith(".py"):
+        argv = [str(ROOT / command[0]), *command[1:]]
+        run = f"runpy.run_path({argv[0]!r}, run_name='__main__')"
+    else:  # -m MODULE
+        argv = [command[1], *command[2:]]
+        run = f"runpy.run_module({argv[0]!r}, run_name='__main__', alter_sys=True)"
+    code = f"import runpy, sys\nsys.modules[{blocked!r}] = None\nsys.argv = {argv!r}\n{run}\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and f'needs the {blocked} package: pip install -e ".[{extra}]"' in done.stderr

@@ -358,8 +358,11 @@ def test_ranks_split_the_global_batch(tmp_path, shuffle):
 def test_fewer_than_one_batch(tmp_path):
     files, _ = make_shards(tmp_path, [20, 10])  # (19 // 8) + (9 // 8) = 3 windows
     ShardLoader(files, batch_size=3, block_size=8)  # exactly one batch is enough
-    message = r"30 tokens in 2 shard\(s\) .* make 3 windows of block_size\+1=9 tokens, fewer than one batch of 4"
+    message = (
+        r"30 tokens in 2 shard\(s\) .* make 3 windows of block_size\+1=9 tokens, fewer than one batch of 4; use more "
+        r"data, --batch_size=3 or less, or a smaller --block_size$"
+    )
     with pytest.raises(ValueError, match=message):
         ShardLoader(files, batch_size=4, block_size=8)
-    with pytest.raises(ValueError, match="fewer than one batch of 4"):
+    with pytest.raises(ValueError, match="fewer than one batch of 4; use more data, --batch_size=1 or less, or a"):
         ShardLoader(files, batch_size=2, block_size=8, world_size=2)

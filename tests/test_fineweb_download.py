@@ -75,7 +75,7 @@ def test_bad_dataset_or_shard_count(tmp_path, name, shards, message):
 def test_missing_huggingface_hub(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(
-        ImportError, match=r"Downloading token shards needs the huggingface_hub package: pip install -e '\.\[data\]'"
+        ImportError, match=r'Downloading token shards needs the huggingface_hub package: pip install -e "\.\[data\]"'
     ):
         download_token_shards("fineweb10B", tmp_path, 1, "byte", log=quiet)
 

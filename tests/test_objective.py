@@ -55,9 +55,7 @@ def objective_for(folder, grad_accum=1, log=lambda *a: None, **options):
     cfg = TrainConfig(
         model=tiny_config(vocab_size=vocab_size, **{"block_size": 32, **model_keys}),
         data_dir=str(folder),
-        batch_size=4,
-        eval_iters=2,
-        **options,
+        **{"batch_size": 4, "eval_iters": 2, **options},
     )
     tokenizer = load_tokenizer(folder / TOKENIZER_FILE) if (folder / TOKENIZER_FILE).is_file() else None
     objective = make_objective(cfg, tokenizer, grad_accum, "cpu", contextlib.nullcontext(), 0, 1, log)
@@ -211,3 +209,22 @@ def test_without_a_tokenizer_text_is_judged_by_its_loss_alone(folders):
     evaluation = objective.evaluate(model)
     assert evaluation.fields["val_bpb"] is None and evaluation.line == f"val loss {evaluation.loss:.4f}"
     assert json.dumps(evaluation.fields)  # metrics.jsonl writes it as it is
+
+
+@pytest.mark.parametrize("kind", ["chat", "pairs"])
+def test_a_val_split_smaller_than_a_batch_is_scored_whole(folders, kind):
+    """A few dozen records leave a val split of fewer conversations or pairs than a batch: it is scored as it is,
+    each item once in one short batch, as evaluate scores it (every item, a batch at a time)."""
+    small, model = objective_for(folders / kind, batch_size=8, eval_iters=20)
+    assert small.val_loader.size < 8
+    small.start(model)
+    whole, _ = objective_for(folders / kind, batch_size=2, eval_iters=0)
+    whole.start(model)
+    assert small.evaluate(model).loss == pytest.approx(whole.evaluate(model).loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind,items", [("chat", "conversations"), ("pairs", "preference pairs")])
+def test_a_train_split_smaller_than_a_batch_names_the_largest_batch_that_fits(folders, kind, items):
+    with pytest.raises(ValueError, match=rf"^train split: 54 {items} in 1 shard\(s\) .* are fewer than one batch of "
+                                         r"64; use more data or --batch_size=54 or less$"):  # fmt: skip
+        objective_for(folders / kind, batch_size=64)

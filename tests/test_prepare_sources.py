@@ -300,7 +300,7 @@ def test_unreadable_file(tmp_path, monkeypatch):
 def test_missing_datasets_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now raises ImportError
     with pytest.raises(
-        ImportError, match=r"Hugging Face input needs the datasets package: pip install -e '\.\[data\]'"
+        ImportError, match=r'Hugging Face input needs the datasets package: pip install -e "\.\[data\]"'
     ):
         prepare([], "byte", tmp_path / "out", hf_dataset="HuggingFaceFW/fineweb-edu", hf_name="sample-10BT", log=quiet)
 

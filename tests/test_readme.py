@@ -1,30 +1,54 @@
-"""The README's commands, run as written on the model the README trains: the char model of
-configs/shakespeare_char_cpu.toml in out/char (here trained for a few steps, in a folder of its own), with the
-files the commands name (prompt.txt, notes.txt) beside it. A README example that fails on that model (beam search
-asked for more tokens than its block holds) fails here."""
+"""The README's commands, run as written on the models the README trains: the char model of
+configs/shakespeare_char_cpu.toml in out/char, and out/mine on a BPE of your own (the tokenizer section's
+commands), each trained for a few steps (--max_iters=20) in a folder of its own, with the files the commands name
+(prompt.txt, notes.txt, corpus/) beside them. A README example that fails on those models (beam search asked for
+more tokens than its block holds, a JSON schema the char vocabulary cannot spell) fails here. The servers run as
+written too, each port the README names (8000, 8001) replaced by a free one; a command holding a placeholder in
+capitals (TASK, NAME) is not run."""
 
+import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT, shared_file
+from tests.serving import free_port
 
 README = (ROOT / "README.md").read_text()
 
 
 def bash_lines(text: str) -> list[str]:
-    """The commands of the README's ```bash blocks, continuation lines joined, comments cut."""
+    """The commands of the ```bash blocks of a Markdown text, continuation lines joined, comments cut; a quoted
+    argument that goes on over lines (python -c "...", curl -d '...') is one command, its lines joined by newlines."""
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#.*$", "", command).strip()
-            if command:
+        command = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s+)#.*$", "", line).strip()
+            if not line:
+                continue
+            command = f"{command}\n{line}" if command else line
+            if quotes_closed(command):
                 lines.append(command)
+                command = ""
     return lines
+
+
+def quotes_closed(command: str) -> bool:
+    try:
+        shlex.split(command)
+    except ValueError:  # "No closing quotation"
+        return False
+    return True
 
 
 def on_the_char_model(command: str) -> bool:
@@ -33,7 +57,10 @@ def on_the_char_model(command: str) -> bool:
 
 
 def argv(command: str) -> list[str]:
-    """The command's words with its optional parts ([--top_p=0.95]) taken, run by this Python."""
+    """The command's words with its optional parts ([--top_p=0.95]) taken, run by this Python; python -c's code
+    as it is."""
+    if command.startswith("python -c "):
+        return [sys.executable, *shlex.split(command)[1:]]
     words = shlex.split(command.replace("[", "").replace("]", ""))
     assert words[0] == "python"
     script = words[1] if words[1] == "-m" else str(ROOT / words[1])
@@ -48,15 +75,39 @@ def readme_run(tmp_path_factory) -> Path:
     shakespeare = shared_file("data/tinyshakespeare.txt")
     prepare = [sys.executable, str(ROOT / "data/shakespeare/prepare.py"), f"--input={shakespeare}"]
     subprocess.run([*prepare, "--out_dir=data/shakespeare_char"], cwd=root, check=True, capture_output=True)
-    train = next(c for c in bash_lines(README) if c.startswith("python train.py configs/shakespeare_char_cpu.toml"))
-    assert train.endswith("--out_dir=out/char")
-    done = subprocess.run(
-        [*argv(train), "--max_iters=20", "--eval_interval=20", "--eval_iters=2"], cwd=root, capture_output=True
-    )
-    assert done.returncode == 0, done.stderr.decode()
+    train = "python train.py configs/shakespeare_char_cpu.toml --data_dir=data/shakespeare_char --out_dir=out/char"
+    assert train in bash_lines(README)
+    run_briefly(train, root)
     (root / "prompt.txt").write_text("ROMEO:\nWhat light")
     (root / "notes.txt").write_text(shakespeare.read_text()[:5000])
     return root
+
+
+def run_briefly(command: str, root: Path) -> None:
+    """A README command that trains, run for 20 steps."""
+    done = subprocess.run(
+        [*argv(command), "--max_iters=20", "--eval_interval=20", "--eval_iters=2"], cwd=root, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr.decode()
+
+
+@pytest.fixture(scope="module")
+def readme_bpe(readme_run) -> Path:
+    """readme_run with out/mine, made as the README's tokenizer section says: a BPE trained on corpus/ (here a
+    slice of tiny Shakespeare), the data prepared with it, and a model trained on that."""
+    corpus = readme_run / "corpus"
+    corpus.mkdir()
+    (corpus / "shakespeare.txt").write_text(shared_file("data/tinyshakespeare.txt").read_text()[:200_000])
+    section = README.split("## Train your own tokenizer")[1].split("\n## ")[0]
+    commands = bash_lines(section)
+    starts = ("python -m gptlite.tokenizer train", "python data/prepare.py", "python train.py configs/")
+    assert len(commands) == 3 and all(c.startswith(start) for c, start in zip(commands, starts, strict=True))
+    for command in commands[:2]:
+        done = subprocess.run(argv(command), cwd=readme_run, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command}\n{done.stderr}"
+    assert commands[2].endswith("--out_dir=out/mine")
+    run_briefly(commands[2], readme_run)
+    return readme_run
 
 
 def test_the_readme_names_its_commands_on_the_char_model():
@@ -79,3 +130,59 @@ def test_the_readmes_python_example_runs_on_the_readmes_char_model(readme_run):
     done = subprocess.run([sys.executable, "-c", code], cwd=readme_run, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ROMEO:")
+
+
+def readme_servers() -> list[tuple[str, list[str]]]:
+    """The README's Serve section: each server command, with the requests after it (curl, python -c) that go to its
+    port, as written."""
+    section = README.split("## Serve")[1].split("\n## ")[0]
+    servers: list[tuple[str, list[str]]] = []
+    for command in bash_lines(section):
+        if command.startswith("python -m gptlite.serve"):
+            servers.append((command, []))
+        elif command.startswith(("curl ", "python -c")) and not re.search(r"\b(?:TASK|NAME)\b", command):
+            servers[-1][1].append(command)
+    return servers
+
+
+@pytest.mark.slow  # starts servers
+@pytest.mark.parametrize("index", range(len(readme_servers())))
+def test_each_readme_server_example_runs_as_written_on_the_readmes_models(index, readme_bpe):
+    server, requests = readme_servers()[index]
+    assert requests, server
+    port = str(free_port())
+    written = re.search(r"--port=(\d+)", server)
+    server = server.replace(written[0], f"--port={port}") if written else f"{server} --port={port}"
+    for request in requests:
+        assert f"127.0.0.1:{written[1] if written else 8000}/" in request, request
+    requests = [re.sub(r"127\.0\.0\.1:\d+/", f"127.0.0.1:{port}/", r) for r in requests]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(argv(server), cwd=readme_bpe, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10).close()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.3)
+        for request in requests:
+            words = shlex.split(request)
+            done = subprocess.run(argv(request) if words[0] == "python" else words, cwd=readme_bpe, env=env,
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert done.returncode == 0 and done.stdout.strip(), f"{request}\n{done.stdout}\n{done.stderr}"
+            assert '"error"' not in done.stdout, f"{request}\n{done.stdout}"
+            if "json_schema" in request:  # the schema's JSON, as far as max_tokens let it go
+                (choice,) = json.loads(done.stdout)["choices"]
+                assert choice["text"].startswith("{")
+                if choice["finish_reason"] == "stop":
+                    assert isinstance(json.loads(choice["text"]), dict)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            log, _ = process.communicate(timeout=30)
+        finally:
+            process.kill()
+    assert "Traceback" not in log, log

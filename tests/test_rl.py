@@ -18,6 +18,7 @@ from gptlite.rl import (
     group_advantages,
     gsm8k_number,
     load_reward,
+    no_signal_note,
     pass_at_k,
     policy_loss,
     read_prompts,
@@ -516,3 +517,20 @@ def test_a_resume_with_another_prompts_file_of_the_same_length_is_refused(toy, t
     assert resumed.code == 2 and "--rl_prompts names another prompts file than the run sampled from" in resumed.err
     again = run_train(*rl_args(folder, tmp_path / "rl", max_iters=4, eval_interval=2), "--resume")
     assert again.code == 0 and again.step == 4, again.err
+
+
+def test_rl_where_no_completion_scores_says_so_once_with_what_to_try(toy, tmp_path):
+    """A reward no completion earns: every advantage is 0 and nothing is learned; the run says so in one note at the
+    first such step, not at every step, and names what to try."""
+    from tests.conftest import run_train
+
+    folder, _ = toy
+    (tmp_path / "never.py").write_text("def reward(prompt, completion, record):\n    return 0.0\n")
+    args = rl_args(folder, tmp_path / "run", max_iters=3, eval_interval=3, batch_size=2, rl_samples=2)
+    run = run_train(*args, f"--reward={tmp_path / 'never.py'}:reward")
+    assert run.code == 0, run.err
+    notes = [line for line in run.out.splitlines() if "learns nothing" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: step 1: no completion scored (every reward is 0)"), notes
+    assert "--rl_samples, now 2" in notes[0] and "--rl_max_new_tokens" in notes[0]
+    assert no_signal_note(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), 2) is None  # one group tells its samples apart
+    assert "every sample of each prompt scored the same" in no_signal_note(torch.tensor([[1.0, 1.0], [0.0, 0.0]]), 2)

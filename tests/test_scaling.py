@@ -437,7 +437,10 @@ def test_the_sweep_resumes_fits_and_feeds_train_budget(char_data, tmp_path, monk
     assert "0 to go" in capsys.readouterr().out
 
     # train.py --budget finds these laws for this data on this machine, says each choice, and takes overrides.
-    # (train.py runs inside pytest's process here: its start-up is taken as a command's, 2 s)
+    # (train.py runs inside pytest's process here: its start-up is taken as a command's, 2 s.) Budgets of 1-2 s may
+    # leave the size laws a note that they are weak, which would send --budget to the defaults: here they are taken
+    # as sound (test_weak_laws_give_way_to_the_defaults tests the other way)
+    cached[0].write_text(json.dumps({k: v for k, v in laws.items() if k != "size_note"}))
     monkeypatch.setattr("gptlite.scaling.derive.process_age", lambda: 2.0)
     run = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--budget=15s", "--beta2=0.95")
     assert run.code == 0, run.err
@@ -469,13 +472,48 @@ def test_the_defaults_hold_a_character_and_a_bpe_corpus_laws(tmp_path, monkeypat
     assert power(bpe["params_per_second"], 270) < power(char["params_per_second"], 270) / 2
 
 
+def test_weak_laws_give_way_to_the_defaults(tmp_path, monkeypatch):
+    """Laws a sweep fitted for this data on this machine are used unless their own checks call them weak (a size
+    note, a check run that missed the loss law): then the defaults are, and the line says which laws, how strong,
+    and why; a laws file given by name is used however weak, its weakness said."""
+    from gptlite.scaling import laws as laws_module
+    from gptlite.scaling.laws import find_laws, laws_path, machine_key, strength
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path)
+    fitted = json.loads(laws_module.DEFAULT_LAWS.read_text())["char"]
+    fitted = {**fitted, "data": {**fitted["data"], "name": "mine"}}
+    cached = laws_path("0" * 16, machine_key())
+    cached.write_text(json.dumps(fitted))
+    laws, source = find_laws("0" * 16, 65)
+    assert laws == fitted and source == f"the laws fitted for this data on this machine ({cached}): {strength(fitted)}"
+    assert "N* ~ t^1.14 (0.48 to 1.14 leaving one run out) through the optima at" in source
+    assert "its check at 240 s lay +1.8% from the loss law" in source
+
+    weak = {**fitted, "size_note": "the best run at 10 s trained only 12 steps"}
+    cached.write_text(json.dumps(weak))
+    laws, source = find_laws("0" * 16, 65)
+    assert laws["data"]["name"] == "tiny Shakespeare, char" and source.startswith(
+        "the defaults measured for gptlite on tiny Shakespeare, char ("
+    )
+    assert source.endswith(
+        f"; not the laws fitted for this data on this machine ({cached}), which their own checks call weak: the best "
+        f"run at 10 s trained only 12 steps (--scaling_laws={cached} uses them anyway)"
+    )
+    missed = {**fitted, "check": {**fitted["check"], "off": 0.035, "note": "the check lay 3.5% above the law"}}
+    cached.write_text(json.dumps(missed))
+    assert "which their own checks call weak: the check lay 3.5% above the law" in find_laws("0" * 16, 65)[1]
+    laws, source = find_laws("0" * 16, 65, str(cached))
+    assert laws == missed and source.endswith("; weak: the check lay 3.5% above the law")
+
+
 def test_a_budget_without_laws_uses_the_defaults_and_says_so(char_data, tmp_path, monkeypatch):
     from gptlite.scaling import laws as laws_module
 
     monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
     run = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--budget=20Ktokens")
     assert run.code == 0, run.err
-    assert "no laws were fitted for this data on this machine, so the defaults measured for gptlite" in run.out
+    assert "budget | --budget=20Ktokens: from the defaults measured for gptlite on tiny Shakespeare, char (" in run.out
+    assert "no laws were fitted for this data on this machine (`python -m gptlite.scaling" in run.out
     config = json.loads(next(line for line in run.out.splitlines() if line.startswith("config: "))[8:])
     assert config["batch_size"] == windows_per_step(20_000 / 3072) < FULL_WINDOWS  # so few steps: fewer windows
     assert config["lr_schedule"] == "steps" and config["max_iters"] == math.ceil(20_000 / (config["batch_size"] * 512))

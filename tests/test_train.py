@@ -280,7 +280,7 @@ def bad_data(root: Path, case: str) -> Path:
     if case == "empty shard":
         write_shard(root / "train_000003.bin", [], VOCAB)
     elif case == "small val":
-        write_shard(root / "val_000000.bin", list(range(100)), VOCAB)
+        write_shard(root / "val_000000.bin", list(range(10)), VOCAB)
     elif case == "no val":
         (root / "val_000000.bin").unlink()
     return root
@@ -288,8 +288,8 @@ def bad_data(root: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case, overrides, message", [
     ("empty shard", {}, r"shard .*train_000003\.bin holds no tokens; delete it or prepare the data again"),
-    ("small val", {}, r"val split: 100 tokens in 1 shard\(s\) .* make 6 windows of block_size\+1=17 tokens, fewer "
-                      r"than one batch of 8"),
+    ("small val", {}, r"val split: 10 tokens in 1 shard\(s\) .* make 0 windows of block_size\+1=17 tokens, fewer "
+                      r"than one batch of 1; use more data, or a smaller --block_size"),
     ("no val", {}, r"no val shards found at .*; expected \*val\*\.bin files there"),
     ("ids", {"vocab_size": 100}, r"shard .*train_000000\.bin holds token id \d+ but the model's vocab_size is 100"),
     ("batch", {"total_batch_size": 100}, r"total_batch_size=100 is not a multiple of "
@@ -401,7 +401,10 @@ def test_time_schedule_decays_the_lr_over_the_time_budget(data, tmp_path, monkey
             min_lr=1e-4,
         )
     )
-    assert summary["stopped"] == "max_minutes=0.5" and summary["val_history"][-1][0] == summary["step"]
+    # the schedule ended with the budget: the run is done, with a last evaluation, not stopped to be resumed
+    assert summary["stopped"] is None and summary["val_history"][-1][0] == summary["step"]
+    assert f"step {summary['step']:5d} | the time budget (max_minutes=0.5) is spent: the run is done" in summary.out
+    assert "continue with" not in summary.out
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open()) if "lr" in r]
     assert 10 < len(lrs) < 40 and lrs[0] == 1e-3 and all(a >= b for a, b in pairwise(lrs))
     assert lrs[-1] < 1.1e-4  # close to min_lr when the budget runs out

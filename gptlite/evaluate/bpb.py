@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from gptlite.data import Loader
+from gptlite.data import Loader, evaluation_batches
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
 
@@ -65,13 +65,13 @@ def evaluate_loader(
 ) -> tuple[float, float | None]:
     """Mean loss per target token and bits per byte (None without the tokens' byte `lengths`, see byte_lengths) of
     a loader's split, as training reports its val loss: over the first `iters` global batches (the same batches at
-    every evaluation), or over every window of the split when iters=0. Under torchrun each rank scores its slice
+    every evaluation), or over every window of the split when iters=0 or the split is smaller
+    (gptlite.data.evaluation_batches). Under torchrun each rank scores its slice
     and the sums are all-reduced, so every rank gets the same figures."""
     import torch.distributed as dist
 
     model.eval()
-    loader.restore({"epoch": 0, "shard": 0, "index": 0})
-    batches = loader.every_window() if iters == 0 else (loader.next_batch() for _ in range(iters))
+    batches = evaluation_batches(loader, iters)
     sums = torch.zeros(4, device=device)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T) each

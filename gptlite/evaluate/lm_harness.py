@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from gptlite.cli import USER_ERRORS, in_words
 from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
+from gptlite.extras import missing_extra
 from gptlite.generate import PAD, TextStream, generate_tokens
 from gptlite.model import GPT
 from gptlite.tokenizer import Tokenizer
@@ -48,10 +49,8 @@ try:
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
-except ImportError:
-    raise ImportError(
-        "--task=lm_eval:... needs EleutherAI's lm-eval harness: pip install -e '.[eval]' (or pip install lm-eval)"
-    ) from None
+except ImportError as e:
+    raise missing_extra("eval", e.name or "lm-eval", "--task=lm_eval:... (EleutherAI's lm-eval harness)") from None
 
 if TYPE_CHECKING:
     from gptlite.evaluate.command import EvaluateOptions

@@ -33,6 +33,7 @@ from gptlite.checkpoint import is_run, load_checkpoint, load_model, lora_model, 
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, renamed_option, run_command
 from gptlite.config import option
 from gptlite.device import cpu_extensions
+from gptlite.extras import need
 from gptlite.files import write_text
 from gptlite.hf import check_model_name, export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
@@ -125,6 +126,7 @@ def export_gguf_file(options: ExportOptions, where: str, out: Path) -> int:
     """--format=gguf: the model `where` names (--model) as the GGUF file `out`, and its Ollama Modelfile."""
     if options.adapter:
         raise ValueError("--adapter is for --format=hf; a GGUF file holds the merged model (--out=FILE.gguf)")
+    need("gguf", "gguf", "GGUF export")  # before the model loads
     check_out(out, options.overwrite)
     template_file = modelfile_path(out)
     model, tokenizer = load_model(init_from=where, tokenizer=options.tokenizer)

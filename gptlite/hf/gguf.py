@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gptlite.config import GPTConfig
+from gptlite.extras import need
 from gptlite.files import fault, fsync_dir, make_dir
 from gptlite.hf.families import GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, Family, family_of
 from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 ARCHITECTURES = {GPT2: "gpt2", LLAMA: "llama", MISTRAL: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}
-INSTALL = 'pip install gguf (or pip install -e ".[gguf]")'
 
 # pre-tokenizer patterns as tokenizer.json files hold them -> llama.cpp's name for that splitting
 LLAMA3_PATTERN = (
@@ -395,10 +395,7 @@ def export_gguf(
     earlier file is replaced (with overwrite=True) only by a whole one."""
     from gptlite.quantize import Int8Linear
 
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError(f"GGUF export needs ggml's gguf package: {INSTALL}") from None
+    gguf = need("gguf", "gguf", "GGUF export")
     if kind not in GGUF_TYPES:
         raise ValueError(f"--type={kind} must be one of {', '.join(GGUF_TYPES)}")
     if isinstance(model.lm_head, Int8Linear):

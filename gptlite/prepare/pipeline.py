@@ -273,9 +273,8 @@ def write_batches(
             progress["bytes"] += n_bytes
             progress["replaced"] += sum(e.replaced for e in encoded)
             save_progress(out_dir, progress, writers)
-            bar.set_postfix(
-                docs=f"{progress['documents']:,}", tokens=f"{sum(w.tokens for w in writers.values()):,}", refresh=False
-            )
+            tokens = sum(writers[split].tokens for split in SPLITS)  # not the roles files' bytes, one per token
+            bar.set_postfix(docs=f"{progress['documents']:,}", tokens=f"{tokens:,}", refresh=False)
             bar.update(n_bytes)
     for writer in writers.values():
         writer.finish()

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gptlite.extras import need
 from gptlite.files import make_dir, read_jsonl, write_json
 from gptlite.prepare.progress import clear_preparation, finished_manifest
-from gptlite.prepare.sources import optional_import, resolve_sources
+from gptlite.prepare.sources import resolve_sources
 from gptlite.prepare.workers import SPLITS, val_documents
 from gptlite.shards import ANSWER, MANIFEST, START, TARGET, RolesWriter, ShardWriter, token_dtype
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer
@@ -200,7 +201,7 @@ def read_records(sources: list[dict], fields: tuple[str, str, str]) -> Iterator[
     for source in sources:
         path = source["path"]
         if source["format"] == "parquet":
-            pq = optional_import("pyarrow.parquet", "Parquet input")
+            pq = need("pyarrow.parquet", "data", "Parquet input")
             table = pq.read_table(path)
             missing = [(f, flag) for f, flag in zip(fields, flags, strict=True) if f not in table.column_names]
             if missing:

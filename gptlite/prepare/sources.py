@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gptlite.download import download, optional_import
+from gptlite.download import download
+from gptlite.extras import need
 
 BLOCK_BYTES = 1 << 20  # inputs are read in blocks of about 1 MiB (text, whole JSONL lines, Parquet/HF rows)
 RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}  # any other file is text
@@ -138,7 +139,7 @@ def read_lines(path: str, offset: int) -> Iterator[tuple[bytes, int]]:
 
 def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[object, int]]:
     """(Arrow array of the `field` column of up to 1,024 rows, row after them) for a Parquet file from row `row`."""
-    pq = optional_import("pyarrow.parquet", "Parquet input")
+    pq = need("pyarrow.parquet", "data", "Parquet input")
     with open_input(path) as f:
         try:
             pf = pq.ParquetFile(f)
@@ -161,7 +162,7 @@ def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[object, int]
 
 def load_hf_dataset(source: dict):
     """A Hugging Face dataset in streaming mode (data_files, if given, are local JSONL/Parquet files)."""
-    datasets = optional_import("datasets", "Hugging Face input")
+    datasets = need("datasets", "data", "Hugging Face input")
     data_files = [f["path"] for f in source.get("data_files", [])] or None
     name = source["dataset"]
     try:
@@ -197,8 +198,7 @@ def read_hf(source: dict, start: int, field: str) -> Iterator[tuple[object, int]
 def text_bytes(column) -> int:
     """UTF-8 bytes of an Arrow text column (for a column of another type, the size of its buffers: the workers
     then reject its first value, naming the row)."""
-    import pyarrow.compute as pc
-
+    pc = need("pyarrow.compute", "data", "Arrow input")
     try:
         return pc.sum(pc.binary_length(column)).as_py() or 0
     except NotImplementedError:  # pyarrow.ArrowNotImplementedError: not a string or binary column
@@ -207,8 +207,7 @@ def text_bytes(column) -> int:
 
 def arrow_runs(batches: Iterable[tuple[object, int]]) -> Iterator[tuple[object, int, int]]:
     """Consecutive column batches joined into runs of about BLOCK_BYTES of text: (array, text bytes, position after)."""
-    import pyarrow as pa
-
+    pa = need("pyarrow", "data", "Arrow input")
     run, size, end = [], 0, 0
     for column, end in batches:
         run.append(column)
@@ -383,8 +382,7 @@ def arrow_values(column) -> list:
     try:
         return column.to_pylist()
     except UnicodeDecodeError:
-        import pyarrow as pa
-
+        pa = need("pyarrow", "data", "Arrow input")
         return column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()).to_pylist()
 
 
@@ -447,7 +445,7 @@ def input_bytes(sources: list[dict], text_field: str) -> int | None:
 
 def parquet_text_bytes(path: str, field: str) -> int:
     """Uncompressed bytes of a Parquet file's `field` column, from its metadata."""
-    meta = optional_import("pyarrow.parquet", "Parquet input").ParquetFile(path).metadata
+    meta = need("pyarrow.parquet", "data", "Parquet input").ParquetFile(path).metadata
     groups = (meta.row_group(g) for g in range(meta.num_row_groups))
     return sum(
         c.total_uncompressed_size

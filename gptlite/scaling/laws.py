@@ -264,22 +264,57 @@ def save_laws(laws: dict, path: Path) -> None:
 
 
 def find_laws(data_fingerprint: str, vocab_size: int, laws_file: str = "") -> tuple[dict, str]:
-    """(the laws to derive a recipe from, where they come from): `laws_file` if given; else the ones a sweep fitted
-    for this data on this machine; else the defaults measured for this project (a character vocabulary's or a
-    BPE's), said so."""
+    """(the laws to derive a recipe from, a line saying which they are and how strong): `laws_file` if given,
+    however weak; else the ones a sweep fitted for this data on this machine, unless their own checks call them weak
+    (`weakness`); else, or then, the defaults measured for this project (a character vocabulary's or a BPE's)."""
     if laws_file:
-        return read_laws(Path(laws_file)), f"the laws in {laws_file}"
-    cached = laws_path(data_fingerprint, machine_key())
-    if cached.is_file():
-        return read_laws(cached), f"the laws fitted for this data on this machine ({cached})"
+        laws = read_laws(Path(laws_file))
+        weak = weakness(laws)
+        return laws, f"the laws in {laws_file}: {strength(laws)}" + (f"; weak: {weak}" if weak else "")
     defaults = json.loads(DEFAULT_LAWS.read_text())
     kind = "char" if vocab_size <= 256 else "bpe"
-    laws = defaults.get(kind) or defaults["char"]
-    return laws, (
-        f"no laws were fitted for this data on this machine, so the defaults measured for gptlite on "
-        f"{laws['data']['name']} ({laws['machine']}) are used; `python -m gptlite.scaling --data_dir=...` fits "
-        "your own"
+    default = defaults.get(kind) or defaults["char"]
+    measured = (
+        f"the defaults measured for gptlite on {default['data']['name']} ({default['machine']}): {strength(default)}"
     )
+    cached = laws_path(data_fingerprint, machine_key())
+    if not cached.is_file():
+        return default, (
+            f"{measured}; no laws were fitted for this data on this machine (`python -m gptlite.scaling "
+            "--data_dir=...` fits your own)"
+        )
+    laws = read_laws(cached)
+    weak = weakness(laws)
+    if not weak:
+        return laws, f"the laws fitted for this data on this machine ({cached}): {strength(laws)}"
+    return default, (
+        f"{measured}; not the laws fitted for this data on this machine ({cached}), which their own checks call weak: "
+        f"{weak} (--scaling_laws={cached} uses them anyway)"
+    )
+
+
+def weakness(laws: dict) -> str:
+    """What the laws' own checks found against them: the sweep's note on its size laws (too few budgets' optima inside
+    the widths run, or trained long enough), or its check run's miss of the loss law past CHECK_TOLERANCE; "" if
+    nothing."""
+    return laws.get("size_note") or (laws.get("check") or {}).get("note") or ""
+
+
+def strength(laws: dict) -> str:
+    """How far the laws reach, in their own figures: the size law's exponent with its range over the fits that leave
+    one run out, the budgets it went through, and the check run's distance from the loss law where one ran."""
+    law = laws["params_per_second"]
+    low, high = law.get("range", [law["exponent"], law["exponent"]])
+    frontier = laws.get("frontier", [])
+    budgets = [f"{point['seconds']:g}" for point in frontier if point.get("fitted", True)]
+    text = (
+        f"N* ~ t^{law['exponent']:.2f} ({low:.2f} to {high:.2f} leaving one run out) through the optima at "
+        f"{', '.join(budgets) or 'no'} s"
+    )
+    check = laws.get("check")
+    if check:
+        return text + f"; its check at {check['seconds']:g} s lay {100 * check['off']:+.1f}% from the loss law"
+    return text + "; no check run (python -m gptlite.scaling --check)"
 
 
 def read_laws(path: Path) -> dict:

@@ -4,6 +4,7 @@ rows.py        RowCache: one preallocated KV cache whose rows each hold a reques
                model reads it as it reads sample.py's cache: gptlite.kvcache.AttentionCache)
 engine.py      Engine: continuous batching on a background thread, no HTTP
 protocol.py    the OpenAI request bodies (checked, their parsing bounded) and response shapes
+policy.py      the rules for clients the command reads from its options (no web framework imported)
 guard.py       who may use the server and how much a request may send: host names, the API key, body size and
                time, Content-Type, checked before any route reads a request
 app.py         the FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, the page at /

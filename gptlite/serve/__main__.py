@@ -6,9 +6,10 @@
          -d '{"model": "RUN", "prompt": "ROMEO:", "max_tokens": 50}'
 
 --model names a training run's folder, a Hugging Face directory or a hub name (gpt2[-medium|-large|-xl]); --out_dir
-and --init_from, its old spellings, still work. The model's name in requests is its folder's name, or the hub name
-(see --model_name). Up to --max_batch requests decode together; --max_waiting more wait for a row, and past that a
-request gets a 429 (or waits, with --when_full=wait).
+and --init_from, its old spellings, still work. The model's name in /v1/models and every response is its folder's
+name, or the hub name (see --model_name); a request may name any model, the one model answers it. Up to --max_batch
+requests decode together; --max_waiting more wait for a row, and past that a request gets a 429 (or waits, with
+--when_full=wait). It needs the serve extra: pip install -e ".[serve]".
 
 Who may use it: with --api_key (or the GPTLITE_API_KEY environment variable, which other users cannot read in
 the process list) every /v1/ request must send `Authorization: Bearer KEY`, as OpenAI's clients do. On a
@@ -27,8 +28,9 @@ from pathlib import Path
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
+from gptlite.extras import need_extra
 from gptlite.files import error
-from gptlite.serve.guard import Policy, is_loopback
+from gptlite.serve.policy import Policy, is_loopback
 
 KEY_VARIABLE = "GPTLITE_API_KEY"  # the key's environment variable, used when --api_key is not given
 
@@ -43,7 +45,7 @@ class ServeOptions:
         "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
         "tokenizer.json, or a Hugging Face directory's own; GPT-2's BPE for GPT-2)",
     )
-    model_name: str = option("", "the model's name in requests and /v1/models (default: --model's folder name)")
+    model_name: str = option("", "the model's name in /v1/models and responses (default: --model's folder name)")
     host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)")
     port: int = option(8000, "the port to listen on")
     max_batch: int = option(16, "requests decoded together; each holds one row of the KV cache")
@@ -208,11 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
+        need_extra("serve", "python -m gptlite.serve")  # its --help works without them
         import uvicorn
 
         from gptlite.serve.connection import uvicorn_config
 
-        options = parse(ServeOptions, argv, "python -m gptlite.serve", __doc__)
         options.model = model_to_read(options, "gptlite.serve")
         check_address(options.host, options.port)
         for line in warnings(options, policy(options)):

@@ -164,14 +164,9 @@ class Server:
         return self.mailboxes[loop]
 
     def check(self, body: GenerationRequest, prompts: int) -> None:
-        """What can be checked before tokenizing: the model's name, n x prompts against the batch, the stops."""
-        if body.model != self.model_name:
-            raise APIError(
-                404,
-                f"the model '{body.model}' does not exist here; this server has '{self.model_name}'",
-                "model",
-                "model_not_found",
-            )
+        """What can be checked before tokenizing: n x prompts against the batch, the stops. The request's model name
+        is not checked: the server has one model, which answers to any name (docs/serve.md), and every response names
+        it."""
         if prompts * body.n > self.engine.max_batch:
             raise APIError(
                 400,
@@ -418,13 +413,13 @@ class Server:
             logprobs = None
             if params.logprobs is not None:
                 logprobs = [chat_logprobs_body(choice, token_bytes) for choice in entries]
-            return chat_completion(rid, body.model, texts, reasons, use, logprobs)
+            return chat_completion(rid, self.model_name, texts, reasons, use, logprobs)
         if params.echo:
             texts = [self.tokenizer.decode(job.prompt) + text for job, text in zip(gen.jobs, texts, strict=True)]
         logprobs = None
         if params.logprobs is not None:
             logprobs = [logprobs_body(choice, token_bytes) for choice in entries]
-        return completion(rid, body.model, texts, reasons, use, logprobs)
+        return completion(rid, self.model_name, texts, reasons, use, logprobs)
 
     async def stream(
         self, gen: Generation, first: tuple[int, Piece], body: GenerationRequest, chat: bool, prompt_tokens: int
@@ -444,7 +439,7 @@ class Server:
                     return
                 if chat and index not in started:
                     started.add(index)
-                    yield sse(chunk(rid, body.model, chat, index, "", None, first=True))
+                    yield sse(chunk(rid, self.model_name, chat, index, "", None, first=True))
                 text = piece.text
                 if params.echo and index not in started:  # (completions only) the prompt comes first
                     started.add(index)
@@ -454,12 +449,14 @@ class Server:
                 if params.logprobs is not None and entries:
                     logprobs = chat_logprobs_body(entries, token_bytes) if chat else writers[index].add(entries)
                 if text or piece.finish_reason or logprobs is not None:
-                    yield sse(chunk(rid, body.model, chat, index, text, piece.finish_reason, logprobs=logprobs))
+                    yield sse(chunk(rid, self.model_name, chat, index, text, piece.finish_reason, logprobs=logprobs))
                 if not gen.open:
                     break
                 index, piece = await gen.next()
             if body.stream_options and body.stream_options.include_usage:
-                yield sse(chunk(rid, body.model, chat, None, None, None, use=usage(prompt_tokens, sum(gen.tokens))))
+                yield sse(
+                    chunk(rid, self.model_name, chat, None, None, None, use=usage(prompt_tokens, sum(gen.tokens)))
+                )
             yield sse("[DONE]")
         finally:  # finished, or the client went away: either way the rows are freed
             gen.cancel()
