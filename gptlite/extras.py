@@ -14,6 +14,7 @@ EXTRAS = {
     "eval": ("lm_eval",),
     "gguf": ("gguf",),
     "plot": ("matplotlib",),
+    "tensorboard": ("tensorboard",),
 }
 
 

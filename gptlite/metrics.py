@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from gptlite.config import TrainConfig, config_to_dict
+from gptlite.extras import need
 from gptlite.files import fault
 
 METRICS_FILE = "metrics.jsonl"
@@ -173,12 +174,9 @@ def start_tensorboard(out_dir: str | Path, resume_step: int | None = None) -> tu
     """(a TensorBoardTracker for the run in out_dir, None); or, without the tensorboard package, (None, the
     one-line problem)."""
     try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
-    except ImportError:
-        return None, (
-            'tensorboard=true, but the tensorboard package is not installed: pip install -e ".[tensorboard]" (or '
-            "pip install tensorboard), or drop --tensorboard"
-        )
+        need("tensorboard", "tensorboard", "tensorboard=true")  # what torch.utils.tensorboard needs
+    except ImportError as e:
+        return None, f"{e}; or drop --tensorboard"
     return TensorBoardTracker(out_dir, resume_step), None
 
 

@@ -490,8 +490,8 @@ def test_tensorboard_without_its_package_is_one_line_before_anything_is_written(
     run = run_train(*config(data, tmp_path / "out", max_iters=2, tensorboard=True))
     assert run.code == 2
     assert run.error.strip() == (
-        'tensorboard=true, but the tensorboard package is not installed: pip install -e ".[tensorboard]" (or pip '
-        "install tensorboard), or drop --tensorboard"
+        'tensorboard=true needs the tensorboard package: pip install -e ".[tensorboard]" (or pip install '
+        "tensorboard); or drop --tensorboard"
     )
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
