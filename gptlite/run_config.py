@@ -15,6 +15,7 @@ from typing import Any
 from gptlite.checkpoint import load_checkpoint, source_config
 from gptlite.cli import HelpRequested, config_help, parse_args
 from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
+from gptlite.scaling.recipe import parse_budget
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 NO_DATA_DIR = "data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)"
@@ -32,6 +33,8 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
     unknown = [unknown_key(k, flat_fields()) for k in values if k not in flat_fields()]
     if unknown:  # before anything is read: a typo is named first
         raise ValueError("; ".join(unknown))
+    if values.get("budget"):  # a budget that is none, or past what the laws can take, is named before anything else
+        parse_budget(str(values["budget"]))
     if values.get("init_from") in ("scratch", "resume"):  # nanoGPT's values, which mean the same here
         if values.pop("init_from") == "resume":
             values.setdefault("resume", True)

@@ -3,6 +3,7 @@ train.py process per run) and train.py --budget's recipe, every key still overri
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -43,6 +44,26 @@ def test_a_budget_reads_as_written(text, kind, amount):
 def test_a_budget_that_is_not_one_is_named(text):
     with pytest.raises(ValueError, match=f"--budget={text!r} (is not a budget|must be more)"):
         parse_budget(text)
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("1e400flops", "is inf flops, outside what gptlite can plan a run for: give 1 to 1e+30 flops"),
+        ("1e400s", "is inf seconds, outside what gptlite can plan a run for: give up to 1e+08 seconds"),
+        ("1e400tokens", "is inf tokens, outside what gptlite can plan a run for: give 1 to 1e+16 tokens"),
+        ("2e30Pflops", "is 2e+45 flops, outside"),
+        ("0.5tokens", "is 0.5 tokens, outside what gptlite can plan a run for: give 1 to 1e+16 tokens"),
+    ],
+)
+def test_a_budget_past_what_the_laws_can_take_is_refused_where_it_is_read(text, said, tmp_path):
+    """A budget the laws' powers cannot take (infinity, a power past what a float holds) is refused as train.py
+    reads it, in one line with the range: never the math's own error ("math domain error") from deep inside."""
+    with pytest.raises(ValueError, match=f"^--budget={text!r} {re.escape(said)}"):
+        parse_budget(text)
+    run = run_train(f"--data_dir={tmp_path / 'none'}", f"--out_dir={tmp_path / 'run'}", f"--budget={text}")
+    assert run.code == 2 and f"--budget={text!r} {said}" in run.err and len(run.err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_family_at_width_96_is_the_hand_tuned_speedrun_model():
@@ -446,6 +467,30 @@ def test_the_sweep_resumes_fits_and_feeds_train_budget(char_data, tmp_path, monk
     config = json.loads(next(line for line in run.out.splitlines() if line.startswith("config: "))[8:])
     assert config["budget"] == "15s" and config["beta2"] == 0.95 and config["lr_schedule"] == "time"
     assert 0 < config["max_minutes"] < 15 / 60
+
+
+@pytest.mark.parametrize(
+    "option, said",
+    [
+        ("--budgets=1e400s,10s", "--budgets='1e400s' is inf seconds, outside what gptlite can plan a run for"),
+        ("--budgets=10s,,20s", "--budgets='' is not a budget; give a time"),
+        ("--budgets=10s,20s,10sec", "--budgets=10s,20s,10sec names 10 s more than once; give each once"),
+        ("--widths=48,72,48,96", "--widths=48,72,48,96 names 48 more than once; give each once"),
+    ],
+)
+def test_the_sweeps_budgets_and_widths_are_checked_and_named_as_its_own_options(
+    option, said, char_data, tmp_path, capsys
+):
+    """The sweep reads its --budgets with train.py's budget parser, and its errors name --budgets; a budget past
+    what the laws can take is refused, and a budget or a width given twice, which would run and count in the fit
+    twice, too: before anything is written."""
+    from gptlite.scaling.sweep import main
+
+    out = tmp_path / "sweep"
+    assert main([f"--data_dir={char_data}", f"--out_dir={out}", "--budgets=1s,2s", "--widths=48,72,96", option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gptlite.scaling: error: {said}") and err.count("\n") == 1, err
+    assert not out.exists()
 
 
 def test_the_defaults_hold_a_character_and_a_bpe_corpus_laws(tmp_path, monkeypatch):

@@ -126,7 +126,7 @@ def check(options: SweepOptions) -> tuple[list[float], list[int], int, str]:
     vocab_size = read_vocab_size(options.data_dir)
     budgets = []
     for text in options.budgets.split(","):
-        budget = parse_budget(text.strip())
+        budget = parse_budget(text.strip(), "--budgets")
         if budget.kind != "seconds":
             raise ValueError(f"--budgets: {text!r} is not a time; the sweep's budgets are training times (10s, 2min)")
         budgets.append(budget.amount)
@@ -137,6 +137,12 @@ def check(options: SweepOptions) -> tuple[list[float], list[int], int, str]:
     unknown = [w for w in widths if w not in WIDTHS]
     if unknown:
         raise ValueError(f"--widths: {unknown} are not widths of the recipe family; choose from {list(WIDTHS)}")
+    for name, values, unit in (("budgets", budgets, " s"), ("widths", widths, "")):
+        twice = sorted({f"{v:g}{unit}" for v in values if values.count(v) > 1})
+        if twice:  # each would run, and count in the fit, twice
+            raise ValueError(
+                f"--{name}={getattr(options, name)} names {', '.join(twice)} more than once; give each once"
+            )
     if len(widths) < 3 or len(budgets) < 2:
         raise ValueError("the laws need at least 3 widths and 2 budgets")
     fingerprint = data_identity(find_shards(options.data_dir, "train"), "text")["data"]
