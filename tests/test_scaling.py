@@ -66,6 +66,19 @@ def test_a_budget_past_what_the_laws_can_take_is_refused_where_it_is_read(text, 
     assert not (tmp_path / "run").exists()
 
 
+def test_the_loss_law_far_below_its_budgets_is_held_at_a_uniform_guess():
+    """L = E + A x^-alpha grows without bound as x shrinks; no model does worse than a uniform guess over its ids,
+    ln(vocab_size), so the expected loss is held there, and says why."""
+    from gptlite.scaling.laws import expected_loss
+
+    law = {"E": 1.27, "A": 491.2, "alpha": 0.256}
+    assert expected_loss(law, 1e15, 65) == (pytest.approx(saturating(law, 1e15)), "")
+    loss, why = expected_loss(law, 4.3e-6, 65)
+    assert loss == pytest.approx(math.log(65)) and why.startswith("held at ln 65 = 4.174, a uniform guess's loss")
+    assert "the law gives 11" in why
+    assert expected_loss({"E": 0.0, "A": 1.0, "alpha": 400.0}, 1e-3, 50257)[0] == pytest.approx(math.log(50257))
+
+
 def test_the_family_at_width_96_is_the_hand_tuned_speedrun_model():
     keys = recipe(96, 65, steps=1350, seconds=87.0)
     tuned = {"n_layer": 2, "n_embd": 96, "n_head": 4, "ffn_hidden": 288, "bigram_vocab": 4226, "batch_size": 6}
@@ -314,6 +327,35 @@ def test_a_run_that_repeats_the_data_more_than_a_few_times_is_warned(char_data, 
     assert len(warned) == 1 and f"{tokens / train:.1f} passes" in warned[0]
     _, notes = derive("200Ktokens", str(char_data), 65, "cpu")
     assert not any("passes over the data's" in line for line in notes)
+
+
+def test_a_budget_that_leaves_no_time_to_train_says_so_before_the_laws_are_asked(char_data, tmp_path, monkeypatch):
+    """A time budget whose final evaluation alone takes longer than it (a large vocabulary's at 20 s) leaves a
+    negative time to train: the refusal that says so comes before the size law is asked about that time, whose
+    power of a negative number is not a real one (once "'>' not supported between 'complex' and 'float'")."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    monkeypatch.setattr(derive_module, "process_age", lambda: 2.0)
+    val = derive_module.split_tokens(str(char_data), "val")
+    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: 0.05, eval_token_s=40.0 / (1.2 * val)))
+    with pytest.raises(ValueError, match=r"^--budget=20s leaves -2\d\.\d s to train once start-up and the final "
+                                         r"evaluation \(40\.0 s\) are counted; give a larger budget$"):  # fmt: skip
+        derive_module.derive("20s", str(char_data), 65, "cpu", given={"max_iters": "2"})
+
+
+def test_a_budget_far_below_the_laws_expects_no_worse_than_a_uniform_guess(char_data, tmp_path, monkeypatch):
+    """--budget=1tokens: the loss law L*(C) at the FLOPs the token law gives for one token is in the thousands for
+    65 characters; the expected loss said is ln 65, and why."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")  # the defaults' laws
+    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: 0.01))
+    _, notes = derive_module.derive("1tokens", str(char_data), 65, "cpu")
+    said = next(line for line in notes if line.startswith("expected val loss"))
+    assert said.startswith("expected val loss 4.174 (the law L*(C); held at ln 65 = 4.174, a uniform guess's loss")
 
 
 def fake_probe(step_s, probed: list | None = None, eval_token_s: float = 1e-5):
