@@ -535,6 +535,28 @@ def test_the_sweeps_budgets_and_widths_are_checked_and_named_as_its_own_options(
     assert not out.exists()
 
 
+def test_a_second_sweep_into_a_folder_in_use_is_refused_before_it_touches_a_log(char_data, tmp_path, capsys):
+    """A sweep holds its folder's lock: a second one into it is refused before it writes anything there, so the
+    first one's run logs are its own (the second's train.py once truncated the log of the run the first was
+    training, before the run's lock refused it)."""
+    from gptlite.files import FolderLock
+    from gptlite.scaling.sweep import main
+
+    out = tmp_path / "sweep"
+    log = out / "runs" / "w48-1s.log"
+    (out / "runs" / "w48-1s").mkdir(parents=True)
+    log.write_text("step 0 | the first sweep's run\n")
+    first = [FolderLock(out, "the sweep folder"), FolderLock(out / "runs" / "w48-1s", "out_dir")]  # as a sweep holds
+    try:
+        code = main([f"--data_dir={char_data}", f"--out_dir={out}", "--budgets=1s,2s", "--widths=48,72,96"])
+    finally:
+        for lock in first:
+            lock.release()
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"gptlite.scaling: error: the sweep folder {out} is in use by process "), err
+    assert log.read_text() == "step 0 | the first sweep's run\n" and not (out / "runs.jsonl").exists()
+
+
 def test_the_defaults_hold_a_character_and_a_bpe_corpus_laws(tmp_path, monkeypatch):
     """Without a sweep for the data, a vocabulary of characters or bytes gets the laws measured on tiny Shakespeare
     and a BPE vocabulary the laws measured on a BPE corpus: a 50,257-id head makes each step cost far more, so the
