@@ -1,18 +1,18 @@
 """A training run's configuration, resolved: train.py's command line and TOML file (gptlite.config) completed by what
-the run builds on. On --resume the run's own checkpoint gives the base, and what cannot change on a resume (the
-model's shape, a LoRA run's adapters, the optimizer whose state it holds) is refused in one line; with --init_from
+the run builds on. On --resume the run's own checkpoint gives the base (before its first checkpoint, the config it
+recorded as it started, run.json), and what cannot change on a resume (the model's shape, a LoRA run's adapters,
+the optimizer whose state it holds) is refused in one line; with --init_from
 the pretrained model's config.json gives the shape (and vocab_size grows for the special tokens the data's tokenizer
 added to the model's); and otherwise the data's tokenizer.json gives vocab_size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
-from gptlite.checkpoint import load_checkpoint, source_config
+from gptlite.checkpoint import load_checkpoint, recorded_config, source_config
 from gptlite.cli import HelpRequested, config_help, parse_args
 from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
 from gptlite.scaling.recipe import parse_budget
@@ -41,8 +41,7 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
     out_dir = values.get("out_dir", TrainConfig.out_dir)
     saved = None
     if convert("resume", values.get("resume", False), bool):
-        with contextlib.suppress(FileNotFoundError):  # train.py says so and starts from scratch
-            saved = load_checkpoint(out_dir, on_fallback=lambda message: None)["config"]  # train.py reports fallbacks
+        saved = resumed_config(out_dir)
     if saved:
         check_resume(values, saved, out_dir)
         values = {**saved, **values}
@@ -64,6 +63,15 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
     if values.get("budget") and not saved:
         values = budget_values(values, notes if notes is not None else [])
     return build_config(values)
+
+
+def resumed_config(out_dir: str) -> dict[str, Any] | None:
+    """The config a --resume goes on with: its newest intact checkpoint's, else (a run stopped before its first
+    save) the one it recorded as it started (run.json), else None: train.py says so and starts from scratch."""
+    try:
+        return load_checkpoint(out_dir, on_fallback=lambda message: None)["config"]  # train.py reports fallbacks
+    except FileNotFoundError:
+        return recorded_config(out_dir)
 
 
 def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:

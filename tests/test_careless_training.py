@@ -163,3 +163,32 @@ def test_init_from_a_folder_that_holds_no_model_names_both_kinds_of_model(folder
         "ckpt_NNNNNN.pt) nor a Hugging Face checkpoint directory (config.json and its weights); name a run's "
         "--out_dir or such a directory"
     )
+
+
+def stopped_before_its_first_save(folders, run, monkeypatch) -> None:
+    """A run in `run` (1 layer, 32 wide) that stopped before its first checkpoint: its first save met a full disk."""
+    from gptlite import checkpoint
+
+    real_init = checkpoint._HashingWriter.__init__
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint._HashingWriter, "__init__", lambda self, f: real_init(self, FullDisk(f, 20_000)))
+        done = train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2)
+    assert done.code == 2 and not list(run.glob("ckpt_*.pt"))
+
+
+def test_a_resume_before_the_first_checkpoint_goes_on_with_the_runs_own_config(folders, tmp_path, monkeypatch):
+    """--resume of a run that saved no checkpoint yet: the run recorded its config as it started (run.json), and the
+    resume takes it, as a checkpoint's, rather than train.py's defaults (once an 86M model of 12 layers); an option
+    given on the command line still wins, and a shape change is refused as on any resume."""
+    from gptlite.run_config import resolve_config
+
+    run = tmp_path / "run"
+    stopped_before_its_first_save(folders, run, monkeypatch)
+    cfg = resolve_config([f"--out_dir={run}", "--resume", "--max_iters=3"])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size) == (1, 32, 32)
+    assert cfg.data_dir == str(folders / "text") and cfg.max_iters == 3
+    with pytest.raises(ValueError, match=rf"^cannot change the model shape on --resume from {run}: n_embd=64"):
+        resolve_config([f"--out_dir={run}", "--resume", "--n_embd=64"])
+    done = run_train(f"--out_dir={run}", "--resume", "--max_iters=2", "--eval_interval=2")
+    assert done.code == 0, done.err
+    assert f"no checkpoint in {run}; starting from scratch" in done.out and '"n_embd": 32' in done.out
