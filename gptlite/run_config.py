@@ -1,7 +1,7 @@
 """A training run's configuration, resolved: train.py's command line and TOML file (gptlite.config) completed by what
 the run builds on. On --resume the run's own checkpoint gives the base (before its first checkpoint, the config it
 recorded as it started, run.json), and what cannot change on a resume (the model's shape, a LoRA run's adapters,
-the optimizer whose state it holds) is refused in one line; with --init_from
+the optimizer whose state it holds, the budget its recipe was derived for) is refused in one line; with --init_from
 the pretrained model's config.json gives the shape (and vocab_size grows for the special tokens the data's tokenizer
 added to the model's); and otherwise the data's tokenizer.json gives vocab_size.
 """
@@ -44,6 +44,10 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
         saved = resumed_config(out_dir)
     if saved:
         check_resume(values, saved, out_dir)
+        if values.get("budget"):
+            (notes if notes is not None else []).append(
+                f"--budget={values['budget']}: the run's own; it goes on with the recipe derived when it began"
+            )
         values = {**saved, **values}
     elif values.get("init_from"):
         values = {**pretrained_values(str(values["init_from"]), values), **values}
@@ -62,6 +66,11 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
         values["vocab_size"] = read_vocab_size(values["data_dir"])
     if values.get("budget") and not saved:
         values = budget_values(values, notes if notes is not None else [])
+    elif values.get("scaling_laws") and not saved:
+        raise ValueError(
+            f"--scaling_laws={values['scaling_laws']} is read only to derive a recipe for --budget; add --budget=... "
+            "(e.g. 90s), or leave --scaling_laws out"
+        )
     return build_config(values)
 
 
@@ -97,8 +106,8 @@ def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
 
 
 def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) -> None:
-    """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the optimizer
-    (the checkpoint holds its state)."""
+    """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the budget (and
+    laws) its recipe was derived from, the optimizer (the checkpoint holds its state)."""
     changed = [f"{k}={v} (checkpoint has {old})" for k, v, old in model_changes(values, saved)]
     if changed:
         raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
@@ -109,6 +118,18 @@ def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) ->
     ]
     if lora:
         raise ValueError(f"cannot change the adapters on --resume of the LoRA run in {out_dir}: {', '.join(lora)}")
+    derived = [
+        f"--{k}={values[k]}"
+        for k in ("budget", "scaling_laws")
+        if values.get(k) and str(values[k]) != str(saved.get(k) or "")
+    ]
+    if derived:
+        own = f"--budget={saved['budget']}" if saved.get("budget") else "the keys it was given, no --budget"
+        raise ValueError(
+            f"cannot apply {' '.join(derived)} on --resume from {out_dir}: a budget derives a new run's recipe (the "
+            f"model's size among the rest), and the run goes on with its own ({own}); drop it, or start a new run "
+            "in another --out_dir"
+        )
     if "optimizer" in values and values["optimizer"] != saved.get("optimizer", "adamw"):
         raise ValueError(
             f"cannot change the optimizer on --resume from {out_dir}: optimizer={values['optimizer']} "

@@ -192,3 +192,41 @@ def test_a_resume_before_the_first_checkpoint_goes_on_with_the_runs_own_config(f
     done = run_train(f"--out_dir={run}", "--resume", "--max_iters=2", "--eval_interval=2")
     assert done.code == 0, done.err
     assert f"no checkpoint in {run}; starting from scratch" in done.out and '"n_embd": 32' in done.out
+
+
+def test_a_budget_on_a_resume_is_refused_or_the_runs_own(folders, tmp_path):
+    """A budget derives a new run's recipe (its model's size among the rest), which a resume cannot change: another
+    budget (or laws) on --resume is refused in one line, never silently left out; the run's own budget is said to
+    be its own. --scaling_laws without --budget, which nothing would read, is refused too."""
+    run = tmp_path / "run"
+    assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0
+    done = run_train(f"--out_dir={run}", "--resume", "--budget=30s", "--max_iters=3")
+    assert done.code == 2 and len(done.err.strip().splitlines()) == 1
+    assert done.err.strip().endswith(
+        f"cannot apply --budget=30s on --resume from {run}: a budget derives a new run's recipe (the model's size "
+        "among the rest), and the run goes on with its own (the keys it was given, no --budget); drop it, or start "
+        "a new run in another --out_dir"
+    )
+    done = run_train(f"--out_dir={run}", "--resume", f"--scaling_laws={tmp_path / 'laws.json'}")
+    assert done.code == 2 and f"cannot apply --scaling_laws={tmp_path / 'laws.json'} on --resume" in done.err
+    done = train(data_dir=folders / "text", out_dir=tmp_path / "other", scaling_laws=tmp_path / "broken.json")
+    assert done.code == 2 and done.err.strip().endswith(
+        f"--scaling_laws={tmp_path / 'broken.json'} is read only to derive a recipe for --budget; add --budget=... "
+        "(e.g. 90s), or leave --scaling_laws out"
+    )
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_resume_with_the_runs_own_budget_says_it_goes_on_with_its_recipe(folders, tmp_path):
+    from gptlite.checkpoint import record_run
+    from gptlite.config import config_to_dict
+    from gptlite.run_config import resolve_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = resolve_config([f"--data_dir={folders / 'text'}", "--n_layer=1", "--n_embd=32", "--n_head=2"])
+    record_run(run, {**config_to_dict(recorded), "budget": "30s"}, "train.py --budget=30s")
+    notes = []
+    cfg = resolve_config([f"--out_dir={run}", "--resume", "--budget=30s"], notes=notes)
+    assert cfg.budget == "30s" and cfg.model.n_embd == 32
+    assert notes == ["--budget=30s: the run's own; it goes on with the recipe derived when it began"]
