@@ -230,3 +230,19 @@ def test_a_resume_with_the_runs_own_budget_says_it_goes_on_with_its_recipe(folde
     cfg = resolve_config([f"--out_dir={run}", "--resume", "--budget=30s"], notes=notes)
     assert cfg.budget == "30s" and cfg.model.n_embd == 32
     assert notes == ["--budget=30s: the run's own; it goes on with the recipe derived when it began"]
+
+
+def test_a_model_read_from_a_run_that_saved_no_checkpoint_says_so(folders, tmp_path, monkeypatch, capsys):
+    """sample.py (and --init_from) on a run that stopped before its first save: the run saved no checkpoint yet,
+    rather than that a Hugging Face config.json is missing."""
+    import sample
+
+    run = tmp_path / "run"
+    stopped_before_its_first_save(folders, run, monkeypatch)
+    capsys.readouterr()
+    assert sample.main([f"--model={run}", "--device=cpu"]) == 2
+    said = f"the run in {run} has saved no checkpoint yet (it stopped, or is still running, before its first save); "
+    said += f"continue it with python train.py --out_dir={run} --resume, or name another model"
+    assert capsys.readouterr().err == f"sample.py: error: {said}\n"
+    done = train(data_dir=folders / "text", out_dir=tmp_path / "next", init_from=run, max_iters=2)
+    assert done.code == 2 and done.err.strip().endswith(said)

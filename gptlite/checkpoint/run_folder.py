@@ -213,6 +213,13 @@ def recorded_config(run_dir: str | Path) -> dict | None:
     return config
 
 
+def began_run(run_dir: str | Path) -> bool:
+    """Whether a train.py run started in run_dir (it holds the lock file or run.json a run writes first), whatever
+    it saved since."""
+    run_dir = Path(run_dir)
+    return run_dir.is_dir() and ((run_dir / FolderLock.NAME).is_file() or (run_dir / RUN_FILE).is_file())
+
+
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", on_fallback: Callable[[str], None] | None = None
 ) -> dict:
