@@ -246,3 +246,9 @@ def test_a_model_read_from_a_run_that_saved_no_checkpoint_says_so(folders, tmp_p
     assert capsys.readouterr().err == f"sample.py: error: {said}\n"
     done = train(data_dir=folders / "text", out_dir=tmp_path / "next", init_from=run, max_iters=2)
     assert done.code == 2 and done.err.strip().endswith(said)
+
+
+def test_train_help_names_run_folders_for_init_from():
+    done = run_train("--help")
+    line = next(line for line in done.out.splitlines() if line.lstrip().startswith("--init_from"))
+    assert "a gptlite run folder (its newest checkpoint), a Hugging Face directory" in line
