@@ -453,3 +453,16 @@ def test_the_suite_runs_on_past_a_crash_in_llama_cpp(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(["*llama.cpp died of SIGSEGV in a child process reading m.gguf*"])
+
+
+def test_an_out_that_is_no_gguf_file_suggests_one_where_it_was_meant(tmp_path, capsys):
+    """--out=DIR for a GGUF file suggests a file inside DIR, named for the model and the type; --out=X.bin suggests
+    X.gguf in X.bin's own folder (not a bare name, which would land in the working directory)."""
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    for out, suggested in ((folder, folder / "gpt2-f16.gguf"), (folder / "m.bin", folder / "m.gguf")):
+        capsys.readouterr()
+        assert hf_main(["export", "--format=gguf", "--model=gpt2", f"--out={out}", "--type=f16"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.rstrip().endswith(f"(e.g. --out={suggested})"), err
+    assert not list(folder.iterdir())

@@ -125,7 +125,7 @@ def export_gguf_file(options: ExportOptions, where: str, out: Path) -> int:
     """--format=gguf: the model `where` names (--model) as the GGUF file `out`, and its Ollama Modelfile."""
     if options.adapter:
         raise ValueError("--adapter is for --format=hf; a GGUF file holds the merged model (--out=FILE.gguf)")
-    check_out(out, options.overwrite)
+    check_out(out, options.overwrite, f"{Path(where).name or 'model'}-{options.type}")
     template_file = modelfile_path(out)
     model, tokenizer = load_model(init_from=where, tokenizer=options.tokenizer)
     modelfile = ollama_modelfile(out, tokenizer, where) if tokenizer is not None and tokenizer.chat_template else None
