@@ -466,3 +466,20 @@ def test_an_out_that_is_no_gguf_file_suggests_one_where_it_was_meant(tmp_path, c
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.rstrip().endswith(f"(e.g. --out={suggested})"), err
     assert not list(folder.iterdir())
+
+
+def test_a_full_disk_under_the_gguf_writer_says_so_and_keeps_the_earlier_file(bpe, tmp_path, monkeypatch):
+    """numpy's tofile on a full disk raises an OSError without an errno ("10240 requested and 8496 written"): it is
+    said as the full disk it is, as the Hugging Face export says it, and the earlier file stays whole."""
+    model = random_model(4, 640, **ARCHITECTURES["llama"])
+    out = export_gguf(model, tmp_path / "m.gguf", bpe)
+    before = out.read_bytes()
+
+    def full_disk(self, *args, **kwargs):  # the header is written; the first tensor meets the full disk
+        raise OSError("10240 requested and 8496 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full_disk)
+    with pytest.raises(OSError, match=r"^could not write .*m\.gguf \(nothing there changed\): no space left on device; "
+                                      r"free space or use a folder on another disk$"):  # fmt: skip
+        export_gguf(random_model(5, 640, **ARCHITECTURES["llama"]), out, bpe, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"] and out.read_bytes() == before
