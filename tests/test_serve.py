@@ -674,6 +674,55 @@ def test_an_empty_prompt_starts_a_document_with_the_end_of_text_token():
         s.close()
 
 
+def llama_folder(tmp_path, eos: str):
+    """A Llama-like tokenizer (SentencePiece style: its pieces begin with "▁"), its special tokens <unk>, <s>, </s>
+    and <|im_end|>, saved by transformers with `eos` as its eos_token."""
+    import transformers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from tests.conftest import shared_file
+
+    tok = RustTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    specials = ["<unk>", "<s>", "</s>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator([shared_file("data/tinyshakespeare.txt").read_text()[:50_000], "<|>"], trainer)
+    saved = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token=eos, unk_token="<unk>", additional_special_tokens=specials[3:]
+    )
+    saved.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("eos", ["</s>", "<|im_end|>"])
+def test_a_model_directorys_tokenizer_is_named_and_read_as_its_own_files_say(tmp_path, eos):
+    """A Hugging Face directory made elsewhere: /tokenizer_info names its eos, bos and unk as its own
+    tokenizer_config.json does (AutoTokenizer's), never gptlite's <|endoftext|>, which this vocabulary lacks, nor
+    the end of a turn in place of its eos."""
+    import transformers
+
+    from gptlite.serve.app import create_app
+    from gptlite.serve.engine import Engine
+    from gptlite.tokenizer import get_tokenizer
+    from tests.conftest import tiny_model
+    from tests.serving import Running
+
+    folder = llama_folder(tmp_path, eos)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer = get_tokenizer(str(folder))
+    engine = Engine(tiny_model(vocab_size=tokenizer.vocab_size, block_size=64), tokenizer, max_batch=2).start()
+    running = Running(create_app(engine, tokenizer, MODEL))
+    try:
+        info = httpx.get(running.url + "/tokenizer_info").json()
+        assert (info["eos_token"], info["bos_token"], info["unk_token"]) == (eos, "<s>", "<unk>")
+        assert (theirs.eos_token, theirs.bos_token, theirs.unk_token, theirs.pad_token) == (eos, "<s>", "<unk>", None)
+        assert info["pad_token"] is None
+    finally:
+        running.stop()
+        engine.close()
+
+
 def test_the_page_is_served(served):
     r = httpx.get(served.url + "/")
     assert r.status_code == 200 and "/v1/chat/completions" in r.text and "http" not in r.text.replace("http-equiv", "")

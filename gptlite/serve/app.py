@@ -578,16 +578,13 @@ def create_app(
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
-        texts = tokenizer.special_texts()
-        eot = server.special_ids()
-        stops = tokenizer.end_ids()  # the end of a turn first: the eos every export of the model names
-        eos = next((t for t, i in eot.items() if stops and i == stops[0]), None) or texts.get("eos_token")
+        names = tokenizer.special_names()  # a Hugging Face directory's own; gptlite's for a run it wrote
         return {
             "tokenizer_class": type(tokenizer).__name__,
-            "eos_token": eos,
-            "bos_token": texts.get("bos_token"),
-            "pad_token": None,
-            "unk_token": None,
+            "eos_token": names["eos_token"],
+            "bos_token": names["bos_token"],
+            "pad_token": names["pad_token"],
+            "unk_token": names["unk_token"],
             "chat_template": getattr(tokenizer, "chat_template", None),
             "model_max_length": engine.max_len,
             "vocab_size": engine.vocab,

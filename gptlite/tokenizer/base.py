@@ -52,6 +52,15 @@ class Tokenizer:
         """What a chat template may name: bos_token, eos_token (transformers passes the same)."""
         return {"bos_token": None, "eos_token": None}
 
+    def special_names(self) -> dict[str, str | None]:
+        """The names of its special tokens, as a tokenizer_config.json names them (eos_token, bos_token, unk_token,
+        pad_token). gptlite's, for a tokenizer of a run it wrote: the eos is the first of `end_ids` (the end of a
+        turn where there is one), the eos every export of the run names; no unk or pad. A Hugging Face directory's
+        tokenizer has its own (HFTokenizer)."""
+        ends = self.end_ids()
+        eos = self.token_bytes(ends[:1]).decode("utf-8", errors="replace") if ends else None
+        return {"eos_token": eos, "bos_token": self.special_texts()["bos_token"], "unk_token": None, "pad_token": None}
+
     def special_token_ids(self) -> set[int]:
         """The ids of the special tokens (end of text, chat markers): tokens that stand for no text of their own, so
         a grammar over text (gptlite.serve.grammar) never allows them as characters."""
