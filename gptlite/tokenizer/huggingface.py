@@ -132,6 +132,12 @@ class HFTokenizer(Tokenizer):
         of a run gptlite wrote has gptlite's (Tokenizer.special_names)."""
         return super().special_names() if self.names is None else dict(self.names)
 
+    def specials_in_text(self) -> dict[str, int]:
+        """Those gptlite added alone: the tokenizer's own added tokens the tokenizers library reads where the text
+        spells them, as transformers does (split out here, the text between them would be encoded piece by piece,
+        which a SentencePiece tokenizer's leading space would change)."""
+        return dict(self.added)
+
     def special_token_ids(self) -> set[int]:
         """Its added tokens marked special (an added token that is not, such as a word, is text), and gptlite's."""
         own = {t["id"] for t in self.spec.get("added_tokens", []) if t.get("special")}
