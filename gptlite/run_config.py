@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gptlite.checkpoint import load_checkpoint, recorded_config, source_config
+from gptlite.checkpoint import RUN_FILE, load_checkpoint, recorded_config, source_config
 from gptlite.cli import HelpRequested, config_help, parse_args
 from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
 from gptlite.scaling.recipe import parse_budget
@@ -39,11 +39,11 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
         if values.pop("init_from") == "resume":
             values.setdefault("resume", True)
     out_dir = values.get("out_dir", TrainConfig.out_dir)
-    saved = None
+    saved, holder = None, ""
     if convert("resume", values.get("resume", False), bool):
-        saved = resumed_config(out_dir)
+        saved, holder = resumed_config(out_dir)
     if saved:
-        check_resume(values, saved, out_dir)
+        check_resume(values, saved, out_dir, holder)
         if values.get("budget"):
             (notes if notes is not None else []).append(
                 f"--budget={values['budget']}: the run's own; it goes on with the recipe derived when it began"
@@ -74,13 +74,15 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
     return build_config(values)
 
 
-def resumed_config(out_dir: str) -> dict[str, Any] | None:
-    """The config a --resume goes on with: its newest intact checkpoint's, else (a run stopped before its first
-    save) the one it recorded as it started (run.json), else None: train.py says so and starts from scratch."""
+def resumed_config(out_dir: str) -> tuple[dict[str, Any] | None, str]:
+    """(The config a --resume goes on with, what holds it): its newest intact checkpoint's, else (a run stopped
+    before its first save) the one it recorded as it started (run.json), else None: train.py says so and starts
+    from scratch."""
     try:
-        return load_checkpoint(out_dir, on_fallback=lambda message: None)["config"]  # train.py reports fallbacks
+        ckpt = load_checkpoint(out_dir, on_fallback=lambda message: None)  # train.py reports the fallbacks
     except FileNotFoundError:
-        return recorded_config(out_dir)
+        return recorded_config(out_dir), RUN_FILE
+    return ckpt["config"], "checkpoint"
 
 
 def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -105,14 +107,14 @@ def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     return {**derived, **values}
 
 
-def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) -> None:
+def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, holder: str = "checkpoint") -> None:
     """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the budget (and
     laws) its recipe was derived from, the optimizer (the checkpoint holds its state)."""
-    changed = [f"{k}={v} (checkpoint has {old})" for k, v, old in model_changes(values, saved)]
+    changed = [f"{k}={v} ({holder} has {old})" for k, v, old in model_changes(values, saved)]
     if changed:
         raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
     lora = [
-        f"{k}={values[k]} (checkpoint has {saved.get(k)})"
+        f"{k}={values[k]} ({holder} has {saved.get(k)})"
         for k in ("lora_rank", "lora_targets", "init_from")
         if k in values and saved.get("lora_rank") and str(values[k]) != str(saved.get(k))
     ]
@@ -131,10 +133,11 @@ def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) ->
             "in another --out_dir"
         )
     if "optimizer" in values and values["optimizer"] != saved.get("optimizer", "adamw"):
+        state = ", whose state it holds" if holder == "checkpoint" else ""
         raise ValueError(
             f"cannot change the optimizer on --resume from {out_dir}: optimizer={values['optimizer']} "
-            f"(checkpoint has {saved.get('optimizer', 'adamw')}, whose state it holds); drop "
-            "--optimizer, or start a new run in another --out_dir"
+            f"({holder} has {saved.get('optimizer', 'adamw')}{state}); drop --optimizer, or start a new run in "
+            "another --out_dir"
         )
 
 

@@ -187,7 +187,9 @@ def test_a_resume_before_the_first_checkpoint_goes_on_with_the_runs_own_config(f
     cfg = resolve_config([f"--out_dir={run}", "--resume", "--max_iters=3"])
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size) == (1, 32, 32)
     assert cfg.data_dir == str(folders / "text") and cfg.max_iters == 3
-    with pytest.raises(ValueError, match=rf"^cannot change the model shape on --resume from {run}: n_embd=64"):
+    with pytest.raises(
+        ValueError, match=rf"^cannot change the model shape on --resume from {run}: n_embd=64 \(run.json has 32\)"
+    ):
         resolve_config([f"--out_dir={run}", "--resume", "--n_embd=64"])
     done = run_train(f"--out_dir={run}", "--resume", "--max_iters=2", "--eval_interval=2")
     assert done.code == 0, done.err
