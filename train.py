@@ -42,6 +42,7 @@ from gptlite.checkpoint import (
     load_source,
     load_training_state,
     nonfinite,
+    record_run,
     run_checkpoint,
     save_run_checkpoint,
     set_rng_state,
@@ -309,6 +310,7 @@ def train(
     metrics = None
     if master:
         copy_tokenizer(cfg.data_dir, out_dir)
+        record_run(out_dir, config_to_dict(cfg), shlex.join([sys.argv[0], *argv]))  # what --resume takes before a save
         log("config: " + json.dumps(config_to_dict(cfg)))
         fsdp = " (fsdp)" if cfg.fsdp and world_size > 1 else ""
         log(

@@ -287,8 +287,9 @@ class TrainConfig:
     )
     init_from: str = option(
         "",
-        "start from pretrained weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded) or a "
-        "Hugging Face directory; the model's shape comes from it ('' = from scratch)",
+        "start from another model's weights: a gptlite run folder (its newest checkpoint), a Hugging Face "
+        "directory, or gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded); the model's shape comes from it "
+        "('' = from scratch)",
     )
     # LoRA: freeze the pretrained model and train low-rank adapters (gptlite/lora.py) on these layers
     lora_rank: int | None = option(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -35,6 +36,7 @@ CAUSES = {
     errno.ENOENT: ("it does not exist", "check the path"),
     errno.EIO: ("an input/output error of the disk", "check the disk"),
 }
+SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile, when the disk fills up
 
 
 def error(errno_: int | None, message: str) -> OSError:
@@ -46,9 +48,11 @@ def error(errno_: int | None, message: str) -> OSError:
 
 def fault(e: OSError, doing: str) -> OSError:
     """An OSError whose message is one line: `doing` (e.g. "could not write checkpoint X"), the cause in plain
-    words and the fix. Raise it `from None`."""
-    cause, fix = CAUSES.get(e.errno, (e.strerror or str(e), "check the path and the disk"))
-    return error(e.errno, f"{doing}: {cause}; {fix}")
+    words and the fix. Raise it `from None`. A short write (numpy's "N requested and M written", with no errno:
+    the GGUF writer's tensors) is a full disk's."""
+    number = errno.ENOSPC if e.errno is None and SHORT_WRITE.fullmatch(str(e)) else e.errno
+    cause, fix = CAUSES.get(number, (e.strerror or str(e), "check the path and the disk"))
+    return error(number, f"{doing}: {cause}; {fix}")
 
 
 def make_dir(path: str | Path, what: str = "folder") -> Path:

@@ -1,20 +1,21 @@
 """A training run's configuration, resolved: train.py's command line and TOML file (gptlite.config) completed by what
-the run builds on. On --resume the run's own checkpoint gives the base, and what cannot change on a resume (the
-model's shape, a LoRA run's adapters, the optimizer whose state it holds) is refused in one line; with --init_from
+the run builds on. On --resume the run's own checkpoint gives the base (before its first checkpoint, the config it
+recorded as it started, run.json), and what cannot change on a resume (the model's shape, a LoRA run's adapters,
+the optimizer whose state it holds, the budget its recipe was derived for) is refused in one line; with --init_from
 the pretrained model's config.json gives the shape (and vocab_size grows for the special tokens the data's tokenizer
 added to the model's); and otherwise the data's tokenizer.json gives vocab_size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
-from gptlite.checkpoint import load_checkpoint, source_config
+from gptlite.checkpoint import RUN_FILE, load_checkpoint, recorded_config, source_config
 from gptlite.cli import HelpRequested, config_help, parse_args
 from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
+from gptlite.scaling.recipe import parse_budget
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 NO_DATA_DIR = "data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)"
@@ -32,16 +33,21 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
     unknown = [unknown_key(k, flat_fields()) for k in values if k not in flat_fields()]
     if unknown:  # before anything is read: a typo is named first
         raise ValueError("; ".join(unknown))
+    if values.get("budget"):  # a budget that is none, or past what the laws can take, is named before anything else
+        parse_budget(str(values["budget"]))
     if values.get("init_from") in ("scratch", "resume"):  # nanoGPT's values, which mean the same here
         if values.pop("init_from") == "resume":
             values.setdefault("resume", True)
     out_dir = values.get("out_dir", TrainConfig.out_dir)
-    saved = None
+    saved, holder = None, ""
     if convert("resume", values.get("resume", False), bool):
-        with contextlib.suppress(FileNotFoundError):  # train.py says so and starts from scratch
-            saved = load_checkpoint(out_dir, on_fallback=lambda message: None)["config"]  # train.py reports fallbacks
+        saved, holder = resumed_config(out_dir)
     if saved:
-        check_resume(values, saved, out_dir)
+        check_resume(values, saved, out_dir, holder)
+        if values.get("budget"):
+            (notes if notes is not None else []).append(
+                f"--budget={values['budget']}: the run's own; it goes on with the recipe derived when it began"
+            )
         values = {**saved, **values}
     elif values.get("init_from"):
         values = {**pretrained_values(str(values["init_from"]), values), **values}
@@ -60,7 +66,23 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
         values["vocab_size"] = read_vocab_size(values["data_dir"])
     if values.get("budget") and not saved:
         values = budget_values(values, notes if notes is not None else [])
+    elif values.get("scaling_laws") and not saved:
+        raise ValueError(
+            f"--scaling_laws={values['scaling_laws']} is read only to derive a recipe for --budget; add --budget=... "
+            "(e.g. 90s), or leave --scaling_laws out"
+        )
     return build_config(values)
+
+
+def resumed_config(out_dir: str) -> tuple[dict[str, Any] | None, str]:
+    """(The config a --resume goes on with, what holds it): its newest intact checkpoint's, else (a run stopped
+    before its first save) the one it recorded as it started (run.json), else None: train.py says so and starts
+    from scratch."""
+    try:
+        ckpt = load_checkpoint(out_dir, on_fallback=lambda message: None)  # train.py reports the fallbacks
+    except FileNotFoundError:
+        return recorded_config(out_dir), RUN_FILE
+    return ckpt["config"], "checkpoint"
 
 
 def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -85,24 +107,37 @@ def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     return {**derived, **values}
 
 
-def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str) -> None:
-    """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the optimizer
-    (the checkpoint holds its state)."""
-    changed = [f"{k}={v} (checkpoint has {old})" for k, v, old in model_changes(values, saved)]
+def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, holder: str = "checkpoint") -> None:
+    """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the budget (and
+    laws) its recipe was derived from, the optimizer (the checkpoint holds its state)."""
+    changed = [f"{k}={v} ({holder} has {old})" for k, v, old in model_changes(values, saved)]
     if changed:
         raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
     lora = [
-        f"{k}={values[k]} (checkpoint has {saved.get(k)})"
+        f"{k}={values[k]} ({holder} has {saved.get(k)})"
         for k in ("lora_rank", "lora_targets", "init_from")
         if k in values and saved.get("lora_rank") and str(values[k]) != str(saved.get(k))
     ]
     if lora:
         raise ValueError(f"cannot change the adapters on --resume of the LoRA run in {out_dir}: {', '.join(lora)}")
+    derived = [
+        f"--{k}={values[k]}"
+        for k in ("budget", "scaling_laws")
+        if values.get(k) and str(values[k]) != str(saved.get(k) or "")
+    ]
+    if derived:
+        own = f"--budget={saved['budget']}" if saved.get("budget") else "the keys it was given, no --budget"
+        raise ValueError(
+            f"cannot apply {' '.join(derived)} on --resume from {out_dir}: a budget derives a new run's recipe (the "
+            f"model's size among the rest), and the run goes on with its own ({own}); drop it, or start a new run "
+            "in another --out_dir"
+        )
     if "optimizer" in values and values["optimizer"] != saved.get("optimizer", "adamw"):
+        state = ", whose state it holds" if holder == "checkpoint" else ""
         raise ValueError(
             f"cannot change the optimizer on --resume from {out_dir}: optimizer={values['optimizer']} "
-            f"(checkpoint has {saved.get('optimizer', 'adamw')}, whose state it holds); drop "
-            "--optimizer, or start a new run in another --out_dir"
+            f"({holder} has {saved.get('optimizer', 'adamw')}{state}); drop --optimizer, or start a new run in "
+            "another --out_dir"
         )
 
 

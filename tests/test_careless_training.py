@@ -163,3 +163,94 @@ def test_init_from_a_folder_that_holds_no_model_names_both_kinds_of_model(folder
         "ckpt_NNNNNN.pt) nor a Hugging Face checkpoint directory (config.json and its weights); name a run's "
         "--out_dir or such a directory"
     )
+
+
+def stopped_before_its_first_save(folders, run, monkeypatch) -> None:
+    """A run in `run` (1 layer, 32 wide) that stopped before its first checkpoint: its first save met a full disk."""
+    from gptlite import checkpoint
+
+    real_init = checkpoint._HashingWriter.__init__
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint._HashingWriter, "__init__", lambda self, f: real_init(self, FullDisk(f, 20_000)))
+        done = train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2)
+    assert done.code == 2 and not list(run.glob("ckpt_*.pt"))
+
+
+def test_a_resume_before_the_first_checkpoint_goes_on_with_the_runs_own_config(folders, tmp_path, monkeypatch):
+    """--resume of a run that saved no checkpoint yet: the run recorded its config as it started (run.json), and the
+    resume takes it, as a checkpoint's, rather than train.py's defaults (once an 86M model of 12 layers); an option
+    given on the command line still wins, and a shape change is refused as on any resume."""
+    from gptlite.run_config import resolve_config
+
+    run = tmp_path / "run"
+    stopped_before_its_first_save(folders, run, monkeypatch)
+    cfg = resolve_config([f"--out_dir={run}", "--resume", "--max_iters=3"])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size) == (1, 32, 32)
+    assert cfg.data_dir == str(folders / "text") and cfg.max_iters == 3
+    with pytest.raises(
+        ValueError, match=rf"^cannot change the model shape on --resume from {run}: n_embd=64 \(run.json has 32\)"
+    ):
+        resolve_config([f"--out_dir={run}", "--resume", "--n_embd=64"])
+    done = run_train(f"--out_dir={run}", "--resume", "--max_iters=2", "--eval_interval=2")
+    assert done.code == 0, done.err
+    assert f"no checkpoint in {run}; starting from scratch" in done.out and '"n_embd": 32' in done.out
+
+
+def test_a_budget_on_a_resume_is_refused_or_the_runs_own(folders, tmp_path):
+    """A budget derives a new run's recipe (its model's size among the rest), which a resume cannot change: another
+    budget (or laws) on --resume is refused in one line, never silently left out; the run's own budget is said to
+    be its own. --scaling_laws without --budget, which nothing would read, is refused too."""
+    run = tmp_path / "run"
+    assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0
+    done = run_train(f"--out_dir={run}", "--resume", "--budget=30s", "--max_iters=3")
+    assert done.code == 2 and len(done.err.strip().splitlines()) == 1
+    assert done.err.strip().endswith(
+        f"cannot apply --budget=30s on --resume from {run}: a budget derives a new run's recipe (the model's size "
+        "among the rest), and the run goes on with its own (the keys it was given, no --budget); drop it, or start "
+        "a new run in another --out_dir"
+    )
+    done = run_train(f"--out_dir={run}", "--resume", f"--scaling_laws={tmp_path / 'laws.json'}")
+    assert done.code == 2 and f"cannot apply --scaling_laws={tmp_path / 'laws.json'} on --resume" in done.err
+    done = train(data_dir=folders / "text", out_dir=tmp_path / "other", scaling_laws=tmp_path / "broken.json")
+    assert done.code == 2 and done.err.strip().endswith(
+        f"--scaling_laws={tmp_path / 'broken.json'} is read only to derive a recipe for --budget; add --budget=... "
+        "(e.g. 90s), or leave --scaling_laws out"
+    )
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_resume_with_the_runs_own_budget_says_it_goes_on_with_its_recipe(folders, tmp_path):
+    from gptlite.checkpoint import record_run
+    from gptlite.config import config_to_dict
+    from gptlite.run_config import resolve_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = resolve_config([f"--data_dir={folders / 'text'}", "--n_layer=1", "--n_embd=32", "--n_head=2"])
+    record_run(run, {**config_to_dict(recorded), "budget": "30s"}, "train.py --budget=30s")
+    notes = []
+    cfg = resolve_config([f"--out_dir={run}", "--resume", "--budget=30s"], notes=notes)
+    assert cfg.budget == "30s" and cfg.model.n_embd == 32
+    assert notes == ["--budget=30s: the run's own; it goes on with the recipe derived when it began"]
+
+
+def test_a_model_read_from_a_run_that_saved_no_checkpoint_says_so(folders, tmp_path, monkeypatch, capsys):
+    """sample.py (and --init_from) on a run that stopped before its first save: the run saved no checkpoint yet,
+    rather than that a Hugging Face config.json is missing."""
+    import sample
+
+    run = tmp_path / "run"
+    stopped_before_its_first_save(folders, run, monkeypatch)
+    capsys.readouterr()
+    assert sample.main([f"--model={run}", "--device=cpu"]) == 2
+    said = f"the run in {run} has saved no checkpoint yet (it stopped, or is still running, before its first save); "
+    said += f"continue it with python train.py --out_dir={run} --resume, or name another model"
+    assert capsys.readouterr().err == f"sample.py: error: {said}\n"
+    done = train(data_dir=folders / "text", out_dir=tmp_path / "next", init_from=run, max_iters=2)
+    assert done.code == 2 and done.err.strip().endswith(said)
+
+
+def test_train_help_names_run_folders_for_init_from():
+    done = run_train("--help")
+    line = next(line for line in done.out.splitlines() if line.lstrip().startswith("--init_from"))
+    assert "a gptlite run folder (its newest checkpoint), a Hugging Face directory" in line

@@ -453,3 +453,33 @@ def test_the_suite_runs_on_past_a_crash_in_llama_cpp(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(["*llama.cpp died of SIGSEGV in a child process reading m.gguf*"])
+
+
+def test_an_out_that_is_no_gguf_file_suggests_one_where_it_was_meant(tmp_path, capsys):
+    """--out=DIR for a GGUF file suggests a file inside DIR, named for the model and the type; --out=X.bin suggests
+    X.gguf in X.bin's own folder (not a bare name, which would land in the working directory)."""
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    for out, suggested in ((folder, folder / "gpt2-f16.gguf"), (folder / "m.bin", folder / "m.gguf")):
+        capsys.readouterr()
+        assert hf_main(["export", "--format=gguf", "--model=gpt2", f"--out={out}", "--type=f16"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.rstrip().endswith(f"(e.g. --out={suggested})"), err
+    assert not list(folder.iterdir())
+
+
+def test_a_full_disk_under_the_gguf_writer_says_so_and_keeps_the_earlier_file(bpe, tmp_path, monkeypatch):
+    """numpy's tofile on a full disk raises an OSError without an errno ("10240 requested and 8496 written"): it is
+    said as the full disk it is, as the Hugging Face export says it, and the earlier file stays whole."""
+    model = random_model(4, 640, **ARCHITECTURES["llama"])
+    out = export_gguf(model, tmp_path / "m.gguf", bpe)
+    before = out.read_bytes()
+
+    def full_disk(self, *args, **kwargs):  # the header is written; the first tensor meets the full disk
+        raise OSError("10240 requested and 8496 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full_disk)
+    with pytest.raises(OSError, match=r"^could not write .*m\.gguf \(nothing there changed\): no space left on device; "
+                                      r"free space or use a folder on another disk$"):  # fmt: skip
+        export_gguf(random_model(5, 640, **ARCHITECTURES["llama"]), out, bpe, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"] and out.read_bytes() == before

@@ -3,6 +3,7 @@ train.py process per run) and train.py --budget's recipe, every key still overri
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -43,6 +44,39 @@ def test_a_budget_reads_as_written(text, kind, amount):
 def test_a_budget_that_is_not_one_is_named(text):
     with pytest.raises(ValueError, match=f"--budget={text!r} (is not a budget|must be more)"):
         parse_budget(text)
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("1e400flops", "is inf flops, outside what gptlite can plan a run for: give 1 to 1e+30 flops"),
+        ("1e400s", "is inf seconds, outside what gptlite can plan a run for: give up to 1e+08 seconds"),
+        ("1e400tokens", "is inf tokens, outside what gptlite can plan a run for: give 1 to 1e+16 tokens"),
+        ("2e30Pflops", "is 2e+45 flops, outside"),
+        ("0.5tokens", "is 0.5 tokens, outside what gptlite can plan a run for: give 1 to 1e+16 tokens"),
+    ],
+)
+def test_a_budget_past_what_the_laws_can_take_is_refused_where_it_is_read(text, said, tmp_path):
+    """A budget the laws' powers cannot take (infinity, a power past what a float holds) is refused as train.py
+    reads it, in one line with the range: never the math's own error ("math domain error") from deep inside."""
+    with pytest.raises(ValueError, match=f"^--budget={text!r} {re.escape(said)}"):
+        parse_budget(text)
+    run = run_train(f"--data_dir={tmp_path / 'none'}", f"--out_dir={tmp_path / 'run'}", f"--budget={text}")
+    assert run.code == 2 and f"--budget={text!r} {said}" in run.err and len(run.err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_loss_law_far_below_its_budgets_is_held_at_a_uniform_guess():
+    """L = E + A x^-alpha grows without bound as x shrinks; no model does worse than a uniform guess over its ids,
+    ln(vocab_size), so the expected loss is held there, and says why."""
+    from gptlite.scaling.laws import expected_loss
+
+    law = {"E": 1.27, "A": 491.2, "alpha": 0.256}
+    assert expected_loss(law, 1e15, 65) == (pytest.approx(saturating(law, 1e15)), "")
+    loss, why = expected_loss(law, 4.3e-6, 65)
+    assert loss == pytest.approx(math.log(65)) and why.startswith("held at ln 65 = 4.174, a uniform guess's loss")
+    assert "the law gives 11" in why
+    assert expected_loss({"E": 0.0, "A": 1.0, "alpha": 400.0}, 1e-3, 50257)[0] == pytest.approx(math.log(50257))
 
 
 def test_the_family_at_width_96_is_the_hand_tuned_speedrun_model():
@@ -295,6 +329,35 @@ def test_a_run_that_repeats_the_data_more_than_a_few_times_is_warned(char_data, 
     assert not any("passes over the data's" in line for line in notes)
 
 
+def test_a_budget_that_leaves_no_time_to_train_says_so_before_the_laws_are_asked(char_data, tmp_path, monkeypatch):
+    """A time budget whose final evaluation alone takes longer than it (a large vocabulary's at 20 s) leaves a
+    negative time to train: the refusal that says so comes before the size law is asked about that time, whose
+    power of a negative number is not a real one (once "'>' not supported between 'complex' and 'float'")."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    monkeypatch.setattr(derive_module, "process_age", lambda: 2.0)
+    val = derive_module.split_tokens(str(char_data), "val")
+    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: 0.05, eval_token_s=40.0 / (1.2 * val)))
+    with pytest.raises(ValueError, match=r"^--budget=20s leaves -2\d\.\d s to train once start-up and the final "
+                                         r"evaluation \(40\.0 s\) are counted; give a larger budget$"):  # fmt: skip
+        derive_module.derive("20s", str(char_data), 65, "cpu", given={"max_iters": "2"})
+
+
+def test_a_budget_far_below_the_laws_expects_no_worse_than_a_uniform_guess(char_data, tmp_path, monkeypatch):
+    """--budget=1tokens: the loss law L*(C) at the FLOPs the token law gives for one token is in the thousands for
+    65 characters; the expected loss said is ln 65, and why."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")  # the defaults' laws
+    monkeypatch.setattr(derive_module, "Probe", fake_probe(lambda keys: 0.01))
+    _, notes = derive_module.derive("1tokens", str(char_data), 65, "cpu")
+    said = next(line for line in notes if line.startswith("expected val loss"))
+    assert said.startswith("expected val loss 4.174 (the law L*(C); held at ln 65 = 4.174, a uniform guess's loss")
+
+
 def fake_probe(step_s, probed: list | None = None, eval_token_s: float = 1e-5):
     """A stand-in for gptlite.scaling.derive.Probe: the model of `keys` takes step_s(keys) seconds a step and
     `eval_token_s` a token to evaluate; the keys of each one built are appended to `probed`."""
@@ -449,6 +512,52 @@ def test_the_sweep_resumes_fits_and_feeds_train_budget(char_data, tmp_path, monk
     config = json.loads(next(line for line in run.out.splitlines() if line.startswith("config: "))[8:])
     assert config["budget"] == "15s" and config["beta2"] == 0.95 and config["lr_schedule"] == "time"
     assert 0 < config["max_minutes"] < 15 / 60
+
+
+@pytest.mark.parametrize(
+    "option, said",
+    [
+        ("--budgets=1e400s,10s", "--budgets='1e400s' is inf seconds, outside what gptlite can plan a run for"),
+        ("--budgets=10s,,20s", "--budgets='' is not a budget; give a time"),
+        ("--budgets=10s,20s,10sec", "--budgets=10s,20s,10sec names 10 s more than once; give each once"),
+        ("--widths=48,72,48,96", "--widths=48,72,48,96 names 48 more than once; give each once"),
+    ],
+)
+def test_the_sweeps_budgets_and_widths_are_checked_and_named_as_its_own_options(
+    option, said, char_data, tmp_path, capsys
+):
+    """The sweep reads its --budgets with train.py's budget parser, and its errors name --budgets; a budget past
+    what the laws can take is refused, and a budget or a width given twice, which would run and count in the fit
+    twice, too: before anything is written."""
+    from gptlite.scaling.sweep import main
+
+    out = tmp_path / "sweep"
+    assert main([f"--data_dir={char_data}", f"--out_dir={out}", "--budgets=1s,2s", "--widths=48,72,96", option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gptlite.scaling: error: {said}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_a_second_sweep_into_a_folder_in_use_is_refused_before_it_touches_a_log(char_data, tmp_path, capsys):
+    """A sweep holds its folder's lock: a second one into it is refused before it writes anything there, so the
+    first one's run logs are its own (the second's train.py once truncated the log of the run the first was
+    training, before the run's lock refused it)."""
+    from gptlite.files import FolderLock
+    from gptlite.scaling.sweep import main
+
+    out = tmp_path / "sweep"
+    log = out / "runs" / "w48-1s.log"
+    (out / "runs" / "w48-1s").mkdir(parents=True)
+    log.write_text("step 0 | the first sweep's run\n")
+    first = [FolderLock(out, "the sweep folder"), FolderLock(out / "runs" / "w48-1s", "out_dir")]  # as a sweep holds
+    try:
+        code = main([f"--data_dir={char_data}", f"--out_dir={out}", "--budgets=1s,2s", "--widths=48,72,96"])
+    finally:
+        for lock in first:
+            lock.release()
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"gptlite.scaling: error: the sweep folder {out} is in use by process "), err
+    assert log.read_text() == "step 0 | the first sweep's run\n" and not (out / "runs.jsonl").exists()
 
 
 def test_the_defaults_hold_a_character_and_a_bpe_corpus_laws(tmp_path, monkeypatch):

@@ -680,6 +680,92 @@ def test_an_empty_prompt_starts_a_document_with_the_end_of_text_token():
         s.close()
 
 
+def llama_folder(tmp_path, eos: str):
+    """A Llama-like tokenizer (SentencePiece style: its pieces begin with "▁"), its special tokens <unk>, <s>, </s>
+    and <|im_end|>, saved by transformers with `eos` as its eos_token."""
+    import transformers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from tests.conftest import shared_file
+
+    tok = RustTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    specials = ["<unk>", "<s>", "</s>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator([shared_file("data/tinyshakespeare.txt").read_text()[:50_000], "<|>"], trainer)
+    saved = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token=eos, unk_token="<unk>", additional_special_tokens=specials[3:]
+    )
+    saved.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("eos", ["</s>", "<|im_end|>"])
+def test_a_model_directorys_tokenizer_is_named_and_read_as_its_own_files_say(tmp_path, eos):
+    """A Hugging Face directory made elsewhere: /tokenizer_info names its eos, bos and unk as its own
+    tokenizer_config.json does (AutoTokenizer's), never gptlite's <|endoftext|>, which this vocabulary lacks, nor
+    the end of a turn in place of its eos; and every route reads text one way, as transformers does: a special
+    token the tokenizer has is that token, the name of one it lacks is plain text (/tokenize, completions' echo and
+    usage agree)."""
+    import transformers
+
+    from gptlite.serve.app import create_app
+    from gptlite.serve.engine import Engine
+    from gptlite.tokenizer import get_tokenizer
+    from tests.conftest import tiny_model
+    from tests.serving import Running
+
+    folder = llama_folder(tmp_path, eos)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer = get_tokenizer(str(folder))
+    engine = Engine(tiny_model(vocab_size=tokenizer.vocab_size, block_size=64), tokenizer, max_batch=2).start()
+    running = Running(create_app(engine, tokenizer, MODEL))
+    try:
+        for text in ("hi<|endoftext|>", "hi</s> there", "To be<|im_end|>"):
+            expected = theirs(text, add_special_tokens=False)["input_ids"]
+            tokens = httpx.post(running.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+            body = {"model": MODEL, "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 0}
+            echoed = httpx.post(running.url + "/v1/completions", json=body).json()
+            assert tokens == expected and echoed["usage"]["prompt_tokens"] == len(expected), text
+            assert echoed["choices"][0]["text"] == text
+        assert len(expected) > 2 and expected[-1] == theirs.convert_tokens_to_ids("<|im_end|>")
+        info = httpx.get(running.url + "/tokenizer_info").json()
+        assert (info["eos_token"], info["bos_token"], info["unk_token"]) == (eos, "<s>", "<unk>")
+        assert (theirs.eos_token, theirs.bos_token, theirs.unk_token, theirs.pad_token) == (eos, "<s>", "<unk>", None)
+        assert info["pad_token"] is None
+    finally:
+        running.stop()
+        engine.close()
+
+
+def test_every_route_reads_a_special_tokens_text_as_that_token():
+    """GPT-2's tiktoken tokenizer has <|endoftext|>: /tokenize, a completion's prompt (its usage and echo) and a
+    chat's messages all read the text <|endoftext|> as that token; ChatML's markers, which it lacks, are text."""
+    from gptlite.tokenizer import get_tokenizer
+    from tests.conftest import shared_file
+
+    tokenizer = get_tokenizer(str(shared_file("tokenizers/gpt2.tiktoken")))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # no markers to add
+    s = GPT2Served(50257, tokenizer)
+    try:
+        eot = s.tokenizer.eot_id
+        text = "Hello<|endoftext|> again <|im_end|>"
+        expected = [*s.tokenizer.encode("Hello"), eot, *s.tokenizer.encode(" again <|im_end|>")]
+        assert s.post("/tokenize", {"prompt": text}).json()["tokens"] == expected
+        echoed = s.post("/v1/completions", {"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 0}).json()
+        assert echoed["usage"]["prompt_tokens"] == len(expected)
+        assert echoed["choices"][0]["logprobs"]["tokens"][: len(expected)] == [
+            s.tokenizer.decode([i]) for i in expected
+        ]
+        rendered = s.post("/tokenize", {"messages": [{"role": "user", "content": text}]}).json()["tokens"]
+        assert rendered == expected + s.tokenizer.encode("\n")
+        chat = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        assert chat.json()["usage"]["prompt_tokens"] == len(expected) + 1
+    finally:
+        s.close()
+
+
 def test_the_page_is_served(served):
     r = httpx.get(served.url + "/")
     assert r.status_code == 200 and "/v1/chat/completions" in r.text and "http" not in r.text.replace("http-equiv", "")

@@ -203,6 +203,16 @@ BAD_FORMATS = {  # name: (response_format, a phrase of the message)
         schema_format({"anyOf": [{"$ref": "#"}]}),
         "the schema refers to itself with no JSON in between (a $ref or an anyOf that loops back to itself)",
     ),
+    "an object that requires itself": (  # once llguidance's "Too many items (limit 50000; ff_tokens)" midway
+        schema_format({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}),
+        "the schema requires itself inside itself (# -> #/properties/next -> #): every output would nest without end",
+    ),
+    "an array that requires itself": (
+        schema_format(
+            {"$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}, "$ref": "#/$defs/a"}
+        ),
+        "the schema requires itself inside itself (#/$defs/a -> #/$defs/a/items -> #/$defs/a)",
+    ),
     "a chain of 1,000 $refs": (
         schema_format(
             {
@@ -383,7 +393,8 @@ def test_a_panic_of_the_grammar_engine_never_reaches_the_request(caplog):
 
 
 def test_the_schema_check_passes_recursion_that_writes_json():
-    """Recursion through properties or items (a tree), left recursion with another branch, a pattern with one
+    """Recursion through properties or items (a tree), left recursion with another branch, recursion a finite
+    output can stop (an optional property, an array that may be empty, a schema of no type), a pattern with one
     large count or nested small ones: all compile, and the engine follows them."""
     from gptlite.serve.schema import check_schema
 
@@ -392,6 +403,9 @@ def test_the_schema_check_passes_recursion_that_writes_json():
         tree | {"$ref": "#/$defs/n"},
         {"anyOf": [{"$ref": "#"}, {"type": "integer"}]},
         {"type": "object", "additionalProperties": {"$ref": "#"}},
+        {"type": "object", "properties": {"next": {"$ref": "#"}}},  # a linked list: its recursion optional
+        {"properties": {"next": {"$ref": "#"}}, "required": ["next"]},  # no type: a number follows it too
+        {"type": "array", "items": {"$ref": "#"}, "minItems": 0},
         {"type": "string", "pattern": "^[a-z]{1,100000}$"},
         {"type": "string", "pattern": "^((25[0-5]|2[0-4][0-9]|1?[0-9]{1,2})\\.){3}(25[0-5]|2[0-4][0-9]|1?[0-9]{1,2})$"},
         {"type": "string", "pattern": "^((a{1,7}){7}){7}$"},

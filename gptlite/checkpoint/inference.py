@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gptlite.checkpoint.run_folder import CHECKPOINT_NAME, load_checkpoint, step_files
+from gptlite.checkpoint.run_folder import CHECKPOINT_NAME, began_run, load_checkpoint, step_files
 from gptlite.config import GPTConfig, build_config, check_model_overrides
 from gptlite.lora import add_lora, merge_lora
 from gptlite.model import GPT
@@ -28,10 +28,21 @@ def is_run(name: str) -> bool:
     return path.is_dir() and (bool(step_files(path)) or (path / CHECKPOINT_NAME).exists())
 
 
+def check_saved(name: str) -> None:
+    """Refuse a run folder whose run has saved no checkpoint yet (stopped before its first save, or still before
+    it) as that, rather than as a directory without a Hugging Face config.json."""
+    if not is_run(name) and began_run(name):
+        raise FileNotFoundError(
+            f"the run in {name} has saved no checkpoint yet (it stopped, or is still running, before its first "
+            f"save); continue it with python train.py --out_dir={name} --resume, or name another model"
+        )
+
+
 def source_config(name: str, **overrides) -> GPTConfig:
     """The GPTConfig of what --init_from names: a run folder's (from its checkpoint's config) or a pretrained
     checkpoint's (its config.json only), with `block_size` (at most the model's, for learned positions) and
     `dropout` overridden if given."""
+    check_saved(name)
     if not is_run(name):
         from gptlite.hf import pretrained_config
 
@@ -45,6 +56,7 @@ def load_source(name: str, dtype: torch.dtype | None = None, **overrides) -> GPT
     """The model --init_from names, in eval mode: a run folder's newest checkpoint (a LoRA run merged onto its
     base), or pretrained weights (GPT.from_pretrained), with `block_size` and `dropout` overridden if given (a
     smaller block keeps the first positions of learned ones, as nanoGPT's crop does)."""
+    check_saved(name)
     if not is_run(name):
         return GPT.from_pretrained(name, dtype, **overrides)
     ckpt = load_checkpoint(name)
@@ -138,6 +150,7 @@ def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GP
     if init_from and is_run(init_from):  # a run folder, named as --init_from: as --out_dir names it
         out_dir = init_from
     elif init_from:
+        check_saved(init_from)
         model = GPT.from_pretrained(init_from)
         if tokenizer:
             return model, tokenizer_from_spec(tokenizer)

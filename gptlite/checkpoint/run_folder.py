@@ -4,12 +4,15 @@ locked by one run at a time, and loading its newest intact checkpoint.
 It holds
     ckpt_000500.pt          one file per save, each beside ckpt_000500.pt.sha256 (`sha256sum -c` reads it)
     ckpt.pt, best.pt        symlinks to the newest file and to the one with the lowest val loss
+    run.json                the resolved config and command line of the run that last held the folder, written as
+                            it starts: a --resume before the first checkpoint takes its config from there
 A file is written under a temporary name and renamed only once it and its checksum are on disk, so a crash
 at any moment leaves the earlier files whole; loading a directory takes the newest file whose checksum holds.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,13 +24,14 @@ from pathlib import Path
 import torch
 
 from gptlite.checkpoint.file import CHECKSUM_SUFFIX, checksum_path, load_file, save_checkpoint, verify_checkpoint
-from gptlite.files import FolderLock, fault, fsync_dir, make_dir
+from gptlite.files import FolderLock, fault, fsync_dir, make_dir, write_json
 from gptlite.tokenizer import TOKENIZER_FILE
 
 CHECKPOINT_NAME = "ckpt.pt"  # the newest checkpoint of a run directory
 BEST_NAME = "best.pt"  # the checkpoint with the lowest val loss
 STEP_FILE = "ckpt_{step:06d}.pt"
 STEP_FILE_RE = re.compile(r"ckpt_(\d+)\.pt")
+RUN_FILE = "run.json"  # the run's resolved config and command line (record_run)
 
 
 def step_files(run_dir: str | Path) -> list[Path]:
@@ -43,7 +47,8 @@ def _step(path: Path) -> int:
 
 def run_files(run_dir: str | Path) -> list[Path]:
     """What a run wrote in its folder: step files and their checksums, ckpt.pt, best.pt, metrics.jsonl and the
-    copied tokenizer.json (the `--overwrite` of a fresh run moves them aside)."""
+    copied tokenizer.json (the `--overwrite` of a fresh run moves them aside; run.json is the next run's to
+    write)."""
     run_dir = Path(run_dir)
     named = [run_dir / n for n in (CHECKPOINT_NAME, BEST_NAME, "metrics.jsonl", TOKENIZER_FILE)]
     return [
@@ -67,7 +72,10 @@ def holds_run(run_dir: str | Path) -> bool:
 def remove_leftovers(run_dir: str | Path) -> list[Path]:
     """Delete the temporary files a crash or a full disk left in a run folder (held by this process)."""
     run_dir = Path(run_dir)
-    leftovers = [*run_dir.glob("*.pt*.tmp"), *(run_dir / f"{n}.tmp" for n in ("metrics.jsonl", TOKENIZER_FILE))]
+    leftovers = [
+        *run_dir.glob("*.pt*.tmp"),
+        *(run_dir / f"{n}.tmp" for n in ("metrics.jsonl", TOKENIZER_FILE, RUN_FILE)),
+    ]
     leftovers = [p for p in leftovers if p.exists() or p.is_symlink()]
     for path in leftovers:
         path.unlink(missing_ok=True)
@@ -174,6 +182,42 @@ def copy_tokenizer(data_dir: str | Path, run_dir: str | Path) -> None:
         tmp.unlink(missing_ok=True)
         raise fault(e, f"could not copy {source} into {run_dir}") from None
     os.replace(tmp, run_dir / TOKENIZER_FILE)
+
+
+def record_run(run_dir: str | Path, config: dict, command: str) -> None:
+    """Write run.json, atomically: the run's resolved config (flat, as a checkpoint holds it) and its command line.
+    Called by the process that holds the folder's lock, as the run starts, so that a run stopped before its first
+    checkpoint still says what it was (`recorded_config`)."""
+    path = Path(run_dir) / RUN_FILE
+    try:
+        write_json(path, {"config": config, "command": command})
+    except OSError as e:
+        path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+        raise fault(e, f"could not write {path}") from None
+
+
+def recorded_config(run_dir: str | Path) -> dict | None:
+    """The config a run recorded in run_dir/run.json as it started (`record_run`), or None where there is none; a
+    file that is not one is a ValueError naming it."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} is not a run's record ({type(e).__name__}: {e}); delete it, and give the run's settings again"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds no config; delete it, and give the run's settings again")
+    return config
+
+
+def began_run(run_dir: str | Path) -> bool:
+    """Whether a train.py run started in run_dir (it holds the lock file or run.json a run writes first), whatever
+    it saved since."""
+    run_dir = Path(run_dir)
+    return run_dir.is_dir() and ((run_dir / FolderLock.NAME).is_file() or (run_dir / RUN_FILE).is_file())
 
 
 def load_checkpoint(

@@ -127,7 +127,7 @@ def export_gguf_file(options: ExportOptions, where: str, out: Path) -> int:
     if options.adapter:
         raise ValueError("--adapter is for --format=hf; a GGUF file holds the merged model (--out=FILE.gguf)")
     need("gguf", "gguf", "GGUF export")  # before the model loads
-    check_out(out, options.overwrite)
+    check_out(out, options.overwrite, f"{Path(where).name or 'model'}-{options.type}")
     template_file = modelfile_path(out)
     model, tokenizer = load_model(init_from=where, tokenizer=options.tokenizer)
     modelfile = ollama_modelfile(out, tokenizer, where) if tokenizer is not None and tokenizer.chat_template else None

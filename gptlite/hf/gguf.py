@@ -370,11 +370,15 @@ def add_tokenizer(writer, vocab: GGUFVocab, vocab_size: int) -> None:
         writer.add_chat_template(vocab.template)
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    if out.suffix != ".gguf":
-        raise ValueError(f"--out={out} must name a .gguf file (e.g. --out={out.with_suffix('.gguf').name})")
+def check_out(out: Path, overwrite: bool, stem: str = "model") -> None:
+    """Refuse an --out that is not a .gguf file's path, suggesting one where the user meant it (in the folder given,
+    `stem`.gguf), and an existing file unless `overwrite`."""
     if out.is_dir():
-        raise ValueError(f"--out={out} is a folder; give the path of the .gguf file to write")
+        raise ValueError(
+            f"--out={out} is a folder; give the path of the .gguf file to write (e.g. --out={out / stem}.gguf)"
+        )
+    if out.suffix != ".gguf":
+        raise ValueError(f"--out={out} must name a .gguf file (e.g. --out={out.with_suffix('.gguf')})")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose another --out, or pass --overwrite to replace it")
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gptlite.scaling.laws import find_laws, power, saturating, size_at
+from gptlite.scaling.laws import expected_loss, find_laws, power, size_at
 from gptlite.scaling.recipe import (
     BLOCK_SIZE,
     FULL_WINDOWS,
@@ -276,17 +276,23 @@ def for_time(
         seconds, eval_s = training_time(budget, val_tokens, step_s, eval_token_s)
         return windows, step_s, full_steps, seconds, eval_s
 
+    def check_left(seconds: float, eval_s: float) -> None:
+        """Refuse a budget that leaves too little to train, before the laws are asked about so short a time (at
+        none, the size law's power of a negative time is not a number)."""
+        if seconds < 5:
+            raise ValueError(
+                f"--budget={budget.text} leaves {seconds:.1f} s to train once start-up and the final evaluation "
+                f"({eval_s:.1f} s) are counted; give a larger budget"
+            )
+
     width = nearest_width(size_at(laws, rough)[0])
     windows, step_s, full_steps, seconds, eval_s = measured(width)
+    check_left(seconds, eval_s)
     for_seconds = nearest_width(size_at(laws, seconds)[0])
     if for_seconds != width and "n_embd" not in given:  # one more measurement: the time left decides the width
         width = for_seconds
         windows, step_s, full_steps, seconds, eval_s = measured(width)
-    if seconds < 5:
-        raise ValueError(
-            f"--budget={budget.text} leaves {seconds:.1f} s to train once start-up and the final evaluation "
-            f"({eval_s:.1f} s) are counted; give a larger budget"
-        )
+        check_left(seconds, eval_s)
     steps = int(seconds / step_s)
     keys = recipe(width, vocab_size, steps=steps, seconds=seconds, windows=windows)
     held = size_at(laws, seconds)[1]
@@ -305,7 +311,7 @@ def for_time(
         f"{1000 * step_s:.1f} ms a step measured here: about {steps:,} steps of {step_tokens({**keys, **given}):,} "
         "tokens"
     )
-    notes.append(f"expected val loss {saturating(laws['loss_per_second'], seconds):.3f} (the law L*(t))")
+    notes.append(loss_note(laws["loss_per_second"], seconds, vocab_size, "L*(t)"))
     return keys, steps
 
 
@@ -354,9 +360,16 @@ def for_compute(
     the `given` keys over the recipe's). Returns (the keys, the steps)."""
     if budget.kind == "flops":
         flops = budget.amount
-    else:  # D* = H C^b, inverted
+    else:  # D* = H C^b, inverted, in logs: a law's power of a budget may pass what a float holds
         law = laws["tokens_per_flop"]
-        flops = (budget.amount / law["coef"]) ** (1 / law["exponent"])
+        log_flops = (math.log(budget.amount) - math.log(law["coef"])) / law["exponent"]
+        if not -700 < log_flops < 700:
+            raise ValueError(
+                f"--budget={budget.text}: the law D* = {law['coef']:.3g} C^{law['exponent']:.3f} gives "
+                f"10^{log_flops / math.log(10):.0f} FLOPs for it, past what a float holds; give a budget nearer the "
+                "budgets the laws were fitted at"
+            )
+        flops = math.exp(log_flops)
     width = nearest_width(power(laws["params_per_flop"], flops))
     per_token = flops_per_token(recipe(width, vocab_size, steps=1))
     tokens = budget.amount if budget.kind == "tokens" else flops / per_token
@@ -378,8 +391,14 @@ def for_compute(
         f"tokens: {steps:,} steps of {per_step:,} = {steps * per_step:,} tokens; "
         f"{1000 * step_s:.1f} ms a step measured here: about {steps * step_s / 60:.1f} min"
     )
-    notes.append(f"expected val loss {saturating(laws['loss_per_flop'], flops):.3f} (the law L*(C))")
+    notes.append(loss_note(laws["loss_per_flop"], flops, vocab_size, "L*(C)"))
     return keys, steps
+
+
+def loss_note(law: dict, x: float, vocab_size: int, name: str) -> str:
+    """The val loss the loss law expects at `x`, held at a uniform guess's (gptlite.scaling.laws.expected_loss)."""
+    loss, held = expected_loss(law, x, vocab_size)
+    return f"expected val loss {loss:.3f} (the law {name}{'; ' + held if held else ''})"
 
 
 def range_note(law: dict) -> str:

@@ -74,6 +74,23 @@ def saturating(law: dict, x: float) -> float:
     return law["E"] + law["A"] * x ** -law["alpha"]
 
 
+def expected_loss(law: dict, x: float, vocab_size: int) -> tuple[float, str]:
+    """The loss law L = E + A x^-alpha at `x` (seconds or FLOPs), held at ln(vocab_size), the loss of a uniform guess
+    over the ids, and "" or why it was held. No model does worse than that guess on average, but the law, fitted
+    through budgets far larger than a tiny one, extrapolates to any loss at all below them."""
+    try:
+        loss = saturating(law, x)
+    except OverflowError:  # x^-alpha past what a float holds: far below the budgets fitted
+        loss = math.inf
+    uniform = math.log(vocab_size)
+    if loss <= uniform:
+        return loss, ""
+    return uniform, (
+        f"held at ln {vocab_size} = {uniform:.3f}, a uniform guess's loss over the {vocab_size:,} ids: the law gives "
+        f"{loss:.1f} this far below the budgets it was fitted at"
+    )
+
+
 def optimum(runs: list[dict]) -> dict:
     """The best size for one budget's runs (each with "params", "val_loss", "flops", "tokens"): the parabola in
     log(params) through the best run and its two neighbours in size, its lowest point (the valley is not a parabola

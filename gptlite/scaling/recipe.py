@@ -53,6 +53,10 @@ UNITS = {
 }
 PREFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
 BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)(s|sec|min|h|flops|tokens)\s*$")
+# What a budget of each kind may be (seconds, FLOPs, tokens). Past them the laws' powers leave what a float holds (a
+# budget read as infinity, a size or a loss that overflows), and no run comes near them: 1e8 s is three years, 1e30
+# FLOPs far past any training run to date. A FLOPs or tokens budget of less than one is no run at all.
+BUDGET_RANGES = {"seconds": (0.0, 1e8), "flops": (1.0, 1e30), "tokens": (1.0, 1e16)}
 
 
 @dataclass(frozen=True)
@@ -65,18 +69,25 @@ class Budget:
     text: str
 
 
-def parse_budget(text: str) -> Budget:
-    """'90s', '20min', '3h', '1e15flops', '50Mtokens' -> Budget; anything else a one-line ValueError."""
+def parse_budget(text: str, option: str = "--budget") -> Budget:
+    """'90s', '20min', '3h', '1e15flops', '50Mtokens' -> Budget; anything else, or an amount outside BUDGET_RANGES, a
+    one-line ValueError naming `option` (the command's own: the sweep reads its --budgets with this too)."""
     match = BUDGET_RE.match(text)
     if not match or (match[2] and match[3] in ("s", "sec", "min", "h")):
         raise ValueError(
-            f"--budget={text!r} is not a budget; give a time (90s, 20min, 3h), FLOPs (1e15flops, 2Pflops) or "
+            f"{option}={text!r} is not a budget; give a time (90s, 20min, 3h), FLOPs (1e15flops, 2Pflops) or "
             "tokens (50Mtokens, 2e9tokens)"
         )
     kind, unit = UNITS[match[3]]
     amount = float(match[1]) * PREFIXES[match[2]] * unit
     if amount <= 0:
-        raise ValueError(f"--budget={text!r} must be more than nothing")
+        raise ValueError(f"{option}={text!r} must be more than nothing")
+    low, high = BUDGET_RANGES[kind]
+    if not low <= amount <= high:
+        raise ValueError(
+            f"{option}={text!r} is {amount:g} {kind}, outside what gptlite can plan a run for: give "
+            f"{'up to' if low == 0 else f'{low:g} to'} {high:g} {kind}"
+        )
     return Budget(kind, amount, text)
 
 

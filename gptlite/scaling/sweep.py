@@ -29,6 +29,7 @@ from pathlib import Path
 
 from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.files import FolderLock, make_dir
 
 ROOT = Path(__file__).resolve().parents[2]  # train.py's folder
 RUNS_FILE = "runs.jsonl"
@@ -66,11 +67,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sweep(options: SweepOptions) -> int:
+    """Check the options, then run the sweep holding its folder's lock: a second sweep into the folder is refused
+    before it touches anything there (the runs' logs and runs.jsonl are the first one's)."""
+    budgets, widths, vocab_size, fingerprint = check(options)
+    out_dir = make_dir(options.out_dir, "--out_dir")
+    lock = FolderLock(out_dir, "the sweep folder")
+    try:
+        return run_sweep(options, out_dir, budgets, widths, vocab_size, fingerprint)
+    finally:
+        lock.release()
+
+
+def run_sweep(
+    options: SweepOptions, out_dir: Path, budgets: list[float], widths: list[int], vocab_size: int, fingerprint: str
+) -> int:
     from gptlite.scaling.laws import fit_laws, machine_key, save_laws
 
-    budgets, widths, vocab_size, fingerprint = check(options)
-    out_dir = Path(options.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     every_run = read_runs(out_dir / RUNS_FILE)
     runs = [r for r in every_run if not r.get("check")]
     todo = [(b, w) for b in budgets for w in widths if not any(r["seconds"] == b and r["width"] == w for r in runs)]
@@ -126,7 +138,7 @@ def check(options: SweepOptions) -> tuple[list[float], list[int], int, str]:
     vocab_size = read_vocab_size(options.data_dir)
     budgets = []
     for text in options.budgets.split(","):
-        budget = parse_budget(text.strip())
+        budget = parse_budget(text.strip(), "--budgets")
         if budget.kind != "seconds":
             raise ValueError(f"--budgets: {text!r} is not a time; the sweep's budgets are training times (10s, 2min)")
         budgets.append(budget.amount)
@@ -137,6 +149,12 @@ def check(options: SweepOptions) -> tuple[list[float], list[int], int, str]:
     unknown = [w for w in widths if w not in WIDTHS]
     if unknown:
         raise ValueError(f"--widths: {unknown} are not widths of the recipe family; choose from {list(WIDTHS)}")
+    for name, values, unit in (("budgets", budgets, " s"), ("widths", widths, "")):
+        twice = sorted({f"{v:g}{unit}" for v in values if values.count(v) > 1})
+        if twice:  # each would run, and count in the fit, twice
+            raise ValueError(
+                f"--{name}={getattr(options, name)} names {', '.join(twice)} more than once; give each once"
+            )
     if len(widths) < 3 or len(budgets) < 2:
         raise ValueError("the laws need at least 3 widths and 2 budgets")
     fingerprint = data_identity(find_shards(options.data_dir, "train"), "text")["data"]

@@ -177,14 +177,12 @@ class Server:
         body.stops()
 
     def encode(self, text: str) -> list[int]:
-        """A prompt's ids. An empty prompt is the start of a document, the end-of-text token, as OpenAI's API defines
-        it ("if a prompt is not specified the model will generate as if from the beginning of a new document") and as
-        every document gptlite prepares begins: usage counts that token, echo shows it and logprobs list it. A
-        tokenizer without one (char, byte) has nothing to start from: a 400."""
-        try:
-            ids = self.tokenizer.encode(text)
-        except ValueError as e:  # e.g. a character a char tokenizer never saw
-            raise APIError(400, str(e), "prompt") from None
+        """A prompt's ids, read as /tokenize reads text (`tokenize`). An empty prompt is the start of a document, the
+        end-of-text token, as OpenAI's API defines it ("if a prompt is not specified the model will generate as if
+        from the beginning of a new document") and as every document gptlite prepares begins: usage counts that
+        token, echo shows it and logprobs list it. A tokenizer without one (char, byte) has nothing to start from: a
+        400."""
+        ids = self.tokenize(text)
         if ids:
             return ids
         if self.tokenizer.eot_id is None:
@@ -222,25 +220,12 @@ class Server:
             raise APIError(400, "prompt holds an empty list of token ids; give at least one", "prompt")
         return self.check_ids(prompt, "prompt")
 
-    def special_ids(self) -> dict[str, int]:
-        """The special tokens' texts and ids (end of text, the chat markers gptlite added, the tokens that end a
-        sequence, bos and eos)."""
-        from gptlite.tokenizer import EOT
-
-        specials = dict(self.tokenizer.added)
-        if self.tokenizer.eot_id is not None:
-            specials.setdefault(EOT, self.tokenizer.eot_id)
-        for i in self.tokenizer.end_ids():  # a tokenizer's own chat markers (the BPE trainer reserves them)
-            specials.setdefault(self.tokenizer.decode([i]), i)
-        for text in self.tokenizer.special_texts().values():
-            if text and self.tokenizer.special_id(text) is not None:
-                specials.setdefault(text, self.tokenizer.special_id(text))
-        return specials
-
     def tokenize(self, text: str) -> list[int]:
-        """Text's ids with its special tokens' texts taken as those tokens (what vLLM's /tokenize does)."""
+        """Text's ids, the one way every route reads text (a prompt, /tokenize's, a chat's messages once rendered):
+        each special token the tokenizer has is that token where the text spells it, as transformers reads a prompt
+        and as vLLM's /tokenize does; the name of one it lacks is plain text (Tokenizer.encode_with_specials)."""
         try:
-            return self.tokenizer.encode_special(text, self.special_ids())[0]
+            return self.tokenizer.encode_with_specials(text)
         except ValueError as e:  # e.g. a character a char tokenizer never saw
             raise APIError(400, str(e), "prompt") from None
 
@@ -257,7 +242,9 @@ class Server:
                 "no_chat_template",
             )
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, specials=self.tokenizer.specials_in_text()
+            )
         except ValueError as e:  # a template's own rules (e.g. roles that must alternate), or an unknown character
             raise APIError(400, str(e), "messages") from None
         return self.check_ids(ids, "messages", "the chat template gave")
@@ -575,16 +562,13 @@ def create_app(
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
-        texts = tokenizer.special_texts()
-        eot = server.special_ids()
-        stops = tokenizer.end_ids()  # the end of a turn first: the eos every export of the model names
-        eos = next((t for t, i in eot.items() if stops and i == stops[0]), None) or texts.get("eos_token")
+        names = tokenizer.special_names()  # a Hugging Face directory's own; gptlite's for a run it wrote
         return {
             "tokenizer_class": type(tokenizer).__name__,
-            "eos_token": eos,
-            "bos_token": texts.get("bos_token"),
-            "pad_token": None,
-            "unk_token": None,
+            "eos_token": names["eos_token"],
+            "bos_token": names["bos_token"],
+            "pad_token": names["pad_token"],
+            "unk_token": names["unk_token"],
             "chat_template": getattr(tokenizer, "chat_template", None),
             "model_max_length": engine.max_len,
             "vocab_size": engine.vocab,

@@ -53,7 +53,8 @@ class Walk:
         self.visited = 0
 
     def run(self) -> None:
-        # the path: (the subschema, its location, the keyword that led into it) from the root down
+        # the path: (the subschema, its location, (the keyword that led into it, whether every instance of the
+        # subschema above it holds an instance of it)) from the root down
         self.check_keywords(self.root, "#")
         stack = [(self.root, "#", None, iter(self.children(self.root, "#")))]
         on_path = {id(self.root): 0}
@@ -64,9 +65,9 @@ class Walk:
                 stack.pop()
                 on_path.pop(id(node), None)
                 continue
-            child, child_where, keyword = step
+            child, child_where, keyword, held = step
             if id(child) in on_path:  # a loop back to a schema on the path: recursion, fine unless it adds nothing
-                self.check_loop(stack[on_path[id(child)] :], keyword, child_where)
+                self.check_loop(stack[on_path[id(child)] :], (keyword, held), child_where)
                 continue
             self.visited += 1
             if self.visited > MAX_SCHEMA_WALK:
@@ -81,7 +82,7 @@ class Walk:
                 )
             self.check_keywords(child, child_where)
             on_path[id(child)] = len(stack)
-            stack.append((child, child_where, keyword, iter(self.children(child, child_where))))
+            stack.append((child, child_where, (keyword, held), iter(self.children(child, child_where))))
 
     def check_keywords(self, node: Any, where: str) -> None:
         """A subschema's own keywords that the grammar engine may not survive: its pattern, its patternProperties'
@@ -95,37 +96,77 @@ class Walk:
                 check_pattern(pattern, f"{where}/patternProperties")
 
     def children(self, node: Any, where: str):
-        """(subschema, its location, the keyword that holds it) for each subschema of node, its $ref's target
-        last."""
+        """(subschema, its location, the keyword that holds it, whether every instance of node holds an instance of
+        it) for each subschema of node, its $ref's target last. Held in every instance: a $ref's target and an
+        allOf's parts (node is also each of them), a required property of an object, an item of an array that must
+        have it (minItems)."""
         if not isinstance(node, dict):
             return
         for keyword in ONE:
             if isinstance(node.get(keyword), (dict, bool)):
-                yield node[keyword], f"{where}/{keyword}", keyword
+                yield node[keyword], f"{where}/{keyword}", keyword, keyword == "items" and min_items(node) > 0
             elif keyword == "items" and isinstance(node.get(keyword), list):  # the draft-7 form of prefixItems
-                yield from ((s, f"{where}/items/{i}", keyword) for i, s in enumerate(node[keyword]))
+                for i, s in enumerate(node[keyword]):
+                    yield s, f"{where}/items/{i}", keyword, i < min_items(node)
         for keyword in MANY:
             if isinstance(node.get(keyword), list):
-                yield from ((s, f"{where}/{keyword}/{i}", keyword) for i, s in enumerate(node[keyword]))
+                for i, s in enumerate(node[keyword]):
+                    # allOf: every part; prefixItems: the items an array must have; anyOf, oneOf: the output's choice
+                    held = keyword == "allOf" or (keyword == "prefixItems" and i < min_items(node))
+                    yield s, f"{where}/{keyword}/{i}", keyword, held
         for keyword in NAMED:
             if isinstance(node.get(keyword), dict):
-                yield from ((s, f"{where}/{keyword}/{k}", keyword) for k, s in node[keyword].items())
+                named = required_properties(node) if keyword == "properties" else set()
+                yield from ((s, f"{where}/{keyword}/{k}", keyword, k in named) for k, s in node[keyword].items())
         ref = node.get("$ref")
         if isinstance(ref, str):
             target = resolve(self.root, ref)
             if target is not None:
-                yield target, ref, "$ref"
+                yield target, ref, "$ref", True
 
-    def check_loop(self, loop: list[tuple], keyword: str, back: str) -> None:
+    def check_loop(self, loop: list[tuple], last: tuple[str, bool], back: str) -> None:
         """A path from a subschema back to itself: refused when every step on it is a $ref or an allOf, so that the
-        schema is defined as itself and no JSON can follow it."""
-        steps = [entry[2] for entry in loop[1:]] + [keyword]
-        if all(step in SAME for step in steps):
-            places = " -> ".join([entry[1] for entry in loop] + [back])
+        schema is defined as itself and no JSON can follow it; and when every step on it is held in every instance
+        (a required property, an item an array must have), so that every output would nest without end: none is
+        finite."""
+        steps = [entry[2] for entry in loop[1:]] + [last]
+        places = " -> ".join([entry[1] for entry in loop] + [back])
+        if all(keyword in SAME for keyword, _ in steps):
             raise ValueError(
                 f"the schema refers to itself with no JSON in between ({places}), so no output can follow it; "
                 "give the loop a type, or put the recursion inside properties or items"
             )
+        if all(required for _, required in steps):
+            raise ValueError(
+                f"the schema requires itself inside itself ({places}): every output would nest without end, so no "
+                "finite JSON follows it; make the recursion optional (leave the property out of required, or let "
+                "the array be empty)"
+            )
+
+
+def required_properties(node: dict) -> set[str]:
+    """The properties every instance of an object schema has: its `required`, where it can only be an object (a
+    schema of no type also takes a number, which has no properties)."""
+    names = node.get("required")
+    if only_type(node) != "object" or not isinstance(names, list):
+        return set()
+    return {name for name in names if isinstance(name, str)}
+
+
+def min_items(node: dict) -> int:
+    """The items every instance of an array schema has (its minItems, where it can only be an array), else 0."""
+    count = node.get("minItems")
+    if only_type(node) != "array" or not isinstance(count, int) or isinstance(count, bool):
+        return 0
+    return count
+
+
+def only_type(node: dict) -> str | None:
+    """The one JSON type a schema allows, where its `type` names one."""
+    kind = node.get("type")
+    if isinstance(kind, list) and len(kind) == 1:
+        kind = kind[0]
+    return kind if isinstance(kind, str) else None
 
 
 def resolve(root: Any, ref: str) -> Any | None:

@@ -52,6 +52,37 @@ class Tokenizer:
         """What a chat template may name: bos_token, eos_token (transformers passes the same)."""
         return {"bos_token": None, "eos_token": None}
 
+    def special_names(self) -> dict[str, str | None]:
+        """The names of its special tokens, as a tokenizer_config.json names them (eos_token, bos_token, unk_token,
+        pad_token). gptlite's, for a tokenizer of a run it wrote: the eos is the first of `end_ids` (the end of a
+        turn where there is one), the eos every export of the run names; no unk or pad. A Hugging Face directory's
+        tokenizer has its own (HFTokenizer)."""
+        ends = self.end_ids()
+        eos = self.token_bytes(ends[:1]).decode("utf-8", errors="replace") if ends else None
+        return {"eos_token": eos, "bos_token": self.special_texts()["bos_token"], "unk_token": None, "pad_token": None}
+
+    def specials_in_text(self) -> dict[str, int]:
+        """The special tokens that text is read as where it spells them (`encode_with_specials`), text -> id: each
+        special token the tokenizer has (tiktoken's <|endoftext|>, the chat markers gptlite added), by its own
+        text. The name of a special token it lacks stays plain text, as transformers reads text."""
+        own = {self.token_bytes([i]).decode("utf-8", errors="replace"): i for i in sorted(self.special_token_ids())}
+        return {**own, **self.added}
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """The ids of text in which each special token the tokenizer has is that token where the text spells it
+        (`specials_in_text`), and the rest is encoded as `encode` does: how transformers reads a prompt, and the one
+        way the server reads text (gptlite.serve)."""
+        specials = self.specials_in_text()
+        if not specials:
+            return self.encode(text)
+        pattern = "|".join(map(re.escape, sorted(specials, key=len, reverse=True)))
+        ids = []
+        pos = 0
+        for match in re.finditer(pattern, text):
+            ids += self.encode(text[pos : match.start()]) + [specials[match.group()]]
+            pos = match.end()
+        return ids + self.encode(text[pos:])
+
     def special_token_ids(self) -> set[int]:
         """The ids of the special tokens (end of text, chat markers): tokens that stand for no text of their own, so
         a grammar over text (gptlite.serve.grammar) never allows them as characters."""
@@ -107,14 +138,17 @@ class Tokenizer:
         to_char = char_of_byte(text)
         return ids, [to_char[min(b, len(to_char) - 1)] for b in byte_starts]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = False, specials: dict[str, int] | None = None
+    ) -> list[int]:
         """The ids of a conversation rendered with the tokenizer's chat template (transformers' ids for a model
-        directory's template), or ChatML for a tokenizer without one."""
+        directory's template), or ChatML for a tokenizer without one; the rendered text's special tokens are those
+        gptlite added, or `specials` (text -> id: the server passes `specials_in_text`)."""
         from gptlite.tokenizer.chat import check_messages, render
 
         self.use_default_template()
         text = render(self.chat_template, check_messages(messages), add_generation_prompt, self.special_texts())
-        return self.encode_special(text)[0]
+        return self.encode_special(text, specials)[0]
 
     def chat_targets(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
         """A conversation's ids and, for each, whether it is a target: part of an assistant's turn (its content and

@@ -21,6 +21,7 @@ import numpy as np
 from gptlite.tokenizer.base import EOT, Tokenizer
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+SPECIAL_NAMES = ("eos_token", "bos_token", "unk_token", "pad_token")  # what tokenizer_config.json may name
 
 
 def byte_decoder() -> dict[str, int]:
@@ -50,10 +51,12 @@ class HFTokenizer(Tokenizer):
         eos: str | None = None,
         stop: Iterable[str] = (),
         chat_template: str | None = None,
+        names: dict[str, str | None] | None = None,
     ):
         from tokenizers import Tokenizer as RustTokenizer
 
         self.spec = spec
+        self.names = names  # a directory's own names of its special tokens (see special_names); None in a run
         self.tok = RustTokenizer.from_str(json.dumps(spec))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos = bos
@@ -122,6 +125,18 @@ class HFTokenizer(Tokenizer):
 
     def special_texts(self) -> dict[str, str | None]:
         return {"bos_token": self.bos, "eos_token": self.eos}
+
+    def special_names(self) -> dict[str, str | None]:
+        """A Hugging Face directory's own names (its tokenizer_config.json, special_tokens_map.json), as
+        transformers' AutoTokenizer gives them: a model made elsewhere is described by its own files. A tokenizer
+        of a run gptlite wrote has gptlite's (Tokenizer.special_names)."""
+        return super().special_names() if self.names is None else dict(self.names)
+
+    def specials_in_text(self) -> dict[str, int]:
+        """Those gptlite added alone: the tokenizer's own added tokens the tokenizers library reads where the text
+        spells them, as transformers does (split out here, the text between them would be encoded piece by piece,
+        which a SentencePiece tokenizer's leading space would change)."""
+        return dict(self.added)
 
     def special_token_ids(self) -> set[int]:
         """Its added tokens marked special (an added token that is not, such as a word, is text), and gptlite's."""
@@ -208,7 +223,8 @@ def token_text(value) -> str | None:
 
 
 def read_config(folder: Path, spec: dict) -> dict:
-    """What the files beside a tokenizer.json say: bos, eos, the stop tokens and the chat template."""
+    """What the files beside a tokenizer.json say: bos, eos, the stop tokens, the chat template, and the names of
+    its special tokens (SPECIAL_NAMES)."""
     configs = {}
     for name in CONFIG_FILES:
         path = folder / name
@@ -227,11 +243,13 @@ def read_config(folder: Path, spec: dict) -> dict:
     by_id = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
     eos_ids = configs.get("generation_config.json", {}).get("eos_token_id")
     stop = [by_id[i] for i in ([eos_ids] if isinstance(eos_ids, int) else eos_ids or []) if i in by_id]
+    names = {name: token_text(config.get(name)) for name in SPECIAL_NAMES}
     return {
-        "bos": token_text(config.get("bos_token")),
-        "eos": token_text(config.get("eos_token")),
+        "bos": names["bos_token"],
+        "eos": names["eos_token"],
         "stop": stop,
         "chat_template": template if isinstance(template, str) else None,
+        "names": names,
     }
 
 
