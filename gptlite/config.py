@@ -137,6 +137,14 @@ class GPTConfig:
     rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
     rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original / this are kept")
     rope_original_context: int = option(8192, "llama3 scaling: the context the model was first trained on")
+    embed_scale: float = option(1.0, "the token embeddings are multiplied by this (Granite's embedding_multiplier)")
+    residual_scale: float = option(
+        1.0,
+        "attention's and the feed-forward's outputs are multiplied by this as they join the residual stream "
+        "(Granite's residual_multiplier)",
+    )
+    attn_scale: float = option(0.0, "attention's scores are q . k times this (0 = 1 / sqrt(head width); Granite's)")
+    logits_scaling: float = option(1.0, "the logits are divided by this (Granite's logits_scaling)")
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -229,10 +237,22 @@ class GPTConfig:
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
         problems += choice_problems(type(self), vars(self))
-        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+        for name in (
+            "rope_theta",
+            "norm_eps",
+            "rope_factor",
+            "rope_low_freq_factor",
+            "rope_high_freq_factor",
+            "embed_scale",
+            "residual_scale",
+            "logits_scaling",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
+        scale = self.attn_scale
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale >= 0:
+            problems.append(f"attn_scale={scale!r} must be a number >= 0 (0 = 1 / sqrt(head width))")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 

@@ -206,6 +206,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_width
         self.sizes = (config.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.dropout = config.dropout
+        self.scale = config.attn_scale or None  # None: SDPA's 1 / sqrt(D); Granite sets its own
         self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
         self.out_proj = nn.Linear(self.sizes[0], config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
@@ -236,10 +237,12 @@ class CausalSelfAttention(nn.Module):
         grouped = self.n_kv_head != self.n_head
         if cache is None:  # training and scoring: each position sees itself and the positions before it
             dropout = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale, enable_gqa=grouped
+            )
         else:  # generation: earlier keys and values come from layer's cache, whose mask says which to see
             k, v = cache.update(layer, k, v)  # (B, KV, S, D)
-            y = masked_attention(q, k, v, cache.mask)  # (B, H, T, D)
+            y = masked_attention(q, k, v, cache.mask, self.scale)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
         return self.resid_drop(self.out_proj(y))
 
@@ -256,17 +259,20 @@ class QKNorm(nn.Module):
         return self.q_norm(q), self.k_norm(k)  # (B, T, H, D), (B, T, KV, D)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) where mask, else -inf) v for q (B, H, T, D), k and v (B, KV, S, D) (each key/value
-    head serves H / KV query heads), mask (B, 1, T, S) or None. SDPA's kernel runs it, except in a compiled step on
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale where mask, else -inf) v for q (B, H, T, D), k and v (B, KV, S, D) (each key/value
+    head serves H / KV query heads), mask (B, 1, T, S) or None, scale 1 / sqrt(D) unless given. SDPA's kernel runs it,
+    except in a compiled step on
     the CPU, where the math written out lets inductor fuse it with its neighbours, which makes decode steps faster
     than SDPA's kernel inside the graph (figures: docs/generation.md)."""
     grouped = q.size(1) != k.size(1)  # grouped-query attention: k and v have fewer heads
     if not (torch.compiler.is_compiling() and q.device.type == "cpu"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
     if grouped:
         k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))  # (B, H, S, D) each
-    scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, T, S)
+    scores = (q @ k.transpose(-2, -1)).float() * (scale or q.size(-1) ** -0.5)  # (B, H, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(v.dtype) @ v
@@ -368,10 +374,12 @@ FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP}
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm Transformer block: x + attn(norm(x)), then x + ffn(norm(x)); each branch's output times
+    residual_scale (Granite's residual_multiplier; 1 elsewhere) as it is added."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.residual_scale = config.residual_scale
         self.attn_norm = NORMS[config.norm](config)
         self.attn = CausalSelfAttention(config)
         self.ffn_norm = NORMS[config.norm](config)
@@ -385,8 +393,8 @@ class Block(nn.Module):
         layer: int = 0,
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rot, cache, layer, ve)
-        return x + self.ffn(self.ffn_norm(x))
+        x = torch.add(x, self.attn(self.attn_norm(x), rot, cache, layer, ve), alpha=self.residual_scale)
+        return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
 
 
 def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
@@ -462,6 +470,8 @@ class GPT(nn.Module):
             self._check_targets(idx, targets)
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:  # not LoRA'd, not int8
             h = self.hidden(idx).flatten(0, 1)  # (B*T, C)
+            if self.config.logits_scaling != 1:  # logits / s = lm_head(h / s): the head has no bias
+                h = h / self.config.logits_scaling
             softcap = self.config.logit_softcap
             loss = linear_cross_entropy(h, self.lm_head.weight, targets.reshape(-1), reduction, softcap=softcap)
             return None, loss.view(targets.shape) if reduction == "none" else loss
@@ -480,6 +490,8 @@ class GPT(nn.Module):
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,) or (B, T)
         x = self.tok_emb(idx)  # (B, T, C)
+        if self.config.embed_scale != 1:  # Granite's embedding_multiplier
+            x = x * self.config.embed_scale
         if self.bigram_emb is not None:  # a cache knows the token before its call's first ones
             prev = previous_tokens(idx) if cache is None else cache.previous_tokens(idx)  # (B, T)
             x = x + self.bigram_emb(self.bigram_ids(idx, prev))
@@ -510,9 +522,12 @@ class GPT(nn.Module):
         return torch.where(prev < 0, rows - 1, pair)  # (B, T)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden states (..., C) -> logits (..., V): the output head, then logit_softcap's cap * tanh(logits / cap)
-        where it is set (Gemma 2; modded-nanogpt), which keeps every logit within (-cap, cap)."""
+        """Hidden states (..., C) -> logits (..., V): the output head, divided by logits_scaling where it is set
+        (Granite), then logit_softcap's cap * tanh(logits / cap) where it is set (Gemma 2; modded-nanogpt), which keeps
+        every logit within (-cap, cap)."""
         logits = self.lm_head(h)
+        if self.config.logits_scaling != 1:
+            logits = logits / self.config.logits_scaling
         cap = self.config.logit_softcap
         return logits if not cap else cap * torch.tanh(logits / cap)
 

@@ -12,8 +12,10 @@ import torch
 import transformers
 
 from gptlite import GPT
+from gptlite.checkpoint import load_checkpoint
 from gptlite.hf import export_hf
-from tests.conftest import DEVICE, ROOT
+from gptlite.prepare import prepare
+from tests.conftest import DEVICE, ROOT, run_train, shared_file
 from tests.test_hf import randomized
 
 transformers.logging.set_verbosity_error()
@@ -67,7 +69,20 @@ FAMILIES = {  # name -> (transformers class, its config)
         transformers.MistralForCausalLM,
         transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
     ),
+    "granite": (
+        transformers.GraniteForCausalLM,
+        transformers.GraniteConfig(
+            **COMMON,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+        ),
+    ),
 }
+NEW_FAMILIES = ["granite"]  # issue 73's: train.py --init_from with learning rate 0 too
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -85,7 +100,8 @@ def ids(batch: int = 2, length: int = 40, device: str = "cpu") -> torch.Tensor:
 
 @pytest.mark.device
 def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path):
-    """40 tokens: past llama3's original context of 16, where its scaling acts. Both models on the test device."""
+    """40 tokens: past llama3's original context of 16, where its scaling acts; 32 greedy tokens on gptlite's KV
+    cache. Both models on the test device."""
     name, hf, directory = saved
     hf = hf.to(DEVICE)
     ours = GPT.from_pretrained(str(directory)).to(DEVICE)
@@ -93,8 +109,8 @@ def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path)
         expected = hf(ids(device=DEVICE)).logits
         torch.testing.assert_close(ours(ids(device=DEVICE))[0], expected, atol=1e-4, rtol=0)
         prompt = ids(1, 8, DEVICE)
-        greedy = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
-        assert torch.equal(ours.generate(prompt, 20, temperature=0), greedy)
+        greedy = hf.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(prompt, 32, temperature=0), greedy)
     export_hf(ours, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval().to(DEVICE)
     assert type(back) is type(hf)
@@ -186,3 +202,50 @@ def test_init_from_a_model_directory_needs_no_tokenizer_flag(tmp_path):
         cwd=ROOT,
     )
     assert result.returncode == 0 and result.stdout.startswith("To be"), result.stderr
+
+
+@pytest.fixture(scope="module")
+def char_data(tmp_path_factory):
+    """Tiny Shakespeare in chars: 65 ids, all below the tiny models' vocabulary of 97."""
+    corpus = tmp_path_factory.mktemp("corpus") / "shakespeare.txt"
+    corpus.write_text(shared_file("data/tinyshakespeare.txt").read_text()[:20_000])
+    out = tmp_path_factory.mktemp("data")
+    prepare([str(corpus)], "char", out, log=lambda *a: None)
+    return out
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_train_init_from_with_learning_rate_0_changes_no_weight(name, char_data, tmp_path):
+    cls, config = FAMILIES[name]
+    randomized(cls(config)).save_pretrained(tmp_path / "hf")
+    run_train(
+        f"--init_from={tmp_path / 'hf'}",
+        f"--data_dir={char_data}",
+        f"--out_dir={tmp_path / 'run'}",
+        "--learning_rate=0",
+        "--max_iters=2",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--batch_size=2",
+        "--block_size=32",
+        "--device=cpu",
+    )
+    saved_weights = load_checkpoint(tmp_path / "run")["model"]
+    for key, tensor in GPT.from_pretrained(str(tmp_path / "hf"), block_size=32).state_dict().items():
+        assert torch.equal(saved_weights[key], tensor), key  # bit for bit
+
+
+def test_a_negative_attention_scale_is_refused():
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=r"attn_scale=-0.5 must be a number >= 0 \(0 = 1 / sqrt\(head width\)\)"):
+        GPTConfig(attn_scale=-0.5)
+
+
+def test_gguf_export_refuses_the_families_it_does_not_write():
+    from gptlite import GPTConfig
+    from gptlite.hf.gguf import gguf_architecture
+
+    config = GPTConfig(pos_emb="rope", norm="rmsnorm", ffn="swiglu", embed_scale=2.0)
+    with pytest.raises(ValueError, match=r"GGUF export of a GraniteForCausalLM is not implemented .*convert_hf"):
+        gguf_architecture(config)

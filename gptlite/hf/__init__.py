@@ -1,6 +1,6 @@
 """Hugging Face's layout: checkpoints in (`load_pretrained`), gptlite models out (`export_hf`).
 
-Everything that speaks transformers' names lives here, so the model never learns them. Five architectures map
+Everything that speaks transformers' names lives here, so the model never learns them. These architectures map
 onto gptlite's switches, weight for weight:
     GPT2LMHeadModel     pos_emb="learned", norm="layernorm", ffn="gelu" (GPT-2 has biases everywhere; a model with
                         bias=False exports zeros for them)
@@ -10,6 +10,8 @@ onto gptlite's switches, weight for weight:
     MistralForCausalLM  the same layout (the context at most its sliding window)
     Qwen2ForCausalLM    the same, with biases on q, k and v (qkv_bias)
     Qwen3ForCausalLM    the same, with RMSNorm on each head's q and k (qk_norm)
+    GraniteForCausalLM  Llama's layout with multipliers on the embeddings, the residual branches, attention's scores
+                        and the logits (embed_scale, residual_scale, attn_scale, logits_scaling)
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

@@ -11,7 +11,18 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.files import write_folder
-from gptlite.hf.families import GPT2, LLAMA, QWEN2, QWEN3, Family, entries, family_of, part_sizes, their_name
+from gptlite.hf.families import (
+    GPT2,
+    GRANITE,
+    LLAMA,
+    QWEN2,
+    QWEN3,
+    Family,
+    entries,
+    family_of,
+    part_sizes,
+    their_name,
+)
 from gptlite.hf.tokenizer_files import hf_tokenizer_files
 from gptlite.hf.weights import save_weights
 from gptlite.tokenizer import HFTokenizer, Tokenizer
@@ -113,7 +124,18 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
         "rope_theta": config.rope_theta,
         "rope_scaling": rope if config.rope_scaling else None,
         "rope_parameters": rope,
-        **(windows if family is not LLAMA else {}),
+        **(windows if family not in (LLAMA, GRANITE) else {}),
+        **(granite_values(config) if family is GRANITE else {}),
+    }
+
+
+def granite_values(config: GPTConfig) -> dict:
+    """Granite's multipliers (its attention's scale is always its own: 1 / sqrt(head width) when gptlite's is)."""
+    return {
+        "embedding_multiplier": config.embed_scale,
+        "residual_multiplier": config.residual_scale,
+        "attention_multiplier": config.attn_scale or config.head_width**-0.5,
+        "logits_scaling": config.logits_scaling,
     }
 
 

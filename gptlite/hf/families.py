@@ -26,7 +26,10 @@ LLAMA = Family("LlamaForCausalLM", "llama", "", "model.layers.{i}.")
 MISTRAL = Family("MistralForCausalLM", "mistral", "", "model.layers.{i}.")
 QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "", "model.layers.{i}.")
 QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
+GRANITE = Family("GraniteForCausalLM", "granite", "", "model.layers.{i}.")
+FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE)}
+# Granite's multipliers: a model that sets any of them is a Granite
+GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
     "gemma2": "Gemma 2's soft-capped logits",
@@ -39,7 +42,8 @@ UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
 EXPORTABLE = (
     "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
     "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
-    "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's"
+    "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's, with embed_scale, "
+    "residual_scale, attn_scale or logits_scaling as Granite's"
 )
 
 
@@ -127,10 +131,19 @@ def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
         family = QWEN3 if config.qk_norm else QWEN2 if config.qkv_bias else LLAMA
         if family is LLAMA and architecture == MISTRAL.architecture and not config.rope_scaling:
             family = MISTRAL
-        if not (config.qk_norm and config.qkv_bias) and not (config.rope_scaling and family is not LLAMA):
+        scaled = any(getattr(config, k) != v for k, v in GRANITE_SCALES.items())
+        if family is LLAMA and (scaled or architecture == GRANITE.architecture):
+            return GRANITE  # Granite's layout is Llama's, with its multipliers
+        if (
+            not scaled
+            and not (config.qk_norm and config.qkv_bias)
+            and not (config.rope_scaling and family is not LLAMA)
+        ):
             return family
     raise ValueError(
         f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
         f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
-        f"rope_scaling={config.rope_scaling!r} has no transformers architecture; exportable are {EXPORTABLE}"
+        f"rope_scaling={config.rope_scaling!r}"
+        + "".join(f", {k}={getattr(config, k)}" for k, v in GRANITE_SCALES.items() if getattr(config, k) != v)
+        + f" has no transformers architecture; exportable are {EXPORTABLE}"
     )

@@ -83,6 +83,12 @@ def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tup
             "switches (pos_emb=learned norm=layernorm ffn=gelu) and Llama's (pos_emb=rope norm=rmsnorm ffn=swiglu "
             "bias=false, with qkv_bias as Qwen2, qk_norm as Qwen3), without the speedrun options"
         ) from None
+    if family not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF export of a {family.architecture} is not implemented (gptlite writes GGUF for "
+            f"{', '.join(sorted({f.architecture for f in ARCHITECTURES}))}); export it with python -m gptlite.hf "
+            "export and convert that directory with llama.cpp's convert_hf_to_gguf.py"
+        )
     return family, ARCHITECTURES[family]
 
 

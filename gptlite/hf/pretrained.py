@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from gptlite.config import GPTConfig, check_model_overrides
-from gptlite.hf.families import FAMILIES, GPT2, MISTRAL, QWEN2, QWEN3, UNSUPPORTED, Family, entries
+from gptlite.hf.families import FAMILIES, GPT2, GRANITE, MISTRAL, QWEN2, QWEN3, UNSUPPORTED, Family, entries
 from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json
 
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -137,6 +137,13 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
         qkv_bias=family is QWEN2,
         qk_norm=family is QWEN3,
     )
+    if family is GRANITE:
+        values.update(
+            embed_scale=float(c.get("embedding_multiplier", 1.0)),
+            residual_scale=float(c.get("residual_multiplier", 1.0)),
+            attn_scale=float(c.get("attention_multiplier", 1.0)),
+            logits_scaling=float(c.get("logits_scaling", 1.0)),
+        )
     unsupported = []
     if c.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
