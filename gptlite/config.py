@@ -145,6 +145,9 @@ class GPTConfig:
     )
     attn_scale: float = option(0.0, "attention's scores are q . k times this (0 = 1 / sqrt(head width); Granite's)")
     logits_scaling: float = option(1.0, "the logits are divided by this (Granite's logits_scaling)")
+    nope_layers: str = option(
+        "", "comma-separated indices of the layers whose attention has no positions (SmolLM3's NoPE layers; rope)"
+    )
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -166,6 +169,11 @@ class GPTConfig:
     def kv_heads(self) -> int:
         """Key/value heads: n_kv_head, or n_head."""
         return self.n_kv_head or self.n_head
+
+    @property
+    def nope_layer_ids(self) -> frozenset[int]:
+        """The layers of nope_layers: attention without RoPE's rotation."""
+        return frozenset(int(i) for i in self.nope_layers.split(",") if i.strip())
 
     @property
     def head_width(self) -> int:
@@ -250,11 +258,27 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
+        problems += self._nope_problems()
         scale = self.attn_scale
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale >= 0:
             problems.append(f"attn_scale={scale!r} must be a number >= 0 (0 = 1 / sqrt(head width))")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    def _nope_problems(self) -> list[str]:
+        if not self.nope_layers:
+            return []
+        try:
+            layers = self.nope_layer_ids
+        except (ValueError, AttributeError):
+            return [f"nope_layers={self.nope_layers!r} must be comma-separated layer indices, e.g. '3,7'"]
+        problems = []
+        wrong = sorted(i for i in layers if not (isinstance(self.n_layer, int) and 0 <= i < self.n_layer))
+        if wrong:
+            problems.append(f"nope_layers={self.nope_layers!r} names layer {wrong[0]}; the layers are 0..n_layer-1")
+        if self.pos_emb != "rope":
+            problems.append(f"nope_layers={self.nope_layers!r} needs pos_emb='rope' (other layers rotate q and k)")
+        return problems
 
 
 def default_ffn_hidden(n_embd: int, ffn: str = "swiglu") -> int:

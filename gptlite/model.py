@@ -199,7 +199,7 @@ class CausalSelfAttention(nn.Module):
     (grouped-query attention; Ainslie et al., 2023) each key/value head serves n_head / n_kv_head query heads, and
     the KV cache holds only n_kv_head heads. q, k and v come from one fused projection (rows q, then k, then v)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
@@ -211,7 +211,9 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(self.sizes[0], config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         self.qk_norm = QKNorm(config) if config.qk_norm else None  # Qwen3: each head's q and k through an RMSNorm
-        self.rotate = POSITIONS[config.pos_emb].rotate  # RoPE rotates q and k; the other schemes do nothing here
+        # RoPE rotates q and k; the other schemes, and SmolLM3's NoPE layers, do nothing here
+        nope = layer in config.nope_layer_ids
+        self.rotate = AdditivePositions.rotate if nope else POSITIONS[config.pos_emb].rotate
         # value_embeds: v <- value_mix[0] v + value_mix[1] ve, ve this layer's embedding of the tokens (GPT.value_emb)
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_embeds else None
 
@@ -377,11 +379,11 @@ class Block(nn.Module):
     """Pre-norm Transformer block: x + attn(norm(x)), then x + ffn(norm(x)); each branch's output times
     residual_scale (Granite's residual_multiplier; 1 elsewhere) as it is added."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.residual_scale = config.residual_scale
         self.attn_norm = NORMS[config.norm](config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ffn_norm = NORMS[config.norm](config)
         self.ffn = FFNS[config.ffn](config)
 
@@ -421,7 +423,7 @@ class GPT(nn.Module):
         self.bigram_emb = nn.Embedding(config.bigram_vocab, config.n_embd) if config.bigram_vocab else None
         self.pos_emb = POSITIONS[config.pos_emb](config)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         # value_embeds: a token embedding per layer, as wide as its values, that attention mixes into them
         value_width = config.kv_heads * config.head_width
         self.value_emb = (

@@ -81,8 +81,14 @@ FAMILIES = {  # name -> (transformers class, its config)
             logits_scaling=2.5,
         ),
     ),
+    "smollm3": (
+        transformers.SmolLM3ForCausalLM,
+        transformers.SmolLM3Config(
+            **COMMON, num_key_value_heads=2, no_rope_layers=[0, 1], tie_word_embeddings=True, use_sliding_window=False
+        ),
+    ),
 }
-NEW_FAMILIES = ["granite"]  # issue 73's: train.py --init_from with learning rate 0 too
+NEW_FAMILIES = ["granite", "smollm3"]  # issue 73's: train.py --init_from with learning rate 0 too
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -249,3 +255,18 @@ def test_gguf_export_refuses_the_families_it_does_not_write():
     config = GPTConfig(pos_emb="rope", norm="rmsnorm", ffn="swiglu", embed_scale=2.0)
     with pytest.raises(ValueError, match=r"GGUF export of a GraniteForCausalLM is not implemented .*convert_hf"):
         gguf_architecture(config)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(nope_layers="1,x"), r"nope_layers='1,x' must be comma-separated layer indices, e.g. '3,7'"),
+        (dict(nope_layers="0,5", n_layer=2), r"nope_layers='0,5' names layer 5; the layers are 0..n_layer-1"),
+        (dict(nope_layers="0", pos_emb="learned"), r"nope_layers='0' needs pos_emb='rope'"),
+    ],
+)
+def test_bad_nope_layers_are_refused(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)

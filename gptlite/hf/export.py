@@ -17,6 +17,7 @@ from gptlite.hf.families import (
     LLAMA,
     QWEN2,
     QWEN3,
+    SMOLLM3,
     Family,
     entries,
     family_of,
@@ -74,6 +75,8 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
         "tie_word_embeddings": config.tie_embeddings,
         "bos_token_id": bos,
         "eos_token_id": eos,
+        # written always: some classes' defaults (SmolLM3's, Phi-3's) are ids past a small vocabulary
+        "pad_token_id": generation_config(tokenizer)["pad_token_id"] if tokenizer is not None else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "initializer_range": 0.02,
     }
@@ -126,6 +129,15 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
         "rope_parameters": rope,
         **(windows if family not in (LLAMA, GRANITE) else {}),
         **(granite_values(config) if family is GRANITE else {}),
+        **(smollm3_values(config) if family is SMOLLM3 else {}),
+    }
+
+
+def smollm3_values(config: GPTConfig) -> dict:
+    """SmolLM3's layers without positions: no_rope_layers holds 1 where a layer rotates q and k."""
+    return {
+        "no_rope_layers": [int(i not in config.nope_layer_ids) for i in range(config.n_layer)],
+        "use_sliding_window": False,
     }
 
 

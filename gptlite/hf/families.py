@@ -27,9 +27,12 @@ MISTRAL = Family("MistralForCausalLM", "mistral", "", "model.layers.{i}.")
 QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "", "model.layers.{i}.")
 QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
 GRANITE = Family("GraniteForCausalLM", "granite", "", "model.layers.{i}.")
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE)}
+SMOLLM3 = Family("SmolLM3ForCausalLM", "smollm3", "", "model.layers.{i}.")
+FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3)}
 # Granite's multipliers: a model that sets any of them is a Granite
 GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
+# the switches of one family each, with their defaults (what a model of the others has)
+OWN_SWITCHES = {**GRANITE_SCALES, "nope_layers": ""}
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
     "gemma2": "Gemma 2's soft-capped logits",
@@ -43,7 +46,7 @@ EXPORTABLE = (
     "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
     "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
     "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's, with embed_scale, "
-    "residual_scale, attn_scale or logits_scaling as Granite's"
+    "residual_scale, attn_scale or logits_scaling as Granite's, with nope_layers as SmolLM3's"
 )
 
 
@@ -115,8 +118,8 @@ def their_name(family: Family, name: str) -> str:
 
 
 def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
-    """The transformers architecture a model's switches map to (Mistral, which has Llama's, when `architecture` names
-    it); others are refused, naming the switches that export."""
+    """The transformers architecture a model's switches map to (Mistral's and Phi-3's, which have Llama's switches,
+    when `architecture` names them); others are refused, naming the switches that export."""
     speedrun = [k for k in ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap") if getattr(config, k)]
     if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
         raise ValueError(
@@ -125,25 +128,39 @@ def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
         )
     if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
         extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
-        if not extra:
+        if not extra and not own_switches(config):
             return GPT2
     elif (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias:
-        family = QWEN3 if config.qk_norm else QWEN2 if config.qkv_bias else LLAMA
-        if family is LLAMA and architecture == MISTRAL.architecture and not config.rope_scaling:
-            family = MISTRAL
-        scaled = any(getattr(config, k) != v for k, v in GRANITE_SCALES.items())
-        if family is LLAMA and (scaled or architecture == GRANITE.architecture):
-            return GRANITE  # Granite's layout is Llama's, with its multipliers
-        if (
-            not scaled
-            and not (config.qk_norm and config.qkv_bias)
-            and not (config.rope_scaling and family is not LLAMA)
-        ):
+        family = llama_family(config, architecture)
+        if family is not None:
             return family
     raise ValueError(
         f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
         f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
         f"rope_scaling={config.rope_scaling!r}"
-        + "".join(f", {k}={getattr(config, k)}" for k, v in GRANITE_SCALES.items() if getattr(config, k) != v)
+        + "".join(f", {k}={getattr(config, k)!r}" for k in own_switches(config))
         + f" has no transformers architecture; exportable are {EXPORTABLE}"
     )
+
+
+def own_switches(config: GPTConfig) -> list[str]:
+    """The switches of the families below that `config` sets to other than their defaults."""
+    return [k for k, v in OWN_SWITCHES.items() if getattr(config, k) != v]
+
+
+def llama_family(config: GPTConfig, architecture: str | None) -> Family | None:
+    """The family of Llama's layout whose own switches `config` sets (None where it sets two families' switches);
+    with none set, the family `architecture` names where it has Llama's switches, or Llama."""
+    own = {
+        QWEN2: config.qkv_bias,
+        QWEN3: config.qk_norm,
+        GRANITE: any(getattr(config, k) != v for k, v in GRANITE_SCALES.items()),
+        SMOLLM3: bool(config.nope_layers),
+    }
+    chosen = [family for family, on in own.items() if on]
+    if len(chosen) > 1 or (config.rope_scaling and chosen and chosen[0] in (QWEN2, QWEN3)):
+        return None
+    if chosen:
+        return chosen[0]
+    named = {f.architecture: f for f in (MISTRAL, GRANITE, SMOLLM3)}.get(architecture)
+    return LLAMA if named is None or (named is MISTRAL and config.rope_scaling) else named

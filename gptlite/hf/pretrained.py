@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from gptlite.config import GPTConfig, check_model_overrides
-from gptlite.hf.families import FAMILIES, GPT2, GRANITE, MISTRAL, QWEN2, QWEN3, UNSUPPORTED, Family, entries
+from gptlite.hf.families import FAMILIES, GPT2, GRANITE, MISTRAL, QWEN2, QWEN3, SMOLLM3, UNSUPPORTED, Family, entries
 from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json
 
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -144,6 +144,11 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
             attn_scale=float(c.get("attention_multiplier", 1.0)),
             logits_scaling=float(c.get("logits_scaling", 1.0)),
         )
+    if family is SMOLLM3:  # no_rope_layers: 1 where a layer rotates q and k, 0 where it has no positions (NoPE)
+        rotates = c.get("no_rope_layers") or [
+            int((i + 1) % c.get("no_rope_layer_interval", 4) != 0) for i in range(c["num_hidden_layers"])
+        ]
+        values["nope_layers"] = ",".join(str(i) for i, on in enumerate(rotates) if not on)
     unsupported = []
     if c.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
