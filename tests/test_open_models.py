@@ -87,8 +87,12 @@ FAMILIES = {  # name -> (transformers class, its config)
             **COMMON, num_key_value_heads=2, no_rope_layers=[0, 1], tie_word_embeddings=True, use_sliding_window=False
         ),
     ),
+    "phi3": (
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None),
+    ),
 }
-NEW_FAMILIES = ["granite", "smollm3"]  # issue 73's: train.py --init_from with learning rate 0 too
+NEW_FAMILIES = ["granite", "smollm3", "phi3"]  # issue 73's: train.py --init_from with learning rate 0 too
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -270,3 +274,35 @@ def test_bad_nope_layers_are_refused(values, message):
 
     with pytest.raises(ValueError, match=message):
         GPTConfig(**values)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            transformers.Phi3Config(
+                **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
+            ),
+            r"gptlite cannot hold this Phi3ForCausalLM: RoPE on part of each head \(partial_rotary_factor=0.75; "
+            r"gptlite rotates all of it\)",
+        ),
+        (
+            transformers.Phi3Config(
+                **COMMON,
+                original_max_position_embeddings=32,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                },
+            ),
+            r"gptlite cannot hold this Phi3ForCausalLM: RoPE scaling of type 'longrope' \(gptlite has llama3's\)",
+        ),
+    ],
+)
+def test_what_the_switches_cannot_hold_is_refused_before_any_weight_is_read(config, message, tmp_path):
+    """config.json alone: the refusal comes from it, before a weight file is looked for."""
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        GPT.from_pretrained(str(tmp_path))

@@ -15,6 +15,7 @@ from gptlite.hf.families import (
     GPT2,
     GRANITE,
     LLAMA,
+    PHI3,
     QWEN2,
     QWEN3,
     SMOLLM3,
@@ -130,6 +131,17 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
         **(windows if family not in (LLAMA, GRANITE) else {}),
         **(granite_values(config) if family is GRANITE else {}),
         **(smollm3_values(config) if family is SMOLLM3 else {}),
+        **(phi3_values(config) if family is PHI3 else {}),
+    }
+
+
+def phi3_values(config: GPTConfig) -> dict:
+    """Phi-3's dropouts, and the context its RoPE was trained on (where LongRoPE, which gptlite has not, would
+    start)."""
+    return {
+        "original_max_position_embeddings": config.block_size,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
     }
 
 

@@ -28,7 +28,8 @@ QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "", "model.layers.{i}.")
 QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
 GRANITE = Family("GraniteForCausalLM", "granite", "", "model.layers.{i}.")
 SMOLLM3 = Family("SmolLM3ForCausalLM", "smollm3", "", "model.layers.{i}.")
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3)}
+PHI3 = Family("Phi3ForCausalLM", "phi3", "", "model.layers.{i}.")
+FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3)}
 # Granite's multipliers: a model that sets any of them is a Granite
 GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
 # the switches of one family each, with their defaults (what a model of the others has)
@@ -40,12 +41,11 @@ UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "mixtral": "Mixtral's mixture of experts",
     "qwen2_moe": "a mixture of experts",
     "qwen3_moe": "a mixture of experts",
-    "phi3": "Phi-3's fused qkv layout",
 }
 EXPORTABLE = (
     "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
     "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
-    "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's, with embed_scale, "
+    "it came from one, Phi-3's too), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's, with embed_scale, "
     "residual_scale, attn_scale or logits_scaling as Granite's, with nope_layers as SmolLM3's"
 )
 
@@ -77,7 +77,11 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
             ("tok_emb.weight", ("model.embed_tokens.weight",), False),
             ("norm.weight", ("model.norm.weight",), False),
         ]
-        attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        # Phi-3 stores q, k and v as one matrix, and the gate and value, as gptlite does
+        attn = (
+            ("self_attn.qkv_proj",) if family is PHI3 else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        )
+        fc = ("mlp.gate_up_proj",) if family is PHI3 else ("mlp.gate_proj", "mlp.up_proj")
         layer = [
             ("attn_norm.weight", ("input_layernorm.weight",), False),
             ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
@@ -93,7 +97,7 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
             ),
             ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
             # SwiGLU's fc: its first half is the gate (through silu), the second the value
-            ("ffn.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), False),
+            ("ffn.fc.weight", tuple(f"{t}.weight" for t in fc), False),
             ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False),
         ]
     if not config.tie_embeddings:
@@ -162,5 +166,5 @@ def llama_family(config: GPTConfig, architecture: str | None) -> Family | None:
         return None
     if chosen:
         return chosen[0]
-    named = {f.architecture: f for f in (MISTRAL, GRANITE, SMOLLM3)}.get(architecture)
-    return LLAMA if named is None or (named is MISTRAL and config.rope_scaling) else named
+    named = {f.architecture: f for f in (MISTRAL, GRANITE, SMOLLM3, PHI3)}.get(architecture)
+    return LLAMA if named is None or (named in (MISTRAL, PHI3) and config.rope_scaling) else named

@@ -9,7 +9,19 @@ from pathlib import Path
 import torch
 
 from gptlite.config import GPTConfig, check_model_overrides
-from gptlite.hf.families import FAMILIES, GPT2, GRANITE, MISTRAL, QWEN2, QWEN3, SMOLLM3, UNSUPPORTED, Family, entries
+from gptlite.hf.families import (
+    FAMILIES,
+    GPT2,
+    GRANITE,
+    MISTRAL,
+    PHI3,
+    QWEN2,
+    QWEN3,
+    SMOLLM3,
+    UNSUPPORTED,
+    Family,
+    entries,
+)
 from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json
 
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -166,7 +178,10 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
         )
     elif rope_type != "default":
         unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's)")
-    window = c.get("sliding_window") if family is MISTRAL or c.get("use_sliding_window") else None
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial != 1:
+        unsupported.append(f"RoPE on part of each head (partial_rotary_factor={partial}; gptlite rotates all of it)")
+    window = c.get("sliding_window") if family in (MISTRAL, PHI3) or c.get("use_sliding_window") else None
     if family in (QWEN2, QWEN3) and c.get("use_sliding_window"):
         unsupported.append("sliding-window attention in some layers (use_sliding_window=true)")
     if window:
