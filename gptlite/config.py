@@ -145,6 +145,17 @@ class GPTConfig:
     )
     attn_scale: float = option(0.0, "attention's scores are q . k times this (0 = 1 / sqrt(head width); Granite's)")
     logits_scaling: float = option(1.0, "the logits are divided by this (Granite's logits_scaling)")
+    norm_position: str = option(
+        "pre",
+        "pre: x + f(norm(x)) (GPT-2, Llama); post: x + norm(f(x)), each norm on its branch's output, inside the "
+        "residual (OLMo 2)",
+        choices=("pre", "post"),
+    )
+    qk_norm_scope: str = option(
+        "head",
+        "qk_norm over each head's q and k (Qwen3) or over all of q and all of k (OLMo 2)",
+        choices=("head", "all"),
+    )
     nope_layers: str = option(
         "", "comma-separated indices of the layers whose attention has no positions (SmolLM3's NoPE layers; rope)"
     )
@@ -259,6 +270,8 @@ class GPTConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
         problems += self._nope_problems()
+        if self.qk_norm_scope == "all" and not self.qk_norm:
+            problems.append("qk_norm_scope='all' says how qk_norm normalises q and k; it needs qk_norm=true")
         scale = self.attn_scale
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale >= 0:
             problems.append(f"attn_scale={scale!r} must be a number >= 0 (0 = 1 / sqrt(head width))")

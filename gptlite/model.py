@@ -210,7 +210,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
         self.out_proj = nn.Linear(self.sizes[0], config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
-        self.qk_norm = QKNorm(config) if config.qk_norm else None  # Qwen3: each head's q and k through an RMSNorm
+        # Qwen3: each head's q and k through an RMSNorm; OLMo 2: all of q, and all of k
+        self.qk_norm = QK_NORMS[config.qk_norm_scope](config) if config.qk_norm else None
         # RoPE rotates q and k; the other schemes, and SmolLM3's NoPE layers, do nothing here
         nope = layer in config.nope_layer_ids
         self.rotate = AdditivePositions.rotate if nope else POSITIONS[config.pos_emb].rotate
@@ -259,6 +260,21 @@ class QKNorm(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)  # (B, T, H, D), (B, T, KV, D)
+
+
+class WholeQKNorm(nn.Module):
+    """RMSNorm over all of q (every head's together) and over all of k (OLMo 2), one weight of H*D and one of KV*D."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.q_norm = RMSNorm(config, config.n_head * config.head_width, bias=False)
+        self.k_norm = RMSNorm(config, config.kv_heads * config.head_width, bias=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q.flatten(-2)).view_as(q), self.k_norm(k.flatten(-2)).view_as(k)  # (B, T, H, D), ...
+
+
+QK_NORMS = {"head": QKNorm, "all": WholeQKNorm}
 
 
 def masked_attention(
@@ -399,6 +415,25 @@ class Block(nn.Module):
         return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
 
 
+class PostNormBlock(Block):
+    """OLMo 2's block: x + norm(attn(x)), then x + norm(ffn(x)), each norm on its branch's output, inside the
+    residual (OLMo 2, "2 OLMo 2 Furious", 2024: the norms reordered for a stabler training)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = torch.add(x, self.attn_norm(self.attn(x, rot, cache, layer, ve)), alpha=self.residual_scale)
+        return torch.add(x, self.ffn_norm(self.ffn(x)), alpha=self.residual_scale)
+
+
+BLOCKS = {"pre": Block, "post": PostNormBlock}
+
+
 def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
     """idx (B, T) -> each token's previous one in its row (B, T), -1 for the first: what the bigram embedding
     pairs each token with in a forward without a cache."""
@@ -423,7 +458,7 @@ class GPT(nn.Module):
         self.bigram_emb = nn.Embedding(config.bigram_vocab, config.n_embd) if config.bigram_vocab else None
         self.pos_emb = POSITIONS[config.pos_emb](config)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(BLOCKS[config.norm_position](config, i) for i in range(config.n_layer))
         # value_embeds: a token embedding per layer, as wide as its values, that attention mixes into them
         value_width = config.kv_heads * config.head_width
         self.value_emb = (

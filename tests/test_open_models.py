@@ -91,8 +91,12 @@ FAMILIES = {  # name -> (transformers class, its config)
         transformers.Phi3ForCausalLM,
         transformers.Phi3Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None),
     ),
+    "olmo2": (
+        transformers.Olmo2ForCausalLM,
+        transformers.Olmo2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
 }
-NEW_FAMILIES = ["granite", "smollm3", "phi3"]  # issue 73's: train.py --init_from with learning rate 0 too
+NEW_FAMILIES = ["granite", "smollm3", "phi3", "olmo2"]  # issue 73's: train.py --init_from with learning rate 0 too
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -306,3 +310,10 @@ def test_what_the_switches_cannot_hold_is_refused_before_any_weight_is_read(conf
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         GPT.from_pretrained(str(tmp_path))
+
+
+def test_a_whole_qk_norm_needs_qk_norm():
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=r"qk_norm_scope='all' says how qk_norm normalises q and k; it needs qk_norm"):
+        GPTConfig(qk_norm_scope="all")

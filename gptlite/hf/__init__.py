@@ -15,6 +15,8 @@ onto gptlite's switches, weight for weight:
     SmolLM3ForCausalLM  Llama's layout with layers whose attention has no positions (nope_layers)
     Phi3ForCausalLM     Llama's switches, q/k/v and the gate/value stored fused (as gptlite holds them); not
                         Phi-4-mini's partial rotary dimensions nor LongRoPE
+    Olmo2ForCausalLM    Llama's layout with each norm on its branch's output (norm_position="post") and RMSNorm over
+                        all of q and all of k (qk_norm, qk_norm_scope="all")
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

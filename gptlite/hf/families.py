@@ -29,11 +29,12 @@ QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
 GRANITE = Family("GraniteForCausalLM", "granite", "", "model.layers.{i}.")
 SMOLLM3 = Family("SmolLM3ForCausalLM", "smollm3", "", "model.layers.{i}.")
 PHI3 = Family("Phi3ForCausalLM", "phi3", "", "model.layers.{i}.")
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3)}
+OLMO2 = Family("Olmo2ForCausalLM", "olmo2", "", "model.layers.{i}.")
+FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3, OLMO2)}
 # Granite's multipliers: a model that sets any of them is a Granite
 GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
 # the switches of one family each, with their defaults (what a model of the others has)
-OWN_SWITCHES = {**GRANITE_SCALES, "nope_layers": ""}
+OWN_SWITCHES = {**GRANITE_SCALES, "nope_layers": "", "norm_position": "pre", "qk_norm_scope": "head"}
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
     "gemma2": "Gemma 2's soft-capped logits",
@@ -44,9 +45,10 @@ UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
 }
 EXPORTABLE = (
     "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
-    "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
-    "it came from one, Phi-3's too), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's, with embed_scale, "
-    "residual_scale, attn_scale or logits_scaling as Granite's, with nope_layers as SmolLM3's"
+    "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's and "
+    "Phi-3's when it came from one), with qkv_bias=true as Qwen2's, with qk_norm=true as Qwen3's, with "
+    "embed_scale, residual_scale, attn_scale or logits_scaling as Granite's, with nope_layers as SmolLM3's, "
+    "with norm_position='post', qk_norm=true and qk_norm_scope='all' as OLMo 2's"
 )
 
 
@@ -82,8 +84,17 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
             ("self_attn.qkv_proj",) if family is PHI3 else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         )
         fc = ("mlp.gate_up_proj",) if family is PHI3 else ("mlp.gate_proj", "mlp.up_proj")
+        # OLMo 2's norms are on the branches' outputs, under their own names
+        norms = (
+            ("post_attention_layernorm", "post_feedforward_layernorm")
+            if family is OLMO2
+            else (
+                "input_layernorm",
+                "post_attention_layernorm",
+            )
+        )
         layer = [
-            ("attn_norm.weight", ("input_layernorm.weight",), False),
+            ("attn_norm.weight", (f"{norms[0]}.weight",), False),
             ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
             *([("attn.qkv.bias", tuple(f"{t}.bias" for t in attn), False)] if config.qkv_bias else []),
             ("attn.out_proj.weight", ("self_attn.o_proj.weight",), False),
@@ -95,7 +106,7 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
                 if config.qk_norm
                 else []
             ),
-            ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
+            ("ffn_norm.weight", (f"{norms[1]}.weight",), False),
             # SwiGLU's fc: its first half is the gate (through silu), the second the value
             ("ffn.fc.weight", tuple(f"{t}.weight" for t in fc), False),
             ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False),
@@ -157,13 +168,16 @@ def llama_family(config: GPTConfig, architecture: str | None) -> Family | None:
     with none set, the family `architecture` names where it has Llama's switches, or Llama."""
     own = {
         QWEN2: config.qkv_bias,
-        QWEN3: config.qk_norm,
+        QWEN3: config.qk_norm and config.qk_norm_scope == "head",
+        OLMO2: config.norm_position == "post" or config.qk_norm_scope == "all",
         GRANITE: any(getattr(config, k) != v for k, v in GRANITE_SCALES.items()),
         SMOLLM3: bool(config.nope_layers),
     }
     chosen = [family for family, on in own.items() if on]
     if len(chosen) > 1 or (config.rope_scaling and chosen and chosen[0] in (QWEN2, QWEN3)):
         return None
+    if chosen == [OLMO2] and not (config.norm_position == "post" and config.qk_norm_scope == "all"):
+        return None  # OLMo 2 has both
     if chosen:
         return chosen[0]
     named = {f.architecture: f for f in (MISTRAL, GRANITE, SMOLLM3, PHI3)}.get(architecture)

@@ -14,6 +14,7 @@ from gptlite.hf.families import (
     GPT2,
     GRANITE,
     MISTRAL,
+    OLMO2,
     PHI3,
     QWEN2,
     QWEN3,
@@ -156,6 +157,8 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
             attn_scale=float(c.get("attention_multiplier", 1.0)),
             logits_scaling=float(c.get("logits_scaling", 1.0)),
         )
+    if family is OLMO2:  # its norms on the branches' outputs; q and k normalised whole
+        values.update(norm_position="post", qk_norm=True, qk_norm_scope="all")
     if family is SMOLLM3:  # no_rope_layers: 1 where a layer rotates q and k, 0 where it has no positions (NoPE)
         rotates = c.get("no_rope_layers") or [
             int((i + 1) % c.get("no_rope_layer_interval", 4) != 0) for i in range(c["num_hidden_layers"])
