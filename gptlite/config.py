@@ -156,6 +156,9 @@ class GPTConfig:
         "qk_norm over each head's q and k (Qwen3) or over all of q and all of k (OLMo 2)",
         choices=("head", "all"),
     )
+    norm_weight: bool = option(True, "the RMSNorms scale by a learned weight (false: parameter-free, as nanochat's)")
+    embed_norm: bool = option(False, "the token embeddings go through a norm before the first block (nanochat)")
+    rope_reverse: bool = option(False, "RoPE rotates by minus the angle: nanochat's convention")
     nope_layers: str = option(
         "", "comma-separated indices of the layers whose attention has no positions (SmolLM3's NoPE layers; rope)"
     )
@@ -201,7 +204,18 @@ class GPTConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        for name in ("bias", "tie_embeddings", "qkv_bias", "qk_norm", "value_embeds", "unet_skips", "zero_init_out"):
+        for name in (
+            "bias",
+            "tie_embeddings",
+            "qkv_bias",
+            "qk_norm",
+            "value_embeds",
+            "unet_skips",
+            "zero_init_out",
+            "norm_weight",
+            "embed_norm",
+            "rope_reverse",
+        ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         for name in ("n_kv_head", "head_dim", "rope_original_context"):
@@ -270,6 +284,10 @@ class GPTConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
         problems += self._nope_problems()
+        if self.norm_weight is False and self.norm != "rmsnorm":
+            problems.append(f"norm_weight=false makes the RMSNorms parameter-free; norm={self.norm!r} is no RMSNorm")
+        if self.rope_reverse is True and self.pos_emb != "rope":
+            problems.append(f"rope_reverse=true says which way RoPE rotates; pos_emb={self.pos_emb!r} is no RoPE")
         if self.qk_norm_scope == "all" and not self.qk_norm:
             problems.append("qk_norm_scope='all' says how qk_norm normalises q and k; it needs qk_norm=true")
         scale = self.attn_scale

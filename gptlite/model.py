@@ -115,6 +115,8 @@ class RotaryPositions(nn.Module):
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # (D/2,)
         if config.rope_scaling == "llama3":
             inv_freq = llama3_scaled(inv_freq, config)
+        if config.rope_reverse:  # nanochat rotates by -angle: cos is the same, sin changes sign
+            inv_freq = -inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -173,17 +175,20 @@ class LayerNorm(nn.LayerNorm):
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight (+ bias if
-    config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does."""
+    config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does; without a
+    weight or a bias where config.norm_weight is false (nanochat)."""
 
     def __init__(self, config: GPTConfig, dim: int | None = None, bias: bool | None = None):
         super().__init__()
         dim = dim or config.n_embd
         self.eps = config.norm_eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if (config.bias if bias is None else bias) else None
+        self.weight = nn.Parameter(torch.ones(dim)) if config.norm_weight else None
+        with_bias = config.norm_weight and (config.bias if bias is None else bias)
+        self.bias = nn.Parameter(torch.zeros(dim)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+        y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+        y = y if self.weight is None else self.weight * y
         return y if self.bias is None else y + self.bias
 
 
@@ -458,6 +463,7 @@ class GPT(nn.Module):
         self.bigram_emb = nn.Embedding(config.bigram_vocab, config.n_embd) if config.bigram_vocab else None
         self.pos_emb = POSITIONS[config.pos_emb](config)
         self.drop = nn.Dropout(config.dropout)
+        self.emb_norm = NORMS[config.norm](config) if config.embed_norm else None  # nanochat's
         self.blocks = nn.ModuleList(BLOCKS[config.norm_position](config, i) for i in range(config.n_layer))
         # value_embeds: a token embedding per layer, as wide as its values, that attention mixes into them
         value_width = config.kv_heads * config.head_width
@@ -533,6 +539,8 @@ class GPT(nn.Module):
             prev = previous_tokens(idx) if cache is None else cache.previous_tokens(idx)  # (B, T)
             x = x + self.bigram_emb(self.bigram_ids(idx, prev))
         x = self.drop(self.pos_emb(x, pos))  # (B, T, C)
+        if self.emb_norm is not None:
+            x = self.emb_norm(x)
         rot = self.pos_emb.rotation(pos)  # once for every layer
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         n_skips = 0 if self.skip_weights is None else self.skip_weights.numel()

@@ -95,8 +95,20 @@ FAMILIES = {  # name -> (transformers class, its config)
         transformers.Olmo2ForCausalLM,
         transformers.Olmo2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
     ),
+    "nanochat": (
+        transformers.NanoChatForCausalLM,
+        transformers.NanoChatConfig(
+            **COMMON, num_key_value_heads=2, final_logit_softcapping=3.0, tie_word_embeddings=False
+        ),
+    ),
 }
-NEW_FAMILIES = ["granite", "smollm3", "phi3", "olmo2"]  # issue 73's: train.py --init_from with learning rate 0 too
+NEW_FAMILIES = [
+    "granite",
+    "smollm3",
+    "phi3",
+    "olmo2",
+    "nanochat",
+]  # issue 73's: train.py --init_from with learning rate 0 too
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -317,3 +329,17 @@ def test_a_whole_qk_norm_needs_qk_norm():
 
     with pytest.raises(ValueError, match=r"qk_norm_scope='all' says how qk_norm normalises q and k; it needs qk_norm"):
         GPTConfig(qk_norm_scope="all")
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(norm_weight=False), r"norm_weight=false makes the RMSNorms parameter-free; norm='layernorm' is no"),
+        (dict(rope_reverse=True), r"rope_reverse=true says which way RoPE rotates; pos_emb='learned' is no RoPE"),
+    ],
+)
+def test_nanochat_switches_need_their_layout(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)

@@ -17,6 +17,9 @@ onto gptlite's switches, weight for weight:
                         Phi-4-mini's partial rotary dimensions nor LongRoPE
     Olmo2ForCausalLM    Llama's layout with each norm on its branch's output (norm_position="post") and RMSNorm over
                         all of q and all of k (qk_norm, qk_norm_scope="all")
+    NanoChatForCausalLM ffn="relu2", parameter-free RMSNorms (norm_weight=False; per-head q/k norms, qk_norm, and
+                        one on the embeddings, embed_norm), RoPE the other way round (rope_reverse), an untied head,
+                        its final logits soft-capped (logit_softcap)
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

@@ -15,6 +15,7 @@ from gptlite.hf.families import (
     GPT2,
     GRANITE,
     LLAMA,
+    NANOCHAT,
     PHI3,
     QWEN2,
     QWEN3,
@@ -132,7 +133,13 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
         **(granite_values(config) if family is GRANITE else {}),
         **(smollm3_values(config) if family is SMOLLM3 else {}),
         **(phi3_values(config) if family is PHI3 else {}),
+        **(nanochat_values(config) if family is NANOCHAT else {}),
     }
+
+
+def nanochat_values(config: GPTConfig) -> dict:
+    """nanochat's squared ReLU and its final soft cap (None: none)."""
+    return {"hidden_act": "relu2", "final_logit_softcapping": config.logit_softcap or None}
 
 
 def phi3_values(config: GPTConfig) -> dict:

@@ -30,11 +30,33 @@ GRANITE = Family("GraniteForCausalLM", "granite", "", "model.layers.{i}.")
 SMOLLM3 = Family("SmolLM3ForCausalLM", "smollm3", "", "model.layers.{i}.")
 PHI3 = Family("Phi3ForCausalLM", "phi3", "", "model.layers.{i}.")
 OLMO2 = Family("Olmo2ForCausalLM", "olmo2", "", "model.layers.{i}.")
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3, OLMO2)}
+NANOCHAT = Family("NanoChatForCausalLM", "nanochat", "", "model.layers.{i}.")
+FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3, OLMO2, NANOCHAT)}
 # Granite's multipliers: a model that sets any of them is a Granite
 GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
 # the switches of one family each, with their defaults (what a model of the others has)
-OWN_SWITCHES = {**GRANITE_SCALES, "nope_layers": "", "norm_position": "pre", "qk_norm_scope": "head"}
+OWN_SWITCHES = {
+    **GRANITE_SCALES,
+    "nope_layers": "",
+    "norm_position": "pre",
+    "qk_norm_scope": "head",
+    "norm_weight": True,
+    "embed_norm": False,
+    "rope_reverse": False,
+}
+# nanochat's switches, all of them (its final logits soft-capped or not)
+NANOCHAT_SWITCHES = {
+    "pos_emb": "rope",
+    "norm": "rmsnorm",
+    "ffn": "relu2",
+    "bias": False,
+    "qkv_bias": False,
+    "qk_norm": True,
+    "rope_scaling": "",
+    "norm_weight": False,
+    "embed_norm": True,
+    "rope_reverse": True,
+}
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
     "gemma2": "Gemma 2's soft-capped logits",
@@ -48,7 +70,9 @@ EXPORTABLE = (
     "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's and "
     "Phi-3's when it came from one), with qkv_bias=true as Qwen2's, with qk_norm=true as Qwen3's, with "
     "embed_scale, residual_scale, attn_scale or logits_scaling as Granite's, with nope_layers as SmolLM3's, "
-    "with norm_position='post', qk_norm=true and qk_norm_scope='all' as OLMo 2's"
+    "with norm_position='post', qk_norm=true and qk_norm_scope='all' as OLMo 2's; and nanochat's (pos_emb='rope', "
+    "norm='rmsnorm', ffn='relu2', bias=false, qk_norm=true, norm_weight=false, embed_norm=true, rope_reverse=true, "
+    "any logit_softcap)"
 )
 
 
@@ -80,19 +104,16 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
             ("norm.weight", ("model.norm.weight",), False),
         ]
         # Phi-3 stores q, k and v as one matrix, and the gate and value, as gptlite does
-        attn = (
-            ("self_attn.qkv_proj",) if family is PHI3 else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        )
-        fc = ("mlp.gate_up_proj",) if family is PHI3 else ("mlp.gate_proj", "mlp.up_proj")
+        attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        fc, out = ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"
+        if family is PHI3:
+            attn, fc = ("self_attn.qkv_proj",), ("mlp.gate_up_proj",)
+        if family is NANOCHAT:  # a two-matrix MLP
+            fc, out = ("mlp.fc1",), "mlp.fc2"
         # OLMo 2's norms are on the branches' outputs, under their own names
-        norms = (
-            ("post_attention_layernorm", "post_feedforward_layernorm")
-            if family is OLMO2
-            else (
-                "input_layernorm",
-                "post_attention_layernorm",
-            )
-        )
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if family is OLMO2:
+            norms = ("post_attention_layernorm", "post_feedforward_layernorm")
         layer = [
             ("attn_norm.weight", (f"{norms[0]}.weight",), False),
             ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
@@ -109,8 +130,11 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
             ("ffn_norm.weight", (f"{norms[1]}.weight",), False),
             # SwiGLU's fc: its first half is the gate (through silu), the second the value
             ("ffn.fc.weight", tuple(f"{t}.weight" for t in fc), False),
-            ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False),
+            ("ffn.out_proj.weight", (f"{out}.weight",), False),
         ]
+        if not config.norm_weight:  # parameter-free norms (nanochat's) have no tensors
+            top = [entry for entry in top if not entry[0].startswith("norm.")]
+            layer = [entry for entry in layer if "norm." not in entry[0]]
     if not config.tie_embeddings:
         top.append(("lm_head.weight", ("lm_head.weight",), False))
     out = list(top)
@@ -135,12 +159,18 @@ def their_name(family: Family, name: str) -> str:
 def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
     """The transformers architecture a model's switches map to (Mistral's and Phi-3's, which have Llama's switches,
     when `architecture` names them); others are refused, naming the switches that export."""
+    nanochat = all(getattr(config, k) == v for k, v in NANOCHAT_SWITCHES.items()) and not [
+        k for k in own_switches(config) if k not in NANOCHAT_SWITCHES
+    ]
     speedrun = [k for k in ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap") if getattr(config, k)]
+    speedrun = [k for k in speedrun if not (nanochat and k == "logit_softcap")]  # nanochat's own caps its logits
     if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
         raise ValueError(
             f"a model with {', '.join(f'{k}={getattr(config, k)}' for k in speedrun)} has no transformers "
             "architecture (these speedrun options change what the model computes); train without them to export"
         )
+    if nanochat:
+        return NANOCHAT
     if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
         extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
         if not extra and not own_switches(config):

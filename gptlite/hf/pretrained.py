@@ -14,6 +14,7 @@ from gptlite.hf.families import (
     GPT2,
     GRANITE,
     MISTRAL,
+    NANOCHAT,
     OLMO2,
     PHI3,
     QWEN2,
@@ -157,6 +158,16 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
             attn_scale=float(c.get("attention_multiplier", 1.0)),
             logits_scaling=float(c.get("logits_scaling", 1.0)),
         )
+    if family is NANOCHAT:  # relu^2, parameter-free norms (one on the embeddings too), RoPE the other way round
+        softcap = c.get("final_logit_softcapping")
+        values.update(
+            ffn="relu2",
+            norm_weight=False,
+            embed_norm=True,
+            rope_reverse=True,
+            qk_norm=True,
+            logit_softcap=float(softcap or 0.0),
+        )
     if family is OLMO2:  # its norms on the branches' outputs; q and k normalised whole
         values.update(norm_position="post", qk_norm=True, qk_norm_scope="all")
     if family is SMOLLM3:  # no_rope_layers: 1 where a layer rotates q and k, 0 where it has no positions (NoPE)
@@ -165,8 +176,9 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
         ]
         values["nope_layers"] = ",".join(str(i) for i, on in enumerate(rotates) if not on)
     unsupported = []
-    if c.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
+    act = "relu2" if family is NANOCHAT else "silu"
+    if c.get("hidden_act", act) != act:
+        unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's {family.architecture} uses {act})")
     if c.get("attention_bias") and family is not QWEN2:
         unsupported.append("biases on the attention's projections, its output's too (attention_bias=true)")
     if c.get("mlp_bias"):
