@@ -114,8 +114,9 @@ class GPTConfig:
     norm_eps: float = option(1e-5, "the norms' epsilon")
     ffn: str = option(
         "swiglu",
-        "feed-forward: swiglu (Llama), gelu (GPT-2's MLP) or relu2 (ReLU squared: Primer, modded-nanogpt)",
-        choices=("swiglu", "gelu", "relu2"),
+        "feed-forward: swiglu (Llama), gelu (GPT-2's MLP), relu2 (ReLU squared: Primer, modded-nanogpt) or geglu "
+        "(Gemma's gated tanh-GELU)",
+        choices=("swiglu", "gelu", "relu2", "geglu"),
     )
     ffn_hidden: int | None = option(
         None, "feed-forward width (none: 4 * n_embd for gelu and relu2, the same parameter count for swiglu)"
@@ -148,14 +149,18 @@ class GPTConfig:
     norm_position: str = option(
         "pre",
         "pre: x + f(norm(x)) (GPT-2, Llama); post: x + norm(f(x)), each norm on its branch's output, inside the "
-        "residual (OLMo 2)",
-        choices=("pre", "post"),
+        "residual (OLMo 2); both: x + norm(f(norm(x))) (Gemma)",
+        choices=("pre", "post", "both"),
     )
     qk_norm_scope: str = option(
         "head",
         "qk_norm over each head's q and k (Qwen3) or over all of q and all of k (OLMo 2)",
         choices=("head", "all"),
     )
+    norm_unit_offset: bool = option(False, "the RMSNorms scale by 1 + weight, their weight starting at 0 (Gemma)")
+    sliding_window: int = option(0, "> 0: window_layers attend to the last this many positions only (Gemma 3)")
+    window_layers: str = option("", "comma-separated indices of the layers with a sliding window (Gemma 3's local)")
+    rope_local_theta: float = option(0.0, "> 0: RoPE's base wavelength in window_layers (Gemma 3); 0 = rope_theta")
     norm_weight: bool = option(True, "the RMSNorms scale by a learned weight (false: parameter-free, as nanochat's)")
     embed_norm: bool = option(False, "the token embeddings go through a norm before the first block (nanochat)")
     rope_reverse: bool = option(False, "RoPE rotates by minus the angle: nanochat's convention")
@@ -190,6 +195,11 @@ class GPTConfig:
         return frozenset(int(i) for i in self.nope_layers.split(",") if i.strip())
 
     @property
+    def window_layer_ids(self) -> frozenset[int]:
+        """The layers of window_layers: attention over the last sliding_window positions."""
+        return frozenset(int(i) for i in self.window_layers.split(",") if i.strip())
+
+    @property
     def head_width(self) -> int:
         """The width of every q, k and v head: head_dim, or n_embd / n_head."""
         return self.head_dim or self.n_embd // self.n_head
@@ -215,6 +225,7 @@ class GPTConfig:
             "norm_weight",
             "embed_norm",
             "rope_reverse",
+            "norm_unit_offset",
         ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
@@ -283,7 +294,9 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
-        problems += self._nope_problems()
+        problems += self._layer_list_problems("nope_layers")
+        problems += self._layer_list_problems("window_layers")
+        problems += self._window_problems()
         if self.norm_weight is False and self.norm != "rmsnorm":
             problems.append(f"norm_weight=false makes the RMSNorms parameter-free; norm={self.norm!r} is no RMSNorm")
         if self.rope_reverse is True and self.pos_emb != "rope":
@@ -296,27 +309,44 @@ class GPTConfig:
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 
-    def _nope_problems(self) -> list[str]:
-        if not self.nope_layers:
+    def _layer_list_problems(self, name: str) -> list[str]:
+        """nope_layers and window_layers: comma-separated indices of existing layers."""
+        value = getattr(self, name)
+        if not value:
             return []
         try:
-            layers = self.nope_layer_ids
+            layers = frozenset(int(i) for i in value.split(",") if i.strip())
         except (ValueError, AttributeError):
-            return [f"nope_layers={self.nope_layers!r} must be comma-separated layer indices, e.g. '3,7'"]
+            return [f"{name}={value!r} must be comma-separated layer indices, e.g. '3,7'"]
         problems = []
         wrong = sorted(i for i in layers if not (isinstance(self.n_layer, int) and 0 <= i < self.n_layer))
         if wrong:
-            problems.append(f"nope_layers={self.nope_layers!r} names layer {wrong[0]}; the layers are 0..n_layer-1")
-        if self.pos_emb != "rope":
-            problems.append(f"nope_layers={self.nope_layers!r} needs pos_emb='rope' (other layers rotate q and k)")
+            problems.append(f"{name}={value!r} names layer {wrong[0]}; the layers are 0..n_layer-1")
+        if name == "nope_layers" and self.pos_emb != "rope":
+            problems.append(f"nope_layers={value!r} needs pos_emb='rope' (other layers rotate q and k)")
         return problems
+
+    def _window_problems(self) -> list[str]:
+        window, theta = self.sliding_window, self.rope_local_theta
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            return [f"sliding_window={window!r} must be an integer >= 0 (0 = none)"]
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta < 0:
+            return [f"rope_local_theta={theta!r} must be a number >= 0 (0 = rope_theta)"]
+        if bool(window) != bool(self.window_layers):
+            return [
+                f"sliding_window={window} and window_layers={self.window_layers!r} go together: the window's size "
+                "and the layers that have it"
+            ]
+        if theta and not (self.window_layers and self.pos_emb == "rope"):
+            return [f"rope_local_theta={theta} is the RoPE base of window_layers; it needs them and pos_emb='rope'"]
+        return []
 
 
 def default_ffn_hidden(n_embd: int, ffn: str = "swiglu") -> int:
     """GPT-2's MLP is 4 * n_embd wide. SwiGLU has three matrices, so 8/3 * n_embd (rounded up to a multiple
     of FFN_MULTIPLE) keeps the parameter count of that MLP."""
     if ffn in ("gelu", "relu2"):
-        return 4 * n_embd
+        return 4 * n_embd  # geglu has SwiGLU's three matrices
     hidden = int(8 * n_embd / 3)
     return FFN_MULTIPLE * ((hidden + FFN_MULTIPLE - 1) // FFN_MULTIPLE)
 

@@ -1,13 +1,20 @@
 """The GPT architecture: positions, norms, causal self-attention, feed-forwards, pre-norm blocks, GPT.
 
 Each variant is one module class, picked once from a registry when the model is built:
-    pos_emb  POSITIONS  learned (GPT-2) | sinusoidal (Vaswani et al.) | rope (Su et al.; Llama)
-    norm     NORMS      layernorm | rmsnorm (Llama)
-    ffn      FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt)
+    pos_emb        POSITIONS  learned (GPT-2) | sinusoidal (Vaswani et al.) | rope (Su et al.; Llama); RoPE with a
+                              second base for the sliding-window layers where rope_local_theta is set (Gemma 3)
+    norm           NORMS      layernorm | rmsnorm (Llama)
+    ffn            FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt) | geglu (Gemma)
+    norm_position  BLOCKS     pre (GPT-2, Llama) | post (OLMo 2) | both (Gemma)
+    qk_norm_scope  QK_NORMS   head (Qwen3) | all (OLMo 2)
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
-(qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3").
+(qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3"); Granite's multipliers (embed_scale, residual_scale,
+attn_scale, logits_scaling), SmolLM3's layers without positions (nope_layers), nanochat's parameter-free norms
+(norm_weight=False), norm of the embeddings (embed_norm) and RoPE direction (rope_reverse), Gemma's norms scaling by
+1 + weight (norm_unit_offset) and its layers attending to a sliding window (sliding_window, window_layers). Each is
+set once per layer when the model is built.
 
 The speedrun techniques of modded-nanogpt and nanochat, off by default: value embeddings mixed into attention's
 values (value_embeds), an embedding of each token's pair with the one before it (bigram_vocab), U-net skips from
@@ -140,6 +147,35 @@ class RotaryPositions(nn.Module):
         """Every position has its angles already."""
 
 
+class DualRotaryPositions(RotaryPositions):
+    """RoPE with a base of its own in the sliding-window layers (Gemma 3: rope_local_theta there, rope_theta in the
+    global layers): `rotation` gives both layers' kinds of angles, (global, local), and each attention layer's
+    `rotate` (rotate_global or rotate_local) takes its own."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        local = RotaryPositions(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=""))
+        self.register_buffer("local_inv_freq", local.inv_freq, persistent=False)
+
+    def rotation(self, pos: torch.Tensor) -> Rotation:
+        local = pos[..., None].float() * self.local_inv_freq  # (T, D/2) or (B, T, D/2)
+        local = torch.cat([local, local], dim=-1)  # (T, D) or (B, T, D)
+        return super().rotation(pos), (local.cos(), local.sin())
+
+    @staticmethod
+    def rotate_global(q: torch.Tensor, k: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        return RotaryPositions.rotate(q, k, rot[0])
+
+    @staticmethod
+    def rotate_local(q: torch.Tensor, k: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        return RotaryPositions.rotate(q, k, rot[1])
+
+
+def positions(config: GPTConfig) -> nn.Module:
+    """The model's positions module: POSITIONS' choice, or RoPE with a second base for the window layers."""
+    return DualRotaryPositions(config) if config.rope_local_theta else POSITIONS[config.pos_emb](config)
+
+
 def llama3_scaled(inv_freq: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     """Llama 3.1's RoPE scaling (Meta's reference code, and transformers' rope_type "llama3"): frequencies whose
     wavelength is longer than original_context / low_freq_factor are divided by factor, those shorter than
@@ -182,13 +218,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         dim = dim or config.n_embd
         self.eps = config.norm_eps
-        self.weight = nn.Parameter(torch.ones(dim)) if config.norm_weight else None
+        # Gemma scales by 1 + weight, so its weight starts at 0
+        self.unit_offset = config.norm_unit_offset
+        start = torch.zeros(dim) if self.unit_offset else torch.ones(dim)
+        self.weight = nn.Parameter(start) if config.norm_weight else None
         with_bias = config.norm_weight and (config.bias if bias is None else bias)
         self.bias = nn.Parameter(torch.zeros(dim)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
-        y = y if self.weight is None else self.weight * y
+        if self.weight is not None:
+            y = (self.weight + 1 if self.unit_offset else self.weight) * y
         return y if self.bias is None else y + self.bias
 
 
@@ -217,9 +257,15 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
         # Qwen3: each head's q and k through an RMSNorm; OLMo 2: all of q, and all of k
         self.qk_norm = QK_NORMS[config.qk_norm_scope](config) if config.qk_norm else None
-        # RoPE rotates q and k; the other schemes, and SmolLM3's NoPE layers, do nothing here
-        nope = layer in config.nope_layer_ids
-        self.rotate = AdditivePositions.rotate if nope else POSITIONS[config.pos_emb].rotate
+        # RoPE rotates q and k; the other schemes, and SmolLM3's NoPE layers, do nothing here; Gemma 3's layers take
+        # their kind's angles
+        local = layer in config.window_layer_ids
+        self.rotate = POSITIONS[config.pos_emb].rotate
+        if layer in config.nope_layer_ids:
+            self.rotate = AdditivePositions.rotate
+        elif config.rope_local_theta:
+            self.rotate = DualRotaryPositions.rotate_local if local else DualRotaryPositions.rotate_global
+        self.window = config.sliding_window if local else 0  # Gemma 3's local layers see the last `window` positions
         # value_embeds: v <- value_mix[0] v + value_mix[1] ve, ve this layer's embedding of the tokens (GPT.value_emb)
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_embeds else None
 
@@ -243,14 +289,28 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D) x 2
         q, k = self.rotate(q, k, rot)
         grouped = self.n_kv_head != self.n_head
-        if cache is None:  # training and scoring: each position sees itself and the positions before it
+        if cache is None and not (self.window and T > self.window):
+            # training and scoring: each position sees itself and the positions before it
             dropout = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale, enable_gqa=grouped
             )
+        elif cache is None:  # the same within a sliding window: the last `window` positions
+            dropout = self.dropout if self.training else 0.0
+            near = sliding_window_mask(torch.arange(T, device=x.device), torch.arange(T, device=x.device), self.window)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=near, dropout_p=dropout, scale=self.scale, enable_gqa=grouped
+            )
         else:  # generation: earlier keys and values come from layer's cache, whose mask says which to see
             k, v = cache.update(layer, k, v)  # (B, KV, S, D)
-            y = masked_attention(q, k, v, cache.mask, self.scale)  # (B, H, T, D)
+            mask = cache.mask
+            if self.window:
+                # a cache without key_pos holds each row's tokens at slots = positions (the server's RowCache)
+                key_pos = getattr(cache, "key_pos", None)
+                key_pos = torch.arange(k.size(2), device=k.device) if key_pos is None else key_pos[..., : k.size(2)]
+                near = sliding_window_mask(cache.pos, key_pos, self.window)[:, None]  # (B, 1, T, S)
+                mask = near if mask is None else mask & near
+            y = masked_attention(q, k, v, mask, self.scale)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
         return self.resid_drop(self.out_proj(y))
 
@@ -280,6 +340,14 @@ class WholeQKNorm(nn.Module):
 
 
 QK_NORMS = {"head": QKNorm, "all": WholeQKNorm}
+
+
+def sliding_window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a query may attend to a key in a sliding window: the key is at most `window` - 1 positions
+    before the query, and not after it (transformers' sliding_window). query_pos (T,) or (B, T), key_pos (S,) or
+    (B, S) -> (T, S) or (B, T, S)."""
+    behind = query_pos[..., :, None] - key_pos[..., None, :]  # (T, S) or (B, T, S)
+    return (behind >= 0) & (behind < window)
 
 
 def masked_attention(
@@ -328,6 +396,15 @@ def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
         return SwiGLUGate.apply(h)
     gate, value = h.chunk(2, dim=-1)  # (B, T, F) each
     return F.silu(gate) * value
+
+
+class GeGLU(SwiGLU):
+    """out_proj(gelu(W1 x) * W3 x) with GELU's tanh approximation (Shazeer, 2020; Gemma's feed-forward), fused as
+    SwiGLU's: `fc`'s first F rows are W1, the last F rows W3."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc(x).chunk(2, dim=-1)  # (B, T, F) each
+        return self.drop(self.out_proj(F.gelu(gate, approximate="tanh") * value))  # (B, T, C)
 
 
 class SwiGLUGate(torch.autograd.Function):
@@ -389,7 +466,7 @@ class ReluSquaredMLP(MLP):
         return F.relu(h).square()
 
 
-FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP}
+FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP, "geglu": GeGLU}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +513,29 @@ class PostNormBlock(Block):
         return torch.add(x, self.ffn_norm(self.ffn(x)), alpha=self.residual_scale)
 
 
-BLOCKS = {"pre": Block, "post": PostNormBlock}
+class SandwichBlock(Block):
+    """Gemma's block: x + norm(attn(norm(x))), then x + norm(ffn(norm(x))): norms both before and after each
+    branch."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__(config, layer)
+        self.attn_post_norm = NORMS[config.norm](config)
+        self.ffn_post_norm = NORMS[config.norm](config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.attn_post_norm(self.attn(self.attn_norm(x), rot, cache, layer, ve))
+        x = torch.add(x, h, alpha=self.residual_scale)
+        return torch.add(x, self.ffn_post_norm(self.ffn(self.ffn_norm(x))), alpha=self.residual_scale)
+
+
+BLOCKS = {"pre": Block, "post": PostNormBlock, "both": SandwichBlock}
 
 
 def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
@@ -461,7 +560,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         # bigram_vocab: each (previous, current) token pair's own vector, added to the token's (see bigram_ids)
         self.bigram_emb = nn.Embedding(config.bigram_vocab, config.n_embd) if config.bigram_vocab else None
-        self.pos_emb = POSITIONS[config.pos_emb](config)
+        self.pos_emb = positions(config)
         self.drop = nn.Dropout(config.dropout)
         self.emb_norm = NORMS[config.norm](config) if config.embed_norm else None  # nanochat's
         self.blocks = nn.ModuleList(BLOCKS[config.norm_position](config, i) for i in range(config.n_layer))
@@ -595,7 +694,7 @@ class GPT(nn.Module):
         config, state, architecture = load_pretrained(name_or_dir, dtype, **overrides)
         with torch.device("meta"):
             model = cls(config)
-        model.pos_emb = POSITIONS[config.pos_emb](config)  # its buffers are computed, not loaded
+        model.pos_emb = positions(config)  # its buffers are computed, not loaded
         model.check_state(state, name_or_dir)
         model.load_state_dict(state, assign=True)
         if config.tie_embeddings:

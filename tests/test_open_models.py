@@ -101,14 +101,26 @@ FAMILIES = {  # name -> (transformers class, its config)
             **COMMON, num_key_value_heads=2, final_logit_softcapping=3.0, tie_word_embeddings=False
         ),
     ),
+    "gemma3": (  # a window of 8: the 40 tokens of the logits and the 8 + 32 of the greedy test go well past it
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig(
+            **{k: v for k, v in COMMON.items() if k != "rms_norm_eps"},
+            num_key_value_heads=2,
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
-NEW_FAMILIES = [
-    "granite",
-    "smollm3",
-    "phi3",
-    "olmo2",
-    "nanochat",
-]  # issue 73's: train.py --init_from with learning rate 0 too
+# issue 73's: train.py --init_from with learning rate 0 too
+NEW_FAMILIES = ["granite", "smollm3", "phi3", "olmo2", "nanochat", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -315,6 +327,15 @@ def test_bad_nope_layers_are_refused(values, message):
             ),
             r"gptlite cannot hold this Phi3ForCausalLM: RoPE scaling of type 'longrope' \(gptlite has llama3's\)",
         ),
+        (
+            transformers.Gemma3TextConfig(**COMMON, attn_logit_softcapping=50.0),
+            r"gptlite cannot hold this Gemma3ForCausalLM: soft-capped attention scores \(attn_logit_softcapping=50.0\)",
+        ),
+        (
+            transformers.Gemma3Config(text_config=dict(COMMON)),
+            r"model_type='gemma3' is Gemma 3's vision tower with its text model \(Gemma3ForConditionalGeneration\), "
+            r"which gptlite does not have; gptlite loads .*Gemma3ForCausalLM \(gemma3_text\)",
+        ),
     ],
 )
 def test_what_the_switches_cannot_hold_is_refused_before_any_weight_is_read(config, message, tmp_path):
@@ -339,6 +360,55 @@ def test_a_whole_qk_norm_needs_qk_norm():
     ],
 )
 def test_nanochat_switches_need_their_layout(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)
+
+
+@pytest.mark.device
+def test_gemma3_ragged_prompts_decode_past_the_window_as_each_alone(tmp_path):
+    """Left-padded rows in one batch: each local layer's window counts from the row's own first token."""
+    cls, config = FAMILIES["gemma3"]
+    hf = randomized(cls(config)).to(DEVICE)
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).to(DEVICE)
+    prompts = [ids(1, 13)[0].tolist(), ids(1, 3)[0].tolist()]
+    together = ours.generate(prompts, 30, temperature=0)
+    for prompt, row in zip(prompts, together, strict=True):
+        with torch.no_grad():
+            alone = hf.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=30, do_sample=False)
+        assert list(row) == alone[0].tolist()
+
+
+def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(tmp_path):
+    """The server's continuous batching: rows join and leave one cache; each row's window is its own."""
+    from gptlite.serve.engine import Engine, Params
+    from gptlite.tokenizer import CharTokenizer
+    from tests.serving import CHARS
+    from tests.test_serve_engine import PROMPTS, Collect, greedy
+
+    cls, config = FAMILIES["gemma3"]
+    randomized(cls(config)).save_pretrained(tmp_path)
+    model, tokenizer = GPT.from_pretrained(str(tmp_path)), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=3).start()
+    try:
+        texts = Collect(engine, tokenizer, PROMPTS, Params(max_tokens=20, temperature=0)).wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 20) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(sliding_window=8), r"sliding_window=8 and window_layers='' go together"),
+        (dict(sliding_window=-1), r"sliding_window=-1 must be an integer >= 0 \(0 = none\)"),
+        (dict(window_layers="0,9", sliding_window=8, n_layer=2), r"window_layers='0,9' names layer 9"),
+        (dict(rope_local_theta=1e4), r"rope_local_theta=10000.0 is the RoPE base of window_layers; it needs them"),
+    ],
+)
+def test_bad_sliding_windows_are_refused(values, message):
     from gptlite import GPTConfig
 
     with pytest.raises(ValueError, match=message):

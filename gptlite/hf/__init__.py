@@ -20,6 +20,10 @@ onto gptlite's switches, weight for weight:
     NanoChatForCausalLM ffn="relu2", parameter-free RMSNorms (norm_weight=False; per-head q/k norms, qk_norm, and
                         one on the embeddings, embed_norm), RoPE the other way round (rope_reverse), an untied head,
                         its final logits soft-capped (logit_softcap)
+    Gemma3ForCausalLM   ffn="geglu", norms before and after each branch (norm_position="both") scaling by 1 + weight
+                        (norm_unit_offset), per-head q/k norms, embeddings times sqrt(n_embd) (embed_scale), its own
+                        attention scale (attn_scale), local layers attending to a sliding window (sliding_window,
+                        window_layers) with a RoPE base of their own (rope_local_theta), an optional final soft cap
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

@@ -12,6 +12,7 @@ import torch
 from gptlite.config import GPTConfig
 from gptlite.files import write_folder
 from gptlite.hf.families import (
+    GEMMA3,
     GPT2,
     GRANITE,
     LLAMA,
@@ -134,6 +135,25 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
         **(smollm3_values(config) if family is SMOLLM3 else {}),
         **(phi3_values(config) if family is PHI3 else {}),
         **(nanochat_values(config) if family is NANOCHAT else {}),
+        **(gemma3_values(config, rope) if family is GEMMA3 else {}),
+    }
+
+
+def gemma3_values(config: GPTConfig, rope: dict) -> dict:
+    """Gemma 3's activation, attention scale, sliding window with its layers and their RoPE, and soft cap."""
+    scalar = config.attn_scale**-2 if config.attn_scale else config.head_width
+    local = config.window_layer_ids
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+        "sliding_window": config.sliding_window or None,
+        "layer_types": ["sliding_attention" if i in local else "full_attention" for i in range(config.n_layer)],
+        "rope_parameters": {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_local_theta or config.rope_theta},
+        },
+        "final_logit_softcapping": config.logit_softcap or None,
+        "attn_logit_softcapping": None,
     }
 
 

@@ -31,7 +31,10 @@ SMOLLM3 = Family("SmolLM3ForCausalLM", "smollm3", "", "model.layers.{i}.")
 PHI3 = Family("Phi3ForCausalLM", "phi3", "", "model.layers.{i}.")
 OLMO2 = Family("Olmo2ForCausalLM", "olmo2", "", "model.layers.{i}.")
 NANOCHAT = Family("NanoChatForCausalLM", "nanochat", "", "model.layers.{i}.")
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3, OLMO2, NANOCHAT)}
+GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text", "", "model.layers.{i}.")
+FAMILIES = {
+    f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3, OLMO2, NANOCHAT, GEMMA3)
+}
 # Granite's multipliers: a model that sets any of them is a Granite
 GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
 # the switches of one family each, with their defaults (what a model of the others has)
@@ -43,7 +46,32 @@ OWN_SWITCHES = {
     "norm_weight": True,
     "embed_norm": False,
     "rope_reverse": False,
+    "norm_unit_offset": False,
+    "sliding_window": 0,
+    "window_layers": "",
+    "rope_local_theta": 0.0,
 }
+# Gemma 3's switches, all of them but those of its attention (a scale, a window, the local layers' RoPE base) and
+# its final soft cap; embed_scale is sqrt(n_embd)
+GEMMA3_SWITCHES = {
+    "pos_emb": "rope",
+    "norm": "rmsnorm",
+    "ffn": "geglu",
+    "bias": False,
+    "qkv_bias": False,
+    "qk_norm": True,
+    "qk_norm_scope": "head",
+    "rope_scaling": "",
+    "norm_position": "both",
+    "norm_unit_offset": True,
+    "residual_scale": 1.0,
+    "logits_scaling": 1.0,
+    "nope_layers": "",
+    "norm_weight": True,
+    "embed_norm": False,
+    "rope_reverse": False,
+}
+GEMMA3_FREE = ("attn_scale", "sliding_window", "window_layers", "rope_local_theta", "embed_scale")
 # nanochat's switches, all of them (its final logits soft-capped or not)
 NANOCHAT_SWITCHES = {
     "pos_emb": "rope",
@@ -60,7 +88,7 @@ NANOCHAT_SWITCHES = {
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
     "gemma2": "Gemma 2's soft-capped logits",
-    "gemma3": "Gemma 3's scaled embeddings and sliding-window layers",
+    "gemma3": "Gemma 3's vision tower with its text model (Gemma3ForConditionalGeneration)",
     "mixtral": "Mixtral's mixture of experts",
     "qwen2_moe": "a mixture of experts",
     "qwen3_moe": "a mixture of experts",
@@ -72,7 +100,8 @@ EXPORTABLE = (
     "embed_scale, residual_scale, attn_scale or logits_scaling as Granite's, with nope_layers as SmolLM3's, "
     "with norm_position='post', qk_norm=true and qk_norm_scope='all' as OLMo 2's; and nanochat's (pos_emb='rope', "
     "norm='rmsnorm', ffn='relu2', bias=false, qk_norm=true, norm_weight=false, embed_norm=true, rope_reverse=true, "
-    "any logit_softcap)"
+    "any logit_softcap); and Gemma 3's (ffn='geglu', norm_position='both', norm_unit_offset=true, qk_norm=true, "
+    "embed_scale=sqrt(n_embd), any attn_scale, sliding_window, window_layers, rope_local_theta and logit_softcap)"
 )
 
 
@@ -114,6 +143,8 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
         norms = ("input_layernorm", "post_attention_layernorm")
         if family is OLMO2:
             norms = ("post_attention_layernorm", "post_feedforward_layernorm")
+        if family is GEMMA3:  # norms before and after each branch
+            norms = ("input_layernorm", "pre_feedforward_layernorm")
         layer = [
             ("attn_norm.weight", (f"{norms[0]}.weight",), False),
             ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
@@ -132,6 +163,11 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
             ("ffn.fc.weight", tuple(f"{t}.weight" for t in fc), False),
             ("ffn.out_proj.weight", (f"{out}.weight",), False),
         ]
+        if family is GEMMA3:
+            layer += [
+                ("attn_post_norm.weight", ("post_attention_layernorm.weight",), False),
+                ("ffn_post_norm.weight", ("post_feedforward_layernorm.weight",), False),
+            ]
         if not config.norm_weight:  # parameter-free norms (nanochat's) have no tensors
             top = [entry for entry in top if not entry[0].startswith("norm.")]
             layer = [entry for entry in layer if "norm." not in entry[0]]
@@ -163,7 +199,13 @@ def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
         k for k in own_switches(config) if k not in NANOCHAT_SWITCHES
     ]
     speedrun = [k for k in ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap") if getattr(config, k)]
-    speedrun = [k for k in speedrun if not (nanochat and k == "logit_softcap")]  # nanochat's own caps its logits
+    gemma3 = (
+        all(getattr(config, k) == v for k, v in GEMMA3_SWITCHES.items())
+        and config.embed_scale == config.n_embd**0.5
+        and not [k for k in own_switches(config) if k not in GEMMA3_SWITCHES and k not in GEMMA3_FREE]
+    )
+    # nanochat's and Gemma's own cap their logits
+    speedrun = [k for k in speedrun if not ((nanochat or gemma3) and k == "logit_softcap")]
     if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
         raise ValueError(
             f"a model with {', '.join(f'{k}={getattr(config, k)}' for k in speedrun)} has no transformers "
@@ -171,6 +213,8 @@ def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
         )
     if nanochat:
         return NANOCHAT
+    if gemma3:
+        return GEMMA3
     if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
         extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
         if not extra and not own_switches(config):

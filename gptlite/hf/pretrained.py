@@ -11,6 +11,7 @@ import torch
 from gptlite.config import GPTConfig, check_model_overrides
 from gptlite.hf.families import (
     FAMILIES,
+    GEMMA3,
     GPT2,
     GRANITE,
     MISTRAL,
@@ -131,6 +132,8 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     kv_heads = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or hidden // heads
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if family is GEMMA3:  # a RoPE per kind of layer
+        rope, local_rope = rope.get("full_attention", {}), rope.get("sliding_attention", {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     values = dict(
         vocab_size=c["vocab_size"],
@@ -168,6 +171,8 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
             qk_norm=True,
             logit_softcap=float(softcap or 0.0),
         )
+    if family is GEMMA3:
+        values.update(gemma3_values(c, local_rope))
     if family is OLMO2:  # its norms on the branches' outputs; q and k normalised whole
         values.update(norm_position="post", qk_norm=True, qk_norm_scope="all")
     if family is SMOLLM3:  # no_rope_layers: 1 where a layer rotates q and k, 0 where it has no positions (NoPE)
@@ -176,9 +181,12 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
         ]
         values["nope_layers"] = ",".join(str(i) for i, on in enumerate(rotates) if not on)
     unsupported = []
-    act = "relu2" if family is NANOCHAT else "silu"
-    if c.get("hidden_act", act) != act:
-        unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's {family.architecture} uses {act})")
+    act = {NANOCHAT: "relu2", GEMMA3: "gelu_pytorch_tanh"}.get(family, "silu")
+    act_key = "hidden_activation" if family is GEMMA3 else "hidden_act"
+    if c.get(act_key, act) != act:
+        unsupported.append(f"{act_key}={c[act_key]!r} (gptlite's {family.architecture} uses {act})")
+    if family is GEMMA3:
+        unsupported += gemma3_unsupported(c)
     if c.get("attention_bias") and family is not QWEN2:
         unsupported.append("biases on the attention's projections, its output's too (attention_bias=true)")
     if c.get("mlp_bias"):
@@ -202,6 +210,39 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     if window:
         values["block_size"] = min(values["block_size"], window)  # within the window, attention is exact
     return values, window, unsupported
+
+
+def gemma3_values(c: dict, local_rope: dict) -> dict:
+    """Gemma 3's switches: GeGLU, norms before and after each branch scaling by 1 + weight, per-head q/k norms,
+    embeddings times sqrt(hidden), its own attention scale, sliding-window layers with a RoPE base of their own."""
+    local = [i for i, kind in enumerate(c.get("layer_types") or []) if kind == "sliding_attention"]
+    window = c.get("sliding_window") or 0
+    softcap = c.get("final_logit_softcapping")
+    return dict(
+        ffn="geglu",
+        norm_position="both",
+        norm_unit_offset=True,
+        qk_norm=True,
+        embed_scale=c["hidden_size"] ** 0.5,
+        attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+        logit_softcap=float(softcap or 0.0),
+        sliding_window=window if local else 0,
+        window_layers=",".join(map(str, local)) if window else "",
+        rope_local_theta=float(local_rope.get("rope_theta", 10000.0)) if window and local else 0.0,
+    )
+
+
+def gemma3_unsupported(c: dict) -> list[str]:
+    """What of a Gemma 3 config gptlite's switches cannot hold."""
+    unsupported = []
+    if c.get("attn_logit_softcapping"):
+        unsupported.append(f"soft-capped attention scores (attn_logit_softcapping={c['attn_logit_softcapping']})")
+    if c.get("use_bidirectional_attention"):
+        unsupported.append("bidirectional attention (use_bidirectional_attention=true)")
+    local = (c.get("rope_parameters") or {}).get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default":
+        unsupported.append(f"RoPE scaling of type {local['rope_type']!r} in the sliding-window layers")
+    return unsupported
 
 
 def to_gptlite(
