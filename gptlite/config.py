@@ -132,12 +132,23 @@ class GPTConfig:
     qkv_bias: bool = option(False, "biases on q, k and v only (Qwen2)")
     qk_norm: bool = option(False, "RMSNorm on each head's q and k before the rotation (Qwen3)")
     rope_scaling: str = option(
-        "", "RoPE's frequencies scaled as Llama 3.1 does: llama3 ('' = none)", choices=("", "llama3")
+        "",
+        "RoPE's frequencies scaled as Llama 3.1 does (llama3) or as Phi-3.5/Phi-4-mini do within their original "
+        "context (longrope); '' = none",
+        choices=("", "llama3", "longrope"),
     )
     rope_factor: float = option(8.0, "llama3 scaling: how much longer the context than the original")
     rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
     rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original / this are kept")
-    rope_original_context: int = option(8192, "llama3 scaling: the context the model was first trained on")
+    rope_original_context: int = option(8192, "llama3 and longrope scaling: the context the model was first trained on")
+    rope_short_factor: str = option(
+        "", "longrope: the comma-separated divisors of RoPE's frequencies within the original context, one per pair"
+    )
+    rope_long_factor: str = option(
+        "", "longrope: those past the original context (kept for the export; gptlite stays within that context)"
+    )
+    rope_attention_factor: float = option(1.0, "longrope: RoPE's cos and sin are multiplied by this")
+    rope_dims: int = option(0, "the leading coordinates of each head that RoPE rotates (0 = all; Phi-4-mini: 3/4)")
     embed_scale: float = option(1.0, "the token embeddings are multiplied by this (Granite's embedding_multiplier)")
     residual_scale: float = option(
         1.0,
@@ -243,7 +254,8 @@ class GPTConfig:
             )
         if self.rope_scaling and self.pos_emb != "rope":
             problems.append(f"rope_scaling={self.rope_scaling!r} needs pos_emb='rope'")
-        if self.rope_scaling and not (
+        problems += self._rope_problems()
+        if self.rope_scaling == "llama3" and not (
             self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
             problems.append(
@@ -325,6 +337,33 @@ class GPTConfig:
         if name == "nope_layers" and self.pos_emb != "rope":
             problems.append(f"nope_layers={value!r} needs pos_emb='rope' (other layers rotate q and k)")
         return problems
+
+    def _rope_problems(self) -> list[str]:
+        """rope_dims and longrope's factors."""
+        dims = self.rope_dims
+        if not isinstance(dims, int) or isinstance(dims, bool) or dims < 0 or dims % 2:
+            return [f"rope_dims={dims!r} must be an even integer >= 0 (0 = the whole head)"]
+        if dims and (self.pos_emb != "rope" or self.rope_local_theta):
+            return [f"rope_dims={dims} needs pos_emb='rope' without rope_local_theta"]
+        if dims and isinstance(self.n_embd, int) and isinstance(self.n_head, int) and dims > self.head_width:
+            return [f"rope_dims={dims} is more than the head width {self.head_width}"]
+        if self.rope_scaling != "longrope":
+            return []
+        try:
+            short = [float(f) for f in self.rope_short_factor.split(",")]
+            [float(f) for f in self.rope_long_factor.split(",") if f.strip()]
+        except (ValueError, AttributeError):
+            return ["longrope needs rope_short_factor (and rope_long_factor) as comma-separated numbers"]
+        pairs = (dims or self.head_width) // 2
+        if len(short) != pairs:
+            return [f"longrope needs one rope_short_factor per rotated pair, {pairs}; got {len(short)}"]
+        if isinstance(self.block_size, int) and self.block_size > self.rope_original_context:
+            return [
+                f"block_size={self.block_size} is past longrope's original context {self.rope_original_context}, "
+                f"where its long factors would apply, which gptlite does not have: use block_size <= "
+                f"{self.rope_original_context}"
+            ]
+        return []
 
     def _window_problems(self) -> list[str]:
         window, theta = self.sliding_window, self.rope_local_theta

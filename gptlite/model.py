@@ -118,10 +118,17 @@ class RotaryPositions(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        D = config.head_width
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # (D/2,)
+        D = config.rope_dims or config.head_width  # Phi-4-mini rotates the leading rope_dims coordinates only
+        powers = config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # (D/2,)
+        inv_freq = 1.0 / powers
         if config.rope_scaling == "llama3":
             inv_freq = llama3_scaled(inv_freq, config)
+        # LongRoPE (Ding et al., 2024) within the original context: each frequency divided by its short factor, and
+        # cos and sin scaled by the attention factor
+        self.attention_factor = 1.0
+        if config.rope_scaling == "longrope":
+            inv_freq = 1.0 / (torch.tensor([float(f) for f in config.rope_short_factor.split(",")]) * powers)
+            self.attention_factor = config.rope_attention_factor
         if config.rope_reverse:  # nanochat rotates by -angle: cos is the same, sin changes sign
             inv_freq = -inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -132,6 +139,8 @@ class RotaryPositions(nn.Module):
     def rotation(self, pos: torch.Tensor) -> Rotation:
         freqs = pos[..., None].float() * self.inv_freq  # (T, D/2) or (B, T, D/2)
         angles = torch.cat([freqs, freqs], dim=-1)  # (T, D) or (B, T, D)
+        if self.attention_factor != 1:
+            return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         return angles.cos(), angles.sin()
 
     @staticmethod
@@ -142,6 +151,14 @@ class RotaryPositions(nn.Module):
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    @staticmethod
+    def rotate_partial(q: torch.Tensor, k: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, H, T, D) with their leading rope_dims coordinates rotated, the others left as they are."""
+        n = rot[0].size(-1)
+        q, k = (q[..., :n], q[..., n:]), (k[..., :n], k[..., n:])
+        q_rot, k_rot = RotaryPositions.rotate(q[0], k[0], rot)
+        return torch.cat([q_rot, q[1]], dim=-1), torch.cat([k_rot, k[1]], dim=-1)
 
     def extend(self, n_pos: int) -> None:
         """Every position has its angles already."""
@@ -261,6 +278,8 @@ class CausalSelfAttention(nn.Module):
         # their kind's angles
         local = layer in config.window_layer_ids
         self.rotate = POSITIONS[config.pos_emb].rotate
+        if config.rope_dims:
+            self.rotate = RotaryPositions.rotate_partial
         if layer in config.nope_layer_ids:
             self.rotate = AdditivePositions.rotate
         elif config.rope_local_theta:

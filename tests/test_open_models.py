@@ -91,6 +91,22 @@ FAMILIES = {  # name -> (transformers class, its config)
         transformers.Phi3ForCausalLM,
         transformers.Phi3Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None),
     ),
+    "phi4-mini": (  # a quarter of each head unrotated, LongRoPE: the 40 + 40 tokens within its original context of 64
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config(
+            **{**COMMON, "max_position_embeddings": 128},
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],
+                "long_factor": [2.0, 3.0, 4.0, 6.0, 10.0, 16.0],
+            },
+        ),
+    ),
     "olmo2": (
         transformers.Olmo2ForCausalLM,
         transformers.Olmo2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
@@ -120,7 +136,7 @@ FAMILIES = {  # name -> (transformers class, its config)
     ),
 }
 # issue 73's: train.py --init_from with learning rate 0 too
-NEW_FAMILIES = ["granite", "smollm3", "phi3", "olmo2", "nanochat", "gemma3"]
+NEW_FAMILIES = ["granite", "smollm3", "phi3", "phi4-mini", "olmo2", "nanochat", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -308,24 +324,16 @@ def test_bad_nope_layers_are_refused(values, message):
     "config, message",
     [
         (
-            transformers.Phi3Config(
-                **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
+            transformers.Qwen2Config(
+                **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
             ),
-            r"gptlite cannot hold this Phi3ForCausalLM: RoPE on part of each head \(partial_rotary_factor=0.75; "
-            r"gptlite rotates all of it\)",
+            r"gptlite cannot hold this Qwen2ForCausalLM: RoPE on part of each head \(partial_rotary_factor=0.5; "
+            r"Phi-3's alone has it here\)",
         ),
         (
-            transformers.Phi3Config(
-                **COMMON,
-                original_max_position_embeddings=32,
-                rope_parameters={
-                    "rope_type": "longrope",
-                    "rope_theta": 1e4,
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [2.0] * 8,
-                },
-            ),
-            r"gptlite cannot hold this Phi3ForCausalLM: RoPE scaling of type 'longrope' \(gptlite has llama3's\)",
+            transformers.Qwen2Config(**COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+            r"gptlite cannot hold this Qwen2ForCausalLM: RoPE scaling of type 'yarn' \(gptlite has llama3's, and "
+            r"Phi-3's longrope\)",
         ),
         (
             transformers.Gemma3TextConfig(**COMMON, attn_logit_softcapping=50.0),
@@ -409,6 +417,37 @@ def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(tmp
     ],
 )
 def test_bad_sliding_windows_are_refused(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)
+
+
+def test_longrope_stays_within_its_original_context(tmp_path):
+    """Past it transformers switches to the long factors, which gptlite does not have: refused, naming the limit."""
+    cls, config = FAMILIES["phi4-mini"]
+    randomized(cls(config)).save_pretrained(tmp_path)
+    assert GPT.from_pretrained(str(tmp_path)).config.block_size == 64
+    with pytest.raises(ValueError, match=r"block_size=65 is past longrope's original context 64, .*"):
+        GPT.from_pretrained(str(tmp_path), block_size=65)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(pos_emb="rope", rope_dims=3), r"rope_dims=3 must be an even integer >= 0 \(0 = the whole head\)"),
+        (dict(pos_emb="rope", rope_dims=128, n_embd=64, n_head=2), r"rope_dims=128 is more than the head width 32"),
+        (
+            dict(pos_emb="rope", rope_scaling="longrope", rope_short_factor="1,2", n_embd=64, n_head=4),
+            r"longrope needs one rope_short_factor per rotated pair, 8; got 2",
+        ),
+        (
+            dict(pos_emb="rope", rope_scaling="longrope", rope_short_factor="1,x"),
+            r"longrope needs rope_short_factor \(and rope_long_factor\) as comma-separated numbers",
+        ),
+    ],
+)
+def test_bad_partial_rotary_and_longrope_are_refused(values, message):
     from gptlite import GPTConfig
 
     with pytest.raises(ValueError, match=message):

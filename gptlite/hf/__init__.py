@@ -13,8 +13,8 @@ onto gptlite's switches, weight for weight:
     GraniteForCausalLM  Llama's layout with multipliers on the embeddings, the residual branches, attention's scores
                         and the logits (embed_scale, residual_scale, attn_scale, logits_scaling)
     SmolLM3ForCausalLM  Llama's layout with layers whose attention has no positions (nope_layers)
-    Phi3ForCausalLM     Llama's switches, q/k/v and the gate/value stored fused (as gptlite holds them); not
-                        Phi-4-mini's partial rotary dimensions nor LongRoPE
+    Phi3ForCausalLM     Llama's switches, q/k/v and the gate/value stored fused (as gptlite holds them); Phi-4-mini's
+                        RoPE on part of each head (rope_dims) and LongRoPE within its original context (longrope)
     Olmo2ForCausalLM    Llama's layout with each norm on its branch's output (norm_position="post") and RMSNorm over
                         all of q and all of k (qk_norm, qk_norm_scope="all")
     NanoChatForCausalLM ffn="relu2", parameter-free RMSNorms (norm_weight=False; per-head q/k norms, qk_norm, and

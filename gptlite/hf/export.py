@@ -98,7 +98,7 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
             "attn_pdrop": config.dropout,
             "scale_attn_weights": True,
         }
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta, **phi3_rope(config)}
     if config.rope_scaling == "llama3":
         rope = {
             **rope,
@@ -162,11 +162,28 @@ def nanochat_values(config: GPTConfig) -> dict:
     return {"hidden_act": "relu2", "final_logit_softcapping": config.logit_softcap or None}
 
 
-def phi3_values(config: GPTConfig) -> dict:
-    """Phi-3's dropouts, and the context its RoPE was trained on (where LongRoPE, which gptlite has not, would
-    start)."""
+def phi3_rope(config: GPTConfig) -> dict:
+    """Phi-3's RoPE parameters: the part of each head rotated, and LongRoPE's factors."""
+    out = {"partial_rotary_factor": config.rope_dims / config.head_width} if config.rope_dims else {}
+    if config.rope_scaling != "longrope":
+        return out
+    short = [float(f) for f in config.rope_short_factor.split(",")]
+    long = [float(f) for f in config.rope_long_factor.split(",") if f.strip()] or short
     return {
-        "original_max_position_embeddings": config.block_size,
+        **out,
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "attention_factor": config.rope_attention_factor,
+        "original_max_position_embeddings": config.rope_original_context,
+    }
+
+
+def phi3_values(config: GPTConfig) -> dict:
+    """Phi-3's dropouts, and the context its RoPE was trained on (where LongRoPE's long factors start)."""
+    original = config.rope_original_context if config.rope_scaling == "longrope" else config.block_size
+    return {
+        "original_max_position_embeddings": original,
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
     }

@@ -50,6 +50,7 @@ OWN_SWITCHES = {
     "sliding_window": 0,
     "window_layers": "",
     "rope_local_theta": 0.0,
+    "rope_dims": 0,
 }
 # Gemma 3's switches, all of them but those of its attention (a scale, a window, the local layers' RoPE base) and
 # its final soft cap; embed_scale is sqrt(n_embd)
@@ -96,12 +97,13 @@ UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
 EXPORTABLE = (
     "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
     "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's and "
-    "Phi-3's when it came from one), with qkv_bias=true as Qwen2's, with qk_norm=true as Qwen3's, with "
-    "embed_scale, residual_scale, attn_scale or logits_scaling as Granite's, with nope_layers as SmolLM3's, "
-    "with norm_position='post', qk_norm=true and qk_norm_scope='all' as OLMo 2's; and nanochat's (pos_emb='rope', "
-    "norm='rmsnorm', ffn='relu2', bias=false, qk_norm=true, norm_weight=false, embed_norm=true, rope_reverse=true, "
-    "any logit_softcap); and Gemma 3's (ffn='geglu', norm_position='both', norm_unit_offset=true, qk_norm=true, "
-    "embed_scale=sqrt(n_embd), any attn_scale, sliding_window, window_layers, rope_local_theta and logit_softcap)"
+    "Phi-3's when it came from one; rope_dims and rope_scaling='longrope' as Phi-3's), with qkv_bias=true as "
+    "Qwen2's, with qk_norm=true as Qwen3's, with embed_scale, residual_scale, attn_scale or logits_scaling as "
+    "Granite's, with nope_layers as SmolLM3's, with norm_position='post', qk_norm=true and qk_norm_scope='all' as "
+    "OLMo 2's; and nanochat's (pos_emb='rope', norm='rmsnorm', ffn='relu2', bias=false, qk_norm=true, "
+    "norm_weight=false, embed_norm=true, rope_reverse=true, any logit_softcap); and Gemma 3's (ffn='geglu', "
+    "norm_position='both', norm_unit_offset=true, qk_norm=true, embed_scale=sqrt(n_embd), any attn_scale, "
+    "sliding_window, window_layers, rope_local_theta and logit_softcap)"
 )
 
 
@@ -246,9 +248,12 @@ def llama_family(config: GPTConfig, architecture: str | None) -> Family | None:
         OLMO2: config.norm_position == "post" or config.qk_norm_scope == "all",
         GRANITE: any(getattr(config, k) != v for k, v in GRANITE_SCALES.items()),
         SMOLLM3: bool(config.nope_layers),
+        PHI3: config.rope_scaling == "longrope" or bool(config.rope_dims),
     }
     chosen = [family for family, on in own.items() if on]
     if len(chosen) > 1 or (config.rope_scaling and chosen and chosen[0] in (QWEN2, QWEN3)):
+        return None
+    if chosen == [PHI3] and config.rope_scaling == "llama3":
         return None
     if chosen == [OLMO2] and not (config.norm_position == "post" and config.qk_norm_scope == "all"):
         return None  # OLMo 2 has both

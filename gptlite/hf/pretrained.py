@@ -4,6 +4,7 @@ state dict, tensor by tensor (GPT.from_pretrained builds the model from them), a
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -199,17 +200,40 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
             rope_high_freq_factor=float(rope["high_freq_factor"]),
             rope_original_context=int(rope["original_max_position_embeddings"]),
         )
+    elif rope_type == "longrope" and family is PHI3:
+        values.update(longrope_values(c, rope))
     elif rope_type != "default":
-        unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's)")
+        unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's, and Phi-3's longrope)")
     partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial != 1:
-        unsupported.append(f"RoPE on part of each head (partial_rotary_factor={partial}; gptlite rotates all of it)")
+    if partial != 1 and family is PHI3:
+        values["rope_dims"] = int(head_dim * partial)
+    elif partial != 1:
+        unsupported.append(f"RoPE on part of each head (partial_rotary_factor={partial}; Phi-3's alone has it here)")
     window = c.get("sliding_window") if family in (MISTRAL, PHI3) or c.get("use_sliding_window") else None
     if family in (QWEN2, QWEN3) and c.get("use_sliding_window"):
         unsupported.append("sliding-window attention in some layers (use_sliding_window=true)")
     if window:
         values["block_size"] = min(values["block_size"], window)  # within the window, attention is exact
     return values, window, unsupported
+
+
+def longrope_values(c: dict, rope: dict) -> dict:
+    """Phi-3's LongRoPE, as transformers computes it, within the original context: there the short factors divide
+    the frequencies and cos and sin are scaled by the attention factor (the long factors apply past it)."""
+    original = rope.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+    original = original or c["max_position_embeddings"]
+    factor = rope.get("factor") or c["max_position_embeddings"] / original
+    attention = rope.get("attention_factor") or (
+        1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    )
+    return dict(
+        rope_scaling="longrope",
+        rope_short_factor=",".join(repr(float(f)) for f in rope["short_factor"]),
+        rope_long_factor=",".join(repr(float(f)) for f in rope.get("long_factor") or []),
+        rope_attention_factor=float(attention),
+        rope_original_context=int(original),
+        block_size=min(c["max_position_embeddings"], int(original)),  # the long factors apply past it
+    )
 
 
 def gemma3_values(c: dict, local_rope: dict) -> dict:
