@@ -35,7 +35,7 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.files import fault, fsync_dir, make_dir
-from gptlite.hf.families import GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, Family, family_of
+from gptlite.hf.families import GPT2, GRANITE, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3, SMOLLM3, Family, family_of
 from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
 from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
 from gptlite.tokenizer.chat import check_messages, render
@@ -44,7 +44,18 @@ if TYPE_CHECKING:
     from gptlite.model import GPT
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
-ARCHITECTURES = {GPT2: "gpt2", LLAMA: "llama", MISTRAL: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}
+ARCHITECTURES = {
+    GPT2: "gpt2",
+    LLAMA: "llama",
+    MISTRAL: "llama",
+    QWEN2: "qwen2",
+    QWEN3: "qwen3",
+    GRANITE: "granite",
+    SMOLLM3: "smollm3",
+    OLMO2: "olmo2",
+}
+# the architectures whose RoPE pairs coordinates (0, 1), (2, 3), ...: q and k rows are reordered for them
+INTERLEAVED = (LLAMA, MISTRAL, GRANITE, SMOLLM3)
 INSTALL = 'pip install gguf (or pip install -e ".[gguf]")'
 
 # pre-tokenizer patterns as tokenizer.json files hold them -> llama.cpp's name for that splitting
@@ -88,6 +99,13 @@ def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tup
             f"GGUF export of a {family.architecture} is not implemented (gptlite writes GGUF for "
             f"{', '.join(sorted({f.architecture for f in ARCHITECTURES}))}); export it with python -m gptlite.hf "
             "export and convert that directory with llama.cpp's convert_hf_to_gguf.py"
+        )
+    # llama.cpp's smollm3 has no key for its NoPE layers: every fourth layer is one
+    every_fourth = ",".join(str(i) for i in range(config.n_layer) if (i + 1) % 4 == 0)
+    if family is SMOLLM3 and config.nope_layers.replace(" ", "") != every_fourth:
+        raise ValueError(
+            f"llama.cpp's smollm3 has no positions in every fourth layer ({every_fourth or 'none here'}), and "
+            f"this model in layers {config.nope_layers}; GGUF export needs nope_layers={every_fourth!r}"
         )
     return family, ARCHITECTURES[family]
 
@@ -265,7 +283,7 @@ def gguf_tensors(
         yield "output_norm.bias", bias("norm.bias", config.n_embd)
     else:
         yield "output_norm.weight", weight("norm.weight")
-    if not config.tie_embeddings:
+    if not config.tie_embeddings or family is OLMO2:  # llama.cpp's olmo2 always reads an output matrix
         yield "output.weight", weight("lm_head.weight")
     if config.rope_scaling == "llama3":
         yield "rope_freqs.weight", rope_factors(config)
@@ -285,9 +303,11 @@ def gguf_tensors(
             continue
         q_rows, kv_rows = config.n_head * config.head_width, config.kv_heads * config.head_width
         q, k, v = weight(f"{ours}attn.qkv.weight").split([q_rows, kv_rows, kv_rows])
-        if family in (LLAMA, MISTRAL):
+        if family in INTERLEAVED:
             q, k = llama_rows(q, config.n_head), llama_rows(k, config.kv_heads)
-        yield f"{theirs}attn_norm.weight", weight(f"{ours}attn_norm.weight")
+        # OLMo 2's norms are on the branches' outputs
+        norms = ("post_attention_norm", "post_ffw_norm") if family is OLMO2 else ("attn_norm", "ffn_norm")
+        yield f"{theirs}{norms[0]}.weight", weight(f"{ours}attn_norm.weight")
         yield f"{theirs}attn_q.weight", q
         yield f"{theirs}attn_k.weight", k
         yield f"{theirs}attn_v.weight", v
@@ -300,7 +320,7 @@ def gguf_tensors(
             yield f"{theirs}attn_q_norm.weight", weight(f"{ours}attn.qk_norm.q_norm.weight")
             yield f"{theirs}attn_k_norm.weight", weight(f"{ours}attn.qk_norm.k_norm.weight")
         yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
-        yield f"{theirs}ffn_norm.weight", weight(f"{ours}ffn_norm.weight")
+        yield f"{theirs}{norms[1]}.weight", weight(f"{ours}ffn_norm.weight")
         gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
         yield f"{theirs}ffn_gate.weight", gate
         yield f"{theirs}ffn_up.weight", up
@@ -346,6 +366,11 @@ def add_hyperparameters(writer, family: Family, config: GPTConfig) -> None:
     if config.head_width * config.n_head != config.n_embd:
         writer.add_key_length(config.head_width)
         writer.add_value_length(config.head_width)
+    if family is GRANITE:
+        writer.add_embedding_scale(config.embed_scale)
+        writer.add_residual_scale(config.residual_scale)
+        writer.add_attention_scale(config.attn_scale or config.head_width**-0.5)
+        writer.add_logit_scale(config.logits_scaling)
 
 
 def add_tokenizer(writer, vocab: GGUFVocab, vocab_size: int) -> None:
