@@ -61,6 +61,21 @@ ARCHITECTURES = {  # llama.cpp's name -> gptlite's switches
         logits_scaling=2.5,
     ),
     "smollm3": dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", n_kv_head=2, n_layer=4, nope_layers="3"),
+    "gemma3": dict(  # a window of 8 positions in layer 0: the prompt and 32 greedy tokens go well past it
+        pos_emb="rope",
+        norm="rmsnorm",
+        ffn="geglu",
+        norm_position="both",
+        norm_unit_offset=True,
+        qk_norm=True,
+        embed_scale=8.0,
+        n_kv_head=2,
+        rope_theta=1e6,
+        sliding_window=8,
+        window_layers="0",
+        rope_local_theta=1e4,
+        logit_softcap=5.0,
+    ),
     "olmo2": dict(
         pos_emb="rope",
         norm="rmsnorm",
@@ -379,6 +394,11 @@ def make_data(folder, text: str):
             dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", nope_layers="0"),
             r"llama.cpp's smollm3 has no positions in every fourth layer \(none here\), and this model in layers 0; "
             r"GGUF export needs nope_layers=''",
+        ),
+        (
+            {**ARCHITECTURES["gemma3"], "attn_scale": 0.1},
+            r"llama.cpp's gemma3 scales attention by 1 / sqrt\(head width\) = 0.25, and this model by attn_scale=0.1 "
+            r"\(query_pre_attn_scalar other than head_dim\); GGUF export needs them equal",
         ),
     ],
 )

@@ -300,9 +300,9 @@ def test_gguf_export_refuses_the_families_it_does_not_write():
     from gptlite import GPTConfig
     from gptlite.hf.gguf import gguf_architecture
 
-    config = GPTConfig(pos_emb="rope", norm="rmsnorm", ffn="geglu", norm_position="both", norm_unit_offset=True)
-    config = GPTConfig(**{**vars(config), "qk_norm": True, "embed_scale": config.n_embd**0.5})
-    with pytest.raises(ValueError, match=r"GGUF export of a Gemma3ForCausalLM is not implemented .*convert_hf"):
+    nanochat = dict(qk_norm=True, norm_weight=False, embed_norm=True, rope_reverse=True, tie_embeddings=False)
+    config = GPTConfig(pos_emb="rope", norm="rmsnorm", ffn="relu2", **nanochat)
+    with pytest.raises(ValueError, match=r"GGUF export of a NanoChatForCausalLM is not implemented .*convert_hf"):
         gguf_architecture(config)
 
 
