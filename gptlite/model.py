@@ -243,9 +243,13 @@ class RMSNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
-        if self.weight is not None:
-            y = (self.weight + 1 if self.unit_offset else self.weight) * y
+        y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
+        if self.unit_offset:  # Gemma: 1 + weight, and the product, in float32 (1 + weight in bf16 loses its digits)
+            y = (y * (1.0 + self.weight.float())).to(x.dtype)
+        elif self.weight is not None:
+            y = self.weight * y.to(x.dtype)
+        else:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

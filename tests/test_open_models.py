@@ -453,3 +453,22 @@ def test_bad_partial_rotary_and_longrope_are_refused(values, message):
 
     with pytest.raises(ValueError, match=message):
         GPTConfig(**values)
+
+
+def test_gemmas_norm_equals_transformers_in_bfloat16():
+    """1 + weight and the product in float32, cast once, as Gemma3RMSNorm computes them: in bfloat16, 1 + weight
+    would keep only 8 bits of the weight."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from gptlite import GPTConfig
+    from gptlite.model import RMSNorm
+
+    theirs = Gemma3RMSNorm(64, eps=1e-6)
+    ours = RMSNorm(GPTConfig(n_embd=64, n_head=4, norm="rmsnorm", norm_eps=1e-6, norm_unit_offset=True))
+    with torch.no_grad():
+        theirs.weight.normal_(0.0, 0.3)
+        ours.weight.copy_(theirs.weight)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    theirs, ours = theirs.to(torch.bfloat16), ours.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
