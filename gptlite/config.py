@@ -114,8 +114,9 @@ class GPTConfig:
     norm_eps: float = option(1e-5, "the norms' epsilon")
     ffn: str = option(
         "swiglu",
-        "feed-forward: swiglu (Llama), gelu (GPT-2's MLP) or relu2 (ReLU squared: Primer, modded-nanogpt)",
-        choices=("swiglu", "gelu", "relu2"),
+        "feed-forward: swiglu (Llama), gelu (GPT-2's MLP), relu2 (ReLU squared: Primer, modded-nanogpt) or geglu "
+        "(Gemma's gated tanh-GELU)",
+        choices=("swiglu", "gelu", "relu2", "geglu"),
     )
     ffn_hidden: int | None = option(
         None, "feed-forward width (none: 4 * n_embd for gelu and relu2, the same parameter count for swiglu)"
@@ -131,12 +132,52 @@ class GPTConfig:
     qkv_bias: bool = option(False, "biases on q, k and v only (Qwen2)")
     qk_norm: bool = option(False, "RMSNorm on each head's q and k before the rotation (Qwen3)")
     rope_scaling: str = option(
-        "", "RoPE's frequencies scaled as Llama 3.1 does: llama3 ('' = none)", choices=("", "llama3")
+        "",
+        "RoPE's frequencies scaled as Llama 3.1 does (llama3) or as Phi-3.5/Phi-4-mini do within their original "
+        "context (longrope); '' = none",
+        choices=("", "llama3", "longrope"),
     )
     rope_factor: float = option(8.0, "llama3 scaling: how much longer the context than the original")
     rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
     rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original / this are kept")
-    rope_original_context: int = option(8192, "llama3 scaling: the context the model was first trained on")
+    rope_original_context: int = option(8192, "llama3 and longrope scaling: the context the model was first trained on")
+    rope_short_factor: str = option(
+        "", "longrope: the comma-separated divisors of RoPE's frequencies within the original context, one per pair"
+    )
+    rope_long_factor: str = option(
+        "", "longrope: those past the original context (kept for the export; gptlite stays within that context)"
+    )
+    rope_attention_factor: float = option(1.0, "longrope: RoPE's cos and sin are multiplied by this")
+    rope_dims: int = option(0, "the leading coordinates of each head that RoPE rotates (0 = all; Phi-4-mini: 3/4)")
+    embed_scale: float = option(1.0, "the token embeddings are multiplied by this (Granite's embedding_multiplier)")
+    residual_scale: float = option(
+        1.0,
+        "attention's and the feed-forward's outputs are multiplied by this as they join the residual stream "
+        "(Granite's residual_multiplier)",
+    )
+    attn_scale: float = option(0.0, "attention's scores are q . k times this (0 = 1 / sqrt(head width); Granite's)")
+    logits_scaling: float = option(1.0, "the logits are divided by this (Granite's logits_scaling)")
+    norm_position: str = option(
+        "pre",
+        "pre: x + f(norm(x)) (GPT-2, Llama); post: x + norm(f(x)), each norm on its branch's output, inside the "
+        "residual (OLMo 2); both: x + norm(f(norm(x))) (Gemma)",
+        choices=("pre", "post", "both"),
+    )
+    qk_norm_scope: str = option(
+        "head",
+        "qk_norm over each head's q and k (Qwen3) or over all of q and all of k (OLMo 2)",
+        choices=("head", "all"),
+    )
+    norm_unit_offset: bool = option(False, "the RMSNorms scale by 1 + weight, their weight starting at 0 (Gemma)")
+    sliding_window: int = option(0, "> 0: window_layers attend to the last this many positions only (Gemma 3)")
+    window_layers: str = option("", "comma-separated indices of the layers with a sliding window (Gemma 3's local)")
+    rope_local_theta: float = option(0.0, "> 0: RoPE's base wavelength in window_layers (Gemma 3); 0 = rope_theta")
+    norm_weight: bool = option(True, "the RMSNorms scale by a learned weight (false: parameter-free, as nanochat's)")
+    embed_norm: bool = option(False, "the token embeddings go through a norm before the first block (nanochat)")
+    rope_reverse: bool = option(False, "RoPE rotates by minus the angle: nanochat's convention")
+    nope_layers: str = option(
+        "", "comma-separated indices of the layers whose attention has no positions (SmolLM3's NoPE layers; rope)"
+    )
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -160,6 +201,16 @@ class GPTConfig:
         return self.n_kv_head or self.n_head
 
     @property
+    def nope_layer_ids(self) -> frozenset[int]:
+        """The layers of nope_layers: attention without RoPE's rotation."""
+        return frozenset(int(i) for i in self.nope_layers.split(",") if i.strip())
+
+    @property
+    def window_layer_ids(self) -> frozenset[int]:
+        """The layers of window_layers: attention over the last sliding_window positions."""
+        return frozenset(int(i) for i in self.window_layers.split(",") if i.strip())
+
+    @property
     def head_width(self) -> int:
         """The width of every q, k and v head: head_dim, or n_embd / n_head."""
         return self.head_dim or self.n_embd // self.n_head
@@ -174,7 +225,19 @@ class GPTConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        for name in ("bias", "tie_embeddings", "qkv_bias", "qk_norm", "value_embeds", "unet_skips", "zero_init_out"):
+        for name in (
+            "bias",
+            "tie_embeddings",
+            "qkv_bias",
+            "qk_norm",
+            "value_embeds",
+            "unet_skips",
+            "zero_init_out",
+            "norm_weight",
+            "embed_norm",
+            "rope_reverse",
+            "norm_unit_offset",
+        ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         for name in ("n_kv_head", "head_dim", "rope_original_context"):
@@ -191,7 +254,8 @@ class GPTConfig:
             )
         if self.rope_scaling and self.pos_emb != "rope":
             problems.append(f"rope_scaling={self.rope_scaling!r} needs pos_emb='rope'")
-        if self.rope_scaling and not (
+        problems += self._rope_problems()
+        if self.rope_scaling == "llama3" and not (
             self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
             problems.append(
@@ -229,19 +293,99 @@ class GPTConfig:
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
         problems += choice_problems(type(self), vars(self))
-        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+        for name in (
+            "rope_theta",
+            "norm_eps",
+            "rope_factor",
+            "rope_low_freq_factor",
+            "rope_high_freq_factor",
+            "embed_scale",
+            "residual_scale",
+            "logits_scaling",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
+        problems += self._layer_list_problems("nope_layers")
+        problems += self._layer_list_problems("window_layers")
+        problems += self._window_problems()
+        if self.norm_weight is False and self.norm != "rmsnorm":
+            problems.append(f"norm_weight=false makes the RMSNorms parameter-free; norm={self.norm!r} is no RMSNorm")
+        if self.rope_reverse is True and self.pos_emb != "rope":
+            problems.append(f"rope_reverse=true says which way RoPE rotates; pos_emb={self.pos_emb!r} is no RoPE")
+        if self.qk_norm_scope == "all" and not self.qk_norm:
+            problems.append("qk_norm_scope='all' says how qk_norm normalises q and k; it needs qk_norm=true")
+        scale = self.attn_scale
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale >= 0:
+            problems.append(f"attn_scale={scale!r} must be a number >= 0 (0 = 1 / sqrt(head width))")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    def _layer_list_problems(self, name: str) -> list[str]:
+        """nope_layers and window_layers: comma-separated indices of existing layers."""
+        value = getattr(self, name)
+        if not value:
+            return []
+        try:
+            layers = frozenset(int(i) for i in value.split(",") if i.strip())
+        except (ValueError, AttributeError):
+            return [f"{name}={value!r} must be comma-separated layer indices, e.g. '3,7'"]
+        problems = []
+        wrong = sorted(i for i in layers if not (isinstance(self.n_layer, int) and 0 <= i < self.n_layer))
+        if wrong:
+            problems.append(f"{name}={value!r} names layer {wrong[0]}; the layers are 0..n_layer-1")
+        if name == "nope_layers" and self.pos_emb != "rope":
+            problems.append(f"nope_layers={value!r} needs pos_emb='rope' (other layers rotate q and k)")
+        return problems
+
+    def _rope_problems(self) -> list[str]:
+        """rope_dims and longrope's factors."""
+        dims = self.rope_dims
+        if not isinstance(dims, int) or isinstance(dims, bool) or dims < 0 or dims % 2:
+            return [f"rope_dims={dims!r} must be an even integer >= 0 (0 = the whole head)"]
+        if dims and (self.pos_emb != "rope" or self.rope_local_theta):
+            return [f"rope_dims={dims} needs pos_emb='rope' without rope_local_theta"]
+        if dims and isinstance(self.n_embd, int) and isinstance(self.n_head, int) and dims > self.head_width:
+            return [f"rope_dims={dims} is more than the head width {self.head_width}"]
+        if self.rope_scaling != "longrope":
+            return []
+        try:
+            short = [float(f) for f in self.rope_short_factor.split(",")]
+            [float(f) for f in self.rope_long_factor.split(",") if f.strip()]
+        except (ValueError, AttributeError):
+            return ["longrope needs rope_short_factor (and rope_long_factor) as comma-separated numbers"]
+        pairs = (dims or self.head_width) // 2
+        if len(short) != pairs:
+            return [f"longrope needs one rope_short_factor per rotated pair, {pairs}; got {len(short)}"]
+        if isinstance(self.block_size, int) and self.block_size > self.rope_original_context:
+            return [
+                f"block_size={self.block_size} is past longrope's original context {self.rope_original_context}, "
+                f"where its long factors would apply, which gptlite does not have: use block_size <= "
+                f"{self.rope_original_context}"
+            ]
+        return []
+
+    def _window_problems(self) -> list[str]:
+        window, theta = self.sliding_window, self.rope_local_theta
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            return [f"sliding_window={window!r} must be an integer >= 0 (0 = none)"]
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta < 0:
+            return [f"rope_local_theta={theta!r} must be a number >= 0 (0 = rope_theta)"]
+        if bool(window) != bool(self.window_layers):
+            return [
+                f"sliding_window={window} and window_layers={self.window_layers!r} go together: the window's size "
+                "and the layers that have it"
+            ]
+        if theta and not (self.window_layers and self.pos_emb == "rope"):
+            return [f"rope_local_theta={theta} is the RoPE base of window_layers; it needs them and pos_emb='rope'"]
+        return []
 
 
 def default_ffn_hidden(n_embd: int, ffn: str = "swiglu") -> int:
     """GPT-2's MLP is 4 * n_embd wide. SwiGLU has three matrices, so 8/3 * n_embd (rounded up to a multiple
     of FFN_MULTIPLE) keeps the parameter count of that MLP."""
     if ffn in ("gelu", "relu2"):
-        return 4 * n_embd
+        return 4 * n_embd  # geglu has SwiGLU's three matrices
     hidden = int(8 * n_embd / 3)
     return FFN_MULTIPLE * ((hidden + FFN_MULTIPLE - 1) // FFN_MULTIPLE)
 

@@ -105,6 +105,12 @@ class KVCache:
         mask = (self.visible[:, None, : self.span] & causal) | (keys[None, :] == self.slots[:, None])  # (B, T, S)
         self.mask = mask[:, None]  # (B, 1, T, S)
 
+    @property
+    def key_pos(self) -> torch.Tensor:
+        """The positions of the keys the next call attends over (B, S) (a sliding window's bound; padding's are
+        negative, and masked)."""
+        return torch.arange(self.span, device=self.first.device)[None, :] - self.first[:, None]
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer's k, v (B, H, T, D) at the prepared slots; return its keys and values (B, H, S, D)."""
         self.k[layer].index_copy_(2, self.slots, k)

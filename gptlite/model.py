@@ -1,13 +1,20 @@
 """The GPT architecture: positions, norms, causal self-attention, feed-forwards, pre-norm blocks, GPT.
 
 Each variant is one module class, picked once from a registry when the model is built:
-    pos_emb  POSITIONS  learned (GPT-2) | sinusoidal (Vaswani et al.) | rope (Su et al.; Llama)
-    norm     NORMS      layernorm | rmsnorm (Llama)
-    ffn      FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt)
+    pos_emb        POSITIONS  learned (GPT-2) | sinusoidal (Vaswani et al.) | rope (Su et al.; Llama); RoPE with a
+                              second base for the sliding-window layers where rope_local_theta is set (Gemma 3)
+    norm           NORMS      layernorm | rmsnorm (Llama)
+    ffn            FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt) | geglu (Gemma)
+    norm_position  BLOCKS     pre (GPT-2, Llama) | post (OLMo 2) | both (Gemma)
+    qk_norm_scope  QK_NORMS   head (Qwen3) | all (OLMo 2)
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
-(qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3").
+(qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3"); Granite's multipliers (embed_scale, residual_scale,
+attn_scale, logits_scaling), SmolLM3's layers without positions (nope_layers), nanochat's parameter-free norms
+(norm_weight=False), norm of the embeddings (embed_norm) and RoPE direction (rope_reverse), Gemma's norms scaling by
+1 + weight (norm_unit_offset) and its layers attending to a sliding window (sliding_window, window_layers). Each is
+set once per layer when the model is built.
 
 The speedrun techniques of modded-nanogpt and nanochat, off by default: value embeddings mixed into attention's
 values (value_embeds), an embedding of each token's pair with the one before it (bigram_vocab), U-net skips from
@@ -111,10 +118,19 @@ class RotaryPositions(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        D = config.head_width
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # (D/2,)
+        D = config.rope_dims or config.head_width  # Phi-4-mini rotates the leading rope_dims coordinates only
+        powers = config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)  # (D/2,)
+        inv_freq = 1.0 / powers
         if config.rope_scaling == "llama3":
             inv_freq = llama3_scaled(inv_freq, config)
+        # LongRoPE (Ding et al., 2024) within the original context: each frequency divided by its short factor, and
+        # cos and sin scaled by the attention factor
+        self.attention_factor = 1.0
+        if config.rope_scaling == "longrope":
+            inv_freq = 1.0 / (torch.tensor([float(f) for f in config.rope_short_factor.split(",")]) * powers)
+            self.attention_factor = config.rope_attention_factor
+        if config.rope_reverse:  # nanochat rotates by -angle: cos is the same, sin changes sign
+            inv_freq = -inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -123,6 +139,8 @@ class RotaryPositions(nn.Module):
     def rotation(self, pos: torch.Tensor) -> Rotation:
         freqs = pos[..., None].float() * self.inv_freq  # (T, D/2) or (B, T, D/2)
         angles = torch.cat([freqs, freqs], dim=-1)  # (T, D) or (B, T, D)
+        if self.attention_factor != 1:
+            return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         return angles.cos(), angles.sin()
 
     @staticmethod
@@ -134,8 +152,45 @@ class RotaryPositions(nn.Module):
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
+    @staticmethod
+    def rotate_partial(q: torch.Tensor, k: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, H, T, D) with their leading rope_dims coordinates rotated, the others left as they are."""
+        n = rot[0].size(-1)
+        q, k = (q[..., :n], q[..., n:]), (k[..., :n], k[..., n:])
+        q_rot, k_rot = RotaryPositions.rotate(q[0], k[0], rot)
+        return torch.cat([q_rot, q[1]], dim=-1), torch.cat([k_rot, k[1]], dim=-1)
+
     def extend(self, n_pos: int) -> None:
         """Every position has its angles already."""
+
+
+class DualRotaryPositions(RotaryPositions):
+    """RoPE with a base of its own in the sliding-window layers (Gemma 3: rope_local_theta there, rope_theta in the
+    global layers): `rotation` gives both layers' kinds of angles, (global, local), and each attention layer's
+    `rotate` (rotate_global or rotate_local) takes its own."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        local = RotaryPositions(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=""))
+        self.register_buffer("local_inv_freq", local.inv_freq, persistent=False)
+
+    def rotation(self, pos: torch.Tensor) -> Rotation:
+        local = pos[..., None].float() * self.local_inv_freq  # (T, D/2) or (B, T, D/2)
+        local = torch.cat([local, local], dim=-1)  # (T, D) or (B, T, D)
+        return super().rotation(pos), (local.cos(), local.sin())
+
+    @staticmethod
+    def rotate_global(q: torch.Tensor, k: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        return RotaryPositions.rotate(q, k, rot[0])
+
+    @staticmethod
+    def rotate_local(q: torch.Tensor, k: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        return RotaryPositions.rotate(q, k, rot[1])
+
+
+def positions(config: GPTConfig) -> nn.Module:
+    """The model's positions module: POSITIONS' choice, or RoPE with a second base for the window layers."""
+    return DualRotaryPositions(config) if config.rope_local_theta else POSITIONS[config.pos_emb](config)
 
 
 def llama3_scaled(inv_freq: torch.Tensor, config: GPTConfig) -> torch.Tensor:
@@ -173,17 +228,28 @@ class LayerNorm(nn.LayerNorm):
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight (+ bias if
-    config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does."""
+    config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does; without a
+    weight or a bias where config.norm_weight is false (nanochat)."""
 
     def __init__(self, config: GPTConfig, dim: int | None = None, bias: bool | None = None):
         super().__init__()
         dim = dim or config.n_embd
         self.eps = config.norm_eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if (config.bias if bias is None else bias) else None
+        # Gemma scales by 1 + weight, so its weight starts at 0
+        self.unit_offset = config.norm_unit_offset
+        start = torch.zeros(dim) if self.unit_offset else torch.ones(dim)
+        self.weight = nn.Parameter(start) if config.norm_weight else None
+        with_bias = config.norm_weight and (config.bias if bias is None else bias)
+        self.bias = nn.Parameter(torch.zeros(dim)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+        y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
+        if self.unit_offset:  # Gemma: 1 + weight, and the product, in float32 (1 + weight in bf16 loses its digits)
+            y = (y * (1.0 + self.weight.float())).to(x.dtype)
+        elif self.weight is not None:
+            y = self.weight * y.to(x.dtype)
+        else:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -199,18 +265,30 @@ class CausalSelfAttention(nn.Module):
     (grouped-query attention; Ainslie et al., 2023) each key/value head serves n_head / n_kv_head query heads, and
     the KV cache holds only n_kv_head heads. q, k and v come from one fused projection (rows q, then k, then v)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
         self.head_dim = config.head_width
         self.sizes = (config.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.dropout = config.dropout
+        self.scale = config.attn_scale or None  # None: SDPA's 1 / sqrt(D); Granite sets its own
         self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
         self.out_proj = nn.Linear(self.sizes[0], config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
-        self.qk_norm = QKNorm(config) if config.qk_norm else None  # Qwen3: each head's q and k through an RMSNorm
-        self.rotate = POSITIONS[config.pos_emb].rotate  # RoPE rotates q and k; the other schemes do nothing here
+        # Qwen3: each head's q and k through an RMSNorm; OLMo 2: all of q, and all of k
+        self.qk_norm = QK_NORMS[config.qk_norm_scope](config) if config.qk_norm else None
+        # RoPE rotates q and k; the other schemes, and SmolLM3's NoPE layers, do nothing here; Gemma 3's layers take
+        # their kind's angles
+        local = layer in config.window_layer_ids
+        self.rotate = POSITIONS[config.pos_emb].rotate
+        if config.rope_dims:
+            self.rotate = RotaryPositions.rotate_partial
+        if layer in config.nope_layer_ids:
+            self.rotate = AdditivePositions.rotate
+        elif config.rope_local_theta:
+            self.rotate = DualRotaryPositions.rotate_local if local else DualRotaryPositions.rotate_global
+        self.window = config.sliding_window if local else 0  # Gemma 3's local layers see the last `window` positions
         # value_embeds: v <- value_mix[0] v + value_mix[1] ve, ve this layer's embedding of the tokens (GPT.value_emb)
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_embeds else None
 
@@ -234,12 +312,28 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D) x 2
         q, k = self.rotate(q, k, rot)
         grouped = self.n_kv_head != self.n_head
-        if cache is None:  # training and scoring: each position sees itself and the positions before it
+        if cache is None and not (self.window and T > self.window):
+            # training and scoring: each position sees itself and the positions before it
             dropout = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale, enable_gqa=grouped
+            )
+        elif cache is None:  # the same within a sliding window: the last `window` positions
+            dropout = self.dropout if self.training else 0.0
+            near = sliding_window_mask(torch.arange(T, device=x.device), torch.arange(T, device=x.device), self.window)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=near, dropout_p=dropout, scale=self.scale, enable_gqa=grouped
+            )
         else:  # generation: earlier keys and values come from layer's cache, whose mask says which to see
             k, v = cache.update(layer, k, v)  # (B, KV, S, D)
-            y = masked_attention(q, k, v, cache.mask)  # (B, H, T, D)
+            mask = cache.mask
+            if self.window:
+                # a cache without key_pos holds each row's tokens at slots = positions (the server's RowCache)
+                key_pos = getattr(cache, "key_pos", None)
+                key_pos = torch.arange(k.size(2), device=k.device) if key_pos is None else key_pos[..., : k.size(2)]
+                near = sliding_window_mask(cache.pos, key_pos, self.window)[:, None]  # (B, 1, T, S)
+                mask = near if mask is None else mask & near
+            y = masked_attention(q, k, v, mask, self.scale)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
         return self.resid_drop(self.out_proj(y))
 
@@ -256,17 +350,43 @@ class QKNorm(nn.Module):
         return self.q_norm(q), self.k_norm(k)  # (B, T, H, D), (B, T, KV, D)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) where mask, else -inf) v for q (B, H, T, D), k and v (B, KV, S, D) (each key/value
-    head serves H / KV query heads), mask (B, 1, T, S) or None. SDPA's kernel runs it, except in a compiled step on
+class WholeQKNorm(nn.Module):
+    """RMSNorm over all of q (every head's together) and over all of k (OLMo 2), one weight of H*D and one of KV*D."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.q_norm = RMSNorm(config, config.n_head * config.head_width, bias=False)
+        self.k_norm = RMSNorm(config, config.kv_heads * config.head_width, bias=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q.flatten(-2)).view_as(q), self.k_norm(k.flatten(-2)).view_as(k)  # (B, T, H, D), ...
+
+
+QK_NORMS = {"head": QKNorm, "all": WholeQKNorm}
+
+
+def sliding_window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a query may attend to a key in a sliding window: the key is at most `window` - 1 positions
+    before the query, and not after it (transformers' sliding_window). query_pos (T,) or (B, T), key_pos (S,) or
+    (B, S) -> (T, S) or (B, T, S)."""
+    behind = query_pos[..., :, None] - key_pos[..., None, :]  # (T, S) or (B, T, S)
+    return (behind >= 0) & (behind < window)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale where mask, else -inf) v for q (B, H, T, D), k and v (B, KV, S, D) (each key/value
+    head serves H / KV query heads), mask (B, 1, T, S) or None, scale 1 / sqrt(D) unless given. SDPA's kernel runs it,
+    except in a compiled step on
     the CPU, where the math written out lets inductor fuse it with its neighbours, which makes decode steps faster
     than SDPA's kernel inside the graph (figures: docs/generation.md)."""
     grouped = q.size(1) != k.size(1)  # grouped-query attention: k and v have fewer heads
     if not (torch.compiler.is_compiling() and q.device.type == "cpu"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
     if grouped:
         k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))  # (B, H, S, D) each
-    scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, T, S)
+    scores = (q @ k.transpose(-2, -1)).float() * (scale or q.size(-1) ** -0.5)  # (B, H, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(v.dtype) @ v
@@ -299,6 +419,15 @@ def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
         return SwiGLUGate.apply(h)
     gate, value = h.chunk(2, dim=-1)  # (B, T, F) each
     return F.silu(gate) * value
+
+
+class GeGLU(SwiGLU):
+    """out_proj(gelu(W1 x) * W3 x) with GELU's tanh approximation (Shazeer, 2020; Gemma's feed-forward), fused as
+    SwiGLU's: `fc`'s first F rows are W1, the last F rows W3."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc(x).chunk(2, dim=-1)  # (B, T, F) each
+        return self.drop(self.out_proj(F.gelu(gate, approximate="tanh") * value))  # (B, T, C)
 
 
 class SwiGLUGate(torch.autograd.Function):
@@ -360,7 +489,7 @@ class ReluSquaredMLP(MLP):
         return F.relu(h).square()
 
 
-FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP}
+FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP, "geglu": GeGLU}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,12 +497,14 @@ FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP}
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm Transformer block: x + attn(norm(x)), then x + ffn(norm(x)); each branch's output times
+    residual_scale (Granite's residual_multiplier; 1 elsewhere) as it is added."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
+        self.residual_scale = config.residual_scale
         self.attn_norm = NORMS[config.norm](config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ffn_norm = NORMS[config.norm](config)
         self.ffn = FFNS[config.ffn](config)
 
@@ -385,8 +516,49 @@ class Block(nn.Module):
         layer: int = 0,
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rot, cache, layer, ve)
-        return x + self.ffn(self.ffn_norm(x))
+        x = torch.add(x, self.attn(self.attn_norm(x), rot, cache, layer, ve), alpha=self.residual_scale)
+        return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
+
+
+class PostNormBlock(Block):
+    """OLMo 2's block: x + norm(attn(x)), then x + norm(ffn(x)), each norm on its branch's output, inside the
+    residual (OLMo 2, "2 OLMo 2 Furious", 2024: the norms reordered for a stabler training)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = torch.add(x, self.attn_norm(self.attn(x, rot, cache, layer, ve)), alpha=self.residual_scale)
+        return torch.add(x, self.ffn_norm(self.ffn(x)), alpha=self.residual_scale)
+
+
+class SandwichBlock(Block):
+    """Gemma's block: x + norm(attn(norm(x))), then x + norm(ffn(norm(x))): norms both before and after each
+    branch."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__(config, layer)
+        self.attn_post_norm = NORMS[config.norm](config)
+        self.ffn_post_norm = NORMS[config.norm](config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.attn_post_norm(self.attn(self.attn_norm(x), rot, cache, layer, ve))
+        x = torch.add(x, h, alpha=self.residual_scale)
+        return torch.add(x, self.ffn_post_norm(self.ffn(self.ffn_norm(x))), alpha=self.residual_scale)
+
+
+BLOCKS = {"pre": Block, "post": PostNormBlock, "both": SandwichBlock}
 
 
 def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
@@ -411,9 +583,10 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         # bigram_vocab: each (previous, current) token pair's own vector, added to the token's (see bigram_ids)
         self.bigram_emb = nn.Embedding(config.bigram_vocab, config.n_embd) if config.bigram_vocab else None
-        self.pos_emb = POSITIONS[config.pos_emb](config)
+        self.pos_emb = positions(config)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.emb_norm = NORMS[config.norm](config) if config.embed_norm else None  # nanochat's
+        self.blocks = nn.ModuleList(BLOCKS[config.norm_position](config, i) for i in range(config.n_layer))
         # value_embeds: a token embedding per layer, as wide as its values, that attention mixes into them
         value_width = config.kv_heads * config.head_width
         self.value_emb = (
@@ -462,6 +635,8 @@ class GPT(nn.Module):
             self._check_targets(idx, targets)
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:  # not LoRA'd, not int8
             h = self.hidden(idx).flatten(0, 1)  # (B*T, C)
+            if self.config.logits_scaling != 1:  # logits / s = lm_head(h / s): the head has no bias
+                h = h / self.config.logits_scaling
             softcap = self.config.logit_softcap
             loss = linear_cross_entropy(h, self.lm_head.weight, targets.reshape(-1), reduction, softcap=softcap)
             return None, loss.view(targets.shape) if reduction == "none" else loss
@@ -480,10 +655,14 @@ class GPT(nn.Module):
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,) or (B, T)
         x = self.tok_emb(idx)  # (B, T, C)
+        if self.config.embed_scale != 1:  # Granite's embedding_multiplier
+            x = x * self.config.embed_scale
         if self.bigram_emb is not None:  # a cache knows the token before its call's first ones
             prev = previous_tokens(idx) if cache is None else cache.previous_tokens(idx)  # (B, T)
             x = x + self.bigram_emb(self.bigram_ids(idx, prev))
         x = self.drop(self.pos_emb(x, pos))  # (B, T, C)
+        if self.emb_norm is not None:
+            x = self.emb_norm(x)
         rot = self.pos_emb.rotation(pos)  # once for every layer
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         n_skips = 0 if self.skip_weights is None else self.skip_weights.numel()
@@ -510,9 +689,12 @@ class GPT(nn.Module):
         return torch.where(prev < 0, rows - 1, pair)  # (B, T)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden states (..., C) -> logits (..., V): the output head, then logit_softcap's cap * tanh(logits / cap)
-        where it is set (Gemma 2; modded-nanogpt), which keeps every logit within (-cap, cap)."""
+        """Hidden states (..., C) -> logits (..., V): the output head, divided by logits_scaling where it is set
+        (Granite), then logit_softcap's cap * tanh(logits / cap) where it is set (Gemma 2; modded-nanogpt), which keeps
+        every logit within (-cap, cap)."""
         logits = self.lm_head(h)
+        if self.config.logits_scaling != 1:
+            logits = logits / self.config.logits_scaling
         cap = self.config.logit_softcap
         return logits if not cap else cap * torch.tanh(logits / cap)
 
@@ -526,16 +708,18 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_dir: str, dtype: torch.dtype | None = None, **overrides) -> GPT:
         """GPT-2's weights ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", downloaded from the Hub) or a local
-        directory holding a transformers GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-        MistralForCausalLM, in eval mode; `block_size` (smaller) and `dropout` may be overridden. See gptlite.hf,
-        which reads the checkpoint. `dtype=None` keeps the checkpoint's dtype. One copy of the weights is held: the
-        model is built on the meta device and takes the tensors as they are read, one by one."""
+        directory holding a transformers GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+        MistralForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM,
+        NanoChatForCausalLM or Gemma3ForCausalLM, in eval mode; `block_size` (smaller) and `dropout` may be
+        overridden. See gptlite.hf, which reads the checkpoint. `dtype=None` keeps the checkpoint's dtype. One copy of
+        the weights is held: the model is built on the meta device and takes the tensors as they are read, one by
+        one."""
         from gptlite.hf import load_pretrained
 
         config, state, architecture = load_pretrained(name_or_dir, dtype, **overrides)
         with torch.device("meta"):
             model = cls(config)
-        model.pos_emb = POSITIONS[config.pos_emb](config)  # its buffers are computed, not loaded
+        model.pos_emb = positions(config)  # its buffers are computed, not loaded
         model.check_state(state, name_or_dir)
         model.load_state_dict(state, assign=True)
         if config.tie_embeddings:

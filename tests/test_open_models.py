@@ -12,8 +12,10 @@ import torch
 import transformers
 
 from gptlite import GPT
+from gptlite.checkpoint import load_checkpoint
 from gptlite.hf import export_hf
-from tests.conftest import DEVICE, ROOT
+from gptlite.prepare import prepare
+from tests.conftest import DEVICE, ROOT, run_train, shared_file
 from tests.test_hf import randomized
 
 transformers.logging.set_verbosity_error()
@@ -67,7 +69,74 @@ FAMILIES = {  # name -> (transformers class, its config)
         transformers.MistralForCausalLM,
         transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
     ),
+    "granite": (
+        transformers.GraniteForCausalLM,
+        transformers.GraniteConfig(
+            **COMMON,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+        ),
+    ),
+    "smollm3": (
+        transformers.SmolLM3ForCausalLM,
+        transformers.SmolLM3Config(
+            **COMMON, num_key_value_heads=2, no_rope_layers=[0, 1], tie_word_embeddings=True, use_sliding_window=False
+        ),
+    ),
+    "phi3": (
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None),
+    ),
+    "phi4-mini": (  # a quarter of each head unrotated, LongRoPE: the 40 + 40 tokens within its original context of 64
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config(
+            **{**COMMON, "max_position_embeddings": 128},
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],
+                "long_factor": [2.0, 3.0, 4.0, 6.0, 10.0, 16.0],
+            },
+        ),
+    ),
+    "olmo2": (
+        transformers.Olmo2ForCausalLM,
+        transformers.Olmo2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "nanochat": (
+        transformers.NanoChatForCausalLM,
+        transformers.NanoChatConfig(
+            **COMMON, num_key_value_heads=2, final_logit_softcapping=3.0, tie_word_embeddings=False
+        ),
+    ),
+    "gemma3": (  # a window of 8: the 40 tokens of the logits and the 8 + 32 of the greedy test go well past it
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig(
+            **{k: v for k, v in COMMON.items() if k != "rms_norm_eps"},
+            num_key_value_heads=2,
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
+# issue 73's: train.py --init_from with learning rate 0 too
+NEW_FAMILIES = ["granite", "smollm3", "phi3", "phi4-mini", "olmo2", "nanochat", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -85,7 +154,8 @@ def ids(batch: int = 2, length: int = 40, device: str = "cpu") -> torch.Tensor:
 
 @pytest.mark.device
 def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path):
-    """40 tokens: past llama3's original context of 16, where its scaling acts. Both models on the test device."""
+    """40 tokens: past llama3's original context of 16, where its scaling acts; 32 greedy tokens on gptlite's KV
+    cache. Both models on the test device."""
     name, hf, directory = saved
     hf = hf.to(DEVICE)
     ours = GPT.from_pretrained(str(directory)).to(DEVICE)
@@ -93,8 +163,8 @@ def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path)
         expected = hf(ids(device=DEVICE)).logits
         torch.testing.assert_close(ours(ids(device=DEVICE))[0], expected, atol=1e-4, rtol=0)
         prompt = ids(1, 8, DEVICE)
-        greedy = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
-        assert torch.equal(ours.generate(prompt, 20, temperature=0), greedy)
+        greedy = hf.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(prompt, 32, temperature=0), greedy)
     export_hf(ours, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval().to(DEVICE)
     assert type(back) is type(hf)
@@ -186,3 +256,219 @@ def test_init_from_a_model_directory_needs_no_tokenizer_flag(tmp_path):
         cwd=ROOT,
     )
     assert result.returncode == 0 and result.stdout.startswith("To be"), result.stderr
+
+
+@pytest.fixture(scope="module")
+def char_data(tmp_path_factory):
+    """Tiny Shakespeare in chars: 65 ids, all below the tiny models' vocabulary of 97."""
+    corpus = tmp_path_factory.mktemp("corpus") / "shakespeare.txt"
+    corpus.write_text(shared_file("data/tinyshakespeare.txt").read_text()[:20_000])
+    out = tmp_path_factory.mktemp("data")
+    prepare([str(corpus)], "char", out, log=lambda *a: None)
+    return out
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_train_init_from_with_learning_rate_0_changes_no_weight(name, char_data, tmp_path):
+    cls, config = FAMILIES[name]
+    randomized(cls(config)).save_pretrained(tmp_path / "hf")
+    run_train(
+        f"--init_from={tmp_path / 'hf'}",
+        f"--data_dir={char_data}",
+        f"--out_dir={tmp_path / 'run'}",
+        "--learning_rate=0",
+        "--max_iters=2",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--batch_size=2",
+        "--block_size=32",
+        "--device=cpu",
+    )
+    saved_weights = load_checkpoint(tmp_path / "run")["model"]
+    for key, tensor in GPT.from_pretrained(str(tmp_path / "hf"), block_size=32).state_dict().items():
+        assert torch.equal(saved_weights[key], tensor), key  # bit for bit
+
+
+def test_a_negative_attention_scale_is_refused():
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=r"attn_scale=-0.5 must be a number >= 0 \(0 = 1 / sqrt\(head width\)\)"):
+        GPTConfig(attn_scale=-0.5)
+
+
+def test_gguf_export_refuses_the_families_it_does_not_write():
+    from gptlite import GPTConfig
+    from gptlite.hf.gguf import gguf_architecture
+
+    nanochat = dict(qk_norm=True, norm_weight=False, embed_norm=True, rope_reverse=True, tie_embeddings=False)
+    config = GPTConfig(pos_emb="rope", norm="rmsnorm", ffn="relu2", **nanochat)
+    with pytest.raises(ValueError, match=r"GGUF export of a NanoChatForCausalLM is not implemented .*convert_hf"):
+        gguf_architecture(config)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(nope_layers="1,x"), r"nope_layers='1,x' must be comma-separated layer indices, e.g. '3,7'"),
+        (dict(nope_layers="0,5", n_layer=2), r"nope_layers='0,5' names layer 5; the layers are 0..n_layer-1"),
+        (dict(nope_layers="0", pos_emb="learned"), r"nope_layers='0' needs pos_emb='rope'"),
+    ],
+)
+def test_bad_nope_layers_are_refused(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            transformers.Qwen2Config(
+                **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+            ),
+            r"gptlite cannot hold this Qwen2ForCausalLM: RoPE on part of each head \(partial_rotary_factor=0.5; "
+            r"Phi-3's alone has it here\)",
+        ),
+        (
+            transformers.Qwen2Config(**COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+            r"gptlite cannot hold this Qwen2ForCausalLM: RoPE scaling of type 'yarn' \(gptlite has llama3's, and "
+            r"Phi-3's longrope\)",
+        ),
+        (
+            transformers.Gemma3TextConfig(**COMMON, attn_logit_softcapping=50.0),
+            r"gptlite cannot hold this Gemma3ForCausalLM: soft-capped attention scores \(attn_logit_softcapping=50.0\)",
+        ),
+        (
+            transformers.Gemma3Config(text_config=dict(COMMON)),
+            r"model_type='gemma3' is Gemma 3's vision tower with its text model \(Gemma3ForConditionalGeneration\), "
+            r"which gptlite does not have; gptlite loads .*Gemma3ForCausalLM \(gemma3_text\)",
+        ),
+    ],
+)
+def test_what_the_switches_cannot_hold_is_refused_before_any_weight_is_read(config, message, tmp_path):
+    """config.json alone: the refusal comes from it, before a weight file is looked for."""
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_a_whole_qk_norm_needs_qk_norm():
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=r"qk_norm_scope='all' says how qk_norm normalises q and k; it needs qk_norm"):
+        GPTConfig(qk_norm_scope="all")
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(norm_weight=False), r"norm_weight=false makes the RMSNorms parameter-free; norm='layernorm' is no"),
+        (dict(rope_reverse=True), r"rope_reverse=true says which way RoPE rotates; pos_emb='learned' is no RoPE"),
+    ],
+)
+def test_nanochat_switches_need_their_layout(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)
+
+
+@pytest.mark.device
+def test_gemma3_ragged_prompts_decode_past_the_window_as_each_alone(tmp_path):
+    """Left-padded rows in one batch: each local layer's window counts from the row's own first token."""
+    cls, config = FAMILIES["gemma3"]
+    hf = randomized(cls(config)).to(DEVICE)
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).to(DEVICE)
+    prompts = [ids(1, 13)[0].tolist(), ids(1, 3)[0].tolist()]
+    together = ours.generate(prompts, 30, temperature=0)
+    for prompt, row in zip(prompts, together, strict=True):
+        with torch.no_grad():
+            alone = hf.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=30, do_sample=False)
+        assert list(row) == alone[0].tolist()
+
+
+def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(tmp_path):
+    """The server's continuous batching: rows join and leave one cache; each row's window is its own."""
+    from gptlite.serve.engine import Engine, Params
+    from gptlite.tokenizer import CharTokenizer
+    from tests.serving import CHARS
+    from tests.test_serve_engine import PROMPTS, Collect, greedy
+
+    cls, config = FAMILIES["gemma3"]
+    randomized(cls(config)).save_pretrained(tmp_path)
+    model, tokenizer = GPT.from_pretrained(str(tmp_path)), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=3).start()
+    try:
+        texts = Collect(engine, tokenizer, PROMPTS, Params(max_tokens=20, temperature=0)).wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 20) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(sliding_window=8), r"sliding_window=8 and window_layers='' go together"),
+        (dict(sliding_window=-1), r"sliding_window=-1 must be an integer >= 0 \(0 = none\)"),
+        (dict(window_layers="0,9", sliding_window=8, n_layer=2), r"window_layers='0,9' names layer 9"),
+        (dict(rope_local_theta=1e4), r"rope_local_theta=10000.0 is the RoPE base of window_layers; it needs them"),
+    ],
+)
+def test_bad_sliding_windows_are_refused(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)
+
+
+def test_longrope_stays_within_its_original_context(tmp_path):
+    """Past it transformers switches to the long factors, which gptlite does not have: refused, naming the limit."""
+    cls, config = FAMILIES["phi4-mini"]
+    randomized(cls(config)).save_pretrained(tmp_path)
+    assert GPT.from_pretrained(str(tmp_path)).config.block_size == 64
+    with pytest.raises(ValueError, match=r"block_size=65 is past longrope's original context 64, .*"):
+        GPT.from_pretrained(str(tmp_path), block_size=65)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(pos_emb="rope", rope_dims=3), r"rope_dims=3 must be an even integer >= 0 \(0 = the whole head\)"),
+        (dict(pos_emb="rope", rope_dims=128, n_embd=64, n_head=2), r"rope_dims=128 is more than the head width 32"),
+        (
+            dict(pos_emb="rope", rope_scaling="longrope", rope_short_factor="1,2", n_embd=64, n_head=4),
+            r"longrope needs one rope_short_factor per rotated pair, 8; got 2",
+        ),
+        (
+            dict(pos_emb="rope", rope_scaling="longrope", rope_short_factor="1,x"),
+            r"longrope needs rope_short_factor \(and rope_long_factor\) as comma-separated numbers",
+        ),
+    ],
+)
+def test_bad_partial_rotary_and_longrope_are_refused(values, message):
+    from gptlite import GPTConfig
+
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**values)
+
+
+def test_gemmas_norm_equals_transformers_in_bfloat16():
+    """1 + weight and the product in float32, cast once, as Gemma3RMSNorm computes them: in bfloat16, 1 + weight
+    would keep only 8 bits of the weight."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from gptlite import GPTConfig
+    from gptlite.model import RMSNorm
+
+    theirs = Gemma3RMSNorm(64, eps=1e-6)
+    ours = RMSNorm(GPTConfig(n_embd=64, n_head=4, norm="rmsnorm", norm_eps=1e-6, norm_unit_offset=True))
+    with torch.no_grad():
+        theirs.weight.normal_(0.0, 0.3)
+        ours.weight.copy_(theirs.weight)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    theirs, ours = theirs.to(torch.bfloat16), ours.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))

@@ -1,6 +1,6 @@
 """Hugging Face's layout: checkpoints in (`load_pretrained`), gptlite models out (`export_hf`).
 
-Everything that speaks transformers' names lives here, so the model never learns them. Five architectures map
+Everything that speaks transformers' names lives here, so the model never learns them. These architectures map
 onto gptlite's switches, weight for weight:
     GPT2LMHeadModel     pos_emb="learned", norm="layernorm", ffn="gelu" (GPT-2 has biases everywhere; a model with
                         bias=False exports zeros for them)
@@ -10,6 +10,20 @@ onto gptlite's switches, weight for weight:
     MistralForCausalLM  the same layout (the context at most its sliding window)
     Qwen2ForCausalLM    the same, with biases on q, k and v (qkv_bias)
     Qwen3ForCausalLM    the same, with RMSNorm on each head's q and k (qk_norm)
+    GraniteForCausalLM  Llama's layout with multipliers on the embeddings, the residual branches, attention's scores
+                        and the logits (embed_scale, residual_scale, attn_scale, logits_scaling)
+    SmolLM3ForCausalLM  Llama's layout with layers whose attention has no positions (nope_layers)
+    Phi3ForCausalLM     Llama's switches, q/k/v and the gate/value stored fused (as gptlite holds them); Phi-4-mini's
+                        RoPE on part of each head (rope_dims) and LongRoPE within its original context (longrope)
+    Olmo2ForCausalLM    Llama's layout with each norm on its branch's output (norm_position="post") and RMSNorm over
+                        all of q and all of k (qk_norm, qk_norm_scope="all")
+    NanoChatForCausalLM ffn="relu2", parameter-free RMSNorms (norm_weight=False; per-head q/k norms, qk_norm, and
+                        one on the embeddings, embed_norm), RoPE the other way round (rope_reverse), an untied head,
+                        its final logits soft-capped (logit_softcap)
+    Gemma3ForCausalLM   ffn="geglu", norms before and after each branch (norm_position="both") scaling by 1 + weight
+                        (norm_unit_offset), per-head q/k norms, embeddings times sqrt(n_embd) (embed_scale), its own
+                        attention scale (attn_scale), local layers attending to a sliding window (sliding_window,
+                        window_layers) with a RoPE base of their own (rope_local_theta), an optional final soft cap
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

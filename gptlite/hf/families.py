@@ -26,20 +26,84 @@ LLAMA = Family("LlamaForCausalLM", "llama", "", "model.layers.{i}.")
 MISTRAL = Family("MistralForCausalLM", "mistral", "", "model.layers.{i}.")
 QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "", "model.layers.{i}.")
 QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "", "model.layers.{i}.")
-FAMILIES = {f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
+GRANITE = Family("GraniteForCausalLM", "granite", "", "model.layers.{i}.")
+SMOLLM3 = Family("SmolLM3ForCausalLM", "smollm3", "", "model.layers.{i}.")
+PHI3 = Family("Phi3ForCausalLM", "phi3", "", "model.layers.{i}.")
+OLMO2 = Family("Olmo2ForCausalLM", "olmo2", "", "model.layers.{i}.")
+NANOCHAT = Family("NanoChatForCausalLM", "nanochat", "", "model.layers.{i}.")
+GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text", "", "model.layers.{i}.")
+FAMILIES = {
+    f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3, OLMO2, NANOCHAT, GEMMA3)
+}
+# Granite's multipliers: a model that sets any of them is a Granite
+GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
+# the switches of one family each, with their defaults (what a model of the others has)
+OWN_SWITCHES = {
+    **GRANITE_SCALES,
+    "nope_layers": "",
+    "norm_position": "pre",
+    "qk_norm_scope": "head",
+    "norm_weight": True,
+    "embed_norm": False,
+    "rope_reverse": False,
+    "norm_unit_offset": False,
+    "sliding_window": 0,
+    "window_layers": "",
+    "rope_local_theta": 0.0,
+    "rope_dims": 0,
+}
+# Gemma 3's switches, all of them but those of its attention (a scale, a window, the local layers' RoPE base) and
+# its final soft cap; embed_scale is sqrt(n_embd)
+GEMMA3_SWITCHES = {
+    "pos_emb": "rope",
+    "norm": "rmsnorm",
+    "ffn": "geglu",
+    "bias": False,
+    "qkv_bias": False,
+    "qk_norm": True,
+    "qk_norm_scope": "head",
+    "rope_scaling": "",
+    "norm_position": "both",
+    "norm_unit_offset": True,
+    "residual_scale": 1.0,
+    "logits_scaling": 1.0,
+    "nope_layers": "",
+    "norm_weight": True,
+    "embed_norm": False,
+    "rope_reverse": False,
+}
+GEMMA3_FREE = ("attn_scale", "sliding_window", "window_layers", "rope_local_theta", "embed_scale")
+# nanochat's switches, all of them (its final logits soft-capped or not)
+NANOCHAT_SWITCHES = {
+    "pos_emb": "rope",
+    "norm": "rmsnorm",
+    "ffn": "relu2",
+    "bias": False,
+    "qkv_bias": False,
+    "qk_norm": True,
+    "rope_scaling": "",
+    "norm_weight": False,
+    "embed_norm": True,
+    "rope_reverse": True,
+}
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "gemma": "Gemma's scaled embeddings and GeGLU feed-forward",
     "gemma2": "Gemma 2's soft-capped logits",
-    "gemma3": "Gemma 3's scaled embeddings and sliding-window layers",
+    "gemma3": "Gemma 3's vision tower with its text model (Gemma3ForConditionalGeneration)",
     "mixtral": "Mixtral's mixture of experts",
     "qwen2_moe": "a mixture of experts",
     "qwen3_moe": "a mixture of experts",
-    "phi3": "Phi-3's fused qkv layout",
 }
 EXPORTABLE = (
     "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
-    "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's when "
-    "it came from one), with qkv_bias=true as Qwen2's and with qk_norm=true as Qwen3's"
+    "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's and "
+    "Phi-3's when it came from one; rope_dims and rope_scaling='longrope' as Phi-3's), with qkv_bias=true as "
+    "Qwen2's, with qk_norm=true as Qwen3's, with embed_scale, residual_scale, attn_scale or logits_scaling as "
+    "Granite's, with nope_layers as SmolLM3's, with norm_position='post', qk_norm=true and qk_norm_scope='all' as "
+    "OLMo 2's; and nanochat's (pos_emb='rope', norm='rmsnorm', ffn='relu2', bias=false, qk_norm=true, "
+    "norm_weight=false, embed_norm=true, rope_reverse=true, any logit_softcap); and Gemma 3's (ffn='geglu', "
+    "norm_position='both', norm_unit_offset=true, qk_norm=true, embed_scale=sqrt(n_embd), any attn_scale, "
+    "sliding_window, window_layers, rope_local_theta and logit_softcap)"
 )
 
 
@@ -70,9 +134,21 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
             ("tok_emb.weight", ("model.embed_tokens.weight",), False),
             ("norm.weight", ("model.norm.weight",), False),
         ]
+        # Phi-3 stores q, k and v as one matrix, and the gate and value, as gptlite does
         attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        fc, out = ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"
+        if family is PHI3:
+            attn, fc = ("self_attn.qkv_proj",), ("mlp.gate_up_proj",)
+        if family is NANOCHAT:  # a two-matrix MLP
+            fc, out = ("mlp.fc1",), "mlp.fc2"
+        # OLMo 2's norms are on the branches' outputs, under their own names
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if family is OLMO2:
+            norms = ("post_attention_layernorm", "post_feedforward_layernorm")
+        if family is GEMMA3:  # norms before and after each branch
+            norms = ("input_layernorm", "pre_feedforward_layernorm")
         layer = [
-            ("attn_norm.weight", ("input_layernorm.weight",), False),
+            ("attn_norm.weight", (f"{norms[0]}.weight",), False),
             ("attn.qkv.weight", tuple(f"{t}.weight" for t in attn), False),
             *([("attn.qkv.bias", tuple(f"{t}.bias" for t in attn), False)] if config.qkv_bias else []),
             ("attn.out_proj.weight", ("self_attn.o_proj.weight",), False),
@@ -84,11 +160,19 @@ def entries(family: Family, config: GPTConfig) -> list[Entry]:
                 if config.qk_norm
                 else []
             ),
-            ("ffn_norm.weight", ("post_attention_layernorm.weight",), False),
+            ("ffn_norm.weight", (f"{norms[1]}.weight",), False),
             # SwiGLU's fc: its first half is the gate (through silu), the second the value
-            ("ffn.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), False),
-            ("ffn.out_proj.weight", ("mlp.down_proj.weight",), False),
+            ("ffn.fc.weight", tuple(f"{t}.weight" for t in fc), False),
+            ("ffn.out_proj.weight", (f"{out}.weight",), False),
         ]
+        if family is GEMMA3:
+            layer += [
+                ("attn_post_norm.weight", ("post_attention_layernorm.weight",), False),
+                ("ffn_post_norm.weight", ("post_feedforward_layernorm.weight",), False),
+            ]
+        if not config.norm_weight:  # parameter-free norms (nanochat's) have no tensors
+            top = [entry for entry in top if not entry[0].startswith("norm.")]
+            layer = [entry for entry in layer if "norm." not in entry[0]]
     if not config.tie_embeddings:
         top.append(("lm_head.weight", ("lm_head.weight",), False))
     out = list(top)
@@ -111,26 +195,69 @@ def their_name(family: Family, name: str) -> str:
 
 
 def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
-    """The transformers architecture a model's switches map to (Mistral, which has Llama's, when `architecture` names
-    it); others are refused, naming the switches that export."""
+    """The transformers architecture a model's switches map to (Mistral's and Phi-3's, which have Llama's switches,
+    when `architecture` names them); others are refused, naming the switches that export."""
+    nanochat = all(getattr(config, k) == v for k, v in NANOCHAT_SWITCHES.items()) and not [
+        k for k in own_switches(config) if k not in NANOCHAT_SWITCHES
+    ]
     speedrun = [k for k in ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap") if getattr(config, k)]
+    gemma3 = (
+        all(getattr(config, k) == v for k, v in GEMMA3_SWITCHES.items())
+        and config.embed_scale == config.n_embd**0.5
+        and not [k for k in own_switches(config) if k not in GEMMA3_SWITCHES and k not in GEMMA3_FREE]
+    )
+    # nanochat's and Gemma's own cap their logits
+    speedrun = [k for k in speedrun if not ((nanochat or gemma3) and k == "logit_softcap")]
     if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
         raise ValueError(
             f"a model with {', '.join(f'{k}={getattr(config, k)}' for k in speedrun)} has no transformers "
             "architecture (these speedrun options change what the model computes); train without them to export"
         )
+    if nanochat:
+        return NANOCHAT
+    if gemma3:
+        return GEMMA3
     if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
         extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
-        if not extra:
+        if not extra and not own_switches(config):
             return GPT2
     elif (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias:
-        family = QWEN3 if config.qk_norm else QWEN2 if config.qkv_bias else LLAMA
-        if family is LLAMA and architecture == MISTRAL.architecture and not config.rope_scaling:
-            family = MISTRAL
-        if not (config.qk_norm and config.qkv_bias) and not (config.rope_scaling and family is not LLAMA):
+        family = llama_family(config, architecture)
+        if family is not None:
             return family
     raise ValueError(
         f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
         f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
-        f"rope_scaling={config.rope_scaling!r} has no transformers architecture; exportable are {EXPORTABLE}"
+        f"rope_scaling={config.rope_scaling!r}"
+        + "".join(f", {k}={getattr(config, k)!r}" for k in own_switches(config))
+        + f" has no transformers architecture; exportable are {EXPORTABLE}"
     )
+
+
+def own_switches(config: GPTConfig) -> list[str]:
+    """The switches of the families below that `config` sets to other than their defaults."""
+    return [k for k, v in OWN_SWITCHES.items() if getattr(config, k) != v]
+
+
+def llama_family(config: GPTConfig, architecture: str | None) -> Family | None:
+    """The family of Llama's layout whose own switches `config` sets (None where it sets two families' switches);
+    with none set, the family `architecture` names where it has Llama's switches, or Llama."""
+    own = {
+        QWEN2: config.qkv_bias,
+        QWEN3: config.qk_norm and config.qk_norm_scope == "head",
+        OLMO2: config.norm_position == "post" or config.qk_norm_scope == "all",
+        GRANITE: any(getattr(config, k) != v for k, v in GRANITE_SCALES.items()),
+        SMOLLM3: bool(config.nope_layers),
+        PHI3: config.rope_scaling == "longrope" or bool(config.rope_dims),
+    }
+    chosen = [family for family, on in own.items() if on]
+    if len(chosen) > 1 or (config.rope_scaling and chosen and chosen[0] in (QWEN2, QWEN3)):
+        return None
+    if chosen == [PHI3] and config.rope_scaling == "llama3":
+        return None
+    if chosen == [OLMO2] and not (config.norm_position == "post" and config.qk_norm_scope == "all"):
+        return None  # OLMo 2 has both
+    if chosen:
+        return chosen[0]
+    named = {f.architecture: f for f in (MISTRAL, GRANITE, SMOLLM3, PHI3)}.get(architecture)
+    return LLAMA if named is None or (named in (MISTRAL, PHI3) and config.rope_scaling) else named

@@ -36,7 +36,19 @@ import torch
 from gptlite.config import GPTConfig
 from gptlite.extras import need
 from gptlite.files import fault, fsync_dir, make_dir
-from gptlite.hf.families import GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, Family, family_of
+from gptlite.hf.families import (
+    GEMMA3,
+    GPT2,
+    GRANITE,
+    LLAMA,
+    MISTRAL,
+    OLMO2,
+    QWEN2,
+    QWEN3,
+    SMOLLM3,
+    Family,
+    family_of,
+)
 from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
 from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
 from gptlite.tokenizer.chat import check_messages, render
@@ -45,7 +57,19 @@ if TYPE_CHECKING:
     from gptlite.model import GPT
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
-ARCHITECTURES = {GPT2: "gpt2", LLAMA: "llama", MISTRAL: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}
+ARCHITECTURES = {
+    GPT2: "gpt2",
+    LLAMA: "llama",
+    MISTRAL: "llama",
+    QWEN2: "qwen2",
+    QWEN3: "qwen3",
+    GRANITE: "granite",
+    SMOLLM3: "smollm3",
+    OLMO2: "olmo2",
+    GEMMA3: "gemma3",
+}
+# the architectures whose RoPE pairs coordinates (0, 1), (2, 3), ...: q and k rows are reordered for them
+INTERLEAVED = (LLAMA, MISTRAL, GRANITE, SMOLLM3)
 
 # pre-tokenizer patterns as tokenizer.json files hold them -> llama.cpp's name for that splitting
 LLAMA3_PATTERN = (
@@ -83,6 +107,25 @@ def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tup
             "switches (pos_emb=learned norm=layernorm ffn=gelu) and Llama's (pos_emb=rope norm=rmsnorm ffn=swiglu "
             "bias=false, with qkv_bias as Qwen2, qk_norm as Qwen3), without the speedrun options"
         ) from None
+    if family not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF export of a {family.architecture} is not implemented (gptlite writes GGUF for "
+            f"{', '.join(sorted({f.architecture for f in ARCHITECTURES}))}); export it with python -m gptlite.hf "
+            "export and convert that directory with llama.cpp's convert_hf_to_gguf.py"
+        )
+    # llama.cpp's smollm3 has no key for its NoPE layers: every fourth layer is one
+    every_fourth = ",".join(str(i) for i in range(config.n_layer) if (i + 1) % 4 == 0)
+    if family is SMOLLM3 and config.nope_layers.replace(" ", "") != every_fourth:
+        raise ValueError(
+            f"llama.cpp's smollm3 has no positions in every fourth layer ({every_fourth or 'none here'}), and "
+            f"this model in layers {config.nope_layers}; GGUF export needs nope_layers={every_fourth!r}"
+        )
+    if family is GEMMA3 and config.attn_scale and config.attn_scale != config.head_width**-0.5:
+        raise ValueError(
+            f"llama.cpp's gemma3 scales attention by 1 / sqrt(head width) = {config.head_width**-0.5:.6g}, and this "
+            f"model by attn_scale={config.attn_scale:.6g} (query_pre_attn_scalar other than head_dim); GGUF export "
+            "needs them equal"
+        )
     return family, ARCHITECTURES[family]
 
 
@@ -252,14 +295,17 @@ def gguf_tensors(
     def bias(name: str, rows: int) -> torch.Tensor:  # GPT-2's layout has biases; a bias=False model's are zeros
         return weight(name) if name in state else torch.zeros(rows)
 
+    shift = 1.0 if config.norm_unit_offset else 0.0  # llama.cpp scales by the weight, Gemma by 1 + weight
+    norm = lambda name: weight(name) + shift  # noqa: E731
+
     yield "token_embd.weight", weight("tok_emb.weight")
     if family is GPT2:
         yield "position_embd.weight", weight("pos_emb.table.weight")
         yield "output_norm.weight", weight("norm.weight")
         yield "output_norm.bias", bias("norm.bias", config.n_embd)
     else:
-        yield "output_norm.weight", weight("norm.weight")
-    if not config.tie_embeddings:
+        yield "output_norm.weight", norm("norm.weight")
+    if not config.tie_embeddings or family is OLMO2:  # llama.cpp's olmo2 always reads an output matrix
         yield "output.weight", weight("lm_head.weight")
     if config.rope_scaling == "llama3":
         yield "rope_freqs.weight", rope_factors(config)
@@ -279,9 +325,11 @@ def gguf_tensors(
             continue
         q_rows, kv_rows = config.n_head * config.head_width, config.kv_heads * config.head_width
         q, k, v = weight(f"{ours}attn.qkv.weight").split([q_rows, kv_rows, kv_rows])
-        if family in (LLAMA, MISTRAL):
+        if family in INTERLEAVED:
             q, k = llama_rows(q, config.n_head), llama_rows(k, config.kv_heads)
-        yield f"{theirs}attn_norm.weight", weight(f"{ours}attn_norm.weight")
+        # OLMo 2's norms are on the branches' outputs
+        norms = ("post_attention_norm", "post_ffw_norm") if family is OLMO2 else ("attn_norm", "ffn_norm")
+        yield f"{theirs}{norms[0]}.weight", norm(f"{ours}attn_norm.weight")
         yield f"{theirs}attn_q.weight", q
         yield f"{theirs}attn_k.weight", k
         yield f"{theirs}attn_v.weight", v
@@ -291,10 +339,13 @@ def gguf_tensors(
             ):
                 yield f"{theirs}attn_{name}.bias", b
         if config.qk_norm:
-            yield f"{theirs}attn_q_norm.weight", weight(f"{ours}attn.qk_norm.q_norm.weight")
-            yield f"{theirs}attn_k_norm.weight", weight(f"{ours}attn.qk_norm.k_norm.weight")
+            yield f"{theirs}attn_q_norm.weight", norm(f"{ours}attn.qk_norm.q_norm.weight")
+            yield f"{theirs}attn_k_norm.weight", norm(f"{ours}attn.qk_norm.k_norm.weight")
         yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
-        yield f"{theirs}ffn_norm.weight", weight(f"{ours}ffn_norm.weight")
+        yield f"{theirs}{norms[1]}.weight", norm(f"{ours}ffn_norm.weight")
+        if family is GEMMA3:  # norms after the branches too
+            yield f"{theirs}post_attention_norm.weight", norm(f"{ours}attn_post_norm.weight")
+            yield f"{theirs}post_ffw_norm.weight", norm(f"{ours}ffn_post_norm.weight")
         gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
         yield f"{theirs}ffn_gate.weight", gate
         yield f"{theirs}ffn_up.weight", up
@@ -340,6 +391,17 @@ def add_hyperparameters(writer, family: Family, config: GPTConfig) -> None:
     if config.head_width * config.n_head != config.n_embd:
         writer.add_key_length(config.head_width)
         writer.add_value_length(config.head_width)
+    if family is GEMMA3:  # its local layers: the window, which they are, their RoPE base; its final soft cap
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([i in config.window_layer_ids for i in range(config.n_layer)])
+        writer.add_rope_freq_base_swa(config.rope_local_theta or config.rope_theta)
+        if config.logit_softcap:
+            writer.add_final_logit_softcapping(config.logit_softcap)
+    if family is GRANITE:
+        writer.add_embedding_scale(config.embed_scale)
+        writer.add_residual_scale(config.residual_scale)
+        writer.add_attention_scale(config.attn_scale or config.head_width**-0.5)
+        writer.add_logit_scale(config.logits_scaling)
 
 
 def add_tokenizer(writer, vocab: GGUFVocab, vocab_size: int) -> None:

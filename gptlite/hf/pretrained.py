@@ -4,12 +4,28 @@ state dict, tensor by tensor (GPT.from_pretrained builds the model from them), a
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
 
 from gptlite.config import GPTConfig, check_model_overrides
-from gptlite.hf.families import FAMILIES, GPT2, MISTRAL, QWEN2, QWEN3, UNSUPPORTED, Family, entries
+from gptlite.hf.families import (
+    FAMILIES,
+    GEMMA3,
+    GPT2,
+    GRANITE,
+    MISTRAL,
+    NANOCHAT,
+    OLMO2,
+    PHI3,
+    QWEN2,
+    QWEN3,
+    SMOLLM3,
+    UNSUPPORTED,
+    Family,
+    entries,
+)
 from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json
 
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -117,6 +133,8 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
     kv_heads = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or hidden // heads
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if family is GEMMA3:  # a RoPE per kind of layer
+        rope, local_rope = rope.get("full_attention", {}), rope.get("sliding_attention", {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     values = dict(
         vocab_size=c["vocab_size"],
@@ -137,9 +155,39 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
         qkv_bias=family is QWEN2,
         qk_norm=family is QWEN3,
     )
+    if family is GRANITE:
+        values.update(
+            embed_scale=float(c.get("embedding_multiplier", 1.0)),
+            residual_scale=float(c.get("residual_multiplier", 1.0)),
+            attn_scale=float(c.get("attention_multiplier", 1.0)),
+            logits_scaling=float(c.get("logits_scaling", 1.0)),
+        )
+    if family is NANOCHAT:  # relu^2, parameter-free norms (one on the embeddings too), RoPE the other way round
+        softcap = c.get("final_logit_softcapping")
+        values.update(
+            ffn="relu2",
+            norm_weight=False,
+            embed_norm=True,
+            rope_reverse=True,
+            qk_norm=True,
+            logit_softcap=float(softcap or 0.0),
+        )
+    if family is GEMMA3:
+        values.update(gemma3_values(c, local_rope))
+    if family is OLMO2:  # its norms on the branches' outputs; q and k normalised whole
+        values.update(norm_position="post", qk_norm=True, qk_norm_scope="all")
+    if family is SMOLLM3:  # no_rope_layers: 1 where a layer rotates q and k, 0 where it has no positions (NoPE)
+        rotates = c.get("no_rope_layers") or [
+            int((i + 1) % c.get("no_rope_layer_interval", 4) != 0) for i in range(c["num_hidden_layers"])
+        ]
+        values["nope_layers"] = ",".join(str(i) for i, on in enumerate(rotates) if not on)
     unsupported = []
-    if c.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={c['hidden_act']!r} (gptlite's SwiGLU uses silu)")
+    act = {NANOCHAT: "relu2", GEMMA3: "gelu_pytorch_tanh"}.get(family, "silu")
+    act_key = "hidden_activation" if family is GEMMA3 else "hidden_act"
+    if c.get(act_key, act) != act:
+        unsupported.append(f"{act_key}={c[act_key]!r} (gptlite's {family.architecture} uses {act})")
+    if family is GEMMA3:
+        unsupported += gemma3_unsupported(c)
     if c.get("attention_bias") and family is not QWEN2:
         unsupported.append("biases on the attention's projections, its output's too (attention_bias=true)")
     if c.get("mlp_bias"):
@@ -152,14 +200,73 @@ def llama_values(c: dict, family: Family) -> tuple[dict, int | None, list[str]]:
             rope_high_freq_factor=float(rope["high_freq_factor"]),
             rope_original_context=int(rope["original_max_position_embeddings"]),
         )
+    elif rope_type == "longrope" and family is PHI3:
+        values.update(longrope_values(c, rope))
     elif rope_type != "default":
-        unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's)")
-    window = c.get("sliding_window") if family is MISTRAL or c.get("use_sliding_window") else None
+        unsupported.append(f"RoPE scaling of type {rope_type!r} (gptlite has llama3's, and Phi-3's longrope)")
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial != 1 and family is PHI3:
+        values["rope_dims"] = int(head_dim * partial)
+    elif partial != 1:
+        unsupported.append(f"RoPE on part of each head (partial_rotary_factor={partial}; Phi-3's alone has it here)")
+    window = c.get("sliding_window") if family in (MISTRAL, PHI3) or c.get("use_sliding_window") else None
     if family in (QWEN2, QWEN3) and c.get("use_sliding_window"):
         unsupported.append("sliding-window attention in some layers (use_sliding_window=true)")
     if window:
         values["block_size"] = min(values["block_size"], window)  # within the window, attention is exact
     return values, window, unsupported
+
+
+def longrope_values(c: dict, rope: dict) -> dict:
+    """Phi-3's LongRoPE, as transformers computes it, within the original context: there the short factors divide
+    the frequencies and cos and sin are scaled by the attention factor (the long factors apply past it)."""
+    original = rope.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+    original = original or c["max_position_embeddings"]
+    factor = rope.get("factor") or c["max_position_embeddings"] / original
+    attention = rope.get("attention_factor") or (
+        1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    )
+    return dict(
+        rope_scaling="longrope",
+        rope_short_factor=",".join(repr(float(f)) for f in rope["short_factor"]),
+        rope_long_factor=",".join(repr(float(f)) for f in rope.get("long_factor") or []),
+        rope_attention_factor=float(attention),
+        rope_original_context=int(original),
+        block_size=min(c["max_position_embeddings"], int(original)),  # the long factors apply past it
+    )
+
+
+def gemma3_values(c: dict, local_rope: dict) -> dict:
+    """Gemma 3's switches: GeGLU, norms before and after each branch scaling by 1 + weight, per-head q/k norms,
+    embeddings times sqrt(hidden), its own attention scale, sliding-window layers with a RoPE base of their own."""
+    local = [i for i, kind in enumerate(c.get("layer_types") or []) if kind == "sliding_attention"]
+    window = c.get("sliding_window") or 0
+    softcap = c.get("final_logit_softcapping")
+    return dict(
+        ffn="geglu",
+        norm_position="both",
+        norm_unit_offset=True,
+        qk_norm=True,
+        embed_scale=c["hidden_size"] ** 0.5,
+        attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+        logit_softcap=float(softcap or 0.0),
+        sliding_window=window if local else 0,
+        window_layers=",".join(map(str, local)) if window else "",
+        rope_local_theta=float(local_rope.get("rope_theta", 10000.0)) if window and local else 0.0,
+    )
+
+
+def gemma3_unsupported(c: dict) -> list[str]:
+    """What of a Gemma 3 config gptlite's switches cannot hold."""
+    unsupported = []
+    if c.get("attn_logit_softcapping"):
+        unsupported.append(f"soft-capped attention scores (attn_logit_softcapping={c['attn_logit_softcapping']})")
+    if c.get("use_bidirectional_attention"):
+        unsupported.append("bidirectional attention (use_bidirectional_attention=true)")
+    local = (c.get("rope_parameters") or {}).get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default":
+        unsupported.append(f"RoPE scaling of type {local['rope_type']!r} in the sliding-window layers")
+    return unsupported
 
 
 def to_gptlite(
