@@ -301,7 +301,9 @@ def train(
     # ---------------------------------------------------------------------------------------------
     # 9. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
     # and the model, metrics.jsonl (and Weights & Biases), and in every checkpoint where it came from.
-    wandb_run, tensorboard, problem = None, None, None
+    wandb_run = None
+    tensorboard = None
+    problem = None
     if master and cfg.wandb_log:  # first: a tracker that cannot start stops the run before anything more is written
         wandb_run, problem = start_wandb(cfg, wandb_id)
     if master and cfg.tensorboard and problem is None:

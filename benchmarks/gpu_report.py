@@ -668,7 +668,8 @@ def report_all(args: Options) -> int:
     args.stop_at = started + args.hard_stop
     args.mfu_results = {}  # "chunked" / "whole" -> median ms per step, for the profile row's choice
     if args.tiny:
-        args.mfu_batch_sizes, args.mfu_iters = [4], 20
+        args.mfu_batch_sizes = [4]
+        args.mfu_iters = 20
     args.work = args.work_dir.resolve()
     args.logs = args.work / "logs" / time.strftime("%Y%m%d-%H%M%S")
     args.logs.mkdir(parents=True, exist_ok=True)

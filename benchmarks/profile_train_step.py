@@ -32,6 +32,7 @@ from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import TrainConfig, option  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
+from gptlite.files import write_text  # noqa: E402
 from gptlite.metrics import mfu, peak_flops  # noqa: E402
 from gptlite.optim import configure_optimizers  # noqa: E402
 
@@ -142,7 +143,8 @@ def profile(args: Options) -> int:
     for name, ms in top:
         print(f"{ms:8.2f}  {name[:110]}")
     if args.json:
-        Path(args.json).write_text(
+        write_text(  # whole or not at all: gpu_report.py reads it
+            Path(args.json),
             json.dumps(
                 {
                     "batch_size": B,
@@ -155,7 +157,7 @@ def profile(args: Options) -> int:
                 },
                 indent=1,
             )
-            + "\n"
+            + "\n",
         )
     return 0
 

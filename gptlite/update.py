@@ -76,7 +76,9 @@ class HostUpdate:
     def __init__(
         self, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler, ema: WeightAverage | None
     ):
-        self.optimizers, self.scaler, self.ema = optimizers, scaler, ema
+        self.optimizers = optimizers
+        self.scaler = scaler
+        self.ema = ema
         self.pending = False  # nothing is ever left to read
 
     def apply(self, step: int, lr: float, no_update: str | None, names: list[str], stats: torch.Tensor):
@@ -101,7 +103,8 @@ class DeviceUpdate:
     docstring). Every optimizer is a fused AdamW, and no loss scaler is on (`make_update`)."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], ema: WeightAverage | None):
-        self.optimizers, self.ema = optimizers, ema
+        self.optimizers = optimizers
+        self.ema = ema
         self.waiting: tuple | None = None  # (step, lr, no_update, names, host copy, its copy's event)
 
     @property
