@@ -7,7 +7,7 @@
                      [--max_new_tokens=500] [--temperature=0.8] [--top_k=200] [--top_p=None]
                      [--repetition_penalty=1.0] [--frequency_penalty=0.0] [--stop=STRING ...]
                      [--stop_at_eot=true] [--batch_size=8] [--seed=1337] [--device=auto] [--dtype=auto]
-                     [--compile=false] [--quantize=int8] [--extend_context=false]
+                     [--compile=false] [--quantize=int8|int4] [--extend_context=false]
 
 --model names a training run's folder (default: out, train.py's), a Hugging Face directory (GPT-2, Llama, Mistral,
 Qwen2, Qwen3) or a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl); --out_dir and --init_from, its old
@@ -86,7 +86,7 @@ class SampleOptions:
     )
     quantize: str = option(
         "",
-        "int8: weight-only int8 weights (a quarter of float32's bytes; fastest with --compile)",
+        "int8 or int4: weight-only quantized weights (a quarter or an eighth of float32's bytes; int4 on the CPU)",
         choices=QUANTIZE_CHOICES,
     )
     extend_context: bool = option(

@@ -39,7 +39,7 @@ RL_OPTIONS = (  # --rl (gptlite.rl); rl_prompts and reward have a message of the
     "rl_clip",
     "rl_kl_beta",
 )
-QUANTIZE_CHOICES = ("", "int8")  # weight-only quantizations gptlite.quantize does ("" = none)
+QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
 

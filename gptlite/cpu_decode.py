@@ -20,6 +20,8 @@ import json
 import os
 import time
 import weakref
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -131,9 +133,8 @@ def measure(shape: tuple[int, int], rows: int, rounds: int = 5) -> dict[str, flo
     """Seconds a call of each kernel takes on `rows` rows of a random (N, K) float32 weight, as decoding calls it: a
     model's weights are far larger than the CPU's caches, so each layer's weight comes from memory. So each kernel
     gets copies of the weight spanning COLD_BYTES and calls them in turn, each call reading a weight the caches have
-    since lost. The time is the best of `rounds` rounds over every copy, the kernels taking turns within each round
-    so that a burst of other work slows all of them alike. The slab kernel is measured at one row only (it runs
-    several rows through F.linear). For GPT-2-124M's five shapes, one row and eight, this takes a few seconds."""
+    since lost (`time_in_turns`). The slab kernel is measured at one row only (it runs several rows through
+    F.linear). For GPT-2-124M's five shapes, one row and eight, this takes a few seconds."""
     N, K = shape
     copies = max(2, min(64, -(-COLD_BYTES // (N * K * 4))))  # the smallest layers packed (1 MiB) span 64 MiB
     names = [n for n in KERNELS if n != "slab" or rows == 1]
@@ -145,16 +146,23 @@ def measure(shape: tuple[int, int], rows: int, rounds: int = 5) -> dict[str, flo
         for name in names:
             kernels[name].append(make_kernel(name, linear, rows))
     x = torch.randn(rows, K)
-    best = dict.fromkeys(names, float("inf"))
+    return time_in_turns({name: [partial(kernel, x) for kernel in each] for name, each in kernels.items()}, rounds)
+
+
+def time_in_turns(calls: dict[str, list[Callable[[], object]]], rounds: int = 5) -> dict[str, float]:
+    """The seconds one call of each kind takes: the best of `rounds` rounds over all of that kind's calls (each on
+    a copy of the weight of its own, so that each reads memory, not cache), the kinds taking turns within each
+    round so that a burst of other work slows all of them alike. Every call runs once first (allocations, packing)."""
+    best = dict.fromkeys(calls, float("inf"))
     with torch.no_grad():
-        for each in kernels.values():
-            for kernel in each:
-                kernel(x)  # first calls allocate and pack
+        for each in calls.values():
+            for call in each:
+                call()
         for _ in range(rounds):
-            for name, each in kernels.items():
+            for name, each in calls.items():
                 start = time.perf_counter()
-                for kernel in each:
-                    kernel(x)
+                for call in each:
+                    call()
                 best[name] = min(best[name], (time.perf_counter() - start) / len(each))
     return best
 
@@ -167,17 +175,24 @@ def choose_kernel(shape: tuple[int, int], rows: int) -> str:
         if forced not in KERNELS:
             raise ValueError(f"{FORCE_ENV}={forced!r}: choose one of {', '.join(KERNELS)}, or unset it to measure")
         return "linear" if forced == "slab" and rows != 1 else forced
+    key = f"{shape[0]}x{shape[1]}, {rows} rows"
+    return remembered_choice(key, KERNELS, DEFAULT[rows == 1], lambda: measure(shape, rows))
+
+
+def remembered_choice(key: str, names: Sequence[str], default: str, measure: Callable[[], dict[str, float]]) -> str:
+    """The choice among `names` kept for `key` on this machine (`machine_key`) in the choices file, or, when there
+    is none, `measure()`'s fastest where it beat `default` by the margin (else `default`), kept in the file for the
+    next process."""
     path = choices_file()
     if path not in _choices:
         _choices[path] = read_choices(path)
     choices = _choices[path]
     machine = machine_key()
-    key = f"{shape[0]}x{shape[1]}, {rows} rows"
     kept = choices.get(machine, {}).get(key)
-    if kept in KERNELS:
+    if kept in names:
         return kept
-    times = measure(shape, rows)
-    choice = DEFAULT[rows == 1]
+    times = measure()
+    choice = default
     fastest = min(times, key=times.get)
     if times[fastest] < MARGIN * times[choice]:
         choice = fastest

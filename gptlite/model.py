@@ -818,12 +818,13 @@ class GPT(nn.Module):
 
         return generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
 
-    def quantize(self, mode: str = "int8") -> GPT:
-        """Weight-only int8 quantization for generation and evaluation, in place; returns the model (see
+    def quantize(self, mode: str = "int8", group_size: int = 32) -> GPT:
+        """Weight-only quantization for generation and evaluation, in place: mode "int8" (a scale per output row)
+        or "int4" (a scale per `group_size` weights of a row, q4_0's rule); returns the model (see
         gptlite.quantize)."""
         from gptlite.quantize import quantize
 
-        return quantize(self, mode)
+        return quantize(self, mode, group_size)
 
     def num_params(self, exclude_positions: bool = False) -> int:
         """Parameter count; the tied head and embedding are one tensor and are counted once."""

@@ -1,19 +1,39 @@
-"""Weight-only int8 quantization for inference: every matrix of the model as int8 with one scale per output row.
+"""Weight-only quantization for inference: int8 with one scale per output row, int4 with one scale per group of
+input columns.
 
 `quantize(model, "int8")` replaces, in place, each block's linear layers and the tied embedding / output head
 with int8 copies: W ~= scale[:, None] * Q, Q = round(W / scale) in [-127, 127], scale = max|W[row]| / 127
-(symmetric, per output channel, as in gpt-fast and torchao's int8 weight-only scheme). Activations, norms,
-biases and positions stay in the model's floating dtype, and the matmul runs in that dtype on the
-dequantized weight: `linear(x, Q) * scale`, which equals `linear(x, scale * Q)` because the scale belongs to
-the output row. Weights take a quarter of their float32 bytes, which is what a batch-1 decode step is bound
-by; the speed comes with `compile=True`, where torch.compile fuses the int8-to-float conversion into the
-matrix-vector product, so only int8 bytes move (eager, the conversion is a separate pass over the weight).
+(symmetric, per output channel, as in gpt-fast and torchao's int8 weight-only scheme).
 
-A quantized model is for generation and evaluation only: its int8 weights are buffers, not parameters.
+`quantize(model, "int4", group_size=32)` stores each group of `group_size` consecutive weights of a row as 4-bit
+codes with one scale: W ~= d * (q - 8), q in [0, 15], d = m / -8 where m is the group's weight of largest
+magnitude, sign kept: llama.cpp's q4_0 rule (whose blocks are 32 wide), so that a group-32 model exports to a q4_0
+GGUF file bit for bit (gptlite.hf.gguf). The scale is rounded to bfloat16 first (what the kernel reads at bfloat16
+activations; a bfloat16 number is exact in q4_0's float16 where it lies in float16's normal range) and the codes are
+rounded against that rounded scale. The token embedding stays int8 (a lookup reads one row of a table; the int4
+kernel multiplies by its table and cannot read a row out of it), and so does a layer whose shape the int4 kernel
+does not take (output rows not a multiple of 16, input columns not a multiple of the group).
+
+The matmul runs on the packed low-bit weight itself, never on a dequantized float copy, through PyTorch's CPU
+kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale) and
+`torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout, per-group scales). Both
+take float32 or bfloat16 activations, and which is faster depends on the CPU: on an Intel Xeon with AVX-512 and
+AMX, bfloat16 activations ran both several times faster than float32 ones (figures: docs/generation.md). So, as
+for the float32 kernels of gptlite.cpu_decode, the activation dtype of each layer shape is measured on the CPU at
+hand, for one row (decoding) and for a batch, and kept in cpu_decode's choices file; bfloat16 activations round
+each layer's input and output to bfloat16 (the accuracy cost is in docs/generation.md). GPTLITE_QUANT_KERNEL=
+float32|bfloat16|dequantize forces one way for every layer (dequantize, int8 only: the old path, F.linear on the
+weight converted to the activations' dtype and times the scale, what other devices run). Layers smaller than
+cpu_decode.PACK_MIN_WEIGHTS are not measured: they run float32 activations (int4) or the dequantized path (int8).
+
+A quantized model is for generation and evaluation only: its low-bit weights are buffers, not parameters. int4
+runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
 """
 
 from __future__ import annotations
 
+import os
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,11 +41,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlite.config import QUANTIZE_CHOICES
+from gptlite.cpu_decode import COLD_BYTES, PACK_MIN_WEIGHTS, remembered_choice, time_in_turns
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
 
-MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8",): declared with --quantize's choices
+MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8", "int4"): declared with --quantize's choices
+INT4_GROUP_SIZES = (32, 64, 128)  # 32 is q4_0's block
+INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output rows in blocks of 16
+FORCE_ENV = "GPTLITE_QUANT_KERNEL"
+ACTIVATIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,31 +61,218 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(weight.dtype)
 
 
-class Int8Linear(nn.Module):
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) float -> (q (N, K) int32 codes in [0, 15], d (N, K / group_size) float32, each a bfloat16
+    number), weight ~= d * (q - 8) group by group: q4_0's rule (the module docstring)."""
+    N, K = weight.shape
+    groups = weight.detach().float().reshape(N, K // group_size, group_size)  # (N, G, g)
+    index = groups.abs().argmax(dim=2, keepdim=True)  # the largest magnitude, its sign kept
+    d = (groups.gather(2, index) / -8).to(torch.bfloat16).float()  # (N, G, 1)
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(groups * inverse + 8).clamp(0, 15).to(torch.int32)  # (N, G, g)
+    return q.reshape(N, K), d.squeeze(2)
+
+
+def forced_kernel() -> str:
+    """GPTLITE_QUANT_KERNEL's way, or "" to measure."""
+    forced = os.environ.get(FORCE_ENV, "")
+    if forced and forced not in (*ACTIVATIONS, "dequantize"):
+        raise ValueError(f"{FORCE_ENV}={forced!r}: choose float32, bfloat16 or dequantize, or unset it to measure")
+    return forced
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a measurement stands for: one row (decoding one sequence) or a batch (measured at 8)."""
+    return 1 if rows == 1 else 8
+
+
+class QuantizedLinear(nn.Module):
+    """What Int8Linear and Int4Linear share: the bias, the per-row-count choice of kernel, and the forward that
+    flattens the input to the 2-D rows the kernels take."""
+
+    kind = ""
+    default_small = ""  # the way of layers too small to measure
+    ways: tuple[str, ...] = ()
+
+    def __init__(self, bias: torch.Tensor | None, out_features: int, in_features: int):
+        super().__init__()
+        self.register_buffer("bias", None if bias is None else bias.detach())  # (N,) or None
+        self.out_features, self.in_features = out_features, in_features
+        self._ways: dict[int, str] = {}  # row bucket -> chosen way, looked up once per layer and bucket
+        self._scales: dict[torch.dtype, torch.Tensor] = {}  # the scales in each activation dtype the kernel takes
+
+    def way(self, rows: int) -> str:
+        """How this layer multiplies `rows` rows: forced, small (not measured), off the CPU, or measured."""
+        bucket = row_bucket(rows)
+        if bucket not in self._ways:
+            self._ways[bucket] = self.choose(bucket)
+        return self._ways[bucket]
+
+    def choose(self, bucket: int) -> str:
+        forced = forced_kernel()
+        if forced in self.ways:
+            return forced
+        if self.device_type() != "cpu":
+            return self.ways[-1]
+        if self.out_features * self.in_features < PACK_MIN_WEIGHTS:
+            return self.default_small
+        key = f"{self.kind} {self.out_features}x{self.in_features}, {bucket} rows"
+        shape = (self.out_features, self.in_features)
+        return remembered_choice(key, self.ways, self.default_small, partial(self.measure, shape, bucket))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.size(-1))  # (M, K)
+        way = self.way(rows.size(0))
+        y = self.multiply(rows, way).to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., N)
+        return y if self.bias is None else y + self.bias
+
+    def scales(self, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's scales in `dtype`, converted once (a model moved to another device converts again)."""
+        scales = self.scale_tensor()
+        kept = self._scales.get(dtype)
+        if kept is None or kept.device != scales.device:
+            kept = self._scales[dtype] = scales.to(dtype)
+        return kept
+
+    def _apply(self, fn, recurse=True):
+        self._scales = {}  # moved or converted: the converted scales are made again from the new ones
+        return super()._apply(fn, recurse)
+
+    def device_type(self) -> str:
+        return self.scale_tensor().device.type
+
+    def scale_tensor(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def multiply(self, rows: torch.Tensor, way: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def measure(cls, shape: tuple[int, int], bucket: int) -> dict[str, float]:
+        """Seconds a call of each way takes on `bucket` rows of random weights of `shape`, each call reading a weight
+        the caches have lost (copies spanning cpu_decode.COLD_BYTES, as the float32 kernels are measured)."""
+        N, K = shape
+        copies = max(2, min(64, -(-COLD_BYTES // max(1, cls.bytes_per_weight(N, K)))))
+        layers = [cls.random(N, K) for _ in range(copies)]
+        x = torch.randn(bucket, K)
+        calls = {way: [partial(layer.multiply, x, way) for layer in layers] for way in cls.ways if way != "dequantize"}
+        return time_in_turns(calls)
+
+    @staticmethod
+    def bytes_per_weight(N: int, K: int) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def random(cls, N: int, K: int) -> QuantizedLinear:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
     """A linear layer whose weight is int8 with a per-output-row scale: y = (x Q^T) * scale + bias."""
 
+    kind = "int8"
+    default_small = "dequantize"
+    ways = ("bfloat16", "float32", "dequantize")  # dequantize last: what other devices run
+
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
+        super().__init__(bias, *weight.shape)
         self.register_buffer("weight", weight)  # (N, K) int8
         self.register_buffer("scale", scale)  # (N,)
-        self.register_buffer("bias", None if bias is None else bias.detach())  # (N,) or None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         return cls(*quantize_rows(linear.weight), linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)  # (..., N)
-        return y if self.bias is None else y + self.bias
+    @classmethod
+    def random(cls, N: int, K: int) -> Int8Linear:
+        return cls(torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N) / 127, None)
+
+    @staticmethod
+    def bytes_per_weight(N: int, K: int) -> int:
+        return N * K
+
+    def scale_tensor(self) -> torch.Tensor:
+        return self.scale
+
+    def multiply(self, rows: torch.Tensor, way: str) -> torch.Tensor:
+        if way == "dequantize":
+            return F.linear(rows, self.weight.to(rows.dtype)) * self.scale.to(rows.dtype)  # (M, N)
+        dtype = ACTIVATIONS[way]
+        return torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.weight, self.scales(dtype))  # (M, N)
+
+    def dequantized(self) -> torch.Tensor:
+        """The (N, K) float32 weight this layer multiplies by."""
+        return self.scale.float()[:, None] * self.weight.float()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.weight.size(1)}, out_features={self.weight.size(0)}, int8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int4Linear(QuantizedLinear):
+    """A linear layer whose weight is 4-bit codes in groups of `group_size` with one scale each (q4_0's rule, the
+    module docstring), held in the int4 kernel's packed layout: `packed` (N, K / 2) uint8 and `scales_and_zeros`
+    (K / group_size, N, 2), each group's scale and a zero of 0 (the kernel computes (q - 8) * scale + zero)."""
+
+    kind = "int4"
+    default_small = "float32"
+    ways = ("bfloat16", "float32")
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None,
+        in_features: int,
+    ):
+        super().__init__(bias, packed.size(0), in_features)
+        self.group_size = group_size
+        self.register_buffer("packed", packed)  # (N, K / 2) uint8
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # (K / group_size, N, 2) float32
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> Int4Linear:
+        q, d = quantize_groups(weight, group_size)  # (N, K), (N, G)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K / 2) uint8
+        scales_and_zeros = torch.stack([d.t(), torch.zeros_like(d.t())], dim=2).contiguous()  # (G, N, 2)
+        return cls(packed, scales_and_zeros, group_size, bias, weight.size(1))
+
+    @classmethod
+    def random(cls, N: int, K: int) -> Int4Linear:
+        return cls.from_weight(torch.randn(N, K), None, INT4_GROUP_SIZES[0])
+
+    @staticmethod
+    def fits(weight: torch.Tensor, group_size: int) -> bool:
+        """Whether the int4 kernel takes this (N, K) weight in groups of `group_size`."""
+        N, K = weight.shape
+        return N % INT4_ROW_MULTIPLE == 0 and K % group_size == 0
+
+    @staticmethod
+    def bytes_per_weight(N: int, K: int) -> int:
+        return N * K // 2
+
+    def scale_tensor(self) -> torch.Tensor:
+        return self.scales_and_zeros
+
+    def multiply(self, rows: torch.Tensor, way: str) -> torch.Tensor:
+        dtype = ACTIVATIONS[way]
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return kernel(rows.to(dtype), self.packed, self.group_size, self.scales(dtype))  # (M, N)
+
+    def dequantized(self) -> torch.Tensor:
+        """The (N, K) float32 weight this layer multiplies by: the kernel applied to the identity matrix (float32
+        activations: each output is one weight times 1, exact), which reads the packed layout without restating it."""
+        identity = torch.eye(self.in_features, device=self.packed.device)
+        return self.multiply(identity, "float32").t().contiguous()  # (N, K)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"
 
 
 class Int8Embedding(nn.Module):
-    """The token embedding as an int8 table: a row is looked up and dequantized. With a tied head the table is the
-    output head's (weight tying survives quantization: `head` is that Int8Linear, not registered twice); an untied
-    embedding owns its table."""
+    """The token embedding as an int8 table: a row is looked up and dequantized. With a tied int8 head the table is
+    the output head's (weight tying survives quantization: `head` is that Int8Linear, not registered twice); an
+    untied embedding, or one tied to an int4 head, owns its table."""
 
     def __init__(self, head: Int8Linear, owned: bool = False):
         super().__init__()
@@ -82,28 +294,80 @@ class Int8Embedding(nn.Module):
         return self._table().scale
 
 
-def check_mode(mode: str) -> None:
-    """ValueError unless mode is a quantization this module does ("" = none)."""
+def check_mode(mode: str, group_size: int = INT4_GROUP_SIZES[0]) -> None:
+    """ValueError unless mode is a quantization this module does ("" = none) with a group size it takes."""
     if mode not in ("", *MODES):
         raise ValueError(f"quantize={mode!r} is not supported; use {' or '.join(map(repr, MODES))}, or leave it out")
+    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+        sizes = ", ".join(map(str, INT4_GROUP_SIZES))
+        raise ValueError(f"quantize='int4' with group_size={group_size}: use one of {sizes} (32 is q4_0's)")
 
 
-def quantize(model: GPT, mode: str = "int8") -> GPT:
+def is_quantized(model: GPT) -> bool:
+    return isinstance(model.lm_head, QuantizedLinear)
+
+
+def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[0]) -> GPT:
     """Quantize model's weights in place (see the module docstring) and return it, in eval mode."""
-    check_mode(mode)
+    check_mode(mode, group_size)
     if not mode:
         return model
-    if isinstance(model.lm_head, Int8Linear):
+    if is_quantized(model):
         return model.eval()  # already quantized
+    if mode == "int4" and model.lm_head.weight.device.type != "cpu":
+        raise ValueError(
+            f"quantize='int4' runs on the CPU (PyTorch's int4 kernel is a CPU one); the model is on "
+            f"{model.lm_head.weight.device.type}: use int8 there, or bfloat16 weights"
+        )
+    make = Int8Linear.from_linear if mode == "int8" else partial(int4_or_int8, group_size=group_size)
     for block in model.blocks:
         for parent in (block.attn, block.ffn):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, Int8Linear.from_linear(child))
+                    setattr(parent, name, make(child))
     tied = model.lm_head.weight is model.tok_emb.weight
     embedding = model.tok_emb.weight
-    model.lm_head = Int8Linear.from_linear(model.lm_head)
-    model.tok_emb = (
-        Int8Embedding(model.lm_head) if tied else Int8Embedding(Int8Linear(*quantize_rows(embedding), None), owned=True)
-    )  # (V, C) rows as a head's
+    model.lm_head = make(model.lm_head)
+    if tied and isinstance(model.lm_head, Int8Linear):
+        model.tok_emb = Int8Embedding(model.lm_head)
+    else:
+        model.tok_emb = Int8Embedding(Int8Linear(*quantize_rows(embedding), None), owned=True)  # (V, C) rows
     return model.eval().requires_grad_(False)
+
+
+def int4_or_int8(linear: nn.Linear, group_size: int) -> QuantizedLinear:
+    """`linear` in int4 where the int4 kernel takes its shape, else in int8."""
+    if Int4Linear.fits(linear.weight, group_size):
+        return Int4Linear.from_weight(linear.weight, linear.bias, group_size)
+    return Int8Linear.from_linear(linear)
+
+
+def gguf_type_of(model: GPT) -> str:
+    """The GGUF type a quantized model's weights are ("q8_0" for int8, "q4_0" for int4 in groups of 32; "" for int4
+    in other groups, which llama.cpp has no type for)."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if not layers:
+        return "q8_0"
+    return "q4_0" if all(layer.group_size == 32 for layer in layers) else ""
+
+
+def dequantized_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """The float32 state dict of the float model a quantized one multiplies by, under the float model's names: each
+    quantized layer's `weight` dequantized (its other buffers left out), and a tied model's embedding the head's
+    weight, as in the float model (with an int4 head, the int4 weights: llama.cpp's file holds one table for both)."""
+    state = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, QuantizedLinear):
+            state[f"{prefix}weight"] = module.dequantized()
+            if module.bias is not None:
+                state[f"{prefix}bias"] = module.bias
+        elif not isinstance(module, Int8Embedding):
+            state.update({f"{prefix}{key}": value for key, value in module.named_parameters(recurse=False)})
+            state.update({f"{prefix}{key}": value for key, value in module.named_buffers(recurse=False)})
+    state = {k: v for k, v in state.items() if not k.startswith("tok_emb.table.")}
+    if model.config.tie_embeddings:
+        state["tok_emb.weight"] = state["lm_head.weight"]
+    else:
+        state["tok_emb.weight"] = model.tok_emb.table.dequantized()
+    return state

@@ -108,7 +108,7 @@ def test_compiled_int8_generation_equals_eager():
 
 
 def test_unknown_quantization_is_refused_before_loading(tmp_path):
-    with pytest.raises(ValueError, match="quantize='int4' is not supported; use 'int8', or leave it out"):
-        load_model(tmp_path / "no such run", quantize="int4")
+    with pytest.raises(ValueError, match="quantize='int2' is not supported; use 'int8' or 'int4', or leave it out"):
+        load_model(tmp_path / "no such run", quantize="int2")
     with pytest.raises(ValueError, match="quantize='fp8' is not supported"):
         tiny_model().quantize("fp8")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
-from gptlite.config import DTYPE_CHOICES, option
+from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
 from gptlite.distributed import processes
 from gptlite.evaluate.bpb import byte_lengths, evaluate_windows
@@ -102,6 +102,11 @@ class EvaluateOptions:
         "auto",
         "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
         choices=DTYPE_CHOICES,
+    )
+    quantize: str = option(
+        "",
+        "int8 or int4: score the model with weight-only quantized weights (int4: on the CPU)",
+        choices=QUANTIZE_CHOICES,
     )
     json: str = option("", "also write the results to this JSON file")
 
@@ -225,7 +230,9 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     dtype = pick_dtype(args.dtype, device)
     model, tokenizer = load_model(init_from=args.model, tokenizer=args.tokenizer)
     model = model.to(device, getattr(torch, dtype)).eval()
-    results = {"model": args.model, "device": device, "dtype": dtype}
+    if args.quantize:
+        model.quantize(args.quantize)
+    results = {"model": args.model, "device": device, "dtype": dtype, "quantize": args.quantize}
     for task in tasks:
         start = time.perf_counter()
         if task == "val":

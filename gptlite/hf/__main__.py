@@ -16,8 +16,8 @@ AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds an
 folder as it was. A LoRA run exports as its merged model, or with --adapter as a PEFT adapter
 (adapter_config.json, adapter_model.safetensors) for its base model.
 
---format=gguf writes FILE.gguf (see gptlite.hf.gguf: the weights as f32, f16, bf16 or q8_0, the tokenizer, the chat
-template) and, when the model has a chat template, an Ollama Modelfile beside it (FILE.Modelfile for FILE.gguf, so
+--format=gguf writes FILE.gguf (see gptlite.hf.gguf: the weights as f32, f16, bf16, q8_0 or q4_0, the tokenizer, the
+chat template) and, when the model has a chat template, an Ollama Modelfile beside it (FILE.Modelfile for FILE.gguf, so
 that files of several types share a folder; then `ollama create NAME -f FILE.Modelfile`). An existing file is
 replaced only with --overwrite, and only by a whole one.
 """

@@ -221,11 +221,11 @@ def export_hf(
     is checked before the first write, and the folder ends holding exactly these files, all written or none: a
     folder that holds anything is replaced only with overwrite=True, and then moves aside whole to
     DIR-previous-TIME (which `log` is told)."""
-    from gptlite.quantize import Int8Linear
+    from gptlite.quantize import is_quantized
 
-    if isinstance(model.lm_head, Int8Linear):
+    if is_quantized(model):
         raise ValueError(
-            "an int8-quantized model cannot be exported: its weights are rounded; export the float model "
+            "a quantized model cannot be exported: its weights are rounded; export the float model "
             "(quantize after loading, e.g. sample.py --quantize=int8)"
         )
     family = family_of(model.config, architecture or model.source_architecture)

@@ -16,10 +16,13 @@ Llama 3's: "llama-bpe"; Qwen2's: "qwen2"; SmolLM's digits-first GPT-2 split: "sm
 llama.cpp should not either. A chat template goes in as it is.
 
 Types: f32 keeps every tensor in float32; f16 and bf16 store the weight matrices so, and norms, biases and learned
-positions in float32, as llama.cpp's converter does; q8_0 quantizes the matrices with the `gguf` package's
-reference quantizer (blocks of 32; a matrix whose rows are not a multiple of 32 goes in f16).
+positions in float32, as llama.cpp's converter does; q8_0 and q4_0 quantize the matrices with the `gguf` package's
+reference quantizer (blocks of 32; a matrix whose rows are not a multiple of 32 goes in f16). A model gptlite
+quantized itself (gptlite.quantize) exports as the one type its weights are: int4 in groups of 32 as q4_0, the same
+codes and scales bit for bit (q4_0's rule; a scale below float16's normal range loses bits there); int8 as q8_0,
+each block of 32 rounded again (one scale per row is not q8_0's one scale per block).
 
-    python -m gptlite.hf export --format=gguf --out_dir=RUN --out=FILE.gguf [--type=f32|f16|bf16|q8_0]
+    python -m gptlite.hf export --format=gguf --out_dir=RUN --out=FILE.gguf [--type=f32|f16|bf16|q8_0|q4_0]
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from gptlite.tokenizer.chat import check_messages, render
 if TYPE_CHECKING:
     from gptlite.model import GPT
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ARCHITECTURES = {
     GPT2: "gpt2",
     LLAMA: "llama",
@@ -364,8 +367,9 @@ def stored(name: str, tensor: torch.Tensor, kind: str):
         "f16": gguf.GGMLQuantizationType.F16,
         "bf16": gguf.GGMLQuantizationType.BF16,
         "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
     }[kind]
-    if qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
+    if kind in ("q8_0", "q4_0") and data.shape[-1] % 32:
         qtype = gguf.GGMLQuantizationType.F16
     return gguf.quants.quantize(data, qtype), qtype
 
@@ -459,13 +463,18 @@ def export_gguf(
     GGUF_TYPES). Everything is checked before anything is written; the file is written beside `out` under a
     temporary name and takes its name only when whole, so an interrupted export leaves no partial file and an
     earlier file is replaced (with overwrite=True) only by a whole one."""
-    from gptlite.quantize import Int8Linear
+    from gptlite.quantize import dequantized_state_dict, gguf_type_of, is_quantized
 
     gguf = need("gguf", "gguf", "GGUF export")
     if kind not in GGUF_TYPES:
         raise ValueError(f"--type={kind} must be one of {', '.join(GGUF_TYPES)}")
-    if isinstance(model.lm_head, Int8Linear):
-        raise ValueError("an int8-quantized model cannot be exported: export the float model (--type=q8_0 quantizes)")
+    if is_quantized(model) and kind != gguf_type_of(model):
+        raise ValueError(
+            f"a model quantized as {gguf_type_of(model) or 'int4 in groups other than 32'} exports only as "
+            f"{gguf_type_of(model) or 'nothing llama.cpp has'}, not --type={kind}: export the float model with "
+            f"--type={kind}"
+        )
+    state = dequantized_state_dict(model) if is_quantized(model) else model.state_dict()
     out = Path(out)
     check_out(out, overwrite)
     family, arch = gguf_architecture(model.config, architecture or model.source_architecture)
@@ -479,6 +488,7 @@ def export_gguf(
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     }[kind]
     folder = make_dir(out.parent or Path("."))
     tmp = folder / f".{out.name}.tmp-{os.getpid()}"
@@ -486,11 +496,11 @@ def export_gguf(
     try:
         writer.add_name(name or out.stem)
         writer.add_file_type(file_type)
-        if kind == "q8_0":
+        if kind in ("q8_0", "q4_0"):
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_hyperparameters(writer, family, model.config)
         add_tokenizer(writer, vocab, model.config.vocab_size)
-        for tensor_name, tensor in gguf_tensors(family, model.state_dict(), model.config):
+        for tensor_name, tensor in gguf_tensors(family, state, model.config):
             data, qtype = stored(tensor_name, tensor, kind)
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
         writer.write_header_to_file()

@@ -75,7 +75,9 @@ class ServeOptions:
         "compile three graphs); for GPUs: on a CPU the default eager path, sample.py's "
         "slab and packed layers, decodes faster (docs/serve.md)",
     )
-    quantize: str = option("", "int8: weight-only int8 weights", choices=QUANTIZE_CHOICES)
+    quantize: str = option(
+        "", "int8 or int4: weight-only quantized weights (int4: on the CPU)", choices=QUANTIZE_CHOICES
+    )
     api_key: str = option(
         "", f"the key clients must send as Authorization: Bearer KEY (default: ${KEY_VARIABLE}; unset: no key)"
     )
