@@ -1,16 +1,22 @@
 """Today's open models, measured on a SmolLM2-360M-shaped checkpoint (random weights from transformers: hidden 960,
-32 layers, 15 heads, 5 key/value heads, SwiGLU 2,560, vocabulary 49,152, tied):
+32 layers, 15 heads, 5 key/value heads, SwiGLU 2,560, vocabulary 49,152, tied), or with --family=gemma3 on a Gemma 3
+270M-shaped one (Gemma3ForCausalLM: hidden 640, 18 layers, 4 heads, 1 key/value head of width 256, GeGLU 2,048,
+vocabulary 262,144, tied; 5 sliding-window layers of 512 positions to each global one, as google/gemma-3-270m):
 
-1. loading memory: each loader in a fresh process, the peak RSS of loading plus one forward pass above the RSS
-   after the imports, against the loaded model's bytes, in bfloat16 and float32 (ours: GPT.from_pretrained with
-   dtype=None; transformers: AutoModelForCausalLM.from_pretrained with dtype="auto");
-2. decode tokens/s at batch 1 and 8, float32, greedy: the GQA model against the same weights with n_kv_head =
-   n_head (k and v heads repeated: the same function, a 3x larger cache), and against transformers' generate.
+1. loading: each loader in a fresh process, the wall time of the load and the peak RSS of loading plus one forward
+   pass above the RSS after the imports, against the loaded model's bytes, in bfloat16 and float32 (ours:
+   GPT.from_pretrained with dtype=None; transformers: AutoModelForCausalLM.from_pretrained with dtype="auto");
+2. decode tokens/s at batch 1 and 8, greedy, in --dtype: the model against the same weights with n_kv_head =
+   n_head (k and v heads repeated: the same function, a larger cache), and against transformers' generate.
 3. the largest logit difference against transformers for each family (the tests' tiny random models).
+4. kvcache: the bytes of the KV cache of the Gemma 3 270M shape at batch 1 in bfloat16, at --contexts: gptlite's
+   KVCache allocated (every layer holds the whole context; a local layer's window is a mask) against a cache whose
+   local layers hold their window only (computed from the same shape, as transformers' sliding-window layers do).
 With --device=cuda, loading also moves the model to the GPU (the table adds the peak GPU memory torch allocated,
 over the model's bytes) and decoding runs there, in --dtype.
 
-    python benchmarks/bench_open_models.py [--parts=memory,decode,logits] [--prompt=512] [--new_tokens=32]
+    python benchmarks/bench_open_models.py [--parts=memory,decode,logits,kvcache] [--prompt=512] [--new_tokens=32]
+    python benchmarks/bench_open_models.py --family=gemma3 --parts=memory,decode --batch_sizes=1
     python benchmarks/bench_open_models.py --parts=memory,decode --device=cuda --dtype=bfloat16 --json=open.json
 """
 
@@ -32,7 +38,7 @@ from gptlite.config import option  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
 
-SHAPE = dict(
+SMOLLM2 = dict(
     hidden_size=960,
     intermediate_size=2560,
     num_hidden_layers=32,
@@ -44,19 +50,43 @@ SHAPE = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+GEMMA3_270M = dict(  # google/gemma-3-270m's config.json; layer_types left to transformers: 5 sliding to 1 full
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    vocab_size=262144,
+    max_position_embeddings=32768,
+    sliding_window=512,
+    query_pre_attn_scalar=256,
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+SHAPES = {  # --family -> (transformers' model class, its config class, the shape)
+    "smollm2": ("LlamaForCausalLM", "LlamaConfig", SMOLLM2),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3_270M),
+}
 LOAD = """
-import resource, sys, torch
+import resource, sys, time, torch
 {imports}
 def rss():
     fields = (line.split(":") for line in open("/proc/self/status"))
     return {{k: int(v.split()[0]) for k, v in fields if k in ("VmRSS", "VmHWM")}}
 base = rss()["VmRSS"]
+start = time.perf_counter()
 model = {load}.to(sys.argv[2])
+seconds = time.perf_counter() - start
 with torch.no_grad():
-    model(torch.randint(0, 49152, (1, 64), device=sys.argv[2]))
+    model(torch.randint(0, int(sys.argv[3]), (1, 64), device=sys.argv[2]))
 nbytes = sum(p.numel() * p.element_size() for p in {{id(p): p for p in model.parameters()}}.values())
 gpu = torch.cuda.max_memory_allocated() // 1024 if sys.argv[2].startswith("cuda") else 0
-print(rss()["VmHWM"] - base, nbytes // 1024, gpu)
+print(rss()["VmHWM"] - base, nbytes // 1024, gpu, seconds)
 """
 LOADERS = {
     "gptlite": ("from gptlite import GPT", "GPT.from_pretrained(sys.argv[1])"),
@@ -69,7 +99,9 @@ LOADERS = {
 
 @dataclass
 class Options:
-    parts: str = option("memory,decode,logits", "comma-separated: memory, decode, logits")
+    parts: str = option("memory,decode,logits", "comma-separated: memory, decode, logits, kvcache")
+    family: str = option("smollm2", "memory, decode: the checkpoint's shape", choices=tuple(SHAPES))
+    contexts: str = option("2048,8192,32768", "kvcache: context lengths")
     prompt: int = option(512, "decode: prompt tokens")
     new_tokens: int = option(32, "decode: new tokens per row")
     batch_sizes: str = option("1,8", "decode: batch sizes")
@@ -78,23 +110,24 @@ class Options:
     json: str = option("", "also write the results here")
 
 
-def save_checkpoints(folder: Path) -> dict[str, Path]:
-    """The 360M shape in bfloat16 and float32, saved by transformers."""
+def save_checkpoints(folder: Path, family: str) -> dict[str, Path]:
+    """The family's shape in bfloat16 and float32, random weights saved by transformers."""
     import torch
     import transformers
 
+    model_class, config_class, shape = SHAPES[family]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).eval()
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**shape)).eval()
     out = {"float32": folder / "float32", "bfloat16": folder / "bfloat16"}
     model.save_pretrained(out["float32"])
     model.to(torch.bfloat16).save_pretrained(out["bfloat16"])
     return out
 
 
-def memory(dirs: dict[str, Path], device: str) -> list[dict]:
+def memory(dirs: dict[str, Path], device: str, vocab_size: int) -> list[dict]:
     gpu = device.startswith("cuda")
     print(
-        f"{'loader':14} {'dtype':9} {'model MB':>9} {'peak above imports MB':>22} {'ratio':>6}"
+        f"{'loader':14} {'dtype':9} {'load s':>7} {'model MB':>9} {'peak above imports MB':>22} {'ratio':>6}"
         + (f" {'GPU peak MB':>12} {'ratio':>6}" if gpu else "")
     )
     rows = []
@@ -102,15 +135,16 @@ def memory(dirs: dict[str, Path], device: str) -> list[dict]:
         for name, (imports, load) in LOADERS.items():
             code = LOAD.format(imports=imports, load=load)
             out = subprocess.run(
-                [sys.executable, "-c", code, str(directory), device],
+                [sys.executable, "-c", code, str(directory), device, str(vocab_size)],
                 capture_output=True,
                 text=True,
                 cwd=ROOT,
                 check=True,
             ).stdout.split()
             peak, model, gpu_peak = (int(n) / 1024 for n in out[:3])
+            seconds = float(out[3])
             print(
-                f"{name:14} {dtype:9} {model:9.0f} {peak:22.0f} {peak / model:6.2f}x"
+                f"{name:14} {dtype:9} {seconds:7.2f} {model:9.0f} {peak:22.0f} {peak / model:6.2f}x"
                 + (f" {gpu_peak:12.0f} {gpu_peak / model:5.2f}x" if gpu else ""),
                 flush=True,
             )
@@ -118,6 +152,7 @@ def memory(dirs: dict[str, Path], device: str) -> list[dict]:
                 {
                     "loader": name,
                     "dtype": dtype,
+                    "load_s": seconds,
                     "model_mb": model,
                     "peak_rss_mb": peak,
                     "gpu_peak_mb": gpu_peak if gpu else None,
@@ -144,9 +179,11 @@ def decode(directory: Path, args: Options) -> list[dict]:
         "(the best of 2 calls)"
     )
     rows = []
-    print(f"{'batch':>5} {'GQA (5 kv heads)':>17} {'n_kv_head = n_head':>19} {'transformers':>13}")
+    gqa_name = f"GQA ({gqa.config.kv_heads} kv heads)"
+    print(f"{'batch':>5} {gqa_name:>17} {'n_kv_head = n_head':>19} {'transformers':>13}")
     for batch in map(int, args.batch_sizes.split(",")):
-        idx = torch.randint(0, 49152, (batch, args.prompt), generator=torch.Generator().manual_seed(0)).to(device)
+        seed = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, gqa.config.vocab_size, (batch, args.prompt), generator=seed).to(device)  # (B, T)
         calls = {
             "gqa": lambda idx=idx: generate(gqa, idx, args.new_tokens, temperature=0),
             "full": lambda idx=idx: generate(full, idx, args.new_tokens, temperature=0),
@@ -215,19 +252,54 @@ def logits() -> None:
             print(f"  {name:14} {diff:.2e}")
 
 
+def kvcache(contexts: list[int]) -> list[dict]:
+    """The KV cache of the Gemma 3 270M shape at batch 1 in bfloat16 (its checkpoint's dtype) at each context:
+    gptlite's KVCache allocated, its key and value buffers' bytes counted, against the bytes of a cache whose local
+    layers keep their window only (the same shape's numbers: what gptlite's cache does not do)."""
+    import torch
+    import transformers
+
+    from gptlite.hf.pretrained import pretrained_config
+    from gptlite.kvcache import KVCache
+
+    with tempfile.TemporaryDirectory() as tmp:
+        transformers.Gemma3TextConfig(**GEMMA3_270M).save_pretrained(tmp)  # config.json alone: no weights needed
+        config = pretrained_config(tmp)
+    local = {int(i) for i in config.window_layers.split(",")}
+    slot = 2 * config.kv_heads * config.head_width * torch.bfloat16.itemsize  # one position's k and v, one layer
+    print(
+        f"\nKV cache, Gemma 3 270M shape ({config.n_layer} layers, {len(local)} of them local with a window of "
+        f"{config.sliding_window}; {config.kv_heads} kv head of width {config.head_width}), batch 1, bfloat16"
+    )
+    print(f"{'context':>8} {'gptlite KVCache MiB':>20} {'window-only MiB':>16} {'ratio':>6}")
+    rows = []
+    for context in contexts:
+        cache = KVCache(config, 1, context, torch.bfloat16, torch.device("cpu"))
+        ours = sum(t.nbytes for t in (*cache.k, *cache.v))
+        del cache
+        kept = [min(context, config.sliding_window) if i in local else context for i in range(config.n_layer)]
+        window = slot * sum(kept)
+        print(f"{context:>8} {ours / 2**20:20.1f} {window / 2**20:16.1f} {ours / window:5.2f}x", flush=True)
+        rows.append({"context": context, "gptlite_bytes": ours, "window_only_bytes": window})
+    return rows
+
+
 def run(args: Options) -> int:
     print(machine_line(), flush=True)
     parts, results = args.parts.split(","), {"device": args.device}
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_open_models_") as tmp:
+        shape = SHAPES[args.family][2]
         if "memory" in parts or "decode" in parts:
-            dirs = save_checkpoints(Path(tmp))
-            print(json.dumps(SHAPE))
+            dirs = save_checkpoints(Path(tmp), args.family)
+            print(args.family, json.dumps(shape))
         if "memory" in parts:
-            results["memory"] = memory(dirs, args.device)
+            results["memory"] = memory(dirs, args.device, shape["vocab_size"])
         if "decode" in parts:
             results["decode"] = decode(dirs["float32"], args)
     if "logits" in parts:
         logits()
+    if "kvcache" in parts:
+        results["kvcache"] = kvcache(list(map(int, args.contexts.split(","))))
     if args.json:
         write_json(Path(args.json), results)
     return 0

@@ -304,3 +304,21 @@ def test_a_pretrained_model_without_a_chat_template_grows_for_chatmls_markers(tm
     assert theirs.apply_chat_template(CONVERSATION[1:3], return_dict=False) == ours.apply_chat_template(
         CONVERSATION[1:3]
     )
+
+
+def test_gemmas_targets_are_its_model_turns_through_end_of_turn(tmp_path):
+    """Gemma's template ends a turn with <end_of_turn> and a newline; its eos is <eos>, and <end_of_turn> is one of
+    the ids its generation_config.json ends a reply with: a target is a `model` turn's content and <end_of_turn>,
+    not the newline after it (the next turn's), as a Gemma 3 directory's own files say."""
+    from tests.gemma3 import gemma3_dir
+
+    gemma3_dir(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    ids, targets = tokenizer.chat_targets(CONVERSATION)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(CONVERSATION)
+    assert ids == list(theirs["input_ids"])
+    marked = tokenizer.token_bytes(
+        [i if t else tokenizer.special_id("<pad>") for i, t in zip(ids, targets, strict=True)]
+    )
+    turns = [s for s in marked.decode().split("<pad>") if s]
+    assert turns == ["Hi.\n\nHow are you?<end_of_turn>", "Good.<end_of_turn>"]

@@ -4,6 +4,7 @@ norms and biases too), saved with save_pretrained: equal logits, equal greedy to
 class; sharded and torch files; the checkpoint's dtype kept; the directory's tokenizer used."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -472,3 +473,101 @@ def test_gemmas_norm_equals_transformers_in_bfloat16():
     theirs, ours = theirs.to(torch.bfloat16), ours.to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.fixture(scope="module")
+def gemma3_modes(tmp_path_factory):
+    """A tiny Gemma 3 directory as a user downloads one (tests/gemma3.py: Gemma's chat template, <eos> and
+    <end_of_turn>) and, prepared with its own tokenizer, what each mode of fine-tuning reads: conversations
+    (chat/, its targets the `model` turns), preference pairs in messages (pairs/) and RL prompts (prompts.jsonl)."""
+    from gptlite.prepare.preference import prepare_preference
+    from tests.gemma3 import gemma3_dir
+
+    root = tmp_path_factory.mktemp("gemma3_modes")
+    gemma3_dir(root / "hf")
+    lines = [line for line in shared_file("data/tinyshakespeare.txt").read_text().splitlines()[:2000] if line][:400]
+    chats = [
+        {"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]}
+        for a, b in zip(lines[::2], lines[1::2], strict=True)
+    ]
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    prepare([str(root / "chats.jsonl")], str(root / "hf"), root / "chat", chat=True, block_size=32, log=print)
+    pairs = [
+        {"prompt": [{"role": "user", "content": a}], "chosen": b, "rejected": c}
+        for a, b, c in zip(lines[::3], lines[1::3], lines[2::3], strict=False)
+    ]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    prepare_preference([str(root / "pairs.jsonl")], str(root / "hf"), root / "pairs", block_size=32, log=print)
+    prompts = [{"prompt": [{"role": "user", "content": "Say ay."}], "answer": "ay"}] * 16
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return root
+
+
+@pytest.mark.parametrize("folder", ["chat", "pairs"])
+def test_gemma3_data_trains_on_its_model_turns(gemma3_modes, folder):
+    """--chat's targets and --preference's answers, rendered with Gemma's own template: each `model` turn's content
+    and its <end_of_turn>, nothing of the user's turns, of the markers that open a turn or of the newline after."""
+    from gptlite.shards import ANSWER, TARGET, read_roles, read_shard, roles_path
+    from gptlite.tokenizer import load_tokenizer
+    from tests.gemma3 import END_OF_TURN
+
+    tokenizer = load_tokenizer(gemma3_modes / "hf")
+    shard = sorted((gemma3_modes / folder).glob("train_*.bin"))[0]
+    tokens, roles = read_shard(shard), read_roles(roles_path(shard), len(read_shard(shard)))
+    runs = []  # the target tokens, a list per turn (a pair's two answers lie side by side, each first one ANSWER)
+    for token, role, before in zip(tokens.tolist(), roles.tolist(), [0, *roles.tolist()[:-1]], strict=True):
+        if role & TARGET and (role & ANSWER or not before & TARGET):
+            runs.append([])
+        if role & TARGET:
+            runs[-1].append(token)
+    lines = {line.strip() for line in shared_file("data/tinyshakespeare.txt").read_text().splitlines()}
+    whole = [tokenizer.decode(run) for run in runs if run[-1] == END_OF_TURN]
+    assert whole and all(t.removesuffix("<end_of_turn>") in lines for t in whole)
+    cut = [tokenizer.decode(run) for run in runs if run[-1] != END_OF_TURN]  # answers cut to block_size
+    assert all(any(line.startswith(t) for line in lines) for t in cut)
+
+
+GEMMA3_MODES = {  # mode -> (data folder, options)
+    "chat": ("chat", []),
+    "lora": ("chat", ["--lora_rank=4", "--lora_alpha=8"]),
+    "dpo": ("pairs", []),
+    "rl": ("chat", ["--rl", "--reward=exact", "--rl_samples=4", "--rl_max_new_tokens=4"]),
+}
+
+
+@pytest.mark.parametrize("mode", list(GEMMA3_MODES))
+def test_gemma3_fine_tunes_in_every_mode_and_resumes(gemma3_modes, mode, tmp_path):
+    """train.py --init_from=<a Gemma 3 directory> on conversations with its template (whole and LoRA), on
+    preference pairs (DPO) and on rewards (RL): finite losses, weights (or adapters) that move, and a run stopped at
+    step 2 and resumed gives the straight run's next steps."""
+    folder, options = GEMMA3_MODES[mode]
+    args = [
+        f"--init_from={gemma3_modes / 'hf'}",
+        f"--data_dir={gemma3_modes / folder}",
+        *options,
+        *([f"--rl_prompts={gemma3_modes / 'prompts.jsonl'}"] if mode == "rl" else []),
+        "--block_size=32",
+        "--batch_size=4",
+        "--learning_rate=1e-2",
+        "--warmup_iters=0",
+        "--lr_decay_iters=4",  # the straight run's schedule for the stopped one too
+        "--eval_iters=1",
+        "--log_interval=1",
+        "--device=cpu",
+    ]
+    straight = run_train(*args, f"--out_dir={tmp_path / 'a'}", "--max_iters=4", "--eval_interval=2")
+    assert straight.code == 0, straight.err
+    losses = [loss for _, loss in straight.history]
+    assert len(losses) == 4 and all(map(math.isfinite, losses)) and straight.skipped_steps == 0
+    trained = load_checkpoint(tmp_path / "a")["model"]
+    start = GPT.from_pretrained(str(gemma3_modes / "hf"), block_size=32).state_dict()
+    if mode == "lora":
+        assert trained and all(k.endswith(("lora_A", "lora_B")) for k in trained)
+        assert any(t.abs().sum() > 0 for k, t in trained.items() if k.endswith("lora_B"))  # B starts at zero
+    else:
+        assert any(not torch.equal(trained[k], t) for k, t in start.items())
+    first = run_train(*args, f"--out_dir={tmp_path / 'b'}", "--max_iters=2", "--eval_interval=2")
+    assert first.code == 0, first.err
+    resumed = run_train(f"--out_dir={tmp_path / 'b'}", "--resume", "--max_iters=4")
+    assert resumed.code == 0, resumed.err
+    assert resumed.history == straight.history[2:]

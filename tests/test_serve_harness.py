@@ -1,6 +1,8 @@
 """The server as harnesses use it: log-probabilities and echo on /v1/completions (against transformers'
-log-softmax), token-id prompts, vLLM's tokenizer endpoints, and EleutherAI's lm-eval `local-completions` client
-against lm-eval's own hf backend on the same weights (with the client's tokenizer and with the server's)."""
+log-softmax), token-id prompts, vLLM's tokenizer endpoints, a Gemma 3 directory's chat with its own template and
+stop tokens, and EleutherAI's lm-eval `local-completions` client against lm-eval's own hf backend on the same weights
+(with the client's tokenizer and with the server's; a tiny GPT-2 and a tiny Gemma 3 whose window the tasks' contexts
+go past)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import torch
 import transformers
 
 from gptlite import GPT
+from gptlite.evaluate.lm_harness import prefix_ids
 from gptlite.serve.app import create_app
 from gptlite.serve.engine import Engine
 from gptlite.serve.protocol import token_text
 from gptlite.tokenizer import load_tokenizer
+from tests.gemma3 import BOS, END_OF_TURN, gemma3_dir
 from tests.serving import Running
 from tests.test_lm_eval import model_dir, tasks  # noqa: F401  (fixtures: a tiny GPT-2 folder, local task files)
 
@@ -54,6 +58,68 @@ def server(model_dir):  # noqa: F811
 @pytest.fixture(scope="module")
 def reference(model_dir):  # noqa: F811
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+CONVERSATION = [  # within the tiny model's context of 64 tokens
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Who's there?"},
+    {"role": "assistant", "content": "Nay, stand."},
+    {"role": "user", "content": "Speak!"},
+]
+STOP_AFTER = 5  # the tiny Gemma 3's greedy reply to CONVERSATION ends with <end_of_turn> after this many tokens
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny Gemma 3 directory (tests/gemma3.py) whose greedy reply to CONVERSATION ends by itself: its untied
+    head's <end_of_turn> row points along the final hidden state at the reply's STOP_AFTER-th token."""
+    folder = tmp_path_factory.mktemp("gemma3")
+    model = gemma3_dir(folder, tie_word_embeddings=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = torch.tensor([list(tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)["input_ids"])])
+    with torch.no_grad():
+        reply = model.generate(prompt, max_new_tokens=STOP_AFTER, do_sample=False)
+        hidden = model.model(reply).last_hidden_state[0, -1]  # after the norm: what the head reads
+        model.lm_head.weight[END_OF_TURN] = 20 * hidden / hidden.norm() ** 2
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gemma_server(gemma):
+    s = Server(gemma)
+    yield s
+    s.close()
+
+
+def test_a_gemma3_directory_chats_with_its_own_template_and_stop_tokens(gemma, gemma_server):
+    """The prompt is transformers' apply_chat_template (Gemma's turns, the assistant's role named `model`, <bos>
+    first); the greedy reply is transformers' generate token for token and ends where generation_config.json's
+    <end_of_turn> ends it (not at tokenizer_config.json's eos, <eos>)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gemma)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(gemma).eval()
+    prompt = list(tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)["input_ids"])
+    assert tokenizer.decode(prompt).endswith("<end_of_turn>\n<start_of_turn>model\n") and prompt[0] == BOS
+    rendered = gemma_server.post("/tokenize", {"model": MODEL, "messages": CONVERSATION}).json()["tokens"]
+    assert rendered == prompt
+    with torch.no_grad():
+        room = CONTEXT - len(prompt)  # more than the reply needs
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=room, do_sample=False)[0, len(prompt) :]
+    assert out.tolist()[-1] == END_OF_TURN and len(out) == STOP_AFTER + 1  # transformers stops there too
+    body = {"model": MODEL, "messages": CONVERSATION, "max_tokens": room, "temperature": 0, "logprobs": True}
+    r = gemma_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["role"] == "assistant"
+    assert [bytes(item["bytes"]) for item in choice["logprobs"]["content"]] == [
+        gemma_server.tokenizer.token_bytes([t]) for t in out.tolist()
+    ]  # the stop token's logprob too, as for every stop
+    assert choice["message"]["content"] == tokenizer.decode(out[:-1])
+    assert r.json()["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": STOP_AFTER + 1,
+        "total_tokens": len(prompt) + STOP_AFTER + 1,
+    }
 
 
 def log_softmax(reference, ids: list[int]) -> torch.Tensor:
@@ -254,19 +320,28 @@ def lm_eval_results(lm, tasks):  # noqa: F811
 
 @pytest.mark.slow  # lm-eval builds its tasks and runs both: seconds
 @pytest.mark.parametrize("backend", ["huggingface", "remote"])
-def test_lm_evals_local_completions_equal_its_hf_backend(server, model_dir, tasks, backend):  # noqa: F811
+@pytest.mark.parametrize("folder, served", [("model_dir", "server"), ("gemma", "gemma_server")], ids=["gpt2", "gemma3"])
+def test_lm_evals_local_completions_equal_its_hf_backend(request, folder, served, tasks, backend):  # noqa: F811
+    """A tiny GPT-2, and a tiny Gemma 3 whose window of 8 positions the tasks' contexts (up to 63 tokens) go past."""
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
+    folder, server = request.getfixturevalue(folder), request.getfixturevalue(served)
     # the API client sends rolling windows of max_length - 1 tokens with their token of context, the hf backend
     # scores max_length + 1: 63 either way here, one less than the context, for the token the server generates
-    # after an echoed prompt
-    theirs = lm_eval_results(HFLM(pretrained=str(model_dir), device="cpu", batch_size=3, max_length=CONTEXT - 2), tasks)
+    # after an echoed prompt. Gemma's tokenizer puts <bos> before a text it encodes with its special tokens (GPT-2's
+    # puts nothing): the client's own tokenizer does so with add_bos_token, as the hf backend does by default;
+    # lm-eval's remote tokenizer (the server's /tokenize) never does, so there the hf backend is told not to either.
+    bos = backend == "huggingface" and bool(prefix_ids(server.tokenizer))
+    theirs = lm_eval_results(
+        HFLM(pretrained=str(folder), device="cpu", batch_size=3, max_length=CONTEXT - 2, add_bos_token=bos), tasks
+    )
     client = LocalCompletionsAPI(
         base_url=server.url + "/v1/completions",
         model=MODEL,
         tokenizer_backend=backend,
-        tokenizer=str(model_dir) if backend == "huggingface" else None,
+        tokenizer=str(folder) if backend == "huggingface" else None,
+        add_bos_token=bos,
         tokenized_requests=True,
         max_length=CONTEXT,
         max_gen_toks=8,

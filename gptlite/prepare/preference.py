@@ -39,7 +39,7 @@ from gptlite.prepare.sources import resolve_sources
 from gptlite.prepare.workers import SPLITS, val_documents
 from gptlite.shards import ANSWER, MANIFEST, START, TARGET, RolesWriter, ShardWriter, token_dtype
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer
-from gptlite.tokenizer.chat import IM_END, check_messages, render
+from gptlite.tokenizer.chat import check_messages, render
 
 FIELDS = ("prompt", "chosen", "rejected")  # TRL's names; data/prepare.py's --prompt_field, --chosen_field, ...
 
@@ -262,8 +262,7 @@ def encode_pair(
                 "the answer cannot be told apart; use a tokenizer whose template renders conversations in order"
             )
         text = through[len(before) :]
-        end = IM_END if tokenizer.special_id(IM_END) is not None else special.get("eos_token")
-        if end and end in text:
-            text = text[: text.rindex(end) + len(end)]  # up to its end-of-turn marker, as --chat's targets
+        cuts = [text.rindex(end) + len(end) for end in tokenizer.turn_ends() if end and end in text]
+        text = text[: max(cuts, default=len(text))]  # up to its end-of-turn marker, as --chat's targets
         answers.append(tokenizer.encode_special(text)[0])
     return tokenizer.encode_special(before)[0], answers[0], answers[1]

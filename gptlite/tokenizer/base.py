@@ -152,14 +152,26 @@ class Tokenizer:
 
     def chat_targets(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
         """A conversation's ids and, for each, whether it is a target: part of an assistant's turn (its content and
-        end-of-turn token), what fine-tuning learns to predict."""
-        from gptlite.tokenizer.chat import IM_END, assistant_spans, check_messages
+        end-of-turn token, see `turn_ends`), what fine-tuning learns to predict."""
+        from gptlite.tokenizer.chat import assistant_spans, check_messages
 
         self.use_default_template()
-        end = IM_END if self.special_id(IM_END) is not None else self.special_texts().get("eos_token")
-        text, spans = assistant_spans(self.chat_template, check_messages(messages), self.special_texts(), end)
+        text, spans = assistant_spans(
+            self.chat_template, check_messages(messages), self.special_texts(), self.turn_ends()
+        )
         ids, starts = self.encode_special(text)
         return ids, [any(a <= s < b for a, b in spans) for s in starts]
+
+    def turn_ends(self) -> list[str]:
+        """The texts that end an assistant's turn in a rendered conversation (what chat fine-tuning and preference
+        pairs train on ends after the last of them): ChatML's <|im_end|> where the tokenizer has it, else the
+        tokens that end a reply (`end_ids`: a model directory's own, such as Gemma's <end_of_turn>, which its
+        generation_config.json lists beside <eos>)."""
+        from gptlite.tokenizer.chat import IM_END
+
+        if self.special_id(IM_END) is not None:
+            return [IM_END]
+        return [self.token_bytes([i]).decode("utf-8", errors="replace") for i in self.end_ids()]
 
     # -- text ------------------------------------------------------------------------------------------
 

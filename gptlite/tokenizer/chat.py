@@ -10,6 +10,7 @@ whose two markers are special tokens (see Tokenizer.apply_chat_template).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 
@@ -93,12 +94,13 @@ def render(
 
 
 def assistant_spans(
-    template: str, messages: list[dict], special: dict | None, end_of_turn: str | None
+    template: str, messages: list[dict], special: dict | None, ends: Sequence[str]
 ) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character span of every assistant turn: its content and end-of-turn
     marker). A turn's span runs from where the template, asked for a generation prompt after the messages before
-    it, stops, to the end of the rendering that includes it, cut after its end-of-turn marker; the template must
-    render each conversation as a prefix of the next (templates that rewrite earlier turns are refused)."""
+    it, stops, to the end of the rendering that includes it, cut after the last of the end-of-turn markers `ends`
+    in it (what the template writes after the marker, such as Gemma's newline, is the next turn's); the template
+    must render each conversation as a prefix of the next (templates that rewrite earlier turns are refused)."""
     text = render(template, messages, special=special)
     spans = []
     for i, m in enumerate(messages):
@@ -111,8 +113,7 @@ def assistant_spans(
                 "the chat template does not render a conversation as a prefix of its continuation (it "
                 "rewrites earlier turns), so the assistant's turns cannot be told apart for training"
             )
-        end = len(through)
-        if end_of_turn and end_of_turn in through[len(before) :]:
-            end = through.rindex(end_of_turn) + len(end_of_turn)
-        spans.append((len(before), end))
+        turn = through[len(before) :]
+        cuts = [len(before) + turn.rindex(e) + len(e) for e in ends if e and e in turn]
+        spans.append((len(before), max(cuts, default=len(through))))
     return text, spans
