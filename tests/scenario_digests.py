@@ -19,7 +19,6 @@ import json
 import os
 import random
 import re
-import runpy
 import subprocess
 import sys
 import tempfile
@@ -55,19 +54,12 @@ def sha(data: bytes) -> str:
 
 
 def train(*args: str) -> str:
-    """`python train.py ARGS` in this process (as tests/conftest.py's run_train); its stdout and stderr."""
-    out = io.StringIO()
-    saved = sys.argv
-    sys.argv = [str(ROOT / "train.py"), *args]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    finally:
-        sys.argv = saved
-    return out.getvalue() + f"exit {code}\n"
+    """`python train.py ARGS` in this process (tests/conftest.py's run_train); its output, then its errors."""
+    from tests.conftest import run_train
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        run = run_train(*args)
+    return run.out + run.err + f"exit {run.code}\n"
 
 
 def flat(value, name: str = ""):
