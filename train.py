@@ -6,12 +6,16 @@
 Config precedence: defaults (gptlite/config.py) < TOML file < --key=value. `python train.py --help` lists keys.
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits; --resume continues exactly.
 
-This file reads top to bottom in the order training happens: configuration, device, data and objective, model, run
-folder, optimizer, resume, then the loop, whose optimizer step (learning rate, micro-steps, clip, update, log,
-evaluate and save) is one block. The step is the same for every way of training; what differs (the batches, the
-loss and its figures, how the run is judged, what resumes) is the objective's, chosen once from the config and the
-data (gptlite/objective.py lists them). What is not the story of training (run folders and checkpoints, devices,
-processes, loaders, the optimizers' groups) lives in gptlite/, where sample.py, the server and the tests use it too.
+This file reads top to bottom in the order training happens: configuration, device, data and objective, the
+checkpoint to continue from, model, run folder, optimizer and the training state, what the run records, then the
+loop, whose optimizer step (learning rate, micro-steps, clip, update, log, evaluate and save, stop) is a few named
+steps. The step is the same for every way of training; what differs (the batches, the loss and its figures, how the
+run is judged, what resumes) is the objective's, chosen once from the config and the data (gptlite/objective.py
+lists them). A feature the config switches on (adapters, a weight average, processes that share the work,
+compiling) is set up once where the run is built, and the loop calls what it gives (gptlite/features.py); what a
+checkpoint holds is a list of parts that save and restore themselves (gptlite/checkpoint/training_state.py). What
+is not the story of training (run folders and checkpoints, devices, processes, loaders, the optimizers' groups)
+lives in gptlite/, where sample.py, the server and the tests use it too.
 """
 
 from __future__ import annotations
@@ -24,30 +28,32 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlite.checkpoint import (
-    check_lora_base,
+    DataPosition,
+    LossScale,
+    Optimizers,
+    Progress,
+    RandomStreams,
+    RunRecord,
+    TrainingState,
+    Weights,
     check_same_data,
     claim_run_folder,
     copy_tokenizer,
-    discard_damaged,
-    gather_training_state,
-    git_commit,
+    holds_whole_model,
     load_checkpoint,
     load_source,
-    load_training_state,
-    nonfinite,
     record_run,
-    run_checkpoint,
-    save_run_checkpoint,
-    set_rng_state,
     source_tokenizer,
     step_files,
+    weight_average,
 )
 from gptlite.cli import StopSignals, run_command
 from gptlite.config import TrainConfig, config_to_dict
@@ -55,7 +61,6 @@ from gptlite.device import (
     CpuThreads,
     autocast,
     batch_mover,
-    compile_unavailable,
     cpu_summary,
     out_of_memory_advice,
     peak_memory_mb,
@@ -66,8 +71,7 @@ from gptlite.device import (
 )
 from gptlite.distributed import processes, stop_together
 from gptlite.evaluate import core_bundle, core_score, read_bundle
-from gptlite.files import error
-from gptlite.lora import add_lora
+from gptlite.features import OneProcess, add_adapters, compile_model, data_parallel
 from gptlite.metrics import (
     METRICS_FILE,
     PACE_STEPS,
@@ -80,11 +84,11 @@ from gptlite.metrics import (
     start_wandb,
 )
 from gptlite.model import GPT
-from gptlite.objective import make_objective
-from gptlite.optim import WeightAverage, configure_optimizers, lr_at
+from gptlite.objective import Objective, make_objective
+from gptlite.optim import configure_optimizers, lr_at
 from gptlite.run_config import NO_DATA_DIR, resolve_config
-from gptlite.tokenizer import TOKENIZER_FILE, check_same_tokenizer, load_tokenizer
-from gptlite.update import make_update, step_stats
+from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
+from gptlite.update import DeviceUpdate, HostUpdate, StepRecord, make_update, step_stats
 
 
 def main(argv: list[str]) -> int:
@@ -104,6 +108,36 @@ def main(argv: list[str]) -> int:
     # released and the group ends, after everything that uses it (see gptlite.distributed).
     with processes() as (rank, local_rank, world_size), contextlib.ExitStack() as cleanup:
         return train(cfg, argv, rank, local_rank, world_size, cleanup, budget_notes)
+
+
+@dataclass
+class Run:
+    """What the loop works with, as train() builds it: the loop's steps below take it whole."""
+
+    cfg: TrainConfig
+    log: Callable[..., None]
+    master: bool  # rank 0 alone prints, writes the run folder and logs metrics
+    world_size: int
+    out_dir: Path
+    device: str
+    amp: contextlib.AbstractContextManager
+    to_device: Callable[[torch.Tensor], torch.Tensor]
+    objective: Objective
+    model: GPT  # the module as built: what is evaluated and saved
+    train_model: torch.nn.Module  # what trains: compiled, and wrapped by DDP, where the run asks
+    parallel: OneProcess
+    optimizers: list[torch.optim.Optimizer]
+    scaler: torch.amp.GradScaler
+    update: HostUpdate | DeviceUpdate
+    state: TrainingState
+    metrics: MetricsLog | None  # rank 0's
+    signals: StopSignals
+    total_batch: int  # tokens per optimizer step, every rank together
+    flops_per_token: float
+    peak_flops: float | None  # the device's, MFU's denominator (a known GPU's)
+    core_tasks: list | None
+    tokenizer: Tokenizer | None
+    t_start: float  # time.time() as the run started: the time budget's origin
 
 
 def train(
@@ -139,19 +173,144 @@ def train(
     # tokens in every process, grad_accum of them one after the other. The objective (gptlite.objective) is the one
     # the config and the data ask for. Every input it reads, every shard included, is checked here, before the first
     # step.
-    B, T = cfg.batch_size, cfg.model.block_size
-    tokens_per_micro_step = B * T * world_size
+    grad_accum, total_batch = micro_steps(cfg, world_size)
+    tokenizer = data_tokenizer(cfg)
+    objective = make_objective(cfg, tokenizer, grad_accum, device, amp, rank, world_size, log)
+    core_tasks = read_core_tasks(cfg, tokenizer)
+
+    # ---------------------------------------------------------------------------------------------
+    # 4. The checkpoint to continue from (--resume): the run folder's newest intact one, of the run's own data.
+    ckpt = checkpoint_to_resume(cfg, out_dir, log)
+    identity = objective.identity()  # what the run trains on, kept in its checkpoints
+    if ckpt is not None:
+        check_same_data(ckpt, identity, str(out_dir), cfg.data_dir)
+
+    # ---------------------------------------------------------------------------------------------
+    # 5. The model, its adapters where the config asks for them (gptlite.features), and the objective's start: its
+    # reference is the model as it is now (gptlite.lora.ReferenceModel: a frozen copy of these weights, taken before
+    # a resume loads the run's own; or these weights without the adapters).
+    model = build_model(cfg, ckpt, objective.needs_reference, device, log)
+    n_params = model.num_params()
+    flops_per_token = model.flops_per_token()  # of the whole model: counted before it is sharded
+    torch.manual_seed(cfg.seed + rank)  # a dropout stream of its own for every rank
+    adapters = add_adapters(cfg, model, ckpt, out_dir, n_params, log)
+    objective.start(model)
+
+    # ---------------------------------------------------------------------------------------------
+    # 6. The run folder, claimed only now that every input has been read: a run that cannot start leaves it as it
+    # was. Rank 0 holds its lock until the run ends; a refusal there stops every rank.
+    claim(cfg, out_dir, master, world_size, cleanup, log)
+
+    # ---------------------------------------------------------------------------------------------
+    # 7. How the processes share the work (gptlite.features: the model is sharded here, before the optimizers take
+    # what is trainable: AdamW, and Muon for the block matrices with --optimizer=muon), the weights' average, and
+    # the training state: the parts a checkpoint holds, each saving and restoring its own entries. --resume
+    # restores them all: weights, optimizer state, loss scale, data position, average, step, best val loss, random
+    # streams and the tracker's run.
+    parallel = data_parallel(cfg, world_size, device)
+    parallel.shard(model)
+    optimizers = configure_optimizers(model, cfg, device_type)
+    state = TrainingState(
+        weights=Weights(model, adapters, out_dir),
+        optimizers=Optimizers(model, optimizers),
+        scale=LossScale(scaler),
+        position=DataPosition(objective, identity, out_dir, cfg.data_dir),
+        average=weight_average(model, cfg.ema_decay),  # what the end of the run evaluates, if asked for
+        progress=Progress(),
+        streams=RandomStreams(rank, world_size, log),
+        record=RunRecord(cfg, shlex.join([sys.argv[0], *argv]), code=Path(__file__).parent),
+    )
+    update = make_update(optimizers, scaler, state.average, device_type)  # decided on the host or the GPU
+    resumed = ckpt is not None
+    if resumed:
+        state.resume(ckpt, out_dir, master, log)
+    ckpt = None  # free its memory
+
+    # ---------------------------------------------------------------------------------------------
+    # 8. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
+    # and the model, metrics.jsonl (and its trackers), and in every checkpoint where it came from.
+    metrics, wandb_run_id = start_records(cfg, argv, state, resumed, master, world_size, log)
+    log(
+        f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')} | "
+        f"world {world_size}{parallel.label} | {total_batch} tokens/step = {grad_accum} micro-steps of "
+        f"{cfg.batch_size}x{cfg.model.block_size} per rank"
+    )
+    state.record.describe(wandb_run_id, model.source_architecture, tokenizer)  # what every checkpoint keeps
+
+    # ---------------------------------------------------------------------------------------------
+    # 9. What trains: the model compiled (if asked, and possible here), and wrapped by DDP where the processes
+    # share the work that way. `model`, the module as built, is what is evaluated and saved.
+    compiled_model, compiled = compile_model(model, cfg, device_type, log)
+    train_model = parallel.wrap(compiled_model)
+    cleanup.callback(torch.set_num_threads, torch.get_num_threads())  # Pace may change them
+
+    # ---------------------------------------------------------------------------------------------
+    # 10. The training loop: optimizer steps until max_iters, a stop signal or the time budget (max_minutes).
+    signals = StopSignals()
+    signals.install()  # from here Ctrl-C and SIGTERM finish the step and save instead of ending the process
+    cleanup.callback(signals.restore)
+    run = Run(
+        cfg=cfg,
+        log=log,
+        master=master,
+        world_size=world_size,
+        out_dir=out_dir,
+        device=device,
+        amp=amp,
+        to_device=to_device,
+        objective=objective,
+        model=model,
+        train_model=train_model,
+        parallel=parallel,
+        optimizers=optimizers,
+        scaler=scaler,
+        update=update,
+        state=state,
+        metrics=metrics,
+        signals=signals,
+        total_batch=total_batch,
+        flops_per_token=flops_per_token,
+        peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None,
+        core_tasks=core_tasks,
+        tokenizer=tokenizer,
+        t_start=t_start,
+    )
+    stopped = loop(run, Pace(run, compiled))
+
+    # ---------------------------------------------------------------------------------------------
+    # 11. The end.
+    peak_mb, counted = peak_memory_mb(device)
+    step = state.progress.step
+    log(f"done at step {step}" + (f" | peak memory {peak_mb:,.0f} MiB {counted}" if peak_mb is not None else ""))
+    if master:
+        metrics.close()  # and its trackers
+    return 128 + signals[0] if stopped and signals else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up's steps
+
+
+def micro_steps(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(grad_accum, total_batch): the micro-steps of batch_size x block_size tokens per rank that make an optimizer
+    step's total_batch_size tokens (one micro-step of every rank when it is 0)."""
+    tokens_per_micro_step = cfg.batch_size * cfg.model.block_size * world_size
     total_batch = cfg.total_batch_size or tokens_per_micro_step
     if total_batch % tokens_per_micro_step:
         raise ValueError(
             f"total_batch_size={total_batch} is not a multiple of batch_size*block_size*world_size="
-            f"{B}*{T}*{world_size}={tokens_per_micro_step}; set total_batch_size to a multiple of "
-            f"{tokens_per_micro_step}"
+            f"{cfg.batch_size}*{cfg.model.block_size}*{world_size}={tokens_per_micro_step}; set total_batch_size to a "
+            f"multiple of {tokens_per_micro_step}"
         )
-    grad_accum = total_batch // tokens_per_micro_step
+    return total_batch // tokens_per_micro_step, total_batch
+
+
+def data_tokenizer(cfg: TrainConfig) -> Tokenizer | None:
+    """The data's tokenizer, if it has one; with --init_from, checked to be the model's: the ids of the data must
+    mean what they meant to the model."""
     tokenizer_file = Path(cfg.data_dir) / TOKENIZER_FILE
-    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None  # the data's, if it has one
-    if cfg.init_from and tokenizer is not None:  # the ids of the data must mean what they meant to the model
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    if cfg.init_from and tokenizer is not None:
         model_tokenizer = source_tokenizer(cfg.init_from)  # None where it cannot be told offline (a hub name)
         if model_tokenizer is not None:
             check_same_tokenizer(
@@ -161,36 +320,44 @@ def train(
                 f"the data in {cfg.data_dir}",
                 f"prepare the data with --tokenizer={cfg.init_from} (data/prepare.py)",
             )
-    objective = make_objective(cfg, tokenizer, grad_accum, device, amp, rank, world_size, log)
-    core_tasks = None  # CORE's tasks (--core_every), each file checked here too; the prompts need the tokenizer
-    if cfg.core_every:
-        if tokenizer is None:
-            raise FileNotFoundError(
-                f"--core_every scores text prompts, which needs the data's tokenizer: {tokenizer_file} does not "
-                "exist; prepare the data with data/prepare.py, or leave --core_every out"
-            )
-        core_tasks = read_bundle(core_bundle(cfg.core_bundle, "--core_bundle"), cfg.core_max_per_task)
+    return tokenizer
 
-    # ---------------------------------------------------------------------------------------------
-    # 4. The checkpoint to continue from (--resume): the run folder's newest intact one.
-    ckpt = None
-    if cfg.resume:
-        try:
-            ckpt = load_checkpoint(out_dir, on_fallback=log)  # a damaged newer file is skipped, and said so
-        except FileNotFoundError:
-            log(f"no checkpoint in {out_dir}; starting from scratch")
-    identity = objective.identity()  # what the run trains on, kept in its checkpoints
-    if ckpt is not None:
-        check_same_data(ckpt.get("data"), identity, str(out_dir), cfg.data_dir, ckpt["config"].get("data_dir"))
 
-    # ---------------------------------------------------------------------------------------------
-    # 5. The model: --init_from's weights unless the checkpoint holds them all (a LoRA checkpoint holds its
-    # adapters alone), else fresh ones, the same on every rank (FSDP does not broadcast them). An objective with a
-    # reference needs the start-of-run weights even then: its reference is the model as the run began, not as it was
-    # resumed.
+def read_core_tasks(cfg: TrainConfig, tokenizer: Tokenizer | None) -> list | None:
+    """CORE's tasks (--core_every), each file checked before the first step; the prompts need the data's tokenizer."""
+    if not cfg.core_every:
+        return None
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"--core_every scores text prompts, which needs the data's tokenizer: "
+            f"{Path(cfg.data_dir) / TOKENIZER_FILE} does not exist; prepare the data with data/prepare.py, or leave "
+            "--core_every out"
+        )
+    return read_bundle(core_bundle(cfg.core_bundle, "--core_bundle"), cfg.core_max_per_task)
+
+
+def checkpoint_to_resume(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None]) -> dict | None:
+    """With --resume, the run folder's newest intact checkpoint (a damaged newer file is skipped, and said so);
+    None without --resume, or where the folder holds none yet (the run starts from scratch, and says so)."""
+    if not cfg.resume:
+        return None
+    try:
+        return load_checkpoint(out_dir, on_fallback=log)
+    except FileNotFoundError:
+        log(f"no checkpoint in {out_dir}; starting from scratch")
+        return None
+
+
+def build_model(
+    cfg: TrainConfig, ckpt: dict | None, needs_reference: bool, device: str, log: Callable[[str], None]
+) -> GPT:
+    """The model to train: --init_from's weights unless the checkpoint holds them all (a LoRA checkpoint holds its
+    adapters alone), else fresh ones, the same on every rank (FSDP does not broadcast them). An objective with a
+    reference needs the start-of-run weights even then: its reference is the model as the run began, not as it was
+    resumed."""
     torch.manual_seed(cfg.seed)
-    if cfg.init_from and (ckpt is None or "lora" in ckpt or objective.needs_reference):
-        model = load_source(cfg.init_from, torch.float32, block_size=T, dropout=cfg.model.dropout)
+    if cfg.init_from and (ckpt is None or not holds_whole_model(ckpt) or needs_reference):
+        model = load_source(cfg.init_from, torch.float32, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
         model = model.train().to(device)
         added = cfg.model.vocab_size - model.config.vocab_size  # special tokens the data's tokenizer added
         if added > 0:
@@ -205,35 +372,19 @@ def train(
     model.checkpoint_blocks = cfg.activation_checkpointing  # recompute each block in backward, keep its input only
     if cfg.activation_checkpointing and device == "cpu":
         return_freed_memory()
-    n_params = model.num_params()
-    flops_per_token = model.flops_per_token()  # of the whole model: counted before FSDP shards it
-    torch.manual_seed(cfg.seed + rank)  # a dropout stream of its own for every rank
-    lora = None  # a LoRA run's base model and adapters, recorded in its checkpoints
-    if cfg.lora_rank:
-        # LoRA freezes the pretrained weights and trains low-rank adapters beside them; a resumed run's adapters
-        # only make sense on the weights they were trained on.
-        base = check_lora_base(cfg.init_from, ckpt["lora"]["sha256"] if ckpt else None, f"this LoRA run in {out_dir}")
-        targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
-        add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets)
-        lora = {
-            "base": cfg.init_from,
-            "sha256": base,
-            "rank": cfg.lora_rank,
-            "alpha": cfg.lora_alpha,
-            "targets": list(targets),
-        }
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log(
-            f"LoRA: {trainable:,} trainable parameters in adapters of rank {cfg.lora_rank} on {', '.join(targets)}; "
-            f"the {n_params:,} of {cfg.init_from} stay frozen"
-        )
-    # the objective's start: its reference is the model as it is now (gptlite.lora.ReferenceModel: without LoRA a
-    # frozen copy of these weights, taken before a resume loads the run's own; with LoRA the adapters off)
-    objective.start(model)
+    return model
 
-    # ---------------------------------------------------------------------------------------------
-    # 6. The run folder, claimed only now that every input has been read: a run that cannot start leaves it as it
-    # was. Rank 0 holds its lock until the run ends; a refusal there stops every rank.
+
+def claim(
+    cfg: TrainConfig,
+    out_dir: Path,
+    master: bool,
+    world_size: int,
+    cleanup: contextlib.ExitStack,
+    log: Callable[[str], None],
+) -> None:
+    """Claim the run folder for this run: rank 0 locks it until the run ends (`cleanup` releases it), and a refusal
+    there (another run holds it, a finished run's folder without --overwrite) stops every rank."""
     problem = None
     if master:
         try:
@@ -243,347 +394,282 @@ def train(
             problem = str(e)
     stop_together(problem, world_size)
 
-    # ---------------------------------------------------------------------------------------------
-    # 7. FSDP shards every block on its own, then the rest (the embedding tied to the head, positions, the final
-    # norm); the optimizers take what is trainable: AdamW, and Muon for the block matrices with --optimizer=muon.
-    if cfg.fsdp and world_size > 1:
-        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
 
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-    optimizers = configure_optimizers(model, cfg, device_type)
-    ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None  # what the end of the run evaluates
-    update = make_update(optimizers, scaler, ema, device_type)  # the update, decided on the host or the GPU
-
-    # ---------------------------------------------------------------------------------------------
-    # 8. Resume: weights, optimizer state, loss scale, data position, step, best val loss and random streams.
-    step = 0  # optimizer steps taken
-    best_val = math.inf  # the lowest val loss so far: best.pt's
-    wandb_id = None  # the Weights & Biases run that a resumed run continues
-    if ckpt:
-        if "trained_model" in ckpt:  # the run ended as its average (ema_decay): it goes on from the weights it trained
-            ckpt["model"] = ckpt["trained_model"]
-        saved = {**model.state_dict(), **ckpt["model"]} if lora else ckpt["model"]
-        model.check_state(saved, f"the checkpoint in {out_dir}")
-        load_training_state(model, optimizers, ckpt, strict=not lora)  # a LoRA checkpoint: the adapters alone
-        if ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
-        try:
-            objective.restore(ckpt["loader"])
-        except (KeyError, TypeError):  # a checkpoint from before its data was recorded, of another kind of data
-            raise ValueError(
-                f"cannot --resume the run in {out_dir} on {cfg.data_dir}: its checkpoint's position is in other data "
-                f"(its config names --data_dir={ckpt['config'].get('data_dir')}); resume with that, or start a new run "
-                "in another --out_dir"
-            ) from None
-        if ema is not None and "ema" in ckpt:
-            ema.load_state_dict(ckpt["ema"])
-        step = int(ckpt["step"])
-        best_val = float(ckpt["best_val_loss"])
-        wandb_id = ckpt["meta"].get("wandb_run_id")
-        if len(ckpt["rng"]) == world_size:
-            set_rng_state(ckpt["rng"][rank])
-        else:
-            log(
-                f"note: the checkpoint comes from a run with world_size={len(ckpt['rng'])} and this one has "
-                f"world_size={world_size}: the data continues where it stopped, dropout's random streams start "
-                "afresh"
-            )
-        log(f"resumed from {out_dir} at step {step}")
-        if world_size > 1:
-            dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
-        for path in discard_damaged(out_dir, step) if master else []:
-            log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
-    resumed = ckpt is not None
-    ckpt = None  # free its memory
-
-    # ---------------------------------------------------------------------------------------------
-    # 9. What the run records: the data's tokenizer beside the checkpoints (sample.py decodes with it), the config
-    # and the model, metrics.jsonl (and Weights & Biases), and in every checkpoint where it came from.
+def start_records(
+    cfg: TrainConfig,
+    argv: list[str],
+    state: TrainingState,
+    resumed: bool,
+    master: bool,
+    world_size: int,
+    log: Callable[[str], None],
+) -> tuple[MetricsLog | None, str | None]:
+    """(metrics.jsonl's log, the Weights & Biases run's id): what the run records, started on rank 0 (None, None
+    elsewhere). The trackers come first: one that cannot start stops the run before anything more is written; a
+    resumed run continues its Weights & Biases run. Then the data's tokenizer beside the checkpoints, run.json (what
+    --resume takes before a save), the config line and metrics.jsonl."""
+    out_dir = Path(cfg.out_dir)
+    step = state.progress.step
     wandb_run = None
     tensorboard = None
     problem = None
-    if master and cfg.wandb_log:  # first: a tracker that cannot start stops the run before anything more is written
-        wandb_run, problem = start_wandb(cfg, wandb_id)
+    if master and cfg.wandb_log:
+        wandb_run, problem = start_wandb(cfg, state.record.wandb_run_id)
     if master and cfg.tensorboard and problem is None:
         tensorboard, problem = start_tensorboard(out_dir, step if resumed else None)
     stop_together(problem, world_size)
-    metrics = None
-    if master:
-        copy_tokenizer(cfg.data_dir, out_dir)
-        record_run(out_dir, config_to_dict(cfg), shlex.join([sys.argv[0], *argv]))  # what --resume takes before a save
-        log("config: " + json.dumps(config_to_dict(cfg)))
-        fsdp = " (fsdp)" if cfg.fsdp and world_size > 1 else ""
-        log(
-            f"model: {n_params / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')} | "
-            f"world {world_size}{fsdp} | {total_batch} tokens/step = {grad_accum} micro-steps of {B}x{T} per rank"
-        )
-        trackers = []  # where the figures go besides metrics.jsonl, the run's own record
-        if wandb_run is not None:
-            trackers.append(WandbTracker(wandb_run))
-        if tensorboard is not None:
-            trackers.append(tensorboard)
-        metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if resumed else None, trackers=trackers)
-    meta = {
-        "git_commit": git_commit(Path(__file__).parent),
-        "command": shlex.join([sys.argv[0], *argv]),
-        "wandb_run_id": wandb_run.id if wandb_run else None,
-        "hf_architecture": model.source_architecture,  # how it exports back (gptlite.hf)
-        "tokenizer": None if tokenizer is None else tokenizer.identity(),  # the data's, checked wherever it is read
-    }
+    if not master:
+        return None, None
+    copy_tokenizer(cfg.data_dir, out_dir)
+    record_run(out_dir, config_to_dict(cfg), shlex.join([sys.argv[0], *argv]))
+    log("config: " + json.dumps(config_to_dict(cfg)))
+    trackers = []  # where the figures go besides metrics.jsonl, the run's own record
+    if wandb_run is not None:
+        trackers.append(WandbTracker(wandb_run))
+    if tensorboard is not None:
+        trackers.append(tensorboard)
+    metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=step if resumed else None, trackers=trackers)
+    return metrics, wandb_run.id if wandb_run else None
 
-    # ---------------------------------------------------------------------------------------------
-    # 10. What trains: the model compiled (if asked, and possible here), and in DDP under torchrun without FSDP.
-    # `model`, the module as built, is what is evaluated and saved.
-    train_model = model
-    compiled = False
-    if cfg.compile:
-        reason = compile_unavailable(device_type)
-        if reason:
-            log(f"warning: torch.compile is unavailable ({reason}); training uncompiled")
-        else:
-            compiled = True
-            log("torch.compile: the first step compiles the model, a minute or more on a CPU (--compile=false: none)")
-            train_model = torch.compile(model)
-    if world_size > 1 and not cfg.fsdp:
-        train_model = DDP(train_model, device_ids=[torch.device(device)] if device_type == "cuda" else None)
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None  # MFU's denominator
-    where = torch.cuda.get_device_name(device) if device_type == "cuda" else f"this {device_type} ({cpu_summary()})"
-    # On a CPU that other processes share, torch's threads follow the cores they leave free (gptlite.device)
-    threads = CpuThreads() if device_type == "cpu" and world_size == 1 else None
-    cleanup.callback(torch.set_num_threads, torch.get_num_threads())
 
-    # ---------------------------------------------------------------------------------------------
-    # 11. The training loop: optimizer steps until max_iters, a stop signal or the time budget (max_minutes).
-    signals = StopSignals()
-    signals.install()  # from here Ctrl-C and SIGTERM finish the step and save instead of ending the process
-    cleanup.callback(signals.restore)
-    first_step = step
-    stopped = None  # why the run ended before max_iters
+# ---------------------------------------------------------------------------------------------
+# The loop and its steps
+
+
+def loop(run: Run, pace: Pace) -> str | None:
+    """Optimizer steps until max_iters, a stop signal or the time budget (max_minutes); returns why the run stopped
+    before max_iters (a signal's name, "max_minutes=M", a stop on another rank), None where it did not."""
+    cfg, progress = run.cfg, run.state.progress
+    first_step = progress.step
+    clock = LogClock()
     minutes = 0.0  # wall-clock minutes since the start, as the ranks agree on them after each step
-    t_last = time.perf_counter()  # the last log line's time
-    steps_since_log = 0
-    while step < cfg.max_iters:
+    while progress.step < cfg.max_iters:
         # the learning rate: warmup, then cosine decay; every group in proportion to its own peak (Muon's differs)
-        lr = lr_at(step, cfg, minutes)
-        for opt in optimizers:
+        lr = lr_at(progress.step, cfg, minutes)
+        for opt in run.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr * group["lr_ratio"]
-
-        # forward and backward over the step's micro-batches, which the objective gives (none, with the event that
-        # metrics.jsonl records, when it has a reason to make no update); their gradients add up in .grad
-        batches, no_update = objective.batches(step, minutes)
-        step_loss = torch.zeros((), device=device)
-        try:
-            for micro, (x, y) in enumerate(batches):
-                x, y = to_device(x), to_device(y)  # (B, T) each
-                # DDP and FSDP average gradients across ranks during backward. Within a step that is needed once,
-                # after the last micro-batch: until then every rank only accumulates its own.
-                last_micro = micro == len(batches) - 1
-                if isinstance(train_model, DDP):
-                    train_model.require_backward_grad_sync = last_micro
-                elif cfg.fsdp and world_size > 1:
-                    model.set_requires_gradient_sync(last_micro)
-                with amp:
-                    loss = objective.loss(train_model, x, y)  # this micro-batch's share of the step's loss
-                scaler.scale(loss).backward()
-                step_loss += loss.detach()
-        except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
-            if step == first_step and "out of memory" in str(e):
-                raise ValueError(out_of_memory_advice(B, T, cfg.total_batch_size, total_batch)) from None
-            raise
-
-        # the gradients back to their true scale (float16), then their norm clipped
-        for opt in optimizers:
-            scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-            grad_norm = grad_norm.full_tensor()
-
-        # every rank agrees on the loss, the gradient norm, the objective's figures and whether to stop: one
-        # all-reduce
-        elapsed = (time.time() - t_start) / 60
-        out_of_time = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
-        # built on the host and sent like a batch: torch.tensor(..., device="cuda") would wait for the GPU's queue
-        votes = to_device(torch.tensor([float(bool(signals) or out_of_time), float(out_of_time), elapsed]))
-        step_figures = objective.figures()  # name -> 0-d tensor
-        stats = step_stats(step_loss, grad_norm, step_figures, votes)
-        if world_size > 1:
-            dist.all_reduce(stats)
-            stats /= world_size
-
-        # the update, unless the loss or the gradient norm is not finite, and the figures the host reads now: this
-        # step's, or where the update is decided on the GPU itself, the step's before (gptlite.update), so that
-        # the host queues the next step's work while this one runs. Those are read at once only where the loop
-        # needs them: an evaluation and save, a stop, the last step.
-        step += 1
-        records = update.apply(step, lr, no_update, list(step_figures), stats)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        if update.pending and (step == cfg.max_iters or step % cfg.eval_interval == 0 or any(r.stop for r in records)):
-            records += update.flush()
+        records = train_step(run, lr, minutes, first_step)
         stop = any(r.stop for r in records)
         timed_out = any(r.timed_out for r in records)
         if records:
             minutes = records[-1].minutes
-        # the pace: a run that will take long without a time budget says so early, at the pace of the PACE_STEPS
-        # steps after the first (which allocates and warms up; with torch.compile the first two: the first compiles)
-        warm = first_step + (2 if compiled else 1)
-        if step == warm:
-            t_warm = time.perf_counter()
-        if step == warm + PACE_STEPS and not cfg.max_minutes:
-            peak_mb, _ = peak_memory_mb(device)
-            memory = "" if peak_mb is None else f", {peak_mb / 1024:.1f} GiB of memory"
-            note = pace_note((time.perf_counter() - t_warm) / PACE_STEPS, cfg.max_iters - step, where, memory)
-            if note:
-                log(f"step {step:5d} | {note}")
-        if threads is not None:
-            note = threads.update()
-            if note:
-                log(f"step {step:5d} | {note}")
-        last = step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
-        trained_state = None  # ema_decay: the trained weights, kept beside their average so that --resume goes on
-        if last and ema is not None:  # the run ends as its weights' moving average: evaluated, saved and sampled
-            trained_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            ema.copy_to_model()
-            log(f"step {step:5d} | the weights are now their moving average (ema_decay={cfg.ema_decay:g})")
+        pace.after(progress.step)
+        last = progress.step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
+        if last:  # a run with a weight average ends as it: evaluated, saved and sampled
+            run.state.finish(run.log)
+        log_steps(run, records, last, clock)
+        evaluate_and_save(run, last, stop, clock)
+        if stop and progress.step < cfg.max_iters:
+            return stop_early(run, timed_out)
+    return None
 
-        # log: a line and a row of metrics.jsonl every log_interval steps; a step that made no update always
-        for record in records:
-            steps_since_log += 1
-            if record.no_update and master:
-                metrics.write(step=record.step, event=record.no_update)
-            if not record.finite:
-                if master:
-                    metrics.write(step=record.step, event="nonfinite", loss=record.loss, grad_norm=record.grad_norm)
-                problem = f"step {record.step}: loss {record.loss}, gradient norm {record.grad_norm} are not finite"
-                if cfg.on_nan == "stop" and step_files(out_dir):
-                    raise FloatingPointError(
-                        f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in "
-                        f"{out_dir}; resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such "
-                        "steps"
-                    )
-                if cfg.on_nan == "stop":
-                    raise FloatingPointError(
-                        f"{problem}; stopped before any checkpoint was saved (on_nan=stop); run the command again "
-                        "with --overwrite and a lower --learning_rate, or --on_nan=skip to skip such steps"
-                    )
-                log(f"{problem}; skipped this update (on_nan=skip)")
-                continue
-            if record.no_update:  # a skipped step's figures are not figures
-                continue
-            if record.step % cfg.log_interval and not (last and record.step == step):
-                continue
-            dt = (time.perf_counter() - t_last) / steps_since_log
-            t_last = time.perf_counter()
-            steps_since_log = 0
-            tokens_per_s = total_batch / dt
-            step_mfu = mfu(flops_per_token, tokens_per_s / world_size, peak)
-            log(
-                f"step {record.step:5d} | loss {record.loss:.4f} | lr {record.lr:.2e} | "
-                f"grad norm {record.grad_norm:.3f} | {dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
-                + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%")
-                + objective.log_text(record.figures)
+
+def train_step(run: Run, lr: float, minutes: float, first_step: int) -> list[StepRecord]:
+    """One optimizer step: forward and backward over the step's micro-batches, the gradients clipped, the figures
+    agreed on by every rank, and the update. Returns the records of the steps the host reads now (gptlite.update)."""
+    cfg, objective, progress = run.cfg, run.objective, run.state.progress
+    # forward and backward over the step's micro-batches, which the objective gives (none, with the event that
+    # metrics.jsonl records, when it has a reason to make no update); their gradients add up in .grad
+    batches, no_update = objective.batches(progress.step, minutes)
+    step_loss = torch.zeros((), device=run.device)
+    try:
+        for micro, (x, y) in enumerate(batches):
+            x, y = run.to_device(x), run.to_device(y)  # (B, T) each
+            # DDP and FSDP average gradients across ranks during backward. Within a step that is needed once,
+            # after the last micro-batch: until then every rank only accumulates its own.
+            run.parallel.sync_gradients(micro == len(batches) - 1)
+            with run.amp:
+                loss = objective.loss(run.train_model, x, y)  # this micro-batch's share of the step's loss
+            run.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError, MPS "out of memory"
+        if progress.step == first_step and "out of memory" in str(e):
+            advice = out_of_memory_advice(cfg.batch_size, cfg.model.block_size, cfg.total_batch_size, run.total_batch)
+            raise ValueError(advice) from None
+        raise
+
+    # the gradients back to their true scale (float16), then their norm clipped
+    for opt in run.optimizers:
+        run.scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+        grad_norm = grad_norm.full_tensor()
+
+    # every rank agrees on the loss, the gradient norm, the objective's figures and whether to stop: one
+    # all-reduce
+    elapsed = (time.time() - run.t_start) / 60
+    out_of_time = cfg.max_minutes > 0 and elapsed > cfg.max_minutes
+    # built on the host and sent like a batch: torch.tensor(..., device="cuda") would wait for the GPU's queue
+    votes = run.to_device(torch.tensor([float(bool(run.signals) or out_of_time), float(out_of_time), elapsed]))
+    step_figures = objective.figures()  # name -> 0-d tensor
+    stats = step_stats(step_loss, grad_norm, step_figures, votes)
+    if run.world_size > 1:
+        dist.all_reduce(stats)
+        stats /= run.world_size
+
+    # the update, unless the loss or the gradient norm is not finite, and the figures the host reads now: this
+    # step's, or where the update is decided on the GPU itself, the step's before (gptlite.update), so that
+    # the host queues the next step's work while this one runs. Those are read at once only where the loop
+    # needs them: an evaluation and save, a stop, the last step.
+    progress.step += 1
+    step = progress.step
+    records = run.update.apply(step, lr, no_update, list(step_figures), stats)
+    for opt in run.optimizers:
+        opt.zero_grad(set_to_none=True)
+    if run.update.pending and (step == cfg.max_iters or step % cfg.eval_interval == 0 or any(r.stop for r in records)):
+        records += run.update.flush()
+    return records
+
+
+@dataclass
+class LogClock:
+    """When the last log line was written, and the steps since: a log line's time per step."""
+
+    t_last: float = 0.0
+    steps_since_log: int = 0
+
+    def __post_init__(self):
+        self.t_last = time.perf_counter()
+
+
+def log_steps(run: Run, records: list[StepRecord], last: bool, clock: LogClock) -> None:
+    """The log: a line and a row of metrics.jsonl every log_interval steps and at the last; a step that made no
+    update always gets its event's row, and a step whose loss or gradient norm is not finite is skipped
+    (on_nan=skip) or stops the run (on_nan=stop)."""
+    cfg, log, metrics = run.cfg, run.log, run.metrics
+    step = run.state.progress.step
+    for record in records:
+        clock.steps_since_log += 1
+        if record.no_update and run.master:
+            metrics.write(step=record.step, event=record.no_update)
+        if not record.finite:
+            if run.master:
+                metrics.write(step=record.step, event="nonfinite", loss=record.loss, grad_norm=record.grad_norm)
+            problem = f"step {record.step}: loss {record.loss}, gradient norm {record.grad_norm} are not finite"
+            if cfg.on_nan == "stop" and step_files(run.out_dir):
+                raise FloatingPointError(
+                    f"{problem}; stopped without saving (on_nan=stop). The latest good checkpoint is in "
+                    f"{run.out_dir}; resume with --resume and a lower --learning_rate, or --on_nan=skip to skip such "
+                    "steps"
+                )
+            if cfg.on_nan == "stop":
+                raise FloatingPointError(
+                    f"{problem}; stopped before any checkpoint was saved (on_nan=stop); run the command again "
+                    "with --overwrite and a lower --learning_rate, or --on_nan=skip to skip such steps"
+                )
+            log(f"{problem}; skipped this update (on_nan=skip)")
+            continue
+        if record.no_update:  # a skipped step's figures are not figures
+            continue
+        if record.step % cfg.log_interval and not (last and record.step == step):
+            continue
+        dt = (time.perf_counter() - clock.t_last) / clock.steps_since_log
+        clock.t_last = time.perf_counter()
+        clock.steps_since_log = 0
+        tokens_per_s = run.total_batch / dt
+        step_mfu = mfu(run.flops_per_token, tokens_per_s / run.world_size, run.peak_flops)
+        log(
+            f"step {record.step:5d} | loss {record.loss:.4f} | lr {record.lr:.2e} | "
+            f"grad norm {record.grad_norm:.3f} | {dt * 1000:7.1f} ms/step | {tokens_per_s:8.0f} tok/s | mfu "
+            + ("n/a" if step_mfu is None else f"{100 * step_mfu:.1f}%")
+            + run.objective.log_text(record.figures)
+        )
+        if run.master:
+            metrics.write(
+                step=record.step,
+                tokens=record.step * run.total_batch,
+                loss=record.loss,
+                lr=record.lr,
+                grad_norm=record.grad_norm,
+                ms_per_step=dt * 1000,
+                tokens_per_s=tokens_per_s,
+                mfu=step_mfu,
+                **run.objective.log_fields(record.figures),
             )
-            if master:
-                metrics.write(
-                    step=record.step,
-                    tokens=record.step * total_batch,
-                    loss=record.loss,
-                    lr=record.lr,
-                    grad_norm=record.grad_norm,
-                    ms_per_step=dt * 1000,
-                    tokens_per_s=tokens_per_s,
-                    mfu=step_mfu,
-                    **objective.log_fields(record.figures),
-                )
 
-        # evaluate and save: every eval_interval steps and at the end; a stop saves without evaluating
-        evaluate = step % cfg.eval_interval == 0 or last
-        val_loss = None
-        if evaluate:
-            # The model as built, not train_model: compiling a second, eval-mode graph costs more than it saves, and
-            # DDP adds nothing without gradients. The objective judges the run; its val loss picks best.pt.
-            evaluation = objective.evaluate(model)
-            val_loss = evaluation.loss
-            log(f"step {step:5d} | {evaluation.line}")
-            if master:
-                metrics.write(step=step, tokens=step * total_batch, **evaluation.fields)
-        # CORE (gptlite.evaluate.core) every core_every steps and at the end; the ranks share its items
-        score_core = core_tasks is not None and (step % cfg.core_every == 0 or last)
-        if score_core:
-            with amp:
-                core_metric = core_score(model, tokenizer, core_tasks)["metric"]
-            log(f"step {step:5d} | core {core_metric:.4f}")
-            if master:
-                metrics.write(step=step, tokens=step * total_batch, core=core_metric)
-        if evaluate or stop:
-            model_state, optimizer_state, rngs = gather_training_state(model, optimizers, world_size)  # every rank
-            if master:
-                best = val_loss is not None and val_loss < best_val
-                checkpoint = run_checkpoint(
-                    config=config_to_dict(cfg),
-                    model=model_state,
-                    optimizer=optimizer_state,
-                    scaler=scaler.state_dict(),
-                    step=step,
-                    loader=objective.state(),
-                    data=identity,
-                    world_size=world_size,
-                    rng=rngs,
-                    best_val_loss=val_loss if best else best_val,
-                    val_loss=val_loss,
-                    meta=meta,
-                    lora=lora,
-                    ema=None if ema is None else ema.state_dict(),
-                    trained_model=trained_state,
-                )
-                bad = nonfinite(checkpoint["model"])
-                # what a failed save leaves: the latest good checkpoint, or (the first save) none yet
-                kept = (
-                    f"the latest good checkpoint stays in {out_dir}"
-                    if step_files(out_dir)
-                    else f"no checkpoint of this run was saved yet in {out_dir}"
-                )
-                if bad:  # a good checkpoint is never replaced by one of NaN weights
-                    names = ", ".join(bad[:3])
-                    log(f"step {step}: not saving a checkpoint, the weights are not finite ({names}); {kept}")
-                else:
-                    try:
-                        path = save_run_checkpoint(out_dir, checkpoint, keep_last=cfg.keep_last, best=best)
-                    except OSError as e:  # e.g. a full disk: nothing half-written is left, the previous file is whole
-                        message = f"step {step}: {e}; {kept}: fix that, then continue with --resume"
-                        raise error(e.errno, message) from None
-                    best_val = checkpoint["best_val_loss"]
-                    log(f"step {step:5d} | saved {path}{' (best val loss)' if best else ''}")
-        if evaluate or score_core:
-            t_last = time.perf_counter()  # evaluating and saving is not training time
 
-        # stop early: a signal, the time budget, or a stop on another rank. A schedule over the time budget
-        # (lr_schedule="time", as --budget's recipes) has ended when the budget has: the run is done, not stopped.
-        if stop and step < cfg.max_iters and timed_out and not signals and cfg.lr_schedule == "time":
-            log(f"step {step:5d} | the time budget (max_minutes={cfg.max_minutes:g}) is spent: the run is done")
-            break
-        if stop and step < cfg.max_iters:
-            if signals:
-                stopped = signal.Signals(signals[0]).name
-            elif timed_out:
-                stopped = f"max_minutes={cfg.max_minutes:g}"
-            else:
-                stopped = "a stop request on another rank"
-            resume = f"python train.py --out_dir={shlex.quote(str(out_dir))} --resume"
-            how = " (under torchrun, with the same launch options)" if world_size > 1 else ""
-            log(f"stopped after step {step} ({stopped}) with a checkpoint in {out_dir}; continue with: {resume}{how}")
-            break
+def evaluate_and_save(run: Run, last: bool, stop: bool, clock: LogClock) -> None:
+    """Evaluate and save: every eval_interval steps and at the end; a stop saves without evaluating. CORE every
+    core_every steps and at the end."""
+    cfg, log, progress = run.cfg, run.log, run.state.progress
+    step = progress.step
+    evaluate = step % cfg.eval_interval == 0 or last
+    progress.val_loss = None
+    if evaluate:
+        # The model as built, not train_model: compiling a second, eval-mode graph costs more than it saves, and
+        # DDP adds nothing without gradients. The objective judges the run; its val loss picks best.pt.
+        evaluation = run.objective.evaluate(run.model)
+        progress.val_loss = evaluation.loss
+        log(f"step {step:5d} | {evaluation.line}")
+        if run.master:
+            run.metrics.write(step=step, tokens=step * run.total_batch, **evaluation.fields)
+    # CORE (gptlite.evaluate.core); the ranks share its items
+    score_core = run.core_tasks is not None and (step % cfg.core_every == 0 or last)
+    if score_core:
+        with run.amp:
+            core_metric = core_score(run.model, run.tokenizer, run.core_tasks)["metric"]
+        log(f"step {step:5d} | core {core_metric:.4f}")
+        if run.master:
+            run.metrics.write(step=step, tokens=step * run.total_batch, core=core_metric)
+    if evaluate or stop:
+        run.state.save(run.out_dir, cfg.keep_last, run.master, log)  # every rank gathers, rank 0 writes
+    if evaluate or score_core:
+        clock.t_last = time.perf_counter()  # evaluating and saving is not training time
 
-    # ---------------------------------------------------------------------------------------------
-    # 12. The end.
-    peak_mb, counted = peak_memory_mb(device)
-    log(f"done at step {step}" + (f" | peak memory {peak_mb:,.0f} MiB {counted}" if peak_mb is not None else ""))
-    if master:
-        metrics.close()  # and its trackers
-    return 128 + signals[0] if stopped and signals else 0
+
+def stop_early(run: Run, timed_out: bool) -> str | None:
+    """Why the run stops before max_iters: a signal, the time budget, or a stop on another rank, said with how to
+    continue. A schedule over the time budget (lr_schedule="time", as --budget's recipes) has ended when the budget
+    has: the run is done, not stopped (None)."""
+    cfg, log, step = run.cfg, run.log, run.state.progress.step
+    if timed_out and not run.signals and cfg.lr_schedule == "time":
+        log(f"step {step:5d} | the time budget (max_minutes={cfg.max_minutes:g}) is spent: the run is done")
+        return None
+    if run.signals:
+        stopped = signal.Signals(run.signals[0]).name
+    elif timed_out:
+        stopped = f"max_minutes={cfg.max_minutes:g}"
+    else:
+        stopped = "a stop request on another rank"
+    resume = f"python train.py --out_dir={shlex.quote(str(run.out_dir))} --resume"
+    how = " (under torchrun, with the same launch options)" if run.world_size > 1 else ""
+    log(f"stopped after step {step} ({stopped}) with a checkpoint in {run.out_dir}; continue with: {resume}{how}")
+    return stopped
+
+
+class Pace:
+    """Notes on the run's pace: a run that will take long without a time budget says so early, at the pace of the
+    PACE_STEPS steps after the first (which allocates and warms up; with torch.compile the first two: the first
+    compiles); on a CPU that other processes share, torch's threads follow the cores they leave free
+    (gptlite.device.CpuThreads)."""
+
+    def __init__(self, run: Run, compiled: bool):
+        self.run = run
+        self.warm = run.state.progress.step + (2 if compiled else 1)
+        self.t_warm = 0.0
+        device_type = run.device.split(":")[0]
+        self.threads = CpuThreads() if device_type == "cpu" and run.world_size == 1 else None
+        self.where = (
+            torch.cuda.get_device_name(run.device) if device_type == "cuda" else f"this {device_type} ({cpu_summary()})"
+        )
+
+    def after(self, step: int) -> None:
+        """After optimizer step `step`."""
+        cfg, log = self.run.cfg, self.run.log
+        if step == self.warm:
+            self.t_warm = time.perf_counter()
+        if step == self.warm + PACE_STEPS and not cfg.max_minutes:
+            peak_mb, _ = peak_memory_mb(self.run.device)
+            memory = "" if peak_mb is None else f", {peak_mb / 1024:.1f} GiB of memory"
+            seconds = (time.perf_counter() - self.t_warm) / PACE_STEPS
+            note = pace_note(seconds, cfg.max_iters - step, self.where, memory)
+            if note:
+                log(f"step {step:5d} | {note}")
+        if self.threads is not None:
+            note = self.threads.update()
+            if note:
+                log(f"step {step:5d} | {note}")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,16 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from gptlite.optim import WeightAverage
+
+class Averages(Protocol):
+    """What the update calls after each optimizer step: a weight average's update (gptlite.optim.WeightAverage, or
+    the training state's Average or NoAverage)."""
+
+    def update(self) -> None: ...
 
 
 @dataclass
@@ -73,9 +79,7 @@ def read_stats(step: int, lr: float, no_update: str | None, names: list[str], va
 class HostUpdate:
     """Reads the step's figures at once, then updates unless they are not finite (see the module's docstring)."""
 
-    def __init__(
-        self, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler, ema: WeightAverage | None
-    ):
+    def __init__(self, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler, ema: Averages | None):
         self.optimizers = optimizers
         self.scaler = scaler
         self.ema = ema
@@ -102,7 +106,7 @@ class DeviceUpdate:
     """Updates with the decision on the device, and reads each step's figures one step late (see the module's
     docstring). Every optimizer is a fused AdamW, and no loss scaler is on (`make_update`)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], ema: WeightAverage | None):
+    def __init__(self, optimizers: list[torch.optim.Optimizer], ema: Averages | None):
         self.optimizers = optimizers
         self.ema = ema
         self.waiting: tuple | None = None  # (step, lr, no_update, names, host copy, its copy's event)
@@ -153,7 +157,7 @@ def skips_on_device(optimizers: list[torch.optim.Optimizer], scaler: torch.amp.G
 def make_update(
     optimizers: list[torch.optim.Optimizer],
     scaler: torch.amp.GradScaler,
-    ema: WeightAverage | None,
+    ema: Averages | None,
     device_type: str,
 ) -> HostUpdate | DeviceUpdate:
     """The run's way to update and read its figures (see the module's docstring; GPTLITE_UPDATE forces one)."""

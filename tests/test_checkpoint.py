@@ -14,8 +14,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlite.checkpoint import (
+    DataPosition,
+    LossScale,
+    Optimizers,
+    Progress,
+    RandomStreams,
+    RunRecord,
+    TrainingState,
+    Weights,
     discard_damaged,
-    gather_training_state,
     load_checkpoint,
     model_from_checkpoint,
     rng_state,
@@ -24,7 +31,9 @@ from gptlite.checkpoint import (
     set_rng_state,
     step_files,
     verify_checkpoint,
+    weight_average,
 )
+from gptlite.checkpoint.training_state import ENTRIES
 from gptlite.config import build_config
 from gptlite.optim import configure_optimizers
 from gptlite.tokenizer import CharTokenizer
@@ -248,7 +257,7 @@ def test_weights_that_do_not_fit_the_config_are_refused_in_one_line(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
 def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path):
-    """train.py saves through gather_training_state (torch.distributed.checkpoint's get_state_dict): no
+    """train.py saves through the training state's parts (torch.distributed.checkpoint's full state dicts): no
     `_orig_mod.` or `module.` prefixes, whatever wraps the model, so the file loads into a plain GPT anywhere."""
     model = tiny_model()
     optimizers = configure_optimizers(model, build_config({"data_dir": "x", "vocab_size": 97}), "cpu")
@@ -256,7 +265,8 @@ def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         wrapped = DDP(torch.compile(model))  # compiling is lazy: nothing is compiled here
-        model_state, optimizer_state, _ = gather_training_state(wrapped, optimizers, world_size=1)
+        model_state = Weights(wrapped, None, tmp_path).state_dict()["model"]
+        optimizer_state = Optimizers(wrapped, optimizers).state_dict()["optimizer"]
     finally:
         dist.destroy_process_group()
     assert set(model_state) == set(model.state_dict())
@@ -267,3 +277,72 @@ def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path
     assert all(
         torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values(), strict=True)
     )
+
+
+class Position:
+    """An objective's data position alone (DataPosition's side of gptlite.objective.Objective)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def state(self) -> dict:
+        return {"index": self.index}
+
+    def restore(self, state: dict) -> None:
+        self.index = state["index"]
+
+
+def training_state(model, cfg, position, tmp_path, ema_decay=0.5):
+    optimizers = configure_optimizers(model, cfg, "cpu")
+    return TrainingState(
+        weights=Weights(model, None, tmp_path),
+        optimizers=Optimizers(model, optimizers),
+        scale=LossScale(torch.amp.GradScaler("cpu", enabled=False)),
+        position=DataPosition(position, {"kind": "text", "data": "abc"}, tmp_path, "data"),
+        average=weight_average(model, ema_decay),
+        progress=Progress(),
+        streams=RandomStreams(0, 1, print),
+        record=RunRecord(cfg, "train.py", tmp_path),
+    )
+
+
+def test_the_training_state_saves_its_parts_in_the_format_and_restores_them(tmp_path):
+    cfg = build_config({"data_dir": "data", "vocab_size": 97, "n_layer": 2, "n_head": 4, "n_embd": 32})
+    model = tiny_model().train()
+    state = training_state(model, cfg, Position(7), tmp_path)
+    loss = model(randint(97, (2, 8)), randint(97, (2, 8)))[1]
+    loss.backward()
+    for opt in state.optimizers.optimizers:
+        opt.step()
+    state.average.update()
+    state.progress.step, state.progress.val_loss = 3, 2.5
+    state.finish(lambda line: None)  # the run ends as the average: the trained weights are kept beside it
+    state.save(tmp_path, keep_last=2, master=True, log=lambda line: None)
+    ckpt = load_checkpoint(tmp_path)
+    assert list(ckpt) == [name for name in ENTRIES if name != "lora"]  # every entry once, in the format's order
+    assert (ckpt["step"], ckpt["best_val_loss"], ckpt["val_loss"], ckpt["loader"]) == (3, 2.5, 2.5, {"index": 7})
+    assert state.progress.best_val_loss == 2.5  # the save was the best so far
+
+    restored = training_state(tiny_model(seed=1).train(), cfg, Position(0), tmp_path)
+    restored.load_state_dict(ckpt)
+    assert restored.progress.step == 3 and restored.position.objective.index == 7
+    for name, weight in restored.weights.model.state_dict().items():  # the trained weights, not their average
+        assert torch.equal(weight, ckpt["trained_model"][name]), name
+    assert restored.average.state_dict()["ema"]["updates"] == 1
+    again = restored.state_dict()
+    assert again["optimizer"]["state"].keys() == ckpt["optimizer"]["state"].keys()
+
+
+def test_a_part_with_an_entry_outside_the_format_is_refused(tmp_path):
+    class Unknown:
+        def state_dict(self):
+            return {"surprise": 1}
+
+        def load_state_dict(self, state):
+            pass
+
+    cfg = build_config({"data_dir": "data", "vocab_size": 97, "n_layer": 2, "n_head": 4, "n_embd": 32})
+    state = training_state(tiny_model(), cfg, Position(0), tmp_path, ema_decay=0.0)
+    state.average = Unknown()
+    with pytest.raises(AssertionError, match=r"entries without a place in the checkpoint's format: \['surprise'\]"):
+        state.state_dict()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gptlite.checkpoint import load_checkpoint, load_training_state
+from gptlite.checkpoint import Optimizers, Weights, load_checkpoint
 from gptlite.config import build_config
 from gptlite.metrics import read_metrics
 from gptlite.model import GPT
@@ -217,7 +217,8 @@ def test_resume_refuses_another_optimizer_and_takes_changed_hyperparameters(data
     model = GPT(cfg.model)
     adamw, muon = optimizers = configure_optimizers(model, cfg, "cpu")
     ckpt = load_checkpoint(tmp_path)
-    load_training_state(model, optimizers, ckpt)
+    Weights(model, None, tmp_path).load_state_dict(ckpt)
+    Optimizers(model, optimizers).load_state_dict(ckpt)
     # the state comes from the checkpoint, the hyperparameters from this run's config
     qkv = model.blocks[0].attn.qkv.weight
     assert torch.equal(
@@ -235,7 +236,8 @@ def test_a_checkpoint_from_before_lr_ratio_resumes(data, tmp_path):
     cfg = resolve_config(resume(tmp_path))
     model = GPT(cfg.model)
     (adamw,) = configure_optimizers(model, cfg, "cpu")
-    load_training_state(model, [adamw], ckpt)
+    Weights(model, None, tmp_path).load_state_dict(ckpt)
+    Optimizers(model, [adamw]).load_state_dict(ckpt)
     assert [g["lr_ratio"] for g in adamw.param_groups] == [1.0, 1.0]
     assert adamw.state[model.tok_emb.weight]["step"] == 2
 

@@ -1,11 +1,11 @@
 """Checkpoints and the run folders that hold them, in four modules:
-    file.py            the checkpoint file: what it holds (its schema, and run_checkpoint that builds it), atomic,
-                       checksummed saves and safe loading (`weights_only=True`)
+    file.py            the checkpoint file: atomic, checksummed saves and safe loading (`weights_only=True`)
     run_folder.py      a run's folder: the newest few step files plus the best, claimed and locked by one run at a
                        time, and loading its newest intact checkpoint past a damaged one
     inference.py       a model rebuilt from a checkpoint (a LoRA run's on its checked base weights), or pretrained,
                        with its tokenizer: what sample.py, the server, evaluation and export load
-    training_state.py  what a checkpoint holds beside the weights, gathered from every rank and put back on a resume
+    training_state.py  what a checkpoint holds (its format): the parts of the training state, each saving and
+                       restoring its own entries, and the one list of them a run saves and resumes through
 This file holds only the names the rest of gptlite and its tests import from gptlite.checkpoint.
 """
 
@@ -14,7 +14,6 @@ from gptlite.checkpoint.file import (
     git_commit,
     load_file,
     nonfinite,
-    run_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -50,14 +49,38 @@ from gptlite.checkpoint.run_folder import (
     step_files,
 )
 from gptlite.checkpoint.training_state import (
+    Average,
+    DataPosition,
+    LossScale,
+    NoAverage,
+    Optimizers,
+    Progress,
+    RandomStreams,
+    RunRecord,
+    TrainingState,
+    Weights,
+    adapters_record,
     check_same_data,
-    gather_training_state,
-    load_training_state,
+    holds_whole_model,
     rng_state,
     set_rng_state,
+    weight_average,
 )
 
 __all__ = [
+    "Average",
+    "DataPosition",
+    "LossScale",
+    "NoAverage",
+    "Optimizers",
+    "Progress",
+    "RandomStreams",
+    "RunRecord",
+    "TrainingState",
+    "Weights",
+    "adapters_record",
+    "holds_whole_model",
+    "weight_average",
     "is_run",
     "load_source",
     "source_config",
@@ -75,7 +98,6 @@ __all__ = [
     "claim_run_folder",
     "copy_tokenizer",
     "discard_damaged",
-    "gather_training_state",
     "git_commit",
     "holds_run",
     "load_checkpoint",
@@ -83,13 +105,11 @@ __all__ = [
     "recorded_config",
     "load_file",
     "load_model",
-    "load_training_state",
     "lora_model",
     "model_from_checkpoint",
     "nonfinite",
     "remove_leftovers",
     "rng_state",
-    "run_checkpoint",
     "run_files",
     "save_checkpoint",
     "save_run_checkpoint",

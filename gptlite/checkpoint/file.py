@@ -1,31 +1,8 @@
-"""The checkpoint file: what it holds (`run_checkpoint` builds it), written atomically with a checksum beside it
-(`save_checkpoint`), and read back without unpickling arbitrary objects (`weights_only=True`) once its checksum
-holds (`load_file`).
+"""The checkpoint file: written atomically with a checksum beside it (`save_checkpoint`), and read back without
+unpickling arbitrary objects (`weights_only=True`) once its checksum holds (`load_file`).
 
-A checkpoint is a plain dict of tensors and primitive values (train.py builds it with `run_checkpoint`):
-    config          the flat training config (see gptlite.config.config_to_dict)
-    model           the uncompiled, unwrapped module's state_dict (no `_orig_mod.` or `module.` prefixes); a LoRA
-                    run's holds its adapters alone (lora_A, lora_B)
-    optimizer       the optimizers' state (AdamW's, and Muon's with optimizer="muon") keyed by parameter name
-                    (torch.distributed.checkpoint's full state dict, one for all)
-    scaler          the fp16 GradScaler's state ({} when unused)
-    step            optimizer steps taken; the learning-rate schedule is a function of it
-    loader          the objective's position in its data (gptlite.objective: the train loader's state, see
-                    gptlite.data.ShardLoader.state; an RL run's prompt order, gptlite.rl.PromptLoader.state)
-    data            what the run trains on (the objective's identity(): the data's kind and a fingerprint of its
-                    shards, an RL run's prompts file's too), which a resume checks (absent before 2026-11-27)
-    world_size      the processes that trained
-    rng             one entry per rank: python, numpy, torch CPU and CUDA generator states
-    best_val_loss   the lowest val loss so far (best.pt's)
-    val_loss        this save's val loss (None for a save without an evaluation: a stop)
-    meta            git_commit, command (the command line), wandb_run_id (what a resumed run continues) and
-                    hf_architecture (the Hugging Face architecture --init_from was read as: how it exports back)
-and, where they apply:
-    lora            a LoRA run's adapters: base (its --init_from), sha256 (those base weights' fingerprint,
-                    gptlite.hf.fingerprint), rank, alpha, targets
-    ema             ema_decay: the weights' moving average (gptlite.optim.WeightAverage.state_dict)
-    trained_model   a run that ended as its moving average: the weights it trained, which --resume continues from
-                    (`model` then holds the average)
+A checkpoint is a plain dict of tensors and primitive values: gptlite.checkpoint.training_state lays its entries out,
+beside the parts of the training state that write and read them.
 """
 
 from __future__ import annotations
@@ -39,7 +16,6 @@ from pathlib import Path
 import torch
 
 from gptlite.files import fault, fsync_dir, make_dir
-from gptlite.lora import lora_state_dict
 
 CHECKSUM_SUFFIX = ".sha256"
 READ_CHUNK = 1 << 20
@@ -160,47 +136,3 @@ def git_commit(folder: str | Path) -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def run_checkpoint(
-    *,
-    config: dict,
-    model: dict[str, torch.Tensor],
-    optimizer: dict,
-    scaler: dict,
-    step: int,
-    loader: dict,
-    data: dict,
-    world_size: int,
-    rng: list[dict],
-    best_val_loss: float,
-    val_loss: float | None,
-    meta: dict,
-    lora: dict | None = None,
-    ema: dict | None = None,
-    trained_model: dict[str, torch.Tensor] | None = None,
-) -> dict:
-    """A training checkpoint as the module's docstring lays it out, from its entries. A LoRA run's (`lora` given)
-    keeps the adapters alone of `model` and `trained_model`; `lora`, `ema` and `trained_model` are left out where
-    they are None."""
-    checkpoint = {
-        "config": config,
-        "model": lora_state_dict(model) if lora else model,
-        "optimizer": optimizer,
-        "scaler": scaler,
-        "step": step,
-        "loader": loader,
-        "data": data,
-        "world_size": world_size,
-        "rng": rng,
-        "best_val_loss": best_val_loss,
-        "val_loss": val_loss,
-        "meta": meta,
-    }
-    if lora:
-        checkpoint["lora"] = lora
-    if ema is not None:
-        checkpoint["ema"] = ema
-    if trained_model:
-        checkpoint["trained_model"] = lora_state_dict(trained_model) if lora else trained_model
-    return checkpoint
