@@ -23,20 +23,23 @@ rejected ones, targets -1 except on the answers' tokens.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from gptlite.config import DPO_LOSSES
-from gptlite.data import ReadsTrainLoader, evaluation_batches
+from gptlite.data import evaluation_batches
 from gptlite.lora import ReferenceModel
 from gptlite.metrics import Evaluation
+from gptlite.objective_base import ReadsTrainLoader
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
     from gptlite.data import PairLoader
     from gptlite.model import GPT
+    from gptlite.tokenizer import Tokenizer
 
 
 class DPOOutput(NamedTuple):
@@ -153,7 +156,7 @@ def evaluate_pairs(
 
 
 class DPO(ReadsTrainLoader):
-    """train.py's objective on preference pairs (see gptlite.objective.Objective): each step takes grad_accum
+    """train.py's objective on preference pairs (see gptlite.objective_base.Objective): each step takes grad_accum
     batches of batch_size pairs, and its loss is DPO's against the start-of-run model. Its figures are the implicit
     rewards of the chosen and the rejected answers and the share of pairs ranked right; it is judged by the same loss
     and figures on the val pairs. Its state is the pair loader's position."""
@@ -178,6 +181,24 @@ class DPO(ReadsTrainLoader):
         self.reference: Reference | None = None  # taken at start()
         self.weight = 1.0 / grad_accum  # each micro-batch's share of the step's loss
         self.step_figures = torch.zeros(len(FIGURES), device=device)  # pair_stats over the step's micro-batches
+
+    @classmethod
+    def for_data(
+        cls,
+        cfg: TrainConfig,
+        train_loader: PairLoader | None,
+        val_loader: PairLoader,
+        tokenizer: Tokenizer | None,
+        grad_accum: int,
+        device: str,
+        autocast: contextlib.AbstractContextManager,
+        world_size: int,
+        log: Callable[[str], None],
+    ) -> DPO:
+        """The objective on cfg.data_dir's pair loaders (no train loader: a judge of the val pairs), from the
+        arguments gptlite.objective.OBJECTIVES builds every mode with; pairs need neither the tokenizer (no bits per
+        byte) nor the log, and DDP's mean over the ranks is their loss's."""
+        return cls(cfg, train_loader, val_loader, grad_accum, device, autocast)
 
     def start(self, model: GPT) -> None:
         self.reference = Reference.of(model)
