@@ -256,7 +256,18 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     if harness:
         from gptlite.evaluate.lm_harness import evaluate_tasks
 
-        results["lm_eval"], table = evaluate_tasks(model, tokenizer, manager, harness, args)
+        results["lm_eval"], table = evaluate_tasks(
+            model,
+            tokenizer,
+            manager,
+            harness,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            apply_chat_template=args.apply_chat_template,
+            system_prompt=args.system_prompt,
+            batch_size=args.batch_size,
+            batch_tokens=args.batch_tokens,
+        )
         log(table)
     return results
 
