@@ -52,6 +52,7 @@ from gptlite.checkpoint import (
 from gptlite.cli import StopSignals, run_command
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.device import (
+    THREADS_EVENT,
     CpuThreads,
     autocast,
     batch_mover,
@@ -442,6 +443,7 @@ def train(
             note = threads.update()
             if note:
                 log(f"step {step:5d} | {note}")
+                metrics.write(step=step, event=THREADS_EVENT, threads=threads.threads)
         last = step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
         trained_state = None  # ema_decay: the trained weights, kept beside their average so that --resume goes on
         if last and ema is not None:  # the run ends as its weights' moving average: evaluated, saved and sampled
