@@ -833,8 +833,9 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding against a KV cache. Keyword arguments
-        (seed, num_samples, stop_tokens, penalties, extend_context, compile): see gptlite.generate."""
+        """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding against a KV cache. Keyword arguments: the fields
+        of gptlite.sampling.GenerationOptions (seed, num_samples, stop_tokens, penalties, extend_context, compile,
+        num_beams and beam search's); see gptlite.generate."""
         from gptlite.generate import generate
 
         return generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
