@@ -47,7 +47,7 @@ class ShardLoader:
     same window. The position (epoch, shard, index) is all the state: `state()` / `restore()`.
     """
 
-    kind = "text"  # what its rows hold (gptlite.objective.OBJECTIVES maps it to its objective)
+    kind = "text"  # what its rows hold (gptlite.objective.objective_for maps it to its objective)
     past_block = 0  # windows of text always hold targets (ChatLoader counts its items that do not)
 
     def __init__(

@@ -9,9 +9,9 @@ step's log line, how the run is judged at each evaluation, and what its state is
 - conversations (`Conversations`): the same on whole conversations, the assistant's tokens alone being targets;
 - preference pairs (gptlite.preference.DPO): DPO's loss against the start-of-run model;
 - prompts and rewards (gptlite.rl.RL, --rl): the policy gradient on sampled completions.
-A new mode on a new kind of data is a class with these methods and a line in OBJECTIVES, the one map from a kind of
-data to its objective that train.py (make_objective) and gptlite.evaluate (make_judge) both read; its option rules
-are TrainConfig's (gptlite.config), beside the options.
+A new mode on a new kind of data is a class with Objective's methods and a line in objective_for, the one map from a
+kind of data to its objective that train.py (make_objective) and gptlite.evaluate (make_judge) both read; its option
+rules are TrainConfig's (gptlite.config), beside the options.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gptlite.data import ChatLoader, ShardLoader, make_loaders, make_val_loader
+from gptlite.data import ChatLoader, Loader, ShardLoader, make_loaders, make_val_loader
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
 from gptlite.metrics import Evaluation
 from gptlite.objective_base import Batches, Objective, ReadsTrainLoader
@@ -73,24 +73,6 @@ class Text(ReadsTrainLoader):
         self.seq_len: int | None = None  # the training windows' length, from the first step on
         self.reduction = "mean"  # the loss of a micro-batch: the mean over its targets, or (conversations) the sum
         self.weight: float | torch.Tensor = 1.0 / grad_accum  # each micro-batch's share of the step's loss
-
-    @classmethod
-    def for_data(
-        cls,
-        cfg: TrainConfig,
-        train_loader: ShardLoader | ChatLoader | None,
-        val_loader: ShardLoader | ChatLoader,
-        tokenizer: Tokenizer | None,
-        grad_accum: int,
-        device: str,
-        autocast: contextlib.AbstractContextManager,
-        world_size: int,
-        log: Callable[[str], None],
-    ) -> Text:
-        """The objective on cfg.data_dir's loaders (no train loader: a judge of the val split), as OBJECTIVES builds
-        every mode; `tokenizer` is the data's (None if it has none), whose tokens' bytes give the val bits per byte."""
-        token_bytes = None if tokenizer is None else byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
-        return cls(cfg, train_loader, val_loader, token_bytes, grad_accum, device, autocast, world_size, log)
 
     def start(self, model: GPT) -> None:
         pass
@@ -151,9 +133,27 @@ class Conversations(Text):
 # ---------------------------------------------------------------------------------------------
 # The one place the mode is decided
 
-# The one map from a kind of data (what data/prepare.py made: a loader's `kind`) to the objective that trains on it
-# and judges a model on it; each builds itself from the same arguments (`for_data`).
-OBJECTIVES: dict[str, type[Text] | type[DPO]] = {"text": Text, "conversations": Conversations, "pairs": DPO}
+
+def objective_for(
+    kind: str,
+    cfg: TrainConfig,
+    train_loader: Loader | None,
+    val_loader: Loader,
+    tokenizer: Tokenizer | None,
+    grad_accum: int,
+    device: str,
+    autocast: contextlib.AbstractContextManager,
+    world_size: int,
+    log: Callable[[str], None],
+) -> Text | DPO:
+    """The one map from a kind of data (text, conversations or pairs: what data/prepare.py made, the loaders' `kind`)
+    to the objective that trains on it and judges a model on it (no train loader: a judge of the val split alone).
+    `tokenizer` is the data's (None if it has none), whose tokens' bytes give text's val bits per byte."""
+    if kind == "pairs":
+        return DPO(cfg, train_loader, val_loader, grad_accum, device, autocast)
+    token_bytes = None if tokenizer is None else byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
+    language_model = Conversations if kind == "conversations" else Text
+    return language_model(cfg, train_loader, val_loader, token_bytes, grad_accum, device, autocast, world_size, log)
 
 
 def make_objective(
@@ -166,7 +166,7 @@ def make_objective(
     world_size: int,
     log: Callable[[str], None],
 ) -> Objective:
-    """The run's objective: --rl's, else the one OBJECTIVES gives what the data folder holds (text, conversations or
+    """The run's objective: --rl's, else the one objective_for gives what the data folder holds (text, conversations or
     preference pairs: data/prepare.py says which). Its inputs are read and checked here, before the run folder is
     claimed: every shard (gptlite.data.make_loaders), the options against the data (TrainConfig.check_data), and for
     --rl the reward function and the prompts. `tokenizer` is the data's (None if it has none)."""
@@ -178,8 +178,8 @@ def make_objective(
             f"{cfg.data_dir}'s train split have no target within block_size={cfg.model.block_size}: they train nothing"
         )
     cfg.check_data(kind, has_tokenizer=tokenizer is not None)
-    objective = OBJECTIVES[kind].for_data(
-        cfg, train_loader, val_loader, tokenizer, grad_accum, device, autocast, world_size, log
+    objective = objective_for(
+        kind, cfg, train_loader, val_loader, tokenizer, grad_accum, device, autocast, world_size, log
     )
     if not cfg.rl:
         return objective
@@ -201,9 +201,9 @@ def make_judge(
     log: Callable[[str], None],
 ) -> Text | DPO:
     """The objective that judges a model on cfg.data_dir's val split, as `python -m gptlite.evaluate` uses it: the
-    one OBJECTIVES gives the split's kind of data, the val split alone read, and its `evaluate` scores a model as
+    one objective_for gives the split's kind of data, the val split alone read, and its `evaluate` scores a model as
     train.py's evaluations do (every window or pair when cfg.eval_iters is 0): conversations on the assistant's
     tokens alone, preference pairs by DPO's loss and figures against the reference its `start` is given (the model
     the DPO run began from). It trains nothing: it has no train loader."""
     val_loader = make_val_loader(cfg)  # a split of any size: every window or pair once, the last batch short
-    return OBJECTIVES[val_loader.kind].for_data(cfg, None, val_loader, tokenizer, 1, device, autocast, 1, log)
+    return objective_for(val_loader.kind, cfg, None, val_loader, tokenizer, 1, device, autocast, 1, log)

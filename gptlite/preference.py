@@ -23,7 +23,6 @@ rejected ones, targets -1 except on the answers' tokens.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
     from gptlite.config import TrainConfig
     from gptlite.data import PairLoader
     from gptlite.model import GPT
-    from gptlite.tokenizer import Tokenizer
 
 
 class DPOOutput(NamedTuple):
@@ -181,24 +179,6 @@ class DPO(ReadsTrainLoader):
         self.reference: Reference | None = None  # taken at start()
         self.weight = 1.0 / grad_accum  # each micro-batch's share of the step's loss
         self.step_figures = torch.zeros(len(FIGURES), device=device)  # pair_stats over the step's micro-batches
-
-    @classmethod
-    def for_data(
-        cls,
-        cfg: TrainConfig,
-        train_loader: PairLoader | None,
-        val_loader: PairLoader,
-        tokenizer: Tokenizer | None,
-        grad_accum: int,
-        device: str,
-        autocast: contextlib.AbstractContextManager,
-        world_size: int,
-        log: Callable[[str], None],
-    ) -> DPO:
-        """The objective on cfg.data_dir's pair loaders (no train loader: a judge of the val pairs), from the
-        arguments gptlite.objective.OBJECTIVES builds every mode with; pairs need neither the tokenizer (no bits per
-        byte) nor the log, and DDP's mean over the ranks is their loss's."""
-        return cls(cfg, train_loader, val_loader, grad_accum, device, autocast)
 
     def start(self, model: GPT) -> None:
         self.reference = Reference.of(model)
