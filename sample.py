@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,9 +34,9 @@ from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, TrainConfig, option, parse_bool
 from gptlite.conversation import Conversation
 from gptlite.device import pick_device, pick_dtype
-from gptlite.generate import generate, generate_text
+from gptlite.generate import generate_text_with, generate_with
 from gptlite.model import GPT
-from gptlite.sampling import Sampling
+from gptlite.sampling import GenerationOptions, Sampling
 from gptlite.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40 + "\n"
@@ -174,24 +174,38 @@ class Notes:
         self.held = []
 
 
+def generation_options(args: SampleOptions, tokenizer: Tokenizer) -> GenerationOptions:
+    """The options of generation that sampling and beam search both read from the command's (each refuses those it
+    does not take: beam search says why penalties cannot be used with it)."""
+    return GenerationOptions(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        extend_context=args.extend_context,
+        compile=args.compile,
+        vocab_limit=tokenizer.vocab_size,
+    )
+
+
 def print_samples(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptions, notes: Notes) -> None:
     """Sample `num_samples` continuations, `batch_size` at a time, the first of each batch streamed."""
-    options = {
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "repetition_penalty": args.repetition_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "stop": args.stop,
-        "stop_at_eot": args.stop_at_eot,
-        "extend_context": args.extend_context,
-        "compile": args.compile,
-        "generator": torch.Generator(device=args.device).manual_seed(args.seed),
-    }
+    options = generation_options(args, tokenizer)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
     for first in range(0, args.num_samples, args.batch_size):
         n = min(args.batch_size, args.num_samples - first)
         texts = [""] * n
-        stream = generate_text(model, tokenizer, prompt, args.max_new_tokens, num_samples=n, **options)
+        stream = generate_text_with(
+            model,
+            tokenizer,
+            prompt,
+            args.max_new_tokens,
+            replace(options, num_samples=n),
+            stop=args.stop,
+            stop_at_eot=args.stop_at_eot,
+            generator=generator,
+        )
         sys.stdout.write((SEPARATOR if first else "") + prompt)
         for pieces in stream:
             sys.stdout.write(pieces[0])
@@ -206,28 +220,15 @@ def print_beams(model: GPT, tokenizer: Tokenizer, prompt: str, args: SampleOptio
     stop_at_eot) and before the first stop string."""
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
     stops = [tokenizer.eot_id] if args.stop_at_eot and tokenizer.eot_id is not None else []
-    penalties = {
-        "repetition_penalty": (args.repetition_penalty, 1.0),
-        "frequency_penalty": (args.frequency_penalty, 0.0),
-    }
-    refused = {k: value for k, (value, off) in penalties.items() if value != off}  # generate says why
-    rows = generate(
-        model,
-        [ids],
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.top_p,
+    options = replace(
+        generation_options(args, tokenizer),
         num_beams=args.num_beams,
         num_return_sequences=args.num_samples,
         length_penalty=args.length_penalty,
         early_stopping=args.early_stopping,
         stop_tokens=stops,
-        extend_context=args.extend_context,
-        compile=args.compile,
-        vocab_limit=tokenizer.vocab_size,
-        **refused,
     )
+    rows = generate_with(model, [ids], args.max_new_tokens, options)
     texts = []
     for row in rows:
         new = row[len(ids) :]

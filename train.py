@@ -58,6 +58,7 @@ from gptlite.checkpoint import (
 from gptlite.cli import StopSignals, run_command
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.device import (
+    THREADS_EVENT,
     CpuThreads,
     autocast,
     batch_mover,
@@ -670,6 +671,7 @@ class Pace:
             note = self.threads.update()
             if note:
                 log(f"step {step:5d} | {note}")
+                self.run.metrics.write(step=step, event=THREADS_EVENT, threads=self.threads.threads)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from gptlite.sampling import mask_vocab
 if TYPE_CHECKING:
     from gptlite.kvcache import KVCache
     from gptlite.model import GPT
+    from gptlite.sampling import GenerationOptions
 
 NEG = -1.0e9  # the score of a slot or candidate that must not be chosen (transformers uses the same value)
 
@@ -40,23 +41,18 @@ def beam_search(
     model: GPT,
     rows: list[list[int]],
     max_new_tokens: int,
-    num_beams: int,
-    *,
-    length_penalty: float = 1.0,
-    early_stopping: bool | str = False,
-    stop_tokens: list[int] = (),
-    num_return_sequences: int = 1,
-    extend_context: bool = False,
-    compile: bool = False,
-    vocab_limit: int | None = None,
+    options: GenerationOptions,
 ) -> list[list[int]]:
     """The num_return_sequences best continuations (new tokens only, best first, the stop token kept) of each of
-    the checked prompt `rows`, consecutively: len(rows) * num_return_sequences lists. Ids from `vocab_limit` on
-    never continue a beam."""
-    B, N = len(rows), num_beams
-    model, step, cache, logits = start(model, rows, max_new_tokens, num_beams, extend_context, compile)
+    the checked prompt `rows`, consecutively: len(rows) * num_return_sequences lists, by beam search with the checked
+    `options` (num_beams beams; length_penalty, early_stopping, stop_tokens, extend_context, compile). Ids from
+    `vocab_limit` on never continue a beam."""
+    B, N = len(rows), options.num_beams
+    length_penalty = options.length_penalty
+    early_stopping = options.early_stopping
+    model, step, cache, logits = start(model, rows, max_new_tokens, N, options.extend_context, options.compile)
     device = cache.visible.device
-    stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)
+    stops = torch.tensor(sorted(set(options.stop_tokens)), dtype=torch.long, device=device)
     K = max(2, 1 + len(stops)) * N
     first_n = torch.arange(K, device=device) < N  # (K,) the candidates that may finish
     running = torch.zeros(B, N, device=device)  # the running beams' scores
@@ -65,7 +61,7 @@ def beam_search(
     finished = Finished(B, N, max_new_tokens, device)
     try:
         for i in range(max_new_tokens):
-            logits = mask_vocab(logits.float(), vocab_limit)
+            logits = mask_vocab(logits.float(), options.vocab_limit)
             V = logits.size(-1)
             scores = (F.log_softmax(logits, dim=-1).view(B, N, V) + running[..., None]).view(B, N * V)
             top, index = scores.topk(K)  # (B, K), best first
@@ -87,11 +83,12 @@ def beam_search(
             if not finished.improvable.any() or bool(ends.all()) or (early_stopping is True and finished.full.all()):
                 break
             cache.reorder((parents + torch.arange(B, device=device)[:, None] * N).flatten())  # (B*N,) rows' parents
-            cache.prepare(1, full_span=compile)
+            cache.prepare(1, full_span=options.compile)
             logits = step(model, tokens[:, :, -1].reshape(-1, 1).contiguous(), cache)  # (B*N, V)
     finally:
         cache.busy = False
-    out = finished.tokens[:, :num_return_sequences].reshape(B * num_return_sequences, -1).tolist()
+    n = options.num_return_sequences
+    out = finished.tokens[:, :n].reshape(B * n, -1).tolist()
     return [[t for t in row if t >= 0] for row in out]
 
 

@@ -592,6 +592,18 @@ class TrainConfig:
         if problems:
             raise ValueError("invalid training config: " + "; ".join(problems))
 
+    def check_data(self, kind: str, has_tokenizer: bool) -> None:
+        """The rules between the options and the data folder they train on, once it is read (gptlite.objective):
+        `kind` is what it holds (text, conversations or pairs), `has_tokenizer` whether it has a tokenizer.json. Each
+        mode's rules sit beside its other rules; the first problem is a ValueError that says the fix."""
+        problems = [
+            *self._dpo_data_problems(kind),
+            *self._schedule_data_problems(kind),
+            *self._rl_data_problems(kind, has_tokenizer),
+        ]
+        if problems:
+            raise ValueError(problems[0])
+
     def _finite_problems(self) -> list[str]:
         return [
             f"{f.name}={getattr(self, f.name)} must be a finite number"
@@ -666,6 +678,15 @@ class TrainConfig:
             problems.append("lr_schedule='time' decays over the time budget; set max_minutes > 0")
         return problems
 
+    def _schedule_data_problems(self, kind: str) -> list[str]:
+        """seq_len_start cuts text windows: not preference pairs nor RL prompts."""
+        if self.seq_len_start and (kind == "pairs" or self.rl):
+            return [
+                f"seq_len_start={self.seq_len_start} cuts text windows into shorter ones; preference pairs and RL "
+                "prompts are whole sequences: leave seq_len_start out"
+            ]
+        return []
+
     def _lora_problems(self) -> list[str]:
         problems = []
         if self.lora_rank is not None:
@@ -691,6 +712,16 @@ class TrainConfig:
                 f"{self.dpo_loss!r}; leave it out or use dpo_loss=sigmoid"
             )
         return problems
+
+    def _dpo_data_problems(self, kind: str) -> list[str]:
+        """DPO's options configure training on preference pairs alone."""
+        unread = set_options(self, DPO_OPTIONS)
+        if kind != "pairs" and unread:
+            return [
+                f"{', '.join(unread)} configure DPO on preference pairs, and {self.data_dir} holds {kind}; leave them "
+                "out, or give a data folder prepared with data/prepare.py --preference"
+            ]
+        return []
 
     def _rl_problems(self) -> list[str]:
         problems = []
@@ -732,6 +763,16 @@ class TrainConfig:
         if not self.rl_clip > 0 or self.rl_kl_beta < 0:
             problems.append(f"rl_clip={self.rl_clip} must be > 0 and rl_kl_beta={self.rl_kl_beta} >= 0")
         return problems
+
+    def _rl_data_problems(self, kind: str, has_tokenizer: bool) -> list[str]:
+        """--rl decodes its completions and evaluates the data folder's val split of text or conversations."""
+        if self.rl and (not has_tokenizer or kind == "pairs"):
+            return [
+                "--rl samples completions of --rl_prompts, and needs a data folder with a tokenizer.json and a val "
+                f"split of text or conversations (what the model was fine-tuned on); {self.data_dir} "
+                + ("holds preference pairs" if kind == "pairs" else "has no tokenizer.json")
+            ]
+        return []
 
     def _evaluation_problems(self) -> list[str]:
         """CORE's schedule and its options."""

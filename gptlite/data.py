@@ -47,7 +47,7 @@ class ShardLoader:
     same window. The position (epoch, shard, index) is all the state: `state()` / `restore()`.
     """
 
-    kind = "text"  # what its rows hold (gptlite.objective.make_objective picks the objective by it)
+    kind = "text"  # what its rows hold (gptlite.objective.objective_for maps it to its objective)
     past_block = 0  # windows of text always hold targets (ChatLoader counts its items that do not)
 
     def __init__(
@@ -409,19 +409,3 @@ def data_identity(files: list[Path], kind: str) -> dict[str, str]:
     if manifest is not None and manifest.is_file():
         sha.update(manifest.read_bytes())
     return {"kind": kind, "data": sha.hexdigest()[:16]}
-
-
-class ReadsTrainLoader:
-    """For an objective that trains on a train loader (`train_loader`): what it trains on (`identity`, kept in every
-    checkpoint) and its position there (`state`, `restore`) are the loader's."""
-
-    train_loader: ShardLoader | ChatLoader
-
-    def identity(self) -> dict[str, str]:
-        return data_identity(self.train_loader.files, self.train_loader.kind)
-
-    def state(self) -> dict:
-        return self.train_loader.state()
-
-    def restore(self, state: dict) -> None:
-        self.train_loader.restore(state)

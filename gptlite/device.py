@@ -195,6 +195,11 @@ def cpu_times() -> tuple[float, float] | None:
     return busy / ticks, own.user + own.system
 
 
+# The event of metrics.jsonl that records each change of the thread count (with "threads", the new count): the run's
+# own record that other processes shared its CPU, which the scaling sweep reads (gptlite.scaling.sweep)
+THREADS_EVENT = "cpu_threads"
+
+
 class CpuThreads:
     """torch's CPU thread count, fitted to the cores that other work leaves free.
 

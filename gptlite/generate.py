@@ -1,5 +1,7 @@
 """The decode loop and streaming: `generate_tokens` (each step's tokens), `generate` (the whole output, or beam
-search's) and `generate_text` (each step's text), with the window policy past `block_size`.
+search's) and `generate_text` (each step's text), with the window policy past `block_size`. Each takes its options as
+keyword arguments, GPT.generate's, or as one gptlite.sampling.GenerationOptions (`generate_tokens_with`,
+`generate_with`, `generate_text_with`).
 
 What the loop runs lives in modules of its own: the KV cache, prefill and the decode step, compiled or not, in
 gptlite.kvcache; the sampling controls in gptlite.sampling; the CPU fast path of eager decoding in
@@ -31,6 +33,7 @@ stop strings in `generate_text`, which also decodes UTF-8 safely across BPE piec
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -40,7 +43,7 @@ import torch
 from gptlite.beam import beam_search
 from gptlite.cpu_decode import packed_for_cpu
 from gptlite.kvcache import KVCache, compiled_decode_step, decode_step, new_cache, prefill, static_cache
-from gptlite.sampling import Sampling, apply_penalties, mask_vocab, sample_next
+from gptlite.sampling import BEAMS, SAMPLING, GenerationOptions, Sampling, apply_penalties, mask_vocab, sample_next
 from gptlite.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
@@ -83,17 +86,23 @@ def generate_tokens(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
-    *,
-    seed: int | None = None,
-    num_samples: int = 1,
-    repetition_penalty: float = 1.0,
-    frequency_penalty: float = 0.0,
-    stop_tokens: Iterable[int] = (),
-    extend_context: bool = False,
-    compile: bool = False,
-    vocab_limit: int | None = None,
+    **options,
 ) -> Iterator[torch.Tensor]:
-    """Yield the next token of every row, (N,), up to max_new_tokens times.
+    """Yield the next token of every row, (N,), up to max_new_tokens times: `generate_tokens_with` for the options
+    given as keyword arguments (the fields of gptlite.sampling.GenerationOptions: seed, num_samples, penalties,
+    stop_tokens, extend_context, compile, vocab_limit)."""
+    options = GenerationOptions(temperature=temperature, top_k=top_k, top_p=top_p, **options)
+    return generate_tokens_with(model, prompts, max_new_tokens, options, generator)
+
+
+def generate_tokens_with(
+    model: GPT,
+    prompts: Prompts,
+    max_new_tokens: int,
+    options: GenerationOptions,
+    generator: torch.Generator | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row, (N,), up to max_new_tokens times, sampled as `options` say.
 
     prompts: a (B, T) tensor, or B lists of token ids of any lengths. Each prompt gives `num_samples`
     consecutive rows (N = B * num_samples), sharing one prefill. A row that samples one of `stop_tokens`
@@ -103,7 +112,15 @@ def generate_tokens(
     when it is called, before the first token.
     """
     config = model.config
-    sampling = Sampling(temperature, top_k, top_p, repetition_penalty, frequency_penalty, vocab_limit)
+    sampling = options.sampling
+    beams_only = options.unused_by(SAMPLING)
+    if beams_only:
+        raise ValueError(
+            f"{', '.join(beams_only)} configure beam search, and generate_tokens samples a token a step; "
+            "leave them out, or call generate(..., num_beams=N)"
+        )
+    num_samples = options.num_samples
+    extend_context = options.extend_context
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
@@ -113,16 +130,18 @@ def generate_tokens(
             f"extend_context=True needs pos_emb='sinusoidal' or 'rope'; this model's {config.pos_emb} positions "
             f"stop at block_size={config.block_size}, so its window slides instead (leave extend_context=False)"
         )
-    if seed is not None and generator is not None:
+    if options.seed is not None and generator is not None:
         raise ValueError("give seed or generator, not both")
     rows = check_prompts(prompts, config.vocab_size)
     if not extend_context:
         rows = [r[-config.block_size :] for r in rows]  # a prompt longer than the window keeps its end
     rows = [r for r in rows for _ in range(num_samples)]
-    if seed is not None:
-        generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
-    stop_ids = sorted(set(stop_tokens))
-    return _decode(model, rows, num_samples, max_new_tokens, sampling, generator, stop_ids, extend_context, compile)
+    if options.seed is not None:
+        generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(options.seed)
+    stop_ids = sorted(set(options.stop_tokens))
+    return _decode(
+        model, rows, num_samples, max_new_tokens, sampling, generator, stop_ids, extend_context, options.compile
+    )
 
 
 @torch.no_grad()
@@ -237,9 +256,23 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
-    **kwargs,
+    **options,
 ) -> torch.Tensor | list[list[int]]:
-    """Prompts plus their new tokens; arguments as for `generate_tokens`, or, with `num_beams` (see
+    """`generate_with` for the options given as keyword arguments (the fields of
+    gptlite.sampling.GenerationOptions), as GPT.generate takes them."""
+    options = GenerationOptions(temperature=temperature, top_k=top_k, top_p=top_p, **options)
+    return generate_with(model, prompts, max_new_tokens, options, generator)
+
+
+@torch.no_grad()
+def generate_with(
+    model: GPT,
+    prompts: Prompts,
+    max_new_tokens: int,
+    options: GenerationOptions,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor | list[list[int]]:
+    """Prompts plus their new tokens, sampled as for `generate_tokens_with`, or, with `num_beams` (see
     gptlite.beam), the best continuations by beam search: `num_beams`, `length_penalty` (1.0), `early_stopping`
     (False, True or "never"), `num_return_sequences` (1, at most num_beams) and `stop_tokens`, `extend_context`,
     `compile`. Beam search is deterministic: temperature may be 0 or 1, and no top_k, top_p, penalties or
@@ -249,10 +282,10 @@ def generate(
     (fewer when every row stopped early; a stopped row is filled with PAD = -1). Lists of ids give lists of ids,
     without PAD.
     """
-    if "num_beams" in kwargs:
-        return _generate_beams(model, prompts, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
-    new = list(generate_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, generator, **kwargs))
-    n = kwargs.get("num_samples", 1)
+    if options.beams:
+        return _generate_beams(model, prompts, max_new_tokens, options, generator)
+    new = list(generate_tokens_with(model, prompts, max_new_tokens, options, generator))
+    n = options.num_samples
     if isinstance(prompts, torch.Tensor):
         prompts = prompts.repeat_interleave(n, dim=0)
         return torch.cat([prompts, torch.stack(new, dim=1)], dim=1) if new else prompts.clone()
@@ -263,76 +296,51 @@ def generate(
     ]
 
 
-BEAM_OPTIONS = (
-    "length_penalty",
-    "early_stopping",
-    "num_return_sequences",
-    "stop_tokens",
-    "extend_context",
-    "compile",
-    "vocab_limit",
-)
-
-
 def _generate_beams(
     model: GPT,
     prompts: Prompts,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
+    options: GenerationOptions,
     generator: torch.Generator | None,
-    num_beams: int,
-    **kwargs,
 ):
-    """`generate` with num_beams: the arguments checked, then gptlite.beam.beam_search (or greedy decoding)."""
+    """`generate_with` with num_beams: the options checked, then gptlite.beam.beam_search (or greedy decoding)."""
+    num_beams = options.num_beams
+    temperature = options.temperature
     problems = []
     if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
         problems.append(f"num_beams={num_beams!r} must be an integer >= 1")
     sampled = [f"temperature={temperature} must be 0 or 1"] if temperature not in (0, 1) else []
     sampled += [
-        f"{name}={value} must be None" for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None
+        f"{name}={value} must be None"
+        for name, value in (("top_k", options.top_k), ("top_p", options.top_p))
+        if value is not None
     ]
     if sampled:
         problems.append(
             f"beam search scores the model's own probabilities, so {' and '.join(sampled)} there (beam "
             "sampling is not supported)"
         )
-    others = sorted(set(kwargs) - set(BEAM_OPTIONS)) + (["generator"] if generator is not None else [])
+    others = options.unused_by(BEAMS) + (["generator"] if generator is not None else [])
     if others:
         problems.append(
             f"{', '.join(others)} cannot be used with num_beams (beam search is deterministic; "
             "num_return_sequences gives several continuations)"
         )
-    n = kwargs.pop("num_return_sequences", 1)
+    n = options.num_return_sequences
     if not isinstance(n, int) or isinstance(n, bool):
         problems.append(f"num_return_sequences={n!r} must be an integer")
     elif not problems and not 1 <= n <= num_beams:
         problems.append(f"num_return_sequences={n} must be between 1 and num_beams={num_beams}")
-    early_stopping = kwargs.pop("early_stopping", False)
-    if early_stopping not in (True, False, "never"):
-        problems.append(f"early_stopping={early_stopping!r} must be True, False or 'never'")
+    if options.early_stopping not in (True, False, "never"):
+        problems.append(f"early_stopping={options.early_stopping!r} must be True, False or 'never'")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         problems.append(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if problems:
         raise ValueError("; ".join(problems))
     if num_beams == 1 or max_new_tokens == 0:  # one beam is greedy decoding
-        kwargs.pop("length_penalty", None)
-        return generate(model, prompts, max_new_tokens, temperature=0, **kwargs)
+        return generate_with(model, prompts, max_new_tokens, options.greedy())
     rows = check_prompts(prompts, model.config.vocab_size)
-    new = beam_search(
-        model,
-        rows,
-        max_new_tokens,
-        num_beams,
-        early_stopping=early_stopping,
-        num_return_sequences=n,
-        length_penalty=kwargs.get("length_penalty", 1.0),
-        stop_tokens=list(kwargs.get("stop_tokens", ())),
-        extend_context=kwargs.get("extend_context", False),
-        compile=kwargs.get("compile", False),
-        vocab_limit=kwargs.get("vocab_limit"),
-    )
+    new = beam_search(model, rows, max_new_tokens, options)
     full = [[*rows[i // n], *tokens] for i, tokens in enumerate(new)]
     if not isinstance(prompts, torch.Tensor):
         return full
@@ -424,22 +432,41 @@ def generate_text(
     *,
     stop: Sequence[str] = (),
     stop_at_eot: bool = True,
-    **kwargs,
+    generator: torch.Generator | None = None,
+    **options,
+) -> Iterator[list[str]]:
+    """`generate_text_with` for the options given as keyword arguments (the fields of
+    gptlite.sampling.GenerationOptions), vocab_limit the tokenizer's vocab_size unless given."""
+    options = GenerationOptions(**{"vocab_limit": tokenizer.vocab_size, **options})
+    return generate_text_with(
+        model, tokenizer, prompts, max_new_tokens, options, stop=stop, stop_at_eot=stop_at_eot, generator=generator
+    )
+
+
+def generate_text_with(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompts: str | Sequence[str],
+    max_new_tokens: int,
+    options: GenerationOptions,
+    *,
+    stop: Sequence[str] = (),
+    stop_at_eot: bool = True,
+    generator: torch.Generator | None = None,
 ) -> Iterator[list[str]]:
     """Yield, at each step, the new text of every row (each prompt gives `num_samples` rows): UTF-8 safe
     across BPE pieces, cut exactly before the first of the `stop` strings, and ended by the end-of-text
-    token when `stop_at_eot` and the tokenizer has one. The last item is what was held back. Other
-    arguments as for `generate_tokens` (checked when called); an empty prompt starts from the end-of-text
-    token (else id 0)."""
+    token when `stop_at_eot` and the tokenizer has one. The last item is what was held back. The options as for
+    `generate_tokens_with` (checked when called); an empty prompt starts from the end-of-text token (else id 0)."""
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     start = [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
     ids = [tokenizer.encode(t) or start for t in texts]
-    stop_tokens = set(kwargs.pop("stop_tokens", ()))
+    stop_tokens = set(options.stop_tokens)
     if stop_at_eot and tokenizer.eot_id is not None:
         stop_tokens.add(tokenizer.eot_id)
-    streams = [TextStream(tokenizer, stop) for _ in range(len(ids) * kwargs.get("num_samples", 1))]
-    kwargs.setdefault("vocab_limit", tokenizer.vocab_size)
-    return _texts(generate_tokens(model, ids, max_new_tokens, stop_tokens=stop_tokens, **kwargs), streams, stop_tokens)
+    streams = [TextStream(tokenizer, stop) for _ in range(len(ids) * options.num_samples)]
+    options = dataclasses.replace(options, stop_tokens=stop_tokens)
+    return _texts(generate_tokens_with(model, ids, max_new_tokens, options, generator), streams, stop_tokens)
 
 
 def _texts(tokens: Iterator[torch.Tensor], streams: list[TextStream], stop_tokens: set[int]) -> Iterator[list[str]]:

@@ -1,6 +1,7 @@
-"""The KV caches' interface and the steps that run a model through a cache: `AttentionCache` (what the model
-reads from any cache) and `kv_buffers` (the buffers' shape, computed once), sample.py's `KVCache`, prefill of
-(ragged) prompts, the decode step, and the compiled decode step (`compile=True`).
+"""The KV caches and the steps that run a model through a cache: `kv_buffers` (the buffers' shape, computed once),
+sample.py's `KVCache`, prefill of (ragged) prompts, the decode step, and the compiled decode step (`compile=True`).
+Every cache is an `AttentionCache`, what the model reads from any cache: the model declares that interface
+(gptlite.model), so that it imports nothing of generation; it is importable from here too.
 
 `KVCache` holds every layer's keys and values for a fixed batch in buffers preallocated with static shapes
 (B, KV, max_len, D). Prompts are left-padded to the longest; a mask hides each row's padding and positions count
@@ -13,34 +14,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
+
+from gptlite.model import AttentionCache  # the model's interface, importable from here as before
 
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig
     from gptlite.model import GPT
-
-
-@runtime_checkable
-class AttentionCache(Protocol):
-    """What the model reads from a cache during generation (gptlite.model's attention and `GPT.hidden`): the
-    positions of the next call's tokens, the mask of what each of them may attend to, and `update`, which
-    stores one layer's new keys and values and hands back everything the call attends over. Who sets these up
-    between calls (a `prepare` method, in both of gptlite's caches) is the cache's own business: `KVCache`
-    prefills and decodes a fixed batch, the server's RowCache runs every request in a row of its own."""
-
-    pos: torch.Tensor  # (B, T) the next call's tokens' positions
-    mask: torch.Tensor | None  # (B, 1, T, S) True where a query may attend to a key; None: every key
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store layer's new k, v (B, KV, T, D); return the keys and values the call attends over (B, KV, S, D)."""
-        ...
-
-    def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
-        """Store the call's tokens idx (B, T); return the token before each one in its row (B, T), -1 for a row's
-        first (position 0). Only a model with a bigram embedding (GPTConfig.bigram_vocab) asks."""
-        ...
 
 
 def kv_buffers(

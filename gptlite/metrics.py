@@ -6,7 +6,8 @@ rows, "tokens" (trained on so far):
                 objective's figures (gptlite.objective: DPO's rewards and accuracy, RL's rewards, lengths and KL)
     evaluation  val_loss, val_bpb (null without the data's tokenizer; see gptlite.evaluate), or DPO's val_ figures
     CORE        core (train.py --core_every; see gptlite.evaluate.core)
-    events      event (e.g. a skipped non-finite step), with loss and grad_norm
+    events      event (e.g. a skipped non-finite step), with loss and grad_norm; "cpu_threads" with threads, where
+                other processes took cores and torch's thread count followed (gptlite.device.CpuThreads)
 `python -m gptlite.plot OUT_DIR [OUT_DIR ...]` draws runs to a PNG. The same numbers go to the run's trackers, where it
 has any: Weights & Biases (--wandb_log) and TensorBoard's event files in out_dir/tensorboard (--tensorboard).
 """

@@ -1,6 +1,6 @@
 """Training objectives: what differs between the ways train.py trains, one small object per mode behind one
-interface (`Objective`), chosen once at set-up by `make_objective`, as the model's variants are chosen once when it is
-built.
+interface (`Objective`, gptlite.objective_base), chosen once at set-up by `make_objective`, as the model's variants
+are chosen once when it is built.
 
 The optimizer step is the same for every mode (train.py); an objective owns the rest: which batches a step takes
 (or why it takes none), the loss of a micro-batch and the step's figures, each under its name, the extra part of the
@@ -9,22 +9,24 @@ step's log line, how the run is judged at each evaluation, and what its state is
 - conversations (`Conversations`): the same on whole conversations, the assistant's tokens alone being targets;
 - preference pairs (gptlite.preference.DPO): DPO's loss against the start-of-run model;
 - prompts and rewards (gptlite.rl.RL, --rl): the policy gradient on sampled completions.
-A new mode is a class with these methods and a line in make_objective.
+A new mode on a new kind of data is a class with Objective's methods and a line in objective_for, the one map from a
+kind of data to its objective that train.py (make_objective) and gptlite.evaluate (make_judge) both read; its option
+rules are TrainConfig's (gptlite.config), beside the options.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from gptlite.config import DPO_OPTIONS, set_options
-from gptlite.data import ChatLoader, ReadsTrainLoader, ShardLoader, make_loaders, make_val_loader
+from gptlite.data import ChatLoader, Loader, ShardLoader, make_loaders, make_val_loader
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
 from gptlite.metrics import Evaluation
+from gptlite.objective_base import Batches, Objective, ReadsTrainLoader
 from gptlite.optim import seq_len_at
 from gptlite.preference import DPO
 from gptlite.rl import RL, PromptLoader, load_reward, read_prompts, reward_needs_answer
@@ -33,49 +35,6 @@ if TYPE_CHECKING:
     from gptlite.config import TrainConfig
     from gptlite.model import GPT
     from gptlite.tokenizer import Tokenizer
-
-Batches = list[tuple[torch.Tensor, torch.Tensor]]  # a step's micro-batches, each (x, y)
-
-
-class Objective(Protocol):
-    """One way of training: train.py calls these in this order, and nothing else differs between the modes."""
-
-    needs_reference: bool  # it measures the model against the start-of-run model: --init_from loads on a resume too
-
-    def start(self, model: GPT) -> None:
-        """The model is built (with its LoRA adapters, if any), before it trains or a resume loads its weights: the
-        moment to take the start-of-run reference, and the model that samples."""
-
-    def batches(self, step: int, minutes: float) -> tuple[Batches, str | None]:
-        """The micro-batches of optimizer step `step` (`minutes` into the run), on the CPU or the device; with none,
-        the event that metrics.jsonl records for the step, which makes no update."""
-
-    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's share of the step's loss (its backward adds its share of the gradient), computed by `model`
-        (compiled and wrapped for DDP where they apply); the step's figures are accumulated on the way."""
-
-    def figures(self) -> dict[str, torch.Tensor]:
-        """The step's figures by name, each a 0-d tensor on the device: train.py averages them over the ranks with the
-        loss, in its one all-reduce."""
-
-    def log_text(self, figures: dict[str, float]) -> str:
-        """The end of a step's log line, from its averaged figures ("" for none)."""
-
-    def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
-        """The fields the step's metrics.jsonl row adds, from its averaged figures."""
-
-    def evaluate(self, model: GPT) -> Evaluation:
-        """How the run is judged at an evaluation (every rank calls it); its loss picks best.pt."""
-
-    def identity(self) -> dict[str, str]:
-        """What it trains on (gptlite.data.data_identity, and an RL run's prompts), saved in every checkpoint (as
-        "data"): a resume on other data is refused before anything is restored."""
-
-    def state(self) -> dict:
-        """Its position in its data, saved in every checkpoint (as "loader")."""
-
-    def restore(self, state: dict) -> None:
-        """Continue from a checkpoint's `state()`."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +134,28 @@ class Conversations(Text):
 # The one place the mode is decided
 
 
+def objective_for(
+    kind: str,
+    cfg: TrainConfig,
+    train_loader: Loader | None,
+    val_loader: Loader,
+    tokenizer: Tokenizer | None,
+    grad_accum: int,
+    device: str,
+    autocast: contextlib.AbstractContextManager,
+    world_size: int,
+    log: Callable[[str], None],
+) -> Text | DPO:
+    """The one map from a kind of data (text, conversations or pairs: what data/prepare.py made, the loaders' `kind`)
+    to the objective that trains on it and judges a model on it (no train loader: a judge of the val split alone).
+    `tokenizer` is the data's (None if it has none), whose tokens' bytes give text's val bits per byte."""
+    if kind == "pairs":
+        return DPO(cfg, train_loader, val_loader, grad_accum, device, autocast)
+    token_bytes = None if tokenizer is None else byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
+    language_model = Conversations if kind == "conversations" else Text
+    return language_model(cfg, train_loader, val_loader, token_bytes, grad_accum, device, autocast, world_size, log)
+
+
 def make_objective(
     cfg: TrainConfig,
     tokenizer: Tokenizer | None,
@@ -185,10 +166,10 @@ def make_objective(
     world_size: int,
     log: Callable[[str], None],
 ) -> Objective:
-    """The run's objective: --rl's, else the one for what the data folder holds (text, conversations or preference
-    pairs: data/prepare.py says which). Its inputs are read and checked here, before the run folder is claimed: every
-    shard (gptlite.data.make_loaders), and for --rl the reward function and the prompts. `tokenizer` is the data's
-    (None if it has none)."""
+    """The run's objective: --rl's, else the one objective_for gives what the data folder holds (text, conversations or
+    preference pairs: data/prepare.py says which). Its inputs are read and checked here, before the run folder is
+    claimed: every shard (gptlite.data.make_loaders), the options against the data (TrainConfig.check_data), and for
+    --rl the reward function and the prompts. `tokenizer` is the data's (None if it has none)."""
     train_loader, val_loader = make_loaders(cfg, rank, world_size)
     kind = train_loader.kind  # "text", "conversations" or "pairs"
     if train_loader.past_block:  # conversations or pairs with no target within the block
@@ -196,29 +177,9 @@ def make_objective(
             f"note: {train_loader.past_block:,} of the {len(train_loader.conversations):,} {kind} in "
             f"{cfg.data_dir}'s train split have no target within block_size={cfg.model.block_size}: they train nothing"
         )
-    unread = set_options(cfg, DPO_OPTIONS)
-    if kind != "pairs" and unread:
-        raise ValueError(
-            f"{', '.join(unread)} configure DPO on preference pairs, and {cfg.data_dir} holds {kind}; leave them out, "
-            "or give a data folder prepared with data/prepare.py --preference"
-        )
-    if cfg.seq_len_start and (kind == "pairs" or cfg.rl):
-        raise ValueError(
-            f"seq_len_start={cfg.seq_len_start} cuts text windows into shorter ones; preference pairs and RL prompts "
-            "are whole sequences: leave seq_len_start out"
-        )
-    if cfg.rl and (tokenizer is None or kind == "pairs"):
-        raise ValueError(
-            f"--rl samples completions of --rl_prompts, and needs a data folder with a tokenizer.json and a val "
-            f"split of text or conversations (what the model was fine-tuned on); {cfg.data_dir} "
-            + ("holds preference pairs" if kind == "pairs" else "has no tokenizer.json")
-        )
-    if kind == "pairs":
-        return DPO(cfg, train_loader, val_loader, grad_accum, device, autocast)
-    token_bytes = None if tokenizer is None else byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
-    language_model = Conversations if kind == "conversations" else Text
-    objective = language_model(
-        cfg, train_loader, val_loader, token_bytes, grad_accum, device, autocast, world_size, log
+    cfg.check_data(kind, has_tokenizer=tokenizer is not None)
+    objective = objective_for(
+        kind, cfg, train_loader, val_loader, tokenizer, grad_accum, device, autocast, world_size, log
     )
     if not cfg.rl:
         return objective
@@ -240,13 +201,9 @@ def make_judge(
     log: Callable[[str], None],
 ) -> Text | DPO:
     """The objective that judges a model on cfg.data_dir's val split, as `python -m gptlite.evaluate` uses it: the
-    val split alone is read, and its `evaluate` scores a model as train.py's evaluations do (every window or pair
-    when cfg.eval_iters is 0): conversations on the assistant's tokens alone, preference pairs by DPO's loss and
-    figures against the reference its `start` is given (the model the DPO run began from). It trains nothing: it has
-    no train loader."""
+    one objective_for gives the split's kind of data, the val split alone read, and its `evaluate` scores a model as
+    train.py's evaluations do (every window or pair when cfg.eval_iters is 0): conversations on the assistant's
+    tokens alone, preference pairs by DPO's loss and figures against the reference its `start` is given (the model
+    the DPO run began from). It trains nothing: it has no train loader."""
     val_loader = make_val_loader(cfg)  # a split of any size: every window or pair once, the last batch short
-    if val_loader.kind == "pairs":
-        return DPO(cfg, None, val_loader, 1, device, autocast)
-    token_bytes = None if tokenizer is None else byte_lengths(tokenizer, cfg.model.vocab_size).to(device)
-    language_model = Conversations if val_loader.kind == "conversations" else Text
-    return language_model(cfg, None, val_loader, token_bytes, 1, device, autocast, 1, log)
+    return objective_for(val_loader.kind, cfg, None, val_loader, tokenizer, 1, device, autocast, 1, log)

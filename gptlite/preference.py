@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from gptlite.config import DPO_LOSSES
-from gptlite.data import ReadsTrainLoader, evaluation_batches
+from gptlite.data import evaluation_batches
 from gptlite.lora import ReferenceModel
 from gptlite.metrics import Evaluation
+from gptlite.objective_base import ReadsTrainLoader
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
@@ -153,7 +154,7 @@ def evaluate_pairs(
 
 
 class DPO(ReadsTrainLoader):
-    """train.py's objective on preference pairs (see gptlite.objective.Objective): each step takes grad_accum
+    """train.py's objective on preference pairs (see gptlite.objective_base.Objective): each step takes grad_accum
     batches of batch_size pairs, and its loss is DPO's against the start-of-run model. Its figures are the implicit
     rewards of the chosen and the rejected answers and the share of pairs ranked right; it is judged by the same loss
     and figures on the val pairs. Its state is the pair loader's position."""

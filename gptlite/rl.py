@@ -21,7 +21,7 @@ A step of `train.py --rl` (see docs/chat.md, "Rewards"):
 A reward function that raises or returns something other than a finite number never ends a run: the step makes no
 update, is counted, and a one-line warning names the function and the record.
 
-`RL` is train.py's objective for --rl (see gptlite.objective.Objective): these steps, their figures and their state.
+`RL` is train.py's objective for --rl (a gptlite.objective_base.Objective): these steps, their figures, their state.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from gptlite.config import TrainConfig
     from gptlite.metrics import Evaluation
     from gptlite.model import GPT
-    from gptlite.objective import Objective
+    from gptlite.objective_base import Objective
     from gptlite.tokenizer import Tokenizer
 
 GSM8K_NUMBER = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, from OpenAI's grade-school-math
@@ -519,7 +519,7 @@ def reward_needs_answer(spec: str) -> bool:
 
 
 class RL:
-    """train.py --rl's objective (see gptlite.objective.Objective). A step's one micro-batch is rl_samples completions
+    """train.py --rl's objective (gptlite.objective_base.Objective). A step's one micro-batch is rl_samples completions
     of each of its batch_size prompts, sampled with the KV cache and scored by the reward function; its loss is the
     policy gradient (policy_loss), with GRPO's KL to the start-of-run model where rl_kl_beta > 0. Its figures are the
     group's rewards, lengths and KL. The data folder's val split is evaluated by `fine_tuning`, the objective the

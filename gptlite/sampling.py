@@ -1,10 +1,12 @@
 """Sampling controls: how the next token is chosen from a step's logits (temperature, top-k, top-p, penalties),
-drawing from an explicit `torch.Generator` so that a seed reproduces the text."""
+drawing from an explicit `torch.Generator` so that a seed reproduces the text; and `GenerationOptions`, every option
+of generation in one typed place."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -45,6 +47,62 @@ class Sampling:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+
+
+SAMPLING, BEAMS = "sampling", "beam search"  # the two ways of generating, which the options below serve
+
+
+def used_by(*ways: str, default=None):
+    """A GenerationOptions field that the ways of generating listed take (SAMPLING, BEAMS)."""
+    return field(default=default, metadata={"used_by": ways})
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Every option of generation, one field each: GPT.generate's and gptlite.generate's keyword arguments, what
+    sample.py asks for and what beam search (gptlite.beam) runs with. A new option is a new field here. Sampling
+    draws each token (`sampling` checks its controls); with num_beams set, beam search keeps the likeliest
+    continuations instead (num_beams=1 is greedy decoding), and refuses the options it does not take (`unused_by`)."""
+
+    temperature: float = used_by(SAMPLING, BEAMS, default=1.0)  # 0 = greedy; beam search: 0 or 1
+    top_k: int | None = used_by(SAMPLING, BEAMS)  # beam search: None
+    top_p: float | None = used_by(SAMPLING, BEAMS)  # beam search: None
+    repetition_penalty: float = used_by(SAMPLING, default=1.0)
+    frequency_penalty: float = used_by(SAMPLING, default=0.0)
+    seed: int | None = used_by(SAMPLING)  # (or a torch.Generator, beside the options)
+    num_samples: int = used_by(SAMPLING, default=1)  # rows per prompt, sharing its prefill
+    stop_tokens: Iterable[int] = used_by(SAMPLING, BEAMS, default=())  # ids that end a row
+    extend_context: bool = used_by(SAMPLING, BEAMS, default=False)  # positions past block_size (gptlite.generate)
+    compile: bool = used_by(SAMPLING, BEAMS, default=False)  # torch.compile the decode step
+    vocab_limit: int | None = used_by(SAMPLING, BEAMS)  # ids from this one on are never generated
+    num_beams: int | None = used_by(BEAMS)  # None: sample; else beam search with this many beams
+    length_penalty: float = used_by(BEAMS, default=1.0)  # a finished beam's score: log-probability / length ** this
+    early_stopping: bool | str = used_by(BEAMS, default=False)  # False, True or "never" (gptlite.beam)
+    num_return_sequences: int = used_by(BEAMS, default=1)  # the best beams returned per prompt, at most num_beams
+
+    @property
+    def beams(self) -> bool:
+        """Whether these options ask for beam search."""
+        return self.num_beams is not None
+
+    @property
+    def sampling(self) -> Sampling:
+        """The controls that choose each sampled token, checked."""
+        return Sampling(
+            self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.frequency_penalty, self.vocab_limit
+        )
+
+    def greedy(self) -> GenerationOptions:
+        """These options as greedy decoding, which beam search with one beam is: temperature 0, and the options that
+        beam search alone takes back at their defaults."""
+        beams_only = {f.name: f.default for f in fields(self) if f.metadata["used_by"] == (BEAMS,)}
+        return replace(self, temperature=0, **beams_only)
+
+    def unused_by(self, way: str) -> list[str]:
+        """The options set to other than their defaults that `way` (SAMPLING or BEAMS) does not take, by name."""
+        return sorted(
+            f.name for f in fields(self) if way not in f.metadata["used_by"] and getattr(self, f.name) != f.default
+        )
 
 
 def sample_next(

@@ -11,6 +11,7 @@ import transformers
 import sample
 from gptlite import GPT
 from gptlite.beam import beam_search
+from gptlite.sampling import GenerationOptions
 from gptlite.tokenizer import CharTokenizer
 from tests.conftest import ROOT, tiny_model
 
@@ -148,7 +149,7 @@ def test_beams_that_part_late_or_not_at_all_are_said_to():
 
 def test_beams_need_the_whole_context_within_block_size():
     with pytest.raises(ValueError, match=r"prompt plus max_new_tokens - 1 = 40 is more than block_size=32; shorten"):
-        beam_search(tiny_model(), [[1] * 10], 31, 2)
+        beam_search(tiny_model(), [[1] * 10], 31, GenerationOptions(num_beams=2))
     rope = tiny_model(pos_emb="rope")
     assert len(rope.generate([[1] * 10], 31, num_beams=2, extend_context=True)[0]) == 41
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gptlite import GPT
-from gptlite.generate import PAD, SLIDE_KEEP, generate, generate_tokens
+from gptlite.generate import PAD, SLIDE_KEEP, generate, generate_tokens, generate_with
 from gptlite.kvcache import new_cache
-from gptlite.sampling import apply_penalties, sample_next
+from gptlite.sampling import BEAMS, SAMPLING, GenerationOptions, apply_penalties, sample_next
 from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
 
 pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:the context reached block_size")]
@@ -399,12 +399,39 @@ def test_sampling_argument_errors():
         ([[1]], {"repetition_penalty": 0.0}, "repetition_penalty=0.0 must be > 0"),
         ([[1]], {"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
         ([[1]], {"seed": 1, "generator": torch.Generator()}, "give seed or generator, not both"),
+        (
+            [[1]],
+            {"num_beams": 2, "length_penalty": 2.0},
+            r"^length_penalty, num_beams configure beam search, and generate_tokens samples a token a step; leave "
+            r"them out, or call generate\(\.\.\., num_beams=N\)$",
+        ),
     ],
 )
 def test_generate_argument_errors(prompts, kwargs, message):
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(ValueError, match=message):
         next(generate_tokens(tiny_model(), prompts, **kwargs))
+
+
+def test_the_generation_options_are_every_layers_keywords():
+    """GenerationOptions is the one list of generation's options: GPT.generate, gptlite.generate's keyword forms and
+    their typed forms take the same fields, and give the same tokens; a name that is no field is a TypeError."""
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4]]
+    keywords = {"temperature": 0.8, "top_k": 20, "num_samples": 2, "seed": 3, "frequency_penalty": 0.5}
+    options = GenerationOptions(**keywords)
+    expected = generate_with(model, prompts, 6, options)
+    assert model.generate(prompts, 6, **keywords) == expected == generate(model, prompts, 6, **keywords)
+    assert model.generate(prompts, 6, 0.8, 20, num_samples=2, seed=3, frequency_penalty=0.5) == expected  # positional
+    beams = GenerationOptions(num_beams=3, num_return_sequences=2, length_penalty=0.5)
+    assert model.generate(prompts, 6, num_beams=3, num_return_sequences=2, length_penalty=0.5) == generate_with(
+        model, prompts, 6, beams
+    )
+    assert options.unused_by(BEAMS) == ["frequency_penalty", "num_samples", "seed"]
+    assert beams.unused_by(SAMPLING) == ["length_penalty", "num_beams", "num_return_sequences"]
+    assert beams.greedy() == GenerationOptions(temperature=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'top_n'"):
+        model.generate(prompts, 6, top_n=5)
 
 
 @cpu_only

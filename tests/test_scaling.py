@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from gptlite.metrics import read_metrics
 from gptlite.scaling.derive import Probe, block_params, nearest_width
 from gptlite.scaling.laws import fit_laws, fit_power, fit_saturating, optimum, power, saturating, size_at
 from gptlite.scaling.recipe import (
@@ -558,6 +559,35 @@ def test_a_second_sweep_into_a_folder_in_use_is_refused_before_it_touches_a_log(
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"gptlite.scaling: error: the sweep folder {out} is in use by process "), err
     assert log.read_text() == "step 0 | the first sweep's run\n" and not (out / "runs.jsonl").exists()
+
+
+def test_the_sweep_learns_of_a_shared_cpu_from_the_runs_record_not_its_log(char_data, tmp_path, monkeypatch):
+    """A run whose torch threads followed other processes' work records so in metrics.jsonl (an event beside the log
+    line for people), and the sweep reads that record: a log line of the same words alone says nothing to it."""
+    from gptlite.device import THREADS_EVENT, CpuThreads
+    from gptlite.scaling.sweep import contended
+
+    def other_work_at_the_fourth_step(self):  # as CpuThreads.update says it, without measuring the machine
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls != 4:
+            return None
+        self.threads = 1
+        return "other processes kept 1.0 of 2 cores busy: torch now computes on 1 thread (was 2; ...)"
+
+    monkeypatch.setattr(CpuThreads, "update", other_work_at_the_fourth_step)
+    args = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=8, eval_interval=8)
+    run = run_train(f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}", "--eval_iters=1", **args)
+    assert run.code == 0, run.err
+    assert "step     4 | other processes kept 1.0 of 2 cores busy" in run.out  # the line for people, as before
+    events = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("event") == THREADS_EVENT]
+    assert events == [{"step": 4, "event": "cpu_threads", "threads": 1}]
+    assert contended(tmp_path / "run")
+
+    quiet = tmp_path / "quiet"  # a run without the event, whatever its log says
+    quiet.mkdir()
+    (quiet / "metrics.jsonl").write_text('{"step": 8, "tokens": 256, "val_loss": 3.0}\n')
+    (tmp_path / "quiet.log").write_text("step 4 | other processes kept 1.0 of 2 cores busy\n")
+    assert not contended(quiet)
 
 
 def test_the_defaults_hold_a_character_and_a_bpe_corpus_laws(tmp_path, monkeypatch):

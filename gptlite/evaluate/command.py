@@ -263,7 +263,18 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     if harness:
         from gptlite.evaluate.lm_harness import evaluate_tasks
 
-        results["lm_eval"], table = evaluate_tasks(model, tokenizer, manager, harness, args)
+        results["lm_eval"], table = evaluate_tasks(
+            model,
+            tokenizer,
+            manager,
+            harness,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            apply_chat_template=args.apply_chat_template,
+            system_prompt=args.system_prompt,
+            batch_size=args.batch_size,
+            batch_tokens=args.batch_tokens,
+        )
         log(table)
     return results
 
@@ -328,11 +339,11 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: s
         )
     what = f"{cfg.data_dir} val split"
     judge = make_judge(cfg, tokenizer, device, contextlib.nullcontext(), log)
-    if judge.val_loader.kind == "text":
+    if judge.val_loader.kind == "text":  # every window of the val shards' token streams, as --text scores a file
         files = find_shards(cfg.data_dir, "val")
         streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in files]
         return score_text(model, tokenizer, streams, args.batch_size, what, start, log)
-    if judge.val_loader.kind == "pairs":
+    if judge.needs_reference:  # the objective of preference pairs: DPO's, against the model its run started from
         judge.start(dpo_reference(args, cfg, trained_on, device))  # a frozen copy of it, DPO's reference
         scored = f"{len(judge.val_loader.conversations):,} preference pairs, by DPO's loss against {cfg.init_from}"
     else:

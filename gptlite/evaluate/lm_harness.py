@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,9 +51,6 @@ try:
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 except ImportError as e:
     raise missing_extra("eval", e.name or "lm-eval", "--task=lm_eval:... (EleutherAI's lm-eval harness)") from None
-
-if TYPE_CHECKING:
-    from gptlite.evaluate.command import EvaluateOptions
 
 GPTLITE_DIR = Path(__file__).resolve().parents[1]  # gptlite's own code: its errors are never a task's
 LM_EVAL_TASKS = Path(lm_eval.__file__).resolve().parent / "tasks"  # lm-eval's own task YAML files
@@ -114,13 +111,24 @@ def close_name(name: str, known: list[str]) -> str | None:
 
 
 def evaluate_tasks(
-    model: GPT, tokenizer: Tokenizer, manager: TaskManager, names: list[str], args: EvaluateOptions
+    model: GPT,
+    tokenizer: Tokenizer,
+    manager: TaskManager,
+    names: list[str],
+    *,
+    num_fewshot: int | None,
+    limit: int | None,
+    apply_chat_template: bool,
+    system_prompt: str,
+    batch_size: int,
+    batch_tokens: int,
 ) -> tuple[dict, str]:
-    """Run lm-eval's tasks on the model: (the harness's own `results` mapping, its table of them). `args` gives
-    num_fewshot, limit, apply_chat_template, system_prompt, batch_size and batch_tokens (the command's options). A
-    task that fails in lm-eval is a ValueError naming it and its YAML file (see task_error)."""
-    lm = GPTLiteLM(model, tokenizer, batch_size=args.batch_size, batch_tokens=args.batch_tokens)
-    if args.apply_chat_template and not tokenizer.chat_template:
+    """Run lm-eval's tasks on the model: (the harness's own `results` mapping, its table of them). num_fewshot,
+    limit, apply_chat_template and system_prompt ("" for none) are lm-eval's settings; batch_size and batch_tokens
+    bound a forward pass (GPTLiteLM). A task that fails in lm-eval is a ValueError naming it and its YAML file (see
+    task_error)."""
+    lm = GPTLiteLM(model, tokenizer, batch_size=batch_size, batch_tokens=batch_tokens)
+    if apply_chat_template and not tokenizer.chat_template:
         raise ValueError(
             "--apply_chat_template: this model's tokenizer has no chat template (a base model?); leave the flag out, "
             "or evaluate a model fine-tuned on conversations"
@@ -130,11 +138,11 @@ def evaluate_tasks(
         out = lm_eval.simple_evaluate(
             model=lm,
             tasks=tasks,
-            num_fewshot=args.num_fewshot,
-            limit=args.limit,
+            num_fewshot=num_fewshot,
+            limit=limit,
             task_manager=manager,
-            apply_chat_template=args.apply_chat_template,
-            system_instruction=args.system_prompt or None,
+            apply_chat_template=apply_chat_template,
+            system_instruction=system_prompt or None,
             log_samples=False,
         )
     except Exception as e:

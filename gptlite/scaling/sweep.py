@@ -29,13 +29,14 @@ from pathlib import Path
 
 from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.device import THREADS_EVENT
 from gptlite.files import FolderLock, make_dir
+from gptlite.metrics import METRICS_FILE, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]  # train.py's folder
 RUNS_FILE = "runs.jsonl"
 LAWS_FILE = "laws.json"
 PLOT_FILE = "frontier.png"
-CONTENDED = "other processes kept"  # what train.py logs when other work takes cores (gptlite.device.CpuThreads)
 ATTEMPTS = 3  # a run that other work shared the CPU with is run again, up to this many times in all
 PAUSE_S = 30
 # The check's run may lie this far from the loss law's prediction. A law fitted through budgets that stop before the
@@ -225,8 +226,7 @@ def train_point(options: SweepOptions, out_dir: Path, width: int, seconds: float
 
 def train(options: SweepOptions, run_dir: Path, keys: dict) -> bool:
     """One train.py run with `keys`, its output in RUN_DIR.log; a failed run stops the sweep, naming its log. Returns
-    whether other processes took CPU time from it (train.py says so when it fits its threads to them:
-    gptlite.device.CpuThreads)."""
+    whether other processes took CPU time from it (see contended)."""
     argv = [f"--{k}={v}" for k, v in keys.items()]
     argv += [f"--data_dir={options.data_dir}", f"--out_dir={run_dir}", f"--seed={options.seed}", "--overwrite"]
     argv += [f"--device={options.device}", "--wandb_log=false"]
@@ -236,7 +236,13 @@ def train(options: SweepOptions, run_dir: Path, keys: dict) -> bool:
         done = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
         raise ValueError(f"the run in {run_dir} failed (exit {done.returncode}); its output is in {log}")
-    return CONTENDED in log.read_text()
+    return contended(run_dir)
+
+
+def contended(run_dir: Path) -> bool:
+    """Whether other processes took CPU time from the run in run_dir: its metrics.jsonl records each time train.py
+    fitted torch's threads to them (gptlite.device.CpuThreads, THREADS_EVENT)."""
+    return any(row.get("event") == THREADS_EVENT for row in read_metrics(run_dir / METRICS_FILE))
 
 
 def figures(run_dir: Path, keys: dict) -> dict:
