@@ -4,6 +4,7 @@ another, time to first token, and the server's memory, on a GPT-2-124M-shaped mo
 
     python benchmarks/bench_serve.py                                  # levels 1,4,8,16; 3 rounds; 64 new tokens
     python benchmarks/bench_serve.py --levels 1 8 --rounds=5 --max_tokens=128 --json=serve.json
+    python benchmarks/bench_serve.py --levels 1 8 16 --quantize=int8             # the server on int8 weights
     python benchmarks/bench_serve.py --against=transformers --levels 1 8 16 --rounds=3 --json=vs_transformers.json
 
 The script saves the model as a run folder (GPT-2's shape: 12 layers, 12 heads, 768 wide, vocab 50,304, block
@@ -114,6 +115,7 @@ class BenchOptions:
     port: int = option(8765, "the server's port")
     max_batch: int = option(16, "the server's --max_batch: rows decoded together (more streams wait their turn)")
     compile: bool = option(False, "start the server with --compile (its first requests compile, before the timing)")
+    quantize: str = option("", "start the server with --quantize=int8 or int4 (weight-only quantized weights)")
     cb_num_blocks: int = option(
         0,
         "--against=transformers: the matched row's --cb-num-blocks, KV cache blocks of 256 tokens (0: as many "
@@ -234,6 +236,7 @@ def gptlite_command(source: str, options: BenchOptions, *extra: str) -> list[str
         f"--max_batch={options.max_batch}",
         "--log_level=warning",
         f"--compile={options.compile}",
+        *([f"--quantize={options.quantize}"] if options.quantize else []),
         *extra,
     ]
 

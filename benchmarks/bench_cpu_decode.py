@@ -1,0 +1,366 @@
+"""Batch-1 CPU decoding against llama.cpp on the same weights: gptlite's float32, int8 and int4 paths (eager, no
+compile) and llama.cpp on GGUF files that gptlite's own writer exported from those weights (f32, q8_0, q4_0), with
+the memory bound beside them; and, given a trained run, what each quantization costs in accuracy.
+
+    pip install -e ".[test]"      # llama-cpp-python and gguf
+    python benchmarks/bench_cpu_decode.py                                   # speed, GPT-2 124M shape
+    python benchmarks/bench_cpu_decode.py --trained=out/shakespeare_gpt2     # ... and accuracy on a trained run
+    python benchmarks/bench_cpu_decode.py --parts=accuracy --trained=RUN --json=acc.json
+
+Speed: GPT-2 124M's shape (12 layers, 768 wide, vocabulary 50,304, GELU MLP with biases, learned positions) with
+random weights (greedy decoding of random weights costs what a trained model's does), a 16-token prompt, 128
+greedy tokens; tokens/s counts the new tokens over the whole call (prefill included). Each path runs `--rounds`
+times, the paths taking turns within each round, and the table gives the median with the slowest and fastest
+round. gptlite runs in this process, as `generate(model, ...)` (what sample.py runs): float32, then the model after
+`quantize("int8")` and `quantize("int4")` (the int4 GGUF twin is q4_0: the same rule, groups of 32). The first call
+of each gptlite path is not timed: it measures the kernels for this CPU (kept in the choices file, see
+gptlite.cpu_decode) as a user's first sample.py does once.
+
+llama.cpp (llama-cpp-python, as many threads as torch) runs in a child process per file, so that a crash in its
+native code (on Intel CPUs with AMX its repacking path dies: docs/hf.md) names itself and the benchmark goes on.
+Its first row per type is llama.cpp as its users run it (defaults: weights repacked for the CPU); where that
+crashes, the row says so and a second row runs it with `--no-repack` (extra buffer types off), named as such.
+
+The memory bound: the passes a second of a plain `torch.sum` over the same float32 weights (every matrix, as a
+decode step reads them once), in this process, in turn with the rest.
+
+Accuracy (`--trained=RUN`, a run trained with a BPE tokenizer that GGUF takes): the run's float32 weights, int8 and
+int4 in gptlite, and f32, q8_0 and q4_0 files of the same weights in llama.cpp; for each, the validation loss on
+the run's val shard (`--eval_windows` windows of the run's block_size) and greedy agreement with its own float32
+(gptlite's quantizations against gptlite float32, llama.cpp's against llama.cpp f32): over `--prompts` prompts
+taken from the val tokens, the share of `--agree_tokens` greedy tokens that match before the first difference.
+This is a script that prints tables, not a test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gptlite import GPT, GPTConfig  # noqa: E402
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
+from gptlite.device import cpu_extensions, machine_line  # noqa: E402
+from gptlite.files import write_json  # noqa: E402
+from gptlite.generate import generate  # noqa: E402
+from gptlite.hf.gguf import export_gguf  # noqa: E402
+
+GPT2 = dict(
+    vocab_size=50304,
+    block_size=1024,
+    n_layer=12,
+    n_head=12,
+    n_embd=768,
+    pos_emb="learned",
+    norm="layernorm",
+    ffn="gelu",
+    bias=True,
+)
+TYPES = ("f32", "q8_0", "q4_0")
+QUANTIZATIONS = {"f32": "", "q8_0": "int8", "q4_0": "int4"}  # each GGUF type beside gptlite's twin of it
+
+
+@dataclass
+class Options:
+    parts: str = option("speed,accuracy", "comma-separated: speed, accuracy (accuracy needs --trained)")
+    rounds: int = option(5, "speed: timed calls of each path, in turn")
+    new_tokens: int = option(128, "speed: greedy tokens per timed call")
+    trained: str = option("", "accuracy: a run folder trained with a BPE tokenizer (its newest checkpoint)")
+    prompts: int = option(8, "accuracy: prompts from the val tokens")
+    agree_tokens: int = option(64, "accuracy: greedy tokens compared per prompt")
+    eval_windows: int = option(16, "accuracy: val windows scored")
+    tokenizer: str = option(str(ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"), "speed: GPT-2's ranks")
+    json: str = option("", "also write the results here")
+    child: str = option("", "internal: the llama.cpp child's request file")
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp, in a child process of its own
+
+
+class LlamaCpp:
+    """One GGUF file loaded by llama.cpp in a child process that answers requests on its stdin, a JSON line each:
+    {"speed": [prompt ids, n]} -> tokens/s of n greedy tokens; {"greedy": [prompt ids, n]} -> the tokens;
+    {"nll": [ids]} -> the summed negative log-likelihood of ids[1:]. `repack=False` turns llama.cpp's extra
+    buffer types off (what --no-repack does)."""
+
+    def __init__(self, path: Path, repack: bool, n_ctx: int):
+        request = {"path": str(path), "repack": repack, "n_ctx": n_ctx, "threads": torch.get_num_threads()}
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, f"--child={json.dumps(request)}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.ask({"ready": []})
+
+    def ask(self, request: dict):
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            name = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+            raise ChildProcessError(f"llama.cpp died ({name}) on {cpu_extensions()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+
+
+def child(request_json: str) -> int:
+    """The child's side of LlamaCpp."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as api
+
+    request = json.loads(request_json)
+    if not request["repack"]:
+        defaults = api.llama_model_default_params
+
+        def without_extra_buffers():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        api.llama_model_default_params = without_extra_buffers
+    llm = llama_cpp.Llama(
+        model_path=request["path"],
+        n_ctx=request["n_ctx"],
+        n_batch=request["n_ctx"],
+        n_threads=request["threads"],
+        logits_all=True,
+        verbose=False,
+    )
+    for line in sys.stdin:
+        (kind, args), = json.loads(line).items()
+        if kind == "ready":
+            answer = True
+        elif kind == "speed":
+            prompt, n = args
+            llm.reset()
+            start = time.perf_counter()
+            for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
+                if i + 1 == n:
+                    break
+            answer = n / (time.perf_counter() - start)
+        elif kind == "greedy":
+            prompt, n = args
+            llm.reset()
+            answer = []
+            for token in llm.generate(prompt, temp=0.0, reset=True):
+                answer.append(int(token))
+                if len(answer) == n:
+                    break
+        else:
+            (ids,) = args
+            llm.reset()
+            llm.eval(ids[:-1])
+            logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # (T-1, V)
+            top = logits.max(axis=1, keepdims=True)
+            log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+            answer = float((log_z - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+def open_llama(path: Path, n_ctx: int, log) -> tuple[LlamaCpp, str]:
+    """llama.cpp on `path` at its defaults, or, where that dies, with --no-repack; and the row's name."""
+    try:
+        llm = LlamaCpp(path, repack=True, n_ctx=n_ctx)
+        llm.ask({"speed": [[1, 2, 3, 4], 2]})  # the first evaluation is where the AMX repack path dies
+        return llm, "defaults"
+    except ChildProcessError as error:
+        log(f"llama.cpp at its defaults on {path.name}: {error}; measured with --no-repack instead")
+        return LlamaCpp(path, repack=False, n_ctx=n_ctx), "--no-repack (defaults crash here)"
+
+
+# ---------------------------------------------------------------------------------------------
+# speed
+
+
+def gptlite_tokens_per_s(model: GPT, prompt: list[int], n: int) -> float:
+    start = time.perf_counter()
+    out = generate(model, [prompt], n, temperature=0.0)
+    assert len(out[0]) >= len(prompt) + n
+    return n / (time.perf_counter() - start)
+
+
+def weight_sums_per_s(matrices: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for w in matrices:
+        w.sum()
+    return 1 / (time.perf_counter() - start)
+
+
+def speed(args: Options, tokenizer, folder: Path, log) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT2)).eval()
+    files = {kind: export_gguf(model, folder / f"gpt2-{kind}.gguf", tokenizer, kind) for kind in TYPES}
+    prompt = torch.randint(0, 50000, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    paths = {"gptlite float32 (default)": model}
+    for mode in ("int8", "int4"):
+        paths[f"gptlite {mode} (eager)"] = copy.deepcopy(model).quantize(mode)
+    runs = {name: (lambda m=m: gptlite_tokens_per_s(m, prompt, args.new_tokens)) for name, m in paths.items()}
+    for run in runs.values():
+        run()  # the first call measures this CPU's kernels (once per machine) and warms up
+    children = []
+    for kind, path in files.items():
+        llm, how = open_llama(path, len(prompt) + args.new_tokens + 8, log)
+        children.append(llm)
+        runs[f"llama.cpp {kind}, {how}"] = lambda llm=llm: llm.ask({"speed": [prompt, args.new_tokens]})
+    matrices = [p.detach() for p in model.parameters()]
+    runs["memory bound: sum over the float32 weights (passes/s)"] = lambda: weight_sums_per_s(matrices)
+    figures = {name: [] for name in runs}
+    try:
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                figures[name].append(run())
+    finally:
+        for llm in children:
+            llm.close()
+    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)} for name, v in figures.items()}
+
+
+def speed_table(results: dict, args: Options) -> str:
+    llama = {name.split(",")[0].split()[-1]: v["median"] for name, v in results.items() if name.startswith("llama")}
+    twin = {"gptlite float32 (default)": "f32", "gptlite int8 (eager)": "q8_0", "gptlite int4 (eager)": "q4_0"}
+    lines = [
+        f"| batch 1, 16-token prompt, {args.new_tokens} greedy tokens | tokens/s (median) | slowest - fastest | "
+        "vs llama.cpp's twin |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, v in results.items():
+        ratio = f"{v['median'] / llama[twin[name]]:.2f}x {twin[name]}" if name in twin else ""
+        lines.append(f"| {name} | {v['median']:.1f} | {v['min']:.1f} - {v['max']:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# accuracy
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    """The mean share of each row's tokens equal to the reference's before the first difference."""
+    shares = []
+    for want, got in zip(reference, other, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+        shares.append(same / len(want))
+    return sum(shares) / len(shares)
+
+
+@torch.no_grad()
+def gptlite_nll(model: GPT, windows: list[list[int]]) -> float:
+    total = 0.0
+    for ids in windows:
+        logits = model(torch.tensor([ids[:-1]]))[0].float()[0]  # (T-1, V)
+        total += float(F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
+    return total
+
+
+def accuracy(args: Options, folder: Path, log) -> dict:
+    from gptlite.checkpoint import load_model
+    from gptlite.shards import read_shard
+
+    run = Path(args.trained)
+    model, tokenizer = load_model(init_from=str(run))
+    model = model.float().eval()
+    data_dir = Path(json.loads((run / "run.json").read_text())["config"]["data_dir"]) if (run / "run.json").is_file() else None
+    val = read_val_tokens(run, data_dir, read_shard)
+    T = model.config.block_size
+    windows = [val[i * T : (i + 1) * T + 1].tolist() for i in range(args.eval_windows)]
+    step = len(val) // (args.prompts + 1)
+    prompts = [val[i * step : i * step + 16].tolist() for i in range(1, args.prompts + 1)]
+    n = min(args.agree_tokens, T - 16)
+    results = {}
+    gptlite_reference = None
+    for kind, mode in QUANTIZATIONS.items():
+        quantized = copy.deepcopy(model).quantize(mode) if mode else model
+        tokens = [row[16:] for row in generate(quantized, prompts, n, temperature=0.0)]
+        gptlite_reference = tokens if not mode else gptlite_reference
+        nll = gptlite_nll(quantized, windows) / (len(windows) * T)
+        results[f"gptlite {mode or 'float32'}"] = {"val_loss": nll, "agreement": agreement(gptlite_reference, tokens)}
+    llama_reference = None
+    for kind in TYPES:
+        path = export_gguf(model, folder / f"trained-{kind}.gguf", tokenizer, kind)
+        llm, how = open_llama(path, T + 8, log)
+        try:
+            tokens = [llm.ask({"greedy": [p, n]}) for p in prompts]
+            nll = sum(llm.ask({"nll": [w]}) for w in windows) / (len(windows) * T)
+        finally:
+            llm.close()
+        llama_reference = tokens if kind == "f32" else llama_reference
+        results[f"llama.cpp {kind} ({how})"] = {"val_loss": nll, "agreement": agreement(llama_reference, tokens)}
+    return results
+
+
+def read_val_tokens(run: Path, data_dir: Path | None, read_shard) -> np.ndarray:
+    folder = data_dir if data_dir is not None else run
+    shards = sorted(folder.glob("*val*.bin"))
+    if not shards:
+        raise FileNotFoundError(f"no val shard under {folder}: give a run whose data folder is where it was")
+    return np.asarray(read_shard(shards[0]), dtype=np.int64)
+
+
+def accuracy_table(results: dict, args: Options) -> str:
+    lines = [
+        f"| weights | val loss (nats/token) | greedy agreement with its own float32 ({args.prompts} prompts x "
+        f"{args.agree_tokens} tokens) |",
+        "|---|---:|---:|",
+    ]
+    for name, v in results.items():
+        lines.append(f"| {name} | {v['val_loss']:.4f} | {100 * v['agreement']:.1f}% |")
+    return "\n".join(lines)
+
+
+def run(args: Options) -> int:
+    parts = args.parts.split(",")
+    if "accuracy" in parts and not args.trained:
+        if args.parts != "speed,accuracy":
+            raise ValueError("--parts=accuracy needs --trained=RUN, a run folder trained with a BPE tokenizer")
+        parts.remove("accuracy")
+    print(machine_line(), flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    results = {"machine": machine_line()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "speed" in parts:
+            from gptlite.tokenizer import tokenizer_from_spec
+
+            results["speed"] = speed(args, tokenizer_from_spec(args.tokenizer), Path(tmp), print)
+            print(speed_table(results["speed"], args), flush=True)
+        if "accuracy" in parts:
+            results["accuracy"] = accuracy(args, Path(tmp), print)
+            print(accuracy_table(results["accuracy"], args), flush=True)
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("--child="):
+        return child(argv[0].removeprefix("--child="))
+    return run_command("bench_cpu_decode", lambda: run(parse(Options, argv, "benchmarks/bench_cpu_decode.py", __doc__)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
