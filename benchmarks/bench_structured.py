@@ -47,6 +47,7 @@ from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
+from gptlite.sampling import GenerationOptions  # noqa: E402
 from gptlite.serve.engine import Engine, Job, Params  # noqa: E402
 from gptlite.serve.grammar import Grammars, Matcher  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
@@ -154,11 +155,21 @@ def measure(options: BenchOptions, engine: Engine, fmt, eot: int, timer: Matcher
     jobs = {}  # n -> (the constrained requests, the same without a format)
     for n in options.streams:
         constrained = [
-            (prompts[i], Params(options.max_tokens, 1.0, stop_tokens=(eot,), seed=i, response_format=fmt))
+            (
+                prompts[i],
+                Params(
+                    options.max_tokens,
+                    GenerationOptions(temperature=1.0, stop_tokens=(eot,), seed=i),
+                    response_format=fmt,
+                ),
+            )
             for i in range(n)
         ]
         counts = run_jobs(engine, constrained)[1]  # what each generates (the same in every round), and a warm-up
-        jobs[n] = constrained, [(prompts[i], Params(counts[i], 1.0, seed=i)) for i in range(n)]
+        jobs[n] = (
+            constrained,
+            [(prompts[i], Params(counts[i], GenerationOptions(temperature=1.0, seed=i))) for i in range(n)],
+        )
     results = {n: Result() for n in options.streams}
     for r in range(options.rounds):
         for n in options.streams:

@@ -15,7 +15,7 @@ How `generate_tokens` runs:
    row computes what it would alone. With `compile=True` the decode step (and the prefill of a slid window,
    whose length is fixed) is `torch.compile`d with fixed shapes (`compiled_decode_step`), for a cache length
    rounded up to a multiple of COMPILED_LEN_MULTIPLE, so that fewer lengths compile.
-3. Sampling (`sample_next`): repetition and frequency penalties, temperature (0 = greedy), top-k and
+3. Sampling (`sample_next`): repetition, frequency and presence penalties, temperature (0 = greedy), top-k and
    top-p, drawing from an explicit `torch.Generator`, so a seed reproduces the text.
 
 Context past `block_size` (the window policy):
@@ -213,7 +213,14 @@ def _decode_loop(
     for i in range(max_new_tokens):
         logits = mask_vocab(logits, sampling.vocab_limit)
         if sampling.penalized:
-            logits = apply_penalties(logits, seen, counts, sampling.repetition_penalty, sampling.frequency_penalty)
+            logits = apply_penalties(
+                logits,
+                seen,
+                counts,
+                sampling.repetition_penalty,
+                sampling.frequency_penalty,
+                sampling.presence_penalty,
+            )
         nxt = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)  # (N,)
         if stop_ids:
             nxt = nxt.masked_fill(done, PAD)

@@ -1,6 +1,6 @@
 """Sampling controls: how the next token is chosen from a step's logits (temperature, top-k, top-p, penalties),
 drawing from an explicit `torch.Generator` so that a seed reproduces the text; and `GenerationOptions`, every option
-of generation in one typed place."""
+of generation in one typed place, which sampling, beam search and the server's engine share."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ class Sampling:
     top_p: float | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     vocab_limit: int | None = None  # ids from this one on are never sampled (see mask_vocab)
 
     def __post_init__(self) -> None:
         if self.vocab_limit is not None and (not isinstance(self.vocab_limit, int) or self.vocab_limit < 1):
             raise ValueError(f"vocab_limit={self.vocab_limit!r} must be an integer >= 1, or None for every id")
-        for name in ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             optional = name in ("top_k", "top_p") and value is None
             if not optional and (
@@ -46,32 +47,36 @@ class Sampling:
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
-SAMPLING, BEAMS = "sampling", "beam search"  # the two ways of generating, which the options below serve
+# the ways of generating, which the options below serve: gptlite.generate's sampling, gptlite.beam's beam search, and
+# the server's engine (gptlite.serve.engine), which samples each request's row with the options of its own
+SAMPLING, BEAMS, SERVING = "sampling", "beam search", "the server's engine"
 
 
 def used_by(*ways: str, default=None):
-    """A GenerationOptions field that the ways of generating listed take (SAMPLING, BEAMS)."""
+    """A GenerationOptions field that the ways of generating listed take (SAMPLING, BEAMS, SERVING)."""
     return field(default=default, metadata={"used_by": ways})
 
 
 @dataclass(frozen=True)
 class GenerationOptions:
     """Every option of generation, one field each: GPT.generate's and gptlite.generate's keyword arguments, what
-    sample.py asks for and what beam search (gptlite.beam) runs with. A new option is a new field here. Sampling
+    sample.py asks for, what beam search (gptlite.beam) runs with and what the server's engine samples a request's
+    row with (gptlite.serve.protocol builds them from an OpenAI request). A new option is a new field here. Sampling
     draws each token (`sampling` checks its controls); with num_beams set, beam search keeps the likeliest
     continuations instead (num_beams=1 is greedy decoding), and refuses the options it does not take (`unused_by`)."""
 
-    temperature: float = used_by(SAMPLING, BEAMS, default=1.0)  # 0 = greedy; beam search: 0 or 1
-    top_k: int | None = used_by(SAMPLING, BEAMS)  # beam search: None
-    top_p: float | None = used_by(SAMPLING, BEAMS)  # beam search: None
+    temperature: float = used_by(SAMPLING, BEAMS, SERVING, default=1.0)  # 0 = greedy; beam search: 0 or 1
+    top_k: int | None = used_by(SAMPLING, BEAMS, SERVING)  # beam search: None
+    top_p: float | None = used_by(SAMPLING, BEAMS, SERVING)  # beam search: None
     repetition_penalty: float = used_by(SAMPLING, default=1.0)
-    frequency_penalty: float = used_by(SAMPLING, default=0.0)
-    seed: int | None = used_by(SAMPLING)  # (or a torch.Generator, beside the options)
+    frequency_penalty: float = used_by(SAMPLING, SERVING, default=0.0)
+    presence_penalty: float = used_by(SAMPLING, SERVING, default=0.0)
+    seed: int | None = used_by(SAMPLING, SERVING)  # (or a torch.Generator, beside the options)
     num_samples: int = used_by(SAMPLING, default=1)  # rows per prompt, sharing its prefill
-    stop_tokens: Iterable[int] = used_by(SAMPLING, BEAMS, default=())  # ids that end a row
+    stop_tokens: Iterable[int] = used_by(SAMPLING, BEAMS, SERVING, default=())  # ids that end a row
     extend_context: bool = used_by(SAMPLING, BEAMS, default=False)  # positions past block_size (gptlite.generate)
     compile: bool = used_by(SAMPLING, BEAMS, default=False)  # torch.compile the decode step
     vocab_limit: int | None = used_by(SAMPLING, BEAMS)  # ids from this one on are never generated
@@ -89,7 +94,13 @@ class GenerationOptions:
     def sampling(self) -> Sampling:
         """The controls that choose each sampled token, checked."""
         return Sampling(
-            self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.frequency_penalty, self.vocab_limit
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            vocab_limit=self.vocab_limit,
         )
 
     def greedy(self) -> GenerationOptions:
@@ -99,7 +110,8 @@ class GenerationOptions:
         return replace(self, temperature=0, **beams_only)
 
     def unused_by(self, way: str) -> list[str]:
-        """The options set to other than their defaults that `way` (SAMPLING or BEAMS) does not take, by name."""
+        """The options set to other than their defaults that `way` (SAMPLING, BEAMS or SERVING) does not take, by
+        name."""
         return sorted(
             f.name for f in fields(self) if way not in f.metadata["used_by"] and getattr(self, f.name) != f.default
         )
@@ -146,17 +158,21 @@ def apply_penalties(
     counts: torch.Tensor,
     repetition_penalty: float = 1.0,
     frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
 ) -> torch.Tensor:
     """Discourage repeats in logits (B, V). repetition_penalty r (Keskar et al., 2019, CTRL): a token that
     occurs in the prompt or the output so far has its logit divided by r if positive, multiplied by r
-    if negative. frequency_penalty f (OpenAI's): subtract f times the token's count in the output so far.
-    seen (B, V) bool and counts (B, V) float hold those occurrences."""
+    if negative. frequency_penalty f and presence_penalty p (OpenAI's): subtract f times the token's count in the
+    output so far, and p once if it occurs there at all. seen (B, V) bool and counts (B, V) float hold those
+    occurrences."""
     logits = logits.float()
     if repetition_penalty != 1.0:
         penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
         logits = torch.where(seen, penalized, logits)
     if frequency_penalty != 0.0:
         logits = logits - frequency_penalty * counts
+    if presence_penalty != 0.0:
+        logits = logits - presence_penalty * (counts > 0)
     return logits
 
 

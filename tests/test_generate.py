@@ -11,7 +11,7 @@ import torch
 from gptlite import GPT
 from gptlite.generate import PAD, SLIDE_KEEP, generate, generate_tokens, generate_with
 from gptlite.kvcache import new_cache
-from gptlite.sampling import BEAMS, SAMPLING, GenerationOptions, apply_penalties, sample_next
+from gptlite.sampling import BEAMS, SAMPLING, SERVING, GenerationOptions, apply_penalties, sample_next
 from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
 
 pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:the context reached block_size")]
@@ -340,6 +340,7 @@ def test_penalties_match_their_formulas():
     assert torch.equal(apply_penalties(logits, seen, counts), logits)
     assert torch.equal(apply_penalties(logits, seen, counts, repetition_penalty=2.0), tensor([[1.0, -2.0, 0.5, 3.0]]))
     assert torch.equal(apply_penalties(logits, seen, counts, frequency_penalty=0.5), tensor([[2.0, -2.0, 0.0, 3.0]]))
+    assert torch.equal(apply_penalties(logits, seen, counts, presence_penalty=0.5), tensor([[2.0, -1.5, 0.0, 3.0]]))
 
 
 def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
@@ -351,8 +352,10 @@ def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
         seen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, out, True)  # prompt and output
         counts = torch.zeros_like(logits).scatter_add(1, out[:, 3:], torch.ones_like(out[:, 3:], dtype=torch.float))
         logits = torch.where(seen, torch.where(logits > 0, logits / 1.5, logits * 1.5), logits) - 0.3 * counts
+        logits = logits - 0.2 * (counts > 0)  # the presence penalty
         out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(model.generate(idx, 20, temperature=0, repetition_penalty=1.5, frequency_penalty=0.3), out)
+    penalties = {"repetition_penalty": 1.5, "frequency_penalty": 0.3, "presence_penalty": 0.2}
+    assert torch.equal(model.generate(idx, 20, temperature=0, **penalties), out)
     # a huge frequency penalty never repeats a token
     assert all(
         len(set(row)) == 40 for row in model.generate(idx, 40, temperature=0, frequency_penalty=1e4)[:, 3:].tolist()
@@ -369,6 +372,7 @@ def test_penalties_in_generation_equal_a_full_recompute_that_applies_them():
         ({"top_k": 2.5}, ValueError, "top_k=2.5 must be an integer >= 1"),
         ({"repetition_penalty": float("nan")}, TypeError, "repetition_penalty=nan must be a finite number"),
         ({"frequency_penalty": None}, TypeError, "frequency_penalty=None must be a finite number"),
+        ({"presence_penalty": float("nan")}, TypeError, "presence_penalty=nan must be a finite number"),
     ],
 )
 def test_non_finite_or_non_numeric_sampling_values_are_named(kwargs, error, message):
@@ -419,16 +423,23 @@ def test_the_generation_options_are_every_layers_keywords():
     model = tiny_model()
     prompts = [[1, 2, 3], [4]]
     keywords = {"temperature": 0.8, "top_k": 20, "num_samples": 2, "seed": 3, "frequency_penalty": 0.5}
+    keywords["presence_penalty"] = 0.25
     options = GenerationOptions(**keywords)
     expected = generate_with(model, prompts, 6, options)
     assert model.generate(prompts, 6, **keywords) == expected == generate(model, prompts, 6, **keywords)
-    assert model.generate(prompts, 6, 0.8, 20, num_samples=2, seed=3, frequency_penalty=0.5) == expected  # positional
+    positional = model.generate(
+        prompts, 6, 0.8, 20, num_samples=2, seed=3, frequency_penalty=0.5, presence_penalty=0.25
+    )
+    assert positional == expected
     beams = GenerationOptions(num_beams=3, num_return_sequences=2, length_penalty=0.5)
     assert model.generate(prompts, 6, num_beams=3, num_return_sequences=2, length_penalty=0.5) == generate_with(
         model, prompts, 6, beams
     )
-    assert options.unused_by(BEAMS) == ["frequency_penalty", "num_samples", "seed"]
+    assert options.unused_by(BEAMS) == ["frequency_penalty", "num_samples", "presence_penalty", "seed"]
     assert beams.unused_by(SAMPLING) == ["length_penalty", "num_beams", "num_return_sequences"]
+    # the server's engine: one row per request, its sampling but no beams (gptlite.serve.engine.Params refuses them)
+    assert options.unused_by(SERVING) == ["num_samples"]
+    assert beams.unused_by(SERVING) == ["length_penalty", "num_beams", "num_return_sequences"]
     assert beams.greedy() == GenerationOptions(temperature=0)
     with pytest.raises(TypeError, match="unexpected keyword argument 'top_n'"):
         model.generate(prompts, 6, top_n=5)

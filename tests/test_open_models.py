@@ -393,6 +393,7 @@ def test_gemma3_ragged_prompts_decode_past_the_window_as_each_alone(tmp_path):
 
 def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(tmp_path):
     """The server's continuous batching: rows join and leave one cache; each row's window is its own."""
+    from gptlite.sampling import GenerationOptions
     from gptlite.serve.engine import Engine, Params
     from gptlite.tokenizer import CharTokenizer
     from tests.serving import CHARS
@@ -403,7 +404,9 @@ def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(tmp
     model, tokenizer = GPT.from_pretrained(str(tmp_path)), CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=3).start()
     try:
-        texts = Collect(engine, tokenizer, PROMPTS, Params(max_tokens=20, temperature=0)).wait()
+        texts = Collect(
+            engine, tokenizer, PROMPTS, Params(max_tokens=20, options=GenerationOptions(temperature=0))
+        ).wait()
     finally:
         engine.close()
     assert texts == [greedy(model, tokenizer, p, 20) for p in PROMPTS]

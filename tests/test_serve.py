@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 
+from gptlite.sampling import GenerationOptions
 from gptlite.serve.__main__ import ServeOptions
 from gptlite.serve.guard import Policy
 from tests.serving import MODEL, Served, slow_steps
@@ -88,6 +89,33 @@ def test_n_choices_and_seeds_reproduce(client):
     assert len(set(texts)) > 1 and first.usage.completion_tokens == 6 * 12 and first.usage.prompt_tokens == 5 + 6
     other = client.completions.create(**{**args, "seed": 8})
     assert [c.text for c in other.choices] != texts
+
+
+def test_a_requests_sampling_reaches_the_engine_as_generation_options(served, monkeypatch):
+    """The server's engine decodes each row with generation's own options (gptlite.sampling.GenerationOptions): what
+    a request's sampling fields give, the seed moved on per choice, top_p 1 as no limit, and the tokenizer's end
+    ids; OpenAI's own fields (stop strings, logit_bias) travel beside them in Params."""
+    submitted = []
+    submit = served.engine.submit
+
+    def record(job):
+        submitted.append(job.params)
+        submit(job)
+
+    monkeypatch.setattr(served.engine, "submit", record)
+    body = {**GOOD, "n": 2, "temperature": 0.7, "top_p": 0.9, "seed": 5, "stop": "zz", "logit_bias": {"3": 1.5}}
+    body |= {"presence_penalty": 0.5, "frequency_penalty": -0.25}
+    assert post(served, "/v1/completions", json=body).status_code == 200
+    ends = tuple(served.tokenizer.end_ids())
+    sampling = dict(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=-0.25, stop_tokens=ends)
+    assert [p.options for p in submitted] == [
+        GenerationOptions(**sampling, seed=5),
+        GenerationOptions(**sampling, seed=6),
+    ]
+    assert {(p.max_tokens, p.stop, p.logit_bias) for p in submitted} == {(3, ("zz",), ((3, 1.5),))}
+    submitted.clear()
+    assert post(served, "/v1/completions", json=GOOD).status_code == 200  # OpenAI's defaults: top_p 1, no seed
+    assert [p.options for p in submitted] == [GenerationOptions(stop_tokens=ends)]
 
 
 def test_seeds_anywhere_in_torchs_range_sample(client):

@@ -4,12 +4,15 @@ leave a running batch, rows freed and compacted mid-flight, stop tokens, the tok
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from gptlite.generate import generate_with
 from gptlite.kvcache import AttentionCache, KVCache, kv_buffers
+from gptlite.sampling import GenerationOptions
 from gptlite.serve.engine import Engine, Job, Params
 from gptlite.serve.rows import RowCache
 from gptlite.tokenizer import CharTokenizer
@@ -18,6 +21,7 @@ from tests.serving import CHARS
 
 pytestmark = pytest.mark.device  # the engine runs where the model is
 
+GREEDY = GenerationOptions(temperature=0)
 PROMPTS = ["ROMEO:", "a", "The quick brown", "To be or not to", "x", "Hello, world", "JULIET: O", "12345", "zz"]
 
 
@@ -71,7 +75,7 @@ def test_requests_joining_a_running_batch_decode_their_greedy_text(name):
     model, tokenizer = tiny_model(**VARIANTS[name]), CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=4).start()
     try:
-        texts = Collect(engine, tokenizer, PROMPTS, Params(max_tokens=15, temperature=0)).wait()
+        texts = Collect(engine, tokenizer, PROMPTS, Params(max_tokens=15, options=GREEDY)).wait()
     finally:
         engine.close()
     assert texts == [greedy(model, tokenizer, p, 15) for p in PROMPTS]
@@ -89,7 +93,7 @@ def test_a_cancelled_row_is_freed_and_the_others_go_on_unchanged():
             collect.jobs[0].cancel()
 
     try:
-        collect = Collect(engine, tokenizer, prompts, Params(max_tokens=20, temperature=0), cancel_first)
+        collect = Collect(engine, tokenizer, prompts, Params(max_tokens=20, options=GREEDY), cancel_first)
         collect.left -= 1  # the cancelled job never finishes
         texts = collect.wait()
     finally:
@@ -103,11 +107,35 @@ def test_a_stop_token_ends_the_request_without_its_text():
     whole = greedy(model, tokenizer, "ROMEO:", 10)
     engine = Engine(model, tokenizer, max_batch=2).start()
     try:
-        collect = Collect(engine, tokenizer, ["ROMEO:"], Params(10, 0, stop_tokens=tuple(tokenizer.encode(whole[4]))))
+        collect = Collect(
+            engine,
+            tokenizer,
+            ["ROMEO:"],
+            Params(10, GenerationOptions(temperature=0, stop_tokens=tuple(tokenizer.encode(whole[4])))),
+        )
         (text,) = collect.wait()
     finally:
         engine.close()
     assert text == whole[: whole.index(whole[4])] and collect.pieces[0][-1].finish_reason == "stop"
+
+
+def test_rows_decode_with_generations_own_options_as_generate_does():
+    """A row samples with a gptlite.sampling.GenerationOptions, the options generate takes: greedy with presence and
+    frequency penalties, it gives generate's tokens; an option the engine does not apply is refused in Params."""
+    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    prompts = ["ROMEO:", "a", "Hello"]
+    options = GenerationOptions(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+    engine = Engine(model, tokenizer, max_batch=2).start()
+    try:
+        texts = Collect(engine, tokenizer, prompts, Params(max_tokens=16, options=options)).wait()
+    finally:
+        engine.close()
+    ids = [tokenizer.encode(p) for p in prompts]
+    out = generate_with(model, ids, 16, replace(options, vocab_limit=tokenizer.vocab_size))
+    assert texts == [tokenizer.decode(row[len(prompt) :]) for row, prompt in zip(out, ids, strict=True)]
+    assert texts != [greedy(model, tokenizer, p, 16) for p in prompts]  # the penalties changed the text
+    with pytest.raises(ValueError, match="the server's engine does not apply num_samples, repetition_penalty "):
+        Params(max_tokens=5, options=GenerationOptions(repetition_penalty=1.2, num_samples=2))
 
 
 def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
@@ -115,7 +143,9 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
     model, tokenizer = tiny_model(), CharTokenizer(CHARS[:60])
     engine = Engine(model, tokenizer, max_batch=4).start()
     try:
-        collect = Collect(engine, tokenizer, ["ABC"] * 4, Params(max_tokens=25, temperature=2.0, seed=1))
+        collect = Collect(
+            engine, tokenizer, ["ABC"] * 4, Params(max_tokens=25, options=GenerationOptions(temperature=2.0, seed=1))
+        )
         texts = collect.wait()
     finally:
         engine.close()
@@ -149,7 +179,7 @@ def test_compiled_steps_decode_the_same_greedy_text():
     engine = Engine(model, tokenizer, max_batch=4, compile=True).start()
     try:
         # three compiles come first: on a 2-core CPU they took 45-50 s alone, and past 60 s in the whole suite
-        texts = Collect(engine, tokenizer, prompts, Params(max_tokens=10, temperature=0)).wait(600)
+        texts = Collect(engine, tokenizer, prompts, Params(max_tokens=10, options=GREEDY)).wait(600)
     finally:
         engine.close()
     assert texts == [greedy(model, tokenizer, p, 10) for p in prompts]
@@ -159,7 +189,7 @@ def test_an_int8_model_decodes_its_own_greedy_text():
     model, tokenizer = tiny_model().quantize("int8"), CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=3).start()
     try:
-        texts = Collect(engine, tokenizer, PROMPTS[:4], Params(max_tokens=12, temperature=0)).wait()
+        texts = Collect(engine, tokenizer, PROMPTS[:4], Params(max_tokens=12, options=GREEDY)).wait()
     finally:
         engine.close()
     assert texts == [greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]
@@ -172,7 +202,12 @@ def test_odd_seeds_never_stop_the_engine():
     engine = Engine(model, tokenizer, max_batch=4).start()
     seeds = [2**64, 0, -(2**63) - 1, 2**64 - 1, 5, 5 + 2**64]
     try:
-        collect = Collect(engine, tokenizer, ["Hi"] * len(seeds), [Params(max_tokens=8, seed=s) for s in seeds])
+        collect = Collect(
+            engine,
+            tokenizer,
+            ["Hi"] * len(seeds),
+            [Params(max_tokens=8, options=GenerationOptions(seed=s)) for s in seeds],
+        )
         texts = collect.wait()
     finally:
         engine.close()
@@ -196,7 +231,7 @@ def test_a_request_that_fails_to_start_ends_alone_and_the_next_one_runs(monkeypa
 
     monkeypatch.setattr(engine_module, "TextStream", stream)
     engine = Engine(model, tokenizer, max_batch=2)
-    params = [Params(max_tokens=5, stop=("boom",)), Params(max_tokens=5, temperature=0)]
+    params = [Params(max_tokens=5, stop=("boom",)), Params(max_tokens=5, options=GREEDY)]
     collect = Collect(engine, tokenizer, ["Hi", "Ho"], params)
     texts = collect.run(engine)
     (piece,) = collect.pieces[0]
@@ -216,11 +251,11 @@ def test_a_fault_between_steps_ends_the_running_requests_and_the_engine_goes_on(
         return retire(done)
 
     monkeypatch.setattr(engine, "retire", fails_once)
-    broken = Collect(engine, tokenizer, ["Hi", "Ho"], Params(max_tokens=20, temperature=0))
+    broken = Collect(engine, tokenizer, ["Hi", "Ho"], Params(max_tokens=20, options=GREEDY))
     engine.start()
     try:
         broken.wait()
-        after = Collect(engine, tokenizer, ["ROMEO:"], Params(max_tokens=10, temperature=0)).wait()
+        after = Collect(engine, tokenizer, ["ROMEO:"], Params(max_tokens=10, options=GREEDY)).wait()
     finally:
         engine.close()
     assert [pieces[-1].error for pieces in broken.pieces] == ["RuntimeError: the bookkeeping broke"] * 2
@@ -242,8 +277,8 @@ def test_when_the_loop_stops_every_request_ends_with_why_at_once(monkeypatch):
         return turn()
 
     monkeypatch.setattr(engine, "turn", dies_on_the_third_step)
-    running = Collect(engine, tokenizer, ["Hi"], Params(max_tokens=20, temperature=0))
-    queued = Collect(engine, tokenizer, ["Ho"], Params(max_tokens=20, temperature=0))
+    running = Collect(engine, tokenizer, ["Hi"], Params(max_tokens=20, options=GREEDY))
+    queued = Collect(engine, tokenizer, ["Ho"], Params(max_tokens=20, options=GREEDY))
     engine.start()
     running.wait(), queued.wait()
     assert engine.stopped.wait(5) and "the server's engine stopped (Fatal: the loop broke at " in engine.failure
@@ -263,7 +298,7 @@ def test_a_steps_pieces_are_emitted_once_every_row_has_its_token():
     def on_piece(i, piece):
         seen.append((i, piece.tokens, [row.generated for row in engine.rows]))
 
-    collect = Collect(engine, tokenizer, ["Hi", "Ho", "Hu"], Params(max_tokens=6, temperature=0), on_piece)
+    collect = Collect(engine, tokenizer, ["Hi", "Ho", "Hu"], Params(max_tokens=6, options=GREEDY), on_piece)
     texts = collect.run(engine)
     assert texts == [greedy(model, tokenizer, p, 6) for p in ["Hi", "Ho", "Hu"]]
     decoded = [(tokens, generated) for _, tokens, generated in seen if len(generated) == 3]
@@ -283,7 +318,7 @@ def test_a_row_that_fails_mid_step_leaves_the_pieces_before_it_emitted(monkeypat
         return piece(row, token, logprobs)
 
     monkeypatch.setattr(engine, "piece", fails_on_the_second_row)
-    params = [Params(max_tokens=3, temperature=0), Params(max_tokens=10, temperature=0)]
+    params = [Params(max_tokens=3, options=GREEDY), Params(max_tokens=10, options=GREEDY)]
     collect = Collect(engine, tokenizer, ["Hi", "Ho"], params)
     texts = collect.run(engine)
     assert collect.pieces[0][-1].finish_reason == "length" and texts[0] == greedy(model, tokenizer, "Hi", 3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gptlite.sampling import GenerationOptions
 from gptlite.serve.engine import Engine, Params, padded_runs
 from gptlite.serve.prefix import BLOCK, PrefixCache
 from gptlite.serve.rows import RowCache
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.device  # the engine runs where the model is
 
 SYSTEM = "You are a careful assistant; answer in one short line. " * 2  # 110 characters: three whole blocks
 CONTEXT = 192
+GREEDY = GenerationOptions(temperature=0)
 
 
 def recording(engine: Engine) -> list[tuple[int, int]]:
@@ -42,7 +44,7 @@ def test_arrivals_prefilled_together_decode_their_greedy_text(name):
     tokenizer = CharTokenizer(CHARS)
     prompts = ["a", "xy", "ROMEO:", "JULIET:", "The quick brown fox", "The quick brown dogs", "To be or not " * 3]
     engine = Engine(model, tokenizer, max_batch=8)
-    collect = Collect(engine, tokenizer, prompts, Params(max_tokens=12, temperature=0))  # all queued before a step
+    collect = Collect(engine, tokenizer, prompts, Params(max_tokens=12, options=GREEDY))  # all queued before a step
     shapes = recording(engine)
     engine.start()
     try:
@@ -75,7 +77,7 @@ def test_prefix_cached_requests_decode_what_uncached_ones_do():
     prompts = [SYSTEM + "Hi", SYSTEM + "Hello there", SYSTEM + "Hi"]
     engine = Engine(model, tokenizer, max_batch=4, prefix_cache_mb=1).start()
     try:
-        texts = [Collect(engine, tokenizer, [p], Params(max_tokens=16, temperature=0)).wait()[0] for p in prompts]
+        texts = [Collect(engine, tokenizer, [p], Params(max_tokens=16, options=GREEDY)).wait()[0] for p in prompts]
     finally:
         engine.close()
     assert texts == [greedy(model, tokenizer, p, 16) for p in prompts]
@@ -91,9 +93,9 @@ def test_a_chats_next_turn_reuses_the_previous_turns_completion(name):
     first = SYSTEM + "Q: tell me"
     engine = Engine(model, tokenizer, max_batch=2, prefix_cache_mb=1).start()
     try:
-        (reply,) = Collect(engine, tokenizer, [first], Params(max_tokens=40, temperature=0)).wait()
+        (reply,) = Collect(engine, tokenizer, [first], Params(max_tokens=40, options=GREEDY)).wait()
         second = first + reply + "\nQ: more"
-        (again,) = Collect(engine, tokenizer, [second], Params(max_tokens=16, temperature=0)).wait()
+        (again,) = Collect(engine, tokenizer, [second], Params(max_tokens=16, options=GREEDY)).wait()
     finally:
         engine.close()
     assert again == greedy(model, tokenizer, second, 16)
@@ -105,7 +107,7 @@ def test_the_n_copies_of_a_prompt_share_one_prefill_and_sample_as_they_would_alo
     model = tiny_model(block_size=CONTEXT)
     tokenizer = CharTokenizer(CHARS)
     seeds = [1, 2, 1, 3]
-    params = [Params(max_tokens=12, temperature=1.0, seed=s) for s in seeds]
+    params = [Params(max_tokens=12, options=GenerationOptions(temperature=1.0, seed=s)) for s in seeds]
     engine = Engine(model, tokenizer, max_batch=4)
     collect = Collect(engine, tokenizer, ["ROMEO:"] * 4, params)
     shapes = recording(engine)

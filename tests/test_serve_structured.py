@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import torch
 
+from gptlite.sampling import GenerationOptions
 from gptlite.serve.app import create_app
 from gptlite.serve.engine import Engine, Job, Params
 from gptlite.serve.grammar import Grammars
@@ -291,8 +292,10 @@ def test_a_constrained_row_leaves_its_neighbours_greedy_text_unchanged():
     fmt = Grammars(tokenizer, 50304, (tokenizer.eot_id,)).compile("json_schema", SCHEMA)
     prompts = [tokenizer.encode(p) for p in ["ROMEO:", "Hello, world", "To be or not", "x"]]
     stops = (tokenizer.eot_id,)
-    plain = Params(max_tokens=20, temperature=0, stop_tokens=stops)
-    formatted = Params(max_tokens=100, temperature=1.0, stop_tokens=stops, seed=0, response_format=fmt)
+    plain = Params(max_tokens=20, options=GenerationOptions(temperature=0, stop_tokens=stops))
+    formatted = Params(
+        max_tokens=100, options=GenerationOptions(temperature=1.0, stop_tokens=stops, seed=0), response_format=fmt
+    )
     try:
         out = Collect(engine, [(prompts[0], plain), (prompts[1], formatted), (prompts[2], plain), (prompts[3], plain)])
         results = out.wait()
@@ -334,9 +337,9 @@ def test_a_failing_matcher_ends_its_request_alone(monkeypatch):
     breaks_at(bad, 2, monkeypatch)  # its first token is "{", which cannot end it
     prompt = tokenizer.encode("Hi")
     jobs = [
-        (prompt, Params(max_tokens=200, seed=1, response_format=bad)),
-        (prompt, Params(max_tokens=200, seed=1, response_format=good)),
-        (prompt, Params(max_tokens=10, temperature=0)),
+        (prompt, Params(max_tokens=200, options=GenerationOptions(seed=1), response_format=bad)),
+        (prompt, Params(max_tokens=200, options=GenerationOptions(seed=1), response_format=good)),
+        (prompt, Params(max_tokens=10, options=GenerationOptions(temperature=0))),
     ]
     try:
         results = Collect(engine, jobs).wait()

@@ -42,6 +42,7 @@ from gptlite.optim import (
 )
 from gptlite.prepare.preference import prepare_preference
 from gptlite.run_config import resolve_config
+from gptlite.sampling import GenerationOptions
 from gptlite.serve.engine import Engine, Job, Params, TokenLogprob
 from gptlite.serve.prefix import BLOCK
 from gptlite.shards import write_shard
@@ -1067,7 +1068,9 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], max_tokens: list[int
         return emit
 
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-        engine.submit(Job(prompt, Params(max_tokens=n, temperature=0, logprobs=0), emitter(i)))
+        engine.submit(
+            Job(prompt, Params(max_tokens=n, options=GenerationOptions(temperature=0), logprobs=0), emitter(i))
+        )
     for _ in range(200):
         if None not in reasons:
             break

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Awaitable
@@ -301,22 +300,20 @@ class Server:
                 raise APIError(
                     400, "max_tokens=0 generates nothing; ask for at least 1 (or echo the prompt)", "max_tokens"
                 )
-            params = Params(
-                max_tokens,
-                body.temperature,
-                body.top_p if body.top_p < 1 else None,
-                stops,
-                self.stop_tokens(),
-                body.seed,
-                logprobs,
-                echo,
-                body.biases(self.engine.vocab),
-                body.presence_penalty,
-                body.frequency_penalty,
-                response_format,
-            )
+            biases = body.biases(self.engine.vocab)
             out += [
-                (prompt, dataclasses.replace(params, seed=None if body.seed is None else body.seed + j))
+                (
+                    prompt,
+                    Params(
+                        max_tokens,
+                        body.generation_options(self.stop_tokens(), j),
+                        stops,
+                        logprobs,
+                        echo,
+                        biases,
+                        response_format,
+                    ),
+                )
                 for j in range(body.n)
             ]
         return out

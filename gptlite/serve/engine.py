@@ -15,16 +15,17 @@ its own last token. A padded slot holds junk until the row's next token overwrit
 attends past its own slot, so a row computes what it would alone.
 
 On the CPU, float32, the rows run through `packed_for_cpu`'s views of the model, made once: its slab layers for a
-single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for several.
-Each row samples with its own temperature, top_p and `torch.Generator` (seeded when asked), and never an id the
-tokenizer lacks (a padded vocabulary's extra ids); a row with a response_format, only the tokens its grammar allows
-next (its `Matcher`, gptlite.serve.grammar), and it ends once the grammar is complete; rows without one skip all of
-that. `emit` is called on the engine's thread with a `Piece` for every token (a step's pieces one after another,
-once every row has its token): the new text (UTF-8 safe, cut before a stop string) and, on the last piece, why the
-request ended. A job that asks for log-probabilities gets each token's (and its most likely alternatives') under the
-model's own distribution; with `echo`, the prompt's too, from a forward of the whole prompt before its prefill (a
-job with max_tokens 0 gets only those, and no token at all without logprobs; one with max_tokens 1 takes its token
-from that forward and needs neither prefill nor row).
+single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for several. Each
+row samples with its own `GenerationOptions` (gptlite.sampling's, the options generation takes: temperature, top_k,
+top_p, presence and frequency penalties, seed, stop ids; those the engine applies are marked SERVING there) and its
+own `torch.Generator` (seeded when asked), and never an id the tokenizer lacks (a padded vocabulary's extra ids); a
+row with a response_format, only the tokens its grammar allows next (its `Matcher`, gptlite.serve.grammar), and it
+ends once the grammar is complete; rows without one skip all of that. `emit` is called on the engine's thread with a
+`Piece` for every token (a step's pieces one after another, once every row has its token): the new text (UTF-8 safe,
+cut before a stop string) and, on the last piece, why the request ended. A job that asks for log-probabilities gets
+each token's (and its most likely alternatives') under the model's own distribution; with `echo`, the prompt's too,
+from a forward of the whole prompt before its prefill (a job with max_tokens 0 gets only those, and no token at all
+without logprobs; one with max_tokens 1 takes its token from that forward and needs neither prefill nor row).
 
 No request stops the engine: an exception while a request is admitted (its seed, its prefill) ends that request
 with finish_reason "error", one in a decode step ends the requests that step ran, and the engine goes on with
@@ -47,7 +48,7 @@ import torch
 from gptlite.cpu_decode import packed_for_cpu
 from gptlite.generate import TextStream
 from gptlite.kvcache import decode_step
-from gptlite.sampling import mask_vocab, sample_next
+from gptlite.sampling import SERVING, GenerationOptions, mask_vocab, sample_next
 from gptlite.serve.grammar import GrammarError
 from gptlite.serve.prefix import BLOCK as PREFIX_BLOCK
 from gptlite.serve.prefix import PrefixCache
@@ -65,24 +66,29 @@ PAD_SLACK = 1.25  # a batch of prefills may compute this many padded tokens per 
 
 @dataclass(frozen=True)
 class Params:
-    """How one completion is generated; checked by the caller (gptlite.serve.protocol)."""
+    """How one completion is generated: its sampling as generation's own options (`options`), and beside them what
+    only an OpenAI request asks for (stop strings, logprobs, echo, logit_bias, response_format). Checked by the caller
+    (gptlite.serve.protocol), but for options that the engine does not apply, which it refuses here."""
 
     max_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float | None = None
+    options: GenerationOptions = GenerationOptions()  # temperature (0 = greedy), top_p, penalties, seed, stop ids
     stop: tuple[str, ...] = ()  # text is cut before the first of these, which ends the request
-    stop_tokens: tuple[int, ...] = ()  # ids that end the request (end of text, end of turn)
-    seed: int | None = None
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives (None: none)
     echo: bool = False  # with `logprobs`, the prompt's tokens' log-probabilities too, on the first piece
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit) before sampling
-    presence_penalty: float = 0.0  # taken from the logit of every token generated so far
-    frequency_penalty: float = 0.0  # times the number of times it was generated so far
     response_format: Format | None = None  # the grammar its text must follow (gptlite.serve.grammar); None: any
+
+    def __post_init__(self) -> None:
+        unused = self.options.unused_by(SERVING)
+        if unused:
+            raise ValueError(
+                f"the server's engine does not apply {', '.join(unused)} (gptlite.sampling marks the options it "
+                "applies SERVING); leave them at their defaults"
+            )
 
     @property
     def adjusts(self) -> bool:
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return bool(self.logit_bias) or self.options.presence_penalty != 0 or self.options.frequency_penalty != 0
 
 
 @dataclass(frozen=True)
@@ -275,7 +281,7 @@ class Engine:
 
     def new_row(self, job: Job) -> Row:
         """The decoding state of a job about to be prefilled, its generator seeded."""
-        seed = job.params.seed if job.params.seed is not None else random.randrange(SEEDS)
+        seed = job.params.options.seed if job.params.options.seed is not None else random.randrange(SEEDS)
         generator = torch.Generator(device=self.cache.device).manual_seed(seed % SEEDS)
         return Row(job, TextStream(self.tokenizer, job.params.stop), generator, length=len(job.prompt))
 
@@ -417,6 +423,7 @@ class Engine:
         """Row's next token from its logits (1, V) (`greedy` is their argmax), and the piece it gives (None where the
         row failed instead: its grammar)."""
         p = row.job.params
+        options = p.options
         if row.matcher is not None:  # a response_format: only the tokens its grammar allows next
             try:
                 own = row.matcher.constrain(own)
@@ -425,7 +432,11 @@ class Engine:
                 self.fail([row], e)
                 return None
             greedy = int(own.argmax())
-        token = greedy if p.temperature == 0 else int(sample_next(own, p.temperature, None, p.top_p, row.generator))
+        token = (
+            greedy
+            if options.temperature == 0
+            else int(sample_next(own, options.temperature, options.top_k, options.top_p, row.generator))
+        )
         row.token = token
         row.tokens.append(token)
         row.generated += 1
@@ -445,7 +456,7 @@ class Engine:
                 self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
                 self.fail([row], e)
                 return None
-        if token in p.stop_tokens:
+        if token in p.options.stop_tokens:
             text, reason = row.stream.close(), "stop"
         else:
             text = row.stream.feed([token])
@@ -512,12 +523,13 @@ def adjust(logits: torch.Tensor, row: Row) -> None:
     """A row's logits (V,) with OpenAI's logit_bias added and its presence and frequency penalties taken from the
     tokens it has generated (logit - count * frequency_penalty - presence_penalty, as OpenAI defines them)."""
     p = row.job.params
+    options = p.options
     for token, bias in p.logit_bias:
         logits[token] += bias
-    if row.counts and (p.presence_penalty or p.frequency_penalty):
+    if row.counts and (options.presence_penalty or options.frequency_penalty):
         ids = torch.tensor(list(row.counts), device=logits.device)
         counts = torch.tensor(list(row.counts.values()), device=logits.device, dtype=logits.dtype)
-        logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        logits[ids] -= counts * options.frequency_penalty + options.presence_penalty
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

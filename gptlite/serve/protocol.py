@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gptlite.sampling import GenerationOptions
+
 UNSUPPORTED = (  # asked of /v1/completions and /v1/chat/completions (the chat route refuses logprobs itself)
     "suffix",
     "best_of",
@@ -92,7 +94,9 @@ class ResponseFormat(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """The fields both endpoints share."""
+    """The fields both endpoints share: those that sample become a gptlite.sampling.GenerationOptions
+    (`generation_options`); the others (stop strings, logprobs, logit_bias, response_format...) are OpenAI's own,
+    which the engine's Params carries beside them."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     model: str
@@ -111,6 +115,20 @@ class GenerationRequest(BaseModel):
     # gptlite's own, which the chat page sends: max_tokens is a ceiling, lowered to what the context leaves after
     # the prompt, instead of OpenAI's 400
     fit_max_tokens: bool = False
+
+    def generation_options(self, stop_tokens: tuple[int, ...], choice: int = 0) -> GenerationOptions:
+        """What the engine samples the request's choice `choice` (of n) with: its sampling fields as generation's own
+        options (top_p 1 is no limit), the seed moved on by `choice` so that each choice samples its own text and a
+        seed still reproduces them all, ending at stop_tokens (the tokenizer's end of text and of turn). A sampling
+        option the server takes is a field above, checked as OpenAI's API checks it, and one line here."""
+        return GenerationOptions(
+            temperature=self.temperature,
+            top_p=self.top_p if self.top_p < 1 else None,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=None if self.seed is None else self.seed + choice,
+            stop_tokens=stop_tokens,
+        )
 
     def logprob_count(self) -> int | None:
         """How many alternatives each generated token's log-probability comes with (None: none asked for)."""
