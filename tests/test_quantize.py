@@ -2,15 +2,18 @@
 greedy text as float32 on a small trained model (but where float32's top two logits tie within int8's rounding),
 and the commands' --quantize."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sample
+from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_model
 from gptlite.generate import generate
-from gptlite.quantize import Int8Linear, quantize_rows
-from tests.conftest import DEVICE, randint, run_train, tiny_model
+from gptlite.quantize import Int4Linear, Int8Linear, quantize_groups, quantize_rows
+from tests.conftest import DEVICE, randint, run_train, tiny_config, tiny_model
 from tests.test_end_to_end import TINY, char_data  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.device
@@ -112,3 +115,172 @@ def test_unknown_quantization_is_refused_before_loading(tmp_path):
         load_model(tmp_path / "no such run", quantize="int2")
     with pytest.raises(ValueError, match="quantize='fp8' is not supported"):
         tiny_model().quantize("fp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# int4 (q4_0's rule) and the kernels each way
+
+
+def test_int4_groups_follow_q4_0s_rule():
+    """d = the group's weight of largest magnitude / -8 (sign kept, rounded to bfloat16), q = round(w / d) + 8 in
+    [0, 15]: that weight gets code 0, the others lie within half a step of their weight (but those of the other
+    sign past 7.5 steps, clamped to code 15)."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 96) * torch.linspace(0.01, 2, 16)[:, None]
+    q, d = quantize_groups(w, 32)
+    assert q.shape == (16, 96) and d.shape == (16, 3) and int(q.min()) >= 0 and int(q.max()) <= 15
+    groups = w.view(16, 3, 32)
+    largest = groups.gather(2, groups.abs().argmax(2, keepdim=True)).squeeze(2)  # (16, 3), signed
+    assert torch.equal(d, (largest / -8).to(torch.bfloat16).float())
+    assert torch.equal(q.view(16, 3, 32).gather(2, groups.abs().argmax(2, keepdim=True)), torch.zeros(16, 3, 1).int())
+    dequantized = d.repeat_interleave(32, dim=1) * (q - 8)
+    steps = d.abs().repeat_interleave(32, dim=1)
+    slack = steps * 2**-7  # the scale's rounding to bfloat16
+    inside = q < 15  # code 15 is +7 steps: weights past +7.5 steps (at most +8) clamp there, as in q4_0
+    assert torch.all(((w - dequantized).abs() <= steps / 2 + slack)[inside])
+    assert torch.all(((w - dequantized).abs() <= steps + slack)[~inside])
+    zero_q, zero_d = quantize_groups(torch.zeros(16, 32), 32)
+    assert torch.equal(zero_q, torch.full((16, 32), 8, dtype=torch.int32)) and not zero_d.any()
+
+
+@pytest.mark.parametrize("way", ["float32", "bfloat16"])
+def test_int4_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64)
+    layer = Int4Linear.from_weight(linear.weight, linear.bias, 32)
+    q, d = quantize_groups(linear.weight, 32)
+    weight = d.repeat_interleave(32, dim=1) * (q - 8)  # (N, K): the formula, not the layer's own reading
+    assert torch.equal(layer.dequantized(), weight)
+    x = torch.randn(5, 3, 128)
+    want = F.linear(x, weight, linear.bias)
+    got = layer.multiply(x.reshape(-1, 128), way).float().view(5, 3, 64) + linear.bias
+    tolerance = 1e-5 if way == "float32" else 2e-2  # bfloat16 activations and outputs: 8 bits of mantissa
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+@pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize"])
+def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 64)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(7, 48)
+    want = F.linear(x, layer.dequantized(), linear.bias)
+    got = layer.multiply(x, way).float() + linear.bias
+    tolerance = 2e-2 if way == "bfloat16" else 1e-5
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
+    """A layer large enough to measure asks the choices file, measures on a miss and keeps the answer; a small one
+    takes its default; GPTLITE_QUANT_KERNEL forces a way, and an unknown one is refused in one line."""
+    import gptlite.cpu_decode as cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
+    monkeypatch.setattr(cpu, "_choices", {})
+    measured = []
+
+    def fake_measure(shape, bucket):
+        measured.append((shape, bucket))
+        return {"bfloat16": 1.0, "float32": 2.0}
+
+    monkeypatch.setattr(Int4Linear, "measure", staticmethod(fake_measure))
+    big = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
+    assert big.way(1) == "bfloat16" and big.way(1) == "bfloat16" and big.way(9) == "bfloat16"
+    assert measured == [((512, 512), 1), ((512, 512), 8)]  # once per bucket, then from the layer's own memo
+    assert json.loads(cpu.choices_file().read_text())[cpu.machine_key()]["int4 512x512, 1 rows"] == "bfloat16"
+    again = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
+    assert again.way(1) == "bfloat16" and len(measured) == 2  # the kept choice: no new measurement
+    assert Int4Linear.from_weight(torch.randn(32, 64), None, 32).way(1) == "float32"  # small: not measured
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "float32")
+    assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "float32"
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "fast")
+    with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL='fast': choose float32, bfloat16 or dequantize"):
+        Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1)
+
+
+def test_the_real_measurement_times_every_way():
+    times = Int8Linear.measure((64, 64), 1)
+    assert set(times) == {"bfloat16", "float32", "dequantize"} and all(0 < t < 1 for t in times.values())
+
+
+@pytest.mark.parametrize("way", ["float32", "bfloat16"])
+def test_an_int4_model_keeps_logits_close_and_decodes_on_its_kv_cache_as_a_full_recompute(way, monkeypatch):
+    """int4 where the kernel takes the shape (the tiny model's blocks), int8 elsewhere (its 97-row head, its
+    embedding); the KV cache's greedy tokens equal a full recompute's on the same quantized model."""
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", way)
+    model = tiny_model(n_embd=64).cpu().eval()  # int4's kernel is a CPU one
+    idx = randint(97, (2, 20)).cpu()
+    with torch.no_grad():
+        reference = model(idx)[0]
+        model.quantize("int4")
+        logits = model(idx)[0]
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"Int4Linear", "Int8Linear", "Int8Embedding"} <= kinds and "Linear" not in kinds
+    assert isinstance(model.lm_head, Int8Linear)  # 97 rows: not a multiple of 16
+    error = (logits - reference).abs().max() / reference.abs().max()
+    assert error < 0.15, error
+    prompt = [[1, 2, 3, 4, 5]]
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([ids, model(ids)[0][:, -1:].argmax(-1)], dim=1)
+    assert generate(model, prompt, 12, temperature=0) == ids.tolist()
+
+
+def test_int4_needs_the_cpu_and_a_group_size_it_takes():
+    with pytest.raises(
+        ValueError, match=r"quantize='int4' with group_size=48: use one of 32, 64, 128 \(32 is q4_0's\)"
+    ):
+        tiny_model().quantize("int4", group_size=48)
+    with torch.device("meta"):  # a device other than the CPU, on any machine
+        model = GPT(tiny_config())
+    with pytest.raises(ValueError, match="quantize='int4' runs on the CPU"):
+        model.quantize("int4")
+
+
+def test_an_int4_model_exports_to_q4_0_bit_for_bit(tmp_path):
+    """A group-32 int4 model's GGUF file holds its q4_0 blocks: llama.cpp's file read back by the gguf package's own
+    reader and dequantizer gives exactly the weights the model multiplies by."""
+    import gguf
+    import numpy as np
+
+    from gptlite.hf.gguf import export_gguf
+    from gptlite.quantize import dequantized_state_dict
+    from gptlite.tokenizer import tokenizer_from_spec
+    from tests.conftest import shared_file
+
+    tokenizer = tokenizer_from_spec(str(shared_file("tokenizers/gpt2.tiktoken")))
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, n_embd=64, ffn="gelu", bias=True)
+    model = GPT(config).eval()  # GPT-2's switches
+    model.quantize("int4")
+    out = export_gguf(model, tmp_path / "m.gguf", tokenizer, "q4_0")
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    state = dequantized_state_dict(model)
+    pairs = {"blk.0.attn_output.weight": "blocks.0.attn.out_proj.weight", "output.weight": "lm_head.weight"}
+    pairs["blk.0.ffn_down.weight"] = "blocks.0.ffn.out_proj.weight"
+    for theirs, ours in pairs.items():
+        tensor = tensors.get(theirs) or tensors["token_embd.weight"]
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0, theirs
+        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(state[ours].shape)
+        assert np.array_equal(values, state[ours].numpy()), theirs
+    with pytest.raises(ValueError, match="a model quantized as q4_0 exports only as q4_0, not --type=q8_0"):
+        export_gguf(model, tmp_path / "other.gguf", tokenizer, "q8_0")
+
+
+def test_evaluate_scores_a_quantized_model(char_data, tmp_path):  # noqa: F811
+    from gptlite.evaluate.command import main as evaluate
+
+    out = tmp_path / "run"
+    run_train(f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=20", *(f"--{k}={v}" for k, v in TINY.items()))
+    losses = {}
+    for mode in ("", "int8", "int4"):
+        report = tmp_path / f"{mode or 'float'}.json"
+        args = [f"--model={out}", "--device=cpu", f"--json={report}", *([f"--quantize={mode}"] if mode else [])]
+        assert evaluate(args) == 0
+        results = json.loads(report.read_text())
+        assert results["quantize"] == mode
+        losses[mode] = results["val"]["loss"]
+    assert losses["int8"] != losses[""] and abs(losses["int8"] - losses[""]) < 0.05 * losses[""]
+    assert losses["int4"] != losses[""] and abs(losses["int4"] - losses[""]) < 0.2 * losses[""]
