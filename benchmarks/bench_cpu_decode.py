@@ -4,8 +4,8 @@ the memory bound beside them; and, given a trained run, what each quantization c
 
     pip install -e ".[test]"      # llama-cpp-python and gguf
     python benchmarks/bench_cpu_decode.py                                   # speed, GPT-2 124M shape
-    python benchmarks/bench_cpu_decode.py --trained=out/shakespeare_gpt2     # ... and accuracy on a trained run
-    python benchmarks/bench_cpu_decode.py --parts=accuracy --trained=RUN --json=acc.json
+    python benchmarks/bench_cpu_decode.py --trained=out/gpt2 --data_dir=data/shakespeare_gpt2   # ... and accuracy
+    python benchmarks/bench_cpu_decode.py --parts=accuracy --trained=RUN --data_dir=DATA --json=acc.json
 
 Speed: GPT-2 124M's shape (12 layers, 768 wide, vocabulary 50,304, GELU MLP with biases, learned positions) with
 random weights (greedy decoding of random weights costs what a trained model's does), a 16-token prompt, 128
@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
-import os
 import signal
 import statistics
 import subprocess
@@ -83,6 +81,7 @@ class Options:
     rounds: int = option(5, "speed: timed calls of each path, in turn")
     new_tokens: int = option(128, "speed: greedy tokens per timed call")
     trained: str = option("", "accuracy: a run folder trained with a BPE tokenizer (its newest checkpoint)")
+    data_dir: str = option("", "accuracy: the token shards the run trained on (their val split is scored)")
     prompts: int = option(8, "accuracy: prompts from the val tokens")
     agree_tokens: int = option(64, "accuracy: greedy tokens compared per prompt")
     eval_windows: int = option(16, "accuracy: val windows scored")
@@ -152,7 +151,7 @@ def child(request_json: str) -> int:
         verbose=False,
     )
     for line in sys.stdin:
-        (kind, args), = json.loads(line).items()
+        ((kind, args),) = json.loads(line).items()
         if kind == "ready":
             answer = True
         elif kind == "speed":
@@ -279,13 +278,12 @@ def gptlite_nll(model: GPT, windows: list[list[int]]) -> float:
 
 def accuracy(args: Options, folder: Path, log) -> dict:
     from gptlite.checkpoint import load_model
-    from gptlite.shards import read_shard
+    from gptlite.shards import find_shards, read_shard
 
     run = Path(args.trained)
     model, tokenizer = load_model(init_from=str(run))
     model = model.float().eval()
-    data_dir = Path(json.loads((run / "run.json").read_text())["config"]["data_dir"]) if (run / "run.json").is_file() else None
-    val = read_val_tokens(run, data_dir, read_shard)
+    val = np.asarray(read_shard(find_shards(args.data_dir, "val")[0]), dtype=np.int64)
     T = model.config.block_size
     windows = [val[i * T : (i + 1) * T + 1].tolist() for i in range(args.eval_windows)]
     step = len(val) // (args.prompts + 1)
@@ -293,7 +291,7 @@ def accuracy(args: Options, folder: Path, log) -> dict:
     n = min(args.agree_tokens, T - 16)
     results = {}
     gptlite_reference = None
-    for kind, mode in QUANTIZATIONS.items():
+    for mode in QUANTIZATIONS.values():
         quantized = copy.deepcopy(model).quantize(mode) if mode else model
         tokens = [row[16:] for row in generate(quantized, prompts, n, temperature=0.0)]
         gptlite_reference = tokens if not mode else gptlite_reference
@@ -313,14 +311,6 @@ def accuracy(args: Options, folder: Path, log) -> dict:
     return results
 
 
-def read_val_tokens(run: Path, data_dir: Path | None, read_shard) -> np.ndarray:
-    folder = data_dir if data_dir is not None else run
-    shards = sorted(folder.glob("*val*.bin"))
-    if not shards:
-        raise FileNotFoundError(f"no val shard under {folder}: give a run whose data folder is where it was")
-    return np.asarray(read_shard(shards[0]), dtype=np.int64)
-
-
 def accuracy_table(results: dict, args: Options) -> str:
     lines = [
         f"| weights | val loss (nats/token) | greedy agreement with its own float32 ({args.prompts} prompts x "
@@ -334,9 +324,9 @@ def accuracy_table(results: dict, args: Options) -> str:
 
 def run(args: Options) -> int:
     parts = args.parts.split(",")
-    if "accuracy" in parts and not args.trained:
+    if "accuracy" in parts and not (args.trained and args.data_dir):
         if args.parts != "speed,accuracy":
-            raise ValueError("--parts=accuracy needs --trained=RUN, a run folder trained with a BPE tokenizer")
+            raise ValueError("--parts=accuracy needs --trained=RUN and --data_dir=ITS_SHARDS (a BPE-tokenized run)")
         parts.remove("accuracy")
     print(machine_line(), flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -351,7 +341,7 @@ def run(args: Options) -> int:
             results["accuracy"] = accuracy(args, Path(tmp), print)
             print(accuracy_table(results["accuracy"], args), flush=True)
     if args.json:
-        write_json(args.json, results)
+        write_json(Path(args.json), results)
     return 0
 
 
