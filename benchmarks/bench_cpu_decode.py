@@ -52,6 +52,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_gguf import SHAPES  # noqa: E402
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
@@ -60,17 +61,7 @@ from gptlite.files import write_json  # noqa: E402
 from gptlite.generate import generate  # noqa: E402
 from gptlite.hf.gguf import export_gguf  # noqa: E402
 
-GPT2 = dict(
-    vocab_size=50304,
-    block_size=1024,
-    n_layer=12,
-    n_head=12,
-    n_embd=768,
-    pos_emb="learned",
-    norm="layernorm",
-    ffn="gelu",
-    bias=True,
-)
+GPT2 = SHAPES["gpt2"]  # GPT-2 124M, as bench_gguf exports it
 TYPES = ("f32", "q8_0", "q4_0")
 QUANTIZATIONS = {"f32": "", "q8_0": "int8", "q4_0": "int4"}  # each GGUF type beside gptlite's twin of it
 
