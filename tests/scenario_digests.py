@@ -2,7 +2,7 @@
 average (EMA, also resumed past the end where it saved its trained weights), chat, LoRA, DPO, RL, refusals and
 FSDP on two processes. Run it before and after a change; every line must stay the same.
 
-    python -m tests.scenario_digests [--no-fsdp]
+    python -m tests.scenario_digests [--fsdp=false]
 
 Each scenario runs train.py on a tiny model in a folder of its own (paths relative to it), and prints the sha256
 of its log (the command's output, without the times and rates that differ from run to run), of its metrics.jsonl
@@ -11,7 +11,6 @@ value, by name; the run's command line and git commit left out, and the fingerpr
 records when it was prepared).
 """
 
-import argparse
 import contextlib
 import hashlib
 import io
@@ -22,12 +21,16 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"  # one thread, in this process and the torchrun ones: sums round alike
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from gptlite.cli import parse, run_command  # noqa: E402
+from gptlite.config import option  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -251,21 +254,30 @@ def torchrun(*args: str) -> str:
     return result.stdout + f"exit {result.returncode}\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-fsdp", action="store_true", help="leave out the two-process FSDP run")
-    options = parser.parse_args()
+@dataclass
+class Options:
+    fsdp: bool = option(True, "run the two-process FSDP scenario too")
+
+
+def main() -> int:
+    return run_command(
+        "scenario_digests", lambda: print_digests(parse(Options, sys.argv[1:], "tests/scenario_digests.py", __doc__))
+    )
+
+
+def print_digests(options: Options) -> int:
     torch.set_num_threads(1)
     random.seed(0)  # the generators a checkpoint saves that train.py does not seed: the same in every process
     np.random.seed(0)
     with tempfile.TemporaryDirectory() as folder:
         os.chdir(folder)
-        for name, runs in scenarios(not options.no_fsdp):
+        for name, runs in scenarios(options.fsdp):
             log = "".join((torchrun if name == "fsdp" else train)(*args) for args in runs)
             run = Path(next((a.split("=", 1)[1] for a in runs[0] if a.startswith("--out_dir=")), name))
             for line in digests(name, log, run, other_processes=name == "fsdp"):
                 print(line, flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
