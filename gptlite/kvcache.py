@@ -1,7 +1,7 @@
 """The KV caches and the steps that run a model through a cache: `kv_buffers` (the buffers' shape, computed once),
 sample.py's `KVCache`, prefill of (ragged) prompts, the decode step, and the compiled decode step (`compile=True`).
-Every cache is an `AttentionCache`, what the model reads from any cache: the model declares that interface
-(gptlite.model), so that it imports nothing of generation; it is importable from here too.
+Every cache is an `AttentionCache`, what the model reads from any cache: that interface stands below both
+(gptlite.attention_cache), so that the model imports nothing of generation; it is importable from here too.
 
 `KVCache` holds every layer's keys and values for a fixed batch in buffers preallocated with static shapes
 (B, KV, max_len, D). Prompts are left-padded to the longest; a mask hides each row's padding and positions count
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.model import AttentionCache  # the model's interface, importable from here as before
+from gptlite.attention_cache import AttentionCache  # importable from here too, as before
 
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig

@@ -21,8 +21,8 @@ values (value_embeds), an embedding of each token's pair with the one before it 
 early to late blocks (unet_skips), logit soft-capping (logit_softcap), output projections that start at zero
 (zero_init_out).
 
-Generation reads and writes keys and values through `AttentionCache`, the interface the model declares here and
-every cache implements (sample.py's gptlite.kvcache.KVCache, the server's gptlite.serve.rows.RowCache).
+Generation reads and writes keys and values through `AttentionCache` (gptlite.attention_cache), the interface the
+model reads and every cache implements (sample.py's gptlite.kvcache.KVCache, the server's gptlite.serve.rows.RowCache).
 
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
@@ -33,38 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gptlite.attention_cache import AttentionCache
 from gptlite.config import GPTConfig
 from gptlite.loss import linear_cross_entropy
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
-
-
-@runtime_checkable
-class AttentionCache(Protocol):
-    """What the model reads from a cache during generation (gptlite.model's attention and `GPT.hidden`): the
-    positions of the next call's tokens, the mask of what each of them may attend to, and `update`, which
-    stores one layer's new keys and values and hands back everything the call attends over. Who sets these up
-    between calls (a `prepare` method, in both of gptlite's caches) is the cache's own business: `KVCache`
-    prefills and decodes a fixed batch, the server's RowCache runs every request in a row of its own."""
-
-    pos: torch.Tensor  # (B, T) the next call's tokens' positions
-    mask: torch.Tensor | None  # (B, 1, T, S) True where a query may attend to a key; None: every key
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store layer's new k, v (B, KV, T, D); return the keys and values the call attends over (B, KV, S, D)."""
-        ...
-
-    def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
-        """Store the call's tokens idx (B, T); return the token before each one in its row (B, T), -1 for a row's
-        first (position 0). Only a model with a bigram embedding (GPTConfig.bigram_vocab) asks."""
-        ...
 
 
 # ---------------------------------------------------------------------------------------------
