@@ -103,8 +103,11 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
 
 
 @pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
-def test_compiled_int8_generation_equals_eager():
-    model = tiny_model().to(DEVICE).quantize("int8")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_compiled_quantized_generation_equals_eager(mode):
+    if mode == "int4" and DEVICE != "cpu":
+        pytest.skip("int4's kernel is a CPU one")  # the GPU's run of the suite; CI's CPU runs every case
+    model = tiny_model(n_embd=64).to(DEVICE).quantize(mode)  # 64 wide: the int4 kernel takes the blocks' shapes
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     torch._dynamo.reset()
     assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
