@@ -440,7 +440,8 @@ def start_records(
 def loop(run: Run, pace: Pace) -> str | None:
     """Optimizer steps until max_iters, a stop signal or the time budget (max_minutes); returns why the run stopped
     before max_iters (a signal's name, "max_minutes=M", a stop on another rank), None where it did not."""
-    cfg, progress = run.cfg, run.state.progress
+    cfg = run.cfg
+    progress = run.state.progress
     first_step = progress.step
     clock = LogClock()
     minutes = 0.0  # wall-clock minutes since the start, as the ranks agree on them after each step
@@ -469,7 +470,9 @@ def loop(run: Run, pace: Pace) -> str | None:
 def train_step(run: Run, lr: float, minutes: float, first_step: int) -> list[StepRecord]:
     """One optimizer step: forward and backward over the step's micro-batches, the gradients clipped, the figures
     agreed on by every rank, and the update. Returns the records of the steps the host reads now (gptlite.update)."""
-    cfg, objective, progress = run.cfg, run.objective, run.state.progress
+    cfg = run.cfg
+    objective = run.objective
+    progress = run.state.progress
     # forward and backward over the step's micro-batches, which the objective gives (none, with the event that
     # metrics.jsonl records, when it has a reason to make no update); their gradients add up in .grad
     batches, no_update = objective.batches(progress.step, minutes)
@@ -538,7 +541,9 @@ def log_steps(run: Run, records: list[StepRecord], last: bool, clock: LogClock) 
     """The log: a line and a row of metrics.jsonl every log_interval steps and at the last; a step that made no
     update always gets its event's row, and a step whose loss or gradient norm is not finite is skipped
     (on_nan=skip) or stops the run (on_nan=stop)."""
-    cfg, log, metrics = run.cfg, run.log, run.metrics
+    cfg = run.cfg
+    log = run.log
+    metrics = run.metrics
     step = run.state.progress.step
     for record in records:
         clock.steps_since_log += 1
@@ -593,7 +598,9 @@ def log_steps(run: Run, records: list[StepRecord], last: bool, clock: LogClock) 
 def evaluate_and_save(run: Run, last: bool, stop: bool, clock: LogClock) -> None:
     """Evaluate and save: every eval_interval steps and at the end; a stop saves without evaluating. CORE every
     core_every steps and at the end."""
-    cfg, log, progress = run.cfg, run.log, run.state.progress
+    cfg = run.cfg
+    log = run.log
+    progress = run.state.progress
     step = progress.step
     evaluate = step % cfg.eval_interval == 0 or last
     progress.val_loss = None
@@ -623,7 +630,9 @@ def stop_early(run: Run, timed_out: bool) -> str | None:
     """Why the run stops before max_iters: a signal, the time budget, or a stop on another rank, said with how to
     continue. A schedule over the time budget (lr_schedule="time", as --budget's recipes) has ended when the budget
     has: the run is done, not stopped (None)."""
-    cfg, log, step = run.cfg, run.log, run.state.progress.step
+    cfg = run.cfg
+    log = run.log
+    step = run.state.progress.step
     if timed_out and not run.signals and cfg.lr_schedule == "time":
         log(f"step {step:5d} | the time budget (max_minutes={cfg.max_minutes:g}) is spent: the run is done")
         return None
@@ -657,7 +666,8 @@ class Pace:
 
     def after(self, step: int) -> None:
         """After optimizer step `step`."""
-        cfg, log = self.run.cfg, self.run.log
+        cfg = self.run.cfg
+        log = self.run.log
         if step == self.warm:
             self.t_warm = time.perf_counter()
         if step == self.warm + PACE_STEPS and not cfg.max_minutes:

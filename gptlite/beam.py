@@ -47,7 +47,8 @@ def beam_search(
     the checked prompt `rows`, consecutively: len(rows) * num_return_sequences lists, by beam search with the checked
     `options` (num_beams beams; length_penalty, early_stopping, stop_tokens, extend_context, compile). Ids from
     `vocab_limit` on never continue a beam."""
-    B, N = len(rows), options.num_beams
+    B = len(rows)
+    N = options.num_beams
     length_penalty = options.length_penalty
     early_stopping = options.early_stopping
     model, step, cache, logits = start(model, rows, max_new_tokens, N, options.extend_context, options.compile)

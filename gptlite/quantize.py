@@ -97,7 +97,8 @@ class QuantizedLinear(nn.Module):
     def __init__(self, bias: torch.Tensor | None, out_features: int, in_features: int):
         super().__init__()
         self.register_buffer("bias", None if bias is None else bias.detach())  # (N,) or None
-        self.out_features, self.in_features = out_features, in_features
+        self.out_features = out_features
+        self.in_features = in_features
         self._ways: dict[int, str] = {}  # row bucket -> chosen way, looked up once per layer and bucket
         self._scales: dict[torch.dtype, torch.Tensor] = {}  # the scales in each activation dtype the kernel takes
 

@@ -52,7 +52,9 @@ class Sampling:
 
 # the ways of generating, which the options below serve: gptlite.generate's sampling, gptlite.beam's beam search, and
 # the server's engine (gptlite.serve.engine), which samples each request's row with the options of its own
-SAMPLING, BEAMS, SERVING = "sampling", "beam search", "the server's engine"
+SAMPLING = "sampling"
+BEAMS = "beam search"
+SERVING = "the server's engine"
 
 
 def used_by(*ways: str, default=None):

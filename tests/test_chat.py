@@ -139,7 +139,8 @@ def test_prepare_chat_writes_roles_and_counts_what_it_leaves_out(tmp_path, capsy
     tokenizer = load_tokenizer(tmp_path / "d")
     assert tokenizer.chat_template == CHATML and tokenizer.vocab_size == 258  # recorded for every command
     shard = tmp_path / "d" / "train_000000.bin"
-    tokens, roles = read_shard(shard), read_roles(roles_path(shard), len(read_shard(shard)))
+    tokens = read_shard(shard)
+    roles = read_roles(roles_path(shard), len(tokens))
     targets = bytes(int(t) for t, r in zip(tokens, roles, strict=True) if r & TARGET and t < 256)
     assert targets == b"I like tea." * len(targets.split(b"I like tea.")[:-1])
     cut = prepare([str(source)], "byte", tmp_path / "cut", chat=True, block_size=64, too_long="cut", log=lambda *a: 0)

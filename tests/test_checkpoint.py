@@ -315,7 +315,8 @@ def test_the_training_state_saves_its_parts_in_the_format_and_restores_them(tmp_
     for opt in state.optimizers.optimizers:
         opt.step()
     state.average.update()
-    state.progress.step, state.progress.val_loss = 3, 2.5
+    state.progress.step = 3
+    state.progress.val_loss = 2.5
     state.finish(lambda line: None)  # the run ends as the average: the trained weights are kept beside it
     state.save(tmp_path, keep_last=2, master=True, log=lambda line: None)
     ckpt = load_checkpoint(tmp_path)

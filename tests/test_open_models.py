@@ -516,7 +516,8 @@ def test_gemma3_data_trains_on_its_model_turns(gemma3_modes, folder):
 
     tokenizer = load_tokenizer(gemma3_modes / "hf")
     shard = sorted((gemma3_modes / folder).glob("train_*.bin"))[0]
-    tokens, roles = read_shard(shard), read_roles(roles_path(shard), len(read_shard(shard)))
+    tokens = read_shard(shard)
+    roles = read_roles(roles_path(shard), len(tokens))
     runs = []  # the target tokens, a list per turn (a pair's two answers lie side by side, each first one ANSWER)
     for token, role, before in zip(tokens.tolist(), roles.tolist(), [0, *roles.tolist()[:-1]], strict=True):
         if role & TARGET and (role & ANSWER or not before & TARGET):

@@ -193,7 +193,8 @@ def test_a_quantized_model_decodes_its_own_greedy_text_in_every_row(mode, way, m
         monkeypatch.setenv("GPTLITE_QUANT_KERNEL", way)
     if mode == "int4" and DEVICE != "cpu":
         pytest.skip("int4's kernel is a CPU one")  # the GPU's run of the suite; CI's CPU runs every case
-    model, tokenizer = tiny_model().quantize(mode), CharTokenizer(CHARS)
+    model = tiny_model().quantize(mode)
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=3).start()
     try:
         texts = Collect(engine, tokenizer, PROMPTS[:4], Params(max_tokens=12, options=GREEDY)).wait()
