@@ -132,11 +132,13 @@ class QuantizedLinear(nn.Module):
         scales = self.scale_tensor()
         kept = self._scales.get(dtype)
         if kept is None or kept.device != scales.device:
-            kept = self._scales[dtype] = scales.to(dtype)
+            kept = scales.to(dtype)
+            self._scales[dtype] = kept
         return kept
 
     def _apply(self, fn, recurse=True):
         self._scales = {}  # moved or converted: the converted scales are made again from the new ones
+        self._ways = {}  # and the ways chosen again: another device runs another way
         return super()._apply(fn, recurse)
 
     def device_type(self) -> str:
