@@ -87,9 +87,9 @@ class Options:
 
 class LlamaCpp:
     """One GGUF file loaded by llama.cpp in a child process that answers requests on its stdin, a JSON line each:
-    {"speed": [prompt ids, n]} -> tokens/s of n greedy tokens; {"greedy": [prompt ids, n]} -> the tokens;
-    {"nll": [ids]} -> the summed negative log-likelihood of ids[1:]. `repack=False` turns llama.cpp's extra
-    buffer types off (what --no-repack does)."""
+    {"kind": "speed", "prompt": ids, "n": n} -> tokens/s of n greedy tokens; {"kind": "greedy", ...} -> the
+    tokens; {"kind": "nll", "ids": ids} -> the summed negative log-likelihood of ids[1:]. `repack=False` turns
+    llama.cpp's extra buffer types off (what --no-repack does)."""
 
     def __init__(self, path: Path, repack: bool, n_ctx: int):
         request = {"path": str(path), "repack": repack, "n_ctx": n_ctx, "threads": torch.get_num_threads()}
@@ -100,7 +100,7 @@ class LlamaCpp:
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        self.ask({"ready": []})
+        self.ask({"kind": "ready"})
 
     def ask(self, request: dict):
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -142,42 +142,56 @@ def child(request_json: str) -> int:
         verbose=False,
     )
     for line in sys.stdin:
-        ((kind, args),) = json.loads(line).items()
+        request = json.loads(line)
+        kind = request["kind"]
         if kind == "ready":
             answer = True
         elif kind == "speed":
-            prompt, n = args
-            llm.reset()
-            start = time.perf_counter()
-            for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
-                if i + 1 == n:
-                    break
-            answer = n / (time.perf_counter() - start)
+            answer = greedy_tokens_per_s(llm, request["prompt"], request["n"])
         elif kind == "greedy":
-            prompt, n = args
-            llm.reset()
-            answer = []
-            for token in llm.generate(prompt, temp=0.0, reset=True):
-                answer.append(int(token))
-                if len(answer) == n:
-                    break
+            answer = greedy_tokens(llm, request["prompt"], request["n"])
         else:
-            (ids,) = args
-            llm.reset()
-            llm.eval(ids[:-1])
-            logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # (T-1, V)
-            top = logits.max(axis=1, keepdims=True)
-            log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-            answer = float((log_z - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
+            answer = summed_nll(llm, request["ids"])
         print(json.dumps(answer), flush=True)
     return 0
+
+
+def greedy_tokens_per_s(llm, prompt: list[int], n: int) -> float:
+    llm.reset()
+    start = time.perf_counter()
+    for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
+        if i + 1 == n:
+            break
+    return n / (time.perf_counter() - start)
+
+
+def greedy_tokens(llm, prompt: list[int], n: int) -> list[int]:
+    llm.reset()
+    tokens = []
+    for token in llm.generate(prompt, temp=0.0, reset=True):
+        tokens.append(int(token))
+        if len(tokens) == n:
+            break
+    return tokens
+
+
+def summed_nll(llm, ids: list[int]) -> float:
+    """The negative log-likelihood of ids[1:] given what comes before each, summed, from llama.cpp's logits."""
+    llm.reset()
+    llm.eval(ids[:-1])
+    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # (T-1, V)
+    top = logits.max(axis=1, keepdims=True)
+    log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+    return float((log_z - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
 
 
 def open_llama(path: Path, n_ctx: int, log) -> tuple[LlamaCpp, str]:
     """llama.cpp on `path` at its defaults, or, where that dies, with --no-repack; and the row's name."""
     try:
         llm = LlamaCpp(path, repack=True, n_ctx=n_ctx)
-        llm.ask({"speed": [[1, 2, 3, 4], 2]})  # the first evaluation is where the AMX repack path dies
+        llm.ask(
+            {"kind": "speed", "prompt": [1, 2, 3, 4], "n": 2}
+        )  # the first evaluation is where the AMX repack path dies
         return llm, "defaults"
     except ChildProcessError as error:
         log(f"llama.cpp at its defaults on {path.name}: {error}; measured with --no-repack instead")
@@ -217,7 +231,9 @@ def speed(args: Options, tokenizer, folder: Path, log) -> dict:
     for kind, path in files.items():
         llm, how = open_llama(path, len(prompt) + args.new_tokens + 8, log)
         children.append(llm)
-        runs[f"llama.cpp {kind}, {how}"] = lambda llm=llm: llm.ask({"speed": [prompt, args.new_tokens]})
+        runs[f"llama.cpp {kind}, {how}"] = lambda llm=llm: llm.ask(
+            {"kind": "speed", "prompt": prompt, "n": args.new_tokens}
+        )
     matrices = [p.detach() for p in model.parameters()]
     runs["memory bound: sum over the float32 weights (passes/s)"] = lambda: weight_sums_per_s(matrices)
     figures = {name: [] for name in runs}
@@ -293,8 +309,8 @@ def accuracy(args: Options, folder: Path, log) -> dict:
         path = export_gguf(model, folder / f"trained-{kind}.gguf", tokenizer, kind)
         llm, how = open_llama(path, T + 8, log)
         try:
-            tokens = [llm.ask({"greedy": [p, n]}) for p in prompts]
-            nll = sum(llm.ask({"nll": [w]}) for w in windows) / (len(windows) * T)
+            tokens = [llm.ask({"kind": "greedy", "prompt": p, "n": n}) for p in prompts]
+            nll = sum(llm.ask({"kind": "nll", "ids": w}) for w in windows) / (len(windows) * T)
         finally:
             llm.close()
         llama_reference = tokens if kind == "f32" else llama_reference
