@@ -1,16 +1,19 @@
 """The CPU fast path of eager decoding: each large linear layer runs through the kernel that measured fastest for its
 shape on this CPU, in a view of the model that shares everything else (`packed_for_cpu`).
 
-The kernels: per-thread weight slabs (`SlabLinear`, one row), oneDNN on a prepacked weight (`PackedLinear`), and
-plain `F.linear` (MKL). Which one streams a layer's weights fastest depends on the CPU: on a 2-core AMD EPYC with
-AVX2 the slabs led at one row and oneDNN at a batch, and on an Intel Xeon with AVX-512 and AMX the slab path made
-batch-1 decode slower than Hugging Face's plain linear layers. So the choice is measured, not assumed: the first
-time a shape and row count meet a CPU, each kernel runs it a few times on a random weight of that shape, and the
-fastest replaces the default (slabs at one row, oneDNN at a batch) where it was at least 10% faster (a closer call
-is within what other work on the machine can shift); the choice is kept in a small JSON file (`choices_file`) under
-the CPU's model name, the thread count and torch's version, so that later processes start without measuring.
-GPTLITE_CPU_LINEAR=slab|packed|linear forces one kernel for every layer (to compare them, or when a measurement went
-wrong); deleting the file measures again.
+The kernels: per-thread weight slabs (`SlabLinear`, one row), oneDNN on a prepacked weight (`PackedLinear`),
+plain `F.linear` (MKL), and gptlite's own compiled kernel (`NativeLinear`, gptlite.native: each thread streams its
+share of the weight once for all the rows), where it could be built on this machine. Which one streams a layer's
+weights fastest depends on the CPU: on a 2-core AMD EPYC with AVX2 the slabs led at one row and oneDNN at a batch,
+and on an Intel Xeon with AVX-512 and AMX the slab path made batch-1 decode slower than Hugging Face's plain linear
+layers. So the choice is measured, not assumed: the first time a shape and row count meet a CPU, each kernel runs
+it a few times on a random weight of that shape, and the fastest replaces the default (slabs at one row, oneDNN at
+a batch) where it was at least 10% faster (a closer call is within what other work on the machine can shift); the
+choice is kept in a small JSON file (`choices_file`) under the CPU's model name, the thread count and torch's
+version, so that later processes start without measuring. The candidates are part of the kept choice's name, so
+that a kernel that becomes available (the compiled one, once a compiler is installed) is measured then.
+GPTLITE_CPU_LINEAR=slab|packed|linear|native forces one kernel for every layer (to compare them, or when a
+measurement went wrong); deleting the file measures again.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlite import native
 from gptlite.device import cpu_info
 from gptlite.files import write_text
 
@@ -98,7 +102,23 @@ class PlainLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-KERNELS = ("slab", "packed", "linear")
+class NativeLinear(nn.Module):
+    """An nn.Linear through gptlite's compiled kernel (`torch.ops.gptlite.float_linear`, gptlite.native): each
+    thread reads its contiguous share of the weight's rows once, as one stream prefetched ahead, and multiplies
+    every row of the input into each weight row while that row is in the cache. Only for layers whose input
+    width `native.fits`."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.size(-1)).contiguous()  # (M, K)
+        y = torch.ops.gptlite.float_linear(rows, self.weight, self.bias)  # (M, N)
+        return y.view(*x.shape[:-1], -1)  # (..., N)
+
+
+KERNELS = ("slab", "packed", "linear", "native")
 DEFAULT = {True: "slab", False: "packed"}  # the kernels that led on the AVX2 machine, at one row and at a batch
 MARGIN = 0.9  # another kernel replaces the default one where it measured at least 10% faster
 PACK_MIN_WEIGHTS = 1 << 18  # smaller layers (the char model's) decode faster as they are: per-call overhead
@@ -123,7 +143,18 @@ def make_kernel(name: str, linear: nn.Linear, rows: int) -> nn.Module:
         return SlabLinear(linear)
     if name == "packed":
         return PackedLinear(linear, rows)
+    if name == "native":
+        return NativeLinear(linear)
     return PlainLinear(linear)
+
+
+def available_kernels(shape: tuple[int, int], rows: int) -> tuple[str, ...]:
+    """The kernels that can run a layer of weight `shape` (N, K) at `rows` rows here: the slabs at one row only,
+    the compiled kernel where it was built (gptlite.native) and takes the layer's input width."""
+    names = [name for name in KERNELS if name != "slab" or rows == 1]
+    if not (native.fits(shape[1]) and native.load()):
+        names.remove("native")
+    return tuple(names)
 
 
 COLD_BYTES = 128 << 20  # measured weights span at least this much memory, more than a CPU's last-level cache
@@ -133,11 +164,11 @@ def measure(shape: tuple[int, int], rows: int, rounds: int = 5) -> dict[str, flo
     """Seconds a call of each kernel takes on `rows` rows of a random (N, K) float32 weight, as decoding calls it: a
     model's weights are far larger than the CPU's caches, so each layer's weight comes from memory. So each kernel
     gets copies of the weight spanning COLD_BYTES and calls them in turn, each call reading a weight the caches have
-    since lost (`time_in_turns`). The slab kernel is measured at one row only (it runs several rows through
-    F.linear). For GPT-2-124M's five shapes, one row and eight, this takes a few seconds."""
+    since lost (`time_in_turns`). Each kernel `available_kernels` names is measured. For GPT-2-124M's five
+    shapes, one row and eight, this takes a few seconds."""
     N, K = shape
     copies = max(2, min(64, -(-COLD_BYTES // (N * K * 4))))  # the smallest layers packed (1 MiB) span 64 MiB
-    names = [n for n in KERNELS if n != "slab" or rows == 1]
+    names = available_kernels(shape, rows)
     kernels = {n: [] for n in names}
     for _ in range(copies):
         linear = nn.Linear(K, N, bias=False)
@@ -174,20 +205,27 @@ def choose_kernel(shape: tuple[int, int], rows: int) -> str:
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"{FORCE_ENV}={forced!r}: choose one of {', '.join(KERNELS)}, or unset it to measure")
+        if forced == "native" and forced not in available_kernels(shape, rows):
+            raise ValueError(
+                f"{FORCE_ENV}=native: gptlite's compiled kernel cannot run a {shape[0]}x{shape[1]} layer here "
+                f"({native.why_not(shape[1])}); choose slab, packed or linear, or unset it to measure"
+            )
         return "linear" if forced == "slab" and rows != 1 else forced
     key = f"{shape[0]}x{shape[1]}, {rows} rows"
-    return remembered_choice(key, KERNELS, DEFAULT[rows == 1], lambda: measure(shape, rows))
+    names = available_kernels(shape, rows)
+    return remembered_choice(key, names, DEFAULT[rows == 1], lambda: measure(shape, rows))
 
 
 def remembered_choice(key: str, names: Sequence[str], default: str, measure: Callable[[], dict[str, float]]) -> str:
     """The choice among `names` kept for `key` on this machine (`machine_key`) in the choices file, or, when there
     is none, `measure()`'s fastest where it beat `default` by the margin (else `default`), kept in the file for the
-    next process."""
+    next process. The candidates are part of the key: another set of them is measured again."""
     path = choices_file()
     if path not in _choices:
         _choices[path] = read_choices(path)
     choices = _choices[path]
     machine = machine_key()
+    key = f"{key} among {', '.join(names)}"
     kept = choices.get(machine, {}).get(key)
     if kept in names:
         return kept

@@ -18,13 +18,17 @@ The matmul runs on the packed low-bit weight itself, never on a dequantized floa
 kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale) and
 `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout, per-group scales). Both
 take float32 or bfloat16 activations, and which is faster depends on the CPU: on an Intel Xeon with AVX-512 and
-AMX, bfloat16 activations ran both several times faster than float32 ones (figures: docs/generation.md). So, as
-for the float32 kernels of gptlite.cpu_decode, the activation dtype of each layer shape is measured on the CPU at
-hand, for one row (decoding) and for a batch, and kept in cpu_decode's choices file; bfloat16 activations round
-each layer's input and output to bfloat16 (the accuracy cost is in docs/generation.md). GPTLITE_QUANT_KERNEL=
-float32|bfloat16|dequantize forces one way for every layer (dequantize, int8 only: the old path, F.linear on the
-weight converted to the activations' dtype and times the scale, what other devices run). Layers smaller than
-cpu_decode.PACK_MIN_WEIGHTS are not measured: they run float32 activations (int4) or the dequantized path (int8).
+AMX, bfloat16 activations ran both several times faster than float32 ones (figures: docs/generation.md). int8
+has one more way, where gptlite's compiled kernels could be built (gptlite.native): `torch.ops.gptlite.int8_linear`,
+float32 activations times the int8 weight converted in registers, each weight streamed from memory once; PyTorch's
+int8 kernel is bound by its arithmetic at one row, this one by memory. So, as for the float32 kernels of
+gptlite.cpu_decode, the way of each layer shape is measured on the CPU at hand, for one row (decoding) and for a
+batch, and kept in cpu_decode's choices file; bfloat16 activations round each layer's input and output to
+bfloat16 (the accuracy cost is in docs/generation.md). GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native
+forces one way for every layer that has it (dequantize and native, int8 only; dequantize is the old path, F.linear
+on the weight converted to the activations' dtype and times the scale, what other devices run). Layers smaller
+than cpu_decode.PACK_MIN_WEIGHTS are not measured: they run float32 activations (int4) or the dequantized path
+(int8).
 
 A quantized model is for generation and evaluation only: its low-bit weights are buffers, not parameters. int4
 runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
@@ -40,6 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlite import native
 from gptlite.config import QUANTIZE_CHOICES
 from gptlite.cpu_decode import COLD_BYTES, PACK_MIN_WEIGHTS, remembered_choice, time_in_turns
 
@@ -49,6 +54,9 @@ if TYPE_CHECKING:
 MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8", "int4"): declared with --quantize's choices
 INT4_GROUP_SIZES = (32, 64, 128)  # 32 is q4_0's block
 INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output rows in blocks of 16
+# _weight_int8pack_mm reads past its operands (a segmentation fault, torch 2.13 on an Intel Xeon) on several rows of
+# an input width that is not a multiple of 16: such layers take the dequantized way
+INT8PACK_MULTIPLE = 16
 FORCE_ENV = "GPTLITE_QUANT_KERNEL"
 ACTIVATIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -76,8 +84,10 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 def forced_kernel() -> str:
     """GPTLITE_QUANT_KERNEL's way, or "" to measure."""
     forced = os.environ.get(FORCE_ENV, "")
-    if forced and forced not in (*ACTIVATIONS, "dequantize"):
-        raise ValueError(f"{FORCE_ENV}={forced!r}: choose float32, bfloat16 or dequantize, or unset it to measure")
+    if forced and forced not in (*ACTIVATIONS, "dequantize", "native"):
+        raise ValueError(
+            f"{FORCE_ENV}={forced!r}: choose float32, bfloat16, dequantize or native, or unset it to measure"
+        )
     return forced
 
 
@@ -92,7 +102,8 @@ class QuantizedLinear(nn.Module):
 
     kind = ""
     default_small = ""  # the way of layers too small to measure
-    ways: tuple[str, ...] = ()
+    ways: tuple[str, ...] = ()  # PyTorch's ways, the last one what other devices run
+    compiled_ways: tuple[str, ...] = ()  # gptlite.native's, on the CPU where it could be built
 
     def __init__(self, bias: torch.Tensor | None, out_features: int, in_features: int):
         super().__init__()
@@ -111,15 +122,22 @@ class QuantizedLinear(nn.Module):
 
     def choose(self, bucket: int) -> str:
         forced = forced_kernel()
-        if forced in self.ways:
-            return forced
         if self.device_type() != "cpu":
-            return self.ways[-1]
+            return forced if forced in self.ways else self.ways[-1]
+        if forced in (*self.ways, *self.compiled_ways):
+            names = self.available_ways(self.in_features, compiled=forced in self.compiled_ways)
+            if forced not in names:
+                raise ValueError(
+                    f"{FORCE_ENV}={forced} cannot run a {self.out_features}x{self.in_features} {self.kind} layer here "
+                    f"({self.why_not(forced)}); choose one of {', '.join(names)}, or unset it to measure"
+                )
+            return forced
         if self.out_features * self.in_features < PACK_MIN_WEIGHTS:
             return self.default_small
         key = f"{self.kind} {self.out_features}x{self.in_features}, {bucket} rows"
         shape = (self.out_features, self.in_features)
-        return remembered_choice(key, self.ways, self.default_small, partial(self.measure, shape, bucket))
+        names = self.available_ways(self.in_features)
+        return remembered_choice(key, names, self.default_small, partial(self.measure, shape, bucket))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.size(-1))  # (M, K)
@@ -158,8 +176,18 @@ class QuantizedLinear(nn.Module):
         copies = max(2, min(64, -(-COLD_BYTES // max(1, cls.bytes_per_weight(N, K)))))
         layers = [cls.random(N, K) for _ in range(copies)]
         x = torch.randn(bucket, K)
-        calls = {way: [partial(layer.multiply, x, way) for layer in layers] for way in cls.ways}
+        calls = {way: [partial(layer.multiply, x, way) for layer in layers] for way in cls.available_ways(K)}
         return time_in_turns(calls)
+
+    @classmethod
+    def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
+        """The ways this kind of layer can multiply on the CPU here (with `compiled`, gptlite.native's among them,
+        which builds them on the first call)."""
+        return cls.ways
+
+    def why_not(self, way: str) -> str:
+        """Why `way` is not among this layer's available ways."""
+        return ""
 
     @staticmethod
     def bytes_per_weight(N: int, K: int) -> int:
@@ -176,6 +204,7 @@ class Int8Linear(QuantizedLinear):
     kind = "int8"
     default_small = "dequantize"
     ways = ("bfloat16", "float32", "dequantize")  # dequantize last: what other devices run
+    compiled_ways = ("native",)
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(bias, *weight.shape)
@@ -197,9 +226,29 @@ class Int8Linear(QuantizedLinear):
     def scale_tensor(self) -> torch.Tensor:
         return self.scale
 
+    @classmethod
+    def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
+        """PyTorch's ways (its int8 kernel only where the input width is a multiple of 16), and gptlite's compiled
+        kernel (float32 activations) where it was built and takes the layer's input width (gptlite.native)."""
+        ways = cls.ways if in_features % INT8PACK_MULTIPLE == 0 else ("dequantize",)
+        if compiled and native.fits(in_features) and native.load():
+            return (*cls.compiled_ways, *ways)
+        return ways
+
+    def why_not(self, way: str) -> str:
+        if way in self.compiled_ways:
+            return native.why_not(self.in_features)
+        return (
+            f"PyTorch's int8 kernel crashes on batches of rows {self.in_features} wide, not a multiple of "
+            f"{INT8PACK_MULTIPLE}"
+        )
+
     def multiply(self, rows: torch.Tensor, way: str) -> torch.Tensor:
         if way == "dequantize":
             return F.linear(rows, self.weight.to(rows.dtype)) * self.scale.to(rows.dtype)  # (M, N)
+        if way == "native":
+            x = rows.to(torch.float32).contiguous()
+            return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), None)  # (M, N)
         dtype = ACTIVATIONS[way]
         return torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.weight, self.scales(dtype))  # (M, N)
 

@@ -36,6 +36,10 @@ DEVICE = os.environ.get("GPTLITE_TEST_DEVICE", "cpu")
 # processes (gptlite.device.CpuThreads), and a reduction over another number of threads rounds differently where
 # tests compare runs bit for bit. Setting it keeps torch's own count.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+# The compiled CPU kernels (gptlite.native) are built once for the whole run, in the user's build cache as the run
+# starts: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and the processes
+# they start find the library built, instead of compiling it again each.
+os.environ.setdefault("GPTLITE_NATIVE_CACHE", str(__import__("gptlite.native").native.cache_dir()))
 pytest_plugins = ["pytester"]  # a pytest run inside a test: the suite goes on past a crash in native code
 
 

@@ -161,8 +161,9 @@ def test_int4_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
     assert (got - want).abs().max() <= tolerance * want.abs().max()
 
 
-@pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize"])
+@pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize", "native"])
 def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
+    """Every way, gptlite's compiled kernel (native) included: CI's machine has a compiler, so it is built there."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 64)
     layer = Int8Linear.from_linear(linear)
@@ -191,20 +192,32 @@ def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
     big = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
     assert big.way(1) == "bfloat16" and big.way(1) == "bfloat16" and big.way(9) == "bfloat16"
     assert measured == [((512, 512), 1), ((512, 512), 8)]  # once per bucket, then from the layer's own memo
-    assert json.loads(cpu.choices_file().read_text())[cpu.machine_key()]["int4 512x512, 1 rows"] == "bfloat16"
+    kept = json.loads(cpu.choices_file().read_text())[cpu.machine_key()]
+    assert kept == {"int4 512x512, 1 rows among bfloat16, float32": "bfloat16"} | {
+        "int4 512x512, 8 rows among bfloat16, float32": "bfloat16"
+    }
     again = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
     assert again.way(1) == "bfloat16" and len(measured) == 2  # the kept choice: no new measurement
     assert Int4Linear.from_weight(torch.randn(32, 64), None, 32).way(1) == "float32"  # small: not measured
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "float32")
     assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "float32"
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "fast")
-    with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL='fast': choose float32, bfloat16 or dequantize"):
+    with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL='fast': choose float32, bfloat16, dequantize or nat"):
         Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1)
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")  # int8's compiled way: int4 layers keep their measured one
+    assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "bfloat16"
+    assert Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None).way(1) == "native"
+    with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL=native cannot run a 512x200 int8 layer here \(its inp"):
+        Int8Linear(torch.zeros(512, 200, dtype=torch.int8), torch.ones(512), None).way(1)
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "bfloat16")  # PyTorch's int8 kernel crashes on this width
+    with pytest.raises(ValueError, match=r"=bfloat16 cannot run a 512x200 int8 layer here \(PyTorch's int8 kernel cr"):
+        Int8Linear(torch.zeros(512, 200, dtype=torch.int8), torch.ones(512), None).way(8)
 
 
 def test_the_real_measurement_times_every_way():
     times = Int8Linear.measure((64, 64), 1)
-    assert set(times) == {"bfloat16", "float32", "dequantize"} and all(0 < t < 1 for t in times.values())
+    assert set(times) == {"native", "bfloat16", "float32", "dequantize"} and all(0 < t < 1 for t in times.values())
+    assert set(Int8Linear.measure((64, 40), 8)) == {"dequantize"}  # 40 wide: neither native's nor PyTorch's int8
 
 
 @pytest.mark.parametrize("way", ["float32", "bfloat16"])

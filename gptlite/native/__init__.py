@@ -1,0 +1,209 @@
+"""gptlite's compiled CPU decode kernels (matvec.cpp): built once per CPU, checked in a child process, loaded as
+torch operators.
+
+`load()` makes `torch.ops.gptlite.float_linear` and `torch.ops.gptlite.int8_linear` available and says whether
+it could. The first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else `c++`)
+against the installed torch, for this CPU's instruction set (-march=native), into the build cache
+(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native), which takes seconds; the library
+is named by a hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between
+machines never runs a library built for another CPU. Before the first load, a child process loads the new library
+and compares both operators with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a
+bad build) takes down that child, never the caller, and is not used. Where there is no compiler, the build or the
+check fails, or GPTLITE_NATIVE=0, `load()` says why in one line and returns False, and decoding keeps PyTorch's
+kernels: the compiled ones are one more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a
+requirement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("matvec.cpp")
+DISABLE_ENV = "GPTLITE_NATIVE"
+CACHE_ENV = "GPTLITE_NATIVE_CACHE"
+LANES = 16  # matvec.cpp's kLanes: a layer's input width must be a multiple of it
+_state: dict[str, object] = {}  # "loaded": bool, "why": the reason it is not
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: GPTLITE_NATIVE_CACHE, else $XDG_CACHE_HOME (or ~/.cache)/gptlite/native."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "gptlite" / "native"
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+def arch_flags() -> list[str]:
+    """The flags that build for this CPU's whole instruction set."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        return ["-march=native"]
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+def cpu_features() -> str:
+    """The CPU's model and feature flags, as Linux lists them (elsewhere the processor's name)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def build_command(cxx: str, output: Path, arch: list[str]) -> list[str]:
+    """The compiler's command line: matvec.cpp against the installed torch, for the instruction set `arch` names."""
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libraries = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        cxx,
+        *arch,
+        "-O3",
+        "-std=gnu++17",  # GNU mode: multiply-adds are fused, as -ffp-contract=fast
+        "-shared",
+        "-fPIC",
+        "-fopenmp",  # at::parallel_for is OpenMP's in torch's builds; the process shares torch's libgomp
+        "-w",  # torch's headers warn under some compilers; the build's own errors still print
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *includes,
+        str(SOURCE),
+        "-o",
+        str(output),
+        *[f"-L{path}" for path in libraries],
+        *[f"-Wl,-rpath,{path}" for path in libraries],
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def library_path(cxx: str) -> Path:
+    """The library's file in the build cache, named by everything that decides its contents."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), cxx.encode(), torch.__version__.encode(), cpu_features().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / f"matvec-{digest.hexdigest()[:16]}.so"
+
+
+def load() -> bool:
+    """Whether torch.ops.gptlite's kernels are loaded: built, checked and loaded on the first call, warning once
+    (one line) where they cannot be."""
+    if "loaded" not in _state:
+        why = load_or_say_why()
+        _state["loaded"] = why == ""
+        _state["why"] = why
+        if why:
+            warnings.warn(
+                f"gptlite: the compiled CPU kernels are not used ({why}); decoding runs PyTorch's", stacklevel=2
+            )
+    return bool(_state["loaded"])
+
+
+def load_or_say_why() -> str:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"{DISABLE_ENV}=0"
+    cxx = compiler()
+    if cxx is None:
+        return f"no C++ compiler: {os.environ.get('CXX') or 'c++'} was not found; install one (g++) or set CXX"
+    path = library_path(cxx)
+    checked = path.with_suffix(".checked")
+    if not checked.exists():
+        why = build(cxx, path) or check_in_child(path)
+        if why:
+            return why
+        checked.write_text("the check passed\n")
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        return f"loading {path}: {error}"
+    return ""
+
+
+def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
+    """Compiles matvec.cpp into `path` (written whole or not at all) for `arch` (default: this CPU, `arch_flags`);
+    '' or why it failed."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot create the build cache {path.parent}: {error}; set {CACHE_ENV}=DIR"
+    print(f"gptlite: compiling the CPU decode kernels for this CPU into {path} (once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        output = Path(scratch) / path.name
+        try:
+            command = build_command(cxx, output, arch_flags() if arch is None else arch)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"{cxx} failed: {error}"
+        if done.returncode != 0:
+            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:300])
+            return f"{cxx} failed on {SOURCE.name}: {first}"
+        os.replace(output, path)
+    return ""
+
+
+def check_in_child(path: Path) -> str:
+    """Runs `check(path)` in a child process: '' when the library's results match PyTorch's."""
+    command = [sys.executable, "-c", "import sys; from gptlite.native import check; check(sys.argv[1])", str(path)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return f"checking {path} took over 300 s"
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return f"checking {path} failed ({tail})"
+    return ""
+
+
+def check(path: str) -> None:
+    """Loads the library at `path` and compares its operators with PyTorch's results at one row and at a batch,
+    with and without a bias, on a width that is not a multiple of the thread count: AssertionError if they differ."""
+    torch.ops.load_library(path)
+    generator = torch.Generator().manual_seed(0)
+    N, K = 203, 192
+    weight = torch.randn(N, K, generator=generator)
+    codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
+    scale = torch.rand(N, generator=generator)
+    bias = torch.randn(N, generator=generator)
+    for rows in (1, 3, 8, 13):
+        x = torch.randn(rows, K, generator=generator)
+        for b in (None, bias):
+            reference = torch.nn.functional.linear(x, weight, b)
+            torch.testing.assert_close(torch.ops.gptlite.float_linear(x, weight, b), reference, rtol=1e-4, atol=1e-4)
+            reference = torch.nn.functional.linear(x.double(), codes.double()) * scale.double()
+            reference = (reference if b is None else reference + b.double()).float()
+            torch.testing.assert_close(
+                torch.ops.gptlite.int8_linear(x, codes, scale, b), reference, rtol=1e-4, atol=1e-3
+            )
+
+
+def fits(in_features: int) -> bool:
+    """Whether the kernels take a layer of `in_features` inputs."""
+    return in_features % LANES == 0
+
+
+def why_not(in_features: int) -> str:
+    """Why the kernels cannot run a layer of `in_features` inputs here, or '' when they can."""
+    if not fits(in_features):
+        return f"its input width {in_features} is not a multiple of {LANES}"
+    if not load():
+        return str(_state["why"])
+    return ""

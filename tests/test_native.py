@@ -1,0 +1,163 @@
+"""gptlite's compiled CPU kernels (gptlite.native): the operators against PyTorch's results, each instruction set's
+build, and every way the library can fail to be there, which must leave decoding on PyTorch's kernels."""
+
+import platform
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptlite import native
+
+pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability(), reason="a CPU build of torch")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The operators, built for this CPU: CI's machine has a C++ compiler, so load() must succeed there."""
+    assert native.load(), native._state.get("why")
+    return torch.ops.gptlite
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, scale, bias) -> torch.Tensor:
+    """The naive sum in float64."""
+    y = x.double() @ weight.double().T  # (M, N)
+    if scale is not None:
+        y = y * scale.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17])
+@pytest.mark.parametrize("N, K", [(1, 16), (5, 48), (203, 192), (64, 768)])
+def test_the_kernels_are_the_naive_sum(ops, rows, N, K):
+    """One row (four accumulators) and tiles of up to eight rows with a remainder; output widths of one row,
+    fewer rows than threads and a count no thread split divides; with and without a bias and a scale."""
+    generator = torch.Generator().manual_seed(rows * 1000 + N)
+    x = torch.randn(rows, K, generator=generator)
+    weight = torch.randn(N, K, generator=generator)
+    codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
+    scale = torch.rand(N, generator=generator)
+    for bias in (None, torch.randn(N, generator=generator)):
+        got = ops.float_linear(x, weight, bias)
+        torch.testing.assert_close(got, reference(x, weight, None, bias), rtol=1e-5, atol=1e-5)
+        got = ops.int8_linear(x, codes, scale, bias)
+        torch.testing.assert_close(got, reference(x, codes, scale, bias), rtol=1e-4, atol=1e-3)
+
+
+def test_the_kernels_split_the_rows_between_any_number_of_threads(ops):
+    threads = torch.get_num_threads()
+    x = torch.randn(3, 64)
+    weight = torch.randn(1001, 64)
+    want = reference(x, weight, None, None)
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            torch.testing.assert_close(ops.float_linear(x, weight, None), want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_operands_the_kernels_do_not_take_are_refused_by_name(ops):
+    x = torch.randn(2, 40)
+    with pytest.raises(RuntimeError, match="K = 40 is not a multiple of 16"):
+        ops.float_linear(x, torch.randn(8, 40), None)
+    with pytest.raises(RuntimeError, match="x has 32 columns, weight 48"):
+        ops.float_linear(torch.randn(2, 32), torch.randn(8, 48), None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        ops.float_linear(torch.randn(32, 2).T, torch.randn(8, 32), None)
+    with pytest.raises(RuntimeError, match="weight must be int8"):
+        ops.int8_linear(torch.randn(2, 32), torch.randn(8, 32), torch.ones(8), None)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous"):
+        ops.int8_linear(torch.randn(2, 32), torch.zeros(8, 32, dtype=torch.int8), torch.ones(7), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous"):
+        ops.float_linear(torch.randn(2, 32), torch.randn(8, 32), torch.ones(7))
+    assert native.fits(768) and not native.fits(40)
+    assert native.why_not(40) == "its input width 40 is not a multiple of 16" and native.why_not(768) == ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's instruction sets")
+@pytest.mark.parametrize("arch", [["-march=x86-64-v3"], ["-march=x86-64"]], ids=["avx2", "sse2"])
+def test_each_x86_instruction_set_builds_and_passes_the_check(arch, tmp_path):
+    """The AVX2 path (an AMD Zen 3) and the generic one (GCC's vectors on SSE2) build and compute the same results
+    as PyTorch on any x86 CPU, whichever kind runs the tests: the check runs in a child process."""
+    cxx = native.compiler()
+    assert cxx, "CI's machine has a C++ compiler"
+    path = tmp_path / "matvec.so"
+    assert native.build(cxx, path, arch) == ""
+    assert native.check_in_child(path) == ""
+
+
+def test_a_library_that_crashes_is_refused_and_the_caller_goes_on(tmp_path):
+    """A library that dies as it loads (here by an illegal instruction: what one built for another CPU does) takes
+    down the child process that checks it, never the caller."""
+    source = tmp_path / "crash.c"
+    source.write_text("__attribute__((constructor)) static void crash(void) { __builtin_trap(); }\n")
+    library = tmp_path / "crash.so"
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    why = native.check_in_child(library)
+    assert why.startswith(f"checking {library} failed (") and why.count("\n") == 0
+
+
+def test_without_a_compiler_or_when_disabled_the_reason_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert (
+        native.load_or_say_why()
+        == f"no C++ compiler: {tmp_path / 'no-such-compiler'} was not found; install one (g++) or set CXX"
+    )
+    monkeypatch.setenv("GPTLITE_NATIVE", "0")
+    assert native.load_or_say_why() == "GPTLITE_NATIVE=0"
+    monkeypatch.setattr(native, "_state", {})  # a fresh process: the reason is said once, as a warning
+    with pytest.warns(
+        UserWarning, match=r"^gptlite: the compiled CPU kernels are not used \(GPTLITE_NATIVE=0\); decod"
+    ):
+        assert native.load() is False
+    assert native.load() is False  # said once
+
+
+def test_a_failed_build_names_the_compilers_first_error(monkeypatch, tmp_path):
+    broken = tmp_path / "matvec.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    why = native.build(native.compiler(), tmp_path / "out" / "matvec.so")
+    assert why.startswith(f"{native.compiler()} failed on matvec.cpp: ") and "error" in why
+    assert not (tmp_path / "out" / "matvec.so").exists()  # nothing half-written is left to load
+
+
+def test_the_library_is_named_by_its_source_compiler_torch_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPTLITE_NATIVE_CACHE", str(tmp_path))
+    here = native.library_path("c++")
+    assert here.parent == tmp_path and here == native.library_path("c++")
+    assert native.library_path("clang++") != here
+    monkeypatch.setattr(native, "cpu_features", lambda: "flags : sse2")  # a cache shared with another CPU
+    assert native.library_path("c++") != here
+
+
+def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, monkeypatch):
+    """Forced onto the compiled kernels, float32 decoding (cpu_decode) and int8 (quantize) give the logits of the
+    model's own layers and of the dequantized weights."""
+    import gptlite.cpu_decode
+    from gptlite import GPT, GPTConfig
+    from gptlite.cpu_decode import NativeLinear, packed_for_cpu
+
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
+    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=True)).eval()
+    idx = torch.randint(0, 96, (3, 10))
+    with torch.no_grad():
+        for rows in (1, 3):
+            view = packed_for_cpu(model, rows)
+            assert isinstance(view.lm_head, NativeLinear) and isinstance(view.blocks[0].ffn.fc, NativeLinear)
+            torch.testing.assert_close(view(idx[:rows])[0], model(idx[:rows])[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")
+    with torch.no_grad():
+        model.quantize("int8")
+        x = torch.randn(4, 32)
+        for layer in (model.lm_head, model.blocks[1].attn.qkv):
+            want = F.linear(x, layer.dequantized(), layer.bias)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+            assert layer.way(4) == "native"
