@@ -1,17 +1,18 @@
 """The CPU fast path of eager decoding: each large linear layer runs through the kernel that measured fastest for its
 shape on this CPU, in a view of the model that shares everything else (`packed_for_cpu`).
 
-The kernels: per-thread weight slabs (`SlabLinear`, one row), oneDNN on a prepacked weight (`PackedLinear`),
-plain `F.linear` (MKL), and gptlite's own compiled kernel (`NativeLinear`, gptlite.native: each thread streams its
-share of the weight once for all the rows), where it could be built on this machine. Which one streams a layer's
-weights fastest depends on the CPU: on a 2-core AMD EPYC with AVX2 the slabs led at one row and oneDNN at a batch,
-and on an Intel Xeon with AVX-512 and AMX the slab path made batch-1 decode slower than Hugging Face's plain linear
-layers. So the choice is measured, not assumed: the first time a shape and row count meet a CPU, each kernel runs
-it a few times on a random weight of that shape, and the fastest replaces the default (slabs at one row, oneDNN at
-a batch) where it was at least 10% faster (a closer call is within what other work on the machine can shift); the
-choice is kept in a small JSON file (`choices_file`) under the CPU's model name, the thread count and torch's
-version, so that later processes start without measuring. The candidates are part of the kept choice's name, so
-that a kernel that becomes available (the compiled one, once a compiler is installed) is measured then.
+The kernels: per-thread weight slabs (`SlabLinear`, one row), oneDNN on a prepacked weight (`PackedLinear`), plain
+`F.linear` (MKL), and gptlite's own compiled kernel (`NativeLinear`, gptlite.native: each thread streams its share
+of the weight once for all the rows), where it could be built on this machine. Which one streams a layer's weights
+fastest depends on the CPU: on a 2-core AMD EPYC with AVX2 the slabs led at one row and oneDNN at a batch, and on an
+Intel Xeon with AVX-512 and AMX the slab path made batch-1 decode slower than Hugging Face's plain linear layers. So
+the choice is measured, not assumed: the first time a shape and row count meet a CPU, each kernel runs it a few
+times on a random weight of that shape, and the fastest replaces the default (the compiled kernel; without it, slabs
+at one row and oneDNN at a batch) where it was at least 10% faster (a closer call is within what other work on the
+machine can shift); the choice is kept in a small JSON file (`choices_file`) under the CPU's model name, the thread
+count and torch's version, so that later processes start without measuring. The candidates are part of the kept
+choice's name, so that a kernel that becomes available (the compiled one, once a compiler is installed) is measured
+then.
 GPTLITE_CPU_LINEAR=slab|packed|linear|native forces one kernel for every layer (to compare them, or when a
 measurement went wrong); deleting the file measures again.
 """
@@ -213,7 +214,14 @@ def choose_kernel(shape: tuple[int, int], rows: int) -> str:
         return "linear" if forced == "slab" and rows != 1 else forced
     key = f"{shape[0]}x{shape[1]}, {rows} rows"
     names = available_kernels(shape, rows)
-    return remembered_choice(key, names, DEFAULT[rows == 1], lambda: measure(shape, rows))
+    return remembered_choice(key, names, default_kernel(names, rows), lambda: measure(shape, rows))
+
+
+def default_kernel(names: Sequence[str], rows: int) -> str:
+    """The kernel another must beat by the margin: the compiled one where it is among `names` (on the Intel Xeon, in
+    whole decoding loops, it streamed the weights as fast as the fastest of PyTorch's and faster than the slabs,
+    which each kernel timed alone hid), else the one that led on the AVX2 machine."""
+    return "native" if "native" in names else DEFAULT[rows == 1]
 
 
 def remembered_choice(key: str, names: Sequence[str], default: str, measure: Callable[[], dict[str, float]]) -> str:

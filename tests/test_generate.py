@@ -456,7 +456,10 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # this test's own choices file
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
-    times = {1: {"slab": 1.0, "packed": 2.0, "linear": 3.0}, 8: {"packed": 1.0, "linear": 2.0}}
+    times = {
+        1: {"slab": 1.0, "packed": 2.0, "linear": 3.0, "native": 4.0},
+        8: {"packed": 1.0, "linear": 2.0, "native": 3.0},
+    }
     monkeypatch.setattr(gptlite.cpu_decode, "measure", lambda shape, rows: times[rows])
     model = tiny_model(**variant).eval()
     assert packed_for_cpu(model, 1) is model  # 32-wide layers: overhead-bound, left as they are
@@ -514,7 +517,12 @@ def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monke
 
     def fake_measure(shape, rows):
         measured.append((shape, rows))
-        return {"slab": 3.0, "packed": 2.0, "linear": 1.0} if shape[0] > 100 else {"slab": 1.0, "packed": 0.95}
+        # 768x3072: the compiled kernel is the default, beaten by F.linear; 50x50 (not its width): slabs the default
+        return (
+            {"slab": 3.0, "packed": 2.0, "linear": 1.0, "native": 1.5}
+            if shape[0] > 100
+            else {"slab": 1.0, "packed": 0.95}
+        )
 
     monkeypatch.setattr(cpu, "measure", fake_measure)
     assert cpu.choose_kernel((768, 3072), 1) == "linear"

@@ -161,3 +161,12 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
             want = F.linear(x, layer.dequantized(), layer.bias)
             torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
             assert layer.way(4) == "native"
+
+
+def test_the_compiled_kernel_is_the_default_another_must_beat():
+    from gptlite.cpu_decode import default_kernel
+
+    assert default_kernel(("slab", "packed", "linear", "native"), 1) == "native"
+    assert default_kernel(("packed", "linear", "native"), 8) == "native"
+    assert default_kernel(("slab", "packed", "linear"), 1) == "slab"  # without it: what led on the AVX2 machine
+    assert default_kernel(("packed", "linear"), 8) == "packed"
