@@ -103,10 +103,15 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
 
 
 @pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_compiled_quantized_generation_equals_eager(mode):
-    if mode == "int4" and DEVICE != "cpu":
-        pytest.skip("int4's kernel is a CPU one")  # the GPU's run of the suite; CI's CPU runs every case
+@pytest.mark.parametrize("mode", ["int8", "int4", "int8-native"])
+def test_compiled_quantized_generation_equals_eager(mode, monkeypatch):
+    """int8-native: every int8 layer on gptlite's compiled kernel, which torch.compile calls as an opaque operator
+    (its output's shape registered with torch.library)."""
+    if mode != "int8" and DEVICE != "cpu":
+        pytest.skip("a CPU kernel")  # the GPU's run of the suite; CI's CPU runs every case
+    if mode == "int8-native":
+        monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")
+        mode = "int8"
     model = tiny_model(n_embd=64).to(DEVICE).quantize(mode)  # 64 wide: the int4 kernel takes the blocks' shapes
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     torch._dynamo.reset()

@@ -135,7 +135,22 @@ def load_or_say_why() -> str:
         torch.ops.load_library(str(path))
     except OSError as error:
         return f"loading {path}: {error}"
+    register_shapes()
     return ""
+
+
+def register_shapes() -> None:
+    """The operators' output shapes, for torch.compile, which traces a model on tensors without data and calls the
+    compiled kernels as opaque operators."""
+
+    def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.size(0), weight.size(0))  # (M, N)
+
+    def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        return x.new_empty(x.size(0), weight.size(0))  # (M, N)
+
+    torch.library.register_fake("gptlite::float_linear", float_linear)
+    torch.library.register_fake("gptlite::int8_linear", int8_linear)
 
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
