@@ -31,7 +31,7 @@ import torch
 SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
 CACHE_ENV = "GPTLITE_NATIVE_CACHE"
-LANES = 16  # matvec.cpp's kLanes: a layer's input width must be a multiple of it
+MULTIPLE = 16  # matvec.cpp's kMultiple: a layer's input width must be a multiple of it
 _state: dict[str, object] = {}  # "loaded": bool, "why": the reason it is not
 
 
@@ -212,13 +212,13 @@ def check(path: str) -> None:
 
 def fits(in_features: int) -> bool:
     """Whether the kernels take a layer of `in_features` inputs."""
-    return in_features % LANES == 0
+    return in_features % MULTIPLE == 0
 
 
 def why_not(in_features: int) -> str:
     """Why the kernels cannot run a layer of `in_features` inputs here, or '' when they can."""
     if not fits(in_features):
-        return f"its input width {in_features} is not a multiple of {LANES}"
+        return f"its input width {in_features} is not a multiple of {MULTIPLE}"
     if not load():
         return str(_state["why"])
     return ""

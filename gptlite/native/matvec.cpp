@@ -31,7 +31,16 @@
 namespace gptlite {
 namespace {
 
-constexpr int kLanes = 16;  // floats in one vector: one AVX-512 register, two AVX2 ones
+// Floats in one vector: one register of the widest kind the CPU has (a wider vector than its registers would be
+// split and passed through memory). K must be a multiple of 16, which each width divides.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;  // SSE, NEON
+#endif
+constexpr int kMultiple = 16;
 typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 
@@ -46,7 +55,7 @@ inline Floats load(const float* p) {
     return v;
 }
 
-// 16 int8 weights as floats. GCC's own vector conversion (__builtin_convertvector) converts byte by byte here,
+// kLanes int8 weights as floats. GCC's own vector conversion (__builtin_convertvector) converts byte by byte here,
 // so x86 gets the instructions that sign-extend and convert a whole register.
 #if defined(__AVX512F__)
 inline Floats load(const int8_t* p) {
@@ -55,13 +64,8 @@ inline Floats load(const int8_t* p) {
 }
 #elif defined(__AVX2__)
 inline Floats load(const int8_t* p) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-    Floats v;
-    std::memcpy(&v, &low, sizeof low);
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof low, &high, sizeof high);
-    return v;
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<Floats>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
 }
 #else
 inline Floats load(const int8_t* p) {
@@ -102,7 +106,7 @@ float dot(const float* x, const W* w, int64_t K) {
         a2 += load(x + k + 2 * kLanes) * load(w + k + 2 * kLanes);
         a3 += load(x + k + 3 * kLanes) * load(w + k + 3 * kLanes);
     }
-    for (; k < K; k += kLanes) {  // K is a multiple of kLanes (checked)
+    for (; k < K; k += kLanes) {  // K is a multiple of kLanes (of kMultiple, checked)
         a0 += load(x + k) * load(w + k);
     }
     return total((a0 + a1) + (a2 + a3));
@@ -179,8 +183,8 @@ void check_operands(const at::Tensor& x, const at::Tensor& weight, const std::op
                 "gptlite linear: weight must be a contiguous (N, K) CPU tensor");
     TORCH_CHECK(weight.size(1) == x.size(1), "gptlite linear: x has ", x.size(1), " columns, weight ",
                 weight.size(1));
-    TORCH_CHECK(weight.size(1) % kLanes == 0, "gptlite linear: K = ", weight.size(1), " is not a multiple of ",
-                kLanes);
+    TORCH_CHECK(weight.size(1) % kMultiple == 0, "gptlite linear: K = ", weight.size(1), " is not a multiple of ",
+                kMultiple);
     if (bias.has_value()) {
         TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
                         bias->scalar_type() == at::kFloat,
