@@ -142,8 +142,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.size(-1))  # (M, K)
         way = self.way(rows.size(0))
-        y = self.multiply(rows, way).to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., N)
-        return y if self.bias is None else y + self.bias
+        return self.multiply(rows, way, self.bias).to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def scales(self, dtype: torch.dtype) -> torch.Tensor:
         """The layer's scales in `dtype`, converted once (a model moved to another device converts again)."""
@@ -165,7 +164,8 @@ class QuantizedLinear(nn.Module):
     def scale_tensor(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def multiply(self, rows: torch.Tensor, way: str) -> torch.Tensor:
+    def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (M, K) times the weight, plus `bias` (N,) where given: (M, N)."""
         raise NotImplementedError
 
     @classmethod
@@ -243,14 +243,17 @@ class Int8Linear(QuantizedLinear):
             f"{INT8PACK_MULTIPLE}"
         )
 
-    def multiply(self, rows: torch.Tensor, way: str) -> torch.Tensor:
-        if way == "dequantize":
-            return F.linear(rows, self.weight.to(rows.dtype)) * self.scale.to(rows.dtype)  # (M, N)
-        if way == "native":
+    def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if way == "native":  # the kernel adds the bias as it writes each output
             x = rows.to(torch.float32).contiguous()
-            return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), None)  # (M, N)
-        dtype = ACTIVATIONS[way]
-        return torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.weight, self.scales(dtype))  # (M, N)
+            bias = None if bias is None else bias.to(torch.float32)
+            return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)  # (M, N)
+        if way == "dequantize":
+            y = F.linear(rows, self.weight.to(rows.dtype)) * self.scale.to(rows.dtype)  # (M, N)
+        else:
+            dtype = ACTIVATIONS[way]
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.weight, self.scales(dtype))  # (M, N)
+        return y if bias is None else y + bias
 
     def dequantized(self) -> torch.Tensor:
         """The (N, K) float32 weight this layer multiplies by."""
@@ -306,10 +309,11 @@ class Int4Linear(QuantizedLinear):
     def scale_tensor(self) -> torch.Tensor:
         return self.scales_and_zeros
 
-    def multiply(self, rows: torch.Tensor, way: str) -> torch.Tensor:
+    def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         dtype = ACTIVATIONS[way]
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-        return kernel(rows.to(dtype), self.packed, self.group_size, self.scales(dtype))  # (M, N)
+        y = kernel(rows.to(dtype), self.packed, self.group_size, self.scales(dtype))  # (M, N)
+        return y if bias is None else y + bias
 
     def dequantized(self) -> torch.Tensor:
         """The (N, K) float32 weight this layer multiplies by: the kernel applied to the identity matrix (float32
