@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptlite import GPT, GPTConfig
+from gptlite import GPT, GPTConfig, native
 from gptlite.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 # The compiled CPU kernels (gptlite.native) are built once for the whole run, in the user's build cache as the run
 # starts: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and the processes
 # they start find the library built, instead of compiling it again each.
-os.environ.setdefault("GPTLITE_NATIVE_CACHE", str(__import__("gptlite.native").native.cache_dir()))
+os.environ.setdefault("GPTLITE_NATIVE_CACHE", str(native.cache_dir()))
 pytest_plugins = ["pytester"]  # a pytest run inside a test: the suite goes on past a crash in native code
 
 

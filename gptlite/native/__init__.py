@@ -130,10 +130,13 @@ def load_or_say_why() -> str:
         why = build(cxx, path) or check_in_child(path)
         if why:
             return why
-        checked.write_text("the check passed\n")
+        try:
+            checked.write_text("the check passed\n")
+        except OSError:
+            pass  # a cache that took the library but not the marker: checked again by the next process
     try:
         torch.ops.load_library(str(path))
-    except OSError as error:
+    except (OSError, RuntimeError) as error:  # not a library; its operators already registered by another
         return f"loading {path}: {error}"
     register_shapes()
     return ""
