@@ -10,8 +10,6 @@ import torch.nn.functional as F
 
 from gptlite import native
 
-pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability(), reason="a CPU build of torch")
-
 
 @pytest.fixture(scope="module")
 def ops():
