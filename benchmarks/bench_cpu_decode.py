@@ -52,7 +52,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_gguf import SHAPES  # noqa: E402
+from benchmarks.bench_gguf import SHAPES, llama_tokens_per_s  # noqa: E402
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
@@ -147,22 +147,13 @@ def child(request_json: str) -> int:
         if kind == "ready":
             answer = True
         elif kind == "speed":
-            answer = greedy_tokens_per_s(llm, request["prompt"], request["n"])
+            answer = llama_tokens_per_s(llm, request["prompt"], request["n"])
         elif kind == "greedy":
             answer = greedy_tokens(llm, request["prompt"], request["n"])
         else:
             answer = summed_nll(llm, request["ids"])
         print(json.dumps(answer), flush=True)
     return 0
-
-
-def greedy_tokens_per_s(llm, prompt: list[int], n: int) -> float:
-    llm.reset()
-    start = time.perf_counter()
-    for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
-        if i + 1 == n:
-            break
-    return n / (time.perf_counter() - start)
 
 
 def greedy_tokens(llm, prompt: list[int], n: int) -> list[int]:

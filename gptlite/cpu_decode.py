@@ -111,7 +111,8 @@ class NativeLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight = linear.weight
+        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.size(-1)).contiguous()  # (M, K)

@@ -84,7 +84,8 @@ def test_requests_joining_a_running_batch_decode_their_greedy_text(name):
 
 def test_a_cancelled_row_is_freed_and_the_others_go_on_unchanged():
     """Cancelling the first of three running rows moves the last into its place; every survivor's text is intact."""
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=3).start()
     prompts = ["ROMEO:", "Hello", "x"]
 
@@ -103,7 +104,8 @@ def test_a_cancelled_row_is_freed_and_the_others_go_on_unchanged():
 
 
 def test_a_stop_token_ends_the_request_without_its_text():
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     whole = greedy(model, tokenizer, "ROMEO:", 10)
     engine = Engine(model, tokenizer, max_batch=2).start()
     try:
@@ -122,7 +124,8 @@ def test_a_stop_token_ends_the_request_without_its_text():
 def test_rows_decode_with_generations_own_options_as_generate_does():
     """A row samples with a gptlite.sampling.GenerationOptions, the options generate takes: greedy with presence and
     frequency penalties, it gives generate's tokens; an option the engine does not apply is refused in Params."""
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     prompts = ["ROMEO:", "a", "Hello"]
     options = GenerationOptions(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
     engine = Engine(model, tokenizer, max_batch=2).start()
@@ -174,7 +177,8 @@ def test_both_caches_are_attention_caches_with_buffers_from_one_function():
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_steps_decode_the_same_greedy_text():
     """Three graphs compile (prefill, one row, several rows; dynamic sizes past 1), then serve every request."""
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     prompts = [p for p in PROMPTS if len(p) > 1][:5]  # a one-token prompt would compile a graph of its own
     engine = Engine(model, tokenizer, max_batch=4, compile=True).start()
     try:
@@ -206,7 +210,8 @@ def test_a_quantized_model_decodes_its_own_greedy_text_in_every_row(mode, way, m
 def test_odd_seeds_never_stop_the_engine():
     """Seeds past torch's range are taken modulo 2**64, as torch takes -1: none stops the engine, and a seed and
     itself plus 2**64 sample alike."""
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=4).start()
     seeds = [2**64, 0, -(2**63) - 1, 2**64 - 1, 5, 5 + 2**64]
     try:
@@ -229,7 +234,8 @@ def test_a_request_that_fails_to_start_ends_alone_and_the_next_one_runs(monkeypa
     error; the request beside it decodes."""
     import gptlite.serve.engine as engine_module
 
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     real = engine_module.TextStream
 
     def stream(tokenizer, stop):
@@ -248,7 +254,8 @@ def test_a_request_that_fails_to_start_ends_alone_and_the_next_one_runs(monkeypa
 
 
 def test_a_fault_between_steps_ends_the_running_requests_and_the_engine_goes_on(monkeypatch):
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=2)
     retire, calls = engine.retire, []
 
@@ -275,7 +282,8 @@ class Fatal(BaseException):
 
 
 def test_when_the_loop_stops_every_request_ends_with_why_at_once(monkeypatch):
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=1)
     turn = engine.turn
 
@@ -299,7 +307,8 @@ def test_when_the_loop_stops_every_request_ends_with_why_at_once(monkeypatch):
 def test_a_steps_pieces_are_emitted_once_every_row_has_its_token():
     """When a row's piece reaches its job, every row of that step has already sampled its token (so a server can hand
     the step's pieces over at once)."""
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=3)
     seen = []  # at each piece: (its job, pieces so far, every running row's generated count)
 
@@ -316,7 +325,8 @@ def test_a_steps_pieces_are_emitted_once_every_row_has_its_token():
 def test_a_row_that_fails_mid_step_leaves_the_pieces_before_it_emitted(monkeypatch):
     """An error while one row's piece is made ends the step's requests; the rows before it in that step still get
     their piece first, so no request that finished in that step is left without its last piece."""
-    model, tokenizer = tiny_model(), CharTokenizer(CHARS)
+    model = tiny_model()
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=2)
     piece = engine.piece
 

@@ -326,7 +326,8 @@ def test_lm_evals_local_completions_equal_its_hf_backend(request, folder, served
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    folder, server = request.getfixturevalue(folder), request.getfixturevalue(served)
+    folder = request.getfixturevalue(folder)
+    server = request.getfixturevalue(served)
     # the API client sends rolling windows of max_length - 1 tokens with their token of context, the hf backend
     # scores max_length + 1: 63 either way here, one less than the context, for the token the server generates
     # after an echoed prompt. Gemma's tokenizer puts <bos> before a text it encodes with its special tokens (GPT-2's

@@ -146,14 +146,11 @@ def register_shapes() -> None:
     """The operators' output shapes, for torch.compile, which traces a model on tensors without data and calls the
     compiled kernels as opaque operators."""
 
-    def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty(x.size(0), weight.size(0))  # (M, N)
+    def product(x: torch.Tensor, weight: torch.Tensor, *scale_and_bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.size(0), weight.size(0))  # (M, N), whatever the scale and bias
 
-    def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-        return x.new_empty(x.size(0), weight.size(0))  # (M, N)
-
-    torch.library.register_fake("gptlite::float_linear", float_linear)
-    torch.library.register_fake("gptlite::int8_linear", int8_linear)
+    torch.library.register_fake("gptlite::float_linear", product)
+    torch.library.register_fake("gptlite::int8_linear", product)
 
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
@@ -196,7 +193,8 @@ def check(path: str) -> None:
     with and without a bias, on a width that is not a multiple of the thread count: AssertionError if they differ."""
     torch.ops.load_library(path)
     generator = torch.Generator().manual_seed(0)
-    N, K = 203, 192
+    N = 203
+    K = 192
     weight = torch.randn(N, K, generator=generator)
     codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
     scale = torch.rand(N, generator=generator)
