@@ -10,9 +10,11 @@
 // Why: decoding one token multiplies one row by every weight of the model, so it is bound by reading the weights
 // from memory. PyTorch's int8 kernel (_weight_int8pack_mm) is compute-bound at one row; its float32 kernels read
 // a layer's weight as several interleaved streams. Here each thread reads its contiguous share of the weight's rows
-// from start to end, one sequential stream, asks the memory for the bytes a few pages ahead of the ones it
-// multiplies (a software prefetch: the hardware prefetchers stop at page boundaries), converts int8 to float32 in
-// registers and multiplies in float32 (no rounding of activations to bfloat16). The vectors are GCC's vector
+// once; at one activation row it cuts that share into kStreams parts and walks them side by side, so that a core
+// has several sequential streams on their way from memory at once (a core's bandwidth is bound by how many lines
+// it has in flight, not by the memory's). It asks for the bytes a page ahead of the ones it multiplies (a software
+// prefetch: the hardware prefetchers stop at page boundaries), converts int8 to float32 in registers and multiplies
+// in float32 (no rounding of activations to bfloat16). The vectors are GCC's vector
 // extensions: -march=native lowers them to AVX-512, AVX2 or NEON, whatever the CPU has.
 
 #include <ATen/Parallel.h>
@@ -47,6 +49,7 @@ typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 constexpr int64_t kLine = 64;     // bytes in a cache line
 constexpr int64_t kAhead = 4096;  // how far ahead of the weight being multiplied its bytes are prefetched
 constexpr int kTile = 8;          // activation rows multiplied by one pass over a weight row
+constexpr int kStreams = 4;       // weight rows one activation row is multiplied into at once, each from its own part
 constexpr int64_t kGrain = 16;    // weight rows a thread takes at least
 
 inline Floats load(const float* p) {
@@ -83,11 +86,13 @@ inline float total(Floats v) {
     return s;
 }
 
-// Prefetches the lines of weight bytes [p, p + bytes) kAhead bytes ahead.
+// Prefetches the lines of weight bytes [p, p + bytes) kAhead bytes ahead, into the second-level cache (locality 2:
+// prefetcht1 on x86), not the first: a prefetch into the first level holds one of its few line-fill buffers until
+// the line arrives, which on the Intel Xeon limited how many lines were on their way at once.
 inline void prefetch_ahead(const void* p, int64_t bytes) {
     const char* c = static_cast<const char*>(p);
     for (int64_t i = 0; i < bytes; i += kLine) {
-        __builtin_prefetch(c + i + kAhead, 0, 3);
+        __builtin_prefetch(c + i + kAhead, 0, 2);
     }
 }
 
@@ -110,6 +115,46 @@ float dot(const float* x, const W* w, int64_t K) {
         a0 += load(x + k) * load(w + k);
     }
     return total((a0 + a1) + (a2 + a3));
+}
+
+// One activation row times kStreams weight rows w[0..kStreams), each row a stream of its own; out[s] receives row
+// w[s]'s sum. The streams' kStreams accumulators keep as many multiply-adds in flight as `dot`'s four.
+template <typename W>
+void dot_streams(const float* x, const W* const* w, int64_t K, float* const* out) {
+    Floats acc[kStreams] = {};
+    for (int64_t k = 0; k < K; k += kLanes) {
+        const bool new_line = (k * static_cast<int64_t>(sizeof(W))) % kLine == 0;
+        const Floats xk = load(x + k);
+        for (int s = 0; s < kStreams; s++) {
+            if (new_line) {
+                prefetch_ahead(w[s] + k, kLine);
+            }
+            acc[s] += xk * load(w[s] + k);
+        }
+    }
+    for (int s = 0; s < kStreams; s++) {
+        *out[s] = total(acc[s]);
+    }
+}
+
+// One activation row times weight rows [begin, end): the range cut into kStreams equal parts, walked side by side
+// (`dot_streams`), and the rows left over one at a time.
+template <typename W>
+void dot_apart(const float* x, const W* w, int64_t begin, int64_t end, int64_t K, float* y) {
+    const int64_t part = (end - begin) / kStreams;
+    for (int64_t i = 0; i < part; i++) {
+        const W* rows[kStreams];
+        float* out[kStreams];
+        for (int s = 0; s < kStreams; s++) {
+            const int64_t n = begin + s * part + i;
+            rows[s] = w + n * K;
+            out[s] = y + n;
+        }
+        dot_streams(x, rows, K, out);
+    }
+    for (int64_t n = begin + kStreams * part; n < end; n++) {
+        y[n] = dot(x, w + n * K, K);
+    }
 }
 
 // T activation rows (x, each K long) times one weight row: each piece of the weight is loaded (and converted) once
@@ -146,22 +191,24 @@ void dot_rows(const float* x, int rows, const W* w, int64_t K, float* out, int64
 }
 
 // y (M, N) = x (M, K) @ w (N, K)^T, times scale[n] where there is one, plus bias[n] where there is one. Each
-// thread takes a contiguous range of weight rows; every activation row is multiplied into each weight row while it
-// is in the cache, kTile rows at a time.
+// thread takes a contiguous range of weight rows. One activation row is multiplied into kStreams parts of the range
+// side by side (`dot_apart`); several are multiplied into each weight row while it is in the cache, kTile rows at
+// a time.
 template <typename W>
 void linear(const float* x, int64_t M, const W* w, int64_t N, int64_t K, const float* scale, const float* bias,
             float* y) {
     at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; n++) {
-            const W* row = w + n * K;
-            if (M == 1) {
-                y[n] = dot(x, row, K);
-            } else {
+        if (M == 1) {
+            dot_apart(x, w, begin, end, K, y);
+        } else {
+            for (int64_t n = begin; n < end; n++) {
                 for (int64_t m = 0; m < M; m += kTile) {
                     const int rows = static_cast<int>(M - m < kTile ? M - m : kTile);
-                    dot_rows(x + m * K, rows, row, K, y + m * N + n, N);
+                    dot_rows(x + m * K, rows, w + n * K, K, y + m * N + n, N);
                 }
             }
+        }
+        for (int64_t n = begin; n < end; n++) {
             for (int64_t m = 0; m < M; m++) {
                 float v = y[m * N + n];
                 if (scale != nullptr) {
