@@ -10,14 +10,17 @@ the memory bound beside them; and, given a trained run, what each quantization c
 Speed: GPT-2 124M's shape (12 layers, 768 wide, vocabulary 50,304, GELU MLP with biases, learned positions) with
 random weights (greedy decoding of random weights costs what a trained model's does), a 16-token prompt, 128
 greedy tokens; tokens/s counts the new tokens over the whole call (prefill included). Each path runs `--rounds`
-times, the paths taking turns within each round, and the table gives the median with the slowest and fastest
-round. gptlite runs in this process, as `generate(model, ...)` (what sample.py runs): float32, then the model after
-`quantize("int8")` and `quantize("int4")` (the int4 GGUF twin is q4_0: the same rule, groups of 32). The first call
-of each gptlite path is not timed: it measures the kernels for this CPU (kept in the choices file, see
-gptlite.cpu_decode) as a user's first sample.py does once.
+times, the paths taking turns within each round, each of gptlite's beside llama.cpp's twin of it (which of the two
+goes first alternates), and the table gives the median with the slowest and fastest round, and for gptlite's paths
+the median of the rounds' ratios to the twin (the machine's memory bandwidth drifts over minutes; two runs seconds
+apart share it). gptlite runs in this process, as `generate(model, ...)` (what sample.py runs): float32, then the
+model after `quantize("int8")` and `quantize("int4")` (the int4 GGUF twin is q4_0: the same rule, groups of 32).
+The first call of each gptlite path is not timed: it measures the kernels for this CPU (kept in the choices file,
+see gptlite.cpu_decode) as a user's first sample.py does once.
 
-llama.cpp (llama-cpp-python, as many threads as torch) runs in a child process per file, so that a crash in its
-native code (on Intel CPUs with AMX its repacking path dies: docs/hf.md) names itself and the benchmark goes on.
+llama.cpp (llama-cpp-python, as many threads as torch, its other settings at their defaults) runs in a child
+process per file, so that a crash in its native code (on Intel CPUs with AMX its repacking path dies: docs/hf.md)
+names itself and the benchmark goes on.
 Its first row per type is llama.cpp as its users run it (defaults: weights repacked for the CPU); where that
 crashes, the row says so and a second row runs it with `--no-repack` (extra buffer types off), named as such.
 
@@ -43,6 +46,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -89,10 +93,17 @@ class LlamaCpp:
     """One GGUF file loaded by llama.cpp in a child process that answers requests on its stdin, a JSON line each:
     {"kind": "speed", "prompt": ids, "n": n} -> tokens/s of n greedy tokens; {"kind": "greedy", ...} -> the
     tokens; {"kind": "nll", "ids": ids} -> the summed negative log-likelihood of ids[1:]. `repack=False` turns
-    llama.cpp's extra buffer types off (what --no-repack does)."""
+    llama.cpp's extra buffer types off (what --no-repack does); `every_logit=True` keeps the logits of every
+    position (llama-cpp-python's logits_all, which "nll" needs; its default keeps the last one's only)."""
 
-    def __init__(self, path: Path, repack: bool, n_ctx: int):
-        request = {"path": str(path), "repack": repack, "n_ctx": n_ctx, "threads": torch.get_num_threads()}
+    def __init__(self, path: Path, repack: bool, n_ctx: int, every_logit: bool = False):
+        request = {
+            "path": str(path),
+            "repack": repack,
+            "n_ctx": n_ctx,
+            "threads": torch.get_num_threads(),
+            "every_logit": every_logit,
+        }
         self.process = subprocess.Popen(
             [sys.executable, __file__, f"--child={json.dumps(request)}"],
             stdin=subprocess.PIPE,
@@ -138,7 +149,7 @@ def child(request_json: str) -> int:
         n_ctx=request["n_ctx"],
         n_batch=request["n_ctx"],
         n_threads=request["threads"],
-        logits_all=True,
+        logits_all=request["every_logit"],
         verbose=False,
     )
     for line in sys.stdin:
@@ -176,17 +187,17 @@ def summed_nll(llm, ids: list[int]) -> float:
     return float((log_z - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
 
 
-def open_llama(path: Path, n_ctx: int, log) -> tuple[LlamaCpp, str]:
+def open_llama(path: Path, n_ctx: int, log, every_logit: bool = False) -> tuple[LlamaCpp, str]:
     """llama.cpp on `path` at its defaults, or, where that dies, with --no-repack; and the row's name."""
     try:
-        llm = LlamaCpp(path, repack=True, n_ctx=n_ctx)
+        llm = LlamaCpp(path, repack=True, n_ctx=n_ctx, every_logit=every_logit)
         llm.ask(
             {"kind": "speed", "prompt": [1, 2, 3, 4], "n": 2}
         )  # the first evaluation is where the AMX repack path dies
         return llm, "defaults"
     except ChildProcessError as error:
         log(f"llama.cpp at its defaults on {path.name}: {error}; measured with --no-repack instead")
-        return LlamaCpp(path, repack=False, n_ctx=n_ctx), "--no-repack (defaults crash here)"
+        return LlamaCpp(path, repack=False, n_ctx=n_ctx, every_logit=every_logit), "--no-repack (defaults crash here)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,47 +219,59 @@ def weight_sums_per_s(matrices: list[torch.Tensor]) -> float:
 
 
 def speed(args: Options, tokenizer, folder: Path, log) -> dict:
+    """tokens/s of every path, each round's figures kept: gptlite's paths each beside llama.cpp's twin of it, the
+    two taking turns (which of them goes first alternates from round to round), so that the ratio of each round
+    compares two runs seconds apart on a machine whose memory bandwidth drifts over minutes."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**GPT2)).eval()
-    files = {kind: export_gguf(model, folder / f"gpt2-{kind}.gguf", tokenizer, kind) for kind in TYPES}
     prompt = torch.randint(0, 50000, (16,), generator=torch.Generator().manual_seed(0)).tolist()
-    paths = {"gptlite float32 (default)": model}
-    for mode in ("int8", "int4"):
-        paths[f"gptlite {mode} (eager)"] = copy.deepcopy(model).quantize(mode)
-    runs = {name: (lambda m=m: gptlite_tokens_per_s(m, prompt, args.new_tokens)) for name, m in paths.items()}
-    for run in runs.values():
-        run()  # the first call measures this CPU's kernels (once per machine) and warms up
+    pairs = []  # ((gptlite's name, its call), (llama.cpp's twin's name, its call)) per GGUF type
     children = []
-    for kind, path in files.items():
+    for kind, mode in QUANTIZATIONS.items():
+        path = export_gguf(model, folder / f"gpt2-{kind}.gguf", tokenizer, kind)
+        ours = copy.deepcopy(model).quantize(mode) if mode else model
+        ours_name = f"gptlite {mode} (eager)" if mode else "gptlite float32 (default)"
+        ours_call = partial(gptlite_tokens_per_s, ours, prompt, args.new_tokens)
+        ours_call()  # the first call measures this CPU's kernels (once per machine) and warms up
         llm, how = open_llama(path, len(prompt) + args.new_tokens + 8, log)
         children.append(llm)
-        runs[f"llama.cpp {kind}, {how}"] = lambda llm=llm: llm.ask(
-            {"kind": "speed", "prompt": prompt, "n": args.new_tokens}
-        )
+        theirs_call = partial(llm.ask, {"kind": "speed", "prompt": prompt, "n": args.new_tokens})
+        pairs.append(((ours_name, ours_call), (f"llama.cpp {kind}, {how}", theirs_call)))
     matrices = [p.detach() for p in model.parameters()]
-    runs["memory bound: sum over the float32 weights (passes/s)"] = lambda: weight_sums_per_s(matrices)
-    figures = {name: [] for name in runs}
+    bound = "memory bound: sum over the float32 weights (passes/s)"
+    figures = {name: [] for pair in pairs for name, _ in pair}
+    figures[bound] = []
     try:
-        for _ in range(args.rounds):
-            for name, run in runs.items():
-                figures[name].append(run())
+        for round_ in range(args.rounds):
+            for pair in pairs:
+                for name, call in pair if round_ % 2 == 0 else reversed(pair):
+                    figures[name].append(call())
+            figures[bound].append(weight_sums_per_s(matrices))
     finally:
         for llm in children:
             llm.close()
-    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)} for name, v in figures.items()}
+    results = {name: {"rounds": v, "twin": None} for name, v in figures.items()}
+    for (ours_name, _), (theirs_name, _) in pairs:
+        results[ours_name]["twin"] = theirs_name
+    return results
 
 
 def speed_table(results: dict, args: Options) -> str:
-    llama = {name.split(",")[0].split()[-1]: v["median"] for name, v in results.items() if name.startswith("llama")}
-    twin = {"gptlite float32 (default)": "f32", "gptlite int8 (eager)": "q8_0", "gptlite int4 (eager)": "q4_0"}
+    """Medians of the rounds, with the slowest and fastest, and for gptlite's paths the median of the rounds'
+    ratios to llama.cpp's twin, with the lowest and highest."""
     lines = [
         f"| batch 1, 16-token prompt, {args.new_tokens} greedy tokens | tokens/s (median) | slowest - fastest | "
-        "vs llama.cpp's twin |",
+        "vs llama.cpp's twin, per round: median (lowest - highest) |",
         "|---|---:|---:|---:|",
     ]
     for name, v in results.items():
-        ratio = f"{v['median'] / llama[twin[name]]:.2f}x {twin[name]}" if name in twin else ""
-        lines.append(f"| {name} | {v['median']:.1f} | {v['min']:.1f} - {v['max']:.1f} | {ratio} |")
+        rounds = v["rounds"]
+        ratio = ""
+        if v["twin"]:
+            twin = v["twin"].split(",")[0].removeprefix("llama.cpp ")
+            ratios = [a / b for a, b in zip(rounds, results[v["twin"]]["rounds"], strict=True)]
+            ratio = f"{statistics.median(ratios):.2f}x {twin} ({min(ratios):.2f} - {max(ratios):.2f})"
+        lines.append(f"| {name} | {statistics.median(rounds):.1f} | {min(rounds):.1f} - {max(rounds):.1f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -298,7 +321,7 @@ def accuracy(args: Options, folder: Path, log) -> dict:
     llama_reference = None
     for kind in TYPES:
         path = export_gguf(model, folder / f"trained-{kind}.gguf", tokenizer, kind)
-        llm, how = open_llama(path, T + 8, log)
+        llm, how = open_llama(path, T + 8, log, every_logit=True)
         try:
             tokens = [llm.ask({"kind": "greedy", "prompt": p, "n": n}) for p in prompts]
             nll = sum(llm.ask({"kind": "nll", "ids": w}) for w in windows) / (len(windows) * T)

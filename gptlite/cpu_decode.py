@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlite import native
-from gptlite.device import cpu_info
+from gptlite.device import cpu_info, huge_pages
 from gptlite.files import write_text
 
 if TYPE_CHECKING:
@@ -273,8 +273,9 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
     shape at one row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are
     left as they are. The
     view is kept for the next call (the slabs and packed copies cost up to as much memory as the linear
-    weights) and made again when the weights or the thread count change. Other devices and dtypes, and
-    builds without oneDNN, get the model itself."""
+    weights) and made again when the weights or the thread count change. Each time, the weights are first backed
+    by huge pages where Linux can (gptlite.device.huge_pages), quantized models' too (which are their own view).
+    Other devices and dtypes, and builds without oneDNN, get the model itself."""
     weight = model.tok_emb.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return model
@@ -283,6 +284,8 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
     kept = _packed.get(model)
     if kept is not None and kept[:2] == (state, layout):
         return kept[2]
+
+    huge_pages([*model.parameters(), *model.buffers()])
 
     def packs(module: nn.Module) -> bool:
         # exactly nn.Linear: a LoRA layer (a subclass) packed as one would lose its adapters
@@ -298,6 +301,6 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
         return clone
 
     if not any(packs(m) for m in model.modules()):
-        return model
+        return model  # nothing kept: a page already huge takes microseconds to check
     _packed[model] = (state, layout, view(model))
     return _packed[model][2]

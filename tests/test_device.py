@@ -1,7 +1,9 @@
 """What gptlite knows of the machine: the CPU's name and extensions, torch's threads fitted to the cores other
 work leaves free, and the one-time note of how long a run will take at the pace of its steps after the first."""
 
+import platform
 import re
+import sys
 import time
 
 import pytest
@@ -54,6 +56,48 @@ def clock(monkeypatch):
     torch.set_num_threads(2)
     yield clock
     torch.set_num_threads(threads)
+
+
+def huge_bytes_of(tensor: torch.Tensor) -> int:
+    """The bytes of `tensor`'s mapping that /proc/self/smaps counts as anonymous huge pages."""
+    start = tensor.data_ptr()
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        first, _, rest = line.partition("-")
+        if rest and int(first, 16) <= start < int(rest.split()[0], 16):
+            for entry in lines[i + 1 :]:
+                if entry.startswith("AnonHugePages:"):
+                    return int(entry.split()[1]) * 1024
+    return 0
+
+
+def huge_pages_possible() -> bool:
+    """Linux 6.1 or later (MADV_COLLAPSE), transparent huge pages not switched off."""
+    if not sys.platform.startswith("linux"):
+        return False
+    release = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    try:
+        setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    return release >= (6, 1) and "[never]" not in setting
+
+
+def test_huge_pages_back_a_large_tensor_in_place_and_keep_its_contents():
+    tensor = torch.randn(5 * device.HUGE_PAGE // 4 + 123)  # 5 MiB and a bit: two or three whole huge pages inside
+    before = tensor.clone()
+    address = tensor.data_ptr()
+    end = address + tensor.numel() * 4
+    whole = (end // device.HUGE_PAGE - -(-address // device.HUGE_PAGE)) * device.HUGE_PAGE
+    small = torch.randn(1000)
+    done = device.huge_pages([tensor, small, tensor[10:]])  # a small tensor, and a view of a tensor already done
+    assert tensor.data_ptr() == address and torch.equal(tensor, before)
+    if huge_pages_possible():
+        assert done == whole >= 2 * device.HUGE_PAGE
+        assert huge_bytes_of(tensor) >= whole
+        assert device.huge_pages([tensor]) == whole  # asked again: already done, nothing copied
+    else:
+        assert done in (0, whole)
 
 
 def test_torch_computes_on_the_cores_other_work_leaves_free_and_takes_them_back(clock):
