@@ -115,9 +115,7 @@ class NativeLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.size(-1)).contiguous()  # (M, K)
-        y = torch.ops.gptlite.float_linear(rows, self.weight, self.bias)  # (M, N)
-        return y.view(*x.shape[:-1], -1)  # (..., N)
+        return torch.ops.gptlite.float_linear(x, self.weight, self.bias)  # (..., N)
 
 
 KERNELS = ("slab", "packed", "linear", "native")

@@ -58,14 +58,28 @@ def test_the_kernels_split_the_rows_between_any_number_of_threads(ops):
         torch.set_num_threads(threads)
 
 
+def test_the_kernels_take_any_leading_shape_and_strided_rows(ops):
+    """x (..., K) gives (..., N), as F.linear does, whatever x's strides: a decode step's (B, 1, K) rows go in as
+    they are."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(24, 32, generator=generator)
+    codes = torch.randint(-127, 128, (24, 32), dtype=torch.int8, generator=generator)
+    scale = torch.rand(24, generator=generator)
+    for x in (torch.randn(2, 3, 32, generator=generator), torch.randn(32, 5, generator=generator).T):
+        want = torch.nn.functional.linear(x, weight)
+        torch.testing.assert_close(ops.float_linear(x, weight, None), want, rtol=1e-5, atol=1e-5)
+        want = torch.nn.functional.linear(x, codes.float()) * scale
+        torch.testing.assert_close(ops.int8_linear(x, codes, scale, None), want, rtol=1e-4, atol=1e-4)
+
+
 def test_operands_the_kernels_do_not_take_are_refused_by_name(ops):
     x = torch.randn(2, 40)
     with pytest.raises(RuntimeError, match="K = 40 is not a multiple of 16"):
         ops.float_linear(x, torch.randn(8, 40), None)
     with pytest.raises(RuntimeError, match="x has 32 columns, weight 48"):
         ops.float_linear(torch.randn(2, 32), torch.randn(8, 48), None)
-    with pytest.raises(RuntimeError, match="x must be a contiguous"):
-        ops.float_linear(torch.randn(32, 2).T, torch.randn(8, 32), None)
+    with pytest.raises(RuntimeError, match=r"x must be a \(\.\.\., K\) float32"):
+        ops.float_linear(torch.randn(2, 32, dtype=torch.float64), torch.randn(8, 32), None)
     with pytest.raises(RuntimeError, match="weight must be int8"):
         ops.int8_linear(torch.randn(2, 32), torch.randn(8, 32), torch.ones(8), None)
     with pytest.raises(RuntimeError, match="scale must be a contiguous"):

@@ -147,7 +147,7 @@ def register_shapes() -> None:
     compiled kernels as opaque operators."""
 
     def product(x: torch.Tensor, weight: torch.Tensor, *scale_and_bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty(x.size(0), weight.size(0))  # (M, N), whatever the scale and bias
+        return x.new_empty(*x.shape[:-1], weight.size(0))  # (..., N), whatever the scale and bias
 
     torch.library.register_fake("gptlite::float_linear", product)
     torch.library.register_fake("gptlite::int8_linear", product)

@@ -2,8 +2,8 @@
 // int8 weight, streaming each weight from memory once. Built by gptlite/native/__init__.py for the CPU at hand
 // (-march=native) and registered as torch operators:
 //
-//   torch.ops.gptlite.float_linear(x, weight, bias)        x (M, K) float32, weight (N, K) float32 -> (M, N)
-//   torch.ops.gptlite.int8_linear(x, weight, scale, bias)  weight (N, K) int8, scale (N,) float32   -> (M, N)
+//   torch.ops.gptlite.float_linear(x, weight, bias)        x (..., K) float32, weight (N, K) float32 -> (..., N)
+//   torch.ops.gptlite.int8_linear(x, weight, scale, bias)  weight (N, K) int8, scale (N,) float32     -> (..., N)
 //
 //   y[m, n] = scale[n] * sum_k x[m, k] * weight[n, k] + bias[n]    (scale 1 for float32 weights)
 //
@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -224,11 +225,11 @@ void linear(const float* x, int64_t M, const W* w, int64_t N, int64_t K, const f
 }
 
 void check_operands(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                "gptlite linear: x must be a contiguous (M, K) float32 CPU tensor");
+    TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "gptlite linear: x must be a (..., K) float32 CPU tensor");
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
                 "gptlite linear: weight must be a contiguous (N, K) CPU tensor");
-    TORCH_CHECK(weight.size(1) == x.size(1), "gptlite linear: x has ", x.size(1), " columns, weight ",
+    TORCH_CHECK(weight.size(1) == x.size(-1), "gptlite linear: x has ", x.size(-1), " columns, weight ",
                 weight.size(1));
     TORCH_CHECK(weight.size(1) % kMultiple == 0, "gptlite linear: K = ", weight.size(1), " is not a multiple of ",
                 kMultiple);
@@ -243,15 +244,23 @@ const float* bias_data(const std::optional<at::Tensor>& bias) {
     return bias.has_value() ? bias->data_ptr<float>() : nullptr;
 }
 
+// The output (..., N) for the input (..., K): the shapes are handled here, not by a few more operator calls in Python
+// for every layer of every decode step.
+at::Tensor output_for(const at::Tensor& x, int64_t N) {
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = N;
+    return at::empty(sizes, x.options());
+}
+
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
     check_operands(x, weight, bias);
     TORCH_CHECK(weight.scalar_type() == at::kFloat, "gptlite float_linear: weight must be float32");
-    const int64_t M = x.size(0);
+    const at::Tensor rows = x.contiguous();
     const int64_t N = weight.size(0);
     const int64_t K = weight.size(1);
-    at::Tensor y = at::empty({M, N}, x.options());
-    linear<float>(x.data_ptr<float>(), M, weight.data_ptr<float>(), N, K, nullptr, bias_data(bias),
-                  y.data_ptr<float>());
+    at::Tensor y = output_for(x, N);
+    linear<float>(rows.data_ptr<float>(), rows.numel() / K, weight.data_ptr<float>(), N, K, nullptr,
+                  bias_data(bias), y.data_ptr<float>());
     return y;
 }
 
@@ -262,12 +271,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0) && scale.is_contiguous() &&
                     scale.scalar_type() == at::kFloat,
                 "gptlite int8_linear: scale must be a contiguous (N,) float32 tensor");
-    const int64_t M = x.size(0);
+    const at::Tensor rows = x.contiguous();
     const int64_t N = weight.size(0);
     const int64_t K = weight.size(1);
-    at::Tensor y = at::empty({M, N}, x.options());
-    linear<int8_t>(x.data_ptr<float>(), M, weight.data_ptr<int8_t>(), N, K, scale.data_ptr<float>(),
-                   bias_data(bias), y.data_ptr<float>());
+    at::Tensor y = output_for(x, N);
+    linear<int8_t>(rows.data_ptr<float>(), rows.numel() / K, weight.data_ptr<int8_t>(), N, K,
+                   scale.data_ptr<float>(), bias_data(bias), y.data_ptr<float>());
     return y;
 }
 
