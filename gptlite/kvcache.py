@@ -54,6 +54,7 @@ class KVCache:
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, T) their positions
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) True where a query may attend to a key
         self.span = 0  # S, the number of slots the next call attends over
+        self.decode_slot: int | None = None  # the one slot a decode step (not of full span) writes: see attend_natively
         self.busy = False  # a compiled generation is using it (see static_cache)
 
     def start(self, padding: torch.Tensor) -> None:
@@ -72,6 +73,7 @@ class KVCache:
         self.slots = torch.arange(a, b, device=device)  # (T,)
         self.span = self.max_len if full_span else b
         self.end = b
+        self.decode_slot = a if T == 1 and not full_span else None
         if T == 1:  # decoding: every row's token is real, at position a - first
             self.pos = (a - self.first)[:, None]  # (B, 1)
             self.visible[:, a] = True
@@ -98,6 +100,17 @@ class KVCache:
         self.k[layer].index_copy_(2, self.slots, k)
         self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer][:, :, : self.span], self.v[layer][:, :, : self.span]
+
+    def attend_natively(self, layer: int, qkv: torch.Tensor, n_head: int, scale: float) -> torch.Tensor:
+        """A decode step's attention in layer `layer`, in one call of gptlite's compiled kernel
+        (`torch.ops.gptlite.cached_attention`, gptlite.native; only where it is loaded, and only after a `prepare`
+        that set `decode_slot`): the token's keys and values, the end of each row of qkv (B, 1, (H + 2 KV) D), written
+        at the slot, and its n_head query heads attending over the visible slots -> (B, 1, H D). What `update` and
+        gptlite.model's masked_attention do for the step, without a dozen operator calls (gptlite.cpu_decode)."""
+        visible = self.visible if self.padded else None  # (B, max_len)
+        return torch.ops.gptlite.cached_attention(
+            qkv, self.k[layer], self.v[layer], self.decode_slot, self.span, visible, scale, n_head
+        )
 
     def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Write idx (B, T) at the prepared slots; each token's previous one (B, T), -1 at position 0 (a row's first

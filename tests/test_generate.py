@@ -462,11 +462,13 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     }
     monkeypatch.setattr(gptlite.cpu_decode, "measure", lambda shape, rows: times[rows])
     model = tiny_model(**variant).eval()
-    assert packed_for_cpu(model, 1) is model  # 32-wide layers: overhead-bound, left as they are
+    small = packed_for_cpu(model, 1)  # 32-wide layers: overhead-bound, left as they are
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert all(small.get_submodule(name) is model.get_submodule(name) for name in linears)
+    model = tiny_model(**variant).eval()  # another model: the view kept for this one holds the layers as they were
     monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
     view = packed_for_cpu(model, 1)
     assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
-    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(isinstance(view.get_submodule(name), SlabLinear) for name in linears)
     assert view.pos_emb is model.pos_emb and view.blocks[0].attn_norm is model.blocks[0].attn_norm
     assert dict(view.named_parameters()).keys() <= dict(model.named_parameters()).keys()

@@ -175,6 +175,98 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
             assert layer.way(4) == "native"
 
 
+@pytest.mark.parametrize("H, KV, D", [(4, 4, 64), (6, 2, 20), (2, 1, 8)])
+def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
+    """The token's keys and values land in its slot of the caches (nothing else changes), and its heads' output is
+    SDPA's over the slots up to it, grouped heads sharing a key/value head, with and without a mask hiding some."""
+    generator = torch.Generator().manual_seed(H * 100 + D)
+    B, L, slot = 3, 50, 33
+    qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
+    k_cache = torch.randn(B, KV, L, D, generator=generator)
+    v_cache = torch.randn(B, KV, L, D, generator=generator)
+    visible = torch.rand(B, L, generator=generator) < 0.6
+    visible[:, slot] = True
+    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    keys, values = k_cache.clone(), v_cache.clone()
+    keys[:, :, slot] = k.view(B, KV, D)
+    values[:, :, slot] = v.view(B, KV, D)
+    for shown in (None, visible):
+        mask = None if shown is None else shown[:, None, None, : slot + 1]
+        want = F.scaled_dot_product_attention(
+            q.view(B, H, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=0.2, enable_gqa=True
+        )
+        got_keys, got_values = k_cache.clone(), v_cache.clone()
+        got = ops.cached_attention(qkv, got_keys, got_values, slot, slot + 1, shown, 0.2, H)
+        torch.testing.assert_close(got, want.reshape(B, 1, H * D))
+        assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+
+
+def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
+    k_cache = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match=r"qkv must be a contiguous \(1, 1, 128\) float32"):
+        ops.cached_attention(torch.zeros(1, 1, 96), k_cache, k_cache.clone(), 0, 1, None, 1.0, 4)
+    with pytest.raises(RuntimeError, match="slot 8 and span 9 in a cache of 8"):
+        ops.cached_attention(torch.zeros(1, 1, 128), k_cache, k_cache.clone(), 8, 9, None, 1.0, 4)
+    with pytest.raises(RuntimeError, match="3 query heads for 2 key/value heads"):
+        ops.cached_attention(torch.zeros(1, 1, 112), k_cache, k_cache.clone(), 0, 1, None, 1.0, 3)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"pos_emb": "learned", "norm": "layernorm", "ffn": "gelu", "bias": True},  # GPT-2's
+        {"n_kv_head": 2},  # grouped-query attention
+    ],
+    ids=["gpt2", "gqa"],
+)
+def test_native_attention_decodes_what_the_models_own_attention_does(ops, overrides):
+    """The CPU decode view's NativeAttention layers give the model's own logits step after step, for one row and
+    for rows of different lengths (left padding, masked), and through beam search's reordered cache."""
+    from gptlite.cpu_decode import NativeAttention, packed_for_cpu
+    from gptlite.kvcache import decode_step, new_cache, prefill
+    from tests.conftest import tiny_model
+
+    model = tiny_model(**overrides)
+    with torch.no_grad():
+        for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]):
+            view = packed_for_cpu(model, len(rows))
+            assert all(type(block.attn) is NativeAttention for block in view.blocks)
+            ours = new_cache(view, len(rows), 30)
+            theirs = new_cache(model, len(rows), 30)
+            got = prefill(view, ours, rows)
+            want = prefill(model, theirs, rows)
+            for step in range(12):
+                token = want.argmax(-1, keepdim=True)  # (B, 1)
+                if step == 6 and len(rows) > 1:  # beam search: each row takes over another's contents
+                    order = torch.tensor([2, 0, 0])
+                    ours.reorder(order)
+                    theirs.reorder(order)
+                ours.prepare(1)
+                theirs.prepare(1)
+                got = decode_step(view, token, ours)
+                want = decode_step(model, token, theirs)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ours.k[1], theirs.k[1])
+
+
+def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
+    """Rotary positions, norms of q and k, and sliding windows are the model's attention's to compute: their layers
+    stay CausalSelfAttention in the view."""
+    from gptlite.cpu_decode import attends_natively, packed_for_cpu
+    from tests.conftest import tiny_model
+
+    assert attends_natively(tiny_model().blocks[0].attn)
+    for overrides in (
+        {"pos_emb": "rope"},
+        {"qk_norm": True},
+        {"sliding_window": 4, "window_layers": "0"},
+    ):
+        model = tiny_model(**overrides)
+        view = packed_for_cpu(model, 1)
+        kept = [type(block.attn).__name__ for block in view.blocks]
+        assert kept[0] == "CausalSelfAttention", overrides
+
+
 def test_the_compiled_kernel_is_the_default_another_must_beat():
     from gptlite.cpu_decode import default_kernel
 

@@ -1,17 +1,18 @@
 """gptlite's compiled CPU decode kernels (matvec.cpp): built once per CPU, checked in a child process, loaded as
 torch operators.
 
-`load()` makes `torch.ops.gptlite.float_linear` and `torch.ops.gptlite.int8_linear` available and says whether
-it could. The first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else `c++`)
-against the installed torch, for this CPU's instruction set (-march=native), into the build cache
-(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native), which takes seconds; the library
-is named by a hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between
-machines never runs a library built for another CPU. Before the first load, a child process loads the new library
-and compares both operators with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a
-bad build) takes down that child, never the caller, and is not used. Where there is no compiler, the build or the
-check fails, or GPTLITE_NATIVE=0, `load()` says why in one line and returns False, and decoding keeps PyTorch's
-kernels: the compiled ones are one more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a
-requirement.
+`load()` makes `torch.ops.gptlite.float_linear`, `torch.ops.gptlite.int8_linear` and
+`torch.ops.gptlite.cached_attention` available and says whether it could. The first call on a machine compiles
+matvec.cpp with the C++ compiler at hand (`$CXX`, else `c++`) against the installed torch, for this CPU's
+instruction set (-march=native), into the build cache (GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache,
+then gptlite/native), which takes seconds; the library is named by a hash of its source, the compiler, torch's
+version and the CPU's features, so a cache shared between machines never runs a library built for another CPU.
+Before the first load, a child process loads the new library and compares its operators with PyTorch's own
+results: a library that crashes (an instruction this CPU lacks, a bad build) takes down that child, never the
+caller, and is not used. Where there is no compiler, the build or the check fails, or GPTLITE_NATIVE=0, `load()`
+says why in one line and returns False, and decoding keeps PyTorch's kernels: the compiled linear kernels are one
+more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a requirement, and attention keeps
+PyTorch's way.
 """
 
 from __future__ import annotations
@@ -149,8 +150,13 @@ def register_shapes() -> None:
     def product(x: torch.Tensor, weight: torch.Tensor, *scale_and_bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.size(0))  # (..., N), whatever the scale and bias
 
+    def attention(qkv: torch.Tensor, k_cache: torch.Tensor, *rest: object) -> torch.Tensor:
+        n_head = (qkv.size(-1) - 2 * k_cache.size(1) * k_cache.size(3)) // k_cache.size(3)
+        return qkv.new_empty(qkv.size(0), 1, n_head * k_cache.size(3))  # (B, 1, H D)
+
     torch.library.register_fake("gptlite::float_linear", product)
     torch.library.register_fake("gptlite::int8_linear", product)
+    torch.library.register_fake("gptlite::cached_attention", attention)
 
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
@@ -189,8 +195,9 @@ def check_in_child(path: Path) -> str:
 
 
 def check(path: str) -> None:
-    """Loads the library at `path` and compares its operators with PyTorch's results at one row and at a batch,
-    with and without a bias, on a width that is not a multiple of the thread count: AssertionError if they differ."""
+    """Loads the library at `path` and compares its operators with PyTorch's results: the linear ones at one row
+    and at a batch, with and without a bias, on a width that is not a multiple of the thread count, and the attention
+    (`check_attention`): AssertionError if they differ."""
     torch.ops.load_library(path)
     generator = torch.Generator().manual_seed(0)
     N = 203
@@ -209,6 +216,32 @@ def check(path: str) -> None:
             torch.testing.assert_close(
                 torch.ops.gptlite.int8_linear(x, codes, scale, b), reference, rtol=1e-4, atol=1e-3
             )
+    check_attention(generator)
+
+
+def check_attention(generator: torch.Generator) -> None:
+    """cached_attention against the cache written by indexing and SDPA: grouped heads (6 query heads on 2 key/value
+    heads), a width D that is not a multiple of a vector, with and without a mask that hides some slots."""
+    B, H, KV, L, D = 3, 6, 2, 41, 20
+    slot = 36
+    qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
+    caches = torch.randn(2, B, KV, L, D, generator=generator)
+    visible = torch.rand(B, L, generator=generator) < 0.7
+    visible[:, slot] = True  # a decode step always sees its own key
+    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    keys, values = caches.clone()
+    keys[:, :, slot] = k.view(B, KV, D)
+    values[:, :, slot] = v.view(B, KV, D)
+    for shown in (None, visible):
+        mask = None if shown is None else shown[:, None, None, : slot + 1]
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q.view(B, H, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=0.3, enable_gqa=True
+        )  # (B, H, 1, D)
+        k_cache, v_cache = caches.clone()
+        out = torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, slot + 1, shown, 0.3, H)
+        torch.testing.assert_close(out, reference.reshape(B, 1, H * D))
+        torch.testing.assert_close(k_cache, keys)
+        torch.testing.assert_close(v_cache, values)
 
 
 def fits(in_features: int) -> bool:
