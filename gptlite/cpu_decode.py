@@ -339,6 +339,8 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
     def view(module: nn.Module) -> nn.Module:
         if packs(module):
             return make_kernel(choose_kernel(tuple(module.weight.shape), layout[0]), module, layout[0])
+        if type(module) is nn.Dropout and not module.training:
+            return nn.Identity()  # what it computes in eval mode, without its call's few microseconds
         if not changes(module):
             return module  # shared as it is
         clone = copy.copy(module)  # the same parameters and buffers; its own table of submodules

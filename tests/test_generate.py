@@ -471,6 +471,7 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
     assert linears and all(isinstance(view.get_submodule(name), SlabLinear) for name in linears)
     assert view.pos_emb is model.pos_emb and view.blocks[0].attn_norm is model.blocks[0].attn_norm
+    assert type(view.blocks[0].ffn.drop) is torch.nn.Identity  # dropout in eval mode, without the call
     assert dict(view.named_parameters()).keys() <= dict(model.named_parameters()).keys()
     idx, one = randint(97, (3, 9)), randint(97, (1, 1))  # a prompt (F.linear) and one decoded row (the slabs)
     batch = packed_for_cpu(model, 4)
