@@ -23,12 +23,13 @@ has one more way, where gptlite's compiled kernels could be built (gptlite.nativ
 float32 activations times the int8 weight converted in registers, each weight streamed from memory once; PyTorch's
 int8 kernel is bound by its arithmetic at one row, this one by memory. So, as for the float32 kernels of
 gptlite.cpu_decode, the way of each layer shape is measured on the CPU at hand, for one row (decoding) and for a
-batch, and kept in cpu_decode's choices file; bfloat16 activations round each layer's input and output to
-bfloat16 (the accuracy cost is in docs/generation.md). GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native
-forces one way for every layer that has it (dequantize and native, int8 only; dequantize is the old path, F.linear
-on the weight converted to the activations' dtype and times the scale, what other devices run). Layers smaller
-than cpu_decode.PACK_MIN_WEIGHTS are not measured: they run float32 activations (int4) or the dequantized path
-(int8).
+batch, and kept in cpu_decode's choices file (a prompt of more than NATIVE_MAX_ROWS rows never takes the compiled
+kernel, which reads each weight again for every 8 rows: it takes the dequantized way, a GEMM); bfloat16 activations
+round each layer's input and output to bfloat16 (the accuracy cost is in docs/generation.md).
+GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native forces one way for every layer that has it (dequantize and
+native, int8 only; dequantize is the old path, F.linear on the weight converted to the activations' dtype and times
+the scale, what other devices run). Layers smaller than cpu_decode.PACK_MIN_WEIGHTS are not measured: they run
+float32 activations (int4) or the dequantized path (int8).
 
 A quantized model is for generation and evaluation only: its low-bit weights are buffers, not parameters. int4
 runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
@@ -58,6 +59,10 @@ INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output rows in blocks of 16
 # an input width that is not a multiple of 16: such layers take the dequantized way
 INT8PACK_MULTIPLE = 16
 FORCE_ENV = "GPTLITE_QUANT_KERNEL"
+# the compiled int8 kernel reads each weight once per 8 rows (matvec.cpp's kTile); for GPT-2 124M's matrices on the
+# 2-core Intel Xeon it took 35 ms at 16 rows against the dequantized way's 118, but 259 ms at 64 rows against 197
+# and 1,078 ms at 256 against 419: past NATIVE_MAX_ROWS rows (a prompt) the layer multiplies the dequantized way
+NATIVE_MAX_ROWS = 16
 ACTIVATIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -244,6 +249,8 @@ class Int8Linear(QuantizedLinear):
         )
 
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if way == "native" and rows.size(0) > NATIVE_MAX_ROWS:  # a prompt: a GEMM that reads the weight once
+            way = "dequantize"
         if way == "native":  # the kernel adds the bias as it writes each output
             x = rows.to(torch.float32).contiguous()
             bias = None if bias is None else bias.to(torch.float32)

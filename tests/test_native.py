@@ -175,6 +175,28 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
             assert layer.way(4) == "native"
 
 
+def test_a_prompt_of_many_rows_takes_pytorchs_gemm_not_the_compiled_kernel(ops):
+    """The compiled kernels read each weight again for every 8 rows: float32 layers of more than NATIVE_MAX_ROWS
+    rows run F.linear, int8 ones the dequantized way (each bit for bit), fewer rows the compiled kernel."""
+    from gptlite.cpu_decode import NATIVE_MAX_ROWS, NativeLinear
+    from gptlite.quantize import NATIVE_MAX_ROWS as INT8_MAX_ROWS
+    from gptlite.quantize import Int8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    layer = NativeLinear(linear)
+    many = torch.randn(1, NATIVE_MAX_ROWS + 1, 64)
+    assert torch.equal(layer(many), F.linear(many, linear.weight, linear.bias))
+    few = many[:, :NATIVE_MAX_ROWS]
+    assert torch.equal(layer(few), ops.float_linear(few, linear.weight, linear.bias))
+    int8 = Int8Linear.from_linear(linear)
+    many = torch.randn(INT8_MAX_ROWS + 1, 64)
+    assert torch.equal(int8.multiply(many, "native", linear.bias), int8.multiply(many, "dequantize", linear.bias))
+    few = many[:INT8_MAX_ROWS]
+    want = ops.int8_linear(few, int8.weight, int8.scale, linear.bias)
+    assert torch.equal(int8.multiply(few, "native", linear.bias), want)
+
+
 @pytest.mark.parametrize("H, KV, D", [(4, 4, 64), (6, 2, 20), (2, 1, 8)])
 def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
     """The token's keys and values land in its slot of the caches (nothing else changes), and its heads' output is
