@@ -169,11 +169,14 @@ MADV_COLLAPSE = 25  # Linux 6.1 on: back a mapped range with huge pages now, its
 
 
 def huge_pages(tensors: Iterable[torch.Tensor]) -> int:
-    """Back the CPU tensors' memory with 2 MiB pages where Linux can (madvise MADV_COLLAPSE, Linux 6.1 on): every
-    whole huge page inside each tensor's storage, in place (the same addresses and contents). A decode step streams
-    every weight once, and with 4 KiB pages the processor looks up a new page every 4 KiB: on the Intel Xeon, GPT-2
-    124M's matrices streamed 3-5% faster from huge pages, which llama.cpp's weights get from the kernel's file cache
-    (figures: docs/generation.md). The kernel copies the pages, about a second per GB, once. Returns the bytes
+    """Back the CPU tensors' memory with 2 MiB pages where Linux can (madvise MADV_COLLAPSE, Linux 6.1 on), in place
+    (the same addresses and contents). A decode step streams every weight once, and with 4 KiB pages the processor
+    looks up a new page every 4 KiB: on the Intel Xeon, GPT-2 124M's matrices streamed 3-5% faster from huge pages,
+    which llama.cpp's weights get from the kernel's file cache (figures: docs/generation.md). Tensors less than a
+    huge page apart are taken as one range (`storage_ranges`), so that weights smaller than a huge page, which
+    hold no whole one, are covered with their neighbours: GPT-2 124M's 475 MB of weights lay in one range, of which
+    472 MB collapsed, against 376 MB tensor by tensor. A range the kernel refuses whole (a gap in it not mapped) is
+    asked for tensor by tensor. The kernel copies the pages, about a second per GB, once. Returns the bytes
     collapsed; elsewhere, on older kernels, or where the kernel refuses (no memory free in 2 MiB blocks, THP
     switched off), nothing changes."""
     if not sys.platform.startswith("linux"):
@@ -185,20 +188,38 @@ def huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     except (OSError, AttributeError):
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def collapse(start: int, end: int) -> int:
+        """The bytes of the whole huge pages inside [start, end) collapsed: all of them, or 0."""
+        first = -(-start // HUGE_PAGE) * HUGE_PAGE
+        last = end // HUGE_PAGE * HUGE_PAGE
+        if last <= first or madvise(first, last - first, MADV_COLLAPSE) != 0:
+            return 0
+        return last - first
+
     done = 0
-    seen = set()  # the ranges asked for
-    for tensor in tensors:
-        if tensor.device.type != "cpu":
-            continue
-        storage = tensor.untyped_storage()  # all of it: views of one tensor, and a tied weight, share it
-        start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole huge page inside it
-        end = (storage.data_ptr() + storage.nbytes()) // HUGE_PAGE * HUGE_PAGE
-        if end <= start or (start, end) in seen:
-            continue
-        seen.add((start, end))
-        if madvise(start, end - start, MADV_COLLAPSE) == 0:
-            done += end - start
+    for start, end, members in storage_ranges(tensors, HUGE_PAGE):
+        whole = collapse(start, end)
+        done += whole if whole or len(members) == 1 else sum(collapse(*member) for member in members)
     return done
+
+
+def storage_ranges(tensors: Iterable[torch.Tensor], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """The CPU tensors' storages as address ranges, those less than `gap` bytes apart merged: (start, end, the
+    storages' own (start, end) in it), in address order. Views of one tensor, and a tied weight, share a storage."""
+    spans = set()
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            spans.add((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    ranges: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for start, end in sorted(spans):
+        if ranges and start - ranges[-1][1] < gap:
+            first, last, members = ranges[-1]
+            ranges[-1] = (first, max(last, end), [*members, (start, end)])
+        else:
+            ranges.append((start, end, [(start, end)]))
+    return ranges
 
 
 def out_of_memory_advice(batch_size: int, block_size: int, total_batch_size: int, total_batch: int) -> str:
