@@ -202,14 +202,17 @@ def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
     """The token's keys and values land in its slot of the caches (nothing else changes), and its heads' output is
     SDPA's over the slots up to it, grouped heads sharing a key/value head, with and without a mask hiding some."""
     generator = torch.Generator().manual_seed(H * 100 + D)
-    B, L, slot = 3, 50, 33
+    B = 3
+    L = 50
+    slot = 33
     qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
     k_cache = torch.randn(B, KV, L, D, generator=generator)
     v_cache = torch.randn(B, KV, L, D, generator=generator)
     visible = torch.rand(B, L, generator=generator) < 0.6
     visible[:, slot] = True
     q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-    keys, values = k_cache.clone(), v_cache.clone()
+    keys = k_cache.clone()
+    values = v_cache.clone()
     keys[:, :, slot] = k.view(B, KV, D)
     values[:, :, slot] = v.view(B, KV, D)
     for shown in (None, visible):
@@ -217,7 +220,8 @@ def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
         want = F.scaled_dot_product_attention(
             q.view(B, H, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=0.2, enable_gqa=True
         )
-        got_keys, got_values = k_cache.clone(), v_cache.clone()
+        got_keys = k_cache.clone()
+        got_values = v_cache.clone()
         got = ops.cached_attention(qkv, got_keys, got_values, slot, slot + 1, shown, 0.2, H)
         torch.testing.assert_close(got, want.reshape(B, 1, H * D))
         assert torch.equal(got_keys, keys) and torch.equal(got_values, values)

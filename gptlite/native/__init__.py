@@ -222,7 +222,11 @@ def check(path: str) -> None:
 def check_attention(generator: torch.Generator) -> None:
     """cached_attention against the cache written by indexing and SDPA: grouped heads (6 query heads on 2 key/value
     heads), a width D that is not a multiple of a vector, with and without a mask that hides some slots."""
-    B, H, KV, L, D = 3, 6, 2, 41, 20
+    B = 3  # rows
+    H = 6  # query heads
+    KV = 2  # key/value heads
+    L = 41  # cache slots
+    D = 20  # a head's width
     slot = 36
     qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
     caches = torch.randn(2, B, KV, L, D, generator=generator)
