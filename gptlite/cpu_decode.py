@@ -15,8 +15,8 @@ choice's name, so that a kernel that becomes available (the compiled one, once a
 then.
 
 Where the compiled kernels are loaded, a decode step's attention (the token's keys and values written into the
-cache, and its heads attending over it) runs in one call of theirs too (`NativeAttention`): through PyTorch it took a
-dozen operator calls a layer, which on a small model cost more than its weights took to stream.
+cache, and its heads attending over it) runs in one call of theirs too (gptlite.model's `NativeAttention`): through
+PyTorch it took a dozen operator calls a layer, which on a small model cost more than its weights took to stream.
 
 GPTLITE_CPU_LINEAR=slab|packed|linear|native forces one kernel for every layer (to compare them, or when a
 measurement went wrong); deleting the file measures again.
@@ -39,10 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlite import native
-from gptlite.attention_cache import AttentionCache
 from gptlite.device import cpu_info, huge_pages
 from gptlite.files import write_text
-from gptlite.model import AdditivePositions, CausalSelfAttention, Rotation
 
 if TYPE_CHECKING:
     from gptlite.model import GPT
@@ -134,39 +132,13 @@ class NativeLinear(nn.Module):
 NATIVE_MAX_ROWS = 8
 
 
-class NativeAttention(CausalSelfAttention):
-    """CausalSelfAttention whose decode steps through a KVCache run in one call of gptlite's compiled kernel
-    (`KVCache.attend_natively`): the token's keys and values written into the cache and its heads' attention, which
-    through PyTorch took a dozen operator calls a layer, as long as streaming the layer's qkv weights (figures:
-    docs/generation.md). Prompts, and caches that write each row's token elsewhere (the server's), take the
-    module's own way. Made by `packed_for_cpu` for the layers `attends_natively` accepts."""
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rot: Rotation = None,
-        cache: AttentionCache | None = None,
-        layer: int = 0,
-        ve: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if x.size(1) != 1 or getattr(cache, "decode_slot", None) is None:
-            return super().forward(x, rot, cache, layer, ve)
-        qkv = self.qkv(x)  # (B, 1, (H + 2 KV) D)
-        y = cache.attend_natively(layer, qkv, self.n_head, self.scale or self.head_dim**-0.5)  # (B, 1, H D)
-        return self.resid_drop(self.out_proj(y))
-
-
-def attends_natively(module: nn.Module) -> bool:
-    """Whether `module` is attention that NativeAttention computes as it does: exactly CausalSelfAttention, with
-    positions added to the embeddings (no rotation of q and k), no norm of q and k, no value embeddings and no
-    sliding window."""
-    return (
-        type(module) is CausalSelfAttention
-        and module.rotate is AdditivePositions.rotate
-        and module.qk_norm is None
-        and module.value_mix is None
-        and not module.window
-    )
+def one_call_attention(module: nn.Module) -> type[nn.Module] | None:
+    """The class whose decode steps run in one call of gptlite's compiled kernel that attention layer `module` can
+    become (gptlite.model's NativeAttention), as the layer itself answers (`one_call_variant`): None for other
+    modules, and for attention that the kernel does not compute (rotary positions, q/k norms, windows). Asked, not
+    imported: gptlite.model imports generation, which imports this module."""
+    variant = getattr(module, "one_call_variant", None)
+    return None if variant is None else variant()
 
 
 KERNELS = ("slab", "packed", "linear", "native")
@@ -320,8 +292,9 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
     """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the
     nn.Linear layers of at least PACK_MIN_WEIGHTS weights, which become the kernel measured fastest for their
     shape at one row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are
-    left as they are. Where gptlite's compiled kernels are loaded, the attention layers `attends_natively` accepts
-    become NativeAttention (a decode step's attention in one call), quantized models' too. The
+    left as they are. Where gptlite's compiled kernels are loaded, the attention layers that can
+    (`one_call_attention`) become gptlite.model's NativeAttention (a decode step's attention in one call), quantized
+    models' too. The
     view is kept for the next call (the slabs and packed copies cost up to as much memory as the linear
     weights) and made again when the weights or the thread count change. Each time, the weights are first backed
     by huge pages where Linux can (gptlite.device.huge_pages). Other devices and dtypes, and builds without oneDNN,
@@ -342,8 +315,11 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
         # exactly nn.Linear: a LoRA layer (a subclass) packed as one would lose its adapters
         return type(module) is nn.Linear and module.weight.numel() >= PACK_MIN_WEIGHTS
 
+    def attends_in_one_call(module: nn.Module) -> type[nn.Module] | None:
+        return one_call_attention(module) if compiled else None
+
     def changes(module: nn.Module) -> bool:
-        return any(packs(m) or (compiled and attends_natively(m)) for m in module.modules())
+        return any(packs(m) or attends_in_one_call(m) is not None for m in module.modules())
 
     def view(module: nn.Module) -> nn.Module:
         if packs(module):
@@ -354,8 +330,9 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
             return module  # shared as it is
         clone = copy.copy(module)  # the same parameters and buffers; its own table of submodules
         clone._modules = {name: view(child) for name, child in module._modules.items()}
-        if compiled and attends_natively(module):
-            clone.__class__ = NativeAttention
+        variant = attends_in_one_call(module)
+        if variant is not None:
+            clone.__class__ = variant
         return clone
 
     if not changes(model):

@@ -337,6 +337,42 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
         return self.resid_drop(self.out_proj(y))
 
+    def one_call_variant(self) -> type[CausalSelfAttention] | None:
+        """NativeAttention where it computes what this layer does: exactly this class, positions added to the
+        embeddings (no rotation of q and k), no norm of q and k, no value embeddings and no sliding window; else None.
+        gptlite.cpu_decode's view asks each layer."""
+        plain = (
+            type(self) is CausalSelfAttention
+            and self.rotate is AdditivePositions.rotate
+            and self.qk_norm is None
+            and self.value_mix is None
+            and not self.window
+        )
+        return NativeAttention if plain else None
+
+
+class NativeAttention(CausalSelfAttention):
+    """CausalSelfAttention whose decode steps run in one call through a cache that offers it (`attend_natively`:
+    sample.py's KVCache, with gptlite's compiled kernels loaded): the token's keys and values written into the cache
+    and its heads' attention, which through PyTorch took a dozen operator calls a layer, as long as streaming the
+    layer's qkv weights on the Intel Xeon (figures: docs/generation.md). Prompts, and caches without it (the
+    server's RowCache), take CausalSelfAttention's way. gptlite.cpu_decode's view of the model makes these, for the
+    layers whose `one_call_variant` names it."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if x.size(1) != 1 or getattr(cache, "decode_slot", None) is None:
+            return super().forward(x, rot, cache, layer, ve)
+        qkv = self.qkv(x)  # (B, 1, (H + 2 KV) D)
+        y = cache.attend_natively(layer, qkv, self.n_head, self.scale or self.head_dim**-0.5)  # (B, 1, H D)
+        return self.resid_drop(self.out_proj(y))
+
 
 class QKNorm(nn.Module):
     """RMSNorm over each head's q and over each head's k (Qwen3), one weight of head_dim for each."""

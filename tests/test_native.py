@@ -248,8 +248,9 @@ def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
 def test_native_attention_decodes_what_the_models_own_attention_does(ops, overrides):
     """The CPU decode view's NativeAttention layers give the model's own logits step after step, for one row and
     for rows of different lengths (left padding, masked), and through beam search's reordered cache."""
-    from gptlite.cpu_decode import NativeAttention, packed_for_cpu
+    from gptlite.cpu_decode import packed_for_cpu
     from gptlite.kvcache import decode_step, new_cache, prefill
+    from gptlite.model import NativeAttention
     from tests.conftest import tiny_model
 
     model = tiny_model(**overrides)
@@ -278,10 +279,12 @@ def test_native_attention_decodes_what_the_models_own_attention_does(ops, overri
 def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
     """Rotary positions, norms of q and k, and sliding windows are the model's attention's to compute: their layers
     stay CausalSelfAttention in the view."""
-    from gptlite.cpu_decode import attends_natively, packed_for_cpu
+    from gptlite.cpu_decode import one_call_attention, packed_for_cpu
+    from gptlite.model import NativeAttention
     from tests.conftest import tiny_model
 
-    assert attends_natively(tiny_model().blocks[0].attn)
+    assert one_call_attention(tiny_model().blocks[0].attn) is NativeAttention
+    assert one_call_attention(tiny_model().blocks[0].ffn) is None
     for overrides in (
         {"pos_emb": "rope"},
         {"qk_norm": True},
