@@ -59,16 +59,19 @@ def clock(monkeypatch):
 
 
 def huge_bytes_of(tensor: torch.Tensor) -> int:
-    """The bytes of `tensor`'s mapping that /proc/self/smaps counts as anonymous huge pages."""
+    """The bytes /proc/self/smaps counts as anonymous huge pages in the mappings that hold part of `tensor`."""
     start = tensor.data_ptr()
-    lines = open("/proc/self/smaps").read().splitlines()
-    for i, line in enumerate(lines):
+    end = start + tensor.numel() * tensor.element_size()
+    total = 0
+    overlaps = False
+    for line in open("/proc/self/smaps").read().splitlines():
         first, _, rest = line.partition("-")
-        if rest and int(first, 16) <= start < int(rest.split()[0], 16):
-            for entry in lines[i + 1 :]:
-                if entry.startswith("AnonHugePages:"):
-                    return int(entry.split()[1]) * 1024
-    return 0
+        header = rest and all(c in "0123456789abcdef" for c in first) and first
+        if header:
+            overlaps = int(first, 16) < end and start < int(rest.split()[0], 16)
+        elif overlaps and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def huge_pages_possible() -> bool:
