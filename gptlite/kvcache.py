@@ -106,7 +106,8 @@ class KVCache:
         (`torch.ops.gptlite.cached_attention`, gptlite.native; only where it is loaded, and only after a `prepare`
         that set `decode_slot`): the token's keys and values, the end of each row of qkv (B, 1, (H + 2 KV) D), written
         at the slot, and its n_head query heads attending over the visible slots -> (B, 1, H D). What `update` and
-        gptlite.model's masked_attention do for the step, without a dozen operator calls (gptlite.cpu_decode)."""
+        gptlite.model's masked_attention do for the step, without a dozen operator calls (gptlite.model's
+        NativeAttention)."""
         visible = self.visible if self.padded else None  # (B, max_len)
         return torch.ops.gptlite.cached_attention(
             qkv, self.k[layer], self.v[layer], self.decode_slot, self.span, visible, scale, n_head

@@ -210,20 +210,12 @@ def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
     v_cache = torch.randn(B, KV, L, D, generator=generator)
     visible = torch.rand(B, L, generator=generator) < 0.6
     visible[:, slot] = True
-    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-    keys = k_cache.clone()
-    values = v_cache.clone()
-    keys[:, :, slot] = k.view(B, KV, D)
-    values[:, :, slot] = v.view(B, KV, D)
     for shown in (None, visible):
-        mask = None if shown is None else shown[:, None, None, : slot + 1]
-        want = F.scaled_dot_product_attention(
-            q.view(B, H, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=0.2, enable_gqa=True
-        )
+        want, keys, values = native.attention_reference(qkv, k_cache, v_cache, slot, shown, 0.2, H)
         got_keys = k_cache.clone()
         got_values = v_cache.clone()
         got = ops.cached_attention(qkv, got_keys, got_values, slot, slot + 1, shown, 0.2, H)
-        torch.testing.assert_close(got, want.reshape(B, 1, H * D))
+        torch.testing.assert_close(got, want)
         assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
 
 

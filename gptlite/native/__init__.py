@@ -150,8 +150,7 @@ def register_shapes() -> None:
     def product(x: torch.Tensor, weight: torch.Tensor, *scale_and_bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.size(0))  # (..., N), whatever the scale and bias
 
-    def attention(qkv: torch.Tensor, k_cache: torch.Tensor, *rest: object) -> torch.Tensor:
-        n_head = (qkv.size(-1) - 2 * k_cache.size(1) * k_cache.size(3)) // k_cache.size(3)
+    def attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head: int) -> torch.Tensor:
         return qkv.new_empty(qkv.size(0), 1, n_head * k_cache.size(3))  # (B, 1, H D)
 
     torch.library.register_fake("gptlite::float_linear", product)
@@ -220,8 +219,8 @@ def check(path: str) -> None:
 
 
 def check_attention(generator: torch.Generator) -> None:
-    """cached_attention against the cache written by indexing and SDPA: grouped heads (6 query heads on 2 key/value
-    heads), a width D that is not a multiple of a vector, with and without a mask that hides some slots."""
+    """cached_attention against `attention_reference`: grouped heads (6 query heads on 2 key/value heads), a width D
+    that is not a multiple of a vector, with and without a mask that hides some slots."""
     B = 3  # rows
     H = 6  # query heads
     KV = 2  # key/value heads
@@ -232,20 +231,38 @@ def check_attention(generator: torch.Generator) -> None:
     caches = torch.randn(2, B, KV, L, D, generator=generator)
     visible = torch.rand(B, L, generator=generator) < 0.7
     visible[:, slot] = True  # a decode step always sees its own key
-    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-    keys, values = caches.clone()
-    keys[:, :, slot] = k.view(B, KV, D)
-    values[:, :, slot] = v.view(B, KV, D)
     for shown in (None, visible):
-        mask = None if shown is None else shown[:, None, None, : slot + 1]
-        reference = torch.nn.functional.scaled_dot_product_attention(
-            q.view(B, H, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=0.3, enable_gqa=True
-        )  # (B, H, 1, D)
+        reference, keys, values = attention_reference(qkv, *caches, slot, shown, 0.3, H)
         k_cache, v_cache = caches.clone()
         out = torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, slot + 1, shown, 0.3, H)
-        torch.testing.assert_close(out, reference.reshape(B, 1, H * D))
+        torch.testing.assert_close(out, reference)
         torch.testing.assert_close(k_cache, keys)
         torch.testing.assert_close(v_cache, values)
+
+
+def attention_reference(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: int,
+    visible: torch.Tensor | None,
+    scale: float,
+    n_head: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What cached_attention computes, through PyTorch: copies of the caches (B, KV, L, D) with the token's keys and
+    values (the end of each row of qkv (B, 1, (H + 2 KV) D)) written at `slot` by indexing, and SDPA of its n_head
+    query heads over slots 0..slot where visible (B, L) shows them -> (out (B, 1, H D), keys, values)."""
+    B, KV, _, D = k_cache.shape
+    q, k, v = qkv.split([n_head * D, KV * D, KV * D], dim=-1)
+    keys = k_cache.clone()
+    values = v_cache.clone()
+    keys[:, :, slot] = k.view(B, KV, D)
+    values[:, :, slot] = v.view(B, KV, D)
+    mask = None if visible is None else visible[:, None, None, : slot + 1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(B, n_head, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=scale, enable_gqa=True
+    )  # (B, H, 1, D)
+    return out.reshape(B, 1, n_head * D), keys, values
 
 
 def fits(in_features: int) -> bool:

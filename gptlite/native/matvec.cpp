@@ -363,7 +363,9 @@ void weighted_sum(const float* p, const float* v, int64_t stride, int64_t S, int
     for (; d + kLanes <= D; d += kLanes) {
         Floats o = {};
         for (int64_t s = 0; s < S; s++) {
-            o += p[s] * load(v + s * stride + d);
+            if (p[s] != 0.0f) {
+                o += p[s] * load(v + s * stride + d);
+            }
         }
         o *= norm;
         std::memcpy(out + d, &o, sizeof o);
@@ -371,7 +373,9 @@ void weighted_sum(const float* p, const float* v, int64_t stride, int64_t S, int
     for (; d < D; d++) {
         float o = 0.0f;
         for (int64_t s = 0; s < S; s++) {
-            o += p[s] * v[s * stride + d];
+            if (p[s] != 0.0f) {
+                o += p[s] * v[s * stride + d];
+            }
         }
         out[d] = norm * o;
     }
