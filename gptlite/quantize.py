@@ -1,9 +1,14 @@
-"""Weight-only quantization for inference: int8 with one scale per output row, int4 with one scale per group of
-input columns.
+"""Weight-only quantization for inference: int8 with one scale per output row (the vocabulary's tables: per group
+of 32 inputs), int4 with one scale per group of input columns.
 
-`quantize(model, "int8")` replaces, in place, each block's linear layers and the tied embedding / output head
-with int8 copies: W ~= scale[:, None] * Q, Q = round(W / scale) in [-127, 127], scale = max|W[row]| / 127
-(symmetric, per output channel, as in gpt-fast and torchao's int8 weight-only scheme).
+`quantize(model, "int8")` replaces, in place, each block's linear layers with int8 copies: W ~= scale[:, None] * Q,
+Q = round(W / scale) in [-127, 127], scale = max|W[row]| / 127 (symmetric, per output channel, as in gpt-fast and
+torchao's int8 weight-only scheme). The vocabulary's tables (the tied embedding / output head, an untied
+embedding) take one scale per group of TABLE_GROUP_SIZE = 32 weights of a row instead (Int8GroupLinear): q8_0's
+blocks, each scale a float16 number, so that they export to q8_0 bit for bit. A table's row is one token's
+embedding, whose few large dimensions left the rest of a row with a handful of int8 steps under one scale: with
+per-row tables, a trained run's greedy text parted from its float32 text far sooner than llama.cpp's q8_0 did
+from its f32, with these groups no sooner (figures: docs/generation.md).
 
 `quantize(model, "int4", group_size=32)` stores each group of `group_size` consecutive weights of a row as 4-bit
 codes with one scale: W ~= d * (q - 8), q in [0, 15], d = m / -8 where m is the group's weight of largest
@@ -15,17 +20,18 @@ kernel multiplies by its table and cannot read a row out of it), and so does a l
 does not take (output rows not a multiple of 16, input columns not a multiple of the group).
 
 The matmul runs on the packed low-bit weight itself, never on a dequantized float copy, through PyTorch's CPU
-kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale) and
-`torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout, per-group scales). Both
-take float32 or bfloat16 activations, and which is faster depends on the CPU: on an Intel Xeon with AVX-512 and
-AMX, bfloat16 activations ran both several times faster than float32 ones (figures: docs/generation.md). int8
-has one more way, where gptlite's compiled kernels could be built (gptlite.native): `torch.ops.gptlite.int8_linear`,
-float32 activations times the int8 weight converted in registers, each weight streamed from memory once; PyTorch's
-int8 kernel is bound by its arithmetic at one row, this one by memory. So, as for the float32 kernels of
-gptlite.cpu_decode, the way of each layer shape is measured on the CPU at hand, for one row (decoding) and for a
-batch, and kept in cpu_decode's choices file (a prompt of more than NATIVE_MAX_ROWS rows never takes the compiled
-kernel, which reads each weight again for every 8 rows: it takes the dequantized way, a GEMM); bfloat16 activations
-round each layer's input and output to bfloat16 (the accuracy cost is in docs/generation.md).
+kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale; not
+the grouped tables) and `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout,
+per-group scales). Both take float32 or bfloat16 activations, and which is faster depends on the CPU: on an Intel
+Xeon with AVX-512 and AMX, bfloat16 activations ran both several times faster than float32 ones (figures:
+docs/generation.md). int8 has one more way, where gptlite's compiled kernels could be built (gptlite.native):
+`torch.ops.gptlite.int8_linear`, float32 activations times the int8 weight converted in registers, each weight
+streamed from memory once, with a scale per row or per group (the grouped tables' only way besides the dequantized
+weight); PyTorch's int8 kernel is bound by its arithmetic at one row, this one by memory. So, as for the float32
+kernels of gptlite.cpu_decode, the way of each layer shape is measured on the CPU at hand, for one row (decoding)
+and for a batch, and kept in cpu_decode's choices file (a prompt of more than NATIVE_MAX_ROWS rows never takes the
+compiled kernel, which reads each weight again for every 8 rows: it takes the dequantized way, a GEMM); bfloat16
+activations round each layer's input and output to bfloat16 (the accuracy cost is in docs/generation.md).
 GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native forces one way for every layer that has it (dequantize and
 native, int8 only; dequantize is the old path, F.linear on the weight converted to the activations' dtype and times
 the scale, what other devices run). Layers smaller than cpu_decode.PACK_MIN_WEIGHTS are not measured: they run
@@ -54,6 +60,7 @@ if TYPE_CHECKING:
 
 MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8", "int4"): declared with --quantize's choices
 INT4_GROUP_SIZES = (32, 64, 128)  # 32 is q4_0's block
+TABLE_GROUP_SIZE = 32  # the int8 vocabulary tables' groups (Int8GroupLinear): q8_0's block
 INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output rows in blocks of 16
 # _weight_int8pack_mm reads past its operands (a segmentation fault, torch 2.13 on an Intel Xeon) on several rows of
 # an input width that is not a multiple of 16: such layers take the dequantized way
@@ -72,6 +79,19 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127  # (N,)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K)
     return q, scale.to(weight.dtype)
+
+
+def quantize_int8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) float -> (Q (N, K) int8, scale (N, K / group_size) in weight's dtype, each a float16 number),
+    weight ~= scale * Q group by group: q8_0's rule, scale = max|W[group]| / 127 rounded to float16 (q8_0 stores
+    it so), then the codes rounded against that rounded scale, so that q8_0 holds the same codes and scales (a
+    group whose scale is below float16's smallest number becomes zeros, as in q8_0)."""
+    N, K = weight.shape
+    groups = weight.detach().float().reshape(N, K // group_size, group_size)  # (N, G, g)
+    scale = (groups.abs().amax(dim=2, keepdim=True) / 127).to(torch.float16).to(weight.dtype).float()  # (N, G, 1)
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    q = torch.round(groups * inverse).clamp(-127, 127).to(torch.int8)  # (N, G, g)
+    return q.reshape(N, K), scale.squeeze(2).to(weight.dtype)
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,12 +282,75 @@ class Int8Linear(QuantizedLinear):
             y = torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.weight, self.scales(dtype))  # (M, N)
         return y if bias is None else y + bias
 
-    def dequantized(self) -> torch.Tensor:
-        """The (N, K) float32 weight this layer multiplies by."""
-        return self.scale.float()[:, None] * self.weight.float()
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weight this layer multiplies by, in `dtype` (float32: exact)."""
+        return self.scale.to(dtype)[:, None] * self.weight.to(dtype)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `idx` (...,) dequantized, in the scales' dtype: (..., K), a table's lookup."""
+        return self.weight[idx].to(self.scale.dtype) * self.scale[idx, None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int8GroupLinear(Int8Linear):
+    """An int8 linear layer with one scale per group of `group_size` consecutive inputs of a row, q8_0's blocks:
+    y = x W^T + bias, W[n, k] = Q[n, k] * scale[n, k // group_size], scale (N, K / group_size).
+
+    What the vocabulary's tables are quantized as (the tied embedding and output head, an untied embedding): a
+    row of such a table is one token's embedding, and a few of the embedding's dimensions run several times larger
+    than the rest, so one scale per row left the rest with a handful of int8 steps (the module docstring).
+    PyTorch's int8 kernel takes one scale per row, so the ways are gptlite's compiled kernel (gptlite.native, which
+    takes group scales) and the dequantized weight."""
+
+    kind = "int8 grouped"
+    ways = ("dequantize",)
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, scale, bias)
+        self.group_size = self.in_features // scale.size(1)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = TABLE_GROUP_SIZE) -> Int8GroupLinear:
+        return cls(*quantize_int8_groups(linear.weight, group_size), linear.bias)
+
+    @classmethod
+    def random(cls, N: int, K: int) -> Int8GroupLinear:
+        groups = K // TABLE_GROUP_SIZE if K % TABLE_GROUP_SIZE == 0 else 1
+        return cls(torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N, groups) / 127, None)
+
+    @classmethod
+    def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
+        """gptlite's compiled kernel where it was built and takes the layer's input width, and the dequantized
+        weight."""
+        if compiled and native.fits(in_features) and native.load():
+            return (*cls.compiled_ways, *cls.ways)
+        return cls.ways
+
+    def why_not(self, way: str) -> str:
+        if way in self.compiled_ways:
+            return native.why_not(self.in_features)
+        return "PyTorch's int8 kernel takes one scale per row, and this layer has one per group of inputs"
+
+    def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if way == "native" and rows.size(0) <= NATIVE_MAX_ROWS:  # more rows: a GEMM that reads the weight once
+            x = rows.to(torch.float32).contiguous()
+            bias = None if bias is None else bias.to(torch.float32)
+            return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)  # (M, N)
+        return F.linear(rows, self.dequantized(rows.dtype), bias)  # (M, N)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        N = self.out_features
+        groups = self.weight.view(N, -1, self.group_size).to(dtype)  # (N, G, g)
+        return (groups * self.scale.to(dtype)[:, :, None]).view(N, self.in_features)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        groups = self.weight[idx].view(*idx.shape, -1, self.group_size).to(self.scale.dtype)  # (..., G, g)
+        return (groups * self.scale[idx][..., None]).view(*idx.shape, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
 class Int4Linear(QuantizedLinear):
@@ -348,8 +431,7 @@ class Int8Embedding(nn.Module):
         return self.table if "table" in self._modules else self.head[0]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        table = self._table()
-        return table.weight[idx].to(table.scale.dtype) * table.scale[idx, None]  # (..., C)
+        return self._table().rows(idx)  # (..., C)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -382,27 +464,41 @@ def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[
             f"quantize='int4' runs on the CPU (PyTorch's int4 kernel is a CPU one); the model is on "
             f"{model.lm_head.weight.device.type}: use int8 there, or bfloat16 weights"
         )
-    make = Int8Linear.from_linear if mode == "int8" else partial(int4_or_int8, group_size=group_size)
+    make = int8_rows if mode == "int8" else partial(int4_or_int8, group_size=group_size)
     for block in model.blocks:
         for parent in (block.attn, block.ffn):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, make(child))
+                    setattr(parent, name, make(child.weight, child.bias))
     tied = model.lm_head.weight is model.tok_emb.weight
     embedding = model.tok_emb.weight
-    model.lm_head = make(model.lm_head)
+    make_head = int8_table if mode == "int8" else partial(int4_or_int8, group_size=group_size, int8=int8_table)
+    model.lm_head = make_head(model.lm_head.weight, model.lm_head.bias)
     if tied and isinstance(model.lm_head, Int8Linear):
         model.tok_emb = Int8Embedding(model.lm_head)
     else:
-        model.tok_emb = Int8Embedding(Int8Linear(*quantize_rows(embedding), None), owned=True)  # (V, C) rows
+        model.tok_emb = Int8Embedding(int8_table(embedding), owned=True)  # (V, C) rows
     return model.eval().requires_grad_(False)
 
 
-def int4_or_int8(linear: nn.Linear, group_size: int) -> QuantizedLinear:
-    """`linear` in int4 where the int4 kernel takes its shape, else in int8."""
-    if Int4Linear.fits(linear.weight, group_size):
-        return Int4Linear.from_weight(linear.weight, linear.bias, group_size)
-    return Int8Linear.from_linear(linear)
+def int8_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    """A block's matrix in int8, one scale per output row."""
+    return Int8Linear(*quantize_rows(weight), bias)
+
+
+def int8_table(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    """A vocabulary table (an output head, an embedding) in int8: one scale per group of TABLE_GROUP_SIZE weights
+    (Int8GroupLinear, q8_0's blocks) where its width is a multiple of it, else one per row."""
+    if weight.size(1) % TABLE_GROUP_SIZE == 0:
+        return Int8GroupLinear(*quantize_int8_groups(weight, TABLE_GROUP_SIZE), bias)
+    return int8_rows(weight, bias)
+
+
+def int4_or_int8(weight: torch.Tensor, bias: torch.Tensor | None, group_size: int, int8=int8_rows) -> QuantizedLinear:
+    """The layer in int4 where the int4 kernel takes its shape, else in int8 (made by `int8`)."""
+    if Int4Linear.fits(weight, group_size):
+        return Int4Linear.from_weight(weight, bias, group_size)
+    return int8(weight, bias)
 
 
 def gguf_type_of(model: GPT) -> str:

@@ -31,18 +31,21 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale, bias) -> torch.Tenso
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("N, K", [(1, 16), (5, 48), (203, 192), (64, 768)])
 def test_the_kernels_are_the_naive_sum(ops, rows, N, K):
-    """One row (four accumulators) and tiles of up to eight rows with a remainder; output widths of one row,
-    fewer rows than threads and a count no thread split divides; with and without a bias and a scale."""
+    """One row (four accumulators, or four weight rows side by side) and tiles of up to eight rows with a
+    remainder; output widths of one row, fewer rows than threads and a count no thread split divides; with and
+    without a bias; int8 with one scale per row and one per group of 16 or 32 inputs, or one group the row long."""
     generator = torch.Generator().manual_seed(rows * 1000 + N)
     x = torch.randn(rows, K, generator=generator)
     weight = torch.randn(N, K, generator=generator)
     codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
-    scale = torch.rand(N, generator=generator)
+    scales = [torch.rand(N, generator=generator)]  # (N,)
+    scales += [torch.rand(N, K // group, generator=generator) for group in (16, 32, K) if K % group == 0]  # (N, G)
     for bias in (None, torch.randn(N, generator=generator)):
         got = ops.float_linear(x, weight, bias)
         torch.testing.assert_close(got, reference(x, weight, None, bias), rtol=1e-5, atol=1e-5)
-        got = ops.int8_linear(x, codes, scale, bias)
-        torch.testing.assert_close(got, reference(x, codes, scale, bias), rtol=1e-4, atol=1e-3)
+        for scale in scales:
+            got = ops.int8_linear(x, codes, scale, bias)
+            torch.testing.assert_close(got, native.int8_reference(x, codes, scale, bias), rtol=1e-4, atol=1e-3)
 
 
 def test_the_kernels_split_the_rows_between_any_number_of_threads(ops):
@@ -84,6 +87,10 @@ def test_operands_the_kernels_do_not_take_are_refused_by_name(ops):
         ops.int8_linear(torch.randn(2, 32), torch.randn(8, 32), torch.ones(8), None)
     with pytest.raises(RuntimeError, match="scale must be a contiguous"):
         ops.int8_linear(torch.randn(2, 32), torch.zeros(8, 32, dtype=torch.int8), torch.ones(7), None)
+    with pytest.raises(RuntimeError, match="each a multiple of 16 wide, not G = 4 for K = 32"):
+        ops.int8_linear(torch.randn(2, 32), torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 4), None)
+    with pytest.raises(RuntimeError, match="not G = 3 for K = 32"):
+        ops.int8_linear(torch.randn(2, 32), torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 3), None)
     with pytest.raises(RuntimeError, match="bias must be a contiguous"):
         ops.float_linear(torch.randn(2, 32), torch.randn(8, 32), torch.ones(7))
     assert native.fits(768) and not native.fits(40)

@@ -12,7 +12,14 @@ import sample
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_model
 from gptlite.generate import generate
-from gptlite.quantize import Int4Linear, Int8Linear, quantize_groups, quantize_rows
+from gptlite.quantize import (
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    quantize_groups,
+    quantize_int8_groups,
+    quantize_rows,
+)
 from tests.conftest import DEVICE, randint, run_train, tiny_config, tiny_model
 from tests.test_end_to_end import TINY, char_data  # noqa: F401 (fixture)
 
@@ -39,6 +46,47 @@ def test_int8_linear_is_the_linear_of_its_dequantized_weight():
     torch.testing.assert_close(layer(x), F.linear(x, dequantized, linear.bias), rtol=1e-5, atol=1e-6)
 
 
+def test_vocabulary_tables_are_int8_in_groups_of_32_with_float16_scales():
+    """q8_0's rule: one scale per 32 weights, max|W| / 127 rounded to float16, the codes rounded against it; a
+    dimension far larger than the rest (as an embedding's few are) coarsens its own group only."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * 0.02
+    w[:, 5] *= 30  # an outlier dimension
+    q, scale = quantize_int8_groups(w, 32)
+    assert q.dtype == torch.int8 and scale.shape == (40, 3)
+    assert torch.equal(scale, scale.half().float())  # float16 numbers, as q8_0 stores them
+    codes = q.view(40, 3, 32).float()
+    assert torch.equal(codes.abs().amax(dim=2), torch.full((40, 3), 127.0))  # each group uses its full range
+    dequantized = scale[:, :, None] * codes  # (N, G, g)
+    assert torch.all((w.view(40, 3, 32) - dequantized).abs() <= scale[:, :, None] / 2 + 1e-7)  # round to nearest
+    row_q, row_scale = quantize_rows(w)
+    row_error = (w - row_scale[:, None] * row_q).abs()[:, 32:].mean()
+    group_error = (w - dequantized.view(40, 96)).abs()[:, 32:].mean()
+    assert group_error < row_error / 10, (group_error, row_error)  # the groups without the outlier keep their steps
+    zero_q, zero_scale = quantize_int8_groups(torch.zeros(3, 32), 32)
+    assert not zero_q.any() and not zero_scale.any()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_an_int8_group_layer_is_the_linear_of_its_dequantized_weight_every_way(rows):
+    """Each way this CPU has (the compiled kernel, at most NATIVE_MAX_ROWS rows, and the dequantized weight), with a
+    bias; the lookup of a table's rows is its dequantized rows."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(96, 203)
+    layer = Int8GroupLinear.from_linear(linear)
+    assert layer.scale.shape == (203, 3) and layer.group_size == 32
+    dequantized = (layer.weight.float().view(203, 3, 32) * layer.scale[:, :, None]).view(203, 96)
+    torch.testing.assert_close(layer.dequantized(), dequantized, rtol=0, atol=0)
+    x = torch.randn(rows, 96)
+    want = F.linear(x.double(), dequantized.double(), linear.bias.double()).float()
+    ways = layer.available_ways(layer.in_features)
+    assert "native" in ways and "dequantize" in ways  # CI's machine builds the compiled kernel
+    for way in ways:
+        torch.testing.assert_close(layer.multiply(x, way, layer.bias), want, rtol=1e-4, atol=1e-4)
+    idx = torch.tensor([[0, 5], [202, 5]])
+    torch.testing.assert_close(layer.rows(idx), dequantized[idx], rtol=0, atol=0)
+
+
 def test_quantized_model_keeps_logits_close_and_the_head_tied(variant):
     model = tiny_model(**variant).to(DEVICE).eval()
     idx = randint(97, (2, 20)).to(DEVICE)
@@ -52,6 +100,13 @@ def test_quantized_model_keeps_logits_close_and_the_head_tied(variant):
         assert model.tok_emb.head[0] is model.lm_head  # the embedding reads the head's int8 table
     else:
         assert model.tok_emb.table is not model.lm_head  # an untied embedding has an int8 table of its own
+        assert isinstance(model.tok_emb.table, Int8GroupLinear)
+    assert isinstance(model.lm_head, Int8GroupLinear)  # the vocabulary's tables: groups of 32
+    assert type(model.blocks[0].attn.out_proj) is Int8Linear  # the blocks' matrices: one scale per row
+    torch.testing.assert_close(
+        model.tok_emb(idx),
+        model.lm_head.dequantized()[idx] if model.config.tie_embeddings else model.tok_emb.table.dequantized()[idx],
+    )
     assert all(
         p.dim() < 2 or "pos_emb" in n for n, p in model.named_parameters()
     )  # what stays float: vectors, positions
@@ -237,8 +292,8 @@ def test_an_int4_model_keeps_logits_close_and_decodes_on_its_kv_cache_as_a_full_
         model.quantize("int4")
         logits = model(idx)[0]
     kinds = {type(m).__name__ for m in model.modules()}
-    assert {"Int4Linear", "Int8Linear", "Int8Embedding"} <= kinds and "Linear" not in kinds
-    assert isinstance(model.lm_head, Int8Linear)  # 97 rows: not a multiple of 16
+    assert {"Int4Linear", "Int8GroupLinear", "Int8Embedding"} <= kinds and "Linear" not in kinds
+    assert isinstance(model.lm_head, Int8GroupLinear)  # 97 rows: not a multiple of 16, int8 in groups of 32
     error = (logits - reference).abs().max() / reference.abs().max()
     assert error < 0.15, error
     prompt = [[1, 2, 3, 4, 5]]
@@ -288,6 +343,41 @@ def test_an_int4_model_exports_to_q4_0_bit_for_bit(tmp_path):
         assert np.array_equal(values, state[ours].numpy()), theirs
     with pytest.raises(ValueError, match="a model quantized as q4_0 exports only as q4_0, not --type=q8_0"):
         export_gguf(model, tmp_path / "other.gguf", tokenizer, "q8_0")
+
+
+def test_an_int8_model_exports_its_vocabulary_table_to_q8_0_bit_for_bit(tmp_path):
+    """The tied embedding / head in groups of 32 with float16 scales is q8_0's own blocks: the file's token_embd,
+    read back by the gguf package's reader and dequantizer, is exactly the table the model multiplies by; the blocks'
+    matrices (one scale per row) are rounded again into q8_0's blocks, within one of their steps."""
+    import gguf
+    import numpy as np
+
+    from gptlite.hf.gguf import export_gguf
+    from gptlite.quantize import dequantized_state_dict
+    from gptlite.tokenizer import tokenizer_from_spec
+    from tests.conftest import shared_file
+
+    tokenizer = tokenizer_from_spec(str(shared_file("tokenizers/gpt2.tiktoken")))
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, n_embd=64, ffn="gelu", bias=True)
+    model = GPT(config).eval()  # GPT-2's switches
+    model.quantize("int8")
+    out = export_gguf(model, tmp_path / "m.gguf", tokenizer, "q8_0")
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    state = dequantized_state_dict(model)
+
+    def read(name: str, shape) -> np.ndarray:
+        tensor = tensors[name]
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0, name
+        return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+
+    table = state["lm_head.weight"].numpy()
+    assert np.array_equal(read("token_embd.weight", table.shape), table)
+    matrix = model.blocks[0].attn.out_proj
+    values = read("blk.0.attn_output.weight", (64, 64))
+    assert np.all(
+        np.abs(values - matrix.dequantized().numpy()) <= matrix.scale.numpy()[:, None] * 0.6
+    )  # q8_0's float16 scale: 6% more
 
 
 def test_evaluate_scores_a_quantized_model(char_data, tmp_path):  # noqa: F811

@@ -19,8 +19,9 @@ Types: f32 keeps every tensor in float32; f16 and bf16 store the weight matrices
 positions in float32, as llama.cpp's converter does; q8_0 and q4_0 quantize the matrices with the `gguf` package's
 reference quantizer (blocks of 32; a matrix whose rows are not a multiple of 32 goes in f16). A model gptlite
 quantized itself (gptlite.quantize) exports as the one type its weights are: int4 in groups of 32 as q4_0, the same
-codes and scales bit for bit (q4_0's rule; a scale below float16's normal range loses bits there); int8 as q8_0,
-each block of 32 rounded again (one scale per row is not q8_0's one scale per block).
+codes and scales bit for bit (q4_0's rule; a scale below float16's normal range loses bits there); int8 as q8_0:
+the vocabulary's tables (in groups of 32 with float16 scales, q8_0's rule) bit for bit, the blocks' matrices each
+block of 32 rounded again (one scale per row is not q8_0's one scale per block).
 
     python -m gptlite.hf export --format=gguf --out_dir=RUN --out=FILE.gguf [--type=f32|f16|bf16|q8_0|q4_0]
 """

@@ -203,19 +203,31 @@ def check(path: str) -> None:
     K = 192
     weight = torch.randn(N, K, generator=generator)
     codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
-    scale = torch.rand(N, generator=generator)
+    row_scales = torch.rand(N, generator=generator)
+    group_scales = torch.rand(N, K // 32, generator=generator)  # q8_0's blocks of 32
     bias = torch.randn(N, generator=generator)
     for rows in (1, 3, 8, 13):
         x = torch.randn(rows, K, generator=generator)
         for b in (None, bias):
             reference = torch.nn.functional.linear(x, weight, b)
             torch.testing.assert_close(torch.ops.gptlite.float_linear(x, weight, b), reference, rtol=1e-4, atol=1e-4)
-            reference = torch.nn.functional.linear(x.double(), codes.double()) * scale.double()
-            reference = (reference if b is None else reference + b.double()).float()
-            torch.testing.assert_close(
-                torch.ops.gptlite.int8_linear(x, codes, scale, b), reference, rtol=1e-4, atol=1e-3
-            )
+            for scale in (row_scales, group_scales):
+                reference = int8_reference(x, codes, scale, b)
+                torch.testing.assert_close(
+                    torch.ops.gptlite.int8_linear(x, codes, scale, b), reference, rtol=1e-4, atol=1e-3
+                )
     check_attention(generator)
+
+
+def int8_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What int8_linear computes, in float64: x (M, K) times the weight codes (N, K) each times its scale, one per
+    row (scale (N,)) or one per group of K / G inputs (scale (N, G)), plus bias -> (M, N) float32."""
+    N, K = codes.shape
+    per_input = scale.double().reshape(N, -1).repeat_interleave(K // scale.reshape(N, -1).size(1), dim=1)  # (N, K)
+    y = torch.nn.functional.linear(x.double(), codes.double() * per_input)
+    return (y if bias is None else y + bias.double()).float()
 
 
 def check_attention(generator: torch.Generator) -> None:

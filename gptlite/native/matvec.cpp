@@ -7,6 +7,9 @@
 //
 //   y[m, n] = scale[n] * sum_k x[m, k] * weight[n, k] + bias[n]    (scale 1 for float32 weights)
 //
+//   int8_linear also takes a scale (N, G): each row's K inputs in G groups of K / G, each with its scale,
+//   y[m, n] = sum_k x[m, k] * weight[n, k] * scale[n, k / (K / G)] + bias[n]    (q8_0's blocks, for G = K / 32)
+//
 //   torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head)
 //       qkv (B, 1, (H + 2 KV) D) float32, k_cache and v_cache (B, KV, L, D) -> (B, 1, H D)
 //
@@ -242,6 +245,114 @@ void linear(const float* x, int64_t M, const W* w, int64_t N, int64_t K, const f
     });
 }
 
+// T activation rows (x, rows K apart) times R int8 weight rows w[0..R), each row in groups of `group` consecutive
+// weights with one scale each (scale[r][g], group g). out[r][t * stride] receives weight row r's sum for activation
+// row t. R > 1 walks R rows side by side (one activation row, as `dot_streams`), T > 1 multiplies T activation rows
+// into one weight row while it is in the cache (as `dot_tile`). With one activation row, each group's products are
+// summed and the sum multiplied by the scale (one multiply-add per group); with several, each piece of the weight
+// is multiplied by its scale once and then into every row. Group is the group's width where it is known when this
+// is compiled (q8_0's 32: its loop unrolled), 0 where it is `group`.
+template <int R, int T, int Group>
+void dot_groups(const float* x, const int8_t* const* w, const float* const* scale, int64_t K, int64_t group,
+                float* const* out, int64_t stride) {
+    const int64_t width = Group > 0 ? Group : group;
+    const int64_t groups = K / width;
+    Floats acc[R][T] = {};
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t start = g * width;
+        Floats part[R][T] = {};
+        Floats s[R];
+        for (int r = 0; r < R; r++) {
+            s[r] = Floats{} + scale[r][g];
+        }
+        for (int64_t k = start; k < start + width; k += kLanes) {
+            const bool new_line = k % kLine == 0;
+            for (int r = 0; r < R; r++) {
+                if (new_line) {
+                    prefetch_ahead(w[r] + k, kLine);
+                }
+                if constexpr (T == 1) {
+                    part[r][0] += load(x + k) * load(w[r] + k);
+                } else {
+                    const Floats wk = load(w[r] + k) * s[r];
+                    for (int t = 0; t < T; t++) {
+                        acc[r][t] += load(x + t * K + k) * wk;
+                    }
+                }
+            }
+        }
+        if constexpr (T == 1) {
+            for (int r = 0; r < R; r++) {
+                acc[r][0] += part[r][0] * s[r];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        for (int t = 0; t < T; t++) {
+            out[r][t * stride] = total(acc[r][t]);
+        }
+    }
+}
+
+// `rows` (1 to kTile) activation rows times one int8 weight row in groups: dot_groups for that many rows.
+template <int Group>
+void dot_groups_rows(const float* x, int rows, const int8_t* w, const float* scale, int64_t K, int64_t group,
+                     float* out, int64_t stride) {
+    switch (rows) {
+        case 1: return dot_groups<1, 1, Group>(x, &w, &scale, K, group, &out, stride);
+        case 2: return dot_groups<1, 2, Group>(x, &w, &scale, K, group, &out, stride);
+        case 3: return dot_groups<1, 3, Group>(x, &w, &scale, K, group, &out, stride);
+        case 4: return dot_groups<1, 4, Group>(x, &w, &scale, K, group, &out, stride);
+        case 5: return dot_groups<1, 5, Group>(x, &w, &scale, K, group, &out, stride);
+        case 6: return dot_groups<1, 6, Group>(x, &w, &scale, K, group, &out, stride);
+        case 7: return dot_groups<1, 7, Group>(x, &w, &scale, K, group, &out, stride);
+        default: return dot_groups<1, kTile, Group>(x, &w, &scale, K, group, &out, stride);
+    }
+}
+
+// y (M, N) = x (M, K) @ W^T plus bias[n] where there is one, W's row n being w[n, k] * scale[n, k / group]: the
+// int8 weight in groups of `group` inputs, each with its own scale (scale is (N, K / group)). Cut between threads
+// and walked as `linear` does. Group: dot_groups'.
+template <int Group>
+void linear_groups(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K, const float* scale,
+                   int64_t group, const float* bias, float* y) {
+    const int64_t groups = K / group;
+    at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+        if (M == 1) {
+            const int64_t part = (end - begin) / kStreams;
+            for (int64_t i = 0; i < part; i++) {
+                const int8_t* rows[kStreams];
+                const float* scales[kStreams];
+                float* out[kStreams];
+                for (int s = 0; s < kStreams; s++) {
+                    const int64_t n = begin + s * part + i;
+                    rows[s] = w + n * K;
+                    scales[s] = scale + n * groups;
+                    out[s] = y + n;
+                }
+                dot_groups<kStreams, 1, Group>(x, rows, scales, K, group, out, 0);
+            }
+            for (int64_t n = begin + kStreams * part; n < end; n++) {
+                dot_groups_rows<Group>(x, 1, w + n * K, scale + n * groups, K, group, y + n, 0);
+            }
+        } else {
+            for (int64_t n = begin; n < end; n++) {
+                for (int64_t m = 0; m < M; m += kTile) {
+                    const int rows = static_cast<int>(M - m < kTile ? M - m : kTile);
+                    dot_groups_rows<Group>(x + m * K, rows, w + n * K, scale + n * groups, K, group, y + m * N + n, N);
+                }
+            }
+        }
+        if (bias != nullptr) {
+            for (int64_t n = begin; n < end; n++) {
+                for (int64_t m = 0; m < M; m++) {
+                    y[m * N + n] += bias[n];
+                }
+            }
+        }
+    });
+}
+
 void check_operands(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
     TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "gptlite linear: x must be a (..., K) float32 CPU tensor");
@@ -286,15 +397,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                        const std::optional<at::Tensor>& bias) {
     check_operands(x, weight, bias);
     TORCH_CHECK(weight.scalar_type() == at::kChar, "gptlite int8_linear: weight must be int8");
-    TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0) && scale.is_contiguous() &&
-                    scale.scalar_type() == at::kFloat,
-                "gptlite int8_linear: scale must be a contiguous (N,) float32 tensor");
-    const at::Tensor rows = x.contiguous();
     const int64_t N = weight.size(0);
     const int64_t K = weight.size(1);
+    TORCH_CHECK((scale.dim() == 1 || scale.dim() == 2) && scale.size(0) == N && scale.is_contiguous() &&
+                    scale.scalar_type() == at::kFloat,
+                "gptlite int8_linear: scale must be a contiguous (N,) or (N, G) float32 tensor");
+    const at::Tensor rows = x.contiguous();
     at::Tensor y = output_for(x, N);
-    linear<int8_t>(rows.data_ptr<float>(), rows.numel() / K, weight.data_ptr<int8_t>(), N, K,
-                   scale.data_ptr<float>(), bias_data(bias), y.data_ptr<float>());
+    if (scale.dim() == 1) {  // one scale per row
+        linear<int8_t>(rows.data_ptr<float>(), rows.numel() / K, weight.data_ptr<int8_t>(), N, K,
+                       scale.data_ptr<float>(), bias_data(bias), y.data_ptr<float>());
+        return y;
+    }
+    const int64_t groups = scale.size(1);
+    TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % kMultiple == 0, "gptlite int8_linear: a scale (N, G) must cut a row's K inputs into G equal groups, "
+                "each a multiple of ", kMultiple, " wide, not G = ", groups, " for K = ", K);
+    const auto multiply = K / groups == 32 ? linear_groups<32> : linear_groups<0>;  // q8_0's blocks unrolled
+    multiply(rows.data_ptr<float>(), rows.numel() / K, weight.data_ptr<int8_t>(), N, K, scale.data_ptr<float>(),
+             K / groups, bias_data(bias), y.data_ptr<float>());
     return y;
 }
 
