@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8", "int4"): declared with --quantize's choices
 INT4_GROUP_SIZES = (32, 64, 128)  # 32 is q4_0's block
 TABLE_GROUP_SIZE = 32  # the int8 vocabulary tables' groups (Int8GroupLinear): q8_0's block
+# the int8 tables' dequantizing way converts this many weights at a time: 2 MiB of float32, within a core's L2 cache
+CHUNK_WEIGHTS = 1 << 19
 INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output rows in blocks of 16
 # _weight_int8pack_mm reads past its operands (a segmentation fault, torch 2.13 on an Intel Xeon) on several rows of
 # an input width that is not a multiple of 16: such layers take the dequantized way
@@ -305,7 +307,7 @@ class Int8GroupLinear(Int8Linear):
     takes group scales) and the dequantized weight."""
 
     kind = "int8 grouped"
-    ways = ("dequantize",)
+    ways = ("chunks", "dequantize")  # dequantize last: what other devices run
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight, scale, bias)
@@ -323,7 +325,7 @@ class Int8GroupLinear(Int8Linear):
     @classmethod
     def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
         """gptlite's compiled kernel where it was built and takes the layer's input width, and the dequantized
-        weight."""
+        weight (in chunks of rows, or whole)."""
         if compiled and native.fits(in_features) and native.load():
             return (*cls.compiled_ways, *cls.ways)
         return cls.ways
@@ -334,11 +336,30 @@ class Int8GroupLinear(Int8Linear):
         return "PyTorch's int8 kernel takes one scale per row, and this layer has one per group of inputs"
 
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if way == "native" and rows.size(0) <= NATIVE_MAX_ROWS:  # more rows: a GEMM that reads the weight once
+        if way == "native" and rows.size(0) <= NATIVE_MAX_ROWS:
             x = rows.to(torch.float32).contiguous()
             bias = None if bias is None else bias.to(torch.float32)
             return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)  # (M, N)
-        return F.linear(rows, self.dequantized(rows.dtype), bias)  # (M, N)
+        if way == "dequantize":
+            return F.linear(rows, self.dequantized(rows.dtype), bias)  # (M, N)
+        return self.multiply_in_chunks(rows, bias)  # chunks, or a prompt past the compiled kernel's rows
+
+    def multiply_in_chunks(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows (M, K) times the weight dequantized CHUNK_WEIGHTS weights at a time into one buffer that stays in
+        the cache, each chunk's outputs a GEMM: on the CPU, the whole dequantized weight (the vocabulary's table:
+        150 MB of float32 for GPT-2) is fresh memory written and read again at every call, many times slower."""
+        N = self.out_features
+        K = self.in_features
+        step = max(1, CHUNK_WEIGHTS // K)  # rows a chunk
+        out = rows.new_empty(rows.size(0), N)  # (M, N)
+        buffer = rows.new_empty(step, K // self.group_size, self.group_size)  # (step, G, g)
+        for start in range(0, N, step):
+            end = min(N, start + step)
+            chunk = buffer[: end - start]
+            chunk.copy_(self.weight[start:end].view(chunk.shape))  # int8 -> the activations' dtype
+            chunk.mul_(self.scale[start:end, :, None])
+            torch.mm(rows, chunk.view(-1, K).t(), out=out[:, start:end])  # (M, end - start)
+        return out if bias is None else out + bias
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         N = self.out_features
