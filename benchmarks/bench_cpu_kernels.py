@@ -2,7 +2,8 @@
 choose (`gptlite.cpu_decode.measure` for the float32 kernels, `Int8Linear.measure` for the int8 ways: copies of a
 random weight spanning more memory than the caches, called in turn, the fastest of 5 rounds), at one row (decoding
 one sequence) and at eight (a batch), with the time of a whole token's matrices (12 blocks and the head) and the
-rate each streams the weight's bytes at. The kernels gptlite.native could not build here are left out.
+rate each streams the weight's bytes at; and the int8 head as `quantize("int8")` makes it, a scale per 32 weights
+(`Int8GroupLinear.measure`). The kernels gptlite.native could not build here are left out.
 
     python benchmarks/bench_cpu_kernels.py [--rows=1,8]
 """
@@ -50,7 +51,7 @@ def run(args: Options) -> int:
     import torch
 
     from gptlite.cpu_decode import measure
-    from gptlite.quantize import Int8Linear
+    from gptlite.quantize import Int8GroupLinear, Int8Linear
 
     print(machine_line(), flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -59,6 +60,9 @@ def run(args: Options) -> int:
         print(table(rows, "float32", floats, 4), flush=True)
         int8 = {name: Int8Linear.measure(shape, rows) for name, shape in SHAPES.items()}
         print(table(rows, "int8", int8, 1), flush=True)
+        grouped = Int8GroupLinear.measure(SHAPES["head"], rows)  # what quantize("int8") makes of the head
+        ways = ", ".join(f"{way} {seconds * 1e6:,.0f} us" for way, seconds in grouped.items())
+        print(f"int8 head with a scale per 32 weights (the vocabulary table), {rows} rows: {ways}", flush=True)
     return 0
 
 
