@@ -44,6 +44,7 @@ runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -515,7 +516,12 @@ def int8_table(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Li
     return int8_rows(weight, bias)
 
 
-def int4_or_int8(weight: torch.Tensor, bias: torch.Tensor | None, group_size: int, int8=int8_rows) -> QuantizedLinear:
+def int4_or_int8(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    int8: Callable[[torch.Tensor, torch.Tensor | None], Int8Linear] = int8_rows,
+) -> QuantizedLinear:
     """The layer in int4 where the int4 kernel takes its shape, else in int8 (made by `int8`)."""
     if Int4Linear.fits(weight, group_size):
         return Int4Linear.from_weight(weight, bias, group_size)
