@@ -317,6 +317,31 @@ def test_int4_needs_the_cpu_and_a_group_size_it_takes():
         model.quantize("int4")
 
 
+def gpt2_tokenizer():
+    from gptlite.tokenizer import tokenizer_from_spec
+    from tests.conftest import shared_file
+
+    return tokenizer_from_spec(str(shared_file("tokenizers/gpt2.tiktoken")))
+
+
+def exported(mode: str, kind: str, tmp_path) -> tuple[GPT, dict, dict]:
+    """A one-block model of GPT-2's switches (vocabulary 50,304, 64 wide) quantized as `mode` and exported as a
+    GGUF file of `kind`: (the model, the file's tensors by name as the gguf package reads them back, the model's
+    dequantized float state dict)."""
+    import gguf
+
+    from gptlite.hf.gguf import export_gguf
+    from gptlite.quantize import dequantized_state_dict
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, n_embd=64, ffn="gelu", bias=True)
+    model = GPT(config).eval()
+    model.quantize(mode)
+    out = export_gguf(model, tmp_path / "m.gguf", gpt2_tokenizer(), kind)
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    return model, tensors, dequantized_state_dict(model)
+
+
 def test_an_int4_model_exports_to_q4_0_bit_for_bit(tmp_path):
     """A group-32 int4 model's GGUF file holds its q4_0 blocks: llama.cpp's file read back by the gguf package's own
     reader and dequantizer gives exactly the weights the model multiplies by."""
@@ -324,18 +349,8 @@ def test_an_int4_model_exports_to_q4_0_bit_for_bit(tmp_path):
     import numpy as np
 
     from gptlite.hf.gguf import export_gguf
-    from gptlite.quantize import dequantized_state_dict
-    from gptlite.tokenizer import tokenizer_from_spec
-    from tests.conftest import shared_file
 
-    tokenizer = tokenizer_from_spec(str(shared_file("tokenizers/gpt2.tiktoken")))
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, n_embd=64, ffn="gelu", bias=True)
-    model = GPT(config).eval()  # GPT-2's switches
-    model.quantize("int4")
-    out = export_gguf(model, tmp_path / "m.gguf", tokenizer, "q4_0")
-    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
-    state = dequantized_state_dict(model)
+    model, tensors, state = exported("int4", "q4_0", tmp_path)
     pairs = {"blk.0.attn_output.weight": "blocks.0.attn.out_proj.weight", "output.weight": "lm_head.weight"}
     pairs["blk.0.ffn_down.weight"] = "blocks.0.ffn.out_proj.weight"
     for theirs, ours in pairs.items():
@@ -344,29 +359,18 @@ def test_an_int4_model_exports_to_q4_0_bit_for_bit(tmp_path):
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(state[ours].shape)
         assert np.array_equal(values, state[ours].numpy()), theirs
     with pytest.raises(ValueError, match="a model quantized as q4_0 exports only as q4_0, not --type=q8_0"):
-        export_gguf(model, tmp_path / "other.gguf", tokenizer, "q8_0")
+        export_gguf(model, tmp_path / "other.gguf", gpt2_tokenizer(), "q8_0")
 
 
 def test_an_int8_model_exports_its_vocabulary_table_to_q8_0_bit_for_bit(tmp_path):
     """The tied embedding / head in groups of 32 with float16 scales is q8_0's own blocks: the file's token_embd,
     read back by the gguf package's reader and dequantizer, is exactly the table the model multiplies by; the blocks'
-    matrices (one scale per row) are rounded again into q8_0's blocks, within one of their steps."""
+    matrices (one scale per row) are rounded again into q8_0's blocks, within one of their steps and the 6% that
+    q8_0's float16 scale may add."""
     import gguf
     import numpy as np
 
-    from gptlite.hf.gguf import export_gguf
-    from gptlite.quantize import dequantized_state_dict
-    from gptlite.tokenizer import tokenizer_from_spec
-    from tests.conftest import shared_file
-
-    tokenizer = tokenizer_from_spec(str(shared_file("tokenizers/gpt2.tiktoken")))
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, n_embd=64, ffn="gelu", bias=True)
-    model = GPT(config).eval()  # GPT-2's switches
-    model.quantize("int8")
-    out = export_gguf(model, tmp_path / "m.gguf", tokenizer, "q8_0")
-    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
-    state = dequantized_state_dict(model)
+    model, tensors, state = exported("int8", "q8_0", tmp_path)
 
     def read(name: str, shape) -> np.ndarray:
         tensor = tensors[name]
@@ -376,10 +380,8 @@ def test_an_int8_model_exports_its_vocabulary_table_to_q8_0_bit_for_bit(tmp_path
     table = state["lm_head.weight"].numpy()
     assert np.array_equal(read("token_embd.weight", table.shape), table)
     matrix = model.blocks[0].attn.out_proj
-    values = read("blk.0.attn_output.weight", (64, 64))
-    assert np.all(
-        np.abs(values - matrix.dequantized().numpy()) <= matrix.scale.numpy()[:, None] * 0.6
-    )  # q8_0's float16 scale: 6% more
+    error = np.abs(read("blk.0.attn_output.weight", (64, 64)) - matrix.dequantized().numpy())
+    assert np.all(error <= matrix.scale.numpy()[:, None] * 0.6)
 
 
 def test_evaluate_scores_a_quantized_model(char_data, tmp_path):  # noqa: F811
