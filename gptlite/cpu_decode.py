@@ -30,7 +30,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -288,22 +288,63 @@ def read_choices(path: Path) -> dict[str, dict[str, str]]:
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its weights' state, layout, view)
 
 
+def called_directly(module: nn.Module) -> nn.Module:
+    """A module the view made or copied (never one of the model's own), changed to be called as a plain function:
+    its class becomes a subclass whose `__call__` is its `forward` (nn.Module's call looks for hooks to run first),
+    and its submodules and parameters become plain attributes of it (nn.Module finds them in Python, through
+    `__getattr__`, at every access). A decode step makes a few hundred such calls and accesses, and the first after
+    each matrix runs with the caches full of weights: together they were 3-7% of a GPT-2 step on the Intel Xeon
+    (docs/generation.md). Buffers stay nn.Module's (a module may replace one, as a position table grows, which the
+    view would not see), and so does a module with hooks, its own or every module's, so that they run (the view is
+    made again when hooks are added or removed: `hook_state`)."""
+    if hook_count(module) or global_hook_count():
+        return module
+    module.__class__ = direct_class(type(module))
+    module.__dict__.update(module._modules)
+    module.__dict__.update(module._parameters)
+    return module
+
+
+def hook_count(module: nn.Module) -> int:
+    """The hooks nn.Module's call runs around `module`'s forward (a copy shares the model's module's)."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return sum(len(table) for table in hooks)
+
+
+def global_hook_count() -> int:
+    """The hooks registered to run around every module's forward (torch.nn.modules.module's)."""
+    from torch.nn.modules import module as torch_module
+
+    return len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks)
+
+
+def hook_state(model: nn.Module) -> tuple[int, ...]:
+    """Where hooks are registered, for the kept view to be made again when that changes."""
+    return (global_hook_count(), *(hook_count(m) for m in model.modules()))
+
+
+@cache
+def direct_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` under its own name, called straight through to its forward."""
+    return type(cls.__name__, (cls,), {"__call__": cls.forward, "__module__": cls.__module__})
+
+
 def packed_for_cpu(model: GPT, rows: int) -> GPT:
     """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the
     nn.Linear layers of at least PACK_MIN_WEIGHTS weights, which become the kernel measured fastest for their
     shape at one row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are
     left as they are. Where gptlite's compiled kernels are loaded, the attention layers that can
     (`one_call_attention`) become gptlite.model's NativeAttention (a decode step's attention in one call), quantized
-    models' too. The
-    view is kept for the next call (the slabs and packed copies cost up to as much memory as the linear
-    weights) and made again when the weights or the thread count change. Each time, the weights are first backed
-    by huge pages where Linux can (gptlite.device.huge_pages). Other devices and dtypes, and builds without oneDNN,
-    get the model itself."""
+    models' too. The modules the view makes or copies (the ones above, the modules that hold them, and the norms,
+    whose class says `views_may_copy`) are called directly (`called_directly`). The view is kept for the next call
+    (the slabs and packed copies cost up to as much memory as the linear weights) and made again when the weights,
+    the hooks or the thread count change. Each time, the weights are first backed by huge pages where Linux can
+    (gptlite.device.huge_pages). Other devices and dtypes, and builds without oneDNN, get the model itself."""
     weight = model.tok_emb.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return model
     layout = (1 if rows == 1 else 8, torch.get_num_threads())
-    state = (model.training, *((p.data_ptr(), p._version) for p in model.parameters()))
+    state = (model.training, hook_state(model), *((p.data_ptr(), p._version) for p in model.parameters()))
     kept = _packed.get(model)
     if kept is not None and kept[:2] == (state, layout):
         return kept[2]
@@ -319,13 +360,15 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
         return one_call_attention(module) if compiled else None
 
     def changes(module: nn.Module) -> bool:
-        return any(packs(m) or attends_in_one_call(m) is not None for m in module.modules())
+        copied = getattr(module, "views_may_copy", False)  # called at every layer: worth calling directly
+        return copied or any(packs(m) or attends_in_one_call(m) is not None for m in module.modules())
 
     def view(module: nn.Module) -> nn.Module:
         if packs(module):
-            return make_kernel(choose_kernel(tuple(module.weight.shape), layout[0]), module, layout[0])
+            kernel = make_kernel(choose_kernel(tuple(module.weight.shape), layout[0]), module, layout[0])
+            return called_directly(kernel)
         if type(module) is nn.Dropout and not module.training:
-            return nn.Identity()  # what it computes in eval mode, without its call's few microseconds
+            return called_directly(nn.Identity())  # what it computes in eval mode
         if not changes(module):
             return module  # shared as it is
         clone = copy.copy(module)  # the same parameters and buffers; its own table of submodules
@@ -333,7 +376,7 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
         variant = attends_in_one_call(module)
         if variant is not None:
             clone.__class__ = variant
-        return clone
+        return called_directly(clone)
 
     if not changes(model):
         return model  # nothing kept: a page already huge takes microseconds to check

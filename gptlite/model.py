@@ -222,6 +222,8 @@ POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "ro
 class LayerNorm(nn.LayerNorm):
     """Layer normalisation (Ba et al., 2016), with a bias only if config.bias."""
 
+    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.cpu_decode's view)
+
     def __init__(self, config: GPTConfig):
         super().__init__(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
@@ -230,6 +232,8 @@ class RMSNorm(nn.Module):
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight (+ bias if
     config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does; without a
     weight or a bias where config.norm_weight is false (nanochat)."""
+
+    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.cpu_decode's view)
 
     def __init__(self, config: GPTConfig, dim: int | None = None, bias: bool | None = None):
         super().__init__()

@@ -470,8 +470,11 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     view = packed_for_cpu(model, 1)
     assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
     assert linears and all(isinstance(view.get_submodule(name), SlabLinear) for name in linears)
-    assert view.pos_emb is model.pos_emb and view.blocks[0].attn_norm is model.blocks[0].attn_norm
-    assert type(view.blocks[0].ffn.drop) is torch.nn.Identity  # dropout in eval mode, without the call
+    assert view.pos_emb is model.pos_emb  # shared as it is
+    norm = view.blocks[0].attn_norm  # a copy called directly, on the model's own parameters
+    assert norm is not model.blocks[0].attn_norm and norm.weight is model.blocks[0].attn_norm.weight
+    assert isinstance(norm, type(model.blocks[0].attn_norm)) and type(norm).__call__ is type(norm).forward
+    assert isinstance(view.blocks[0].ffn.drop, torch.nn.Identity)  # dropout in eval mode, without the call
     assert dict(view.named_parameters()).keys() <= dict(model.named_parameters()).keys()
     idx, one = randint(97, (3, 9)), randint(97, (1, 1))  # a prompt (F.linear) and one decoded row (the slabs)
     batch = packed_for_cpu(model, 4)
@@ -491,6 +494,39 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     finally:
         torch.set_num_threads(threads)
     assert packed_for_cpu(model.to(torch.bfloat16), 1) is model
+
+
+def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch):
+    """The view's own modules skip nn.Module's call, but a module with a hook, or a model under hooks registered for
+    every module, keeps it: the hooks run, and registering or removing one makes the view again."""
+    import gptlite.cpu_decode
+    from gptlite.cpu_decode import packed_for_cpu
+    from gptlite.model import Block
+
+    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    model = tiny_model().eval()
+    idx = randint(97, (2, 5))
+    with torch.no_grad():
+        want = model(idx)[0]
+        direct = packed_for_cpu(model, 1)
+        assert type(direct.blocks[0]).__call__ is Block.forward
+        torch.testing.assert_close(direct(idx)[0], want)
+        calls = []
+        handle = model.blocks[0].register_forward_hook(lambda module, args, out: calls.append(type(module)))
+        hooked = packed_for_cpu(model, 1)
+        assert hooked is not direct and type(hooked.blocks[1]).__call__ is Block.forward
+        torch.testing.assert_close(hooked(idx)[0], want)
+        assert calls == [Block]  # the view's copy of the block, with the model's hook
+        handle.remove()
+        assert type(packed_for_cpu(model, 1).blocks[0]).__call__ is Block.forward
+        seen = set()
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, a, o: seen.add(type(module)))
+        try:
+            everywhere = packed_for_cpu(model, 1)
+            everywhere(idx)
+        finally:
+            handle.remove()
+        assert Block in seen and type(everywhere).__call__ is torch.nn.Module.__call__
 
 
 def test_each_cpu_kernel_computes_the_linear_and_is_measured(monkeypatch):

@@ -256,7 +256,7 @@ def test_native_attention_decodes_what_the_models_own_attention_does(ops, overri
     with torch.no_grad():
         for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]):
             view = packed_for_cpu(model, len(rows))
-            assert all(type(block.attn) is NativeAttention for block in view.blocks)
+            assert all(isinstance(block.attn, NativeAttention) for block in view.blocks)
             ours = new_cache(view, len(rows), 30)
             theirs = new_cache(model, len(rows), 30)
             got = prefill(view, ours, rows)
