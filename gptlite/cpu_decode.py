@@ -293,7 +293,7 @@ def called_directly(module: nn.Module) -> nn.Module:
     its class becomes a subclass whose `__call__` is its `forward` (nn.Module's call looks for hooks to run first),
     and its submodules and parameters become plain attributes of it (nn.Module finds them in Python, through
     `__getattr__`, at every access). A decode step makes a few hundred such calls and accesses, and the first after
-    each matrix runs with the caches full of weights: together they were 3-7% of a GPT-2 step on the Intel Xeon
+    each matrix runs with the caches full of weights: together a few per cent of a GPT-2 step on the Intel Xeon
     (docs/generation.md). Buffers stay nn.Module's (a module may replace one, as a position table grows, which the
     view would not see), and so does a module with hooks, its own or every module's, so that they run (the view is
     made again when hooks are added or removed: `hook_state`)."""
