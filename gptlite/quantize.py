@@ -274,16 +274,21 @@ class Int8Linear(QuantizedLinear):
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if way == "native" and rows.size(0) > NATIVE_MAX_ROWS:  # a prompt: a GEMM that reads the weight once
             way = "dequantize"
-        if way == "native":  # the kernel adds the bias as it writes each output
-            x = rows.to(torch.float32).contiguous()
-            bias = None if bias is None else bias.to(torch.float32)
-            return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)  # (M, N)
+        if way == "native":
+            return self.multiply_natively(rows, bias)
         if way == "dequantize":
             y = F.linear(rows, self.weight.to(rows.dtype)) * self.scale.to(rows.dtype)  # (M, N)
         else:
             dtype = ACTIVATIONS[way]
             y = torch.ops.aten._weight_int8pack_mm(rows.to(dtype), self.weight, self.scales(dtype))  # (M, N)
         return y if bias is None else y + bias
+
+    def multiply_natively(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows (M, K) through gptlite's compiled kernel, in float32, whatever the layer's scales (per row or per
+        group); the kernel adds the bias as it writes each output: (M, N)."""
+        x = rows.to(torch.float32).contiguous()
+        bias = None if bias is None else bias.to(torch.float32)
+        return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (N, K) weight this layer multiplies by, in `dtype` (float32: exact)."""
@@ -338,9 +343,7 @@ class Int8GroupLinear(Int8Linear):
 
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if way == "native" and rows.size(0) <= NATIVE_MAX_ROWS:
-            x = rows.to(torch.float32).contiguous()
-            bias = None if bias is None else bias.to(torch.float32)
-            return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)  # (M, N)
+            return self.multiply_natively(rows, bias)
         if way == "dequantize":
             return F.linear(rows, self.dequantized(rows.dtype), bias)  # (M, N)
         return self.multiply_in_chunks(rows, bias)  # chunks, or a prompt past the compiled kernel's rows
