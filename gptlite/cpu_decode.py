@@ -16,7 +16,10 @@ then.
 
 Where the compiled kernels are loaded, a decode step's attention (the token's keys and values written into the
 cache, and its heads attending over it) runs in one call of theirs too (gptlite.model's `NativeAttention`): through
-PyTorch it took a dozen operator calls a layer, which on a small model cost more than its weights took to stream.
+PyTorch it took a dozen operator calls a layer, which on a small model cost more than its weights took to stream. And
+where each matrix of a block takes the compiled kernel, the block's whole decode step does (`NativeBlock`: norms,
+matrices, attention, activation and residual additions in one call), sparing the operator calls between its
+matrices.
 
 GPTLITE_CPU_LINEAR=slab|packed|linear|native forces one kernel for every layer (to compare them, or when a
 measurement went wrong); deleting the file measures again.
@@ -126,17 +129,15 @@ class NativeLinear(nn.Module):
         return torch.ops.gptlite.float_linear(x, self.weight, self.bias)  # (..., N)
 
 
-# the compiled float32 kernel reads each weight once per 8 rows (matvec.cpp's kTile); for GPT-2 124M's matrices on
-# the 2-core Intel Xeon it took 32 ms at 8 rows against F.linear's 62, but 61 ms at 16 rows against 48 and 1,067 ms
-# at 256 against 267
-NATIVE_MAX_ROWS = 8
+NATIVE_MAX_ROWS = native.MAX_ROWS  # past it, the compiled float32 kernel reads each weight again per 8 rows
 
 
-def one_call_attention(module: nn.Module) -> type[nn.Module] | None:
-    """The class whose decode steps run in one call of gptlite's compiled kernel that attention layer `module` can
-    become (gptlite.model's NativeAttention), as the layer itself answers (`one_call_variant`): None for other
-    modules, and for attention that the kernel does not compute (rotary positions, q/k norms, windows). Asked, not
-    imported: gptlite.model imports generation, which imports this module."""
+def one_call_variant(module: nn.Module) -> type[nn.Module] | None:
+    """The class whose decode steps run in one call of gptlite's compiled kernels that `module` can become, as the
+    module itself answers (its `one_call_variant`): gptlite.model's NativeAttention for an attention layer,
+    NativeBlock for a block; None for other modules, and for what the kernels do not compute (rotary positions, q/k
+    norms, windows, other norms or activations). Asked, not imported: gptlite.model imports generation, which imports
+    this module."""
     variant = getattr(module, "one_call_variant", None)
     return None if variant is None else variant()
 
@@ -330,15 +331,16 @@ def direct_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def packed_for_cpu(model: GPT, rows: int) -> GPT:
-    """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the
-    nn.Linear layers of at least PACK_MIN_WEIGHTS weights, which become the kernel measured fastest for their
-    shape at one row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are
-    left as they are. Where gptlite's compiled kernels are loaded, the attention layers that can
-    (`one_call_attention`) become gptlite.model's NativeAttention (a decode step's attention in one call), quantized
-    models' too. The modules the view makes or copies (the ones above, the modules that hold them, and the norms,
-    whose class says `views_may_copy`) are called directly (`called_directly`). The view is kept for the next call
-    (the slabs and packed copies cost up to as much memory as the linear weights) and made again when the weights,
-    the hooks or the thread count change. Each time, the weights are first backed by huge pages where Linux can
+    """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the nn.Linear
+    layers of at least PACK_MIN_WEIGHTS weights, which become the kernel measured fastest for their shape at one
+    row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are left as they
+    are. Where gptlite's compiled kernels are loaded, the attention layers that can (`one_call_variant`) become
+    gptlite.model's NativeAttention (a decode step's attention in one call), quantized models' too, and the blocks
+    that can and whose four matrices all took the compiled kernel become NativeBlock (a block's decode step in one
+    call). The modules the view makes or copies (the ones above, the modules that hold them, and the norms, whose
+    class says `views_may_copy`) are called directly (`called_directly`). The view is kept for the next call (the
+    slabs and packed copies cost up to as much memory as the linear weights) and made again when the weights, the
+    hooks or the thread count change. Each time, the weights are first backed by huge pages where Linux can
     (gptlite.device.huge_pages). Other devices and dtypes, and builds without oneDNN, get the model itself."""
     weight = model.tok_emb.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
@@ -356,12 +358,20 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
         # exactly nn.Linear: a LoRA layer (a subclass) packed as one would lose its adapters
         return type(module) is nn.Linear and module.weight.numel() >= PACK_MIN_WEIGHTS
 
-    def attends_in_one_call(module: nn.Module) -> type[nn.Module] | None:
-        return one_call_attention(module) if compiled else None
+    def runs_in_one_call(module: nn.Module) -> type[nn.Module] | None:
+        return one_call_variant(module) if compiled else None
 
     def changes(module: nn.Module) -> bool:
         copied = getattr(module, "views_may_copy", False)  # called at every layer: worth calling directly
-        return copied or any(packs(m) or attends_in_one_call(m) is not None for m in module.modules())
+        return copied or any(packs(m) or runs_in_one_call(m) is not None for m in module.modules())
+
+    def multiplies_natively(variant: type[nn.Module], original: nn.Module, clone: nn.Module) -> bool:
+        # a block step multiplies the block's float32 weights itself: only where each of its matrices was to take
+        # the compiled kernel (not a quantized layer, a LoRA'd one, or one measured faster another way), no hook
+        # waits on a module it would not call, and nothing is dropped out (it computes eval mode's block)
+        native = all(isinstance(layer, NativeLinear) for layer in variant.matrices(clone))
+        hooked = global_hook_count() or any(hook_count(m) for m in original.modules())
+        return native and not hooked and not original.training
 
     def view(module: nn.Module) -> nn.Module:
         if packs(module):
@@ -373,8 +383,9 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
             return module  # shared as it is
         clone = copy.copy(module)  # the same parameters and buffers; its own table of submodules
         clone._modules = {name: view(child) for name, child in module._modules.items()}
-        variant = attends_in_one_call(module)
-        if variant is not None:
+        variant = runs_in_one_call(module)
+        multiplies = hasattr(variant, "matrices")  # NativeBlock's step runs the block's matrices
+        if variant is not None and (not multiplies or multiplies_natively(variant, module, clone)):
             clone.__class__ = variant
         return called_directly(clone)
 

@@ -108,10 +108,14 @@ class KVCache:
         at the slot, and its n_head query heads attending over the visible slots -> (B, 1, H D). What `update` and
         gptlite.model's masked_attention do for the step, without a dozen operator calls (gptlite.model's
         NativeAttention)."""
+        return torch.ops.gptlite.cached_attention(qkv, *self.native_slots(layer), scale, n_head)
+
+    def native_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
+        """What the compiled kernels' decode step of layer `layer` takes from the cache (after a `prepare` that set
+        `decode_slot`): its keys and values (B, KV, max_len, D), the slot the token's go to, the span of slots it
+        attends over, and which of them each row sees (B, max_len), None where it sees them all."""
         visible = self.visible if self.padded else None  # (B, max_len)
-        return torch.ops.gptlite.cached_attention(
-            qkv, self.k[layer], self.v[layer], self.decode_slot, self.span, visible, scale, n_head
-        )
+        return self.k[layer], self.v[layer], self.decode_slot, self.span, visible
 
     def previous_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Write idx (B, T) at the prepared slots; each token's previous one (B, T), -1 at position 0 (a row's first

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gptlite import native
 from gptlite.attention_cache import AttentionCache
 from gptlite.config import GPTConfig
 from gptlite.loss import linear_cross_entropy
@@ -223,6 +224,7 @@ class LayerNorm(nn.LayerNorm):
     """Layer normalisation (Ba et al., 2016), with a bias only if config.bias."""
 
     views_may_copy = True  # its state is its parameters and fixed settings (gptlite.cpu_decode's view)
+    native_norm = "layernorm"  # its name in the compiled kernels' block step (NativeBlock)
 
     def __init__(self, config: GPTConfig):
         super().__init__(config.n_embd, eps=config.norm_eps, bias=config.bias)
@@ -234,6 +236,7 @@ class RMSNorm(nn.Module):
     weight or a bias where config.norm_weight is false (nanochat)."""
 
     views_may_copy = True  # its state is its parameters and fixed settings (gptlite.cpu_decode's view)
+    native_norm = "rmsnorm"  # its name in the compiled kernels' block step (NativeBlock), without the unit offset
 
     def __init__(self, config: GPTConfig, dim: int | None = None, bias: bool | None = None):
         super().__init__()
@@ -440,6 +443,8 @@ class SwiGLU(nn.Module):
     """out_proj(silu(W1 x) * W3 x) (Shazeer, 2020, "GLU Variants Improve Transformer").
     W1 and W3 are fused into one matrix `fc`: its first F rows are W1, the last F rows W3."""
 
+    native_activation = "silu_gate"  # its name in the compiled kernels' block step (NativeBlock)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 2 * config.ffn_hidden, bias=config.bias)
@@ -464,6 +469,8 @@ def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
 class GeGLU(SwiGLU):
     """out_proj(gelu(W1 x) * W3 x) with GELU's tanh approximation (Shazeer, 2020; Gemma's feed-forward), fused as
     SwiGLU's: `fc`'s first F rows are W1, the last F rows W3."""
+
+    native_activation = "gelu_gate"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, value = self.fc(x).chunk(2, dim=-1)  # (B, T, F) each
@@ -515,6 +522,8 @@ class GeluMLP(MLP):
     """GPT-2's MLP: out_proj(gelu(fc x)), with GELU's tanh approximation (Hendrycks & Gimpel, 2016) as
     GPT-2 computes it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
 
+    native_activation = "gelu_tanh"  # its name in the compiled kernels' block step (NativeBlock)
+
     @staticmethod
     def activation(h: torch.Tensor) -> torch.Tensor:
         return F.gelu(h, approximate="tanh")
@@ -523,6 +532,8 @@ class GeluMLP(MLP):
 class ReluSquaredMLP(MLP):
     """out_proj(relu(fc x)^2): the squared ReLU of Primer (So et al., 2021, "Primer: Searching for Efficient
     Transformers for Language Modeling", section 4), modded-nanogpt's and nanochat's MLP."""
+
+    native_activation = "relu_squared"  # its name in the compiled kernels' block step (NativeBlock)
 
     @staticmethod
     def activation(h: torch.Tensor) -> torch.Tensor:
@@ -558,6 +569,69 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = torch.add(x, self.attn(self.attn_norm(x), rot, cache, layer, ve), alpha=self.residual_scale)
         return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
+
+    def one_call_variant(self) -> type[Block] | None:
+        """NativeBlock where the compiled kernels' block step computes what this block does: exactly this class,
+        attention whose decode step runs in one call (CausalSelfAttention.one_call_variant), two norms of one kind
+        the step knows (LayerNorm, or RMSNorm without Gemma's unit offset) and a feed-forward whose activation it
+        knows (each of these classes names itself, `native_norm` and `native_activation`: a subclass, which may
+        compute something else, does not inherit the name); else None. gptlite.cpu_decode's view asks each block,
+        and makes it a NativeBlock only where all four of its matrices run through the compiled kernel."""
+        norms = (self.attn_norm, self.ffn_norm)
+        kinds = {type(norm).__dict__.get("native_norm") for norm in norms}
+        plain = (
+            type(self) is Block
+            and self.attn.one_call_variant() is NativeAttention
+            and len(kinds) == 1
+            and None not in kinds
+            and not any(getattr(norm, "unit_offset", False) for norm in norms)
+            and type(self.ffn).__dict__.get("native_activation") is not None
+        )
+        return NativeBlock if plain else None
+
+
+class NativeBlock(Block):
+    """Block whose decode steps run in one call of gptlite's compiled kernels (`torch.ops.gptlite.block_step`,
+    gptlite.native) through a cache that offers them (`native_slots`: sample.py's KVCache): both norms, the four
+    matrices, the attention over the cache, the activation and the residual additions, where through PyTorch a
+    step took twenty-odd operator calls between the matrices, each of which starts with the CPU's caches full of the
+    matrix before's weights (figures: docs/generation.md). Prompts, more rows than the kernels multiply in one pass
+    over a weight (native.MAX_ROWS), and caches without it (the server's RowCache) take Block's way.
+    gptlite.cpu_decode's view of the model makes these, for the blocks whose `one_call_variant` names it."""
+
+    @staticmethod
+    def matrices(block: Block) -> list[nn.Module]:
+        """The linear layers whose weights the step multiplies itself, in its order: qkv, the attention's out_proj,
+        fc and the feed-forward's out_proj (the view makes a block a NativeBlock only where each was to take the
+        compiled kernel)."""
+        return [block.attn.qkv, block.attn.out_proj, block.ffn.fc, block.ffn.out_proj]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if x.size(1) != 1 or x.size(0) > native.MAX_ROWS or getattr(cache, "decode_slot", None) is None:
+            return super().forward(x, rot, cache, layer, ve)
+        attn = self.attn
+        norms = [self.attn_norm.weight, self.attn_norm.bias, self.ffn_norm.weight, self.ffn_norm.bias]
+        layers = self.matrices(self)
+        return torch.ops.gptlite.block_step(
+            x,
+            norms,
+            [layer.weight for layer in layers],
+            [layer.bias for layer in layers],
+            *cache.native_slots(layer),
+            attn.scale or attn.head_dim**-0.5,
+            attn.n_head,
+            self.attn_norm.native_norm,
+            self.attn_norm.eps,
+            self.ffn.native_activation,
+            self.residual_scale,
+        )  # (B, 1, C)
 
 
 class PostNormBlock(Block):

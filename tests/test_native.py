@@ -275,15 +275,171 @@ def test_native_attention_decodes_what_the_models_own_attention_does(ops, overri
             torch.testing.assert_close(ours.k[1], theirs.k[1])
 
 
+@pytest.mark.parametrize("rows, KV", [(1, 4), (3, 2)])
+@pytest.mark.parametrize("biased", [True, False])
+@pytest.mark.parametrize(
+    "norm, activation",
+    [
+        ("layernorm", "gelu_tanh"),
+        ("layernorm", "relu_squared"),
+        ("rmsnorm", "silu_gate"),
+        ("rmsnorm", "gelu_gate"),
+    ],
+)
+def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, biased, rows, KV):
+    """A block's decode step in one call equals the block's math through PyTorch's own operators (the norms,
+    F.linear, SDPA over the cache, the activation, the residual additions scaled), each norm and activation the step
+    knows, with and without biases, one row and three with some slots hidden, grouped heads; the token's keys and
+    values land in their slot."""
+    generator = torch.Generator().manual_seed(len(norm) + len(activation) + rows)
+    operands = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased)
+    x, norms, weights, biases, k_cache, v_cache, slot, visible = operands
+    want, keys, values = native.block_reference(*operands, 0.3, 4, norm, 1e-5, activation, 0.7)
+    got = ops.block_step(
+        x, norms, weights, biases, k_cache, v_cache, slot, slot + 1, visible, 0.3, 4, norm, 1e-5, activation, 0.7
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache, keys, rtol=1e-5, atol=1e-5)  # each the qkv product's, summed its own way
+    torch.testing.assert_close(v_cache, values, rtol=1e-5, atol=1e-5)
+
+
+def test_block_step_refuses_what_it_cannot_take_by_name(ops):
+    generator = torch.Generator().manual_seed(0)
+    x, norms, weights, biases, k_cache, v_cache, slot, visible = native.block_operands(
+        generator, 1, 4, 4, 16, 64, "layernorm", "gelu_tanh", True
+    )
+
+    def step(norm="layernorm", activation="gelu_tanh", **changed):
+        operands = {"norms": norms, "weights": weights, "biases": biases, **changed}
+        ops.block_step(
+            x,
+            operands["norms"],
+            operands["weights"],
+            operands["biases"],
+            k_cache,
+            v_cache,
+            slot,
+            slot + 1,
+            visible,
+            0.3,
+            4,
+            norm,
+            1e-5,
+            activation,
+            1.0,
+        )
+
+    with pytest.raises(RuntimeError, match="norm must be layernorm or rmsnorm, not batchnorm"):
+        step(norm="batchnorm")
+    with pytest.raises(
+        RuntimeError, match="activation must be gelu_tanh, relu_squared, silu_gate or gelu_gate, not tanh"
+    ):
+        step(activation="tanh")
+    with pytest.raises(RuntimeError, match=r"the fc weight must be a contiguous \(64, 64\) float32 CPU tensor"):
+        step(weights=[weights[0], weights[1], weights[2].t().contiguous().t(), weights[3]])
+    with pytest.raises(RuntimeError, match=r"the qkv bias must be a contiguous \(192,\) float32"):
+        step(biases=[biases[0][:100], *biases[1:]])
+    with pytest.raises(RuntimeError, match="4 norm tensors, 4 weights and 4 biases, not 4, 3 and 4"):
+        step(weights=weights[:3])
+    with pytest.raises(RuntimeError, match="gptlite cached_attention: slot 40 and span 41 in a cache of 40"):
+        ops.block_step(
+            x, norms, weights, biases, k_cache, v_cache, 40, 41, None, 0.3, 4, "layernorm", 1e-5, "gelu_tanh", 1.0
+        )
+
+
+BLOCK_MODELS = {
+    "gpt2": {"pos_emb": "learned", "norm": "layernorm", "ffn": "gelu", "bias": True},
+    "default": {},
+    "llama-like, gqa": {"norm": "rmsnorm", "ffn": "swiglu", "n_kv_head": 2, "pos_emb": "sinusoidal"},
+    "relu2, parameter-free norms": {"norm": "rmsnorm", "norm_weight": False, "ffn": "relu2"},
+    "geglu, granite's scales": {"ffn": "geglu", "residual_scale": 0.5, "attn_scale": 0.1},
+}
+
+
+@pytest.mark.parametrize("overrides", list(BLOCK_MODELS.values()), ids=list(BLOCK_MODELS))
+def test_native_blocks_decode_what_the_models_own_blocks_do(ops, monkeypatch, overrides):
+    """Where every matrix of a block takes the compiled kernel, the CPU decode view's blocks are NativeBlocks, and
+    they give the model's own logits step after step: one row, rows of different lengths (left padding, masked),
+    beam search's reordered cache, and more rows than the step takes (Block's way)."""
+    import gptlite.cpu_decode
+    from gptlite.cpu_decode import packed_for_cpu
+    from gptlite.kvcache import decode_step, new_cache, prefill
+    from gptlite.model import NativeBlock
+    from tests.conftest import tiny_model
+
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
+    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    model = tiny_model(**overrides)
+    nine = [[i + 1, i + 2, 3] for i in range(native.MAX_ROWS + 1)]
+    with torch.no_grad():
+        for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]], nine):
+            view = packed_for_cpu(model, len(rows))
+            assert all(type(block).__name__ == "NativeBlock" for block in view.blocks)
+            assert all(isinstance(block, NativeBlock) for block in view.blocks)
+            ours = new_cache(view, len(rows), 30)
+            theirs = new_cache(model, len(rows), 30)
+            got = prefill(view, ours, rows)
+            want = prefill(model, theirs, rows)
+            for step in range(10):
+                token = want.argmax(-1, keepdim=True)  # (B, 1)
+                if step == 5 and len(rows) == 3:  # beam search: each row takes over another's contents
+                    order = torch.tensor([2, 0, 0])
+                    ours.reorder(order)
+                    theirs.reorder(order)
+                ours.prepare(1)
+                theirs.prepare(1)
+                got = decode_step(view, token, ours)
+                want = decode_step(model, token, theirs)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ours.k[1], theirs.k[1])
+
+
+def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
+    """A block whose attention the kernels do not compute, another block kind or norm, a matrix that takes another
+    kernel, a quantized model, a hook on a module of the block, or a model in training mode: its blocks stay
+    Block (and its attention, where it can, NativeAttention)."""
+    import gptlite.cpu_decode
+    from gptlite.cpu_decode import one_call_variant, packed_for_cpu
+    from gptlite.model import NativeBlock
+    from tests.conftest import tiny_model
+
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
+    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+
+    def kinds(model) -> list[str]:
+        return [type(block).__name__ for block in packed_for_cpu(model, 1).blocks]
+
+    assert one_call_variant(tiny_model().blocks[0]) is NativeBlock
+    assert kinds(tiny_model()) == ["NativeBlock", "NativeBlock"]
+    for overrides in (
+        {"pos_emb": "rope"},
+        {"norm_position": "post"},
+        {"norm": "rmsnorm", "norm_unit_offset": True},
+    ):
+        assert one_call_variant(tiny_model(**overrides).blocks[0]) is None, overrides
+        assert "NativeBlock" not in kinds(tiny_model(**overrides)), overrides
+    model = tiny_model()
+    handle = model.blocks[1].ffn.fc.register_forward_hook(lambda module, args, out: None)
+    assert kinds(model) == ["NativeBlock", "Block"]
+    handle.remove()
+    assert kinds(model) == ["NativeBlock", "NativeBlock"]
+    assert kinds(tiny_model().train()) == ["Block", "Block"]
+    assert kinds(tiny_model().quantize("int8")) == ["Block", "Block"]
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "linear")
+    view = packed_for_cpu(tiny_model(), 1)
+    assert [type(block).__name__ for block in view.blocks] == ["Block", "Block"]
+    assert type(view.blocks[0].attn).__name__ == "NativeAttention"
+
+
 def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
     """Rotary positions, norms of q and k, and sliding windows are the model's attention's to compute: their layers
     stay CausalSelfAttention in the view."""
-    from gptlite.cpu_decode import one_call_attention, packed_for_cpu
+    from gptlite.cpu_decode import one_call_variant, packed_for_cpu
     from gptlite.model import NativeAttention
     from tests.conftest import tiny_model
 
-    assert one_call_attention(tiny_model().blocks[0].attn) is NativeAttention
-    assert one_call_attention(tiny_model().blocks[0].ffn) is None
+    assert one_call_variant(tiny_model().blocks[0].attn) is NativeAttention
+    assert one_call_variant(tiny_model().blocks[0].ffn) is None
     for overrides in (
         {"pos_emb": "rope"},
         {"qk_norm": True},

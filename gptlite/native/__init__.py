@@ -1,18 +1,18 @@
 """gptlite's compiled CPU decode kernels (matvec.cpp): built once per CPU, checked in a child process, loaded as
 torch operators.
 
-`load()` makes `torch.ops.gptlite.float_linear`, `torch.ops.gptlite.int8_linear` and
-`torch.ops.gptlite.cached_attention` available and says whether it could. The first call on a machine compiles
-matvec.cpp with the C++ compiler at hand (`$CXX`, else `c++`) against the installed torch, for this CPU's
-instruction set (-march=native), into the build cache (GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache,
-then gptlite/native), which takes seconds; the library is named by a hash of its source, the compiler, torch's
-version and the CPU's features, so a cache shared between machines never runs a library built for another CPU.
-Before the first load, a child process loads the new library and compares its operators with PyTorch's own
-results: a library that crashes (an instruction this CPU lacks, a bad build) takes down that child, never the
-caller, and is not used. Where there is no compiler, the build or the check fails, or GPTLITE_NATIVE=0, `load()`
-says why in one line and returns False, and decoding keeps PyTorch's kernels: the compiled linear kernels are one
-more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a requirement, and attention keeps
-PyTorch's way.
+`load()` makes `torch.ops.gptlite.float_linear`, `torch.ops.gptlite.int8_linear`,
+`torch.ops.gptlite.cached_attention` and `torch.ops.gptlite.block_step` available and says whether it could. The
+first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else `c++`) against the installed
+torch, for this CPU's instruction set (-march=native), into the build cache (GPTLITE_NATIVE_CACHE, default
+$XDG_CACHE_HOME or ~/.cache, then gptlite/native), which takes seconds; the library is named by a hash of its
+source, the compiler, torch's version and the CPU's features, so a cache shared between machines never runs a
+library built for another CPU. Before the first load, a child process loads the new library and compares its
+operators with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a bad build) takes down
+that child, never the caller, and is not used. Where there is no compiler, the build or the check fails, or
+GPTLITE_NATIVE=0, `load()` says why in one line and returns False, and decoding keeps PyTorch's kernels: the
+compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a
+requirement, and attention and blocks keep PyTorch's way.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
 CACHE_ENV = "GPTLITE_NATIVE_CACHE"
 MULTIPLE = 16  # matvec.cpp's kMultiple: a layer's input width must be a multiple of it
+# matvec.cpp's kTile: the float32 kernel multiplies up to this many rows per pass over a weight and reads the weight
+# again for each more, which past it makes PyTorch's GEMM the faster (figures: docs/generation.md)
+MAX_ROWS = 8
 _state: dict[str, object] = {}  # "loaded": bool, "why": the reason it is not
 
 
@@ -153,9 +156,13 @@ def register_shapes() -> None:
     def attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head: int) -> torch.Tensor:
         return qkv.new_empty(qkv.size(0), 1, n_head * k_cache.size(3))  # (B, 1, H D)
 
+    def block(x: torch.Tensor, *operands) -> torch.Tensor:
+        return torch.empty_like(x)  # (B, 1, C)
+
     torch.library.register_fake("gptlite::float_linear", product)
     torch.library.register_fake("gptlite::int8_linear", product)
     torch.library.register_fake("gptlite::cached_attention", attention)
+    torch.library.register_fake("gptlite::block_step", block)
 
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
@@ -217,6 +224,7 @@ def check(path: str) -> None:
                     torch.ops.gptlite.int8_linear(x, codes, scale, b), reference, rtol=1e-4, atol=1e-3
                 )
     check_attention(generator)
+    check_block(generator)
 
 
 def int8_reference(
@@ -275,6 +283,125 @@ def attention_reference(
         q.view(B, n_head, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=scale, enable_gqa=True
     )  # (B, H, 1, D)
     return out.reshape(B, 1, n_head * D), keys, values
+
+
+def check_block(generator: torch.Generator) -> None:
+    """block_step against `block_reference`: GPT-2's block (LayerNorm, GELU, biases) on 3 rows with a mask hiding
+    some slots, and Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale."""
+    cases = [
+        (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0),
+        (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5),
+    ]
+    for B, H, KV, norm, activation, biased, residual_scale in cases:
+        operands = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased)
+        x, norms, weights, biases, k_cache, v_cache, slot, visible = operands
+        want, keys, values = block_reference(*operands, 0.25, H, norm, 1e-5, activation, residual_scale)
+        got = torch.ops.gptlite.block_step(
+            x,
+            norms,
+            weights,
+            biases,
+            k_cache,
+            v_cache,
+            slot,
+            slot + 1,
+            visible,
+            0.25,
+            H,
+            norm,
+            1e-5,
+            activation,
+            residual_scale,
+        )
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(k_cache, keys)
+        torch.testing.assert_close(v_cache, values)
+
+
+def block_operands(
+    generator: torch.Generator,
+    B: int,
+    H: int,
+    KV: int,
+    D: int,
+    F: int,
+    norm: str,
+    activation: str,
+    biased: bool,
+) -> tuple:
+    """Random operands of block_step for B rows, H query heads of width D on KV key/value heads (C = H D), an
+    activation of F numbers: (x, norms, weights, biases, k_cache, v_cache, slot, visible), the caches of 40 slots,
+    visible (B, 40) hiding some of the slots before `slot` (never the slot itself). RMSNorm gets no bias, and no
+    weight where there are no biases (nanochat's)."""
+    C = H * D
+    gated = activation in ("silu_gate", "gelu_gate")
+    slot = 29
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.3
+
+    def maybe(*shape: int) -> torch.Tensor | None:
+        return random(*shape) if biased else None
+
+    if norm == "layernorm":
+        norms = [1 + random(C), maybe(C), 1 + random(C), maybe(C)]
+    else:
+        norms = [1 + random(C) if biased else None, None, 1 + random(C), None]
+    shapes = [((H + 2 * KV) * D, C), (C, C), ((2 if gated else 1) * F, C), (C, F)]
+    weights = [random(*shape) for shape in shapes]
+    biases = [maybe(shape[0]) for shape in shapes]
+    k_cache, v_cache = random(2, B, KV, 40, D)
+    visible = torch.rand(B, 40, generator=generator) < 0.7
+    visible[:, slot] = True
+    return random(B, 1, C), norms, weights, biases, k_cache.clone(), v_cache.clone(), slot, visible
+
+
+def block_reference(
+    x: torch.Tensor,
+    norms: list[torch.Tensor | None],
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: int,
+    visible: torch.Tensor | None,
+    scale: float,
+    n_head: int,
+    norm: str,
+    eps: float,
+    activation: str,
+    residual_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What block_step computes, through PyTorch's own operators: x (B, 1, C) + residual_scale times the attention
+    branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch ->
+    (out (B, 1, C), the keys and values with the token's written at `slot`)."""
+    C = x.size(-1)
+    F = weights[3].size(1)  # the activation's width
+
+    def normalize(h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if norm == "layernorm":
+            return torch.nn.functional.layer_norm(h, (C,), weight, bias, eps)
+        y = torch.nn.functional.rms_norm(h, (C,), eps=eps)
+        y = y if weight is None else y * weight
+        return y if bias is None else y + bias
+
+    def activate(h: torch.Tensor) -> torch.Tensor:
+        gate, value = h[..., :F], h[..., F:]
+        if activation == "gelu_tanh":
+            return torch.nn.functional.gelu(h, approximate="tanh")
+        if activation == "relu_squared":
+            return torch.nn.functional.relu(h).square()
+        if activation == "silu_gate":
+            return torch.nn.functional.silu(gate) * value
+        return torch.nn.functional.gelu(gate, approximate="tanh") * value
+
+    linear = torch.nn.functional.linear
+    qkv = linear(normalize(x, norms[0], norms[1]), weights[0], biases[0])  # (B, 1, (H + 2 KV) D)
+    heads, keys, values = attention_reference(qkv, k_cache, v_cache, slot, visible, scale, n_head)  # (B, 1, H D)
+    x = x + residual_scale * linear(heads, weights[1], biases[1])
+    hidden = linear(normalize(x, norms[2], norms[3]), weights[2], biases[2])  # (B, 1, F or 2F)
+    x = x + residual_scale * linear(activate(hidden), weights[3], biases[3])
+    return x, keys, values
 
 
 def fits(in_features: int) -> bool:

@@ -18,6 +18,13 @@
 //   cache's slots [0, span) that visible (B, >= span) shows (all, where it is None), each key/value head serving
 //   H / KV query heads: out = softmax(scale q . k) v.
 //
+//   torch.ops.gptlite.block_step(x, norms, weights, biases, k_cache, v_cache, slot, span, visible, scale, n_head,
+//                                norm, eps, activation, residual_scale)          x (B, 1, C) float32 -> (B, 1, C)
+//
+//   A pre-norm block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)), the attention as
+//   cached_attention's, the norms LayerNorm or RMSNorm, the feed-forward's activation GELU (tanh), squared ReLU,
+//   SwiGLU or GeGLU (see block_step below).
+//
 // Why: decoding one token multiplies one row by every weight of the model, so it is bound by reading the weights
 // from memory. PyTorch's int8 kernel (_weight_int8pack_mm) is compute-bound at one row; its float32 kernels read
 // a layer's weight as several interleaved streams. Here each thread reads its contiguous share of the weight's rows
@@ -27,7 +34,9 @@
 // prefetch: the hardware prefetchers stop at page boundaries), converts int8 to float32 in registers and multiplies
 // in float32 (no rounding of activations to bfloat16). A decode step's attention is little arithmetic on a few
 // hundred KB of cache; through PyTorch it took a dozen operator calls a layer (split, views, the cache writes, SDPA,
-// the heads merged), about 80 us on the Intel Xeon, as long as the layer's 7 MB of qkv weights took to stream.
+// the heads merged), about 80 us on the Intel Xeon, as long as the layer's 7 MB of qkv weights took to stream. A
+// whole block's step in one call spares the twenty-odd operator calls between its matrices, each of which starts
+// with the caches full of the last matrix's weights.
 // The vectors are GCC's vector extensions: -march=native lowers them to AVX-512, AVX2 or NEON, whatever the CPU
 // has.
 
@@ -37,6 +46,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -583,6 +593,212 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
     return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// A decode step of a whole pre-norm block
+
+// How a block normalizes, and the activation of its feed-forward; chosen once per call from the names
+// gptlite.model passes, never per number.
+enum class Norm { kLayer, kRms };
+enum class Activation { kGeluTanh, kReluSquared, kSiluGate, kGeluGate };
+
+Norm norm_named(c10::string_view name) {
+    if (name == "layernorm") {
+        return Norm::kLayer;
+    }
+    TORCH_CHECK(name == "rmsnorm", "gptlite block_step: norm must be layernorm or rmsnorm, not ", name);
+    return Norm::kRms;
+}
+
+Activation activation_named(c10::string_view name) {
+    if (name == "gelu_tanh") {
+        return Activation::kGeluTanh;
+    }
+    if (name == "relu_squared") {
+        return Activation::kReluSquared;
+    }
+    if (name == "silu_gate") {
+        return Activation::kSiluGate;
+    }
+    TORCH_CHECK(name == "gelu_gate", "gptlite block_step: activation must be gelu_tanh, relu_squared, silu_gate or ",
+                "gelu_gate, not ", name);
+    return Activation::kGeluGate;
+}
+
+bool gated(Activation activation) {
+    return activation == Activation::kSiluGate || activation == Activation::kGeluGate;
+}
+
+// out (C) = the norm of x (C), times weight, plus bias (either may be null): LayerNorm's (x - mean) / sqrt(variance
+// + eps), the variance the biased one, or RMSNorm's x / sqrt(mean(x^2) + eps). C is a multiple of kLanes.
+void normalize(const float* x, int64_t C, Norm norm, float eps, const float* weight, const float* bias, float* out) {
+    float mean = 0.0f;
+    if (norm == Norm::kLayer) {
+        Floats sum = {};
+        for (int64_t c = 0; c < C; c += kLanes) {
+            sum += load(x + c);
+        }
+        mean = total(sum) / static_cast<float>(C);
+    }
+    Floats squares = {};
+    for (int64_t c = 0; c < C; c += kLanes) {
+        const Floats centred = load(x + c) - mean;
+        squares += centred * centred;
+    }
+    const float reciprocal = 1.0f / std::sqrt(total(squares) / static_cast<float>(C) + eps);
+    for (int64_t c = 0; c < C; c += kLanes) {
+        Floats y = (load(x + c) - mean) * reciprocal;
+        if (weight != nullptr) {
+            y *= load(weight + c);
+        }
+        if (bias != nullptr) {
+            y += load(bias + c);
+        }
+        std::memcpy(out + c, &y, sizeof y);
+    }
+}
+
+// 1 / (1 + e^-v), lane by lane, through e^-|v| (`exp_negative`), which never overflows.
+inline Floats sigmoid(Floats v) {
+    const Floats e = exp_negative(v < 0.0f ? v : -v);
+    const Floats one = Floats{} + 1.0f;
+    return v < 0.0f ? e / (one + e) : one / (one + e);
+}
+
+// GELU's tanh approximation, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), as x sigmoid(2u): the
+// same number, since 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u).
+inline Floats gelu_tanh(Floats x) {
+    const Floats u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x * sigmoid(2.0f * u);
+}
+
+inline Floats activate(Floats x, Activation activation) {
+    switch (activation) {
+        case Activation::kGeluTanh:
+        case Activation::kGeluGate:
+            return gelu_tanh(x);
+        case Activation::kReluSquared: {
+            const Floats relu = x < 0.0f ? Floats{} : x;
+            return relu * relu;
+        }
+        case Activation::kSiluGate:
+            return x * sigmoid(x);
+    }
+    return x;
+}
+
+// The feed-forward's activation of one row's fc output h into out (F): act(h) for h (F), or, gated (SwiGLU, GeGLU:
+// fc's first F rows the gate's, the last F the value's), act(gate) * value for h = [gate | value] (2F). F is a
+// multiple of kLanes.
+void activate_row(const float* h, int64_t F, Activation activation, float* out) {
+    for (int64_t f = 0; f < F; f += kLanes) {
+        Floats y = activate(load(h + f), activation);
+        if (gated(activation)) {
+            y *= load(h + F + f);
+        }
+        std::memcpy(out + f, &y, sizeof y);
+    }
+}
+
+// stream (n) += alpha * branch (n)
+void add_scaled(float* stream, const float* branch, int64_t n, float alpha) {
+    for (int64_t i = 0; i < n; i++) {
+        stream[i] += alpha * branch[i];
+    }
+}
+
+const float* optional_data(const std::optional<at::Tensor>& tensor, int64_t size, const char* name) {
+    if (!tensor.has_value()) {
+        return nullptr;
+    }
+    TORCH_CHECK(tensor->dim() == 1 && tensor->size(0) == size && tensor->is_contiguous() &&
+                    tensor->scalar_type() == at::kFloat && tensor->device().is_cpu(),
+                "gptlite block_step: ", name, " must be a contiguous (", size, ",) float32 CPU tensor, not ",
+                tensor->sizes());
+    return tensor->data_ptr<float>();
+}
+
+// One of the block's four matrices: a contiguous (rows, columns) float32 weight, whose input width the kernels take.
+const float* matrix_data(const at::Tensor& weight, int64_t rows, int64_t columns, const char* name) {
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) == rows && weight.size(1) == columns && weight.is_contiguous() &&
+                    weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+                "gptlite block_step: ", name, " must be a contiguous (", rows, ", ", columns,
+                ") float32 CPU tensor, not ", weight.sizes());
+    TORCH_CHECK(columns % kMultiple == 0, "gptlite block_step: ", name, " has ", columns,
+                " columns, not a multiple of ", kMultiple);
+    return weight.data_ptr<float>();
+}
+
+// A pre-norm block's decode step, x (B, 1, C) -> (B, 1, C), in one call:
+//
+//   x = x + residual_scale * out_proj(attention(qkv(norm(x))))      attention through the KV cache (cached_attention)
+//   x = x + residual_scale * down(act(fc(norm(x))))
+//
+// norms: the attention's norm's weight and bias, then the feed-forward's (each None where the norm has none);
+// weights: qkv (Q, C), the attention's out_proj (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F);
+// biases: theirs, in that order, each None where the layer has none. What gptlite.model's Block computes with
+// its attention and feed-forward, without the twenty-odd operator calls between its matrices.
+at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& norms, at::TensorList weights,
+                      const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& k_cache, at::Tensor& v_cache,
+                      int64_t slot, int64_t span, const std::optional<at::Tensor>& visible, double scale,
+                      int64_t n_head, c10::string_view norm_name, double eps, c10::string_view activation_name,
+                      double residual_scale) {
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "gptlite block_step: x must be a (B, 1, C) float32 CPU tensor, not ", x.sizes());
+    TORCH_CHECK(norms.size() == 4 && weights.size() == 4 && biases.size() == 4,
+                "gptlite block_step: 4 norm tensors, 4 weights and 4 biases, not ", norms.size(), ", ",
+                weights.size(), " and ", biases.size());
+    const Norm norm = norm_named(norm_name);
+    const Activation activation = activation_named(activation_name);
+    const int64_t B = x.size(0);
+    const int64_t C = x.size(2);
+    const int64_t Q = weights[0].size(0);
+    const int64_t HD = weights[1].size(1);
+    const int64_t F = weights[3].size(1);
+    const int64_t FC = gated(activation) ? 2 * F : F;  // fc's rows
+    const float* qkv_weight = matrix_data(weights[0], Q, C, "the qkv weight");
+    const float* attn_weight = matrix_data(weights[1], C, HD, "the attention's out_proj weight");
+    const float* fc_weight = matrix_data(weights[2], FC, C, "the fc weight");
+    const float* ffn_weight = matrix_data(weights[3], C, F, "the feed-forward's out_proj weight");
+    const float* attn_norm_weight = optional_data(norms.get(0), C, "the attention norm's weight");
+    const float* attn_norm_bias = optional_data(norms.get(1), C, "the attention norm's bias");
+    const float* ffn_norm_weight = optional_data(norms.get(2), C, "the feed-forward norm's weight");
+    const float* ffn_norm_bias = optional_data(norms.get(3), C, "the feed-forward norm's bias");
+    const float* qkv_bias = optional_data(biases.get(0), Q, "the qkv bias");
+    const float* attn_bias = optional_data(biases.get(1), C, "the attention's out_proj bias");
+    const float* fc_bias = optional_data(biases.get(2), FC, "the fc bias");
+    const float* ffn_bias = optional_data(biases.get(3), C, "the feed-forward's out_proj bias");
+    const float alpha = static_cast<float>(residual_scale);
+
+    at::Tensor out = x.contiguous().clone();  // the residual stream, (B, 1, C)
+    float* stream = out.data_ptr<float>();
+    std::vector<float> normed(B * C);
+    std::vector<float> branch(B * C);
+    for (int64_t b = 0; b < B; b++) {
+        normalize(stream + b * C, C, norm, eps, attn_norm_weight, attn_norm_bias, normed.data() + b * C);
+    }
+    at::Tensor qkv = at::empty({B, 1, Q}, x.options());
+    linear<float>(normed.data(), B, qkv_weight, Q, C, nullptr, qkv_bias, qkv.data_ptr<float>());
+    const at::Tensor heads = cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head);  // (B, 1, H D)
+    TORCH_CHECK(heads.size(2) == HD, "gptlite block_step: the attention's out_proj takes ", HD, " inputs, its ",
+                n_head, " heads give ", heads.size(2));
+    linear<float>(heads.data_ptr<float>(), B, attn_weight, C, HD, nullptr, attn_bias, branch.data());
+    add_scaled(stream, branch.data(), B * C, alpha);
+
+    std::vector<float> hidden(B * FC);
+    std::vector<float> activated(B * F);
+    for (int64_t b = 0; b < B; b++) {
+        normalize(stream + b * C, C, norm, eps, ffn_norm_weight, ffn_norm_bias, normed.data() + b * C);
+    }
+    linear<float>(normed.data(), B, fc_weight, FC, C, nullptr, fc_bias, hidden.data());
+    for (int64_t b = 0; b < B; b++) {
+        activate_row(hidden.data() + b * FC, F, activation, activated.data() + b * F);
+    }
+    linear<float>(activated.data(), B, ffn_weight, C, F, nullptr, ffn_bias, branch.data());
+    add_scaled(stream, branch.data(), B * C, alpha);
+    return out;
+}
+
 }  // namespace
 }  // namespace gptlite
 
@@ -592,10 +808,15 @@ TORCH_LIBRARY(gptlite, m) {
     m.def(
         "cached_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, "
         "float scale, int n_head) -> Tensor");
+    m.def(
+        "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] biases, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, str norm, float eps, "
+        "str activation, float residual_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptlite, CPU, m) {
     m.impl("float_linear", &gptlite::float_linear);
     m.impl("int8_linear", &gptlite::int8_linear);
     m.impl("cached_attention", &gptlite::cached_attention);
+    m.impl("block_step", &gptlite::block_step);
 }
