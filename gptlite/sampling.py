@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from gptlite import native
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -131,7 +133,7 @@ def sample_next(
     "The Curious Case of Neural Text Degeneration"). top_k=None and top_p=1 change nothing."""
     Sampling(temperature, top_k, top_p)  # checks the values
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that it is 0 in float32: greedy, its limit
-        return logits.max(dim=-1).indices  # argmax's first largest; on the CPU about a quarter faster than argmax
+        return greedy(logits)
     logits = logits.float()
     scaled = logits / temperature
     # a row that a tiny temperature sent past float's range (+inf - +inf is NaN in softmax) is divided shifted so
@@ -152,6 +154,17 @@ def sample_next(
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit's id, logits (B, V) -> (B,) (a NaN counts as the largest, as torch.max's). Float32
+    logits on the CPU go through gptlite's compiled kernel where it is loaded (`torch.ops.gptlite.argmax`): PyTorch's
+    max with indices read a vocabulary's logits several times slower than a plain pass over them, a part of every
+    greedy decode step worth saving (figures: docs/generation.md). Elsewhere, torch.max's indices (on the CPU about a
+    quarter faster than argmax)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and native.load():
+        return torch.ops.gptlite.argmax(logits)
+    return logits.max(dim=-1).indices
 
 
 def apply_penalties(

@@ -347,6 +347,30 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
         )
 
 
+@pytest.mark.parametrize("V", [1, 5, 16, 50257, 50304])
+def test_argmax_is_torch_max_first_largest(ops, V):
+    """Greedy decoding's pick: each row's first largest, as torch.max's indices, on widths that are and are not a
+    multiple of a vector; ties, a NaN (the largest, its first), every number -inf, the largest in the last lanes, and
+    rows that are not contiguous."""
+    from gptlite.sampling import greedy
+
+    generator = torch.Generator().manual_seed(V)
+    logits = torch.randn(6, V, generator=generator)
+    logits[1] = logits[1, 0]  # all tied: the first
+    logits[2, V // 2 :] = float("nan")
+    logits[2, V - 1] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, V - 1] = 100.0  # the very end, past the last whole vector
+    logits[5, V // 3] = float("inf")
+    want = logits.max(dim=-1).indices
+    assert torch.equal(ops.argmax(logits), want)
+    assert torch.equal(greedy(logits), want)
+    wide = torch.randn(3, 2 * V, generator=generator)[:, ::2]  # every other number of each row
+    assert torch.equal(ops.argmax(wide), wide.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match=r"logits must be a \(B, V > 0\) float32 CPU tensor"):
+        ops.argmax(logits.double())
+
+
 BLOCK_MODELS = {
     "gpt2": {"pos_emb": "learned", "norm": "layernorm", "ffn": "gelu", "bias": True},
     "default": {},

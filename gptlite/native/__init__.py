@@ -2,17 +2,17 @@
 torch operators.
 
 `load()` makes `torch.ops.gptlite.float_linear`, `torch.ops.gptlite.int8_linear`,
-`torch.ops.gptlite.cached_attention` and `torch.ops.gptlite.block_step` available and says whether it could. The
-first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else `c++`) against the installed
-torch, for this CPU's instruction set (-march=native), into the build cache (GPTLITE_NATIVE_CACHE, default
-$XDG_CACHE_HOME or ~/.cache, then gptlite/native), which takes seconds; the library is named by a hash of its
-source, the compiler, torch's version and the CPU's features, so a cache shared between machines never runs a
-library built for another CPU. Before the first load, a child process loads the new library and compares its
-operators with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a bad build) takes down
-that child, never the caller, and is not used. Where there is no compiler, the build or the check fails, or
-GPTLITE_NATIVE=0, `load()` says why in one line and returns False, and decoding keeps PyTorch's kernels: the
-compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a
-requirement, and attention and blocks keep PyTorch's way.
+`torch.ops.gptlite.cached_attention`, `torch.ops.gptlite.block_step` and `torch.ops.gptlite.argmax` available and
+says whether it could. The first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else
+`c++`) against the installed torch, for this CPU's instruction set (-march=native), into the build cache
+(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native), which takes seconds; the library
+is named by a hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between
+machines never runs a library built for another CPU. Before the first load, a child process loads the new library
+and compares its operators with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a bad
+build) takes down that child, never the caller, and is not used. Where there is no compiler, the build or the check
+fails, or GPTLITE_NATIVE=0, `load()` says why in one line and returns False, and decoding keeps PyTorch's kernels:
+the compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a
+requirement, and attention, blocks and greedy picks keep PyTorch's way.
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ def register_shapes() -> None:
     torch.library.register_fake("gptlite::int8_linear", product)
     torch.library.register_fake("gptlite::cached_attention", attention)
     torch.library.register_fake("gptlite::block_step", block)
+    torch.library.register_fake("gptlite::argmax", lambda logits: logits.new_empty(logits.size(0), dtype=torch.long))
 
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
@@ -225,6 +226,9 @@ def check(path: str) -> None:
                 )
     check_attention(generator)
     check_block(generator)
+    logits = torch.randn(3, 1000, generator=generator)
+    logits[1, 500:] = logits[1, 100]  # ties: the first
+    assert torch.equal(torch.ops.gptlite.argmax(logits), logits.max(dim=-1).indices)
 
 
 def int8_reference(

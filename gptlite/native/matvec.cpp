@@ -25,6 +25,8 @@
 //   cached_attention's, the norms LayerNorm or RMSNorm, the feed-forward's activation GELU (tanh), squared ReLU,
 //   SwiGLU or GeGLU (see block_step below).
 //
+//   torch.ops.gptlite.argmax(logits)     logits (B, V) float32 -> (B,) int64, each row's first largest (greedy's pick)
+//
 // Why: decoding one token multiplies one row by every weight of the model, so it is bound by reading the weights
 // from memory. PyTorch's int8 kernel (_weight_int8pack_mm) is compute-bound at one row; its float32 kernels read
 // a layer's weight as several interleaved streams. Here each thread reads its contiguous share of the weight's rows
@@ -770,8 +772,10 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     const float* ffn_bias = optional_data(biases.get(3), C, "the feed-forward's out_proj bias");
     const float alpha = static_cast<float>(residual_scale);
 
-    at::Tensor out = x.contiguous().clone();  // the residual stream, (B, 1, C)
+    const at::Tensor rows = x.contiguous();
+    at::Tensor out = at::empty({B, 1, C}, x.options());  // the residual stream
     float* stream = out.data_ptr<float>();
+    std::memcpy(stream, rows.data_ptr<float>(), B * C * sizeof(float));  // not at::clone: no trip through ATen's copy
     std::vector<float> normed(B * C);
     std::vector<float> branch(B * C);
     for (int64_t b = 0; b < B; b++) {
@@ -799,6 +803,63 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Greedy decoding's pick
+
+// The index of the first largest of x[0..V), a NaN counting as the largest (the first NaN's index, as torch.max's):
+// one vectorized pass for the largest (and whether there is a NaN), then a scan for its first place. PyTorch's max
+// with indices, which keeps an index beside every lane, reads a vocabulary's logits far slower than a plain
+// reduction does.
+int64_t first_largest(const float* x, int64_t V) {
+    typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+    const float lowest = -std::numeric_limits<float>::infinity();
+    Floats best = Floats{} + lowest;
+    Ints unordered = {};
+    int64_t v = 0;
+    for (; v + kLanes <= V; v += kLanes) {
+        const Floats e = load(x + v);
+        unordered |= e != e;
+        best = e > best ? e : best;
+    }
+    float largest = lowest;
+    float lanes[kLanes];
+    std::memcpy(lanes, &best, sizeof best);
+    int32_t nan_lanes[kLanes];
+    std::memcpy(nan_lanes, &unordered, sizeof unordered);
+    bool nan = false;
+    for (int i = 0; i < kLanes; i++) {
+        largest = std::max(largest, lanes[i]);
+        nan = nan || nan_lanes[i] != 0;
+    }
+    for (; v < V; v++) {
+        largest = std::max(largest, x[v]);
+        nan = nan || std::isnan(x[v]);
+    }
+    for (int64_t i = 0; i < V; i++) {
+        if (nan ? std::isnan(x[i]) : x[i] == largest) {
+            return i;
+        }
+    }
+    return 0;  // V = 0 is refused before; every number -inf has its first at 0, which the scan found
+}
+
+// torch.ops.gptlite.argmax(logits): logits (B, V) float32 -> (B,) int64, each row's first largest.
+at::Tensor argmax(const at::Tensor& logits) {
+    TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == at::kFloat &&
+                    logits.device().is_cpu(),
+                "gptlite argmax: logits must be a (B, V > 0) float32 CPU tensor, not ", logits.sizes());
+    const at::Tensor rows = logits.contiguous();
+    const int64_t B = rows.size(0);
+    const int64_t V = rows.size(1);
+    at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+    int64_t* picks = out.data_ptr<int64_t>();
+    const float* x = rows.data_ptr<float>();
+    for (int64_t b = 0; b < B; b++) {
+        picks[b] = first_largest(x + b * V, V);
+    }
+    return out;
+}
+
 }  // namespace
 }  // namespace gptlite
 
@@ -812,6 +873,7 @@ TORCH_LIBRARY(gptlite, m) {
         "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] biases, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, str norm, float eps, "
         "str activation, float residual_scale) -> Tensor");
+    m.def("argmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptlite, CPU, m) {
@@ -819,4 +881,5 @@ TORCH_LIBRARY_IMPL(gptlite, CPU, m) {
     m.impl("int8_linear", &gptlite::int8_linear);
     m.impl("cached_attention", &gptlite::cached_attention);
     m.impl("block_step", &gptlite::block_step);
+    m.impl("argmax", &gptlite::argmax);
 }
