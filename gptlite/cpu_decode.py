@@ -128,6 +128,15 @@ class NativeLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.gptlite.float_linear(x, self.weight, self.bias)  # (..., N)
 
+    def runs_natively(self, rows: int) -> bool:
+        """Whether gptlite.model's NativeBlock may multiply this layer in its step (at up to NATIVE_MAX_ROWS rows):
+        always, the view having chosen the compiled kernel for it."""
+        return True
+
+    def native_operands(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        """(weight, scale, bias) as the compiled block step takes them: a float32 weight has no scale."""
+        return self.weight, None, self.bias
+
 
 NATIVE_MAX_ROWS = native.MAX_ROWS  # past it, the compiled float32 kernel reads each weight again per 8 rows
 
@@ -366,10 +375,13 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
         return copied or any(packs(m) or runs_in_one_call(m) is not None for m in module.modules())
 
     def multiplies_natively(variant: type[nn.Module], original: nn.Module, clone: nn.Module) -> bool:
-        # a block step multiplies the block's float32 weights itself: only where each of its matrices was to take
-        # the compiled kernel (not a quantized layer, a LoRA'd one, or one measured faster another way), no hook
-        # waits on a module it would not call, and nothing is dropped out (it computes eval mode's block)
-        native = all(isinstance(layer, NativeLinear) for layer in variant.matrices(clone))
+        # a block step multiplies the block's weights itself: only where each of its matrices was to take the
+        # compiled kernel (a float32 layer the view made a NativeLinear, an int8 one whose measured way is the
+        # compiled kernel; not int4, a LoRA'd layer or one measured faster another way), no hook waits on a module
+        # it would not call, and nothing is dropped out (it computes eval mode's block)
+        native = all(
+            hasattr(layer, "runs_natively") and layer.runs_natively(layout[0]) for layer in variant.matrices(clone)
+        )
         hooked = global_hook_count() or any(hook_count(m) for m in original.modules())
         return native and not hooked and not original.training
 

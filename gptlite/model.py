@@ -593,7 +593,8 @@ class Block(nn.Module):
 class NativeBlock(Block):
     """Block whose decode steps run in one call of gptlite's compiled kernels (`torch.ops.gptlite.block_step`,
     gptlite.native) through a cache that offers them (`native_slots`: sample.py's KVCache): both norms, the four
-    matrices, the attention over the cache, the activation and the residual additions, where through PyTorch a
+    matrices (float32, or int8 after `quantize("int8")`), the attention over the cache, the activation and the
+    residual additions, where through PyTorch a
     step took twenty-odd operator calls between the matrices, each of which starts with the CPU's caches full of the
     matrix before's weights (figures: docs/generation.md). Prompts, more rows than the kernels multiply in one pass
     over a weight (native.MAX_ROWS), and caches without it (the server's RowCache) take Block's way.
@@ -602,8 +603,9 @@ class NativeBlock(Block):
     @staticmethod
     def matrices(block: Block) -> list[nn.Module]:
         """The linear layers whose weights the step multiplies itself, in its order: qkv, the attention's out_proj,
-        fc and the feed-forward's out_proj (the view makes a block a NativeBlock only where each was to take the
-        compiled kernel)."""
+        fc and the feed-forward's out_proj. The view makes a block a NativeBlock only where each was to take the
+        compiled kernel (`runs_natively`: gptlite.cpu_decode's NativeLinear, float32, and gptlite.quantize's
+        Int8Linear, int8 with a scale per row), each of which hands the step its `native_operands`."""
         return [block.attn.qkv, block.attn.out_proj, block.ffn.fc, block.ffn.out_proj]
 
     def forward(
@@ -618,12 +620,13 @@ class NativeBlock(Block):
             return super().forward(x, rot, cache, layer, ve)
         attn = self.attn
         norms = [self.attn_norm.weight, self.attn_norm.bias, self.ffn_norm.weight, self.ffn_norm.bias]
-        layers = self.matrices(self)
+        weights, scales, biases = zip(*(layer.native_operands() for layer in self.matrices(self)), strict=True)
         return torch.ops.gptlite.block_step(
             x,
             norms,
-            [layer.weight for layer in layers],
-            [layer.bias for layer in layers],
+            weights,
+            scales,
+            biases,
             *cache.native_slots(layer),
             attn.scale or attn.head_dim**-0.5,
             attn.n_head,

@@ -290,6 +290,17 @@ class Int8Linear(QuantizedLinear):
         bias = None if bias is None else bias.to(torch.float32)
         return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)
 
+    def runs_natively(self, rows: int) -> bool:
+        """Whether gptlite.model's NativeBlock may multiply this layer in its step (gptlite.cpu_decode's view asks):
+        where the way measured (or forced) for `rows` rows is the compiled kernel."""
+        return self.way(rows) == "native"
+
+    def native_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weight, scale, bias) as the compiled block step takes them: the int8 codes, the float32 scales of their
+        rows, the bias in float32."""
+        bias = None if self.bias is None else self.bias.to(torch.float32)
+        return self.weight, self.scales(torch.float32), bias
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (N, K) weight this layer multiplies by, in `dtype` (float32: exact)."""
         return self.scale.to(dtype)[:, None] * self.weight.to(dtype)
@@ -340,6 +351,10 @@ class Int8GroupLinear(Int8Linear):
         if way in self.compiled_ways:
             return native.why_not(self.in_features)
         return "PyTorch's int8 kernel takes one scale per row, and this layer has one per group of inputs"
+
+    def runs_natively(self, rows: int) -> bool:
+        """Never in a block's step, which takes one scale per row (the tables are not a block's matrices)."""
+        return False
 
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if way == "native" and rows.size(0) <= NATIVE_MAX_ROWS:

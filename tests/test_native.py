@@ -275,7 +275,7 @@ def test_native_attention_decodes_what_the_models_own_attention_does(ops, overri
             torch.testing.assert_close(ours.k[1], theirs.k[1])
 
 
-@pytest.mark.parametrize("rows, KV", [(1, 4), (3, 2)])
+@pytest.mark.parametrize("rows, KV, int8", [(1, 4, False), (3, 2, False), (2, 4, True)])
 @pytest.mark.parametrize("biased", [True, False])
 @pytest.mark.parametrize(
     "norm, activation",
@@ -286,17 +286,32 @@ def test_native_attention_decodes_what_the_models_own_attention_does(ops, overri
         ("rmsnorm", "gelu_gate"),
     ],
 )
-def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, biased, rows, KV):
+def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, biased, rows, KV, int8):
     """A block's decode step in one call equals the block's math through PyTorch's own operators (the norms,
     F.linear, SDPA over the cache, the activation, the residual additions scaled), each norm and activation the step
-    knows, with and without biases, one row and three with some slots hidden, grouped heads; the token's keys and
-    values land in their slot."""
+    knows, with and without biases, one row and three with some slots hidden, grouped heads, float32 weights and int8
+    ones with a scale per row; the token's keys and values land in their slot."""
     generator = torch.Generator().manual_seed(len(norm) + len(activation) + rows)
-    operands = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased)
-    x, norms, weights, biases, k_cache, v_cache, slot, visible = operands
+    operands = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased, int8)
+    x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = operands
     want, keys, values = native.block_reference(*operands, 0.3, 4, norm, 1e-5, activation, 0.7)
     got = ops.block_step(
-        x, norms, weights, biases, k_cache, v_cache, slot, slot + 1, visible, 0.3, 4, norm, 1e-5, activation, 0.7
+        x,
+        norms,
+        weights,
+        scales,
+        biases,
+        k_cache,
+        v_cache,
+        slot,
+        slot + 1,
+        visible,
+        0.3,
+        4,
+        norm,
+        1e-5,
+        activation,
+        0.7,
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_cache, keys, rtol=1e-5, atol=1e-5)  # each the qkv product's, summed its own way
@@ -305,16 +320,17 @@ def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, bi
 
 def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     generator = torch.Generator().manual_seed(0)
-    x, norms, weights, biases, k_cache, v_cache, slot, visible = native.block_operands(
+    x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = native.block_operands(
         generator, 1, 4, 4, 16, 64, "layernorm", "gelu_tanh", True
     )
 
     def step(norm="layernorm", activation="gelu_tanh", **changed):
-        operands = {"norms": norms, "weights": weights, "biases": biases, **changed}
+        operands = {"norms": norms, "weights": weights, "scales": scales, "biases": biases, **changed}
         ops.block_step(
             x,
             operands["norms"],
             operands["weights"],
+            operands["scales"],
             operands["biases"],
             k_cache,
             v_cache,
@@ -329,21 +345,41 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
             1.0,
         )
 
+    codes = weights[0].to(torch.int8)
     with pytest.raises(RuntimeError, match="norm must be layernorm or rmsnorm, not batchnorm"):
         step(norm="batchnorm")
-    with pytest.raises(
-        RuntimeError, match="activation must be gelu_tanh, relu_squared, silu_gate or gelu_gate, not tanh"
-    ):
+    with pytest.raises(RuntimeError, match="activation must be gelu_tanh, relu_squared, silu_gate or gelu_gate, not t"):
         step(activation="tanh")
-    with pytest.raises(RuntimeError, match=r"the fc weight must be a contiguous \(64, 64\) float32 CPU tensor"):
+    with pytest.raises(RuntimeError, match=r"the fc weight must be a contiguous \(64, 64\) CPU tensor"):
         step(weights=[weights[0], weights[1], weights[2].t().contiguous().t(), weights[3]])
     with pytest.raises(RuntimeError, match=r"the qkv bias must be a contiguous \(192,\) float32"):
         step(biases=[biases[0][:100], *biases[1:]])
-    with pytest.raises(RuntimeError, match="4 norm tensors, 4 weights and 4 biases, not 4, 3 and 4"):
+    with pytest.raises(RuntimeError, match="4 norm tensors, 4 weights, 4 scales and 4 biases, not 4, 3, 4 and 4"):
         step(weights=weights[:3])
+    with pytest.raises(RuntimeError, match="the qkv weight must be float32, or int8 with a scale per row"):
+        step(weights=[codes, *weights[1:]])
+    with pytest.raises(RuntimeError, match="the qkv weight is float32 and takes no scale"):
+        step(scales=[torch.ones(192), *scales[1:]])
+    with pytest.raises(RuntimeError, match=r"the qkv weight's scale must be a contiguous \(192,\) float32"):
+        step(weights=[codes, *weights[1:]], scales=[torch.ones(192, 6), *scales[1:]])
     with pytest.raises(RuntimeError, match="gptlite cached_attention: slot 40 and span 41 in a cache of 40"):
         ops.block_step(
-            x, norms, weights, biases, k_cache, v_cache, 40, 41, None, 0.3, 4, "layernorm", 1e-5, "gelu_tanh", 1.0
+            x,
+            norms,
+            weights,
+            scales,
+            biases,
+            k_cache,
+            v_cache,
+            40,
+            41,
+            None,
+            0.3,
+            4,
+            "layernorm",
+            1e-5,
+            "gelu_tanh",
+            1.0,
         )
 
 
@@ -386,14 +422,30 @@ def test_native_blocks_decode_what_the_models_own_blocks_do(ops, monkeypatch, ov
     they give the model's own logits step after step: one row, rows of different lengths (left padding, masked),
     beam search's reordered cache, and more rows than the step takes (Block's way)."""
     import gptlite.cpu_decode
-    from gptlite.cpu_decode import packed_for_cpu
-    from gptlite.kvcache import decode_step, new_cache, prefill
-    from gptlite.model import NativeBlock
     from tests.conftest import tiny_model
 
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
     monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
-    model = tiny_model(**overrides)
+    decodes_as_its_own_blocks(tiny_model(**overrides))
+
+
+def test_native_blocks_decode_an_int8_model_as_its_own_blocks_do(ops, monkeypatch):
+    """An int8 model whose matrices take the compiled kernel: its blocks' steps run in one call too, int8 weights
+    and all, and give the quantized model's own logits."""
+    from tests.conftest import tiny_model
+
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")
+    for overrides in (BLOCK_MODELS["gpt2"], BLOCK_MODELS["llama-like, gqa"]):
+        decodes_as_its_own_blocks(tiny_model(**overrides).quantize("int8"))
+
+
+def decodes_as_its_own_blocks(model) -> None:
+    """Asserts that `model`'s CPU decode view has NativeBlocks that decode as the model does, 1, 3 and
+    native.MAX_ROWS + 1 rows."""
+    from gptlite.cpu_decode import packed_for_cpu
+    from gptlite.kvcache import decode_step, new_cache, prefill
+    from gptlite.model import NativeBlock
+
     nine = [[i + 1, i + 2, 3] for i in range(native.MAX_ROWS + 1)]
     with torch.no_grad():
         for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]], nine):
@@ -420,7 +472,7 @@ def test_native_blocks_decode_what_the_models_own_blocks_do(ops, monkeypatch, ov
 
 def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
     """A block whose attention the kernels do not compute, another block kind or norm, a matrix that takes another
-    kernel, a quantized model, a hook on a module of the block, or a model in training mode: its blocks stay
+    kernel (float32, int8, int4), a hook on a module of the block, or a model in training mode: its blocks stay
     Block (and its attention, where it can, NativeAttention)."""
     import gptlite.cpu_decode
     from gptlite.cpu_decode import one_call_variant, packed_for_cpu
@@ -448,7 +500,8 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
     handle.remove()
     assert kinds(model) == ["NativeBlock", "NativeBlock"]
     assert kinds(tiny_model().train()) == ["Block", "Block"]
-    assert kinds(tiny_model().quantize("int8")) == ["Block", "Block"]
+    assert kinds(tiny_model().quantize("int8")) == ["Block", "Block"]  # layers this small: the dequantized way
+    assert kinds(tiny_model().quantize("int4")) == ["Block", "Block"]
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "linear")
     view = packed_for_cpu(tiny_model(), 1)
     assert [type(block).__name__ for block in view.blocks] == ["Block", "Block"]

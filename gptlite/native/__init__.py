@@ -291,19 +291,22 @@ def attention_reference(
 
 def check_block(generator: torch.Generator) -> None:
     """block_step against `block_reference`: GPT-2's block (LayerNorm, GELU, biases) on 3 rows with a mask hiding
-    some slots, and Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale."""
+    some slots, Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale, and GPT-2's
+    on int8 weights."""
     cases = [
-        (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0),
-        (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5),
+        (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0, False),
+        (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5, False),
+        (1, 6, 6, "layernorm", "gelu_tanh", True, 1.0, True),
     ]
-    for B, H, KV, norm, activation, biased, residual_scale in cases:
-        operands = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased)
-        x, norms, weights, biases, k_cache, v_cache, slot, visible = operands
+    for B, H, KV, norm, activation, biased, residual_scale, int8 in cases:
+        operands = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased, int8)
+        x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = operands
         want, keys, values = block_reference(*operands, 0.25, H, norm, 1e-5, activation, residual_scale)
         got = torch.ops.gptlite.block_step(
             x,
             norms,
             weights,
+            scales,
             biases,
             k_cache,
             v_cache,
@@ -332,11 +335,13 @@ def block_operands(
     norm: str,
     activation: str,
     biased: bool,
+    int8: bool = False,
 ) -> tuple:
     """Random operands of block_step for B rows, H query heads of width D on KV key/value heads (C = H D), an
-    activation of F numbers: (x, norms, weights, biases, k_cache, v_cache, slot, visible), the caches of 40 slots,
-    visible (B, 40) hiding some of the slots before `slot` (never the slot itself). RMSNorm gets no bias, and no
-    weight where there are no biases (nanochat's)."""
+    activation of F numbers: (x, norms, weights, scales, biases, k_cache, v_cache, slot, visible), the weights
+    float32 (scales None) or int8 codes with a scale per row, the caches of 40 slots, visible (B, 40) hiding some of
+    the slots before `slot` (never the slot itself). RMSNorm gets no bias, and no weight where there are no biases
+    (nanochat's)."""
     C = H * D
     gated = activation in ("silu_gate", "gelu_gate")
     slot = 29
@@ -352,18 +357,24 @@ def block_operands(
     else:
         norms = [1 + random(C) if biased else None, None, 1 + random(C), None]
     shapes = [((H + 2 * KV) * D, C), (C, C), ((2 if gated else 1) * F, C), (C, F)]
-    weights = [random(*shape) for shape in shapes]
+    if int8:
+        weights = [torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator) for shape in shapes]
+        scales = [torch.rand(shape[0], generator=generator) * 0.3 / 127 for shape in shapes]
+    else:
+        weights = [random(*shape) for shape in shapes]
+        scales = [None] * 4
     biases = [maybe(shape[0]) for shape in shapes]
     k_cache, v_cache = random(2, B, KV, 40, D)
     visible = torch.rand(B, 40, generator=generator) < 0.7
     visible[:, slot] = True
-    return random(B, 1, C), norms, weights, biases, k_cache.clone(), v_cache.clone(), slot, visible
+    return random(B, 1, C), norms, weights, scales, biases, k_cache.clone(), v_cache.clone(), slot, visible
 
 
 def block_reference(
     x: torch.Tensor,
     norms: list[torch.Tensor | None],
     weights: list[torch.Tensor],
+    scales: list[torch.Tensor | None],
     biases: list[torch.Tensor | None],
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -377,10 +388,12 @@ def block_reference(
     residual_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What block_step computes, through PyTorch's own operators: x (B, 1, C) + residual_scale times the attention
-    branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch ->
-    (out (B, 1, C), the keys and values with the token's written at `slot`)."""
+    branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch, an int8
+    weight multiplied as its codes times its row's scale -> (out (B, 1, C), the keys and values with the token's
+    written at `slot`)."""
     C = x.size(-1)
     F = weights[3].size(1)  # the activation's width
+    matrices = [w if s is None else w.float() * s[:, None] for w, s in zip(weights, scales, strict=True)]
 
     def normalize(h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         if norm == "layernorm":
@@ -400,11 +413,11 @@ def block_reference(
         return torch.nn.functional.gelu(gate, approximate="tanh") * value
 
     linear = torch.nn.functional.linear
-    qkv = linear(normalize(x, norms[0], norms[1]), weights[0], biases[0])  # (B, 1, (H + 2 KV) D)
+    qkv = linear(normalize(x, norms[0], norms[1]), matrices[0], biases[0])  # (B, 1, (H + 2 KV) D)
     heads, keys, values = attention_reference(qkv, k_cache, v_cache, slot, visible, scale, n_head)  # (B, 1, H D)
-    x = x + residual_scale * linear(heads, weights[1], biases[1])
-    hidden = linear(normalize(x, norms[2], norms[3]), weights[2], biases[2])  # (B, 1, F or 2F)
-    x = x + residual_scale * linear(activate(hidden), weights[3], biases[3])
+    x = x + residual_scale * linear(heads, matrices[1], biases[1])
+    hidden = linear(normalize(x, norms[2], norms[3]), matrices[2], biases[2])  # (B, 1, F or 2F)
+    x = x + residual_scale * linear(activate(hidden), matrices[3], biases[3])
     return x, keys, values
 
 

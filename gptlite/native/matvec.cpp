@@ -18,12 +18,12 @@
 //   cache's slots [0, span) that visible (B, >= span) shows (all, where it is None), each key/value head serving
 //   H / KV query heads: out = softmax(scale q . k) v.
 //
-//   torch.ops.gptlite.block_step(x, norms, weights, biases, k_cache, v_cache, slot, span, visible, scale, n_head,
-//                                norm, eps, activation, residual_scale)          x (B, 1, C) float32 -> (B, 1, C)
+//   torch.ops.gptlite.block_step(x, norms, weights, scales, biases, k_cache, v_cache, slot, span, visible, scale,
+//                                n_head, norm, eps, activation, residual_scale)  x (B, 1, C) float32 -> (B, 1, C)
 //
 //   A pre-norm block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)), the attention as
 //   cached_attention's, the norms LayerNorm or RMSNorm, the feed-forward's activation GELU (tanh), squared ReLU,
-//   SwiGLU or GeGLU (see block_step below).
+//   SwiGLU or GeGLU, the matrices float32 or int8 with a scale per row (see block_step below).
 //
 //   torch.ops.gptlite.argmax(logits)     logits (B, V) float32 -> (B,) int64, each row's first largest (greedy's pick)
 //
@@ -53,6 +53,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -720,15 +721,47 @@ const float* optional_data(const std::optional<at::Tensor>& tensor, int64_t size
     return tensor->data_ptr<float>();
 }
 
-// One of the block's four matrices: a contiguous (rows, columns) float32 weight, whose input width the kernels take.
-const float* matrix_data(const at::Tensor& weight, int64_t rows, int64_t columns, const char* name) {
+// One of the block's four matrices: a contiguous (rows, columns) weight, float32, or int8 with one float32 scale per
+// row, whose input width the kernels take.
+struct Matrix {
+    const float* floats = nullptr;  // the float32 weight, or
+    const int8_t* codes = nullptr;  // the int8 one
+    const float* scale = nullptr;   // and its scales (rows,)
+    int64_t rows = 0;
+    int64_t columns = 0;
+};
+
+Matrix matrix_of(const at::Tensor& weight, const std::optional<at::Tensor>& scale, int64_t rows, int64_t columns,
+                 const char* name) {
     TORCH_CHECK(weight.dim() == 2 && weight.size(0) == rows && weight.size(1) == columns && weight.is_contiguous() &&
-                    weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+                    weight.device().is_cpu(),
                 "gptlite block_step: ", name, " must be a contiguous (", rows, ", ", columns,
-                ") float32 CPU tensor, not ", weight.sizes());
+                ") CPU tensor, not ", weight.sizes());
     TORCH_CHECK(columns % kMultiple == 0, "gptlite block_step: ", name, " has ", columns,
                 " columns, not a multiple of ", kMultiple);
-    return weight.data_ptr<float>();
+    Matrix matrix;
+    matrix.rows = rows;
+    matrix.columns = columns;
+    if (weight.scalar_type() == at::kFloat) {
+        TORCH_CHECK(!scale.has_value(), "gptlite block_step: ", name, " is float32 and takes no scale");
+        matrix.floats = weight.data_ptr<float>();
+        return matrix;
+    }
+    TORCH_CHECK(weight.scalar_type() == at::kChar && scale.has_value(), "gptlite block_step: ", name,
+                " must be float32, or int8 with a scale per row");
+    std::string what = std::string(name) + "'s scale";
+    matrix.codes = weight.data_ptr<int8_t>();
+    matrix.scale = optional_data(scale, rows, what.c_str());
+    return matrix;
+}
+
+// y (M, rows) = x (M, columns) times the matrix, plus bias where there is one.
+void multiply(const Matrix& matrix, const float* x, int64_t M, const float* bias, float* y) {
+    if (matrix.floats != nullptr) {
+        linear<float>(x, M, matrix.floats, matrix.rows, matrix.columns, nullptr, bias, y);
+    } else {
+        linear<int8_t>(x, M, matrix.codes, matrix.rows, matrix.columns, matrix.scale, bias, y);
+    }
 }
 
 // A pre-norm block's decode step, x (B, 1, C) -> (B, 1, C), in one call:
@@ -737,19 +770,21 @@ const float* matrix_data(const at::Tensor& weight, int64_t rows, int64_t columns
 //   x = x + residual_scale * down(act(fc(norm(x))))
 //
 // norms: the attention's norm's weight and bias, then the feed-forward's (each None where the norm has none);
-// weights: qkv (Q, C), the attention's out_proj (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F);
-// biases: theirs, in that order, each None where the layer has none. What gptlite.model's Block computes with
-// its attention and feed-forward, without the twenty-odd operator calls between its matrices.
+// weights: qkv (Q, C), the attention's out_proj (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F), each
+// float32, or int8 with its scales (one per row) in `scales` (None for a float32 one); biases: theirs, in that
+// order, each None where the layer has none. What gptlite.model's Block computes with its attention and
+// feed-forward, without the twenty-odd operator calls between its matrices.
 at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& norms, at::TensorList weights,
+                      const c10::List<std::optional<at::Tensor>>& scales,
                       const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& k_cache, at::Tensor& v_cache,
                       int64_t slot, int64_t span, const std::optional<at::Tensor>& visible, double scale,
                       int64_t n_head, c10::string_view norm_name, double eps, c10::string_view activation_name,
                       double residual_scale) {
     TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "gptlite block_step: x must be a (B, 1, C) float32 CPU tensor, not ", x.sizes());
-    TORCH_CHECK(norms.size() == 4 && weights.size() == 4 && biases.size() == 4,
-                "gptlite block_step: 4 norm tensors, 4 weights and 4 biases, not ", norms.size(), ", ",
-                weights.size(), " and ", biases.size());
+    TORCH_CHECK(norms.size() == 4 && weights.size() == 4 && scales.size() == 4 && biases.size() == 4,
+                "gptlite block_step: 4 norm tensors, 4 weights, 4 scales and 4 biases, not ", norms.size(), ", ",
+                weights.size(), ", ", scales.size(), " and ", biases.size());
     const Norm norm = norm_named(norm_name);
     const Activation activation = activation_named(activation_name);
     const int64_t B = x.size(0);
@@ -758,10 +793,10 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     const int64_t HD = weights[1].size(1);
     const int64_t F = weights[3].size(1);
     const int64_t FC = gated(activation) ? 2 * F : F;  // fc's rows
-    const float* qkv_weight = matrix_data(weights[0], Q, C, "the qkv weight");
-    const float* attn_weight = matrix_data(weights[1], C, HD, "the attention's out_proj weight");
-    const float* fc_weight = matrix_data(weights[2], FC, C, "the fc weight");
-    const float* ffn_weight = matrix_data(weights[3], C, F, "the feed-forward's out_proj weight");
+    const Matrix qkv_weight = matrix_of(weights[0], scales.get(0), Q, C, "the qkv weight");
+    const Matrix attn_weight = matrix_of(weights[1], scales.get(1), C, HD, "the attention's out_proj weight");
+    const Matrix fc_weight = matrix_of(weights[2], scales.get(2), FC, C, "the fc weight");
+    const Matrix ffn_weight = matrix_of(weights[3], scales.get(3), C, F, "the feed-forward's out_proj weight");
     const float* attn_norm_weight = optional_data(norms.get(0), C, "the attention norm's weight");
     const float* attn_norm_bias = optional_data(norms.get(1), C, "the attention norm's bias");
     const float* ffn_norm_weight = optional_data(norms.get(2), C, "the feed-forward norm's weight");
@@ -782,11 +817,11 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
         normalize(stream + b * C, C, norm, eps, attn_norm_weight, attn_norm_bias, normed.data() + b * C);
     }
     at::Tensor qkv = at::empty({B, 1, Q}, x.options());
-    linear<float>(normed.data(), B, qkv_weight, Q, C, nullptr, qkv_bias, qkv.data_ptr<float>());
+    multiply(qkv_weight, normed.data(), B, qkv_bias, qkv.data_ptr<float>());
     const at::Tensor heads = cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head);  // (B, 1, H D)
     TORCH_CHECK(heads.size(2) == HD, "gptlite block_step: the attention's out_proj takes ", HD, " inputs, its ",
                 n_head, " heads give ", heads.size(2));
-    linear<float>(heads.data_ptr<float>(), B, attn_weight, C, HD, nullptr, attn_bias, branch.data());
+    multiply(attn_weight, heads.data_ptr<float>(), B, attn_bias, branch.data());
     add_scaled(stream, branch.data(), B * C, alpha);
 
     std::vector<float> hidden(B * FC);
@@ -794,11 +829,11 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     for (int64_t b = 0; b < B; b++) {
         normalize(stream + b * C, C, norm, eps, ffn_norm_weight, ffn_norm_bias, normed.data() + b * C);
     }
-    linear<float>(normed.data(), B, fc_weight, FC, C, nullptr, fc_bias, hidden.data());
+    multiply(fc_weight, normed.data(), B, fc_bias, hidden.data());
     for (int64_t b = 0; b < B; b++) {
         activate_row(hidden.data() + b * FC, F, activation, activated.data() + b * F);
     }
-    linear<float>(activated.data(), B, ffn_weight, C, F, nullptr, ffn_bias, branch.data());
+    multiply(ffn_weight, activated.data(), B, ffn_bias, branch.data());
     add_scaled(stream, branch.data(), B * C, alpha);
     return out;
 }
@@ -870,9 +905,9 @@ TORCH_LIBRARY(gptlite, m) {
         "cached_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, "
         "float scale, int n_head) -> Tensor");
     m.def(
-        "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] biases, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, str norm, float eps, "
-        "str activation, float residual_scale) -> Tensor");
+        "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, "
+        "str norm, float eps, str activation, float residual_scale) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");
 }
 
