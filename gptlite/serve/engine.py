@@ -48,7 +48,7 @@ import torch
 from gptlite.cpu_decode import packed_for_cpu
 from gptlite.generate import TextStream
 from gptlite.kvcache import decode_step
-from gptlite.sampling import SERVING, GenerationOptions, mask_vocab, sample_next
+from gptlite.sampling import SERVING, GenerationOptions, greedy, mask_vocab, sample_next
 from gptlite.serve.grammar import GrammarError
 from gptlite.serve.prefix import BLOCK as PREFIX_BLOCK
 from gptlite.serve.prefix import PrefixCache
@@ -407,11 +407,11 @@ class Engine:
             logits = logits.clone()
             for i, row in enumerate(rows):
                 adjust(logits[i], row)
-        greedy = logits.argmax(dim=-1).tolist()
+        picks = greedy(logits).tolist()  # (n,): each row's first largest
         pieces = []  # (job, its piece), emitted once every row has its token
         try:
             for i, row in enumerate(rows):
-                piece = self.pick(row, logits[i : i + 1], greedy[i], None if logprobs is None else logprobs[i : i + 1])
+                piece = self.pick(row, logits[i : i + 1], picks[i], None if logprobs is None else logprobs[i : i + 1])
                 if piece is not None:
                     pieces.append((row.job, piece))
         finally:  # together, after the step's work (a server hands them over in one go); also when a row failed
@@ -419,8 +419,8 @@ class Engine:
                 if not job.cancelled:
                     job.emit(piece)
 
-    def pick(self, row: Row, own: torch.Tensor, greedy: int, logprobs: torch.Tensor | None) -> Piece | None:
-        """Row's next token from its logits (1, V) (`greedy` is their argmax), and the piece it gives (None where the
+    def pick(self, row: Row, own: torch.Tensor, best: int, logprobs: torch.Tensor | None) -> Piece | None:
+        """Row's next token from its logits (1, V) (`best` is their argmax), and the piece it gives (None where the
         row failed instead: its grammar)."""
         p = row.job.params
         options = p.options
@@ -431,9 +431,9 @@ class Engine:
                 self.take_prompt_logprobs()  # (an echoed prompt's, which no later row may take)
                 self.fail([row], e)
                 return None
-            greedy = int(own.argmax())
+            best = int(own.argmax())
         token = (
-            greedy
+            best
             if options.temperature == 0
             else int(sample_next(own, options.temperature, options.top_k, options.top_p, row.generator))
         )
