@@ -594,11 +594,11 @@ class NativeBlock(Block):
     """Block whose decode steps run in one call of gptlite's compiled kernels (`torch.ops.gptlite.block_step`,
     gptlite.native) through a cache that offers them (`native_slots`: sample.py's KVCache): both norms, the four
     matrices (float32, or int8 after `quantize("int8")`), the attention over the cache, the activation and the
-    residual additions, where through PyTorch a
-    step took twenty-odd operator calls between the matrices, each of which starts with the CPU's caches full of the
-    matrix before's weights (figures: docs/generation.md). Prompts, more rows than the kernels multiply in one pass
-    over a weight (native.MAX_ROWS), and caches without it (the server's RowCache) take Block's way.
-    gptlite.cpu_decode's view of the model makes these, for the blocks whose `one_call_variant` names it."""
+    residual additions, where through PyTorch a block's step called its modules and half a dozen operators between
+    its matrices (two norms, the attention's call, GELU, two residual additions), each call starting with the CPU's
+    caches full of the matrix before's weights (figures: docs/generation.md). Prompts, more rows than the kernels
+    multiply in one pass over a weight (native.MAX_ROWS), and caches without it (the server's RowCache) take Block's
+    way. gptlite.cpu_decode's view of the model makes these, for the blocks whose `one_call_variant` names it."""
 
     @staticmethod
     def matrices(block: Block) -> list[nn.Module]:

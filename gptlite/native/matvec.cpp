@@ -37,8 +37,9 @@
 // in float32 (no rounding of activations to bfloat16). A decode step's attention is little arithmetic on a few
 // hundred KB of cache; through PyTorch it took a dozen operator calls a layer (split, views, the cache writes, SDPA,
 // the heads merged), about 80 us on the Intel Xeon, as long as the layer's 7 MB of qkv weights took to stream. A
-// whole block's step in one call spares the twenty-odd operator calls between its matrices, each of which starts
-// with the caches full of the last matrix's weights.
+// whole block's step in one call spares the module and operator calls between its matrices (the norms, the
+// attention's call, the activation, the residual additions), each of which starts with the caches full of the last
+// matrix's weights.
 // The vectors are GCC's vector extensions: -march=native lowers them to AVX-512, AVX2 or NEON, whatever the CPU
 // has.
 
@@ -773,7 +774,7 @@ void multiply(const Matrix& matrix, const float* x, int64_t M, const float* bias
 // weights: qkv (Q, C), the attention's out_proj (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F), each
 // float32, or int8 with its scales (one per row) in `scales` (None for a float32 one); biases: theirs, in that
 // order, each None where the layer has none. What gptlite.model's Block computes with its attention and
-// feed-forward, without the twenty-odd operator calls between its matrices.
+// feed-forward, without the module and operator calls between its matrices.
 at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& norms, at::TensorList weights,
                       const c10::List<std::optional<at::Tensor>>& scales,
                       const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& k_cache, at::Tensor& v_cache,
