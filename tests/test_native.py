@@ -247,32 +247,13 @@ def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
 def test_native_attention_decodes_what_the_models_own_attention_does(ops, overrides):
     """The CPU decode view's NativeAttention layers give the model's own logits step after step, for one row and
     for rows of different lengths (left padding, masked), and through beam search's reordered cache."""
-    from gptlite.cpu_decode import packed_for_cpu
-    from gptlite.kvcache import decode_step, new_cache, prefill
     from gptlite.model import NativeAttention
     from tests.conftest import tiny_model
 
     model = tiny_model(**overrides)
-    with torch.no_grad():
-        for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]):
-            view = packed_for_cpu(model, len(rows))
-            assert all(isinstance(block.attn, NativeAttention) for block in view.blocks)
-            ours = new_cache(view, len(rows), 30)
-            theirs = new_cache(model, len(rows), 30)
-            got = prefill(view, ours, rows)
-            want = prefill(model, theirs, rows)
-            for step in range(12):
-                token = want.argmax(-1, keepdim=True)  # (B, 1)
-                if step == 6 and len(rows) > 1:  # beam search: each row takes over another's contents
-                    order = torch.tensor([2, 0, 0])
-                    ours.reorder(order)
-                    theirs.reorder(order)
-                ours.prepare(1)
-                theirs.prepare(1)
-                got = decode_step(view, token, ours)
-                want = decode_step(model, token, theirs)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ours.k[1], theirs.k[1])
+    for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]):
+        view = decodes_as_the_model(model, rows)
+        assert all(isinstance(block.attn, NativeAttention) for block in view.blocks)
 
 
 @pytest.mark.parametrize("rows, KV, int8", [(1, 4, False), (3, 2, False), (2, 4, True)])
@@ -293,57 +274,25 @@ def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, bi
     ones with a scale per row; the token's keys and values land in their slot."""
     generator = torch.Generator().manual_seed(len(norm) + len(activation) + rows)
     operands = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased, int8)
-    x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = operands
     want, keys, values = native.block_reference(*operands, 0.3, 4, norm, 1e-5, activation, 0.7)
-    got = ops.block_step(
-        x,
-        norms,
-        weights,
-        scales,
-        biases,
-        k_cache,
-        v_cache,
-        slot,
-        slot + 1,
-        visible,
-        0.3,
-        4,
-        norm,
-        1e-5,
-        activation,
-        0.7,
-    )
+    got = native.block_step(operands, 0.3, 4, norm, 1e-5, activation, 0.7)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    k_cache, v_cache = operands[5:7]  # written in place
     torch.testing.assert_close(k_cache, keys, rtol=1e-5, atol=1e-5)  # each the qkv product's, summed its own way
     torch.testing.assert_close(v_cache, values, rtol=1e-5, atol=1e-5)
 
 
 def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     generator = torch.Generator().manual_seed(0)
-    x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = native.block_operands(
-        generator, 1, 4, 4, 16, 64, "layernorm", "gelu_tanh", True
-    )
+    operands = native.block_operands(generator, 1, 4, 4, 16, 64, "layernorm", "gelu_tanh", True)
+    names = ("x", "norms", "weights", "scales", "biases", "k_cache", "v_cache", "slot", "visible")
+    given = dict(zip(names, operands, strict=True))
+    weights = given["weights"]
+    scales = given["scales"]
+    biases = given["biases"]
 
     def step(norm="layernorm", activation="gelu_tanh", **changed):
-        operands = {"norms": norms, "weights": weights, "scales": scales, "biases": biases, **changed}
-        ops.block_step(
-            x,
-            operands["norms"],
-            operands["weights"],
-            operands["scales"],
-            operands["biases"],
-            k_cache,
-            v_cache,
-            slot,
-            slot + 1,
-            visible,
-            0.3,
-            4,
-            norm,
-            1e-5,
-            activation,
-            1.0,
-        )
+        native.block_step(tuple({**given, **changed}.values()), 0.3, 4, norm, 1e-5, activation, 1.0)
 
     codes = weights[0].to(torch.int8)
     with pytest.raises(RuntimeError, match="norm must be layernorm or rmsnorm, not batchnorm"):
@@ -363,24 +312,7 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     with pytest.raises(RuntimeError, match=r"the qkv weight's scale must be a contiguous \(192,\) float32"):
         step(weights=[codes, *weights[1:]], scales=[torch.ones(192, 6), *scales[1:]])
     with pytest.raises(RuntimeError, match="gptlite cached_attention: slot 40 and span 41 in a cache of 40"):
-        ops.block_step(
-            x,
-            norms,
-            weights,
-            scales,
-            biases,
-            k_cache,
-            v_cache,
-            40,
-            41,
-            None,
-            0.3,
-            4,
-            "layernorm",
-            1e-5,
-            "gelu_tanh",
-            1.0,
-        )
+        step(slot=40)
 
 
 @pytest.mark.parametrize("V", [1, 5, 16, 50257, 50304])
@@ -442,32 +374,41 @@ def test_native_blocks_decode_an_int8_model_as_its_own_blocks_do(ops, monkeypatc
 def decodes_as_its_own_blocks(model) -> None:
     """Asserts that `model`'s CPU decode view has NativeBlocks that decode as the model does, 1, 3 and
     native.MAX_ROWS + 1 rows."""
-    from gptlite.cpu_decode import packed_for_cpu
-    from gptlite.kvcache import decode_step, new_cache, prefill
     from gptlite.model import NativeBlock
 
     nine = [[i + 1, i + 2, 3] for i in range(native.MAX_ROWS + 1)]
+    for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]], nine):
+        view = decodes_as_the_model(model, rows)
+        assert all(type(block).__name__ == "NativeBlock" for block in view.blocks)
+        assert all(isinstance(block, NativeBlock) for block in view.blocks)
+
+
+def decodes_as_the_model(model, rows: list[list[int]]):
+    """Asserts that `model`'s CPU decode view gives the model's own logits over ten decode steps of `rows` (prompts of
+    different lengths are left-padded and masked; three rows are reordered as beam search does, each taking over
+    another's contents) and writes the same keys; returns the view."""
+    from gptlite.cpu_decode import packed_for_cpu
+    from gptlite.kvcache import decode_step, new_cache, prefill
+
     with torch.no_grad():
-        for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]], nine):
-            view = packed_for_cpu(model, len(rows))
-            assert all(type(block).__name__ == "NativeBlock" for block in view.blocks)
-            assert all(isinstance(block, NativeBlock) for block in view.blocks)
-            ours = new_cache(view, len(rows), 30)
-            theirs = new_cache(model, len(rows), 30)
-            got = prefill(view, ours, rows)
-            want = prefill(model, theirs, rows)
-            for step in range(10):
-                token = want.argmax(-1, keepdim=True)  # (B, 1)
-                if step == 5 and len(rows) == 3:  # beam search: each row takes over another's contents
-                    order = torch.tensor([2, 0, 0])
-                    ours.reorder(order)
-                    theirs.reorder(order)
-                ours.prepare(1)
-                theirs.prepare(1)
-                got = decode_step(view, token, ours)
-                want = decode_step(model, token, theirs)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ours.k[1], theirs.k[1])
+        view = packed_for_cpu(model, len(rows))
+        ours = new_cache(view, len(rows), 30)
+        theirs = new_cache(model, len(rows), 30)
+        got = prefill(view, ours, rows)
+        want = prefill(model, theirs, rows)
+        for step in range(10):
+            token = want.argmax(-1, keepdim=True)  # (B, 1)
+            if step == 5 and len(rows) == 3:
+                order = torch.tensor([2, 0, 0])
+                ours.reorder(order)
+                theirs.reorder(order)
+            ours.prepare(1)
+            theirs.prepare(1)
+            got = decode_step(view, token, ours)
+            want = decode_step(model, token, theirs)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.k[1], theirs.k[1])
+    return view
 
 
 def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):

@@ -300,29 +300,37 @@ def check_block(generator: torch.Generator) -> None:
     ]
     for B, H, KV, norm, activation, biased, residual_scale, int8 in cases:
         operands = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased, int8)
-        x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = operands
         want, keys, values = block_reference(*operands, 0.25, H, norm, 1e-5, activation, residual_scale)
-        got = torch.ops.gptlite.block_step(
-            x,
-            norms,
-            weights,
-            scales,
-            biases,
-            k_cache,
-            v_cache,
-            slot,
-            slot + 1,
-            visible,
-            0.25,
-            H,
-            norm,
-            1e-5,
-            activation,
-            residual_scale,
-        )
+        got = block_step(operands, 0.25, H, norm, 1e-5, activation, residual_scale)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(k_cache, keys)
-        torch.testing.assert_close(v_cache, values)
+        torch.testing.assert_close(operands[5], keys)  # the caches, written in place
+        torch.testing.assert_close(operands[6], values)
+
+
+def block_step(
+    operands: tuple, scale: float, n_head: int, norm: str, eps: float, activation: str, residual_scale: float
+) -> torch.Tensor:
+    """torch.ops.gptlite.block_step on `block_operands`' (x, norms, weights, scales, biases, k_cache, v_cache, slot,
+    visible), attending over slots 0..slot."""
+    x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = operands
+    return torch.ops.gptlite.block_step(
+        x,
+        norms,
+        weights,
+        scales,
+        biases,
+        k_cache,
+        v_cache,
+        slot,
+        slot + 1,
+        visible,
+        scale,
+        n_head,
+        norm,
+        eps,
+        activation,
+        residual_scale,
+    )
 
 
 def block_operands(
