@@ -620,7 +620,7 @@ class NativeBlock(Block):
             return super().forward(x, rot, cache, layer, ve)
         attn = self.attn
         norms = [self.attn_norm.weight, self.attn_norm.bias, self.ffn_norm.weight, self.ffn_norm.bias]
-        weights, scales, biases = zip(*(layer.native_operands() for layer in self.matrices(self)), strict=True)
+        weights, scales, biases = zip(*(linear.native_operands() for linear in self.matrices(self)), strict=True)
         return torch.ops.gptlite.block_step(
             x,
             norms,

@@ -597,12 +597,11 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
     return out;
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // A decode step of a whole pre-norm block
 
-// How a block normalizes, and the activation of its feed-forward; chosen once per call from the names
-// gptlite.model passes, never per number.
+// How a block normalizes, and the activation of its feed-forward: named by gptlite.model, chosen once per call (each
+// activation's loop is compiled on its own), never per number.
 enum class Norm { kLayer, kRms };
 enum class Activation { kGeluTanh, kReluSquared, kSiluGate, kGeluGate };
 
@@ -676,31 +675,44 @@ inline Floats gelu_tanh(Floats x) {
     return x * sigmoid(2.0f * u);
 }
 
-inline Floats activate(Floats x, Activation activation) {
-    switch (activation) {
-        case Activation::kGeluTanh:
-        case Activation::kGeluGate:
-            return gelu_tanh(x);
-        case Activation::kReluSquared: {
-            const Floats relu = x < 0.0f ? Floats{} : x;
-            return relu * relu;
-        }
-        case Activation::kSiluGate:
-            return x * sigmoid(x);
+template <Activation A>
+inline Floats activate(Floats x) {
+    if constexpr (A == Activation::kGeluTanh || A == Activation::kGeluGate) {
+        return gelu_tanh(x);
+    } else if constexpr (A == Activation::kReluSquared) {
+        const Floats relu = x < 0.0f ? Floats{} : x;
+        return relu * relu;
+    } else {
+        return x * sigmoid(x);  // SiLU
     }
-    return x;
 }
 
-// The feed-forward's activation of one row's fc output h into out (F): act(h) for h (F), or, gated (SwiGLU, GeGLU:
-// fc's first F rows the gate's, the last F the value's), act(gate) * value for h = [gate | value] (2F). F is a
-// multiple of kLanes.
-void activate_row(const float* h, int64_t F, Activation activation, float* out) {
-    for (int64_t f = 0; f < F; f += kLanes) {
-        Floats y = activate(load(h + f), activation);
-        if (gated(activation)) {
-            y *= load(h + F + f);
+// The feed-forward's activation of B rows of fc output h into out (B, F): act(h) for rows h (F), or, gated
+// (SwiGLU, GeGLU: fc's first F rows the gate's, the last F the value's), act(gate) * value for rows h = [gate |
+// value] (2F). F is a multiple of kLanes.
+template <Activation A>
+void activate_rows(const float* h, int64_t B, int64_t F, float* out) {
+    constexpr bool kGated = A == Activation::kSiluGate || A == Activation::kGeluGate;
+    const int64_t width = kGated ? 2 * F : F;
+    for (int64_t b = 0; b < B; b++) {
+        const float* row = h + b * width;
+        for (int64_t f = 0; f < F; f += kLanes) {
+            Floats y = activate<A>(load(row + f));
+            if constexpr (kGated) {
+                y *= load(row + F + f);
+            }
+            std::memcpy(out + b * F + f, &y, sizeof y);
         }
-        std::memcpy(out + f, &y, sizeof y);
+    }
+}
+
+// `activate_rows` compiled for each activation, the one named chosen once per call.
+void activate_all(Activation activation, const float* h, int64_t B, int64_t F, float* out) {
+    switch (activation) {
+        case Activation::kGeluTanh: return activate_rows<Activation::kGeluTanh>(h, B, F, out);
+        case Activation::kReluSquared: return activate_rows<Activation::kReluSquared>(h, B, F, out);
+        case Activation::kSiluGate: return activate_rows<Activation::kSiluGate>(h, B, F, out);
+        case Activation::kGeluGate: return activate_rows<Activation::kGeluGate>(h, B, F, out);
     }
 }
 
@@ -831,9 +843,7 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
         normalize(stream + b * C, C, norm, eps, ffn_norm_weight, ffn_norm_bias, normed.data() + b * C);
     }
     multiply(fc_weight, normed.data(), B, fc_bias, hidden.data());
-    for (int64_t b = 0; b < B; b++) {
-        activate_row(hidden.data() + b * FC, F, activation, activated.data() + b * F);
-    }
+    activate_all(activation, hidden.data(), B, F, activated.data());
     multiply(ffn_weight, activated.data(), B, ffn_bias, branch.data());
     add_scaled(stream, branch.data(), B * C, alpha);
     return out;
