@@ -114,7 +114,7 @@ class PlainLinear(nn.Module):
 class NativeLinear(nn.Module):
     """An nn.Linear through gptlite's compiled kernel (`torch.ops.gptlite.float_linear`, gptlite.native): each
     thread reads its contiguous share of the weight's rows once, in streams prefetched ahead, and multiplies up to
-    8 rows of the input into each weight row while that row is in the cache. More rows than NATIVE_MAX_ROWS (a
+    8 rows of the input into each weight row while that row is in the cache. More rows than native.MAX_ROWS (a
     prompt) go through F.linear, PyTorch's GEMM, which reads the weight once however many rows there are. Only for
     layers whose input width `native.fits`."""
 
@@ -124,21 +124,18 @@ class NativeLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > NATIVE_MAX_ROWS * x.size(-1):
+        if x.numel() > native.MAX_ROWS * x.size(-1):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.gptlite.float_linear(x, self.weight, self.bias)  # (..., N)
 
     def runs_natively(self, rows: int) -> bool:
-        """Whether gptlite.model's NativeBlock may multiply this layer in its step (at up to NATIVE_MAX_ROWS rows):
+        """Whether gptlite.model's NativeBlock may multiply this layer in its step (at up to native.MAX_ROWS rows):
         always, the view having chosen the compiled kernel for it."""
         return True
 
     def native_operands(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         """(weight, scale, bias) as the compiled block step takes them: a float32 weight has no scale."""
         return self.weight, None, self.bias
-
-
-NATIVE_MAX_ROWS = native.MAX_ROWS  # past it, the compiled float32 kernel reads each weight again per 8 rows
 
 
 def one_call_variant(module: nn.Module) -> type[nn.Module] | None:

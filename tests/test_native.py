@@ -183,18 +183,18 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
 
 
 def test_a_prompt_of_many_rows_takes_pytorchs_gemm_not_the_compiled_kernel(ops):
-    """The compiled kernels read each weight again for every 8 rows: float32 layers of more than NATIVE_MAX_ROWS
+    """The compiled kernels read each weight again for every 8 rows: float32 layers of more than native.MAX_ROWS
     rows run F.linear, int8 ones the dequantized way (each bit for bit), fewer rows the compiled kernel."""
-    from gptlite.cpu_decode import NATIVE_MAX_ROWS, NativeLinear
+    from gptlite.cpu_decode import NativeLinear
     from gptlite.quantize import NATIVE_MAX_ROWS as INT8_MAX_ROWS
     from gptlite.quantize import Int8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     layer = NativeLinear(linear)
-    many = torch.randn(1, NATIVE_MAX_ROWS + 1, 64)
+    many = torch.randn(1, native.MAX_ROWS + 1, 64)
     assert torch.equal(layer(many), F.linear(many, linear.weight, linear.bias))
-    few = many[:, :NATIVE_MAX_ROWS]
+    few = many[:, : native.MAX_ROWS]
     assert torch.equal(layer(few), ops.float_linear(few, linear.weight, linear.bias))
     int8 = Int8Linear.from_linear(linear)
     many = torch.randn(INT8_MAX_ROWS + 1, 64)
