@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tests.conftest import ROOT, shared_file
@@ -145,6 +146,34 @@ def readme_servers() -> list[tuple[str, list[str]]]:
     return servers
 
 
+def request_body(command: str) -> dict:
+    """The JSON a curl command of the README sends (its -d)."""
+    words = shlex.split(command)
+    return json.loads(words[words.index("-d") + 1])
+
+
+def test_the_readmes_json_schema_example_leaves_max_tokens_room_for_the_longest_json_it_allows():
+    """The schema bounds its JSON: every key required and no other, each string a run of one character class whose
+    characters JSON writes as one byte each (ASCII, no escapes), up to its maxLength; so the longest JSON it allows
+    is those strings at their longest, compact (the server's grammar writes no spaces), and each token spells one
+    byte or more of it."""
+    every_character = "".join(map(chr, range(0x110000)))
+    (request,) = [r for _, requests in readme_servers() for r in requests if "json_schema" in r]
+    body = request_body(request)
+    schema = body["response_format"]["json_schema"]["schema"]
+    assert schema["additionalProperties"] is False and schema["required"] == list(schema["properties"])
+    longest = {}
+    for name, prop in schema["properties"].items():
+        assert prop["type"] == "string" and re.fullmatch(r"\^(\[.+\])\+\$", prop["pattern"]), prop
+        spelled = set(re.findall(prop["pattern"][1:-2], every_character))
+        assert spelled and all(c.isascii() and json.dumps(c) == f'"{c}"' for c in spelled), prop  # no escapes
+        longest[name] = min(spelled) * prop["maxLength"]
+    text = json.dumps(longest, separators=(",", ":"))
+    jsonschema.validate(json.loads(text), schema)
+    assert body["max_tokens"] >= len(text.encode()), (body["max_tokens"], text)
+    assert f"the longest JSON it allows, {len(text)} characters above" in " ".join(README.split())
+
+
 @pytest.mark.slow  # starts servers
 @pytest.mark.parametrize("index", range(len(readme_servers())))
 def test_each_readme_server_example_runs_as_written_on_the_readmes_models(index, readme_bpe):
@@ -174,11 +203,12 @@ def test_each_readme_server_example_runs_as_written_on_the_readmes_models(index,
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
             assert done.returncode == 0 and done.stdout.strip(), f"{request}\n{done.stdout}\n{done.stderr}"
             assert '"error"' not in done.stdout, f"{request}\n{done.stdout}"
-            if "json_schema" in request:  # the schema's JSON, as far as max_tokens let it go
+            if "json_schema" in request:  # whole JSON that the request's schema accepts
                 (choice,) = json.loads(done.stdout)["choices"]
-                assert choice["text"].startswith("{")
-                if choice["finish_reason"] == "stop":
-                    assert isinstance(json.loads(choice["text"]), dict)
+                assert choice["finish_reason"] == "stop", choice
+                jsonschema.validate(
+                    json.loads(choice["text"]), request_body(request)["response_format"]["json_schema"]["schema"]
+                )
     finally:
         process.send_signal(signal.SIGTERM)
         try:
