@@ -11,12 +11,14 @@ import pytest
 from gptlite.prepare import prepare
 from tests.conftest import ROOT
 
-# what the README's commands write inside the checkout: prepared data, downloads, runs, plots
+# what the README's (and docs/pipeline.md's) commands write inside the checkout: prepared data, downloads, runs, plots
 GENERATED = [
     "data/shakespeare_char/train_000000.bin",
     "data/shakespeare_char/manifest.json",
     "data/shakespeare_gpt2/tokenizer.json",
     "data/shakespeare/input.txt",
+    "data/pipeline/corpus.txt",
+    "data/pipeline/chats.jsonl",
     "data/python_stdlib_char/progress.json",
     "data/mycorpus/downloads/book.txt",
     "data/fineweb10B/fineweb_val_000000.bin",
@@ -37,7 +39,7 @@ def git(*args: str) -> subprocess.CompletedProcess:
 def test_what_the_readme_commands_write_is_ignored_and_the_scripts_are_not():
     ignored = git("check-ignore", "--no-index", *GENERATED).stdout.split()
     assert sorted(ignored) == sorted(GENERATED)
-    scripts = ["data/prepare.py", "data/shakespeare/prepare.py", "data/fineweb/download.py"]
+    scripts = ["data/prepare.py", "data/shakespeare/prepare.py", "data/fineweb/download.py", "data/pipeline/inputs.py"]
     assert git("check-ignore", "--no-index", *scripts).stdout == ""
 
 
