@@ -131,7 +131,8 @@ def test_the_inputs_are_the_pages_counts_and_formats_the_same_every_time(tmp_pat
 
     chats, pairs = read_jsonl(first / "chats.jsonl"), read_jsonl(first / "pairs.jsonl")
     train, test = read_jsonl(first / "train.jsonl"), read_jsonl(first / "test.jsonl")
-    assert (len(chats), len(pairs), len(train), len(test)) == (400, 400, 400, 40)  # as the page says
+    assert (len(chats), len(pairs), len(train), len(test)) == (400, 400, 400, 40)
+    assert "400 records in each training file and 40 prompts in the test file" in " ".join(PAGE.split())
     for chat in chats:
         user, assistant = chat["messages"]
         assert assistant["role"] == "assistant" and assistant["content"] == str(eval_sum(question([user])))
