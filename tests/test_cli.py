@@ -87,6 +87,19 @@ def test_help_lists_every_option_with_its_default_and_help():
 
 
 @dataclass
+class Quantized:
+    quantize: str = option("", "int8 or int4", choices=("", "int8", "int4"))
+
+
+def test_an_empty_choice_is_shown_as_the_empty_text_it_is():
+    """The empty choice (none) reads as '' in errors and in --help, not as nothing before a comma."""
+    with pytest.raises(ValueError, match=r"^quantize='int2' must be one of '', int8, int4$"):
+        parse(Quantized, ["--quantize=int2"])
+    assert parse(Quantized, ["--quantize="]).quantize == ""
+    assert "--quantize=''  int8 or int4 (one of '', int8, int4)" in help_text(Quantized, "prog", "The doc.")
+
+
+@dataclass
 class Shape:
     depth: int = option(2, "how deep")
 
