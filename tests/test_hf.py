@@ -356,6 +356,14 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "no tokenizer files are written" not in result.stdout and "GPT2LMHeadModel" in result.stdout
+    # the files the README's export section lists, no more
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     chars = load_tokenizer(run)  # the run's char tokenizer, written for transformers: the same ids both ways
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -9,12 +9,12 @@ any model gptlite loads as one GGUF file for llama.cpp, Ollama and LM Studio.
 run's folder, a Hugging Face directory or a hub name such as gpt2). --out names what is written. The old spellings
 still work: --out_dir and --init_from for --model, --hf_dir for --out.
 
-DIR then holds exactly config.json, model.safetensors and the run's tokenizer files (a Hugging Face tokenizer's own,
-GPT-2's BPE as vocab.json and merges.txt, a byte or char tokenizer as a tokenizer.json), which transformers'
-AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds anything needs
---overwrite, and the earlier folder moves aside whole to DIR-previous-TIME; an interrupted export leaves the earlier
-folder as it was. A LoRA run exports as its merged model, or with --adapter as a PEFT adapter
-(adapter_config.json, adapter_model.safetensors) for its base model.
+DIR then holds exactly config.json, model.safetensors and, with the run's tokenizer, its files (a Hugging Face
+tokenizer's own, GPT-2's BPE as vocab.json and merges.txt, a byte or char tokenizer as a tokenizer.json) and
+generation_config.json (the ids generate() stops at), which transformers' AutoModelForCausalLM / AutoTokenizer load.
+An export over a folder that holds anything needs --overwrite, and the earlier folder moves aside whole to
+DIR-previous-TIME; an interrupted export leaves the earlier folder as it was. A LoRA run exports as its merged model,
+or with --adapter as a PEFT adapter (adapter_config.json, adapter_model.safetensors) for its base model.
 
 --format=gguf writes FILE.gguf (see gptlite.hf.gguf: the weights as f32, f16, bf16, q8_0 or q4_0, the tokenizer, the
 chat template) and, when the model has a chat template, an Ollama Modelfile beside it (FILE.Modelfile for FILE.gguf, so
