@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import gguf
 import numpy as np
@@ -234,6 +235,33 @@ def test_a_q8_0_export_on_a_cpu_with_amx_says_how_to_run_it_in_llama_cpp(bpe, tm
         )
         printed = capsys.readouterr().out
         assert ("llama.cpp with --no-repack (or LLAMA_ARG_REPACK=0), or export --type=f16" in printed) == said
+
+
+@pytest.mark.parametrize(
+    "arch, n_embd, kind",
+    [("llama", 48, "q4_0"), ("llama", 48, "q8_0"), ("llama", 64, "q4_0"), ("gpt2", 64, "f16")],
+)
+def test_the_export_line_says_the_types_the_file_holds(arch, n_embd, kind, bpe, tmp_path, capsys):
+    """A matrix whose input width is not whole blocks of 32 goes in f16 in a q4_0 or q8_0 file, and GPT-2's learned
+    positions in f32: the line says how many matrices of each type the file holds, which and why."""
+    export_hf(random_model(8, 640, **ARCHITECTURES[arch], n_embd=n_embd), tmp_path / "hf", bpe)
+    out = tmp_path / "m.gguf"
+    assert hf_main(["export", "--format=gguf", f"--model={tmp_path / 'hf'}", f"--out={out}", f"--type={kind}"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    held: dict[str, list[str]] = {}
+    for t in gguf.GGUFReader(out).tensors:
+        if len(t.shape) == 2:
+            held.setdefault(t.tensor_type.name.lower(), []).append(t.name.removesuffix(".weight"))
+    said = dict(re.findall(r"(\w+) for (\d+) matri", line))
+    assert said == {t: str(len(names)) for t, names in held.items()}, line
+    for t, names in held.items():
+        if t != kind:
+            roles = {name.split(".")[-1] for name in names}
+            part = line.split(f"{t} for ")[1]
+            assert all(role in part for role in roles), line
+            why = "learned positions" if t == "f32" else "whose input width is not a multiple of 32"
+            assert why in part, line
+    assert (len(held) > 1) == (n_embd % 32 != 0 or arch == "gpt2"), line
 
 
 # the largest difference over the logits' standard deviation at each type, with room over the most measured on

@@ -37,7 +37,7 @@ from gptlite.extras import need
 from gptlite.files import write_text
 from gptlite.hf import check_model_name, export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
-from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, modelfile_path, ollama_modelfile
+from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, matrix_types, modelfile_path, ollama_modelfile
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 
@@ -134,7 +134,7 @@ def export_gguf_file(options: ExportOptions, where: str, out: Path) -> int:
     if modelfile and template_file.exists() and not options.overwrite:
         raise FileExistsError(f"{template_file} exists; choose another --out folder, or pass --overwrite to replace it")
     export_gguf(model, out, tokenizer, options.type, options.overwrite, where=where)  # Mistral is llama.cpp's llama
-    print(f"wrote {out} ({options.type}, {out.stat().st_size / 2**20:,.1f} MiB)")
+    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {matrix_types(out, options.type)}")
     if options.type == "q8_0" and "AMX" in cpu_extensions():
         print(
             "note: on this CPU (AMX), llama.cpp's AMX path crashes on q8_0 files (ggml-org/llama.cpp#20824): run "

@@ -17,11 +17,12 @@ llama.cpp should not either. A chat template goes in as it is.
 
 Types: f32 keeps every tensor in float32; f16 and bf16 store the weight matrices so, and norms, biases and learned
 positions in float32, as llama.cpp's converter does; q8_0 and q4_0 quantize the matrices with the `gguf` package's
-reference quantizer (blocks of 32; a matrix whose rows are not a multiple of 32 goes in f16). A model gptlite
-quantized itself (gptlite.quantize) exports as the one type its weights are: int4 in groups of 32 as q4_0, the same
-codes and scales bit for bit (q4_0's rule; a scale below float16's normal range loses bits there); int8 as q8_0:
-the vocabulary's tables (in groups of 32 with float16 scales, q8_0's rule) bit for bit, the blocks' matrices each
-block of 32 rounded again (one scale per row is not q8_0's one scale per block).
+reference quantizer (blocks of 32; a matrix whose input width is not a multiple of 32 goes in f16, and the export's
+line says which: matrix_types). A model gptlite quantized itself (gptlite.quantize) exports as the one type its
+weights are: int4 in groups of 32 as q4_0, the same codes and scales bit for bit (q4_0's rule; a scale below float16's
+normal range loses bits there); int8 as q8_0: the vocabulary's tables (in groups of 32 with float16 scales, q8_0's
+rule) bit for bit, the blocks' matrices each block of 32 rounded again (one scale per row is not q8_0's one scale per
+block).
 
     python -m gptlite.hf export --format=gguf --out_dir=RUN --out=FILE.gguf [--type=f32|f16|bf16|q8_0|q4_0]
 """
@@ -356,23 +357,80 @@ def gguf_tensors(
         yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
 
 
+# why a matrix is not of the file's type, as the export's line says it
+WIDTH_NOT_32 = "whose input width is not a multiple of 32"
+POSITIONS_F32 = "(learned positions, kept so as llama.cpp's converter keeps them)"
+
+
+def storage_type(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str]:
+    """(the type one tensor of `shape` (rows, input width) goes in, in a file of `kind`; why that is not `kind`, or
+    ""): vectors and norms in f32 whatever the kind, learned positions in f32 too, and a matrix whose rows are not
+    whole blocks of 32 weights (its input width) in f16 where `kind` quantizes rows in blocks of 32 (q8_0, q4_0)."""
+    if kind == "f32" or len(shape) <= 1 or name.endswith("_norm.weight"):
+        return "f32", ""
+    if name == "position_embd.weight":
+        return "f32", POSITIONS_F32
+    if kind in ("q8_0", "q4_0") and shape[-1] % 32:
+        return "f16", WIDTH_NOT_32
+    return kind, ""
+
+
 def stored(name: str, tensor: torch.Tensor, kind: str):
-    """(the array to write, its ggml type) of one tensor for a file of `kind`: vectors, norms and learned positions
-    in float32; matrices as `kind` says."""
+    """(the array to write, its ggml type) of one tensor for a file of `kind`, as storage_type says."""
     import gguf
 
     data = tensor.numpy()
-    if kind == "f32" or data.ndim <= 1 or name.endswith("_norm.weight") or name == "position_embd.weight":
-        return data, gguf.GGMLQuantizationType.F32
-    qtype = {
-        "f16": gguf.GGMLQuantizationType.F16,
-        "bf16": gguf.GGMLQuantizationType.BF16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-        "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    }[kind]
-    if kind in ("q8_0", "q4_0") and data.shape[-1] % 32:
-        qtype = gguf.GGMLQuantizationType.F16
+    qtype = gguf.GGMLQuantizationType[storage_type(name, data.shape, kind)[0].upper()]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return data, qtype
     return gguf.quants.quantize(data, qtype), qtype
+
+
+def matrix_types(path: Path, kind: str) -> str:
+    """What the GGUF file `path`, written as `kind`, holds, read back from it in one line: how many weight matrices
+    are of which type, and for each type other than `kind` which matrices and why (see storage_type), e.g. "q4_0 for
+    2 matrices; f16 for 13 matrices whose input width is not a multiple of 32: token_embd, and attn_q, ... in every
+    block".
+    Vectors (norms, biases) are f32 in every file and go unsaid."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    blocks = int(reader.fields[f"{reader.fields['general.architecture'].contents()}.block_count"].contents())
+    groups: dict[tuple[str, str], list[str]] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) < 2:
+            continue
+        written = tensor.tensor_type.name.lower()
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the input width first
+        planned, why = storage_type(tensor.name, shape, kind)
+        groups.setdefault((written, why if written == planned and written != kind else ""), []).append(tensor.name)
+    parts = []
+    for (written, why), names in sorted(groups.items(), key=lambda item: (item[0][0] != kind, item[0])):
+        count = f"{len(names)} {'matrix' if len(names) == 1 else 'matrices'}"
+        if written == kind:
+            parts.append(f"{kind} for {count}")
+        else:
+            parts.append(f"{written} for {count}{' ' + why if why else ''}: {tensor_roles(names, blocks)}")
+    return "; ".join(parts)
+
+
+def tensor_roles(names: list[str], blocks: int) -> str:
+    """GGUF tensor names said briefly: "token_embd, and attn_q, attn_k in every block, ffn_down in blocks 0, 3"."""
+    outside, layers = [], {}
+    for name in names:
+        parts = name.removesuffix(".weight").split(".")
+        if parts[0] == "blk":
+            layers.setdefault(parts[2], []).append(int(parts[1]))
+        else:
+            outside.append(".".join(parts))
+    by_blocks: dict[tuple[int, ...], list[str]] = {}
+    for role, where in layers.items():
+        by_blocks.setdefault(tuple(sorted(where)), []).append(role)
+    inside = [
+        f"{', '.join(roles)} in {'every block' if len(where) == blocks else 'blocks ' + ', '.join(map(str, where))}"
+        for where, roles in by_blocks.items()
+    ]
+    return ", and ".join(filter(None, [", ".join(outside), *inside]))
 
 
 # ---------------------------------------------------------------------------------------------
