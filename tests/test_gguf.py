@@ -6,7 +6,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -17,6 +20,7 @@ from tokenizers import pre_tokenizers
 
 from gptlite import GPT, GPTConfig
 from gptlite.device import cpu_summary
+from gptlite.files import write_folder
 from gptlite.hf import export_hf
 from gptlite.hf.__main__ import main as hf_main
 from gptlite.hf.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, export_gguf, gguf_tensors, llama_rows, role_wrappers
@@ -562,3 +566,51 @@ def test_a_full_disk_under_the_gguf_writer_says_so_and_keeps_the_earlier_file(bp
                                       r"free space or use a folder on another disk$"):  # fmt: skip
         export_gguf(random_model(5, 640, **ARCHITECTURES["llama"]), out, bpe, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"] and out.read_bytes() == before
+
+
+def dead_pid() -> int:
+    """The pid of a process that ran and ended."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def export_command(model: os.PathLike, out: os.PathLike, *options: str, **run) -> subprocess.CompletedProcess:
+    """python -m gptlite.hf export --format=gguf in a process of its own."""
+    command = [sys.executable, "-m", "gptlite.hf", "export", "--format=gguf", f"--model={model}", f"--out={out}"]
+    return subprocess.run([*command, *options], capture_output=True, text=True, timeout=300, cwd=ROOT, **run)
+
+
+def test_a_killed_exports_temporary_file_is_removed_by_the_next_export(bpe, tmp_path):
+    """The temporary file a killed export left (.m.gguf.tmp-PID of a process that no longer runs) goes when m.gguf is
+    written again, said in one line; a running process's, another target's and a name not of that form stay."""
+    export_hf(random_model(3, 640, **ARCHITECTURES["llama"]), tmp_path / "hf", bpe)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    dead = dead_pid()
+    stale = folder / f".m.gguf.tmp-{dead}"
+    stale.write_bytes(b"\0" * 2**20)
+    kept = [folder / f".m.gguf.tmp-{os.getpid()}", folder / f".n.gguf.tmp-{dead}", folder / ".m.gguf.tmp-12x"]
+    for path in kept:
+        path.write_bytes(b"part")
+    result = export_command(tmp_path / "hf", folder / "m.gguf")
+    assert result.returncode == 0, result.stderr
+    assert not stale.exists() and all(path.read_bytes() == b"part" for path in kept)
+    said = [line for line in result.stderr.splitlines() if "removed" in line]
+    assert said == [
+        f"note: removed .m.gguf.tmp-{dead} (1.0 MiB) beside {folder / 'm.gguf'}: left by a write whose process "
+        f"(pid {dead}) no longer runs (killed or crashed)"
+    ]
+
+
+def test_an_atomic_folder_write_removes_the_temporary_folder_of_a_killed_one(tmp_path):
+    dead = dead_pid()
+    stale, live = tmp_path / f".hf.tmp-{dead}", tmp_path / f".hf.tmp-{os.getppid()}"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"part")
+    said = []
+    write_folder(tmp_path / "hf", lambda folder: (folder / "config.json").write_text("{}"), log=said.append)
+    assert not stale.exists() and (live / "model.safetensors").exists()
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["config.json"]
+    assert len(said) == 1 and said[0].startswith(f"removed .hf.tmp-{dead} (0.0 MiB) beside {tmp_path / 'hf'}")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,7 +40,7 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.extras import need
-from gptlite.files import fault, fsync_dir, make_dir
+from gptlite.files import fault, fsync_dir, make_dir, temp_path
 from gptlite.hf.families import (
     GEMMA3,
     GPT2,
@@ -517,11 +517,13 @@ def export_gguf(
     architecture: str | None = None,
     name: str = "",
     where: str = "the model",
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Write `model` and `tokenizer` to the GGUF file `out` (see the module docstring), as `kind` (one of
     GGUF_TYPES). Everything is checked before anything is written; the file is written beside `out` under a
     temporary name and takes its name only when whole, so an interrupted export leaves no partial file and an
-    earlier file is replaced (with overwrite=True) only by a whole one."""
+    earlier file is replaced (with overwrite=True) only by a whole one. The temporaries of `out` that killed
+    exports left are removed, and `log` (a note on stderr by default) is told."""
     from gptlite.quantize import dequantized_state_dict, gguf_type_of, is_quantized
 
     gguf = need("gguf", "gguf", "GGUF export")
@@ -550,7 +552,7 @@ def export_gguf(
         "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     }[kind]
     folder = make_dir(out.parent or Path("."))
-    tmp = folder / f".{out.name}.tmp-{os.getpid()}"
+    tmp = temp_path(out, log)
     writer = gguf.GGUFWriter(tmp, arch)
     try:
         writer.add_name(name or out.stem)
