@@ -51,13 +51,51 @@ def error(errno_: int | None, message: str) -> OSError:
     return e
 
 
-def fault(e: OSError, doing: str) -> OSError:
+def fault(e: OSError, doing: str, path: str | Path | None = None) -> OSError:
     """An OSError whose message is one line: `doing` (e.g. "could not write checkpoint X"), the cause in plain
     words and the fix. Raise it `from None`. A short write (numpy's "N requested and M written", with no errno:
-    the GGUF writer's tensors) is a full disk's."""
-    number = errno.ENOSPC if e.errno is None and SHORT_WRITE.fullmatch(str(e)) else e.errno
-    cause, fix = CAUSES.get(number, (e.strerror or str(e), "check the path and the disk"))
+    the GGUF writer's tensors) of the file `path` is the file size limit's (ulimit -f) where the file reached it, and
+    a full disk's otherwise. Python ignores SIGXFSZ, so a write past that limit fails (EFBIG) rather than killing
+    the process, and is said as the limit it is."""
+    number = e.errno
+    if number is None and SHORT_WRITE.fullmatch(str(e)):
+        number = errno.EFBIG if at_size_limit(path) else errno.ENOSPC
+    if number == errno.EFBIG:
+        cause, fix = too_large()
+    else:
+        cause, fix = CAUSES.get(number, (e.strerror or str(e), "check the path and the disk"))
     return error(number, f"{doing}: {cause}; {fix}")
+
+
+def size_limit() -> int | None:
+    """The largest file this process may write, in bytes (ulimit -f; RLIMIT_FSIZE), or None: no limit."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def at_size_limit(path: str | Path | None) -> bool:
+    """Whether the file `path` is as large as this process may write a file."""
+    limit = size_limit()
+    try:
+        return limit is not None and path is not None and os.stat(path).st_size >= limit
+    except OSError:
+        return False
+
+
+def too_large() -> tuple[str, str]:
+    """(the cause, the fix) of EFBIG: the file size limit of this process where it has one, else the file system's
+    largest file."""
+    limit = size_limit()
+    if limit is not None:
+        return (
+            f"the file reached this process's file size limit (ulimit -f: {limit:,} bytes)",
+            "raise it (ulimit -f unlimited) and run it again",
+        )
+    return "the file is larger than this file system holds", "write it to a folder on another file system"
 
 
 def make_dir(path: str | Path, what: str = "folder") -> Path:

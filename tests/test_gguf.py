@@ -614,3 +614,28 @@ def test_an_atomic_folder_write_removes_the_temporary_folder_of_a_killed_one(tmp
     assert not stale.exists() and (live / "model.safetensors").exists()
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["config.json"]
     assert len(said) == 1 and said[0].startswith(f"removed .hf.tmp-{dead} (0.0 MiB) beside {tmp_path / 'hf'}")
+
+
+def test_an_export_past_the_file_size_limit_says_so_and_keeps_the_earlier_file(bpe, tmp_path):
+    """Under ulimit -f (RLIMIT_FSIZE) a write past the limit fails with EFBIG (Python ignores SIGXFSZ, which would
+    kill it): the command ends with one line naming the limit and how to raise it, not a full disk, and leaves no
+    temporary file and the earlier file whole."""
+    import resource
+
+    limit = 64 * 1024
+    export_hf(random_model(3, 640, **ARCHITECTURES["llama"]), tmp_path / "hf", bpe)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    out.write_bytes(b"earlier")
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    result = export_command(tmp_path / "hf", out, "--overwrite", preexec_fn=limited, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"gptlite.hf: error: could not write {out} (nothing there changed): the file reached this process's file "
+        f"size limit (ulimit -f: {limit:,} bytes); raise it (ulimit -f unlimited) and run it again\n"
+    )
+    assert [p.name for p in out.parent.iterdir()] == ["m.gguf"] and out.read_bytes() == b"earlier"

@@ -572,9 +572,10 @@ def export_gguf(
             os.fsync(f.fileno())
     except BaseException as e:  # no partial file stays behind; an earlier one is untouched
         writer.close()
+        problem = fault(e, f"could not write {out} (nothing there changed)", tmp) if isinstance(e, OSError) else None
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise fault(e, f"could not write {out} (nothing there changed)") from None
+        if problem:
+            raise problem from None
         raise
     os.replace(tmp, out)
     fsync_dir(folder)
