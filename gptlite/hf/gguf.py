@@ -29,6 +29,7 @@ block).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -571,7 +572,8 @@ def export_gguf(
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     except BaseException as e:  # no partial file stays behind; an earlier one is untouched
-        writer.close()
+        with contextlib.suppress(OSError):  # flushing what is left fails as the write did: that fault is said below
+            writer.close()
         problem = fault(e, f"could not write {out} (nothing there changed)", tmp) if isinstance(e, OSError) else None
         tmp.unlink(missing_ok=True)
         if problem:
