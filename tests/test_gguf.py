@@ -4,6 +4,7 @@ template, the refusals, and a file that is whole or absent."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,8 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from tokenizers import pre_tokenizers
 
 from gptlite import GPT, GPTConfig
+from gptlite.cli import parse
+from gptlite.config import read_toml
 from gptlite.device import cpu_summary
 from gptlite.files import write_folder
 from gptlite.hf import export_hf
@@ -439,6 +442,24 @@ def test_a_model_llama_cpp_cannot_run_is_refused_in_one_line(switches, message, 
     with pytest.raises(ValueError, match=message) as e:
         export_gguf(model, tmp_path / "m.gguf", bpe)
     assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+def test_the_quick_starts_model_is_refused_naming_the_flags_that_make_one_llama_cpp_runs(bpe, tmp_path):
+    quick_start = read_toml(ROOT / "configs" / "shakespeare_char_cpu.toml")
+    switches = {k: v for k, v in quick_start.items() if k in ("pos_emb", "norm", "ffn", "bias")}
+    config = GPTConfig(vocab_size=640, **SHAPE, **switches)
+    with pytest.raises(ValueError) as e:
+        export_gguf(GPT(config), tmp_path / "m.gguf", bpe)
+    assert str(e.value) == (
+        "llama.cpp has no architecture for a model with pos_emb='learned', norm='layernorm', ffn='swiglu'; a model "
+        "trained with --ffn=gelu (llama.cpp's gpt2) or --pos_emb=rope --norm=rmsnorm (llama.cpp's llama) exports"
+    )
+    for flags, arch in (("--ffn=gelu", "gpt2"), ("--pos_emb=rope --norm=rmsnorm", "llama")):
+        given = parse(GPTConfig, flags.split())
+        trained = dataclasses.replace(config, **{name: getattr(given, name) for name in given.given})
+        path = export_gguf(GPT(trained), tmp_path / f"{arch}.gguf", bpe)
+        assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
+    assert not list(tmp_path.glob(".*"))
 
 
 def test_char_and_byte_tokenizers_are_refused_in_one_line(tmp_path):

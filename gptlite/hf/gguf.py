@@ -53,7 +53,10 @@ from gptlite.hf.families import (
     QWEN3,
     SMOLLM3,
     Family,
-    family_of,
+    matching_family,
+    speedrun_options,
+    switches_of,
+    trained_with,
 )
 from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
 from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
@@ -100,39 +103,54 @@ def split_patterns() -> dict[str, str]:
 
 def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tuple[Family, str]:
     """The transformers family and llama.cpp's architecture name of a model's switches; a model llama.cpp cannot
-    run is refused in one line naming its settings."""
-    try:
-        family = family_of(config, architecture)
-    except ValueError:
+    run is refused in one line naming its settings and the train.py flags that make one it runs."""
+    speedrun = speedrun_options(config)
+    if speedrun:  # as family_of says it
+        named = ", ".join(f"{k}={getattr(config, k)}" for k in speedrun)
         raise ValueError(
-            f"llama.cpp has no architecture for a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, "
-            f"ffn={config.ffn!r}, bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
-            f"rope_scaling={config.rope_scaling!r}, value_embeds={config.value_embeds}, "
-            f"bigram_vocab={config.bigram_vocab}, "
-            f"unet_skips={config.unet_skips}, logit_softcap={config.logit_softcap}; GGUF export takes GPT-2's "
-            "switches (pos_emb=learned norm=layernorm ffn=gelu) and Llama's (pos_emb=rope norm=rmsnorm ffn=swiglu "
-            "bias=false, with qkv_bias as Qwen2, qk_norm as Qwen3), without the speedrun options"
-        ) from None
+            f"llama.cpp has no architecture for a model with {named}, "
+            "speedrun options that change what the model computes; train without the speedrun options to export it"
+        )
+    family = matching_family(config, architecture)
+    if family is None:
+        raise ValueError(
+            f"llama.cpp has no architecture for a model with {switches_of(config)}; "
+            + trained_with(config, lambda c: gguf_family(c, architecture), lambda f: f"llama.cpp's {ARCHITECTURES[f]}")
+        )
     if family not in ARCHITECTURES:
         raise ValueError(
             f"GGUF export of a {family.architecture} is not implemented (gptlite writes GGUF for "
             f"{', '.join(sorted({f.architecture for f in ARCHITECTURES}))}); export it with python -m gptlite.hf "
             "export and convert that directory with llama.cpp's convert_hf_to_gguf.py"
         )
+    problem = gguf_problem(family, config)
+    if problem:
+        raise ValueError(problem)
+    return family, ARCHITECTURES[family]
+
+
+def gguf_family(config: GPTConfig, architecture: str | None = None) -> Family | None:
+    """The family of a model GGUF export takes, or None."""
+    family = matching_family(config, architecture)
+    return family if family in ARCHITECTURES and not gguf_problem(family, config) else None
+
+
+def gguf_problem(family: Family, config: GPTConfig) -> str | None:
+    """What llama.cpp's architecture for `family` cannot hold of this model, in one line (None: nothing)."""
     # llama.cpp's smollm3 has no key for its NoPE layers: every fourth layer is one
     every_fourth = ",".join(str(i) for i in range(config.n_layer) if (i + 1) % 4 == 0)
     if family is SMOLLM3 and config.nope_layers.replace(" ", "") != every_fourth:
-        raise ValueError(
+        return (
             f"llama.cpp's smollm3 has no positions in every fourth layer ({every_fourth or 'none here'}), and "
             f"this model in layers {config.nope_layers}; GGUF export needs nope_layers={every_fourth!r}"
         )
     if family is GEMMA3 and config.attn_scale and config.attn_scale != config.head_width**-0.5:
-        raise ValueError(
+        return (
             f"llama.cpp's gemma3 scales attention by 1 / sqrt(head width) = {config.head_width**-0.5:.6g}, and this "
             f"model by attn_scale={config.attn_scale:.6g} (query_pre_attn_scalar other than head_dim); GGUF export "
             "needs them equal"
         )
-    return family, ARCHITECTURES[family]
+    return None
 
 
 def pre_tokenizer_name(spec: dict) -> str | None:
