@@ -40,6 +40,11 @@ CAUSES = {
     errno.EISDIR: ("it is a folder, not a file", "give the path of a file"),
     errno.ENOENT: ("it does not exist", "check the path"),
     errno.EIO: ("an input/output error of the disk", "check the disk"),
+    # fault says which of the two it was (too_large); a message no command described names both
+    errno.EFBIG: (
+        "the file reached this process's file size limit (ulimit -f) or the largest its file system holds",
+        "raise the limit (ulimit -f unlimited) or use a folder on another file system",
+    ),
 }
 SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile, when the disk fills up
 

@@ -2,6 +2,7 @@
 did-you-mean; and that no other module imports a parser library."""
 
 import ast
+import errno
 import os
 import subprocess
 import sys
@@ -97,6 +98,15 @@ def test_an_empty_choice_is_shown_as_the_empty_text_it_is():
         parse(Quantized, ["--quantize=int2"])
     assert parse(Quantized, ["--quantize="]).quantize == ""
     assert "--quantize=''  int8 or int4 (one of '', int8, int4)" in help_text(Quantized, "prog", "The doc.")
+
+
+def test_a_file_too_large_that_no_command_described_names_the_size_limit():
+    from gptlite.cli import in_words
+
+    assert in_words(OSError(errno.EFBIG, "File too large", "/x/y")) == (
+        "/x/y: the file reached this process's file size limit (ulimit -f) or the largest its file system holds; "
+        "raise the limit (ulimit -f unlimited) or use a folder on another file system"
+    )
 
 
 @dataclass
