@@ -36,6 +36,7 @@ from gptlite.config import (
     TRUE_WORDS,
     GPTConfig,
     TrainConfig,
+    choice_list,
     choice_problems,
     convert,
     flat_fields,
@@ -182,7 +183,7 @@ def help_text(cls: type | tuple[type, ...], prog: str, doc: str) -> str:
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             name = f"{f.name.upper()} ..." if meta.get("positional") else f"--{f.name}={default!r}"
-        choices = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
+        choices = f" (one of {choice_list(meta['choices'])})" if meta.get("choices") else ""
         lines.append(f"  {name}" + (f"  {meta['help']}{choices}" if meta.get("help") else choices))
     return "\n".join(lines)
 

@@ -59,6 +59,12 @@ def option(
     return field(default=default, default_factory=default_factory, metadata=meta)
 
 
+def choice_list(choices: tuple) -> str:
+    """A choice list as errors and --help show it: "'', int8, int4" (an empty choice, which means none, as '', what
+    the command line takes)."""
+    return ", ".join(repr(choice) if choice == "" else str(choice) for choice in choices)
+
+
 def choice_problems(cls: type, values: typing.Mapping[str, typing.Any]) -> list[str]:
     """The values (field name -> value) that are not one of the choices their field's `option` declares: the one
     check of every choice list, for the configs here and every command's options (gptlite.cli)."""
@@ -66,7 +72,7 @@ def choice_problems(cls: type, values: typing.Mapping[str, typing.Any]) -> list[
     for f in fields(cls):
         choices = f.metadata.get("choices")
         if choices and f.name in values and values[f.name] not in choices:
-            problems.append(f"{f.name}={values[f.name]!r} must be one of {', '.join(map(str, choices))}")
+            problems.append(f"{f.name}={values[f.name]!r} must be one of {choice_list(choices)}")
     return problems
 
 

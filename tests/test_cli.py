@@ -2,6 +2,7 @@
 did-you-mean; and that no other module imports a parser library."""
 
 import ast
+import errno
 import os
 import subprocess
 import sys
@@ -84,6 +85,28 @@ def test_help_lists_every_option_with_its_default_and_help():
     assert text.startswith("The doc.") and "--steps=10  how many" in text and "RUNS ..." in text
     assert "--kind='a'  which (one of a, b)" in text
     assert run_command("prog", lambda: parse(Options, ["-h"], "prog", "The doc.")) == 0
+
+
+@dataclass
+class Quantized:
+    quantize: str = option("", "int8 or int4", choices=("", "int8", "int4"))
+
+
+def test_an_empty_choice_is_shown_as_the_empty_text_it_is():
+    """The empty choice (none) reads as '' in errors and in --help, not as nothing before a comma."""
+    with pytest.raises(ValueError, match=r"^quantize='int2' must be one of '', int8, int4$"):
+        parse(Quantized, ["--quantize=int2"])
+    assert parse(Quantized, ["--quantize="]).quantize == ""
+    assert "--quantize=''  int8 or int4 (one of '', int8, int4)" in help_text(Quantized, "prog", "The doc.")
+
+
+def test_a_file_too_large_that_no_command_described_names_the_size_limit():
+    from gptlite.cli import in_words
+
+    assert in_words(OSError(errno.EFBIG, "File too large", "/x/y")) == (
+        "/x/y: the file reached this process's file size limit (ulimit -f) or the largest its file system holds; "
+        "raise the limit (ulimit -f unlimited) or use a folder on another file system"
+    )
 
 
 @dataclass

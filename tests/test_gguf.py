@@ -4,8 +4,13 @@ template, the refusals, and a file that is whole or absent."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
+import os
+import re
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -15,7 +20,10 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from tokenizers import pre_tokenizers
 
 from gptlite import GPT, GPTConfig
+from gptlite.cli import parse
+from gptlite.config import read_toml
 from gptlite.device import cpu_summary
+from gptlite.files import write_folder
 from gptlite.hf import export_hf
 from gptlite.hf.__main__ import main as hf_main
 from gptlite.hf.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, export_gguf, gguf_tensors, llama_rows, role_wrappers
@@ -236,6 +244,33 @@ def test_a_q8_0_export_on_a_cpu_with_amx_says_how_to_run_it_in_llama_cpp(bpe, tm
         assert ("llama.cpp with --no-repack (or LLAMA_ARG_REPACK=0), or export --type=f16" in printed) == said
 
 
+@pytest.mark.parametrize(
+    "arch, n_embd, kind",
+    [("llama", 48, "q4_0"), ("llama", 48, "q8_0"), ("llama", 64, "q4_0"), ("gpt2", 64, "f16")],
+)
+def test_the_export_line_says_the_types_the_file_holds(arch, n_embd, kind, bpe, tmp_path, capsys):
+    """A matrix whose input width is not whole blocks of 32 goes in f16 in a q4_0 or q8_0 file, and GPT-2's learned
+    positions in f32: the line says how many matrices of each type the file holds, which and why."""
+    export_hf(random_model(8, 640, **ARCHITECTURES[arch], n_embd=n_embd), tmp_path / "hf", bpe)
+    out = tmp_path / "m.gguf"
+    assert hf_main(["export", "--format=gguf", f"--model={tmp_path / 'hf'}", f"--out={out}", f"--type={kind}"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    held: dict[str, list[str]] = {}
+    for t in gguf.GGUFReader(out).tensors:
+        if len(t.shape) == 2:
+            held.setdefault(t.tensor_type.name.lower(), []).append(t.name.removesuffix(".weight"))
+    said = dict(re.findall(r"(\w+) for (\d+) matri", line))
+    assert said == {t: str(len(names)) for t, names in held.items()}, line
+    for t, names in held.items():
+        if t != kind:
+            roles = {name.split(".")[-1] for name in names}
+            part = line.split(f"{t} for ")[1]
+            assert all(role in part for role in roles), line
+            why = "learned positions" if t == "f32" else "whose input width is not a multiple of 32"
+            assert why in part, line
+    assert (len(held) > 1) == (n_embd % 32 != 0 or arch == "gpt2"), line
+
+
 # the largest difference over the logits' standard deviation at each type, with room over the most measured on
 # these models (docs/hf.md: f16 0.0025, bf16 0.019, q8_0 0.064: llama.cpp also rounds the activations to 8 bits
 # for q8_0's products, and the output head's logits carry it whole)
@@ -409,6 +444,24 @@ def test_a_model_llama_cpp_cannot_run_is_refused_in_one_line(switches, message, 
     assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
 
 
+def test_the_quick_starts_model_is_refused_naming_the_flags_that_make_one_llama_cpp_runs(bpe, tmp_path):
+    quick_start = read_toml(ROOT / "configs" / "shakespeare_char_cpu.toml")
+    switches = {k: v for k, v in quick_start.items() if k in ("pos_emb", "norm", "ffn", "bias")}
+    config = GPTConfig(vocab_size=640, **SHAPE, **switches)
+    with pytest.raises(ValueError) as e:
+        export_gguf(GPT(config), tmp_path / "m.gguf", bpe)
+    assert str(e.value) == (
+        "llama.cpp has no architecture for a model with pos_emb='learned', norm='layernorm', ffn='swiglu'; a model "
+        "trained with --ffn=gelu (llama.cpp's gpt2) or --pos_emb=rope --norm=rmsnorm (llama.cpp's llama) exports"
+    )
+    for flags, arch in (("--ffn=gelu", "gpt2"), ("--pos_emb=rope --norm=rmsnorm", "llama")):
+        given = parse(GPTConfig, flags.split())
+        trained = dataclasses.replace(config, **{name: getattr(given, name) for name in given.given})
+        path = export_gguf(GPT(trained), tmp_path / f"{arch}.gguf", bpe)
+        assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
+    assert not list(tmp_path.glob(".*"))
+
+
 def test_char_and_byte_tokenizers_are_refused_in_one_line(tmp_path):
     tokenizer = CharTokenizer(sorted(set("hello world")))
     model = GPT(GPTConfig(vocab_size=16, **SHAPE, **ARCHITECTURES["llama"]))
@@ -534,3 +587,78 @@ def test_a_full_disk_under_the_gguf_writer_says_so_and_keeps_the_earlier_file(bp
                                       r"free space or use a folder on another disk$"):  # fmt: skip
         export_gguf(random_model(5, 640, **ARCHITECTURES["llama"]), out, bpe, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"] and out.read_bytes() == before
+
+
+def dead_pid() -> int:
+    """The pid of a process that ran and ended."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def export_command(model: os.PathLike, out: os.PathLike, *options: str, **run) -> subprocess.CompletedProcess:
+    """python -m gptlite.hf export --format=gguf in a process of its own."""
+    command = [sys.executable, "-m", "gptlite.hf", "export", "--format=gguf", f"--model={model}", f"--out={out}"]
+    return subprocess.run([*command, *options], capture_output=True, text=True, timeout=300, cwd=ROOT, **run)
+
+
+def test_a_killed_exports_temporary_file_is_removed_by_the_next_export(bpe, tmp_path):
+    """The temporary file a killed export left (.m.gguf.tmp-PID of a process that no longer runs) goes when m.gguf is
+    written again, said in one line; a running process's, another target's and a name not of that form stay."""
+    export_hf(random_model(3, 640, **ARCHITECTURES["llama"]), tmp_path / "hf", bpe)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    dead = dead_pid()
+    stale = folder / f".m.gguf.tmp-{dead}"
+    stale.write_bytes(b"\0" * 2**20)
+    kept = [folder / f".m.gguf.tmp-{os.getpid()}", folder / f".n.gguf.tmp-{dead}", folder / ".m.gguf.tmp-12x"]
+    for path in kept:
+        path.write_bytes(b"part")
+    result = export_command(tmp_path / "hf", folder / "m.gguf")
+    assert result.returncode == 0, result.stderr
+    assert not stale.exists() and all(path.read_bytes() == b"part" for path in kept)
+    said = [line for line in result.stderr.splitlines() if "removed" in line]
+    assert said == [
+        f"note: removed .m.gguf.tmp-{dead} (1.0 MiB) beside {folder / 'm.gguf'}: left by a write whose process "
+        f"(pid {dead}) no longer runs (killed or crashed)"
+    ]
+
+
+def test_an_atomic_folder_write_removes_the_temporary_folder_of_a_killed_one(tmp_path):
+    dead = dead_pid()
+    stale, live = tmp_path / f".hf.tmp-{dead}", tmp_path / f".hf.tmp-{os.getppid()}"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"part")
+    said = []
+    write_folder(tmp_path / "hf", lambda folder: (folder / "config.json").write_text("{}"), log=said.append)
+    assert not stale.exists() and (live / "model.safetensors").exists()
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["config.json"]
+    assert len(said) == 1 and said[0].startswith(f"removed .hf.tmp-{dead} (0.0 MiB) beside {tmp_path / 'hf'}")
+
+
+def test_an_export_past_the_file_size_limit_says_so_and_keeps_the_earlier_file(bpe, tmp_path):
+    """Under ulimit -f (RLIMIT_FSIZE) a write past the limit fails with EFBIG (Python ignores SIGXFSZ, which would
+    kill it): the command ends with one line naming the limit and how to raise it, not a full disk, and leaves no
+    temporary file and the earlier file whole. (The limit is set by the shell, as a user sets it: a preexec_fn
+    would run between fork and exec in a process with threads.)"""
+    export_hf(random_model(3, 640, **ARCHITECTURES["llama"]), tmp_path / "hf", bpe)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    out.write_bytes(b"earlier")
+    command = [sys.executable, "-m", "gptlite.hf", "export", "--format=gguf", f"--model={tmp_path / 'hf'}"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    result = subprocess.run(
+        ["bash", "-c", 'ulimit -f 64 && exec "$@"', "bash", *command, f"--out={out}", "--overwrite"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"gptlite.hf: error: could not write {out} (nothing there changed): the file reached this process's file "
+        "size limit (ulimit -f: 65,536 bytes); raise it (ulimit -f unlimited) and run it again\n"
+    )
+    assert [p.name for p in out.parent.iterdir()] == ["m.gguf"] and out.read_bytes() == b"earlier"

@@ -1,8 +1,11 @@
 """Hugging Face interop against transformers itself: GPT-2 and Llama checkpoints in (logits, greedy tokens, the
 Hub's key layout), gptlite models out, GPT-2's tokenizer files, train.py and sample.py --init_from, refusals."""
 
+import dataclasses
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -13,7 +16,9 @@ from safetensors.torch import load_file
 
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_checkpoint
-from gptlite.hf import GPT2_NAMES, export_hf
+from gptlite.cli import parse
+from gptlite.config import read_toml
+from gptlite.hf import GPT2_NAMES, export_hf, family_of
 from gptlite.hf.tokenizer_files import bpe_merges, hf_tokenizer_files
 from gptlite.prepare import prepare
 from gptlite.run_config import resolve_config
@@ -138,16 +143,41 @@ def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(tmp_
     export_hf(model, tmp_path, overwrite=True)
 
 
-def test_other_models_are_refused_naming_the_exportable_switches(tmp_path):
-    for switches in ({}, dict(pos_emb="sinusoidal", ffn="gelu"), dict(pos_emb="rope", norm="rmsnorm", bias=True)):
-        model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=4, n_embd=32, **switches))
-        with pytest.raises(
-            ValueError,
-            match=r"has no transformers architecture; exportable are GPT-2's \(ffn='gelu', "
-            r"norm='layernorm', pos_emb='learned'\) and Llama's",
-        ):
-            export_hf(model, tmp_path)
+def trained_with(config: GPTConfig, flags: str) -> GPTConfig:
+    """`config` with train.py's `flags` (as a shell hands them over) set."""
+    given = parse(GPTConfig, shlex.split(flags))
+    return dataclasses.replace(config, **{name: getattr(given, name) for name in given.given})
+
+
+def test_other_models_are_refused_naming_the_flags_that_make_one_that_exports(tmp_path):
+    """The quick start's switches (learned positions, LayerNorm, SwiGLU) and others: one short line naming the
+    train.py flags of GPT-2's and of Llama's layout, each of which makes a model that exports."""
+    quick_start = read_toml(ROOT / "configs" / "shakespeare_char_cpu.toml")
+    shape = dict(vocab_size=V, block_size=T, n_layer=1, n_head=4, n_embd=32)
+    for switches in (
+        {k: v for k, v in quick_start.items() if k in ("pos_emb", "norm", "ffn", "bias")},
+        dict(pos_emb="sinusoidal", ffn="gelu"),
+        dict(pos_emb="rope", norm="rmsnorm", bias=True),
+        dict(pos_emb="rope", norm="rmsnorm", qkv_bias=True, qk_norm=True),
+        dict(pos_emb="learned", n_kv_head=2, embed_scale=2.0),
+    ):
+        config = GPTConfig(**shape, **switches)
+        with pytest.raises(ValueError, match=r"has no transformers architecture; a model trained with --") as e:
+            export_hf(GPT(config), tmp_path)
+        message = str(e.value)
+        assert "\n" not in message and len(message) < 300, message
+        suggested = re.findall(r"((?:--\S+ ?)+) \((\w+)\)", message.split("; ")[1])
+        assert {family for _, family in suggested} >= {"GPT2LMHeadModel"}, message
+        for flags, family in suggested:
+            assert family_of(trained_with(config, flags)).architecture == family, flags
     assert not any(tmp_path.iterdir())  # nothing was written
+    config = GPTConfig(**shape, pos_emb="learned")
+    with pytest.raises(ValueError) as e:
+        export_hf(GPT(config), tmp_path)
+    assert str(e.value) == (
+        "a model with pos_emb='learned', norm='layernorm', ffn='swiglu' has no transformers architecture; a model "
+        "trained with --ffn=gelu (GPT2LMHeadModel) or --pos_emb=rope --norm=rmsnorm (LlamaForCausalLM) exports"
+    )
 
 
 @pytest.mark.parametrize(
@@ -356,6 +386,14 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "no tokenizer files are written" not in result.stdout and "GPT2LMHeadModel" in result.stdout
+    # the files the README's export section lists, no more
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     chars = load_tokenizer(run)  # the run's char tokenizer, written for transformers: the same ids both ways
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
@@ -371,8 +409,9 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
     assert (
         again.returncode == 2 and "already holds model.safetensors" in again.stderr and "Traceback" not in again.stderr
     )
-    default = tmp_path / "default"
+    default = tmp_path / "default"  # the quick start's model, smaller: no transformers class
     run_train(
+        str(ROOT / "configs" / "shakespeare_char_cpu.toml"),
         f"--data_dir={char_data}",
         f"--out_dir={default}",
         "--n_layer=1",
@@ -391,7 +430,11 @@ def test_export_command_writes_a_run_for_transformers(char_data, tmp_path):
         timeout=120,
         cwd=ROOT,
     )
-    assert refused.returncode == 2 and "exportable are GPT-2's" in refused.stderr
+    assert refused.returncode == 2 and refused.stderr.splitlines()[-1] == (
+        "gptlite.hf: error: a model with pos_emb='learned', norm='layernorm', ffn='swiglu' has no transformers "
+        "architecture; a model trained with --ffn=gelu (GPT2LMHeadModel) or --pos_emb=rope --norm=rmsnorm "
+        "(LlamaForCausalLM) exports"
+    )
     assert not (tmp_path / "hf2").exists()
 
 

@@ -9,12 +9,12 @@ any model gptlite loads as one GGUF file for llama.cpp, Ollama and LM Studio.
 run's folder, a Hugging Face directory or a hub name such as gpt2). --out names what is written. The old spellings
 still work: --out_dir and --init_from for --model, --hf_dir for --out.
 
-DIR then holds exactly config.json, model.safetensors and the run's tokenizer files (a Hugging Face tokenizer's own,
-GPT-2's BPE as vocab.json and merges.txt, a byte or char tokenizer as a tokenizer.json), which transformers'
-AutoModelForCausalLM / AutoTokenizer load. An export over a folder that holds anything needs
---overwrite, and the earlier folder moves aside whole to DIR-previous-TIME; an interrupted export leaves the earlier
-folder as it was. A LoRA run exports as its merged model, or with --adapter as a PEFT adapter
-(adapter_config.json, adapter_model.safetensors) for its base model.
+DIR then holds exactly config.json, model.safetensors and, with the run's tokenizer, its files (a Hugging Face
+tokenizer's own, GPT-2's BPE as vocab.json and merges.txt, a byte or char tokenizer as a tokenizer.json) and
+generation_config.json (the ids generate() stops at), which transformers' AutoModelForCausalLM / AutoTokenizer load.
+An export over a folder that holds anything needs --overwrite, and the earlier folder moves aside whole to
+DIR-previous-TIME; an interrupted export leaves the earlier folder as it was. A LoRA run exports as its merged model,
+or with --adapter as a PEFT adapter (adapter_config.json, adapter_model.safetensors) for its base model.
 
 --format=gguf writes FILE.gguf (see gptlite.hf.gguf: the weights as f32, f16, bf16, q8_0 or q4_0, the tokenizer, the
 chat template) and, when the model has a chat template, an Ollama Modelfile beside it (FILE.Modelfile for FILE.gguf, so
@@ -37,7 +37,7 @@ from gptlite.extras import need
 from gptlite.files import write_text
 from gptlite.hf import check_model_name, export_hf, family_of, gpt2_tokenizer_problem
 from gptlite.hf.adapter import export_adapter
-from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, modelfile_path, ollama_modelfile
+from gptlite.hf.gguf import GGUF_TYPES, check_out, export_gguf, matrix_types, modelfile_path, ollama_modelfile
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 
@@ -134,7 +134,7 @@ def export_gguf_file(options: ExportOptions, where: str, out: Path) -> int:
     if modelfile and template_file.exists() and not options.overwrite:
         raise FileExistsError(f"{template_file} exists; choose another --out folder, or pass --overwrite to replace it")
     export_gguf(model, out, tokenizer, options.type, options.overwrite, where=where)  # Mistral is llama.cpp's llama
-    print(f"wrote {out} ({options.type}, {out.stat().st_size / 2**20:,.1f} MiB)")
+    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {matrix_types(out, options.type)}")
     if options.type == "q8_0" and "AMX" in cpu_extensions():
         print(
             "note: on this CPU (AMX), llama.cpp's AMX path crashes on q8_0 files (ggml-org/llama.cpp#20824): run "

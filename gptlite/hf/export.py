@@ -253,7 +253,7 @@ def export_hf(
         for name, text in files.items():
             (folder / name).write_text(text, encoding="utf-8")
 
-    previous = write_folder(directory, write, overwrite=True, what="export folder")
+    previous = write_folder(directory, write, overwrite=True, what="export folder", log=log)
     if previous and log:
         log(f"moved the earlier contents of {directory} to {previous}")
     return [directory / name for name in names]

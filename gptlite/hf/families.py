@@ -3,7 +3,9 @@ the family a model's switches export as (`family_of`). See gptlite.hf for the li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 from gptlite.config import GPTConfig
 
@@ -94,17 +96,14 @@ UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
     "qwen2_moe": "a mixture of experts",
     "qwen3_moe": "a mixture of experts",
 }
-EXPORTABLE = (
-    "GPT-2's (ffn='gelu', norm='layernorm', pos_emb='learned') and Llama's (pos_emb='rope', norm='rmsnorm', "
-    "ffn='swiglu', bias=false, with any n_kv_head, head_dim, tie_embeddings and rope_scaling; Mistral's and "
-    "Phi-3's when it came from one; rope_dims and rope_scaling='longrope' as Phi-3's), with qkv_bias=true as "
-    "Qwen2's, with qk_norm=true as Qwen3's, with embed_scale, residual_scale, attn_scale or logits_scaling as "
-    "Granite's, with nope_layers as SmolLM3's, with norm_position='post', qk_norm=true and qk_norm_scope='all' as "
-    "OLMo 2's; and nanochat's (pos_emb='rope', norm='rmsnorm', ffn='relu2', bias=false, qk_norm=true, "
-    "norm_weight=false, embed_norm=true, rope_reverse=true, any logit_softcap); and Gemma 3's (ffn='geglu', "
-    "norm_position='both', norm_unit_offset=true, qk_norm=true, embed_scale=sqrt(n_embd), any attn_scale, "
-    "sliding_window, window_layers, rope_local_theta and logit_softcap)"
-)
+# the switches of GPT-2's and Llama's layouts, and those that a model of neither may need set back to their defaults:
+# what the refusal of a model with no transformers architecture tells its user to train with (export_flags)
+CORE_SWITCHES = {
+    GPT2: {"pos_emb": "learned", "norm": "layernorm", "ffn": "gelu"},
+    LLAMA: {"pos_emb": "rope", "norm": "rmsnorm", "ffn": "swiglu", "bias": False},
+}
+SPEEDRUN_SWITCHES = ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap")
+OTHER_SWITCHES = ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling", *OWN_SWITCHES, *SPEEDRUN_SWITCHES)
 
 
 def entries(family: Family, config: GPTConfig) -> list[Entry]:
@@ -196,42 +195,120 @@ def their_name(family: Family, name: str) -> str:
 
 def family_of(config: GPTConfig, architecture: str | None = None) -> Family:
     """The transformers architecture a model's switches map to (Mistral's and Phi-3's, which have Llama's switches,
-    when `architecture` names them); others are refused, naming the switches that export."""
-    nanochat = all(getattr(config, k) == v for k, v in NANOCHAT_SWITCHES.items()) and not [
-        k for k in own_switches(config) if k not in NANOCHAT_SWITCHES
-    ]
-    speedrun = [k for k in ("value_embeds", "bigram_vocab", "unet_skips", "logit_softcap") if getattr(config, k)]
-    gemma3 = (
-        all(getattr(config, k) == v for k, v in GEMMA3_SWITCHES.items())
-        and config.embed_scale == config.n_embd**0.5
-        and not [k for k in own_switches(config) if k not in GEMMA3_SWITCHES and k not in GEMMA3_FREE]
-    )
-    # nanochat's and Gemma's own cap their logits
-    speedrun = [k for k in speedrun if not ((nanochat or gemma3) and k == "logit_softcap")]
+    when `architecture` names them); others are refused in one line naming the train.py flags that make a model of
+    GPT-2's or Llama's layout that exports (export_flags)."""
+    speedrun = speedrun_options(config)
     if speedrun:  # modded-nanogpt's techniques: no transformers class computes them
         raise ValueError(
             f"a model with {', '.join(f'{k}={getattr(config, k)}' for k in speedrun)} has no transformers "
             "architecture (these speedrun options change what the model computes); train without them to export"
         )
-    if nanochat:
+    family = matching_family(config, architecture)
+    if family is None:
+        raise ValueError(
+            f"a model with {switches_of(config)} has no transformers architecture; "
+            + trained_with(config, lambda c: matching_family(c, architecture), lambda f: f.architecture)
+        )
+    return family
+
+
+def is_nanochat(config: GPTConfig) -> bool:
+    """Whether `config` has nanochat's switches, all of them, and no other family's."""
+    return all(getattr(config, k) == v for k, v in NANOCHAT_SWITCHES.items()) and not [
+        k for k in own_switches(config) if k not in NANOCHAT_SWITCHES
+    ]
+
+
+def is_gemma3(config: GPTConfig) -> bool:
+    """Whether `config` has Gemma 3's switches, and no other family's but its attention's and soft cap."""
+    return (
+        all(getattr(config, k) == v for k, v in GEMMA3_SWITCHES.items())
+        and config.embed_scale == config.n_embd**0.5
+        and not [k for k in own_switches(config) if k not in GEMMA3_SWITCHES and k not in GEMMA3_FREE]
+    )
+
+
+def speedrun_options(config: GPTConfig) -> list[str]:
+    """The speedrun options `config` sets that no transformers class computes (nanochat's and Gemma's own cap their
+    logits)."""
+    capped = is_nanochat(config) or is_gemma3(config)
+    return [k for k in SPEEDRUN_SWITCHES if getattr(config, k) and not (capped and k == "logit_softcap")]
+
+
+def matching_family(config: GPTConfig, architecture: str | None = None) -> Family | None:
+    """The family `config`'s switches map to (see family_of), or None."""
+    if speedrun_options(config):
+        return None
+    if is_nanochat(config):
         return NANOCHAT
-    if gemma3:
+    if is_gemma3(config):
         return GEMMA3
     if (config.pos_emb, config.norm, config.ffn) == ("learned", "layernorm", "gelu"):
         extra = [k for k in ("n_kv_head", "head_dim", "qkv_bias", "qk_norm", "rope_scaling") if getattr(config, k)]
         if not extra and not own_switches(config):
             return GPT2
     elif (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias:
-        family = llama_family(config, architecture)
-        if family is not None:
-            return family
-    raise ValueError(
-        f"a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, ffn={config.ffn!r}, "
-        f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
-        f"rope_scaling={config.rope_scaling!r}"
-        + "".join(f", {k}={getattr(config, k)!r}" for k in own_switches(config))
-        + f" has no transformers architecture; exportable are {EXPORTABLE}"
-    )
+        return llama_family(config, architecture)
+    return None
+
+
+def switches_of(config: GPTConfig) -> str:
+    """A model's layout in a few words: its positions, norm and feed-forward, and each other switch of a family it
+    sets ("pos_emb='learned', norm='layernorm', ffn='swiglu'")."""
+    names = ["pos_emb", "norm", "ffn", *(["bias"] if config.bias else []), *changed(config, OTHER_SWITCHES)]
+    return ", ".join(f"{name}={getattr(config, name)!r}" for name in names)
+
+
+def changed(config: GPTConfig, names: tuple[str, ...]) -> list[str]:
+    """The switches among `names` that `config` sets to other than GPTConfig's defaults."""
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    return [name for name in names if getattr(config, name) != defaults[name]]
+
+
+def export_flags(config: GPTConfig, accepts: Callable[[GPTConfig], Family | None]) -> list[tuple[str, Family]]:
+    """(train.py's flags, the family they make) for each of GPT-2's and Llama's layouts: the fewest changes of
+    `config` that make a model `accepts` takes (it returns the family, or None), fewest flags first. Each layout's
+    own switches are set, and as few of the others (OTHER_SWITCHES) as it takes set back to their defaults."""
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    others = changed(config, OTHER_SWITCHES)
+    # every subset of the other switches, smallest first; past a handful of them only none or all
+    subsets = [()]
+    if others:
+        sizes = range(1, len(others) + 1) if len(others) <= 8 else [len(others)]
+        subsets += [subset for size in sizes for subset in itertools.combinations(others, size)]
+    found = []
+    for core in CORE_SWITCHES.values():
+        changes = {name: value for name, value in core.items() if getattr(config, name) != value}
+        for subset in subsets:
+            trial = {**changes, **{name: defaults[name] for name in subset}}
+            try:
+                family = accepts(replace(config, **trial)) if trial else None
+            except (ValueError, TypeError):  # a combination GPTConfig refuses
+                continue
+            if family is not None:
+                found.append((" ".join(f"--{name}={flag_value(value)}" for name, value in trial.items()), family))
+                break
+    return sorted(found, key=lambda pair: pair[0].count("--"))
+
+
+def flag_value(value) -> str:
+    """A value as train.py's command line takes it: true/false, none, '' for an empty text."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "none"
+    return "''" if value == "" else str(value)
+
+
+def trained_with(
+    config: GPTConfig, accepts: Callable[[GPTConfig], Family | None], name: Callable[[Family], str]
+) -> str:
+    """The end of a refusal: the train.py flags that make `config` a model `accepts` takes, each with the `name` of
+    what it makes, or where the switches that export are listed."""
+    options = [f"{flags} ({name(family)})" for flags, family in export_flags(config, accepts)]
+    if not options:
+        return "docs/models.md lists the switches that export"
+    return f"a model trained with {' or '.join(options)} exports"
 
 
 def own_switches(config: GPTConfig) -> list[str]:

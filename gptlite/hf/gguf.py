@@ -17,20 +17,22 @@ llama.cpp should not either. A chat template goes in as it is.
 
 Types: f32 keeps every tensor in float32; f16 and bf16 store the weight matrices so, and norms, biases and learned
 positions in float32, as llama.cpp's converter does; q8_0 and q4_0 quantize the matrices with the `gguf` package's
-reference quantizer (blocks of 32; a matrix whose rows are not a multiple of 32 goes in f16). A model gptlite
-quantized itself (gptlite.quantize) exports as the one type its weights are: int4 in groups of 32 as q4_0, the same
-codes and scales bit for bit (q4_0's rule; a scale below float16's normal range loses bits there); int8 as q8_0:
-the vocabulary's tables (in groups of 32 with float16 scales, q8_0's rule) bit for bit, the blocks' matrices each
-block of 32 rounded again (one scale per row is not q8_0's one scale per block).
+reference quantizer (blocks of 32; a matrix whose input width is not a multiple of 32 goes in f16, and the export's
+line says which: matrix_types). A model gptlite quantized itself (gptlite.quantize) exports as the one type its
+weights are: int4 in groups of 32 as q4_0, the same codes and scales bit for bit (q4_0's rule; a scale below float16's
+normal range loses bits there); int8 as q8_0: the vocabulary's tables (in groups of 32 with float16 scales, q8_0's
+rule) bit for bit, the blocks' matrices each block of 32 rounded again (one scale per row is not q8_0's one scale per
+block).
 
     python -m gptlite.hf export --format=gguf --out_dir=RUN --out=FILE.gguf [--type=f32|f16|bf16|q8_0|q4_0]
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,7 +41,7 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.extras import need
-from gptlite.files import fault, fsync_dir, make_dir
+from gptlite.files import fault, fsync_dir, make_dir, temp_path
 from gptlite.hf.families import (
     GEMMA3,
     GPT2,
@@ -51,7 +53,10 @@ from gptlite.hf.families import (
     QWEN3,
     SMOLLM3,
     Family,
-    family_of,
+    matching_family,
+    speedrun_options,
+    switches_of,
+    trained_with,
 )
 from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
 from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
@@ -98,39 +103,54 @@ def split_patterns() -> dict[str, str]:
 
 def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tuple[Family, str]:
     """The transformers family and llama.cpp's architecture name of a model's switches; a model llama.cpp cannot
-    run is refused in one line naming its settings."""
-    try:
-        family = family_of(config, architecture)
-    except ValueError:
+    run is refused in one line naming its settings and the train.py flags that make one it runs."""
+    speedrun = speedrun_options(config)
+    if speedrun:  # as family_of says it
+        named = ", ".join(f"{k}={getattr(config, k)}" for k in speedrun)
         raise ValueError(
-            f"llama.cpp has no architecture for a model with pos_emb={config.pos_emb!r}, norm={config.norm!r}, "
-            f"ffn={config.ffn!r}, bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
-            f"rope_scaling={config.rope_scaling!r}, value_embeds={config.value_embeds}, "
-            f"bigram_vocab={config.bigram_vocab}, "
-            f"unet_skips={config.unet_skips}, logit_softcap={config.logit_softcap}; GGUF export takes GPT-2's "
-            "switches (pos_emb=learned norm=layernorm ffn=gelu) and Llama's (pos_emb=rope norm=rmsnorm ffn=swiglu "
-            "bias=false, with qkv_bias as Qwen2, qk_norm as Qwen3), without the speedrun options"
-        ) from None
+            f"llama.cpp has no architecture for a model with {named}, "
+            "speedrun options that change what the model computes; train without the speedrun options to export it"
+        )
+    family = matching_family(config, architecture)
+    if family is None:
+        raise ValueError(
+            f"llama.cpp has no architecture for a model with {switches_of(config)}; "
+            + trained_with(config, lambda c: gguf_family(c, architecture), lambda f: f"llama.cpp's {ARCHITECTURES[f]}")
+        )
     if family not in ARCHITECTURES:
         raise ValueError(
             f"GGUF export of a {family.architecture} is not implemented (gptlite writes GGUF for "
             f"{', '.join(sorted({f.architecture for f in ARCHITECTURES}))}); export it with python -m gptlite.hf "
             "export and convert that directory with llama.cpp's convert_hf_to_gguf.py"
         )
+    problem = gguf_problem(family, config)
+    if problem:
+        raise ValueError(problem)
+    return family, ARCHITECTURES[family]
+
+
+def gguf_family(config: GPTConfig, architecture: str | None = None) -> Family | None:
+    """The family of a model GGUF export takes, or None."""
+    family = matching_family(config, architecture)
+    return family if family in ARCHITECTURES and not gguf_problem(family, config) else None
+
+
+def gguf_problem(family: Family, config: GPTConfig) -> str | None:
+    """What llama.cpp's architecture for `family` cannot hold of this model, in one line (None: nothing)."""
     # llama.cpp's smollm3 has no key for its NoPE layers: every fourth layer is one
     every_fourth = ",".join(str(i) for i in range(config.n_layer) if (i + 1) % 4 == 0)
     if family is SMOLLM3 and config.nope_layers.replace(" ", "") != every_fourth:
-        raise ValueError(
+        return (
             f"llama.cpp's smollm3 has no positions in every fourth layer ({every_fourth or 'none here'}), and "
             f"this model in layers {config.nope_layers}; GGUF export needs nope_layers={every_fourth!r}"
         )
     if family is GEMMA3 and config.attn_scale and config.attn_scale != config.head_width**-0.5:
-        raise ValueError(
+        return (
             f"llama.cpp's gemma3 scales attention by 1 / sqrt(head width) = {config.head_width**-0.5:.6g}, and this "
             f"model by attn_scale={config.attn_scale:.6g} (query_pre_attn_scalar other than head_dim); GGUF export "
             "needs them equal"
         )
-    return family, ARCHITECTURES[family]
+    return None
 
 
 def pre_tokenizer_name(spec: dict) -> str | None:
@@ -356,23 +376,80 @@ def gguf_tensors(
         yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
 
 
+# why a matrix is not of the file's type, as the export's line says it
+WIDTH_NOT_32 = "whose input width is not a multiple of 32"
+POSITIONS_F32 = "(learned positions, kept so as llama.cpp's converter keeps them)"
+
+
+def storage_type(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str]:
+    """(the type one tensor of `shape` (rows, input width) goes in, in a file of `kind`; why that is not `kind`, or
+    ""): vectors and norms in f32 whatever the kind, learned positions in f32 too, and a matrix whose rows are not
+    whole blocks of 32 weights (its input width) in f16 where `kind` quantizes rows in blocks of 32 (q8_0, q4_0)."""
+    if kind == "f32" or len(shape) <= 1 or name.endswith("_norm.weight"):
+        return "f32", ""
+    if name == "position_embd.weight":
+        return "f32", POSITIONS_F32
+    if kind in ("q8_0", "q4_0") and shape[-1] % 32:
+        return "f16", WIDTH_NOT_32
+    return kind, ""
+
+
 def stored(name: str, tensor: torch.Tensor, kind: str):
-    """(the array to write, its ggml type) of one tensor for a file of `kind`: vectors, norms and learned positions
-    in float32; matrices as `kind` says."""
+    """(the array to write, its ggml type) of one tensor for a file of `kind`, as storage_type says."""
     import gguf
 
     data = tensor.numpy()
-    if kind == "f32" or data.ndim <= 1 or name.endswith("_norm.weight") or name == "position_embd.weight":
-        return data, gguf.GGMLQuantizationType.F32
-    qtype = {
-        "f16": gguf.GGMLQuantizationType.F16,
-        "bf16": gguf.GGMLQuantizationType.BF16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-        "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    }[kind]
-    if kind in ("q8_0", "q4_0") and data.shape[-1] % 32:
-        qtype = gguf.GGMLQuantizationType.F16
+    qtype = gguf.GGMLQuantizationType[storage_type(name, data.shape, kind)[0].upper()]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return data, qtype
     return gguf.quants.quantize(data, qtype), qtype
+
+
+def matrix_types(path: Path, kind: str) -> str:
+    """What the GGUF file `path`, written as `kind`, holds, read back from it in one line: how many weight matrices
+    are of which type, and for each type other than `kind` which matrices and why (see storage_type), e.g. "q4_0 for
+    2 matrices; f16 for 13 matrices whose input width is not a multiple of 32: token_embd, and attn_q, ... in every
+    block".
+    Vectors (norms, biases) are f32 in every file and go unsaid."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    blocks = int(reader.fields[f"{reader.fields['general.architecture'].contents()}.block_count"].contents())
+    groups: dict[tuple[str, str], list[str]] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) < 2:
+            continue
+        written = tensor.tensor_type.name.lower()
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the input width first
+        planned, why = storage_type(tensor.name, shape, kind)
+        groups.setdefault((written, why if written == planned and written != kind else ""), []).append(tensor.name)
+    parts = []
+    for (written, why), names in sorted(groups.items(), key=lambda item: (item[0][0] != kind, item[0])):
+        count = f"{len(names)} {'matrix' if len(names) == 1 else 'matrices'}"
+        if written == kind:
+            parts.append(f"{kind} for {count}")
+        else:
+            parts.append(f"{written} for {count}{' ' + why if why else ''}: {tensor_roles(names, blocks)}")
+    return "; ".join(parts)
+
+
+def tensor_roles(names: list[str], blocks: int) -> str:
+    """GGUF tensor names said briefly: "token_embd, and attn_q, attn_k in every block, ffn_down in blocks 0, 3"."""
+    outside, layers = [], {}
+    for name in names:
+        parts = name.removesuffix(".weight").split(".")
+        if parts[0] == "blk":
+            layers.setdefault(parts[2], []).append(int(parts[1]))
+        else:
+            outside.append(".".join(parts))
+    by_blocks: dict[tuple[int, ...], list[str]] = {}
+    for role, where in layers.items():
+        by_blocks.setdefault(tuple(sorted(where)), []).append(role)
+    inside = [
+        f"{', '.join(roles)} in {'every block' if len(where) == blocks else 'blocks ' + ', '.join(map(str, where))}"
+        for where, roles in by_blocks.items()
+    ]
+    return ", and ".join(filter(None, [", ".join(outside), *inside]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,11 +536,13 @@ def export_gguf(
     architecture: str | None = None,
     name: str = "",
     where: str = "the model",
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Write `model` and `tokenizer` to the GGUF file `out` (see the module docstring), as `kind` (one of
     GGUF_TYPES). Everything is checked before anything is written; the file is written beside `out` under a
     temporary name and takes its name only when whole, so an interrupted export leaves no partial file and an
-    earlier file is replaced (with overwrite=True) only by a whole one."""
+    earlier file is replaced (with overwrite=True) only by a whole one. The temporaries of `out` that killed
+    exports left are removed, and `log` (a note on stderr by default) is told."""
     from gptlite.quantize import dequantized_state_dict, gguf_type_of, is_quantized
 
     gguf = need("gguf", "gguf", "GGUF export")
@@ -492,7 +571,7 @@ def export_gguf(
         "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     }[kind]
     folder = make_dir(out.parent or Path("."))
-    tmp = folder / f".{out.name}.tmp-{os.getpid()}"
+    tmp = temp_path(out, log)
     writer = gguf.GGUFWriter(tmp, arch)
     try:
         writer.add_name(name or out.stem)
@@ -511,10 +590,12 @@ def export_gguf(
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     except BaseException as e:  # no partial file stays behind; an earlier one is untouched
-        writer.close()
+        with contextlib.suppress(OSError):  # flushing what is left fails as the write did: that fault is said below
+            writer.close()
+        problem = fault(e, f"could not write {out} (nothing there changed)", tmp) if isinstance(e, OSError) else None
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise fault(e, f"could not write {out} (nothing there changed)") from None
+        if problem:
+            raise problem from None
         raise
     os.replace(tmp, out)
     fsync_dir(folder)
