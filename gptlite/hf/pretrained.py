@@ -273,8 +273,17 @@ def to_gptlite(
     family: Family, weights: Weights, config: GPTConfig, dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     """A transformers checkpoint -> gptlite's state dict for a model of `config`, read and converted tensor by
-    tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights."""
+    tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights, and weights of a dtype a model
+    cannot hold (integers, booleans: cast, they would train and run as nonsense), before any is read."""
     names = {n.removeprefix(family.prefix): n for n in weights.names()}  # the Hub's gpt2 has no prefix
+    for name in names.values():
+        dtype_ = weights.dtype(name)
+        if not dtype_.is_floating_point and not name.endswith(BUFFERS):
+            raise ValueError(
+                f"{weights.file(name)}: tensor {name} is {str(dtype_).removeprefix('torch.')}, and a model's weights "
+                "are floating point (float32, bfloat16, float16); the file is damaged or not a model's weights: "
+                "download or save it again"
+            )
     state = {}
     used = set()
     for ours, theirs, transposed in entries(family, config):
