@@ -41,6 +41,11 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
     out_dir = values.get("out_dir", TrainConfig.out_dir)
     saved, holder = None, ""
     if convert("resume", values.get("resume", False), bool):
+        if convert("overwrite", values.get("overwrite", False), bool):
+            raise ValueError(
+                f"--overwrite and --resume contradict: --overwrite moves the earlier run in {out_dir} aside for a new "
+                "one, --resume continues it; give one of them"
+            )
         saved, holder = resumed_config(out_dir)
     if saved and holder == RUN_FILE:
         check_recorded(saved, values, Path(out_dir) / RUN_FILE)
@@ -123,8 +128,8 @@ def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
 
 def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, holder: str = "checkpoint") -> None:
     """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the weights it
-    started from (--init_from), the budget (and laws) its recipe was derived from, the optimizer (the checkpoint
-    holds its state)."""
+    started from (--init_from), the seed of the random streams a checkpoint holds, the budget (and laws) its recipe
+    was derived from, the optimizer (the checkpoint holds its state)."""
     changed = [f"{k}={v} ({holder} has {old})" for k, v, old in model_changes(values, saved)]
     if changed:
         raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
@@ -140,6 +145,12 @@ def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, ho
         raise ValueError(
             f"cannot apply --init_from={values['init_from']} on --resume from {out_dir}: the run goes on from its own "
             f"weights ({holder} has {began}); drop --init_from to resume, or start a new run from those weights in "
+            "another --out_dir"
+        )
+    if holder == "checkpoint" and "seed" in values and convert("seed", values["seed"], int) != saved.get("seed"):
+        raise ValueError(
+            f"cannot apply --seed={values['seed']} on --resume from {out_dir}: the run's random streams and data order "
+            f"go on from its checkpoint (checkpoint has seed={saved.get('seed')}); drop --seed, or start a new run in "
             "another --out_dir"
         )
     derived = [

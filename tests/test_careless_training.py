@@ -315,3 +315,20 @@ def test_resume_on_other_data_whose_ids_the_model_lacks_says_the_vocab_is_the_ru
         f"on --resume vocab_size=256 is the run's own (its checkpoint's, or run.json's, in {run}): resume on the "
         "data it trained on, or train on this data in another --out_dir"
     )
+
+
+def test_options_a_resume_cannot_honour_are_refused_in_one_line(folders, tmp_path):
+    """--seed on a resume from a checkpoint (its random streams and data order go on), --overwrite with --resume."""
+    run = tmp_path / "run"
+    assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0
+    done = run_train(f"--out_dir={run}", "--resume", "--seed=7", "--max_iters=3")
+    assert done.code == 2 and done.error == (
+        f"cannot apply --seed=7 on --resume from {run}: the run's random streams and data order go on from its "
+        "checkpoint (checkpoint has seed=1337); drop --seed, or start a new run in another --out_dir"
+    )
+    assert run_train(f"--out_dir={run}", "--resume", "--seed=1337", "--max_iters=3").code == 0  # its own: fine
+    done = run_train(f"--out_dir={run}", "--resume", "--overwrite", "--max_iters=4")
+    assert done.code == 2 and done.error.startswith(
+        "--overwrite and --resume contradict: --overwrite moves the earlier"
+    )
+    assert [p.name for p in sorted(run.glob("ckpt_*.pt"))] == ["ckpt_000002.pt", "ckpt_000003.pt"]
