@@ -635,6 +635,26 @@ def test_every_config_layout_transformers_reads_is_the_same_model(saved, layout,
     assert_same_logits(rewritten(directory, tmp_path, layout))
 
 
+def phi3_original_in_the_table(config: dict) -> dict:
+    """original_max_position_embeddings in rope_parameters alone: Phi-3's config class has a top-level one always
+    (4096 by default), which transformers takes over the table's."""
+    config["rope_parameters"]["original_max_position_embeddings"] = config.pop("original_max_position_embeddings")
+    return config
+
+
+def phi3_su(config: dict) -> dict:
+    """Phi-3's first configs named LongRoPE "su"."""
+    config["rope_scaling"] = {**older_rope_keys(config)["rope_scaling"], "rope_type": "su"}
+    return config
+
+
+@pytest.mark.parametrize("layout", [phi3_original_in_the_table, phi3_su])
+def test_phi3s_config_layouts_are_the_same_model(layout, tmp_path):
+    cls, config = FAMILIES["phi4-mini"]
+    randomized(cls(config)).save_pretrained(tmp_path / "saved")
+    assert_same_logits(rewritten(tmp_path / "saved", tmp_path, layout))
+
+
 def gemma3_released_1b(config: dict) -> dict:
     """google/gemma-3-1b's config.json layout: sliding_window_pattern, rope_theta and rope_local_base_freq, no
     layer_types, no rope_parameters (theirs are 1e6 and 1e4; others here, to tell them from the defaults)."""

@@ -66,7 +66,7 @@ CONFIG_DEFAULTS: dict[str, dict] = {
         "logits_scaling": 1.0,
     },
     "smollm3": {"tie_word_embeddings": True, "rope_theta": 2_000_000.0, "no_rope_layer_interval": 4},
-    "phi3": {"rms_norm_eps": 1e-5},
+    "phi3": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "olmo2": {"rms_norm_eps": 1e-5},
     "nanochat": {"final_logit_softcapping": 15.0},
     "gemma3_text": {

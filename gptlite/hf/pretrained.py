@@ -291,18 +291,21 @@ def llama_values(c: ConfigFile) -> tuple[dict, int | None, list[str]]:
         unsupported.append("biases on the attention's projections, its output's too (attention_bias=true)")
     if c.flag("mlp_bias", False):
         unsupported.append("biases in the feed-forward (mlp_bias=true)")
-    if rope_kind(rope) == "llama3":
+    kind = rope_kind(rope)
+    if family is PHI3 and kind in ("su", "yarn"):  # Phi-3's first configs' names for LongRoPE
+        kind = "longrope"
+    if kind == "llama3":
         values.update(
             rope_scaling="llama3",
             rope_factor=c.number("factor", **at),
             rope_low_freq_factor=c.number("low_freq_factor", **at),
             rope_high_freq_factor=c.number("high_freq_factor", **at),
-            rope_original_context=c.integer("original_max_position_embeddings", **at),
+            rope_original_context=original_context(c, at),
         )
-    elif rope_kind(rope) == "longrope" and family is PHI3:
+    elif kind == "longrope" and family is PHI3:
         values.update(longrope_values(c, at))
-    elif rope_kind(rope) != "default":
-        unsupported.append(f"RoPE scaling of type {rope_kind(rope)!r} (gptlite has llama3's, and Phi-3's longrope)")
+    elif kind != "default":
+        unsupported.append(f"RoPE scaling of type {kind!r} (gptlite has llama3's, and Phi-3's longrope)")
     partial = c.number("partial_rotary_factor", high=1.0, default=1.0, **at)
     if partial != 1 and family is PHI3:
         values["rope_dims"] = int(head_dim * partial)
@@ -334,28 +337,36 @@ def smollm3_rotates(c: ConfigFile, n_layer: int) -> list[int]:
     return rotates
 
 
+def original_context(c: ConfigFile, at: dict) -> int:
+    """original_max_position_embeddings as transformers' standardize_rope_params takes it for a scaled RoPE: a
+    top-level one (Phi-3's config class always has one, 4096 by default) over the RoPE table's, else
+    max_position_embeddings."""
+    if "original_max_position_embeddings" in c.values or c.family is PHI3:
+        return c.integer("original_max_position_embeddings")
+    return c.integer("original_max_position_embeddings", default=c.get("max_position_embeddings"), **at)
+
+
 def longrope_values(c: ConfigFile, at: dict) -> dict:
     """Phi-3's LongRoPE, as transformers computes it, within the original context: there the short factors divide
     the frequencies and cos and sin are scaled by the attention factor (the long factors apply past it)."""
     positions = c.integer("max_position_embeddings")
-    original = c.integer("original_max_position_embeddings", nullable=True, default=None, **at) or positions
+    original = original_context(c, at)
     factor = c.number("factor", default=positions / original, **at)
     default_attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     attention = c.number("attention_factor", default=default_attention, **at)
     return dict(
         rope_scaling="longrope",
         rope_short_factor=",".join(repr(f) for f in factor_list(c, "short_factor", at)),
-        rope_long_factor=",".join(repr(f) for f in factor_list(c, "long_factor", at, default=[])),
+        rope_long_factor=",".join(repr(f) for f in factor_list(c, "long_factor", at)),
         rope_attention_factor=attention,
         rope_original_context=original,
         block_size=min(positions, original),  # the long factors apply past it
     )
 
 
-def factor_list(c: ConfigFile, key: str, at: dict, default: Any = REQUIRED) -> list[float]:
-    """A LongRoPE list of factors, each a finite number > 0 (null: `default`)."""
-    name, value = c.lookup(key, default=default, **at)
-    value = default if value is None and default is not REQUIRED else value
+def factor_list(c: ConfigFile, key: str, at: dict) -> list[float]:
+    """A LongRoPE list of factors (short_factor, long_factor: transformers needs both), each a finite number > 0."""
+    name, value = c.lookup(key, **at)
     if not isinstance(value, list):
         raise c.bad(name, value, "a list of finite numbers > 0")
     return [c.number(str(i), table={str(i): v for i, v in enumerate(value)}, where=name) for i in range(len(value))]
