@@ -167,7 +167,9 @@ def test_a_checksum_file_in_error_never_outranks_a_whole_checkpoint(tmp_path, da
     with pytest.warns(UserWarning, match=r"ckpt_000002\.pt is whole .* the checkpoint is kept"):
         assert load_checkpoint(newest)["step"] == 2
     (line,) = repair_run_folder(tmp_path, 2)
-    assert line.startswith(f"rewrote {checksum}: ") and line.endswith(f"and {newest} is whole (it loaded)")
+    assert line.startswith(f"{newest} is whole though ") and line.endswith(
+        ": resumed from it, and rewrote ckpt_000002.pt.sha256"
+    )
     assert checksum.read_bytes() == good and verify_checkpoint(newest) is None
     assert [p.name for p in step_files(tmp_path)] == ["ckpt_000002.pt", "ckpt_000001.pt"]
 

@@ -152,7 +152,9 @@ def repair_run_folder(run_dir: str | Path, step: int) -> list[str]:
         problem, digest = checksum_problem(resumed)
         if problem is not None and broken_record(resumed) is None:
             write_checksum(resumed, digest)
-            lines.append(f"rewrote {checksum_path(resumed)}: {problem}, and {resumed} is whole (it loaded)")
+            lines.append(
+                f"{resumed} is whole though {problem}: resumed from it, and rewrote {checksum_path(resumed).name}"
+            )
     best = run_dir / BEST_NAME
     moved = False
     for path in step_files(run_dir):
@@ -259,17 +261,22 @@ def began_run(run_dir: str | Path) -> bool:
 
 
 def load_checkpoint(
-    path: str | Path, map_location: str | torch.device = "cpu", on_fallback: Callable[[str], None] | None = None
+    path: str | Path,
+    map_location: str | torch.device = "cpu",
+    on_fallback: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> dict:
     """Load a checkpoint file, or a run directory's newest intact one, without unpickling arbitrary objects.
 
     A damaged file (one whose records fail their CRC-32 where its checksum file does not hold; unreadable) raises
     ValueError. In a directory a damaged file is skipped for the next older one, and `on_fallback` (default:
-    warnings.warn) gets a line saying so; it also gets the line on a checksum file in error beside a whole file.
+    warnings.warn) gets a line saying so; the line on a checksum file in error beside a whole file goes to
+    `on_note` (default: on_fallback).
     """
+    on_note = on_note or on_fallback
     path = Path(path)
     if path.suffix == ".pt":
-        return load_file(path, map_location, on_fallback)
+        return load_file(path, map_location, on_note)
     candidates = step_files(path) if path.is_dir() else []
     link = path / CHECKPOINT_NAME
     named = STEP_FILE_RE.fullmatch(os.readlink(link)) if link.is_symlink() else None
@@ -286,7 +293,7 @@ def load_checkpoint(
     damaged = []
     for candidate in candidates:
         try:
-            ckpt = load_file(candidate, map_location, on_fallback)
+            ckpt = load_file(candidate, map_location, on_note)
         except ValueError as e:
             damaged.append(str(e))
             continue
