@@ -343,7 +343,8 @@ def checkpoint_to_resume(cfg: TrainConfig, out_dir: Path, log: Callable[[str], N
     if not cfg.resume:
         return None
     try:
-        return load_checkpoint(out_dir, on_fallback=log)
+        # a checksum file in error beside a whole checkpoint: the resume says so as it rewrites it (TrainingState)
+        return load_checkpoint(out_dir, on_fallback=log, on_note=lambda note: None)
     except FileNotFoundError:
         log(f"no checkpoint in {out_dir}; starting from scratch")
         return None

@@ -382,6 +382,11 @@ def make_loader(cfg: TrainConfig, split: str, seed: int, rank: int = 0, world_si
     gives pairs (PairLoader)."""
     if cfg.init_from:
         fix = f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the pretrained model knows"
+    elif cfg.resume:  # the run's own vocab_size, which a resume cannot change (gptlite.run_config)
+        fix = (
+            f"on --resume vocab_size={cfg.model.vocab_size} is the run's own (its checkpoint's, or run.json's, in "
+            f"{cfg.out_dir}): resume on the data it trained on, or train on this data in another --out_dir"
+        )
     else:
         fix = ""
     files = find_shards(cfg.data_dir, split)

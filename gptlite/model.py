@@ -864,8 +864,9 @@ class GPT(nn.Module):
         self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
 
     def check_state(self, state: dict[str, torch.Tensor], source: str) -> None:
-        """Check that a state dict holds exactly this model's tensors with their shapes (before load_state_dict,
-        whose errors are tracebacks); a mismatch is one ValueError naming `source` and the first differing tensor."""
+        """Check that a state dict holds exactly this model's tensors with their shapes, floating point where the
+        model's are (before load_state_dict, whose errors are tracebacks and which casts integers silently); a
+        mismatch is one ValueError naming `source` and the first differing tensor."""
         expected = self.state_dict()
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
@@ -882,6 +883,14 @@ class GPT(nn.Module):
             raise ValueError(
                 f"{source}: tensor {wrong} has shape {tuple(state[wrong].shape)} but the config describes "
                 f"{tuple(expected[wrong].shape)}; the config and the weights do not belong together"
+            )
+        cast = next(
+            (k for k, v in state.items() if expected[k].is_floating_point() and not v.is_floating_point()), None
+        )
+        if cast is not None:  # load_state_dict would cast it into the float tensor: nonsense weights, no error
+            raise ValueError(
+                f"{source}: tensor {cast} is {str(state[cast].dtype).removeprefix('torch.')}, and the model holds "
+                "floating-point weights there; the file is damaged or not this model's weights"
             )
 
     def _check_input(self, idx: torch.Tensor) -> None:

@@ -41,7 +41,14 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
     out_dir = values.get("out_dir", TrainConfig.out_dir)
     saved, holder = None, ""
     if convert("resume", values.get("resume", False), bool):
+        if convert("overwrite", values.get("overwrite", False), bool):
+            raise ValueError(
+                f"--overwrite and --resume contradict: --overwrite moves the earlier run in {out_dir} aside for a new "
+                "one, --resume continues it; give one of them"
+            )
         saved, holder = resumed_config(out_dir)
+    if saved and holder == RUN_FILE:
+        check_recorded(saved, values, Path(out_dir) / RUN_FILE)
     if saved:
         check_resume(values, saved, out_dir, holder)
         if values.get("budget"):
@@ -85,6 +92,18 @@ def resumed_config(out_dir: str) -> tuple[dict[str, Any] | None, str]:
     return ckpt["config"], "checkpoint"
 
 
+def check_recorded(saved: dict[str, Any], values: dict[str, Any], path: Path) -> None:
+    """A run.json's config (`saved`), as build_config reads it, but for the keys the command line gives (`values`,
+    which win): a key or value edited by hand is named as run.json's, not blamed on the command line."""
+    try:
+        build_config({k: v for k, v in saved.items() if k not in values})
+    except ValueError as e:
+        raise ValueError(
+            f"{path}, the config the run recorded as it started: {e}; correct it there (or give the key on the command "
+            "line), or delete run.json and give the run's settings again"
+        ) from None
+
+
 def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     """`values` over the recipe derived for values["budget"] (every key given wins, and is said so)."""
     from gptlite.device import pick_device
@@ -108,8 +127,9 @@ def budget_values(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
 
 
 def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, holder: str = "checkpoint") -> None:
-    """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the budget (and
-    laws) its recipe was derived from, the optimizer (the checkpoint holds its state)."""
+    """Refuse what a resume cannot change: the model's shape, a LoRA run's adapters and base model, the weights it
+    started from (--init_from), the seed of the random streams a checkpoint holds, the budget (and laws) its recipe
+    was derived from, the optimizer (the checkpoint holds its state)."""
     changed = [f"{k}={v} ({holder} has {old})" for k, v, old in model_changes(values, saved)]
     if changed:
         raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
@@ -120,6 +140,19 @@ def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, ho
     ]
     if lora:
         raise ValueError(f"cannot change the adapters on --resume of the LoRA run in {out_dir}: {', '.join(lora)}")
+    if "init_from" in values and not same_source(str(values["init_from"] or ""), str(saved.get("init_from") or "")):
+        began = f"init_from={saved['init_from']}" if saved.get("init_from") else "no init_from: it trained from scratch"
+        raise ValueError(
+            f"cannot apply --init_from={values['init_from']} on --resume from {out_dir}: the run goes on from its own "
+            f"weights ({holder} has {began}); drop --init_from to resume, or start a new run from those weights in "
+            "another --out_dir"
+        )
+    if holder == "checkpoint" and "seed" in values and convert("seed", values["seed"], int) != saved.get("seed"):
+        raise ValueError(
+            f"cannot apply --seed={values['seed']} on --resume from {out_dir}: the run's random streams and data order "
+            f"go on from its checkpoint (checkpoint has seed={saved.get('seed')}); drop --seed, or start a new run in "
+            "another --out_dir"
+        )
     derived = [
         f"--{k}={values[k]}"
         for k in ("budget", "scaling_laws")
@@ -139,6 +172,11 @@ def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, ho
             f"({holder} has {saved.get('optimizer', 'adamw')}{state}); drop --optimizer, or start a new run in "
             "another --out_dir"
         )
+
+
+def same_source(a: str, b: str) -> bool:
+    """Whether two --init_from values name the same model: the same text, or paths to the same folder."""
+    return a == b or (bool(a) and bool(b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
 
 
 def pretrained_values(init_from: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,8 @@ refused before anything is written, or a figure that is not made up; nothing a u
   not a row of zeros; an answer that is null or a list is refused; a pair with an empty answer is refused;
 - the messages name what is wrong: ema_decay alone, "pairs" for pairs, "no checkpoint yet" when there is none."""
 
+import re
+
 import pytest
 
 from gptlite.checkpoint import load_checkpoint
@@ -254,3 +256,79 @@ def test_train_help_names_run_folders_for_init_from():
     done = run_train("--help")
     line = next(line for line in done.out.splitlines() if line.lstrip().startswith("--init_from"))
     assert "a gptlite run folder (its newest checkpoint), a Hugging Face directory" in line
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (("n_layer", "one"), r"n_layer='one' is not an integer"),
+        (("n_layerz", 1), r"unknown config key 'n_layerz'; did you mean 'n_layer'\?"),
+        (("n_head", 3), r"n_embd=32 is not divisible by n_head=3"),
+    ],
+)
+def test_a_hand_edited_run_json_is_named_as_the_origin(folders, tmp_path, monkeypatch, edit, message):
+    """Issue 84: a bad key or value in run.json was reported as if the command line had given it."""
+    import json
+
+    run = tmp_path / "run"
+    stopped_before_its_first_save(folders, run, monkeypatch)
+    record = json.loads((run / "run.json").read_text())
+    record["config"][edit[0]] = edit[1]
+    (run / "run.json").write_text(json.dumps(record))
+    done = run_train(f"--out_dir={run}", "--resume", "--max_iters=2")
+    assert done.code == 2
+    assert re.match(rf"^{run / 'run.json'}, the config the run recorded as it started: .*{message}", done.error)
+    assert done.error.endswith("or delete run.json and give the run's settings again")
+
+
+def test_init_from_on_a_resume_is_refused_naming_what_the_run_began_from(folders, tmp_path):
+    """Issue 84: --init_from on --resume was ignored without a word (and a Hugging Face directory's tokenizer was
+    blamed on the data)."""
+    from tests.test_hf import hf_llama
+
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0
+    hf_llama().save_pretrained(hf_dir)
+    done = run_train(f"--out_dir={run}", "--resume", f"--init_from={hf_dir}", "--max_iters=3")
+    assert done.code == 2 and done.error == (
+        f"cannot apply --init_from={hf_dir} on --resume from {run}: the run goes on from its own weights (checkpoint "
+        "has no init_from: it trained from scratch); drop --init_from to resume, or start a new run from those "
+        "weights in another --out_dir"
+    )
+    assert [p.name for p in run.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]  # nothing written
+
+
+def test_resume_on_other_data_whose_ids_the_model_lacks_says_the_vocab_is_the_runs(folders, tmp_path):
+    """Issue 84: the error suggested --vocab_size, which a resume refuses."""
+    import numpy as np
+
+    from gptlite.shards import write_shard
+
+    run, gpt2 = tmp_path / "run", tmp_path / "gpt2"
+    assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0
+    gpt2.mkdir()
+    for split in ("train", "val"):
+        write_shard(gpt2 / f"{split}_000000.bin", np.arange(2000) % 50257, 50304)
+    done = run_train(f"--out_dir={run}", "--resume", f"--data_dir={gpt2}", "--max_iters=3")
+    assert done.code == 2 and "--vocab_size" not in done.error
+    assert done.error.endswith(
+        f"on --resume vocab_size=256 is the run's own (its checkpoint's, or run.json's, in {run}): resume on the "
+        "data it trained on, or train on this data in another --out_dir"
+    )
+
+
+def test_options_a_resume_cannot_honour_are_refused_in_one_line(folders, tmp_path):
+    """--seed on a resume from a checkpoint (its random streams and data order go on), --overwrite with --resume."""
+    run = tmp_path / "run"
+    assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0
+    done = run_train(f"--out_dir={run}", "--resume", "--seed=7", "--max_iters=3")
+    assert done.code == 2 and done.error == (
+        f"cannot apply --seed=7 on --resume from {run}: the run's random streams and data order go on from its "
+        "checkpoint (checkpoint has seed=1337); drop --seed, or start a new run in another --out_dir"
+    )
+    assert run_train(f"--out_dir={run}", "--resume", "--seed=1337", "--max_iters=3").code == 0  # its own: fine
+    done = run_train(f"--out_dir={run}", "--resume", "--overwrite", "--max_iters=4")
+    assert done.code == 2 and done.error.startswith(
+        "--overwrite and --resume contradict: --overwrite moves the earlier"
+    )
+    assert [p.name for p in sorted(run.glob("ckpt_*.pt"))] == ["ckpt_000002.pt", "ckpt_000003.pt"]

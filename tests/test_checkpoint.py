@@ -22,9 +22,9 @@ from gptlite.checkpoint import (
     RunRecord,
     TrainingState,
     Weights,
-    discard_damaged,
     load_checkpoint,
     model_from_checkpoint,
+    repair_run_folder,
     rng_state,
     save_checkpoint,
     save_run_checkpoint,
@@ -109,24 +109,84 @@ def test_missing_checkpoints(tmp_path):
         load_checkpoint(tmp_path / "nope.pt")
     # a plain ckpt.pt without a checksum (an older gptlite's run directory) is loaded unchecked
     torch.save(fake_checkpoint(3), tmp_path / "ckpt.pt")
-    verify_checkpoint(tmp_path / "ckpt.pt")
-    assert load_checkpoint(tmp_path)["step"] == 3
+    assert "though it has no checksum file ckpt.pt.sha256" in verify_checkpoint(tmp_path / "ckpt.pt")
+    with pytest.warns(UserWarning, match="is whole"):
+        assert load_checkpoint(tmp_path)["step"] == 3
 
 
-def test_discard_damaged_removes_damaged_later_files_and_a_best_link_to_them(tmp_path):
+def test_a_resume_moves_damaged_later_files_aside_and_drops_a_best_link_to_them(tmp_path):
     for step, best in [(1, False), (2, False), (3, True)]:
         save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=3, best=best)
     (tmp_path / "ckpt_000003.pt").write_bytes(b"cut short")
-    assert [p.name for p in discard_damaged(tmp_path, 2)] == ["ckpt_000003.pt"]
+    (line,) = repair_run_folder(tmp_path, 2)
+    assert line.startswith(f"moved {tmp_path / 'ckpt_000003.pt'} aside to ckpt_000003.pt.damaged: it is newer")
     assert names(tmp_path) == [
         "ckpt.pt",
         "ckpt_000001.pt",
         "ckpt_000001.pt.sha256",
         "ckpt_000002.pt",
         "ckpt_000002.pt.sha256",
+        "ckpt_000003.pt.damaged",
+        "ckpt_000003.pt.sha256.damaged",
     ]
+    assert (tmp_path / "ckpt_000003.pt.damaged").read_bytes() == b"cut short"  # nothing of it is lost
     assert os.readlink(tmp_path / "ckpt.pt") == "ckpt_000002.pt"
-    assert discard_damaged(tmp_path, 1) == [] and load_checkpoint(tmp_path)["step"] == 2  # intact files stay
+    assert repair_run_folder(tmp_path, 1) == [] and load_checkpoint(tmp_path)["step"] == 2  # intact files stay
+    # a second damaged file of the same name does not overwrite the first one set aside
+    save_run_checkpoint(tmp_path, fake_checkpoint(3), keep_last=5)
+    (tmp_path / "ckpt_000003.pt").write_bytes(b"cut short again")
+    assert "aside to ckpt_000003.pt.damaged-2" in repair_run_folder(tmp_path, 2)[0]
+    assert (tmp_path / "ckpt_000003.pt.damaged").read_bytes() == b"cut short"
+
+
+def sidecar_damage(checksum, damage: str) -> None:
+    """Damage a checksum file the ways a user's tools do (the checkpoint it describes untouched)."""
+    line = checksum.read_bytes()
+    if damage == "emptied":
+        checksum.write_bytes(b"")
+    elif damage == "edited":
+        checksum.write_bytes(b"0" * 64 + line[64:])
+    elif damage == "crlf":
+        checksum.write_bytes(line.replace(b"\n", b"\r\n"))
+    else:
+        checksum.unlink()
+
+
+@pytest.mark.parametrize("damage", ["emptied", "edited", "crlf", "deleted"])
+def test_a_checksum_file_in_error_never_outranks_a_whole_checkpoint(tmp_path, damage):
+    """The checkpoint is checked by what it is (its records' CRC-32s) and kept; a resume rewrites the checksum file."""
+    for step in (1, 2):
+        save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=3)
+    newest, checksum = tmp_path / "ckpt_000002.pt", tmp_path / "ckpt_000002.pt.sha256"
+    good = checksum.read_bytes()
+    sidecar_damage(checksum, damage)
+    notes = []
+    assert load_checkpoint(tmp_path, on_fallback=notes.append)["step"] == 2
+    (note,) = notes
+    assert note.startswith(f"checkpoint {newest} is whole (every record holds its CRC-32) though ")
+    with pytest.warns(UserWarning, match=r"ckpt_000002\.pt is whole .* the checkpoint is kept"):
+        assert load_checkpoint(newest)["step"] == 2
+    (line,) = repair_run_folder(tmp_path, 2)
+    assert line.startswith(f"{newest} is whole though ") and line.endswith(
+        ": resumed from it, and rewrote ckpt_000002.pt.sha256"
+    )
+    assert checksum.read_bytes() == good and verify_checkpoint(newest) is None
+    assert [p.name for p in step_files(tmp_path)] == ["ckpt_000002.pt", "ckpt_000001.pt"]
+
+
+def test_a_damaged_checkpoint_beside_a_checksum_file_in_error_is_still_damaged(tmp_path):
+    save_run_checkpoint(tmp_path, fake_checkpoint(1), keep_last=3)
+    path = tmp_path / "ckpt_000001.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor bytes
+    path.write_bytes(bytes(data))
+    (tmp_path / "ckpt_000001.pt.sha256").write_bytes(b"")
+    with pytest.raises(
+        ValueError,
+        match=r"ckpt_000001\.pt is damaged: ckpt_000001\.pt\.sha256 is not the line .*, and "
+        r"its record .* fails the CRC-32 saved with it",
+    ):
+        load_checkpoint(path)
 
 
 def test_a_run_folder_loads_the_run_that_ckpt_pt_names(tmp_path):

@@ -24,7 +24,7 @@ from gptlite.prepare import prepare
 from gptlite.run_config import resolve_config
 from gptlite.tokenizer import ByteTokenizer, CharTokenizer, TiktokenTokenizer, get_tokenizer, load_tokenizer
 from gptlite.tokenizer.tiktoken_bpe import tiktoken_encoding
-from tests.conftest import ROOT, run_train, shared_file
+from tests.conftest import ROOT, run_train, shared_file, tiny_model
 
 transformers.logging.set_verbosity_error()
 V, T = 97, 64  # vocabulary and positions of the tiny models
@@ -457,3 +457,36 @@ def test_byte_and_char_tokenizers_are_written_for_transformers_with_their_ids(tm
         marked, _ = tokenizer.encode_special(texts[2])  # the markers as the special tokens they are
         assert theirs(texts[2])["input_ids"] == marked and tokenizer.special_id("<|im_end|>") in marked
         assert again.chat_template == tokenizer.chat_template
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_weights_of_a_dtype_a_model_cannot_hold_are_refused(char_data, tmp_path, dtype):
+    """Issue 84: an int32 embedding was cast to float and trained on (its values 99.9% zeros); sample, evaluate and
+    serve met a load_state_dict traceback. Refused in one line naming the file, the tensor and the dtype."""
+    import safetensors.torch
+
+    directory = tmp_path / "hf"
+    hf_llama().save_pretrained(directory)
+    weights = safetensors.torch.load_file(directory / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].to(dtype)
+    safetensors.torch.save_file(weights, directory / "model.safetensors")
+    dtype_name = str(dtype).removeprefix("torch.")
+    message = (
+        f"{directory / 'model.safetensors'}: tensor model.embed_tokens.weight is {dtype_name}, and a model's weights "
+        "are floating point (float32, bfloat16, float16); the file is damaged or not a model's weights: download or "
+        "save it again"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        GPT.from_pretrained(str(directory))
+    run = run_train(f"--init_from={directory}", f"--data_dir={char_data}", f"--out_dir={tmp_path / 'run'}",
+                    "--max_iters=1", "--block_size=32", "--batch_size=2", "--device=cpu")  # fmt: skip
+    assert run.code == 2 and run.error == message and not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_a_gptlite_checkpoint_with_integer_weights_is_refused(tmp_path):
+    from gptlite.checkpoint import model_from_checkpoint
+
+    model = tiny_model()
+    state = {k: v.to(torch.int32) if k == "tok_emb.weight" else v for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"tensor tok_emb\.weight is int32, and the model holds floating-point"):
+        model_from_checkpoint({"config": {**vars(model.config)}, "model": state})

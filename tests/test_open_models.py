@@ -5,6 +5,7 @@ class; sharded and torch files; the checkpoint's dtype kept; the directory's tok
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -575,3 +576,177 @@ def test_gemma3_fine_tunes_in_every_mode_and_resumes(gemma3_modes, mode, tmp_pat
     resumed = run_train(f"--out_dir={tmp_path / 'b'}", "--resume", "--max_iters=4")
     assert resumed.code == 0, resumed.err
     assert resumed.history == straight.history[2:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every config.json layout transformers reads maps to the same model (issue 84): the older keys (rope_scaling,
+# rope_theta at the top level, Gemma 3's sliding_window_pattern and rope_local_base_freq) and keys left out (their
+# defaults, each family's own). Each layout is written over a saved model's config.json, and the logits of
+# transformers reading that file are the reference.
+
+
+def rewritten(directory, tmp_path, edit):
+    """A copy of a saved model's directory whose config.json `edit` (a function of the dict) rewrites."""
+    import shutil
+
+    out = tmp_path / "layout"
+    shutil.copytree(directory, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(edit(config)))
+    return out
+
+
+def assert_same_logits(directory) -> transformers.PreTrainedModel:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ours = GPT.from_pretrained(str(directory), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids())[0], hf(ids()).logits, atol=1e-4, rtol=0)
+    return hf
+
+
+def older_rope_keys(config: dict) -> dict:
+    """rope_parameters as transformers 4 wrote it: rope_theta and partial_rotary_factor at the top level, the
+    scaling (if any) under rope_scaling."""
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    config["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+    return config
+
+
+def defaults_left_out(config: dict) -> dict:
+    """The keys whose absence transformers fills with the family's default, and which leave the weights' shapes."""
+    for key in ("rms_norm_eps", "rope_theta", "final_logit_softcapping", "sliding_window", "layer_types"):
+        config.pop(key, None)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") == "default" or "full_attention" in rope:
+        config.pop("rope_parameters", None)
+    else:
+        rope.pop("rope_theta", None)
+    return config
+
+
+@pytest.mark.parametrize("layout", [older_rope_keys, defaults_left_out], ids=["older_rope_keys", "defaults_left_out"])
+def test_every_config_layout_transformers_reads_is_the_same_model(saved, layout, tmp_path):
+    name, _, directory = saved
+    if layout is older_rope_keys and name == "gemma3":
+        pytest.skip("Gemma 3's older layout is test_gemma3s_config_layouts_are_the_same_model's")
+    assert_same_logits(rewritten(directory, tmp_path, layout))
+
+
+def phi3_original_in_the_table(config: dict) -> dict:
+    """original_max_position_embeddings in rope_parameters alone: Phi-3's config class has a top-level one always
+    (4096 by default), which transformers takes over the table's."""
+    config["rope_parameters"]["original_max_position_embeddings"] = config.pop("original_max_position_embeddings")
+    return config
+
+
+def phi3_su(config: dict) -> dict:
+    """Phi-3's first configs named LongRoPE "su"."""
+    config["rope_scaling"] = {**older_rope_keys(config)["rope_scaling"], "rope_type": "su"}
+    return config
+
+
+@pytest.mark.parametrize("layout", [phi3_original_in_the_table, phi3_su])
+def test_phi3s_config_layouts_are_the_same_model(layout, tmp_path):
+    cls, config = FAMILIES["phi4-mini"]
+    randomized(cls(config)).save_pretrained(tmp_path / "saved")
+    assert_same_logits(rewritten(tmp_path / "saved", tmp_path, layout))
+
+
+def gemma3_released_1b(config: dict) -> dict:
+    """google/gemma-3-1b's config.json layout: sliding_window_pattern, rope_theta and rope_local_base_freq, no
+    layer_types, no rope_parameters (theirs are 1e6 and 1e4; others here, to tell them from the defaults)."""
+    for key in ("layer_types", "rope_parameters"):
+        config.pop(key)
+    return {
+        **config,
+        "sliding_window_pattern": 2,
+        "rope_theta": 5e5,
+        "rope_local_base_freq": 100.0,
+        "rope_scaling": None,
+    }
+
+
+def without(*keys: str):
+    def edit(config: dict) -> dict:
+        return {k: v for k, v in config.items() if k not in keys}
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "layout, kinds",
+    [
+        (gemma3_released_1b, ["sliding_attention", "full_attention"]),
+        (without("layer_types"), ["sliding_attention", "sliding_attention"]),  # every 6th layer global
+        (without("rope_parameters"), ["sliding_attention", "full_attention"]),  # RoPE bases 1e6 and 1e4
+        (lambda c: {**without("layer_types")(c), "sliding_window_pattern": 1}, ["full_attention"] * 2),
+        (lambda c: {**c, "layer_types": ["attention", "sliding_attention"]}, ["full_attention", "sliding_attention"]),
+    ],
+    ids=["released_1b", "no_layer_types", "no_rope_parameters", "pattern_1", "legacy_attention"],
+)
+def test_gemma3s_config_layouts_are_the_same_model(layout, kinds, tmp_path):
+    """Issue 84: Gemma 3 1B's released layout loaded with every layer global and one RoPE base (logits off by 5.3);
+    float32, 40 tokens past the window of 8."""
+    cls, config = FAMILIES["gemma3"]
+    model = randomized(cls(config))
+    model.save_pretrained(tmp_path / "saved")
+    hf = assert_same_logits(rewritten(tmp_path / "saved", tmp_path, layout))
+    assert hf.config.layer_types == kinds  # transformers read the layout as meant
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"query_pre_attn_scalar": 0}, r"query_pre_attn_scalar=0 must be a finite number > 0"),
+        ({"query_pre_attn_scalar": -4}, r"query_pre_attn_scalar=-4 must be a finite number > 0"),
+        ({"query_pre_attn_scalar": "abc"}, r'query_pre_attn_scalar="abc" must be a finite number > 0'),
+        ({"num_hidden_layers": 0}, r"num_hidden_layers=0 must be an integer >= 1"),
+        ({"hidden_size": 64.5}, r"hidden_size=64.5 must be an integer >= 1"),
+        ({"rms_norm_eps": None}, r"rms_norm_eps=null must be a finite number > 0"),
+        ({"sliding_window": 0}, r"sliding_window=0 must be an integer >= 1"),
+        ({"tie_word_embeddings": "yes"}, r'tie_word_embeddings="yes" must be true or false'),
+        ({"layer_types": ["sliding_attention"]},
+         r"layer_types=\[\"sliding_attention\"\] must be a list of num_hidden_layers=2 kinds, each sliding_attention "
+         r"or full_attention"),
+        ({"layer_types": ["sliding_attention", "local"]}, r"layer_types=.* must be a list of num_hidden_layers=2"),
+        ({"layer_types": None, "sliding_window_pattern": 0}, r"sliding_window_pattern=0 must be an integer >= 1"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": -1.0}}},
+         r"rope_parameters\.full_attention\.rope_theta=-1\.0 must be a finite number > 0"),
+        ({"rope_parameters": None, "rope_local_base_freq": "1e4"}, r'rope_local_base_freq="1e4" must be a finite'),
+        ({"rope_parameters": [1]}, r"rope_parameters=\[1\] must be a table \(a JSON object\) or null"),
+    ],
+)  # fmt: skip
+def test_config_json_numbers_are_checked_where_read_naming_the_file_and_key(edit, message, tmp_path):
+    """Issue 84: query_pre_attn_scalar=0 was a ZeroDivisionError traceback, -4 a complex attention scale, "abc" a
+    float() error naming neither the file nor the key."""
+    _, config = FAMILIES["gemma3"]
+    config.save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**values, **edit}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: {message}"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "name, edit, message",
+    [
+        ("llama3-scaled", {"rope_parameters": {**LLAMA3, "factor": 0}}, r"rope_parameters\.factor=0 must be a finite"),
+        ("llama-gqa", {"rope_scaling": {**LLAMA3, "low_freq_factor": "1"}}, r"rope_scaling\.low_freq_factor=\"1\""),
+        ("llama-gqa", {"rope_theta": -1, "rope_parameters": None}, r"rope_theta=-1 must be a finite number > 0"),
+        ("granite", {"logits_scaling": 0}, r"logits_scaling=0 must be a finite number > 0"),
+        ("qwen2", {"partial_rotary_factor": 1.5}, r"partial_rotary_factor=1.5 must be a finite number > 0, at most 1"),
+        ("smollm3", {"no_rope_layers": [1]}, r"no_rope_layers=\[1\] must be a list of num_hidden_layers=2 0s and 1s"),
+        ("nanochat", {"num_key_value_heads": -2}, r"num_key_value_heads=-2 must be an integer >= 1 or null"),
+        ("llama-gqa", {"num_attention_heads": 3}, r"invalid GPTConfig: n_head=3 is not a multiple of n_kv_head=2"),
+    ],
+)  # fmt: skip
+def test_other_families_numbers_are_checked_too(name, edit, message, tmp_path):
+    _, config = FAMILIES[name]
+    config.save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**values, **edit}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: {message}"):
+        GPT.from_pretrained(str(tmp_path))

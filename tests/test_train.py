@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gptlite import plot
-from gptlite.checkpoint import load_checkpoint, step_files
+from gptlite.checkpoint import load_checkpoint, step_files, verify_checkpoint
 from gptlite.data import make_loaders, write_shard
 from gptlite.device import compile_unavailable, pick_device
 from gptlite.evaluate import evaluate_loader
@@ -360,16 +360,38 @@ def test_resume_refuses_another_architecture(data, tmp_path):
             resolve_config(resume(tmp_path, change))
 
 
-def test_resume_past_a_damaged_checkpoint_deletes_it(data, tmp_path, capsys):
+def test_resume_past_a_damaged_checkpoint_moves_it_aside(data, tmp_path, capsys):
     run_train(*config(data, tmp_path, max_iters=6, eval_interval=2, keep_last=2))
     (tmp_path / "ckpt_000006.pt").write_bytes(b"cut short")
     run_train(*resume(tmp_path, "--max_iters=5"))
     out = capsys.readouterr().out
     assert "ckpt_000006.pt is damaged" in out and f"; loaded {tmp_path / 'ckpt_000004.pt'} instead" in out
-    assert f"deleted {tmp_path / 'ckpt_000006.pt'}: it is newer than the checkpoint resumed from" in out
+    assert (
+        f"moved {tmp_path / 'ckpt_000006.pt'} aside to ckpt_000006.pt.damaged: it is newer than the checkpoint" in out
+    )
+    assert (tmp_path / "ckpt_000006.pt.damaged").read_bytes() == b"cut short"  # kept, under another name
     # the damaged file does not push the intact step 4 out of the newest keep_last=2, nor stay behind best.pt
     assert [p.name for p in step_files(tmp_path)] == ["ckpt_000005.pt", "ckpt_000004.pt"]
     assert not (tmp_path / "best.pt").exists() or load_checkpoint(tmp_path / "best.pt")["step"] == 5
+
+
+@pytest.mark.parametrize("damage", ["emptied", "edited", "crlf", "deleted"])
+def test_resume_goes_on_from_a_whole_checkpoint_whose_checksum_file_is_in_error(data, tmp_path, damage):
+    """Issue 84: an emptied checksum file made the resume fall back to step 2 and delete the intact step 4."""
+    from tests.test_checkpoint import sidecar_damage
+
+    run_train(*config(data, tmp_path, max_iters=4, eval_interval=2, keep_last=3))
+    newest = tmp_path / "ckpt_000004.pt"
+    weights = load_checkpoint(newest)["model"]
+    sidecar_damage(tmp_path / "ckpt_000004.pt.sha256", damage)
+    run = run_train(*resume(tmp_path, "--max_iters=5"))
+    assert run.code == 0 and f"resumed from {tmp_path} at step 4" in run.out
+    (line,) = [line for line in run.out.splitlines() if "ckpt_000004.pt.sha256" in line]  # one line says it
+    assert line.startswith(f"{newest} is whole though ") and line.endswith("rewrote ckpt_000004.pt.sha256")
+    assert "is damaged" not in run.out
+    assert verify_checkpoint(newest) is None  # the checksum file is the file's again
+    assert all(torch.equal(load_checkpoint(newest)["model"][k], v) for k, v in weights.items())
+    assert not list(tmp_path.glob("*.damaged*"))
 
 
 def test_max_minutes_ends_the_run_with_a_checkpoint(data, tmp_path, capsys):

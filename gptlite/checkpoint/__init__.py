@@ -1,7 +1,7 @@
 """Checkpoints and the run folders that hold them, in four modules:
     file.py            the checkpoint file: atomic, checksummed saves and safe loading (`weights_only=True`)
     run_folder.py      a run's folder: the newest few step files plus the best, claimed and locked by one run at a
-                       time, and loading its newest intact checkpoint past a damaged one
+                       time, and loading its newest whole checkpoint past a damaged one (moved aside on a resume)
     inference.py       a model rebuilt from a checkpoint (a LoRA run's on its checked base weights), or pretrained,
                        with its tokenizer: what sample.py, the server, evaluation and export load
     training_state.py  what a checkpoint holds (its format): the parts of the training state, each saving and
@@ -38,12 +38,12 @@ from gptlite.checkpoint.run_folder import (
     began_run,
     claim_run_folder,
     copy_tokenizer,
-    discard_damaged,
     holds_run,
     load_checkpoint,
     record_run,
     recorded_config,
     remove_leftovers,
+    repair_run_folder,
     run_files,
     save_run_checkpoint,
     step_files,
@@ -97,7 +97,6 @@ __all__ = [
     "check_lora_base",
     "claim_run_folder",
     "copy_tokenizer",
-    "discard_damaged",
     "git_commit",
     "holds_run",
     "load_checkpoint",
@@ -109,6 +108,7 @@ __all__ = [
     "model_from_checkpoint",
     "nonfinite",
     "remove_leftovers",
+    "repair_run_folder",
     "rng_state",
     "run_files",
     "save_checkpoint",

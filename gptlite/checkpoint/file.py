@@ -1,5 +1,9 @@
 """The checkpoint file: written atomically with a checksum beside it (`save_checkpoint`), and read back without
-unpickling arbitrary objects (`weights_only=True`) once its checksum holds (`load_file`).
+unpickling arbitrary objects (`weights_only=True`) once it is known whole (`verify_checkpoint`, `load_file`).
+
+The checksum file is a side file: it never outranks the data it describes. Where it is missing, not the line
+`sha256sum` writes for this file, or of other bytes, the checkpoint is checked by what it is, the CRC-32 that
+torch.save's zip archive keeps of every record it holds: a checkpoint whose records all hold is whole, and loads.
 
 A checkpoint is a plain dict of tensors and primitive values: gptlite.checkpoint.training_state lays its entries out,
 beside the parts of the training state that write and read them.
@@ -9,7 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
+import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +53,17 @@ def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
+def checksum_line(path: Path, digest: str) -> bytes:
+    """The line `sha256sum` writes for path (and `sha256sum -c` reads): its hex digest, two spaces, its name."""
+    return f"{digest}  {path.name}\n".encode()
+
+
+def write_checksum(path: str | Path, digest: str) -> None:
+    """Write path's checksum file, atomically: the one line of `checksum_line`."""
+    path = Path(path)
+    _write_durably(checksum_path(path), lambda f: f.write(checksum_line(path, digest)))
+
+
 def _write_durably(path: Path, write: Callable) -> None:
     """Call write(f) on path's temp file, fsync it, then rename it over path."""
     tmp = path.with_name(path.name + ".tmp")
@@ -72,8 +90,7 @@ def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
             torch.save(checkpoint, writer)
             f.flush()
             os.fsync(f.fileno())
-        line = f"{writer.sha.hexdigest()}  {path.name}\n".encode()
-        _write_durably(checksum_path(path), lambda f: f.write(line))
+        write_checksum(path, writer.sha.hexdigest())
     except BaseException as e:  # a full disk, an interruption: nothing half-written stays behind
         for leftover in (tmp, checksum_path(path).with_name(checksum_path(path).name + ".tmp")):
             leftover.unlink(missing_ok=True)
@@ -85,32 +102,67 @@ def save_checkpoint(path: str | Path, checkpoint: dict) -> None:
     fsync_dir(path.parent)
 
 
-def verify_checkpoint(path: str | Path) -> None:
-    """Raise ValueError if a checkpoint file's bytes do not match the sha256 saved beside it (beside the
-    symlink's target for ckpt.pt and best.pt). A file without a checksum (older gptlite) is not checked."""
-    path = Path(path)
-    real = Path(os.path.realpath(path))
-    checksum = checksum_path(real)
-    if not checksum.is_file():
-        return
-    expected = (checksum.read_text().split() or [""])[0]
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, read a chunk at a time."""
     sha = hashlib.sha256()
-    with open(real, "rb") as f:
+    with open(path, "rb") as f:
         while chunk := f.read(READ_CHUNK):
             sha.update(chunk)
-    if sha.hexdigest() != expected:
+    return sha.hexdigest()
+
+
+def checksum_problem(path: Path) -> tuple[str | None, str]:
+    """(What is wrong with the checksum file of `path`, a real file; None where it holds, the file's sha256)."""
+    checksum = checksum_path(path)
+    digest = file_digest(path)
+    if not checksum.is_file():
+        return f"it has no checksum file {checksum.name}", digest
+    text = checksum.read_bytes()
+    line = re.fullmatch(rb"([0-9a-f]{64}) [ *](.+)\n", text)
+    if line is None or line[2] != path.name.encode():
+        return f"{checksum.name} is not the line sha256sum writes for it ({len(text)} bytes)", digest
+    if line[1].decode() != digest:
+        return f"its {path.stat().st_size} bytes do not match the sha256 in {checksum.name}", digest
+    return None, digest
+
+
+def broken_record(path: Path) -> str | None:
+    """The first record of a torch.save zip archive whose bytes fail the CRC-32 saved with them (or why the file is
+    no such archive); None where every record holds."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"it is not a whole zip archive as torch.save writes ({e})"
+    return None if bad is None else f"its record {bad} fails the CRC-32 saved with it"
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """Check that a checkpoint file is whole (for ckpt.pt and best.pt, the symlink's target beside its checksum).
+    Returns None where its checksum file holds. Where that file is missing, malformed or disagrees, the checkpoint
+    is checked by what it is, the CRC-32 of each of its records: whole, it is returned a line saying that its
+    checksum file is the one in error; otherwise a ValueError says the checkpoint is damaged."""
+    path = Path(path)
+    real = Path(os.path.realpath(path))
+    problem, _ = checksum_problem(real)
+    if problem is None:
+        return None
+    broken = broken_record(real)
+    if broken is not None:
         raise ValueError(
-            f"checkpoint {path} is damaged: its {real.stat().st_size} bytes do not match the sha256 in "
-            f"{checksum.name} (cut short or changed after it was saved)"
+            f"checkpoint {path} is damaged: {problem}, and {broken} (cut short or changed after it was saved)"
         )
+    return f"checkpoint {path} is whole (every record holds its CRC-32) though {problem}: the checkpoint is kept"
 
 
-def load_file(path: Path, map_location: str | torch.device) -> dict:
+def load_file(path: Path, map_location: str | torch.device, on_note: Callable[[str], None] | None = None) -> dict:
+    """A checkpoint file, once it is known whole (`verify_checkpoint`; a line on a checksum file in error goes to
+    `on_note`, default warnings.warn); damaged or not a gptlite checkpoint, a ValueError naming it."""
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint {path} does not exist; train first (python train.py ... --out_dir={path.parent})"
         )
-    verify_checkpoint(path)
+    note = verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -120,6 +172,8 @@ def load_file(path: Path, map_location: str | torch.device) -> dict:
         ) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise ValueError(f"checkpoint {path} is not a gptlite checkpoint (no 'model' and 'config' entries)")
+    if note is not None:
+        (on_note or (lambda line: warnings.warn(line, stacklevel=3)))(note)
     return ckpt
 
 

@@ -3,11 +3,13 @@ locked by one run at a time, and loading its newest intact checkpoint.
 
 It holds
     ckpt_000500.pt          one file per save, each beside ckpt_000500.pt.sha256 (`sha256sum -c` reads it)
+    ckpt_000600.pt.damaged  a step file a resume found damaged, moved aside (never deleted)
     ckpt.pt, best.pt        symlinks to the newest file and to the one with the lowest val loss
     run.json                the resolved config and command line of the run that last held the folder, written as
                             it starts: a --resume before the first checkpoint takes its config from there
 A file is written under a temporary name and renamed only once it and its checksum are on disk, so a crash
-at any moment leaves the earlier files whole; loading a directory takes the newest file whose checksum holds.
+at any moment leaves the earlier files whole; loading a directory takes the newest whole file (gptlite.checkpoint.file
+says what whole is: a checksum file in error never outranks the checkpoint it describes).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from pathlib import Path
 
 import torch
 
-from gptlite.checkpoint.file import CHECKSUM_SUFFIX, checksum_path, load_file, save_checkpoint, verify_checkpoint
+from gptlite.checkpoint.file import (
+    CHECKSUM_SUFFIX,
+    broken_record,
+    checksum_path,
+    checksum_problem,
+    load_file,
+    save_checkpoint,
+    write_checksum,
+)
 from gptlite.files import FolderLock, fault, fsync_dir, make_dir, write_json
 from gptlite.tokenizer import TOKENIZER_FILE
 
@@ -115,28 +125,58 @@ def save_run_checkpoint(run_dir: str | Path, checkpoint: dict, keep_last: int = 
     return path
 
 
-def discard_damaged(run_dir: str | Path, step: int) -> list[Path]:
-    """After a resume from `step` because newer files were damaged: delete the damaged step files newer than it
-    (and best.pt if it named one) and point ckpt.pt at step's file; returns the deleted files. Intact newer
-    files stay (they are not this run's saves: load_checkpoint follows ckpt.pt)."""
+def set_aside(path: Path) -> Path:
+    """Rename a damaged file to NAME.damaged (NAME.damaged-2, ... where that is taken), its checksum file beside it
+    likewise; returns the new name. Nothing of it is deleted: the user may still want its bytes."""
+    target = path.with_name(path.name + ".damaged")
+    n = 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    os.replace(path, target)
+    checksum = checksum_path(path)
+    if checksum.is_file():
+        os.replace(checksum, target.with_name(checksum.name + target.name.removeprefix(path.name)))
+    return target
+
+
+def repair_run_folder(run_dir: str | Path, step: int) -> list[str]:
+    """After a resume from `step`: the step file resumed from gets its checksum file rewritten where that was
+    missing or in error (the file is whole: it loaded); the damaged step files newer than it are moved aside
+    (`set_aside`; best.pt goes if it named one), and ckpt.pt points at step's file. Intact newer files stay (they
+    are not this run's saves: load_checkpoint follows ckpt.pt). Returns a line for each thing done."""
     run_dir = Path(run_dir)
-    damaged = []
-    for path in step_files(run_dir):
-        if _step(path) > step:
-            try:
-                verify_checkpoint(path)
-            except ValueError:
-                damaged.append(path)
-    best = run_dir / BEST_NAME
-    if best.is_symlink() and run_dir / os.readlink(best) in damaged:
-        best.unlink()
-    for path in damaged:
-        path.unlink()
-        checksum_path(path).unlink(missing_ok=True)
+    lines = []
     resumed = run_dir / STEP_FILE.format(step=step)
-    if damaged and resumed.is_file():
+    if resumed.is_file():
+        problem, digest = checksum_problem(resumed)
+        if problem is not None and broken_record(resumed) is None:
+            write_checksum(resumed, digest)
+            lines.append(
+                f"{resumed} is whole though {problem}: resumed from it, and rewrote {checksum_path(resumed).name}"
+            )
+    best = run_dir / BEST_NAME
+    moved = False
+    for path in step_files(run_dir):
+        if _step(path) <= step:
+            continue
+        problem, _ = checksum_problem(path)
+        broken = None if problem is None else broken_record(path)
+        if broken is None:
+            continue
+        if best.is_symlink() and os.readlink(best) == path.name:
+            best.unlink()
+        target = set_aside(path)
+        moved = True
+        lines.append(
+            f"moved {path} aside to {target.name}: it is newer than the checkpoint resumed from, and damaged "
+            f"({problem}, and {broken})"
+        )
+    if moved and resumed.is_file():
         _point(run_dir / CHECKPOINT_NAME, resumed)
-    return damaged
+    if lines:
+        fsync_dir(run_dir)
+    return lines
 
 
 def claim_run_folder(run_dir: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None]) -> FolderLock:
@@ -221,16 +261,22 @@ def began_run(run_dir: str | Path) -> bool:
 
 
 def load_checkpoint(
-    path: str | Path, map_location: str | torch.device = "cpu", on_fallback: Callable[[str], None] | None = None
+    path: str | Path,
+    map_location: str | torch.device = "cpu",
+    on_fallback: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> dict:
     """Load a checkpoint file, or a run directory's newest intact one, without unpickling arbitrary objects.
 
-    A damaged file (checksum mismatch, unreadable) raises ValueError. In a directory a damaged file is
-    skipped for the next older one, and `on_fallback` (default: warnings.warn) gets a line saying so.
+    A damaged file (one whose records fail their CRC-32 where its checksum file does not hold; unreadable) raises
+    ValueError. In a directory a damaged file is skipped for the next older one, and `on_fallback` (default:
+    warnings.warn) gets a line saying so; the line on a checksum file in error beside a whole file goes to
+    `on_note` (default: on_fallback).
     """
+    on_note = on_note or on_fallback
     path = Path(path)
     if path.suffix == ".pt":
-        return load_file(path, map_location)
+        return load_file(path, map_location, on_note)
     candidates = step_files(path) if path.is_dir() else []
     link = path / CHECKPOINT_NAME
     named = STEP_FILE_RE.fullmatch(os.readlink(link)) if link.is_symlink() else None
@@ -247,7 +293,7 @@ def load_checkpoint(
     damaged = []
     for candidate in candidates:
         try:
-            ckpt = load_file(candidate, map_location)
+            ckpt = load_file(candidate, map_location, on_note)
         except ValueError as e:
             damaged.append(str(e))
             continue

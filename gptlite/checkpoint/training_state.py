@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from gptlite.checkpoint.file import git_commit, nonfinite
-from gptlite.checkpoint.run_folder import discard_damaged, save_run_checkpoint, step_files
+from gptlite.checkpoint.run_folder import repair_run_folder, save_run_checkpoint, step_files
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.files import error
 from gptlite.lora import lora_state_dict
@@ -423,16 +423,17 @@ class TrainingState:
         self.average.finish(self.weights, self.progress.step, log)
 
     def resume(self, ckpt: dict, out_dir: Path, master: bool, log: Callable[[str], None]) -> None:
-        """Continue from `ckpt`, the newest intact checkpoint in out_dir: every part restored, then (rank 0, once
-        every rank has read it) the damaged files newer than it deleted."""
+        """Continue from `ckpt`, the newest whole checkpoint in out_dir: every part restored, then (rank 0, once
+        every rank has read it) its checksum file rewritten where that was in error, and the damaged files newer than
+        it moved aside (gptlite.checkpoint.run_folder.repair_run_folder)."""
         self.load_state_dict(ckpt)
         log(f"resumed from {out_dir} at step {self.progress.step}")
         if self.streams.world_size > 1:
             import torch.distributed as dist
 
-            dist.barrier()  # every rank has read the checkpoint before rank 0 deletes damaged files
-        for path in discard_damaged(out_dir, self.progress.step) if master else []:
-            log(f"deleted {path}: it is newer than the checkpoint resumed from, and damaged")
+            dist.barrier()  # every rank has read the checkpoint before rank 0 moves damaged files
+        for line in repair_run_folder(out_dir, self.progress.step) if master else []:
+            log(line)
 
     def save(self, out_dir: Path, keep_last: int, master: bool, log: Callable[[str], None]) -> None:
         """Save a checkpoint into out_dir (rank 0; every rank gathers), as the newest and, when its val loss is the

@@ -37,6 +37,51 @@ GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text", "", "model.layers.{i}.")
 FAMILIES = {
     f.model_type: f for f in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE, SMOLLM3, PHI3, OLMO2, NANOCHAT, GEMMA3)
 }
+# What transformers takes for a key a config.json leaves out ("*": every family's, then each family's own; each
+# family's config class in transformers 5 has them): gptlite.hf.pretrained.ConfigFile reads a file with them, so
+# that a file without a key is the model transformers builds from it
+CONFIG_DEFAULTS: dict[str, dict] = {
+    "*": {
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "num_key_value_heads": None,  # as many as the attention heads
+        "head_dim": None,  # hidden_size / num_attention_heads
+        "sliding_window": None,
+        "final_logit_softcapping": None,
+    },
+    "gpt2": {
+        "tie_word_embeddings": True,
+        "layer_norm_epsilon": 1e-5,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+    },
+    "mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096},
+    "granite": {
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "attention_multiplier": 1.0,
+        "logits_scaling": 1.0,
+    },
+    "smollm3": {"tie_word_embeddings": True, "rope_theta": 2_000_000.0, "no_rope_layer_interval": 4},
+    "phi3": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "nanochat": {"final_logit_softcapping": 15.0},
+    "gemma3_text": {
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,  # the global layers'
+        "rope_local_base_freq": 10_000.0,  # the sliding-window layers'
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,  # without layer_types: every 6th layer global
+        "query_pre_attn_scalar": 256,
+    },
+}
 # Granite's multipliers: a model that sets any of them is a Granite
 GRANITE_SCALES = {"embed_scale": 1.0, "residual_scale": 1.0, "attn_scale": 0.0, "logits_scaling": 1.0}
 # the switches of one family each, with their defaults (what a model of the others has)

@@ -74,10 +74,14 @@ class Weights:
     def dtype(self, name: str) -> torch.dtype:
         return self.loaded[name].dtype if name in self.loaded else DTYPES[self.where[name][1]["dtype"]]
 
+    def file(self, name: str) -> Path:
+        """The file that holds the tensor `name`."""
+        return self.where[name][0] if name in self.where else self.directory / "pytorch_model.bin"
+
     def pop(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor `name`, read now: into `out` (of its shape; a safetensors tensor of out's dtype goes straight
         from the file into out's memory, with no copy in between) or into a tensor of its own."""
-        path = self.where[name][0] if name in self.where else self.directory / "pytorch_model.bin"
+        path = self.file(name)
         if name in self.loaded:
             tensor = self.loaded.pop(name)
             tensor = out.copy_(tensor) if out is not None else tensor
