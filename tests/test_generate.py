@@ -496,19 +496,23 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     assert packed_for_cpu(model.to(torch.bfloat16), 1) is model
 
 
-def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch):
+def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch, tmp_path):
     """The view's own modules skip nn.Module's call, but a module with a hook, or a model under hooks registered for
-    every module, keeps it: the hooks run, and registering or removing one makes the view again."""
+    every module, keeps it: the hooks run, and registering or removing one makes the view again. The layers are
+    forced onto F.linear, so that no block becomes a NativeBlock, whatever this CPU's measurement would choose."""
     import gptlite.cpu_decode
-    from gptlite.cpu_decode import packed_for_cpu
+    from gptlite.cpu_decode import PlainLinear, packed_for_cpu
     from gptlite.model import Block
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing read from, or kept in, the user's choices file
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "linear")
     monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
     model = tiny_model().eval()
     idx = randint(97, (2, 5))
     with torch.no_grad():
         want = model(idx)[0]
         direct = packed_for_cpu(model, 1)
+        assert isinstance(direct.blocks[0].ffn.fc, PlainLinear)
         assert type(direct.blocks[0]).__call__ is Block.forward
         torch.testing.assert_close(direct(idx)[0], want)
         calls = []
