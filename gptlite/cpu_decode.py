@@ -255,8 +255,8 @@ def default_kernel(names: Sequence[str], rows: int) -> str:
 
 def remembered_choice(key: str, names: Sequence[str], default: str, measure: Callable[[], dict[str, float]]) -> str:
     """The choice among `names` kept for `key` on this machine (`machine_key`) in the choices file, or, when there
-    is none, `measure()`'s fastest where it beat `default` by the margin (else `default`), kept in the file for the
-    next process. The candidates are part of the key: another set of them is measured again."""
+    is none, `measure()`'s fastest among `names` where it beat `default` by the margin (else `default`), kept in the
+    file for the next process. The candidates are part of the key: another set of them is measured again."""
     path = choices_file()
     if path not in _choices:
         _choices[path] = read_choices(path)
@@ -268,7 +268,7 @@ def remembered_choice(key: str, names: Sequence[str], default: str, measure: Cal
         return kept
     times = measure()
     choice = default
-    fastest = min(times, key=times.get)
+    fastest = min((name for name in names if name in times), key=times.get)  # only a candidate, whatever was timed
     if times[fastest] < MARGIN * times[choice]:
         choice = fastest
     choices.setdefault(machine, {})[key] = choice

@@ -3,6 +3,9 @@ greedy text as float32 on a small trained model (but where float32's top two log
 and the commands' --quantize."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from gptlite.quantize import (
     quantize_int8_groups,
     quantize_rows,
 )
-from tests.conftest import DEVICE, randint, run_train, tiny_config, tiny_model
+from tests.conftest import DEVICE, ROOT, randint, run_train, tiny_config, tiny_model
 from tests.test_end_to_end import TINY, char_data  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.device
@@ -175,6 +178,36 @@ def test_compiled_quantized_generation_equals_eager(mode, monkeypatch):
     assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tmp_path):
+    """sample.py --quantize --compile on a model whose feed-forward layers are large enough to measure (1024x256:
+    cpu_decode.PACK_MIN_WEIGHTS): the ways are read from the choices file (here measured, in a cache of the test's
+    own) when the model is prepared, before the compile, never inside the compiled step, where torch.compile cannot
+    trace file I/O."""
+    from gptlite.checkpoint import save_checkpoint
+    from gptlite.config import build_config, config_to_dict
+    from gptlite.cpu_decode import PACK_MIN_WEIGHTS
+    from gptlite.tokenizer import CharTokenizer
+
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's kernel choices")
+    shape = {"vocab_size": 97, "block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 256, "ffn": "gelu"}
+    model = GPT(tiny_config(**shape))
+    assert model.blocks[0].ffn.fc.weight.numel() >= PACK_MIN_WEIGHTS
+    save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(build_config(shape)), "model": model.state_dict()})
+    CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n\u00e9").save(tmp_path / "tokenizer.json")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("GPTLITE_QUANT_KERNEL", None)
+    command = [sys.executable, str(ROOT / "sample.py"), f"--model={tmp_path}", f"--quantize={mode}", "--compile"]
+    options = ["--start=ROMEO:", "--max_new_tokens=8", "--temperature=0", "--device=cpu"]
+    result = subprocess.run([*command, *options], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:")
+    if mode == "int8":  # int4 has one way at float32 activations: nothing to measure or read
+        assert (tmp_path / "cache" / "gptlite" / "cpu_linear.json").exists()  # the choices were made, and kept
+
+
 def test_unknown_quantization_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="quantize='int2' is not supported; use 'int8' or 'int4', or leave it out"):
         load_model(tmp_path / "no such run", quantize="int2")
@@ -226,6 +259,9 @@ def test_int4_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
 @pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize", "native"])
 def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
     """Every way, gptlite's compiled kernel (native) included: CI's machine has a compiler, so it is built there."""
+    from gptlite import native
+
+    assert way != "native" or native.load()  # loaded here: the test passes run alone, not only after another
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 64)
     layer = Int8Linear.from_linear(linear)
@@ -237,8 +273,9 @@ def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
 
 
 def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
-    """A layer large enough to measure asks the choices file, measures on a miss and keeps the answer; a small one
-    takes its default; GPTLITE_QUANT_KERNEL forces a way, and an unknown one is refused in one line."""
+    """A layer large enough to measure asks the choices file, measures on a miss and keeps the answer, choosing only
+    among the ways that compute in the activations' dtype (a faster bfloat16 way never serves float32 activations);
+    a small one takes its default; GPTLITE_QUANT_KERNEL forces a way, and an unknown one is refused in one line."""
     import gptlite.cpu_decode as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -246,34 +283,98 @@ def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu, "_choices", {})
     measured = []
 
-    def fake_measure(shape, bucket):
-        measured.append((shape, bucket))
-        return {"bfloat16": 1.0, "float32": 2.0}
+    def fake_measure(shape, bucket, names, dtype):
+        measured.append((shape, bucket, dtype))
+        return {"bfloat16": 0.5, "float32": 1.0, "dequantize": 2.0, "native": 3.0}
 
-    monkeypatch.setattr(Int4Linear, "measure", staticmethod(fake_measure))
-    big = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
-    assert big.way(1) == "bfloat16" and big.way(1) == "bfloat16" and big.way(9) == "bfloat16"
-    assert measured == [((512, 512), 1), ((512, 512), 8)]  # once per bucket, then from the layer's own memo
+    monkeypatch.setattr(Int8Linear, "measure", staticmethod(fake_measure))
+    big = Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None)
+    assert big.way(1) == "float32" and big.way(1) == "float32" and big.way(9) == "float32"
+    assert measured == [((512, 512), 1, torch.float32), ((512, 512), 8, torch.float32)]  # once per bucket
+    assert big.way(1, torch.bfloat16) == "bfloat16" and len(measured) == 3  # bfloat16 activations: their own choice
+    among = ", ".join(big.ways_in(torch.float32))
+    assert among == "native, float32, dequantize"  # CI's machine builds the compiled kernel
     kept = json.loads(cpu.choices_file().read_text())[cpu.machine_key()]
-    assert kept == {"int4 512x512, 1 rows among bfloat16, float32": "bfloat16"} | {
-        "int4 512x512, 8 rows among bfloat16, float32": "bfloat16"
+    assert kept == {
+        f"int8 512x512, 1 rows, float32 activations among {among}": "float32",
+        f"int8 512x512, 8 rows, float32 activations among {among}": "float32",
+        "int8 512x512, 1 rows, bfloat16 activations among bfloat16, dequantize": "bfloat16",
     }
-    again = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
-    assert again.way(1) == "bfloat16" and len(measured) == 2  # the kept choice: no new measurement
-    assert Int4Linear.from_weight(torch.randn(32, 64), None, 32).way(1) == "float32"  # small: not measured
+    again = Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None)
+    assert again.way(1) == "float32" and len(measured) == 3  # the kept choice: no new measurement
+    assert Int8Linear(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32), None).way(1) == "dequantize"  # small
+    int4 = Int4Linear.from_weight(torch.randn(512, 512), None, 32)  # one way at each dtype: nothing to measure
+    assert int4.way(1) == "float32" and int4.way(1, torch.bfloat16) == "bfloat16" and len(measured) == 3
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "float32")
     assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "float32"
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "fast")
     with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL='fast': choose float32, bfloat16, dequantize or nat"):
         Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1)
-    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")  # int8's compiled way: int4 layers keep their measured one
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "bfloat16")  # asked for: bfloat16 activations on a float32 model
     assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "bfloat16"
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")  # int8's compiled way: int4 layers keep their own
+    assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "float32"
     assert Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None).way(1) == "native"
     with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL=native cannot run a 512x200 int8 layer here \(its inp"):
         Int8Linear(torch.zeros(512, 200, dtype=torch.int8), torch.ones(512), None).way(1)
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "bfloat16")  # PyTorch's int8 kernel crashes on this width
     with pytest.raises(ValueError, match=r"=bfloat16 cannot run a 512x200 int8 layer here \(PyTorch's int8 kernel cr"):
         Int8Linear(torch.zeros(512, 200, dtype=torch.int8), torch.ones(512), None).way(8)
+
+
+# made-up measurements (as on the Intel Xeon with AMX): one row's fastest way is bfloat16 activations, then the
+# compiled kernel; a batch's is PyTorch's float32 kernel (or the chunks of a grouped table)
+MADE_UP_TIMES = {
+    1: {"bfloat16": 1.0, "native": 1.2, "float32": 3.0, "dequantize": 3.0, "chunks": 3.0},
+    8: {"float32": 1.0, "chunks": 1.0, "dequantize": 1.5, "native": 3.0, "bfloat16": 3.0},
+}
+
+
+def made_up_measurements(monkeypatch, tmp_path) -> None:
+    """Every quantized layer measured (none too small), each measurement MADE_UP_TIMES, kept in a choices file of
+    the test's own: which ways the layers take is the same on every CPU."""
+    import gptlite.cpu_decode as cpu
+    import gptlite.quantize
+
+    def fake_measure(shape, bucket, *names_and_dtype):
+        return MADE_UP_TIMES[bucket]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
+    monkeypatch.setattr(cpu, "_choices", {})
+    monkeypatch.setattr(gptlite.quantize, "PACK_MIN_WEIGHTS", 0)
+    for cls in (Int8Linear, Int4Linear):
+        monkeypatch.setattr(cls, "measure", staticmethod(fake_measure))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_greedy_tokens_are_the_same_alone_in_a_batch_and_without_the_compiled_kernels(mode, monkeypatch, tmp_path):
+    """The measured ways decide the speed, never the numbers: where one row measured fastest with bfloat16
+    activations and a batch with float32 ones, a prompt's greedy tokens alone equal its tokens in a ragged batch of
+    several, and equal them again where gptlite's compiled kernels are not loaded (GPTLITE_NATIVE=0)."""
+    import gptlite.native
+
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's kernel choices")
+    made_up_measurements(monkeypatch, tmp_path)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12, 13, 14]]
+
+    def quantized() -> GPT:
+        return tiny_model(n_embd=64).quantize(mode)  # 64 wide: int4 takes the blocks' matrices
+
+    model = quantized()
+    alone = [generate(model, [prompt], 20, temperature=0)[0] for prompt in prompts]
+    assert generate(model, prompts, 20, temperature=0) == alone
+    ways = {layer.way(1) for layer in model.modules() if isinstance(layer, (Int8Linear, Int4Linear))}
+    assert "bfloat16" not in ways  # measured fastest, but not the model's activation dtype
+    tokens = torch.tensor([[1], [4], [10], [11]])
+    with torch.no_grad():  # one token's logits alone (one row) and in a batch (4 rows): float32 rounding apart
+        one, batch = model(tokens[:1])[0][0], model(tokens)[0][0]
+    torch.testing.assert_close(one, batch, rtol=1e-4, atol=1e-4 * batch.abs().max().item())
+    monkeypatch.setattr(gptlite.native, "load", lambda: False)  # as with GPTLITE_NATIVE=0
+    model = quantized()
+    assert [generate(model, [prompt], 20, temperature=0)[0] for prompt in prompts] == alone
+    assert generate(model, prompts, 20, temperature=0) == alone
 
 
 def test_the_real_measurement_times_every_way():
