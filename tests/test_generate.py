@@ -594,6 +594,37 @@ def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monke
     cpu._choices.clear()
 
 
+def test_a_choice_measured_while_other_work_ran_holds_for_this_process_only(monkeypatch, tmp_path):
+    """While a measurement ran, other processes kept the CPU busy (the machine's busy time grew, this process's own
+    did not): its choice serves this process, is not written to the choices file, and the next process measures
+    again; measured on an otherwise idle machine, the choice is kept."""
+    import gptlite.cpu_decode as cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(cpu, "_choices", {})
+    monkeypatch.setattr(cpu, "_unkept", {})
+    seconds = {"machine": 100.0, "own": 10.0}  # busy CPU time since boot: the whole machine's, this process's
+    monkeypatch.setattr(cpu, "cpu_times", lambda: (seconds["machine"], seconds["own"]))
+    measured = []
+
+    def measure(shape, rows, others: float):
+        measured.append(shape)
+        seconds["machine"] += 1.0 + others  # this process's second of measuring, and what the others took
+        seconds["own"] += 1.0
+        return {"slab": 3.0, "packed": 2.0, "linear": 1.0, "native": 4.0}
+
+    monkeypatch.setattr(cpu, "measure", lambda shape, rows: measure(shape, rows, others=1e6))
+    assert cpu.choose_kernel((768, 3072), 1) == "linear" and cpu.choose_kernel((768, 3072), 1) == "linear"
+    assert len(measured) == 1 and not cpu.choices_file().exists()  # this process's choice, not kept
+    cpu._choices.clear()
+    cpu._unkept.clear()  # the next process: measures again, on an idle machine, and keeps the choice
+    monkeypatch.setattr(cpu, "measure", lambda shape, rows: measure(shape, rows, others=0.0))
+    assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 2
+    assert list(json.loads(cpu.choices_file().read_text())[cpu.machine_key()].values()) == ["linear"]
+    assert cpu.cores_busy_elsewhere(None, (1.0, 1.0), 1.0) is None  # no /proc/stat: kept, as before
+
+
 @pytest.mark.parametrize("in_features, out_features, bias", [(32, 97, True), (33, 7, False), (16, 16, True)])
 def test_slab_linear_equals_the_linear_for_any_slab_count(in_features, out_features, bias):
     """Wide layers (transposed slabs) and the others (row slabs), with the last slab padded where the slab
