@@ -17,7 +17,8 @@ GGUF file bit for bit (gptlite.hf.gguf). The scale is rounded to bfloat16 first 
 activations; a bfloat16 number is exact in q4_0's float16 where it lies in float16's normal range) and the codes are
 rounded against that rounded scale. The token embedding stays int8 (a lookup reads one row of a table; the int4
 kernel multiplies by its table and cannot read a row out of it), and so does a layer whose shape the int4 kernel
-does not take (output rows not a multiple of 16, input columns not a multiple of the group).
+does not take (output rows not a multiple of 16, input columns not a multiple of the group): a warning line names
+those layers, and `quantized_as` / `layer_types` record what was done (evaluate's JSON writes them).
 
 The matmul runs on the packed low-bit weight itself, never on a dequantized float copy, through PyTorch's CPU
 kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale; not
@@ -47,6 +48,8 @@ runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -565,7 +568,51 @@ def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[
         model.tok_emb = Int8Embedding(model.lm_head)
     else:
         model.tok_emb = Int8Embedding(int8_table(embedding), owned=True)  # (V, C) rows
+    if mode == "int4":
+        say_what_stayed_int8(model, group_size)
     return model.eval().requires_grad_(False)
+
+
+def matrices(model: GPT) -> dict[str, QuantizedLinear]:
+    """The quantized model's matrices by name: the blocks' and the output head (not the embedding's own table)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedLinear) and not name.startswith("tok_emb.")
+    }
+
+
+def layer_types(model: GPT) -> dict[str, int]:
+    """How many of the model's matrices each type holds, e.g. {"int4": 6, "int8": 1}: what was done, which int4 does
+    only where its kernel takes the shape (empty for a model not quantized)."""
+    types: dict[str, int] = {}
+    for layer in matrices(model).values():
+        kind = "int4" if isinstance(layer, Int4Linear) else "int8"
+        types[kind] = types.get(kind, 0) + 1
+    return dict(sorted(types.items()))
+
+
+def quantized_as(model: GPT) -> str:
+    """The types the model's matrices are, as a record states them: "int8", "int4", "int4+int8" (int4 where its kernel
+    takes the shape, int8 elsewhere), or "" for a model not quantized."""
+    return "+".join(layer_types(model))
+
+
+def say_what_stayed_int8(model: GPT, group_size: int) -> None:
+    """One warning line naming the matrices int4's kernel could not take, which stayed int8, and why."""
+    kept = {name: layer for name, layer in matrices(model).items() if not isinstance(layer, Int4Linear)}
+    if not kept:
+        return
+    shapes = {}  # one entry per role: blocks.*.attn.qkv stands for every block's
+    for name, layer in kept.items():
+        role = re.sub(r"^blocks\.\d+\.", "blocks.*.", name)
+        shapes.setdefault(role, f"{role} {layer.out_features}x{layer.in_features}")
+    warnings.warn(
+        f"gptlite: int4 needs output widths that are multiples of {INT4_ROW_MULTIPLE} and input widths that are "
+        f"multiples of its group size {group_size}; {len(kept)} of {len(matrices(model))} layers are int8 "
+        f"({', '.join(shapes.values())})",
+        stacklevel=3,
+    )
 
 
 def int8_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:

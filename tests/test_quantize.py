@@ -408,6 +408,29 @@ def test_an_int4_model_keeps_logits_close_and_decodes_on_its_kv_cache_as_a_full_
     assert generate(model, prompt, 12, temperature=0) == ids.tolist()
 
 
+def test_int4_says_in_one_line_which_layers_stayed_int8_and_why():
+    """int4's kernel takes output widths that are multiples of 16 and input widths that are multiples of the group:
+    the layers it cannot take stay int8, and a warning line says which and why; the model's own record of what was
+    done (`quantized_as`, `layer_types`, which evaluate's JSON writes) counts them."""
+    from gptlite.quantize import layer_types, quantized_as
+
+    with pytest.warns(UserWarning) as caught:
+        narrow = tiny_model(n_embd=40).cpu().quantize("int4")  # 40 inputs: no layer is a multiple of 32 wide
+    said = [str(w.message) for w in caught if "int4 needs" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].startswith(
+        "gptlite: int4 needs output widths that are multiples of 16 and input widths that are multiples of its group "
+        "size 32; 9 of 9 layers are int8 (blocks.*.attn.qkv 120x40, blocks.*.attn.out_proj 40x40, "
+    )
+    assert said[0].endswith(", lm_head 97x40)")
+    assert layer_types(narrow) == {"int8": 9} and quantized_as(narrow) == "int8"
+    with pytest.warns(UserWarning, match=r"; 1 of 9 layers are int8 \(lm_head 97x64\)$"):
+        mixed = tiny_model(n_embd=64).cpu().quantize("int4")  # the blocks take int4; the 97-row head cannot
+    assert layer_types(mixed) == {"int4": 8, "int8": 1} and quantized_as(mixed) == "int4+int8"
+    int8 = tiny_model(n_embd=40).cpu().quantize("int8")
+    assert layer_types(int8) == {"int8": 9} and quantized_as(int8) == "int8" and quantized_as(tiny_model()) == ""
+
+
 def test_int4_needs_the_cpu_and_a_group_size_it_takes():
     with pytest.raises(
         ValueError, match=r"quantize='int4' with group_size=48: use one of 32, 64, 128 \(32 is q4_0's\)"
@@ -497,7 +520,8 @@ def test_evaluate_scores_a_quantized_model(char_data, tmp_path):  # noqa: F811
         args = [f"--model={out}", "--device=cpu", f"--json={report}", *([f"--quantize={mode}"] if mode else [])]
         assert evaluate(args) == 0
         results = json.loads(report.read_text())
-        assert results["quantize"] == mode
+        assert results["quantize"] == {"int4": "int4+int8"}.get(mode, mode)  # what was done: the head stayed int8
+        assert results["quantized_layers"] == {"": {}, "int8": {"int8": 9}, "int4": {"int4": 8, "int8": 1}}[mode]
         losses[mode] = results["val"]["loss"]
     assert losses["int8"] != losses[""] and abs(losses["int8"] - losses[""]) < 0.05 * losses[""]
     assert losses["int4"] != losses[""] and abs(losses["int4"] - losses[""]) < 0.2 * losses[""]
