@@ -52,6 +52,7 @@ import re
 import warnings
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -554,6 +555,7 @@ def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[
             f"quantize='int4' runs on the CPU (PyTorch's int4 kernel is a CPU one); the model is on "
             f"{model.lm_head.weight.device.type}: use int8 there, or bfloat16 weights"
         )
+    float_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))  # float32's
     make = int8_rows if mode == "int8" else partial(int4_or_int8, group_size=group_size)
     for block in model.blocks:
         for parent in (block.attn, block.ffn):
@@ -570,7 +572,40 @@ def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[
         model.tok_emb = Int8Embedding(int8_table(embedding), owned=True)  # (V, C) rows
     if mode == "int4":
         say_what_stayed_int8(model, group_size)
+    if model.lm_head.scale_tensor().device.type == "cpu":
+        say_when_slower(mode, float_bytes, last_level_cache_bytes())
     return model.eval().requires_grad_(False)
+
+
+def say_when_slower(mode: str, float_bytes: int, cache_bytes: int | None) -> None:
+    """One warning line where quantizing makes decoding slower on this CPU: a model whose float32 matrices
+    (`float_bytes`) fit in the CPU's last-level cache (`cache_bytes`) streams no weights from memory for
+    quantization to save, and its kernels' extra work per weight and per call costs more than float32's."""
+    if cache_bytes is None or float_bytes > cache_bytes:
+        return
+    warnings.warn(
+        f"gptlite: {mode} decodes this model slower than float32 on this CPU: its float32 matrices "
+        f"({float_bytes / 2**20:.1f} MiB) fit in the CPU's {cache_bytes / 2**20:.0f} MiB cache, so there is no memory "
+        f"traffic to save; quantize models larger than the cache (leave --quantize out for this one)",
+        stacklevel=3,
+    )
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of this CPU's largest data (or unified) cache, as Linux lists the first core's caches under
+    /sys/devices/system/cpu/cpu0/cache; None where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()  # e.g. "32768K"
+            kind = (index / "type").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        digits, unit = (size[:-1], units[size[-1]]) if size[-1:] in units else (size, 1)
+        if kind != "Instruction" and digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=None)
 
 
 def matrices(model: GPT) -> dict[str, QuantizedLinear]:

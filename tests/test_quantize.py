@@ -431,6 +431,27 @@ def test_int4_says_in_one_line_which_layers_stayed_int8_and_why():
     assert layer_types(int8) == {"int8": 9} and quantized_as(int8) == "int8" and quantized_as(tiny_model()) == ""
 
 
+def test_quantizing_a_model_that_fits_in_the_cpus_cache_says_it_decodes_slower(monkeypatch):
+    """No timing: a model whose float32 matrices fit in the CPU's last-level cache has no memory traffic for
+    quantization to save, and quantizing it says so in one line; a model larger than the cache is quantized
+    silently."""
+    import warnings
+
+    import gptlite.quantize
+
+    cache = gptlite.quantize.last_level_cache_bytes()  # this CPU's own
+    assert cache is None or cache >= 1 << 20  # Linux lists at least a MiB for any CPU this runs on
+    model = tiny_model().cpu()
+    matrices = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(gptlite.quantize, "last_level_cache_bytes", lambda: 32 << 20)
+    with pytest.warns(UserWarning, match=r"^gptlite: int8 decodes this model slower than float32 on this CPU: its fl"):
+        model.quantize("int8")
+    monkeypatch.setattr(gptlite.quantize, "last_level_cache_bytes", lambda: matrices - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        tiny_model().cpu().quantize("int8")
+
+
 def test_int4_needs_the_cpu_and_a_group_size_it_takes():
     with pytest.raises(
         ValueError, match=r"quantize='int4' with group_size=48: use one of 32, 64, 128 \(32 is q4_0's\)"
