@@ -182,12 +182,12 @@ def test_compiled_quantized_generation_equals_eager(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tmp_path):
     """sample.py --quantize --compile on a model whose feed-forward layers are large enough to measure (1024x256:
-    cpu_decode.PACK_MIN_WEIGHTS): the ways are read from the choices file (here measured, in a cache of the test's
+    cpu_decode.PACK_MIN_WEIGHTS): the ways are read from the choices file (kept beforehand, in a cache of the test's
     own) when the model is prepared, before the compile, never inside the compiled step, where torch.compile cannot
     trace file I/O."""
     from gptlite.checkpoint import save_checkpoint
     from gptlite.config import build_config, config_to_dict
-    from gptlite.cpu_decode import PACK_MIN_WEIGHTS
+    from gptlite.cpu_decode import PACK_MIN_WEIGHTS, machine_key
     from gptlite.tokenizer import CharTokenizer
 
     if DEVICE != "cpu":
@@ -199,13 +199,26 @@ def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tm
     CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n\u00e9").save(tmp_path / "tokenizer.json")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("GPTLITE_QUANT_KERNEL", None)
+    # the choices the command reads, kept as an earlier measurement would have kept them (the same machine key: the
+    # same CPU, torch and thread count, which the suite fixes with OMP_NUM_THREADS)
+    layers = [m for m in model.quantize(mode).modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    measured = [m for m in layers if m.out_features * m.in_features >= PACK_MIN_WEIGHTS]
+    assert measured and all(len(m.ways_in(torch.float32)) > 1 for m in measured) == (mode == "int8")
+    kept = {
+        f"{m.kind} {m.out_features}x{m.in_features}, {rows} rows, float32 activations among "
+        f"{', '.join(m.ways_in(torch.float32))}": "dequantize"
+        for m in measured
+        for rows in (1, 8)
+    }
+    choices = tmp_path / "cache" / "gptlite" / "cpu_linear.json"
+    choices.parent.mkdir(parents=True)
+    choices.write_text(json.dumps({machine_key(): kept}))
     command = [sys.executable, str(ROOT / "sample.py"), f"--model={tmp_path}", f"--quantize={mode}", "--compile"]
     options = ["--start=ROMEO:", "--max_new_tokens=8", "--temperature=0", "--device=cpu"]
     result = subprocess.run([*command, *options], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:")
-    if mode == "int8":  # int4 has one way at float32 activations: nothing to measure or read
-        assert (tmp_path / "cache" / "gptlite" / "cpu_linear.json").exists()  # the choices were made, and kept
+    assert json.loads(choices.read_text()) == {machine_key(): kept}  # read, not measured again
 
 
 def test_unknown_quantization_is_refused_before_loading(tmp_path):
