@@ -22,7 +22,8 @@ matrices, attention, activation and residual additions in one call), sparing the
 matrices.
 
 GPTLITE_CPU_LINEAR=slab|packed|linear|native forces one kernel for every layer (to compare them, or when a
-measurement went wrong); deleting the file measures again.
+measurement went wrong); deleting the file measures again. A measurement taken while other processes kept the CPU
+busy is used by the process that took it and not kept, as the load shifts one kernel's time more than another's.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlite import native
-from gptlite.device import cpu_info, huge_pages
+from gptlite.device import CpuThreads, cpu_info, cpu_times, huge_pages
 from gptlite.files import write_text
 
 if TYPE_CHECKING:
@@ -153,7 +154,11 @@ DEFAULT = {True: "slab", False: "packed"}  # the kernels that led on the AVX2 ma
 MARGIN = 0.9  # another kernel replaces the default one where it measured at least 10% faster
 PACK_MIN_WEIGHTS = 1 << 18  # smaller layers (the char model's) decode faster as they are: per-call overhead
 FORCE_ENV = "GPTLITE_CPU_LINEAR"
+# other processes kept at least this many cores busy, on average, while a measurement ran: its choice holds for this
+# process only, and the next one measures again (the load slows each kernel by its own share, not alike)
+LOADED = CpuThreads.BUSY
 _choices: dict[Path, dict[str, dict[str, str]]] = {}  # each choices file's contents, read once per process
+_unkept: dict[tuple[str, str], str] = {}  # (machine, key) -> a choice measured under load, for this process only
 
 
 def choices_file() -> Path:
@@ -255,22 +260,30 @@ def default_kernel(names: Sequence[str], rows: int) -> str:
 
 def remembered_choice(key: str, names: Sequence[str], default: str, measure: Callable[[], dict[str, float]]) -> str:
     """The choice among `names` kept for `key` on this machine (`machine_key`) in the choices file, or, when there
-    is none, `measure()`'s fastest where it beat `default` by the margin (else `default`), kept in the file for the
-    next process. The candidates are part of the key: another set of them is measured again."""
+    is none, `measure()`'s fastest among `names` where it beat `default` by the margin (else `default`), kept in the
+    file for the next process, unless other processes kept LOADED cores or more busy while it measured: then the
+    choice holds for this process only, and the next measures again. The candidates are part of the key: another set
+    of them is measured again."""
     path = choices_file()
     if path not in _choices:
         _choices[path] = read_choices(path)
     choices = _choices[path]
     machine = machine_key()
     key = f"{key} among {', '.join(names)}"
-    kept = choices.get(machine, {}).get(key)
+    kept = choices.get(machine, {}).get(key, _unkept.get((machine, key)))
     if kept in names:
         return kept
+    before = cpu_times()
+    start = time.monotonic()
     times = measure()
+    others = cores_busy_elsewhere(before, cpu_times(), time.monotonic() - start)
     choice = default
-    fastest = min(times, key=times.get)
+    fastest = min((name for name in names if name in times), key=times.get)  # only a candidate, whatever was timed
     if times[fastest] < MARGIN * times[choice]:
         choice = fastest
+    if others is not None and others >= LOADED:
+        _unkept[machine, key] = choice  # measured while other work ran: not kept for good
+        return choice
     choices.setdefault(machine, {})[key] = choice
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,6 +291,17 @@ def remembered_choice(key: str, names: Sequence[str], default: str, measure: Cal
     except OSError:
         pass  # a read-only home: the choice holds for this process, and is measured again in the next
     return choice
+
+
+def cores_busy_elsewhere(
+    before: tuple[float, float] | None, after: tuple[float, float] | None, seconds: float
+) -> float | None:
+    """How many cores other processes kept busy, on average, over `seconds` between two of gptlite.device's
+    `cpu_times` (the machine's busy time less this process's own); None where the load cannot be read."""
+    if before is None or after is None:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others) / max(seconds, 1e-9)
 
 
 def read_choices(path: Path) -> dict[str, dict[str, str]]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gptlite.attention_cache import AttentionCache  # importable from here too, as before
+from gptlite.quantize import choose_ways
 
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig
@@ -222,6 +223,7 @@ def compiled_decode_step(model: GPT) -> Callable:
     """
     weight = model.tok_emb.weight
     kind = weight.device.type
+    choose_ways(model)  # a quantized model's kernels, chosen before the compile: no file is read inside it
     if kind not in _compiled:
         mode = "reduce-overhead" if kind == "cuda" else None
         _compiled[kind] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)

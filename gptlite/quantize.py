@@ -17,25 +17,29 @@ GGUF file bit for bit (gptlite.hf.gguf). The scale is rounded to bfloat16 first 
 activations; a bfloat16 number is exact in q4_0's float16 where it lies in float16's normal range) and the codes are
 rounded against that rounded scale. The token embedding stays int8 (a lookup reads one row of a table; the int4
 kernel multiplies by its table and cannot read a row out of it), and so does a layer whose shape the int4 kernel
-does not take (output rows not a multiple of 16, input columns not a multiple of the group).
+does not take (output rows not a multiple of 16, input columns not a multiple of the group): a warning line names
+those layers, and `quantized_as` / `layer_types` record what was done (evaluate's JSON writes them).
 
 The matmul runs on the packed low-bit weight itself, never on a dequantized float copy, through PyTorch's CPU
 kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale; not
 the grouped tables) and `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout,
-per-group scales). Both take float32 or bfloat16 activations, and which is faster depends on the CPU: on an Intel
-Xeon with AVX-512 and AMX, bfloat16 activations ran both several times faster than float32 ones (figures:
-docs/generation.md). int8 has one more way, where gptlite's compiled kernels could be built (gptlite.native):
-`torch.ops.gptlite.int8_linear`, float32 activations times the int8 weight converted in registers, each weight
-streamed from memory once, with a scale per row or per group (the grouped tables' only way besides the dequantized
-weight); PyTorch's int8 kernel is bound by its arithmetic at one row, this one by memory. So, as for the float32
-kernels of gptlite.cpu_decode, the way of each layer shape is measured on the CPU at hand, for one row (decoding)
-and for a batch, and kept in cpu_decode's choices file (a prompt of more than NATIVE_MAX_ROWS rows never takes the
-compiled kernel, which reads each weight again for every 8 rows: it takes the dequantized way, a GEMM); bfloat16
-activations round each layer's input and output to bfloat16 (the accuracy cost is in docs/generation.md).
+per-group scales). Both take float32 or bfloat16 activations. int8 has one more way, where gptlite's compiled kernels
+could be built (gptlite.native): `torch.ops.gptlite.int8_linear`, float32 activations times the int8 weight
+converted in registers, each weight streamed from memory once, with a scale per row or per group (the grouped
+tables' only way besides the dequantized weight); PyTorch's int8 kernel is bound by its arithmetic at one row, this
+one by memory. So, as for the float32 kernels of gptlite.cpu_decode, the way of each layer shape is measured on the
+CPU at hand, for one row (decoding) and for a batch, and kept in cpu_decode's choices file (a prompt of more than
+NATIVE_MAX_ROWS rows never takes the compiled kernel, which reads each weight again for every 8 rows: it takes the
+dequantized way, a GEMM). A measurement chooses the speed, never the numbers: the ways compete only among those that
+compute in the model's own activation dtype (float32 for a float32 model, bfloat16 for a bfloat16 one), so that a
+row alone, a batch, and a machine without the compiled kernels decode the same numbers up to that dtype's rounding.
+bfloat16 activations on a float32 model (on an Intel Xeon with AMX, several times faster; their accuracy cost and
+the figures are in docs/generation.md) are the user's to ask for: GPTLITE_QUANT_KERNEL=bfloat16, or a bfloat16
+model. The ways are chosen when the model is prepared for decoding (`choose_ways`), never inside a compiled step.
 GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native forces one way for every layer that has it (dequantize and
 native, int8 only; dequantize is the old path, F.linear on the weight converted to the activations' dtype and times
-the scale, what other devices run). Layers smaller than cpu_decode.PACK_MIN_WEIGHTS are not measured: they run
-float32 activations (int4) or the dequantized path (int8).
+the scale, what other devices run). Layers smaller than cpu_decode.PACK_MIN_WEIGHTS are not measured: they run the
+kernel at the activations' dtype (int4; float32 for other than bfloat16) or the dequantized path (int8).
 
 A quantized model is for generation and evaluation only: its low-bit weights are buffers, not parameters. int4
 runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
@@ -44,8 +48,11 @@ runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,6 +81,9 @@ FORCE_ENV = "GPTLITE_QUANT_KERNEL"
 # and 1,078 ms at 256 against 419: past NATIVE_MAX_ROWS rows (a prompt) the layer multiplies the dequantized way
 NATIVE_MAX_ROWS = 16
 ACTIVATIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# the dtype each way computes in; the others (dequantize, chunks) compute in the activations' own dtype
+WAY_DTYPES = {**ACTIVATIONS, "native": torch.float32}
+ROW_BUCKETS = (1, 8)  # the row counts a way is chosen for: one row (decoding one sequence) and a batch
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +131,19 @@ def forced_kernel() -> str:
 
 def row_bucket(rows: int) -> int:
     """The row count a measurement stands for: one row (decoding one sequence) or a batch (measured at 8)."""
-    return 1 if rows == 1 else 8
+    return ROW_BUCKETS[0] if rows == 1 else ROW_BUCKETS[1]
+
+
+def choose_ways(model: GPT) -> None:
+    """Each quantized layer's way for one row and for a batch, chosen now, in the model's activation dtype (its
+    embedding's): called where the model is prepared for decoding (gptlite.kvcache's compiled step, the server's
+    engine), so that the choices file is read, or the ways measured, before a compile and never inside a compiled
+    step."""
+    dtype = model.tok_emb.weight.dtype
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            for rows in ROW_BUCKETS:
+                module.way(rows, dtype)
 
 
 class QuantizedLinear(nn.Module):
@@ -129,7 +151,7 @@ class QuantizedLinear(nn.Module):
     flattens the input to the 2-D rows the kernels take."""
 
     kind = ""
-    default_small = ""  # the way of layers too small to measure
+    default_small = ""  # the way of layers too small to measure, and the one another must beat
     ways: tuple[str, ...] = ()  # PyTorch's ways, the last one what other devices run
     compiled_ways: tuple[str, ...] = ()  # gptlite.native's, on the CPU where it could be built
 
@@ -138,17 +160,32 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())  # (N,) or None
         self.out_features = out_features
         self.in_features = in_features
-        self._ways: dict[int, str] = {}  # row bucket -> chosen way, looked up once per layer and bucket
+        # (row bucket, activation dtype) -> chosen way, looked up once per layer, bucket and dtype
+        self._ways: dict[tuple[int, torch.dtype], str] = {}
         self._scales: dict[torch.dtype, torch.Tensor] = {}  # the scales in each activation dtype the kernel takes
 
-    def way(self, rows: int) -> str:
-        """How this layer multiplies `rows` rows: forced, small (not measured), off the CPU, or measured."""
-        bucket = row_bucket(rows)
-        if bucket not in self._ways:
-            self._ways[bucket] = self.choose(bucket)
-        return self._ways[bucket]
+    def way(self, rows: int, dtype: torch.dtype = torch.float32) -> str:
+        """How this layer multiplies `rows` rows of `dtype` activations: forced, small (not measured), off the CPU, or
+        measured among the ways that compute in `dtype` (`ways_in`). So a measured choice decides the speed, never
+        the numbers: a row alone and a batch compute in one dtype, the model's, whichever way each measured fastest.
+        Chosen once per row bucket and dtype, before a compile (`choose_ways`); inside a compiled region nothing
+        reads the choices file, and a layer not chosen yet takes its default way."""
+        key = (row_bucket(rows), dtype)
+        if key not in self._ways:
+            if torch.compiler.is_compiling():
+                return self.default_way(dtype)
+            self._ways[key] = self.choose(*key)
+        return self._ways[key]
 
-    def choose(self, bucket: int) -> str:
+    def default_way(self, dtype: torch.dtype) -> str:
+        """The way of a layer too small to measure, at `dtype` activations, and the one another must beat."""
+        return self.default_small
+
+    def ways_in(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """The available ways that compute in `dtype`: the candidates a measurement chooses among."""
+        return tuple(way for way in self.available_ways(self.in_features) if WAY_DTYPES.get(way, dtype) == dtype)
+
+    def choose(self, bucket: int, dtype: torch.dtype) -> str:
         forced = forced_kernel()
         if self.device_type() != "cpu":
             return forced if forced in self.ways else self.ways[-1]
@@ -160,16 +197,18 @@ class QuantizedLinear(nn.Module):
                     f"({self.why_not(forced)}); choose one of {', '.join(names)}, or unset it to measure"
                 )
             return forced
-        if self.out_features * self.in_features < PACK_MIN_WEIGHTS:
-            return self.default_small
-        key = f"{self.kind} {self.out_features}x{self.in_features}, {bucket} rows"
+        default = self.default_way(dtype)
+        names = self.ways_in(dtype)
+        if self.out_features * self.in_features < PACK_MIN_WEIGHTS or len(names) < 2:
+            return default
+        activations = str(dtype).removeprefix("torch.")
+        key = f"{self.kind} {self.out_features}x{self.in_features}, {bucket} rows, {activations} activations"
         shape = (self.out_features, self.in_features)
-        names = self.available_ways(self.in_features)
-        return remembered_choice(key, names, self.default_small, partial(self.measure, shape, bucket))
+        return remembered_choice(key, names, default, partial(self.measure, shape, bucket, names, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.size(-1))  # (M, K)
-        way = self.way(rows.size(0))
+        way = self.way(rows.size(0), rows.dtype)
         return self.multiply(rows, way, self.bias).to(x.dtype).view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def scales(self, dtype: torch.dtype) -> torch.Tensor:
@@ -197,14 +236,22 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def measure(cls, shape: tuple[int, int], bucket: int) -> dict[str, float]:
-        """Seconds a call of each way takes on `bucket` rows of random weights of `shape`, each call reading a weight
-        the caches have lost (copies spanning cpu_decode.COLD_BYTES, as the float32 kernels are measured)."""
+    def measure(
+        cls,
+        shape: tuple[int, int],
+        bucket: int,
+        names: tuple[str, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> dict[str, float]:
+        """Seconds a call of each way (`names`, default every available one) takes on `bucket` rows of `dtype`
+        activations and random weights of `shape`, each call reading a weight the caches have lost (copies spanning
+        cpu_decode.COLD_BYTES, as the float32 kernels are measured)."""
         N, K = shape
         copies = max(2, min(64, -(-COLD_BYTES // max(1, cls.bytes_per_weight(N, K)))))
         layers = [cls.random(N, K) for _ in range(copies)]
-        x = torch.randn(bucket, K)
-        calls = {way: [partial(layer.multiply, x, way) for layer in layers] for way in cls.available_ways(K)}
+        x = torch.randn(bucket, K, dtype=dtype)
+        names = cls.available_ways(K) if names is None else names
+        calls = {way: [partial(layer.multiply, x, way) for layer in layers] for way in names}
         return time_in_turns(calls)
 
     @classmethod
@@ -292,8 +339,8 @@ class Int8Linear(QuantizedLinear):
 
     def runs_natively(self, rows: int) -> bool:
         """Whether gptlite.model's NativeBlock may multiply this layer in its step (gptlite.cpu_decode's view asks):
-        where the way measured (or forced) for `rows` rows is the compiled kernel."""
-        return self.way(rows) == "native"
+        where the way measured (or forced) for `rows` rows of float32 activations is the compiled kernel."""
+        return self.way(rows, torch.float32) == "native"
 
     def native_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weight, scale, bias) as the compiled block step takes them: the int8 codes, the float32 scales of their
@@ -402,6 +449,10 @@ class Int4Linear(QuantizedLinear):
     default_small = "float32"
     ways = ("bfloat16", "float32")
 
+    def default_way(self, dtype: torch.dtype) -> str:
+        """The kernel at the activations' own dtype where it takes it, else at float32."""
+        return "bfloat16" if dtype == torch.bfloat16 else self.default_small
+
     def __init__(
         self,
         packed: torch.Tensor,
@@ -504,6 +555,7 @@ def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[
             f"quantize='int4' runs on the CPU (PyTorch's int4 kernel is a CPU one); the model is on "
             f"{model.lm_head.weight.device.type}: use int8 there, or bfloat16 weights"
         )
+    float_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))  # float32's
     make = int8_rows if mode == "int8" else partial(int4_or_int8, group_size=group_size)
     for block in model.blocks:
         for parent in (block.attn, block.ffn):
@@ -518,7 +570,84 @@ def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[
         model.tok_emb = Int8Embedding(model.lm_head)
     else:
         model.tok_emb = Int8Embedding(int8_table(embedding), owned=True)  # (V, C) rows
+    if mode == "int4":
+        say_what_stayed_int8(model, group_size)
+    if model.lm_head.scale_tensor().device.type == "cpu":
+        say_when_slower(mode, float_bytes, last_level_cache_bytes())
     return model.eval().requires_grad_(False)
+
+
+def say_when_slower(mode: str, float_bytes: int, cache_bytes: int | None) -> None:
+    """One warning line where quantizing makes decoding slower on this CPU: a model whose float32 matrices
+    (`float_bytes`) fit in the CPU's last-level cache (`cache_bytes`) streams no weights from memory for
+    quantization to save, and its kernels' extra work per weight and per call costs more than float32's."""
+    if cache_bytes is None or float_bytes > cache_bytes:
+        return
+    warnings.warn(
+        f"gptlite: {mode} decodes this model slower than float32 on this CPU: its float32 matrices "
+        f"({float_bytes / 2**20:.1f} MiB) fit in the CPU's {cache_bytes / 2**20:.0f} MiB cache, so there is no memory "
+        f"traffic to save; quantize models larger than the cache (leave --quantize out for this one)",
+        stacklevel=3,
+    )
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of this CPU's largest data (or unified) cache, as Linux lists the first core's caches under
+    /sys/devices/system/cpu/cpu0/cache; None where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()  # e.g. "32768K"
+            kind = (index / "type").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        digits, unit = (size[:-1], units[size[-1]]) if size[-1:] in units else (size, 1)
+        if kind != "Instruction" and digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=None)
+
+
+def matrices(model: GPT) -> dict[str, QuantizedLinear]:
+    """The quantized model's matrices by name: the blocks' and the output head (not the embedding's own table)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedLinear) and not name.startswith("tok_emb.")
+    }
+
+
+def layer_types(model: GPT) -> dict[str, int]:
+    """How many of the model's matrices each type holds, e.g. {"int4": 6, "int8": 1}: what was done, which int4 does
+    only where its kernel takes the shape (empty for a model not quantized)."""
+    types: dict[str, int] = {}
+    for layer in matrices(model).values():
+        kind = "int4" if isinstance(layer, Int4Linear) else "int8"
+        types[kind] = types.get(kind, 0) + 1
+    return dict(sorted(types.items()))
+
+
+def quantized_as(model: GPT) -> str:
+    """The types the model's matrices are, as a record states them: "int8", "int4", "int4+int8" (int4 where its kernel
+    takes the shape, int8 elsewhere), or "" for a model not quantized."""
+    return "+".join(layer_types(model))
+
+
+def say_what_stayed_int8(model: GPT, group_size: int) -> None:
+    """One warning line naming the matrices int4's kernel could not take, which stayed int8, and why."""
+    kept = {name: layer for name, layer in matrices(model).items() if not isinstance(layer, Int4Linear)}
+    if not kept:
+        return
+    shapes = {}  # one entry per role: blocks.*.attn.qkv stands for every block's
+    for name, layer in kept.items():
+        role = re.sub(r"^blocks\.\d+\.", "blocks.*.", name)
+        shapes.setdefault(role, f"{role} {layer.out_features}x{layer.in_features}")
+    warnings.warn(
+        f"gptlite: int4 needs output widths that are multiples of {INT4_ROW_MULTIPLE} and input widths that are "
+        f"multiples of its group size {group_size}; {len(kept)} of {len(matrices(model))} layers are int8 "
+        f"({', '.join(shapes.values())})",
+        stacklevel=3,
+    )
 
 
 def int8_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:

@@ -496,19 +496,23 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     assert packed_for_cpu(model.to(torch.bfloat16), 1) is model
 
 
-def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch):
+def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch, tmp_path):
     """The view's own modules skip nn.Module's call, but a module with a hook, or a model under hooks registered for
-    every module, keeps it: the hooks run, and registering or removing one makes the view again."""
+    every module, keeps it: the hooks run, and registering or removing one makes the view again. The layers are
+    forced onto F.linear, so that no block becomes a NativeBlock, whatever this CPU's measurement would choose."""
     import gptlite.cpu_decode
-    from gptlite.cpu_decode import packed_for_cpu
+    from gptlite.cpu_decode import PlainLinear, packed_for_cpu
     from gptlite.model import Block
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing read from, or kept in, the user's choices file
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "linear")
     monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
     model = tiny_model().eval()
     idx = randint(97, (2, 5))
     with torch.no_grad():
         want = model(idx)[0]
         direct = packed_for_cpu(model, 1)
+        assert isinstance(direct.blocks[0].ffn.fc, PlainLinear)
         assert type(direct.blocks[0]).__call__ is Block.forward
         torch.testing.assert_close(direct(idx)[0], want)
         calls = []
@@ -552,6 +556,7 @@ def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monke
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(cpu, "cpu_times", lambda: None)  # the load unknown: every measurement is kept
     measured = []
 
     def fake_measure(shape, rows):
@@ -588,6 +593,37 @@ def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monke
     with pytest.raises(ValueError, match=r"GPTLITE_CPU_LINEAR=native: .* cannot run a 768x3000 layer here \(its input"):
         cpu.choose_kernel((768, 3000), 1)
     cpu._choices.clear()
+
+
+def test_a_choice_measured_while_other_work_ran_holds_for_this_process_only(monkeypatch, tmp_path):
+    """While a measurement ran, other processes kept the CPU busy (the machine's busy time grew, this process's own
+    did not): its choice serves this process, is not written to the choices file, and the next process measures
+    again; measured on an otherwise idle machine, the choice is kept."""
+    import gptlite.cpu_decode as cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(cpu, "_choices", {})
+    monkeypatch.setattr(cpu, "_unkept", {})
+    seconds = {"machine": 100.0, "own": 10.0}  # busy CPU time since boot: the whole machine's, this process's
+    monkeypatch.setattr(cpu, "cpu_times", lambda: (seconds["machine"], seconds["own"]))
+    measured = []
+
+    def measure(shape, rows, others: float):
+        measured.append(shape)
+        seconds["machine"] += 1.0 + others  # this process's second of measuring, and what the others took
+        seconds["own"] += 1.0
+        return {"slab": 3.0, "packed": 2.0, "linear": 1.0, "native": 4.0}
+
+    monkeypatch.setattr(cpu, "measure", lambda shape, rows: measure(shape, rows, others=1e6))
+    assert cpu.choose_kernel((768, 3072), 1) == "linear" and cpu.choose_kernel((768, 3072), 1) == "linear"
+    assert len(measured) == 1 and not cpu.choices_file().exists()  # this process's choice, not kept
+    cpu._choices.clear()
+    cpu._unkept.clear()  # the next process: measures again, on an idle machine, and keeps the choice
+    monkeypatch.setattr(cpu, "measure", lambda shape, rows: measure(shape, rows, others=0.0))
+    assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 2
+    assert list(json.loads(cpu.choices_file().read_text())[cpu.machine_key()].values()) == ["linear"]
+    assert cpu.cores_busy_elsewhere(None, (1.0, 1.0), 1.0) is None  # no /proc/stat: kept, as before
 
 
 @pytest.mark.parametrize("in_features, out_features, bias", [(32, 97, True), (33, 7, False), (16, 16, True)])

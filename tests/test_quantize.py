@@ -3,6 +3,9 @@ greedy text as float32 on a small trained model (but where float32's top two log
 and the commands' --quantize."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from gptlite.quantize import (
     quantize_int8_groups,
     quantize_rows,
 )
-from tests.conftest import DEVICE, randint, run_train, tiny_config, tiny_model
+from tests.conftest import DEVICE, ROOT, randint, run_train, tiny_config, tiny_model
 from tests.test_end_to_end import TINY, char_data  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.device
@@ -175,6 +178,49 @@ def test_compiled_quantized_generation_equals_eager(mode, monkeypatch):
     assert generate(model, prompts, 12, temperature=0, compile=True) == generate(model, prompts, 12, temperature=0)
 
 
+@pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tmp_path):
+    """sample.py --quantize --compile on a model whose feed-forward layers are large enough to measure (1024x256:
+    cpu_decode.PACK_MIN_WEIGHTS): the ways are read from the choices file (kept beforehand, in a cache of the test's
+    own) when the model is prepared, before the compile, never inside the compiled step, where torch.compile cannot
+    trace file I/O."""
+    from gptlite.checkpoint import save_checkpoint
+    from gptlite.config import build_config, config_to_dict
+    from gptlite.cpu_decode import PACK_MIN_WEIGHTS, machine_key
+    from gptlite.tokenizer import CharTokenizer
+
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's kernel choices")
+    shape = {"vocab_size": 97, "block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 256, "ffn": "gelu"}
+    model = GPT(tiny_config(**shape))
+    assert model.blocks[0].ffn.fc.weight.numel() >= PACK_MIN_WEIGHTS
+    save_checkpoint(tmp_path / "ckpt.pt", {"config": config_to_dict(build_config(shape)), "model": model.state_dict()})
+    CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n\u00e9").save(tmp_path / "tokenizer.json")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("GPTLITE_QUANT_KERNEL", None)
+    # the choices the command reads, kept as an earlier measurement would have kept them (the same machine key: the
+    # same CPU, torch and thread count, which the suite fixes with OMP_NUM_THREADS)
+    layers = [m for m in model.quantize(mode).modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    measured = [m for m in layers if m.out_features * m.in_features >= PACK_MIN_WEIGHTS]
+    assert measured and all(len(m.ways_in(torch.float32)) > 1 for m in measured) == (mode == "int8")
+    kept = {
+        f"{m.kind} {m.out_features}x{m.in_features}, {rows} rows, float32 activations among "
+        f"{', '.join(m.ways_in(torch.float32))}": "dequantize"
+        for m in measured
+        for rows in (1, 8)
+    }
+    choices = tmp_path / "cache" / "gptlite" / "cpu_linear.json"
+    choices.parent.mkdir(parents=True)
+    choices.write_text(json.dumps({machine_key(): kept}))
+    command = [sys.executable, str(ROOT / "sample.py"), f"--model={tmp_path}", f"--quantize={mode}", "--compile"]
+    options = ["--start=ROMEO:", "--max_new_tokens=8", "--temperature=0", "--device=cpu"]
+    result = subprocess.run([*command, *options], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:")
+    assert json.loads(choices.read_text()) == {machine_key(): kept}  # read, not measured again
+
+
 def test_unknown_quantization_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="quantize='int2' is not supported; use 'int8' or 'int4', or leave it out"):
         load_model(tmp_path / "no such run", quantize="int2")
@@ -226,6 +272,9 @@ def test_int4_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
 @pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize", "native"])
 def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
     """Every way, gptlite's compiled kernel (native) included: CI's machine has a compiler, so it is built there."""
+    from gptlite import native
+
+    assert way != "native" or native.load()  # loaded here: the test passes run alone, not only after another
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 64)
     layer = Int8Linear.from_linear(linear)
@@ -237,43 +286,109 @@ def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
 
 
 def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
-    """A layer large enough to measure asks the choices file, measures on a miss and keeps the answer; a small one
-    takes its default; GPTLITE_QUANT_KERNEL forces a way, and an unknown one is refused in one line."""
+    """A layer large enough to measure asks the choices file, measures on a miss and keeps the answer, choosing only
+    among the ways that compute in the activations' dtype (a faster bfloat16 way never serves float32 activations);
+    a small one takes its default; GPTLITE_QUANT_KERNEL forces a way, and an unknown one is refused in one line."""
     import gptlite.cpu_decode as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
     monkeypatch.setattr(cpu, "_choices", {})
+    monkeypatch.setattr(cpu, "cpu_times", lambda: None)  # the load unknown: every measurement is kept
     measured = []
 
-    def fake_measure(shape, bucket):
-        measured.append((shape, bucket))
-        return {"bfloat16": 1.0, "float32": 2.0}
+    def fake_measure(shape, bucket, names, dtype):
+        measured.append((shape, bucket, dtype))
+        return {"bfloat16": 0.5, "float32": 1.0, "dequantize": 2.0, "native": 3.0}
 
-    monkeypatch.setattr(Int4Linear, "measure", staticmethod(fake_measure))
-    big = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
-    assert big.way(1) == "bfloat16" and big.way(1) == "bfloat16" and big.way(9) == "bfloat16"
-    assert measured == [((512, 512), 1), ((512, 512), 8)]  # once per bucket, then from the layer's own memo
+    monkeypatch.setattr(Int8Linear, "measure", staticmethod(fake_measure))
+    big = Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None)
+    assert big.way(1) == "float32" and big.way(1) == "float32" and big.way(9) == "float32"
+    assert measured == [((512, 512), 1, torch.float32), ((512, 512), 8, torch.float32)]  # once per bucket
+    assert big.way(1, torch.bfloat16) == "bfloat16" and len(measured) == 3  # bfloat16 activations: their own choice
+    among = ", ".join(big.ways_in(torch.float32))
+    assert among == "native, float32, dequantize"  # CI's machine builds the compiled kernel
     kept = json.loads(cpu.choices_file().read_text())[cpu.machine_key()]
-    assert kept == {"int4 512x512, 1 rows among bfloat16, float32": "bfloat16"} | {
-        "int4 512x512, 8 rows among bfloat16, float32": "bfloat16"
+    assert kept == {
+        f"int8 512x512, 1 rows, float32 activations among {among}": "float32",
+        f"int8 512x512, 8 rows, float32 activations among {among}": "float32",
+        "int8 512x512, 1 rows, bfloat16 activations among bfloat16, dequantize": "bfloat16",
     }
-    again = Int4Linear.from_weight(torch.randn(512, 512), None, 32)
-    assert again.way(1) == "bfloat16" and len(measured) == 2  # the kept choice: no new measurement
-    assert Int4Linear.from_weight(torch.randn(32, 64), None, 32).way(1) == "float32"  # small: not measured
+    again = Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None)
+    assert again.way(1) == "float32" and len(measured) == 3  # the kept choice: no new measurement
+    assert Int8Linear(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32), None).way(1) == "dequantize"  # small
+    int4 = Int4Linear.from_weight(torch.randn(512, 512), None, 32)  # one way at each dtype: nothing to measure
+    assert int4.way(1) == "float32" and int4.way(1, torch.bfloat16) == "bfloat16" and len(measured) == 3
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "float32")
     assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "float32"
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "fast")
     with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL='fast': choose float32, bfloat16, dequantize or nat"):
         Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1)
-    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")  # int8's compiled way: int4 layers keep their measured one
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "bfloat16")  # asked for: bfloat16 activations on a float32 model
     assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "bfloat16"
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")  # int8's compiled way: int4 layers keep their own
+    assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "float32"
     assert Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None).way(1) == "native"
     with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL=native cannot run a 512x200 int8 layer here \(its inp"):
         Int8Linear(torch.zeros(512, 200, dtype=torch.int8), torch.ones(512), None).way(1)
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "bfloat16")  # PyTorch's int8 kernel crashes on this width
     with pytest.raises(ValueError, match=r"=bfloat16 cannot run a 512x200 int8 layer here \(PyTorch's int8 kernel cr"):
         Int8Linear(torch.zeros(512, 200, dtype=torch.int8), torch.ones(512), None).way(8)
+
+
+# made-up measurements (as on the Intel Xeon with AMX): one row's fastest way is bfloat16 activations, then the
+# compiled kernel; a batch's is PyTorch's float32 kernel (or the chunks of a grouped table)
+MADE_UP_TIMES = {
+    1: {"bfloat16": 1.0, "native": 1.2, "float32": 3.0, "dequantize": 3.0, "chunks": 3.0},
+    8: {"float32": 1.0, "chunks": 1.0, "dequantize": 1.5, "native": 3.0, "bfloat16": 3.0},
+}
+
+
+def made_up_measurements(monkeypatch, tmp_path) -> None:
+    """Every quantized layer measured (none too small), each measurement MADE_UP_TIMES, kept in a choices file of
+    the test's own: which ways the layers take is the same on every CPU."""
+    import gptlite.cpu_decode as cpu
+    import gptlite.quantize
+
+    def fake_measure(shape, bucket, *names_and_dtype):
+        return MADE_UP_TIMES[bucket]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
+    monkeypatch.setattr(cpu, "_choices", {})
+    monkeypatch.setattr(gptlite.quantize, "PACK_MIN_WEIGHTS", 0)
+    for cls in (Int8Linear, Int4Linear):
+        monkeypatch.setattr(cls, "measure", staticmethod(fake_measure))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_greedy_tokens_are_the_same_alone_in_a_batch_and_without_the_compiled_kernels(mode, monkeypatch, tmp_path):
+    """The measured ways decide the speed, never the numbers: where one row measured fastest with bfloat16
+    activations and a batch with float32 ones, a prompt's greedy tokens alone equal its tokens in a ragged batch of
+    several, and equal them again where gptlite's compiled kernels are not loaded (GPTLITE_NATIVE=0)."""
+    import gptlite.native
+
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's kernel choices")
+    made_up_measurements(monkeypatch, tmp_path)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12, 13, 14]]
+
+    def quantized() -> GPT:
+        return tiny_model(n_embd=64).quantize(mode)  # 64 wide: int4 takes the blocks' matrices
+
+    model = quantized()
+    alone = [generate(model, [prompt], 20, temperature=0)[0] for prompt in prompts]
+    assert generate(model, prompts, 20, temperature=0) == alone
+    ways = {layer.way(1) for layer in model.modules() if isinstance(layer, (Int8Linear, Int4Linear))}
+    assert "bfloat16" not in ways  # measured fastest, but not the model's activation dtype
+    tokens = torch.tensor([[1], [4], [10], [11]])
+    with torch.no_grad():  # one token's logits alone (one row) and in a batch (4 rows): float32 rounding apart
+        one, batch = model(tokens[:1])[0][0], model(tokens)[0][0]
+    torch.testing.assert_close(one, batch, rtol=1e-4, atol=1e-4 * batch.abs().max().item())
+    monkeypatch.setattr(gptlite.native, "load", lambda: False)  # as with GPTLITE_NATIVE=0
+    model = quantized()
+    assert [generate(model, [prompt], 20, temperature=0)[0] for prompt in prompts] == alone
+    assert generate(model, prompts, 20, temperature=0) == alone
 
 
 def test_the_real_measurement_times_every_way():
@@ -304,6 +419,50 @@ def test_an_int4_model_keeps_logits_close_and_decodes_on_its_kv_cache_as_a_full_
         for _ in range(12):
             ids = torch.cat([ids, model(ids)[0][:, -1:].argmax(-1)], dim=1)
     assert generate(model, prompt, 12, temperature=0) == ids.tolist()
+
+
+def test_int4_says_in_one_line_which_layers_stayed_int8_and_why():
+    """int4's kernel takes output widths that are multiples of 16 and input widths that are multiples of the group:
+    the layers it cannot take stay int8, and a warning line says which and why; the model's own record of what was
+    done (`quantized_as`, `layer_types`, which evaluate's JSON writes) counts them."""
+    from gptlite.quantize import layer_types, quantized_as
+
+    with pytest.warns(UserWarning) as caught:
+        narrow = tiny_model(n_embd=40).cpu().quantize("int4")  # 40 inputs: no layer is a multiple of 32 wide
+    said = [str(w.message) for w in caught if "int4 needs" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].startswith(
+        "gptlite: int4 needs output widths that are multiples of 16 and input widths that are multiples of its group "
+        "size 32; 9 of 9 layers are int8 (blocks.*.attn.qkv 120x40, blocks.*.attn.out_proj 40x40, "
+    )
+    assert said[0].endswith(", lm_head 97x40)")
+    assert layer_types(narrow) == {"int8": 9} and quantized_as(narrow) == "int8"
+    with pytest.warns(UserWarning, match=r"; 1 of 9 layers are int8 \(lm_head 97x64\)$"):
+        mixed = tiny_model(n_embd=64).cpu().quantize("int4")  # the blocks take int4; the 97-row head cannot
+    assert layer_types(mixed) == {"int4": 8, "int8": 1} and quantized_as(mixed) == "int4+int8"
+    int8 = tiny_model(n_embd=40).cpu().quantize("int8")
+    assert layer_types(int8) == {"int8": 9} and quantized_as(int8) == "int8" and quantized_as(tiny_model()) == ""
+
+
+def test_quantizing_a_model_that_fits_in_the_cpus_cache_says_it_decodes_slower(monkeypatch):
+    """No timing: a model whose float32 matrices fit in the CPU's last-level cache has no memory traffic for
+    quantization to save, and quantizing it says so in one line; a model larger than the cache is quantized
+    silently."""
+    import warnings
+
+    import gptlite.quantize
+
+    cache = gptlite.quantize.last_level_cache_bytes()  # this CPU's own
+    assert cache is None or cache >= 1 << 20  # Linux lists at least a MiB for any CPU this runs on
+    model = tiny_model().cpu()
+    matrices = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(gptlite.quantize, "last_level_cache_bytes", lambda: 32 << 20)
+    with pytest.warns(UserWarning, match=r"^gptlite: int8 decodes this model slower than float32 on this CPU: its fl"):
+        model.quantize("int8")
+    monkeypatch.setattr(gptlite.quantize, "last_level_cache_bytes", lambda: matrices - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        tiny_model().cpu().quantize("int8")
 
 
 def test_int4_needs_the_cpu_and_a_group_size_it_takes():
@@ -395,7 +554,8 @@ def test_evaluate_scores_a_quantized_model(char_data, tmp_path):  # noqa: F811
         args = [f"--model={out}", "--device=cpu", f"--json={report}", *([f"--quantize={mode}"] if mode else [])]
         assert evaluate(args) == 0
         results = json.loads(report.read_text())
-        assert results["quantize"] == mode
+        assert results["quantize"] == {"int4": "int4+int8"}.get(mode, mode)  # what was done: the head stayed int8
+        assert results["quantized_layers"] == {"": {}, "int8": {"int8": 9}, "int4": {"int4": 8, "int8": 1}}[mode]
         losses[mode] = results["val"]["loss"]
     assert losses["int8"] != losses[""] and abs(losses["int8"] - losses[""]) < 0.05 * losses[""]
     assert losses["int4"] != losses[""] and abs(losses["int4"] - losses[""]) < 0.2 * losses[""]

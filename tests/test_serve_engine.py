@@ -207,6 +207,30 @@ def test_a_quantized_model_decodes_its_own_greedy_text_in_every_row(mode, way, m
     assert texts == [greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_models_rows_decode_what_it_does_alone_whichever_way_each_row_count_measured(
+    mode, monkeypatch, tmp_path
+):
+    """Every quantized layer measured, one row's fastest way made up as bfloat16 activations and a batch's as float32
+    ones (tests.test_quantize.MADE_UP_TIMES): the ways compete only at the model's activation dtype, so a request
+    decodes the same greedy text in a batch of four as alone."""
+    from tests.test_quantize import made_up_measurements
+
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's kernel choices")
+    made_up_measurements(monkeypatch, tmp_path)
+    model = tiny_model().quantize(mode)
+    tokenizer = CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=4).start()
+    try:
+        texts = Collect(engine, tokenizer, PROMPTS[:4], Params(max_tokens=12, options=GREEDY)).wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]
+    layers = [m for m in model.modules() if hasattr(m, "way")]
+    assert layers and all(m.way(1) != "bfloat16" for m in layers)  # chosen when the engine was made
+
+
 def test_odd_seeds_never_stop_the_engine():
     """Seeds past torch's range are taken modulo 2**64, as torch takes -1: none stops the engine, and a seed and
     itself plus 2**64 sample alike."""

@@ -46,6 +46,7 @@ from gptlite.evaluate.spans import BATCH_TOKENS
 from gptlite.files import fault
 from gptlite.model import GPT
 from gptlite.objective import make_judge
+from gptlite.quantize import layer_types, quantized_as
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -232,7 +233,9 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     model = model.to(device, getattr(torch, dtype)).eval()
     if args.quantize:
         model.quantize(args.quantize)
-    results = {"model": args.model, "device": device, "dtype": dtype, "quantize": args.quantize}
+    # what was done, not what was asked: int4 keeps int8 where its kernel cannot take a layer's shape
+    quantized = {"quantize": quantized_as(model), "quantized_layers": layer_types(model)}
+    results = {"model": args.model, "device": device, "dtype": dtype, **quantized}
     for task in tasks:
         start = time.perf_counter()
         if task == "val":

@@ -48,6 +48,7 @@ import torch
 from gptlite.cpu_decode import packed_for_cpu
 from gptlite.generate import TextStream
 from gptlite.kvcache import decode_step
+from gptlite.quantize import choose_ways
 from gptlite.sampling import SERVING, GenerationOptions, greedy, mask_vocab, sample_next
 from gptlite.serve.grammar import GrammarError
 from gptlite.serve.prefix import BLOCK as PREFIX_BLOCK
@@ -171,6 +172,7 @@ class Engine:
         self.cache = RowCache(config, max_batch, self.max_len, weight.dtype, weight.device, always_mask=compile)
         self.vocab = min(tokenizer.vocab_size, config.vocab_size)  # ids past the tokenizer's are never sampled
         self.prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+        choose_ways(model)  # a quantized model's kernels, chosen once, before a compile: no file read inside it
         if compile:  # the plain modules, which inductor compiles
             self.one = self.many = model
             self.step = compiled_step()
