@@ -18,22 +18,14 @@ def ops():
     return torch.ops.gptlite
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, scale, bias) -> torch.Tensor:
-    """The naive sum in float64."""
-    y = x.double() @ weight.double().T  # (M, N)
-    if scale is not None:
-        y = y * scale.double()
-    if bias is not None:
-        y = y + bias.double()
-    return y.float()
-
-
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("N, K", [(1, 16), (5, 48), (203, 192), (64, 768)])
 def test_the_kernels_are_the_naive_sum(ops, rows, N, K):
     """One row (four accumulators, or four weight rows side by side) and tiles of up to eight rows with a
     remainder; output widths of one row, fewer rows than threads and a count no thread split divides; with and
-    without a bias; int8 with one scale per row and one per group of 16 or 32 inputs, or one group the row long."""
+    without a bias; int8 with one scale per row and one per group of 16 or 32 inputs, or one group the row long. Each
+    within float32's error bound for its sum's length and magnitude (native.linear_error_bound), which holds for any
+    order of additions, whichever instruction set the kernels were built for."""
     generator = torch.Generator().manual_seed(rows * 1000 + N)
     x = torch.randn(rows, K, generator=generator)
     weight = torch.randn(N, K, generator=generator)
@@ -41,22 +33,20 @@ def test_the_kernels_are_the_naive_sum(ops, rows, N, K):
     scales = [torch.rand(N, generator=generator)]  # (N,)
     scales += [torch.rand(N, K // group, generator=generator) for group in (16, 32, K) if K % group == 0]  # (N, G)
     for bias in (None, torch.randn(N, generator=generator)):
-        got = ops.float_linear(x, weight, bias)
-        torch.testing.assert_close(got, reference(x, weight, None, bias), rtol=1e-5, atol=1e-5)
+        native.assert_linear_close(ops.float_linear(x, weight, bias), x, weight, None, bias, "float_linear")
         for scale in scales:
             got = ops.int8_linear(x, codes, scale, bias)
-            torch.testing.assert_close(got, native.int8_reference(x, codes, scale, bias), rtol=1e-4, atol=1e-3)
+            native.assert_linear_close(got, x, codes, scale, bias, f"int8_linear, scales {tuple(scale.shape)}")
 
 
 def test_the_kernels_split_the_rows_between_any_number_of_threads(ops):
     threads = torch.get_num_threads()
     x = torch.randn(3, 64)
     weight = torch.randn(1001, 64)
-    want = reference(x, weight, None, None)
     try:
         for count in (1, 3):
             torch.set_num_threads(count)
-            torch.testing.assert_close(ops.float_linear(x, weight, None), want, rtol=1e-5, atol=1e-5)
+            native.assert_linear_close(ops.float_linear(x, weight, None), x, weight, what=f"{count} threads")
     finally:
         torch.set_num_threads(threads)
 
@@ -69,10 +59,8 @@ def test_the_kernels_take_any_leading_shape_and_strided_rows(ops):
     codes = torch.randint(-127, 128, (24, 32), dtype=torch.int8, generator=generator)
     scale = torch.rand(24, generator=generator)
     for x in (torch.randn(2, 3, 32, generator=generator), torch.randn(32, 5, generator=generator).T):
-        want = torch.nn.functional.linear(x, weight)
-        torch.testing.assert_close(ops.float_linear(x, weight, None), want, rtol=1e-5, atol=1e-5)
-        want = torch.nn.functional.linear(x, codes.float()) * scale
-        torch.testing.assert_close(ops.int8_linear(x, codes, scale, None), want, rtol=1e-4, atol=1e-4)
+        native.assert_linear_close(ops.float_linear(x, weight, None), x, weight, what=f"float32, x {tuple(x.shape)}")
+        native.assert_linear_close(ops.int8_linear(x, codes, scale, None), x, codes, scale, what="int8")
 
 
 def test_operands_the_kernels_do_not_take_are_refused_by_name(ops):
@@ -219,10 +207,11 @@ def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
     visible[:, slot] = True
     for shown in (None, visible):
         want, keys, values = native.attention_reference(qkv, k_cache, v_cache, slot, shown, 0.2, H)
+        want64 = native.attention_reference(qkv.double(), k_cache.double(), v_cache.double(), slot, shown, 0.2, H)[0]
         got_keys = k_cache.clone()
         got_values = v_cache.clone()
         got = ops.cached_attention(qkv, got_keys, got_values, slot, slot + 1, shown, 0.2, H)
-        torch.testing.assert_close(got, want)
+        native.assert_as_close_as_float32(got, want, want64, "cached_attention")
         assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
 
 
@@ -271,15 +260,11 @@ def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, bi
     """A block's decode step in one call equals the block's math through PyTorch's own operators (the norms,
     F.linear, SDPA over the cache, the activation, the residual additions scaled), each norm and activation the step
     knows, with and without biases, one row and three with some slots hidden, grouped heads, float32 weights and int8
-    ones with a scale per row; the token's keys and values land in their slot."""
+    ones with a scale per row; the token's keys and values land in their slot. Each within float32's error there: a
+    few times that of the block's math through PyTorch in float32, both against it in float64."""
     generator = torch.Generator().manual_seed(len(norm) + len(activation) + rows)
     operands = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased, int8)
-    want, keys, values = native.block_reference(*operands, 0.3, 4, norm, 1e-5, activation, 0.7)
-    got = native.block_step(operands, 0.3, 4, norm, 1e-5, activation, 0.7)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    k_cache, v_cache = operands[5:7]  # written in place
-    torch.testing.assert_close(k_cache, keys, rtol=1e-5, atol=1e-5)  # each the qkv product's, summed its own way
-    torch.testing.assert_close(v_cache, values, rtol=1e-5, atol=1e-5)
+    native.assert_block_step_close(operands, 0.3, 4, norm, 1e-5, activation, 0.7, f"{norm}, {activation}")
 
 
 def test_block_step_refuses_what_it_cannot_take_by_name(ops):
@@ -476,3 +461,30 @@ def test_the_compiled_kernel_is_the_default_another_must_beat():
     assert default_kernel(("packed", "linear", "native"), 8) == "native"
     assert default_kernel(("slab", "packed", "linear"), 1) == "slab"  # without it: what led on the AVX2 machine
     assert default_kernel(("packed", "linear"), 8) == "packed"
+
+
+def test_the_float32_tolerances_catch_one_wrong_term(ops, monkeypatch):
+    """The bounds follow the sums' length and magnitude, loose enough for any CPU's order of additions, and still
+    far below what one input read from the wrong index moves a result: a linear layer's and a block's step."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 768, generator=generator)
+    weight = torch.randn(64, 768, generator=generator)
+    native.assert_linear_close(ops.float_linear(x, weight, None), x, weight)
+    wrong = weight.clone()
+    wrong[:, 100] = weight[:, 101]  # the next input's weight
+    with pytest.raises(AssertionError, match=r"the product: \d+ of 192 numbers are off; at \("):
+        native.assert_linear_close(ops.float_linear(x, wrong, None), x, weight)
+
+    step = native.block_step
+
+    def wrong_index(operands, *options):
+        weights = [w.clone() for w in operands[2]]
+        weights[2][:, 5] = weights[2][:, 6]  # the feed-forward's weight of the next input
+        return step((*operands[:2], weights, *operands[3:]), *options)
+
+    operands = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
+    native.assert_block_step_close(operands, 0.3, 4, "rmsnorm", 1e-5, "silu_gate", 0.7, "as it is")
+    monkeypatch.setattr(native, "block_step", wrong_index)
+    operands = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
+    with pytest.raises(AssertionError, match=r"block_step \(a bug\): \d+ of 192 numbers are off"):
+        native.assert_block_step_close(operands, 0.3, 4, "rmsnorm", 1e-5, "silu_gate", 0.7, "a bug")

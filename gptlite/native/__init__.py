@@ -217,13 +217,11 @@ def check(path: str) -> None:
     for rows in (1, 3, 8, 13):
         x = torch.randn(rows, K, generator=generator)
         for b in (None, bias):
-            reference = torch.nn.functional.linear(x, weight, b)
-            torch.testing.assert_close(torch.ops.gptlite.float_linear(x, weight, b), reference, rtol=1e-4, atol=1e-4)
+            got = torch.ops.gptlite.float_linear(x, weight, b)
+            assert_linear_close(got, x, weight, None, b, f"float_linear, {rows} rows")
             for scale in (row_scales, group_scales):
-                reference = int8_reference(x, codes, scale, b)
-                torch.testing.assert_close(
-                    torch.ops.gptlite.int8_linear(x, codes, scale, b), reference, rtol=1e-4, atol=1e-3
-                )
+                got = torch.ops.gptlite.int8_linear(x, codes, scale, b)
+                assert_linear_close(got, x, codes, scale, b, f"int8_linear, {rows} rows, scales {tuple(scale.shape)}")
     check_attention(generator)
     check_block(generator)
     logits = torch.randn(3, 1000, generator=generator)
@@ -231,20 +229,107 @@ def check(path: str) -> None:
     assert torch.equal(torch.ops.gptlite.argmax(logits), logits.max(dim=-1).indices)
 
 
+UNIT_ROUNDOFF = 2.0**-24  # float32's: one rounding moves a number by at most this fraction of it
+# How many times PyTorch's own float32 error a composite operator's (attention, a block's step) may have: they sum
+# in another order, which errs as much in general and somewhat more on some numbers
+FLOAT32_SLACK = 16
+
+
+def linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What float_linear and int8_linear compute, in float64: x (..., K) times the weight (N, K) (float32 or int8
+    codes), each weight times its scale where there is one, one per row (scale (N,)) or one per group of K / G inputs
+    (scale (N, G)), plus bias -> (..., N) float64."""
+    N, K = weight.shape
+    matrix = weight.double()  # (N, K)
+    if scale is not None:
+        groups = scale.reshape(N, -1).size(1)
+        matrix = matrix * scale.double().reshape(N, groups).repeat_interleave(K // groups, dim=1)  # (N, K)
+    y = torch.nn.functional.linear(x.double(), matrix)  # (..., N)
+    return y if bias is None else y + bias.double()
+
+
 def int8_reference(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """What int8_linear computes, in float64: x (M, K) times the weight codes (N, K) each times its scale, one per
-    row (scale (N,)) or one per group of K / G inputs (scale (N, G)), plus bias -> (M, N) float32."""
-    N, K = codes.shape
-    per_input = scale.double().reshape(N, -1).repeat_interleave(K // scale.reshape(N, -1).size(1), dim=1)  # (N, K)
-    y = torch.nn.functional.linear(x.double(), codes.double() * per_input)
-    return (y if bias is None else y + bias.double()).float()
+    """What int8_linear computes (`linear_reference`), rounded to float32 -> (M, N)."""
+    return linear_reference(x, codes, scale, bias).float()
+
+
+def linear_error_bound(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The most a float32 computation of `linear_reference` can differ from it, whatever the order of its sums and
+    fused multiply-adds or not (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1: a sum of
+    n rounded terms errs by at most gamma_n = n u / (1 - n u) times the sum of their magnitudes), n = K + 3: the K
+    products and their additions, a scale's product and the bias's addition -> (..., N) float64. A wrong or missing
+    term (a bug) errs by about one term's magnitude, far above it for any K of a model."""
+    n = x.size(-1) + 3
+    gamma = n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+    magnitudes = linear_reference(
+        x.abs(),
+        weight.double().abs(),
+        None if scale is None else scale.abs(),
+        None if bias is None else bias.abs(),
+    )  # (..., N)
+    return gamma * magnitudes
+
+
+def assert_linear_close(
+    got: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    what: str = "the product",
+) -> None:
+    """AssertionError naming `what` where a linear kernel's result `got` (..., N) is further from
+    `linear_reference` than float32 can err (`linear_error_bound`)."""
+    want = linear_reference(x, weight, scale, bias)
+    assert_within(got, want, linear_error_bound(x, weight, scale, bias), what)
+
+
+def assert_as_close_as_float32(got: torch.Tensor, want32: torch.Tensor, want64: torch.Tensor, what: str) -> None:
+    """AssertionError naming `what` where `got`, a float32 computation of what `want64` holds in float64, is further
+    from it than FLOAT32_SLACK times PyTorch's own float32 computation `want32` is at its furthest (or a rounding of the
+    largest number, where want32 is exact): the tolerance of a computation too composite for a bound of its own
+    (norms, softmax, activations), taken from float32's error on the CPU that runs it."""
+    spread = (want32.double() - want64).abs().max().item() if want64.numel() else 0.0
+    largest = want64.abs().max().item() if want64.numel() else 0.0
+    assert_within(got, want64, FLOAT32_SLACK * spread + 2 * UNIT_ROUNDOFF * largest, what)
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float, what: str) -> None:
+    """AssertionError naming `what` and the worst element where |got - want| exceeds `bound` (a NaN always does)."""
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, not {tuple(want.shape)}")
+    error = (got.double() - want.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(error)
+    outside = ~(error <= bound)  # NaN compares false
+    if outside.any():
+        worst = int(torch.where(outside, error - bound, torch.inf).flatten().argmax())  # a NaN first
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), error.shape))
+        raise AssertionError(
+            f"{what}: {int(outside.sum())} of {error.numel()} numbers are off; at {index} "
+            f"{got.flatten()[worst].item():.9g} against {want.flatten()[worst].item():.9g}, |difference| "
+            f"{error.flatten()[worst].item():.3g} > {bound.flatten()[worst].item():.3g} allowed"
+        )
+
+
+def as_float64(operands):
+    """`operands` (a tensor, or a tuple or list of them and other values) with each floating tensor in float64: the
+    reference's own operands."""
+    if isinstance(operands, torch.Tensor):
+        return operands.double() if operands.is_floating_point() else operands
+    if isinstance(operands, (tuple, list)):
+        return type(operands)(as_float64(operand) for operand in operands)
+    return operands
 
 
 def check_attention(generator: torch.Generator) -> None:
     """cached_attention against `attention_reference`: grouped heads (6 query heads on 2 key/value heads), a width D
-    that is not a multiple of a vector, with and without a mask that hides some slots."""
+    that is not a multiple of a vector, with and without a mask that hides some slots; the caches written exactly."""
     B = 3  # rows
     H = 6  # query heads
     KV = 2  # key/value heads
@@ -256,12 +341,12 @@ def check_attention(generator: torch.Generator) -> None:
     visible = torch.rand(B, L, generator=generator) < 0.7
     visible[:, slot] = True  # a decode step always sees its own key
     for shown in (None, visible):
-        reference, keys, values = attention_reference(qkv, *caches, slot, shown, 0.3, H)
+        want32, keys, values = attention_reference(qkv, *caches, slot, shown, 0.3, H)
+        want64 = attention_reference(qkv.double(), *caches.double(), slot, shown, 0.3, H)[0]
         k_cache, v_cache = caches.clone()
         out = torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, slot + 1, shown, 0.3, H)
-        torch.testing.assert_close(out, reference)
-        torch.testing.assert_close(k_cache, keys)
-        torch.testing.assert_close(v_cache, values)
+        assert_as_close_as_float32(out, want32, want64, "cached_attention")
+        assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's cache writes"
 
 
 def attention_reference(
@@ -300,11 +385,29 @@ def check_block(generator: torch.Generator) -> None:
     ]
     for B, H, KV, norm, activation, biased, residual_scale, int8 in cases:
         operands = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased, int8)
-        want, keys, values = block_reference(*operands, 0.25, H, norm, 1e-5, activation, residual_scale)
-        got = block_step(operands, 0.25, H, norm, 1e-5, activation, residual_scale)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(operands[5], keys)  # the caches, written in place
-        torch.testing.assert_close(operands[6], values)
+        assert_block_step_close(operands, 0.25, H, norm, 1e-5, activation, residual_scale, f"{norm}, {activation}")
+
+
+def assert_block_step_close(
+    operands: tuple,
+    scale: float,
+    n_head: int,
+    norm: str,
+    eps: float,
+    activation: str,
+    residual_scale: float,
+    what: str,
+) -> None:
+    """AssertionError naming `what` where block_step on `operands` (`block_operands`'; it writes their caches) gives
+    another output or other caches than `block_reference` computes, within float32's error
+    (`assert_as_close_as_float32`: the reference in float32 and in float64)."""
+    options = (scale, n_head, norm, eps, activation, residual_scale)
+    want32, keys32, values32 = block_reference(*operands, *options)
+    want64, keys64, values64 = block_reference(*as_float64(operands), *options)
+    got = block_step(operands, *options)
+    assert_as_close_as_float32(got, want32, want64, f"block_step ({what})")
+    assert_as_close_as_float32(operands[5], keys32, keys64, f"block_step's keys ({what})")  # written in place
+    assert_as_close_as_float32(operands[6], values32, values64, f"block_step's values ({what})")
 
 
 def block_step(
@@ -397,11 +500,11 @@ def block_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What block_step computes, through PyTorch's own operators: x (B, 1, C) + residual_scale times the attention
     branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch, an int8
-    weight multiplied as its codes times its row's scale -> (out (B, 1, C), the keys and values with the token's
-    written at `slot`)."""
+    weight multiplied as its codes times its row's scale, in x's precision (float64 on `as_float64`'s operands) ->
+    (out (B, 1, C), the keys and values with the token's written at `slot`)."""
     C = x.size(-1)
     F = weights[3].size(1)  # the activation's width
-    matrices = [w if s is None else w.float() * s[:, None] for w, s in zip(weights, scales, strict=True)]
+    matrices = [w if s is None else w.to(x.dtype) * s[:, None] for w, s in zip(weights, scales, strict=True)]
 
     def normalize(h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         if norm == "layernorm":
