@@ -5,29 +5,37 @@ torch operators.
 `torch.ops.gptlite.cached_attention`, `torch.ops.gptlite.block_step` and `torch.ops.gptlite.argmax` available and
 says whether it could. The first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else
 `c++`) against the installed torch, for this CPU's instruction set (-march=native), into the build cache
-(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native), which takes seconds; the library
-is named by a hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between
-machines never runs a library built for another CPU. Before the first load, a child process loads the new library
-and compares its operators with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a bad
-build) takes down that child, never the caller, and is not used. Where there is no compiler, the build or the check
-fails, or GPTLITE_NATIVE=0, `load()` says why in one line and returns False, and decoding keeps PyTorch's kernels:
-the compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a
-requirement, and attention, blocks and greedy picks keep PyTorch's way.
+(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native); it says so on stderr, with how long
+it may take and, while the compiler runs, the time so far. The library is named by a hash of its source, the
+compiler, torch's version and the CPU's features, so a cache shared between machines never runs a library built for
+another CPU. Before a library is first loaded, a child process loads it and compares its operators with PyTorch's
+own results: a library that crashes (an instruction this CPU lacks, a truncated file, a bad build) takes down that
+child, never the caller, and is not used. A marker beside a library that passed holds the library's sha256 and the
+CPU's digest; a library the marker does not vouch for that way is checked again, and one that fails is built anew.
+Where GPTLITE_NATIVE is false (false, 0, no, off), there is no compiler, or the build, the cache (read-only, full)
+or the check fails, `load()` says why in one line naming the fix and returns False, never raising, and decoding keeps
+PyTorch's kernels: the compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize
+measure, never a requirement, and attention, blocks and greedy picks keep PyTorch's way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from gptlite.config import parse_bool
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
@@ -36,6 +44,9 @@ MULTIPLE = 16  # matvec.cpp's kMultiple: a layer's input width must be a multipl
 # matvec.cpp's kTile: the float32 kernel multiplies up to this many rows per pass over a weight and reads the weight
 # again for each more, which past it makes PyTorch's GEMM the faster (figures: docs/generation.md)
 MAX_ROWS = 8
+PROGRESS_SECONDS = 10  # how often a build says on stderr that it still runs
+BUILD_TIMEOUT = 600  # seconds a build may take before it is given up
+CHECK_TIMEOUT = 300  # seconds the child process's check may take
 _state: dict[str, object] = {}  # "loaded": bool, "why": the reason it is not
 
 
@@ -110,7 +121,7 @@ def library_path(cxx: str) -> Path:
 
 def load() -> bool:
     """Whether torch.ops.gptlite's kernels are loaded: built, checked and loaded on the first call, warning once
-    (one line) where they cannot be."""
+    (one line) where they cannot be. Never raises: the kernels are an optional speed-up."""
     if "loaded" not in _state:
         why = load_or_say_why()
         _state["loaded"] = why == ""
@@ -122,28 +133,100 @@ def load() -> bool:
     return bool(_state["loaded"])
 
 
+def load_for_command(prog: str) -> bool:
+    """`load()` for the command `prog`, called before its output starts: the first build's notes go to stderr on
+    lines of their own before any text streams, and why the kernels are not used is one line, `PROG: note: ...`,
+    not a Python warning with its source line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load()
+    for warning in caught:
+        print(f"{prog}: note: {warning.message}", file=sys.stderr, flush=True)
+    return loaded
+
+
 def load_or_say_why() -> str:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return f"{DISABLE_ENV}=0"
+    """'' once the kernels are loaded into this process, else why not, in one line that names the fix."""
+    try:
+        return prepare_and_load()
+    except Exception as error:  # an optional speed-up never fails the command: whatever was not foreseen says why
+        return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def prepare_and_load() -> str:
+    """load_or_say_why's work: the switch, the compiler, a checked library (`ready`), then the load."""
+    setting = os.environ.get(DISABLE_ENV, "true")
+    try:
+        wanted = parse_bool(DISABLE_ENV, setting)
+    except ValueError as error:
+        return f"{error}, 1 or 0, yes or no, on or off"
+    if not wanted:
+        return f"{DISABLE_ENV}={setting}"
     cxx = compiler()
     if cxx is None:
         return f"no C++ compiler: {os.environ.get('CXX') or 'c++'} was not found; install one (g++) or set CXX"
     path = library_path(cxx)
-    checked = path.with_suffix(".checked")
-    if not checked.exists():
-        why = build(cxx, path) or check_in_child(path)
-        if why:
-            return why
-        try:
-            checked.write_text("the check passed\n")
-        except OSError:
-            pass  # a cache that took the library but not the marker: checked again by the next process
+    why = ready(cxx, path)
+    if why:
+        return why
     try:
         torch.ops.load_library(str(path))
-    except (OSError, RuntimeError) as error:  # not a library; its operators already registered by another
+    except (OSError, RuntimeError) as error:  # its operators already registered by another library
         return f"loading {path}: {error}"
     register_shapes()
     return ""
+
+
+def ready(cxx: str, path: Path) -> str:
+    """Makes `path` a library that passed `check` on this CPU: '' or why it could not. A library whose marker
+    (`marker_text`) vouches for its bytes on this CPU is taken as it is; any other (no marker, an old one, a
+    truncated or replaced file, a cache copied from another CPU) is checked again in a child process first, and one
+    that fails there, or none, is built anew and checked. A library that fails is never loaded into this process."""
+    vouched = path.is_file() and marker_text(path)
+    if vouched and vouched == read_marker(path):
+        return ""
+    if path.is_file():
+        why = check_in_child(path)
+        if why == "":
+            write_marker(path)
+            return ""
+        print(f"gptlite: {why}; building it again", file=sys.stderr)
+    why = build(cxx, path) or check_in_child(path)
+    if why == "":
+        write_marker(path)
+    return why
+
+
+def marker_text(path: Path) -> str:
+    """What the marker beside a library that passed the check holds: the library's sha256 and the digests of the CPU
+    and torch it passed on, so that it vouches for those bytes there and nothing else ('' where the library cannot be
+    read)."""
+    try:
+        library = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+    cpu = hashlib.sha256(cpu_features().encode()).hexdigest()[:16]
+    return f"checked: library sha256 {library}, cpu {cpu}, torch {torch.__version__}\n"
+
+
+def read_marker(path: Path) -> str:
+    try:
+        return path.with_suffix(".checked").read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def write_marker(path: Path) -> None:
+    """Writes `path`'s marker whole or not at all; a cache that takes the library but not its marker (read-only,
+    full) costs the next process another check, nothing else."""
+    marker = path.with_suffix(".checked")
+    scratch = marker.with_name(f".{marker.name}.{os.getpid()}")
+    try:
+        scratch.write_text(marker_text(path))
+        os.replace(scratch, marker)
+    except OSError:
+        with contextlib.suppress(OSError):
+            scratch.unlink(missing_ok=True)
 
 
 def register_shapes() -> None:
@@ -168,43 +251,98 @@ def register_shapes() -> None:
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
     """Compiles matvec.cpp into `path` (written whole or not at all) for `arch` (default: this CPU, `arch_flags`);
-    '' or why it failed."""
+    '' or why it failed, naming the fix. Says on stderr, each on its own line, that it compiles, for how long it may,
+    and every PROGRESS_SECONDS that it still does."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        return f"cannot create the build cache {path.parent}: {error}; set {CACHE_ENV}=DIR"
-    print(f"gptlite: compiling the CPU decode kernels for this CPU into {path} (once)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        output = Path(scratch) / path.name
+        return cache_error(path.parent, error)
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-", ignore_cleanup_errors=True) as scratch:
+            print(
+                f"gptlite: compiling the CPU decode kernels for this CPU into {path} (once: about a minute on a "
+                "small machine, and decoding waits for it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            output = Path(scratch) / path.name
+            why = compile_into(cxx, output, arch_flags() if arch is None else arch)
+            if why:
+                return why
+            os.replace(output, path)
+    except OSError as error:  # the scratch folder, the move: a read-only or full cache
+        return cache_error(path.parent, error)
+    return ""
+
+
+def cache_error(folder: Path, error: OSError) -> str:
+    """Why the build cache `folder` cannot take the library (read-only, full, not a folder), and the fix."""
+    return f"cannot write the build cache {folder}: {error.strerror or error}; set {CACHE_ENV} to a writable folder"
+
+
+def compile_into(cxx: str, output: Path, arch: list[str]) -> str:
+    """Runs the compiler (`build_command`) to write `output`: '' or why it failed, naming the fix. Prints the time
+    it has taken on stderr every PROGRESS_SECONDS while it runs, and stops it after BUILD_TIMEOUT seconds."""
+    command = build_command(cxx, output, arch)
+    fix = "set CXX to a working C++ compiler, or GPTLITE_NATIVE=0"
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as error:
+        return f"{cxx} could not be started: {error.strerror or error}; {fix}"
+    started = time.monotonic()
+    while True:
         try:
-            command = build_command(cxx, output, arch_flags() if arch is None else arch)
-            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            return f"{cxx} failed: {error}"
-        if done.returncode != 0:
-            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:300])
-            return f"{cxx} failed on {SOURCE.name}: {first}"
-        os.replace(output, path)
+            _, errors = process.communicate(timeout=PROGRESS_SECONDS)
+            break
+        except subprocess.TimeoutExpired:
+            elapsed = time.monotonic() - started
+            if elapsed > BUILD_TIMEOUT:
+                process.kill()
+                process.communicate()
+                return f"{cxx} took over {BUILD_TIMEOUT} s on {SOURCE.name}; {fix}"
+            print(f"gptlite: still compiling the CPU decode kernels ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+    if process.returncode != 0:
+        first = next((line for line in errors.splitlines() if "error" in line), errors.strip()[:300])
+        if "No space left on device" in errors:
+            folder = output.parent.parent  # the build cache, which holds the scratch folder
+            return f"no space left for the build ({first}); free space in {folder} and TMPDIR, or set {CACHE_ENV}"
+        said = f": {first}" if first else f" with exit status {process.returncode} and no message"
+        return f"{cxx} failed on {SOURCE.name}{said}; {fix}"
+    if not output.is_file():
+        return f"{cxx} exited 0 on {SOURCE.name} but wrote no library; {fix}"
     return ""
 
 
 def check_in_child(path: Path) -> str:
-    """Runs `check(path)` in a child process: '' when the library's results match PyTorch's."""
+    """Runs `check(path)` in a child process: '' when the library's results match PyTorch's, else why not (a crash
+    there, an instruction this CPU lacks or a truncated file, ends the child, never this process)."""
     command = [sys.executable, "-c", "import sys; from gptlite.native import check; check(sys.argv[1])", str(path)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
     except subprocess.TimeoutExpired:
-        return f"checking {path} took over 300 s"
+        return f"checking {path} took over {CHECK_TIMEOUT} s"
+    except OSError as error:
+        return f"checking {path}: {sys.executable} could not be started ({error.strerror or error})"
+    if done.returncode < 0:
+        return f"checking {path} failed (killed by {signal_name(-done.returncode)})"
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return f"checking {path} failed ({tail})"
     return ""
 
 
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def check(path: str) -> None:
     """Loads the library at `path` and compares its operators with PyTorch's results: the linear ones at one row
-    and at a batch, with and without a bias, on a width that is not a multiple of the thread count, and the attention
-    (`check_attention`): AssertionError if they differ."""
+    and at a batch, with and without a bias, on a width that is not a multiple of the thread count, the attention
+    (`check_attention`) and a block's step (`check_block`), each within float32's own error on this CPU (never a
+    fixed tolerance, which another CPU's order of additions can exceed): AssertionError if they differ."""
     torch.ops.load_library(path)
     generator = torch.Generator().manual_seed(0)
     N = 203
