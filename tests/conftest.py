@@ -4,8 +4,11 @@ GPTLITE_TEST_DEVICE=cuda (default cpu) runs the device-generic tests, those mark
 generation, checkpoints, sample.py, an end-to-end train + resume + sample), on that device, and only them.
 GPTLITE_SHARED=DIR points at a folder laid out like ../shared (data/tinyshakespeare.txt,
 tokenizers/gpt2.tiktoken) on a machine without one beside the checkout.
+GPTLITE_TEST_CACHE=DIR keeps the run's caches (the compiled kernels, the kernel choices) in DIR, kept after the run
+(default: a temporary folder, removed at its end); the user's own ~/.cache is never written.
 """
 
+import atexit
 import contextlib
 import errno
 import io
@@ -25,7 +28,12 @@ from pathlib import Path
 # test run must leave as it found it. The compiled CPU kernels (gptlite.native) are built once for the whole run, on
 # first use: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and the processes
 # they start find the library built there, instead of compiling it again each.
-RUN_CACHE = Path(tempfile.mkdtemp(prefix="gptlite-tests-cache-"))
+# GPTLITE_TEST_CACHE=DIR keeps them in DIR instead (kept after the run): this module may be imported twice in a run
+# (as conftest and as tests.conftest) and by the processes the tests start, which all take the folder it names.
+if not os.environ.get("GPTLITE_TEST_CACHE"):
+    os.environ["GPTLITE_TEST_CACHE"] = tempfile.mkdtemp(prefix="gptlite-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["GPTLITE_TEST_CACHE"], ignore_errors=True)
+RUN_CACHE = Path(os.environ["GPTLITE_TEST_CACHE"])
 os.environ["XDG_CACHE_HOME"] = str(RUN_CACHE)
 os.environ["GPTLITE_NATIVE_CACHE"] = str(RUN_CACHE / "gptlite" / "native")
 
@@ -60,10 +68,6 @@ def pytest_configure(config):
         )
     if not DEVICE.startswith(("cpu", "cuda", "mps")):
         raise pytest.UsageError(f"GPTLITE_TEST_DEVICE={DEVICE!r} must be cpu, cuda, cuda:N or mps")
-
-
-def pytest_unconfigure(config):
-    shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
