@@ -707,6 +707,7 @@ def test_sample_goes_on_past_a_full_cache(char_run, pytorchs_text, tmp_path):
     with tmpfs(tmp_path / "full", "size=64k") as cache:
         code, lines = sample(char_run, GPTLITE_NATIVE_CACHE=str(cache))
         assert_falls_back(code, lines, pytorchs_text, "no space left for the build (")
+        assert "No space left on device); free space in " in next(line for line in lines if "no space" in line)
         assert list(cache.iterdir()) == []  # no scratch folder left
 
 

@@ -303,9 +303,10 @@ def compile_into(cxx: str, output: Path, arch: list[str]) -> str:
             print(f"gptlite: still compiling the CPU decode kernels ({elapsed:.0f} s)", file=sys.stderr, flush=True)
     if process.returncode != 0:
         first = next((line for line in errors.splitlines() if "error" in line), errors.strip()[:300])
-        if "No space left on device" in errors:
+        full = [line.strip() for line in errors.splitlines() if "No space left on device" in line]
+        if full:
             folder = output.parent.parent  # the build cache, which holds the scratch folder
-            return f"no space left for the build ({first}); free space in {folder} and TMPDIR, or set {CACHE_ENV}"
+            return f"no space left for the build ({full[0]}); free space in {folder} and TMPDIR, or set {CACHE_ENV}"
         said = f": {first}" if first else f" with exit status {process.returncode} and no message"
         return f"{cxx} failed on {SOURCE.name}{said}; {fix}"
     if not output.is_file():
