@@ -512,7 +512,7 @@ def test_gptlite_native_true_or_unknown(monkeypatch, tmp_path):
         assert native.load_or_say_why().startswith("no C++ compiler: "), setting
     monkeypatch.setenv("GPTLITE_NATIVE", "maybe")
     assert native.load_or_say_why() == (
-        "GPTLITE_NATIVE='maybe' is not a boolean; use true or false, 1 or 0, yes or no, on or off"
+        "GPTLITE_NATIVE='maybe' is not a boolean; use one of true, 1, yes, on, false, 0, no, off"
     )
 
 

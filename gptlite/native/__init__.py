@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from gptlite.config import parse_bool
+from gptlite.config import FALSE_WORDS, TRUE_WORDS, parse_bool
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
@@ -158,8 +158,8 @@ def prepare_and_load() -> str:
     setting = os.environ.get(DISABLE_ENV, "true")
     try:
         wanted = parse_bool(DISABLE_ENV, setting)
-    except ValueError as error:
-        return f"{error}, 1 or 0, yes or no, on or off"
+    except ValueError:
+        return f"{DISABLE_ENV}={setting!r} is not a boolean; use one of {', '.join((*TRUE_WORDS, *FALSE_WORDS))}"
     if not wanted:
         return f"{DISABLE_ENV}={setting}"
     cxx = compiler()
