@@ -210,6 +210,7 @@ def marker_text(path: Path) -> str:
 
 
 def read_marker(path: Path) -> str:
+    """The text of the marker beside the library `path` ('' where there is none, or none that can be read)."""
     try:
         return path.with_suffix(".checked").read_text()
     except (OSError, UnicodeDecodeError):
