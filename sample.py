@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from gptlite import native
 from gptlite.checkpoint import load_model
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, TrainConfig, option, parse_bool
@@ -293,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.quantize:
             model.quantize(args.quantize)
         notes.print()  # what loading warned about comes before any text
+        if args.device == "cpu":
+            native.load_for_command("sample.py")  # the kernels' first build, and what it says, before any text too
         if args.compile:
             compiling = "the first tokens wait while the decode step compiles (a minute or more on a CPU)"
             sys.stderr.write(f"sample.py: note: --compile: {compiling}\n")

@@ -4,24 +4,44 @@ GPTLITE_TEST_DEVICE=cuda (default cpu) runs the device-generic tests, those mark
 generation, checkpoints, sample.py, an end-to-end train + resume + sample), on that device, and only them.
 GPTLITE_SHARED=DIR points at a folder laid out like ../shared (data/tinyshakespeare.txt,
 tokenizers/gpt2.tiktoken) on a machine without one beside the checkout.
+GPTLITE_TEST_CACHE=DIR keeps the run's caches (the compiled kernels, the kernel choices) in DIR, kept after the run
+(default: a temporary folder, removed at its end); the user's own ~/.cache is never written.
 """
 
+import atexit
 import contextlib
 import errno
 import io
 import json
 import os
+import random
 import re
 import runpy
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-import torch
+# The run's caches in a folder of its own, set before gptlite reads where they are and inherited by every process the
+# tests start: gptlite's kernel choices (cpu_linear.json) and compiled kernels stay out of the user's ~/.cache, which a
+# test run must leave as it found it. The compiled CPU kernels (gptlite.native) are built once for the whole run, on
+# first use: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and the processes
+# they start find the library built there, instead of compiling it again each.
+# GPTLITE_TEST_CACHE=DIR keeps them in DIR instead (kept after the run): this module may be imported twice in a run
+# (as conftest and as tests.conftest) and by the processes the tests start, which all take the folder it names.
+if not os.environ.get("GPTLITE_TEST_CACHE"):
+    os.environ["GPTLITE_TEST_CACHE"] = tempfile.mkdtemp(prefix="gptlite-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["GPTLITE_TEST_CACHE"], ignore_errors=True)
+RUN_CACHE = Path(os.environ["GPTLITE_TEST_CACHE"])
+os.environ["XDG_CACHE_HOME"] = str(RUN_CACHE)
+os.environ["GPTLITE_NATIVE_CACHE"] = str(RUN_CACHE / "gptlite" / "native")
 
-from gptlite import GPT, GPTConfig, native
-from gptlite.metrics import read_metrics
+import pytest  # noqa: E402 (after the caches are set: nothing may read them first)
+import torch  # noqa: E402
+
+from gptlite import GPT, GPTConfig  # noqa: E402
+from gptlite.metrics import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout; from a git worktree (e.g. wt/NAME beside the main checkout) the nearest
@@ -36,10 +56,6 @@ DEVICE = os.environ.get("GPTLITE_TEST_DEVICE", "cpu")
 # processes (gptlite.device.CpuThreads), and a reduction over another number of threads rounds differently where
 # tests compare runs bit for bit. Setting it keeps torch's own count.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-# The compiled CPU kernels (gptlite.native) are built once for the whole run, in the user's build cache as the run
-# starts: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and the processes
-# they start find the library built, instead of compiling it again each.
-os.environ.setdefault("GPTLITE_NATIVE_CACHE", str(native.cache_dir()))
 pytest_plugins = ["pytester"]  # a pytest run inside a test: the suite goes on past a crash in native code
 
 
@@ -62,6 +78,19 @@ def pytest_collection_modifyitems(config, items):
     selected = [item for item in items if item.get_closest_marker("device")]
     config.hook.pytest_deselected(items=[item for item in items if not item.get_closest_marker("device")])
     items[:] = selected
+
+
+@pytest.fixture(autouse=True)
+def process_globals_restored():
+    """Each test starts with the thread count and random states the run started with, and leaves them so: what a
+    test measures or draws never depends on which tests ran before it."""
+    threads = torch.get_num_threads()
+    rng = torch.get_rng_state()
+    state = random.getstate()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_rng_state(rng)
+    random.setstate(state)
 
 
 @pytest.fixture(autouse=True)

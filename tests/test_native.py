@@ -1,14 +1,21 @@
 """gptlite's compiled CPU kernels (gptlite.native): the operators against PyTorch's results, each instruction set's
 build, and every way the library can fail to be there, which must leave decoding on PyTorch's kernels."""
 
+import contextlib
+import os
 import platform
+import re
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gptlite import native
+from tests.conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -18,22 +25,14 @@ def ops():
     return torch.ops.gptlite
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, scale, bias) -> torch.Tensor:
-    """The naive sum in float64."""
-    y = x.double() @ weight.double().T  # (M, N)
-    if scale is not None:
-        y = y * scale.double()
-    if bias is not None:
-        y = y + bias.double()
-    return y.float()
-
-
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("N, K", [(1, 16), (5, 48), (203, 192), (64, 768)])
 def test_the_kernels_are_the_naive_sum(ops, rows, N, K):
     """One row (four accumulators, or four weight rows side by side) and tiles of up to eight rows with a
     remainder; output widths of one row, fewer rows than threads and a count no thread split divides; with and
-    without a bias; int8 with one scale per row and one per group of 16 or 32 inputs, or one group the row long."""
+    without a bias; int8 with one scale per row and one per group of 16 or 32 inputs, or one group the row long. Each
+    within float32's error bound for its sum's length and magnitude (native.linear_error_bound), which holds for any
+    order of additions, whichever instruction set the kernels were built for."""
     generator = torch.Generator().manual_seed(rows * 1000 + N)
     x = torch.randn(rows, K, generator=generator)
     weight = torch.randn(N, K, generator=generator)
@@ -41,22 +40,20 @@ def test_the_kernels_are_the_naive_sum(ops, rows, N, K):
     scales = [torch.rand(N, generator=generator)]  # (N,)
     scales += [torch.rand(N, K // group, generator=generator) for group in (16, 32, K) if K % group == 0]  # (N, G)
     for bias in (None, torch.randn(N, generator=generator)):
-        got = ops.float_linear(x, weight, bias)
-        torch.testing.assert_close(got, reference(x, weight, None, bias), rtol=1e-5, atol=1e-5)
+        native.assert_linear_close(ops.float_linear(x, weight, bias), x, weight, None, bias, "float_linear")
         for scale in scales:
             got = ops.int8_linear(x, codes, scale, bias)
-            torch.testing.assert_close(got, native.int8_reference(x, codes, scale, bias), rtol=1e-4, atol=1e-3)
+            native.assert_linear_close(got, x, codes, scale, bias, f"int8_linear, scales {tuple(scale.shape)}")
 
 
 def test_the_kernels_split_the_rows_between_any_number_of_threads(ops):
     threads = torch.get_num_threads()
     x = torch.randn(3, 64)
     weight = torch.randn(1001, 64)
-    want = reference(x, weight, None, None)
     try:
         for count in (1, 3):
             torch.set_num_threads(count)
-            torch.testing.assert_close(ops.float_linear(x, weight, None), want, rtol=1e-5, atol=1e-5)
+            native.assert_linear_close(ops.float_linear(x, weight, None), x, weight, what=f"{count} threads")
     finally:
         torch.set_num_threads(threads)
 
@@ -69,10 +66,8 @@ def test_the_kernels_take_any_leading_shape_and_strided_rows(ops):
     codes = torch.randint(-127, 128, (24, 32), dtype=torch.int8, generator=generator)
     scale = torch.rand(24, generator=generator)
     for x in (torch.randn(2, 3, 32, generator=generator), torch.randn(32, 5, generator=generator).T):
-        want = torch.nn.functional.linear(x, weight)
-        torch.testing.assert_close(ops.float_linear(x, weight, None), want, rtol=1e-5, atol=1e-5)
-        want = torch.nn.functional.linear(x, codes.float()) * scale
-        torch.testing.assert_close(ops.int8_linear(x, codes, scale, None), want, rtol=1e-4, atol=1e-4)
+        native.assert_linear_close(ops.float_linear(x, weight, None), x, weight, what=f"float32, x {tuple(x.shape)}")
+        native.assert_linear_close(ops.int8_linear(x, codes, scale, None), x, codes, scale, what="int8")
 
 
 def test_operands_the_kernels_do_not_take_are_refused_by_name(ops):
@@ -219,10 +214,11 @@ def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
     visible[:, slot] = True
     for shown in (None, visible):
         want, keys, values = native.attention_reference(qkv, k_cache, v_cache, slot, shown, 0.2, H)
+        want64 = native.attention_reference(qkv.double(), k_cache.double(), v_cache.double(), slot, shown, 0.2, H)[0]
         got_keys = k_cache.clone()
         got_values = v_cache.clone()
         got = ops.cached_attention(qkv, got_keys, got_values, slot, slot + 1, shown, 0.2, H)
-        torch.testing.assert_close(got, want)
+        native.assert_as_close_as_float32(got, want, want64, "cached_attention")
         assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
 
 
@@ -271,15 +267,11 @@ def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, bi
     """A block's decode step in one call equals the block's math through PyTorch's own operators (the norms,
     F.linear, SDPA over the cache, the activation, the residual additions scaled), each norm and activation the step
     knows, with and without biases, one row and three with some slots hidden, grouped heads, float32 weights and int8
-    ones with a scale per row; the token's keys and values land in their slot."""
+    ones with a scale per row; the token's keys and values land in their slot. Each within float32's error there: a
+    few times that of the block's math through PyTorch in float32, both against it in float64."""
     generator = torch.Generator().manual_seed(len(norm) + len(activation) + rows)
     operands = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased, int8)
-    want, keys, values = native.block_reference(*operands, 0.3, 4, norm, 1e-5, activation, 0.7)
-    got = native.block_step(operands, 0.3, 4, norm, 1e-5, activation, 0.7)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    k_cache, v_cache = operands[5:7]  # written in place
-    torch.testing.assert_close(k_cache, keys, rtol=1e-5, atol=1e-5)  # each the qkv product's, summed its own way
-    torch.testing.assert_close(v_cache, values, rtol=1e-5, atol=1e-5)
+    native.assert_block_step_close(operands, 0.3, 4, norm, 1e-5, activation, 0.7, f"{norm}, {activation}")
 
 
 def test_block_step_refuses_what_it_cannot_take_by_name(ops):
@@ -476,3 +468,256 @@ def test_the_compiled_kernel_is_the_default_another_must_beat():
     assert default_kernel(("packed", "linear", "native"), 8) == "native"
     assert default_kernel(("slab", "packed", "linear"), 1) == "slab"  # without it: what led on the AVX2 machine
     assert default_kernel(("packed", "linear"), 8) == "packed"
+
+
+def test_the_float32_tolerances_catch_one_wrong_term(ops, monkeypatch):
+    """The bounds follow the sums' length and magnitude, loose enough for any CPU's order of additions, and still
+    far below what one input read from the wrong index moves a result: a linear layer's and a block's step."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 768, generator=generator)
+    weight = torch.randn(64, 768, generator=generator)
+    native.assert_linear_close(ops.float_linear(x, weight, None), x, weight)
+    wrong = weight.clone()
+    wrong[:, 100] = weight[:, 101]  # the next input's weight
+    with pytest.raises(AssertionError, match=r"the product: \d+ of 192 numbers are off; at \("):
+        native.assert_linear_close(ops.float_linear(x, wrong, None), x, weight)
+
+    step = native.block_step
+
+    def wrong_index(operands, *options):
+        weights = [w.clone() for w in operands[2]]
+        weights[2][:, 5] = weights[2][:, 6]  # the feed-forward's weight of the next input
+        return step((*operands[:2], weights, *operands[3:]), *options)
+
+    operands = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
+    native.assert_block_step_close(operands, 0.3, 4, "rmsnorm", 1e-5, "silu_gate", 0.7, "as it is")
+    monkeypatch.setattr(native, "block_step", wrong_index)
+    operands = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
+    with pytest.raises(AssertionError, match=r"block_step \(a bug\): \d+ of 192 numbers are off"):
+        native.assert_block_step_close(operands, 0.3, 4, "rmsnorm", 1e-5, "silu_gate", 0.7, "a bug")
+
+
+@pytest.mark.parametrize("setting", ["0", "false", "False", "off", "no"])
+def test_gptlite_native_false_in_any_spelling_turns_the_kernels_off(monkeypatch, setting):
+    monkeypatch.setenv("GPTLITE_NATIVE", setting)
+    assert native.load_or_say_why() == f"GPTLITE_NATIVE={setting}"
+
+
+def test_gptlite_native_true_or_unknown(monkeypatch, tmp_path):
+    """A true value leaves the kernels on (here: on to the missing compiler); an unknown one is named with the values
+    the variable takes, and the kernels stay off."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    for setting in ("1", "true", "on", "yes"):
+        monkeypatch.setenv("GPTLITE_NATIVE", setting)
+        assert native.load_or_say_why().startswith("no C++ compiler: "), setting
+    monkeypatch.setenv("GPTLITE_NATIVE", "maybe")
+    assert native.load_or_say_why() == (
+        "GPTLITE_NATIVE='maybe' is not a boolean; use one of true, 1, yes, on, false, 0, no, off"
+    )
+
+
+def test_a_build_says_how_long_it_may_take_and_that_it_still_runs(monkeypatch, tmp_path, capsys):
+    """The first build's notes on stderr, each a line of its own: what it compiles and for how long it may, then the
+    time so far while the compiler runs."""
+    slow = tmp_path / "slow-c++"
+    slow.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\nsleep 2.5\n: > "$out"\n')
+    slow.chmod(0o755)
+    monkeypatch.setattr(native, "PROGRESS_SECONDS", 1)
+    assert native.build(str(slow), tmp_path / "cache" / "matvec.so") == ""
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("gptlite: compiling the CPU decode kernels for this CPU into ")
+    assert "(once: about a minute on a small machine, and decoding waits for it)" in lines[0]
+    assert len(lines) >= 3 and all(
+        re.fullmatch(r"gptlite: still compiling the CPU decode kernels \(\d+ s\)", line) for line in lines[1:]
+    )
+    assert (tmp_path / "cache" / "matvec.so").is_file()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["matvec.so"]  # no scratch folder left
+
+
+def test_a_compiler_that_writes_nothing_or_says_nothing_is_named(tmp_path):
+    true = shutil.which("true")
+    false = shutil.which("false")
+    assert native.build(true, tmp_path / "matvec.so") == (
+        f"{true} exited 0 on matvec.cpp but wrote no library; set CXX to a working C++ compiler, or GPTLITE_NATIVE=0"
+    )
+    assert native.build(false, tmp_path / "matvec.so") == (
+        f"{false} failed on matvec.cpp with exit status 1 and no message; set CXX to a working C++ compiler, or "
+        "GPTLITE_NATIVE=0"
+    )
+    assert not (tmp_path / "matvec.so").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_library_its_marker_does_not_vouch_for_is_checked_again(built, monkeypatch, tmp_path):
+    """A marker of the old kind, or one written on another CPU, proves nothing of the bytes beside it: the library is
+    checked again in a child process, and a library that passes gets a marker that vouches for it here."""
+    monkeypatch.setenv("GPTLITE_NATIVE_CACHE", str(tmp_path))
+    cxx = native.compiler()
+    path = native.library_path(cxx)
+    shutil.copyfile(built, path)
+    checked = []
+    check = native.check_in_child
+    monkeypatch.setattr(native, "check_in_child", lambda p: checked.append(p) or check(p))
+    marker = path.with_suffix(".checked")
+    for old in ("the check passed\n", native.marker_text(path).replace("cpu ", "cpu 0")):
+        marker.write_text(old)
+        assert native.ready(cxx, path) == "" and checked.pop() == path
+        assert marker.read_text() == native.marker_text(path) != old
+    assert native.ready(cxx, path) == "" and checked == []  # a marker that vouches for it: no check
+
+
+@pytest.mark.slow
+def test_a_truncated_library_is_built_again(built, monkeypatch, tmp_path, capsys):
+    """A library cut short (a copy that ran out of space) fails its check in the child and is built anew."""
+    monkeypatch.setenv("GPTLITE_NATIVE_CACHE", str(tmp_path))
+    cxx = native.compiler()
+    path = native.library_path(cxx)
+    path.write_bytes(built.read_bytes()[: built.stat().st_size // 2])
+    path.with_suffix(".checked").write_text("the check passed\n")
+    assert native.ready(cxx, path) == ""
+    assert path.with_suffix(".checked").read_text() == native.marker_text(path)
+    err = capsys.readouterr().err
+    assert re.search(rf"^gptlite: checking {re.escape(str(path))} failed \(.+\); building it again$", err, re.M)
+
+
+# ---------------------------------------------------------------------------------------------
+# sample.py where the kernels cannot be used: it decodes with PyTorch's and says why in one line
+
+
+@pytest.fixture(scope="module")
+def built(ops) -> Path:
+    """The library this test run built for this CPU (the `ops` fixture's)."""
+    return native.library_path(native.compiler())
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory) -> Path:
+    """A tiny random character model's run folder."""
+    from gptlite.checkpoint import save_checkpoint
+    from gptlite.config import build_config, config_to_dict
+    from gptlite.tokenizer import CharTokenizer
+    from tests.conftest import tiny_model
+
+    run = tmp_path_factory.mktemp("run")
+    cfg = build_config({"vocab_size": 97, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32})
+    save_checkpoint(run / "ckpt.pt", {"config": config_to_dict(cfg), "model": tiny_model().state_dict()})
+    CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n\u00e9").save(run / "tokenizer.json")
+    return run
+
+
+def sample(run: Path, **env: str) -> tuple[int, list[str]]:
+    """`python sample.py` on `run`, greedy, with the environment changed by `env`: its exit code and the lines of its
+    stdout and stderr as a terminal shows them, in the order written."""
+    command = [sys.executable, str(ROOT / "sample.py"), f"--model={run}", "--start=ROMEO:", "--max_new_tokens=12"]
+    command += ["--temperature=0", "--device=cpu"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    return done.returncode, done.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def pytorchs_text(char_run) -> str:
+    """What sample.py writes with PyTorch's kernels (GPTLITE_NATIVE=0)."""
+    code, lines = sample(char_run, GPTLITE_NATIVE="0")
+    assert code == 0, lines
+    return next(line for line in lines if line.startswith("ROMEO:"))
+
+
+def assert_falls_back(code: int, lines: list[str], text: str, cause: str) -> None:
+    """sample.py finished (exit 0) with PyTorch's kernels: the streamed text whole on its line, the kernels' notes
+    each on a line of its own before it, one of them saying why they are not used, `cause` in its words."""
+    assert code == 0, lines
+    streamed = [i for i, line in enumerate(lines) if line.startswith("ROMEO:")]
+    assert len(streamed) == 1 and lines[streamed[0]] == text, lines
+    notes = [line for line in lines if line.startswith("sample.py: note: gptlite: the compiled CPU kernels are not")]
+    assert len(notes) == 1 and cause in notes[0], lines
+    assert notes[0].endswith("; decoding runs PyTorch's"), lines
+    assert all(i < streamed[0] for i, line in enumerate(lines) if "gptlite:" in line), lines
+
+
+@pytest.mark.slow
+def test_sample_goes_on_past_a_truncated_or_foreign_library(built, char_run, pytorchs_text, monkeypatch, tmp_path):
+    """Libraries whose marker (a marker of the old kind, or one made for another file) cannot vouch for them are
+    checked in a child process, never loaded into sample.py: one cut short (a Bus error where loaded) and one that
+    dies as it loads (an illegal instruction, as one built for another CPU does). The compiler (false) cannot build
+    them again, so decoding takes PyTorch's kernels and the line says why."""
+    false = shutil.which("false")
+    monkeypatch.setenv("GPTLITE_NATIVE_CACHE", str(tmp_path))
+    path = native.library_path(false)
+    marker = path.with_suffix(".checked")
+    path.write_bytes(built.read_bytes()[: built.stat().st_size // 2])
+    marker.write_text("the check passed\n")
+    code, lines = sample(char_run, CXX=false, GPTLITE_NATIVE_CACHE=str(tmp_path))
+    assert_falls_back(code, lines, pytorchs_text, f"{false} failed on matvec.cpp")
+    assert any(line.startswith(f"gptlite: checking {path} failed (") for line in lines), lines
+    crash = tmp_path / "crash.c"
+    crash.write_text("__attribute__((constructor)) static void crash(void) { __builtin_trap(); }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", str(crash), "-o", str(path)], check=True)
+    marker.write_text(native.marker_text(built))
+    code, lines = sample(char_run, CXX=false, GPTLITE_NATIVE_CACHE=str(tmp_path))
+    assert_falls_back(code, lines, pytorchs_text, f"{false} failed on matvec.cpp")
+    assert any(line.startswith(f"gptlite: checking {path} failed (killed by SIG") for line in lines), lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["true", "false"])
+def test_sample_goes_on_past_a_compiler_that_lies(char_run, pytorchs_text, tmp_path, name):
+    """A compiler that exits 0 and writes nothing, or fails without a word."""
+    cxx = shutil.which(name)
+    code, lines = sample(char_run, CXX=cxx, GPTLITE_NATIVE_CACHE=str(tmp_path))
+    said = {
+        "true": "exited 0 on matvec.cpp but wrote no library",
+        "false": "failed on matvec.cpp with exit status 1 and no message",
+    }
+    assert_falls_back(code, lines, pytorchs_text, f"{cxx} {said[name]}")
+    assert list(tmp_path.iterdir()) == []  # no scratch folder left
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A tmpfs mounted at `path` with `options` (root only: a test that needs one is skipped elsewhere)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_sample_goes_on_past_a_read_only_cache(char_run, pytorchs_text, tmp_path):
+    """A build cache that exists and cannot be written (a container's read-only ~/.cache): a read-only mount, which
+    stops root too, or a folder without write permission for anyone else."""
+    cache = tmp_path / "read-only"
+    with contextlib.ExitStack() as stack:
+        if os.geteuid() == 0:
+            stack.enter_context(tmpfs(cache, "ro,size=64k"))
+            cause = f"cannot write the build cache {cache}: Read-only file system; set GPTLITE_NATIVE_CACHE to a "
+        else:
+            cache.mkdir(mode=0o555)
+            cause = f"cannot write the build cache {cache}: Permission denied; set GPTLITE_NATIVE_CACHE to a "
+        code, lines = sample(char_run, GPTLITE_NATIVE_CACHE=str(cache))
+    assert_falls_back(code, lines, pytorchs_text, cause + "writable folder")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs, which only root may")
+def test_sample_goes_on_past_a_full_cache(char_run, pytorchs_text, tmp_path):
+    with tmpfs(tmp_path / "full", "size=64k") as cache:
+        code, lines = sample(char_run, GPTLITE_NATIVE_CACHE=str(cache))
+        assert_falls_back(code, lines, pytorchs_text, "no space left for the build (")
+        assert "No space left on device); free space in " in next(line for line in lines if "no space" in line)
+        assert list(cache.iterdir()) == []  # no scratch folder left
+
+
+def test_the_test_run_keeps_its_caches_out_of_the_users():
+    """conftest points the run's caches (the compiled kernels, the kernel choices) at a folder of its own, for this
+    process and the ones it starts: a test run leaves ~/.cache/gptlite as it found it."""
+    from gptlite.cpu_decode import choices_file
+    from tests.conftest import RUN_CACHE
+
+    code = "from gptlite import native, cpu_decode; print(native.cache_dir()); print(cpu_decode.choices_file())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    for path in (native.cache_dir(), choices_file(), *map(Path, child.stdout.splitlines())):
+        assert path.is_relative_to(RUN_CACHE) and not path.is_relative_to(Path.home() / ".cache"), path

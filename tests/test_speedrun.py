@@ -11,6 +11,8 @@ import math
 import random
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,10 +49,28 @@ from gptlite.serve.engine import Engine, Job, Params, TokenLogprob
 from gptlite.serve.prefix import BLOCK
 from gptlite.shards import write_shard
 from gptlite.tokenizer import CharTokenizer
-from tests.conftest import run_train, tiny_config
+from tests.conftest import ROOT, run_train, tiny_config
 from tests.test_serve_prefill import recording
 
-torch.set_num_threads(1)  # small matrices: one thread is as fast, and leaves the machine's other cores alone
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """This file's tests on one thread (small matrices: one is as fast, and leaves the machine's other cores alone),
+    the thread count restored after them: what other files' tests measure does not depend on this one's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_importing_this_file_leaves_the_thread_count_alone():
+    """pytest imports every file it collects before any test runs: what this one sets at import would hold for the
+    other files' tests too."""
+    code = "import torch; n = torch.get_num_threads(); import tests.test_speedrun; print(n, torch.get_num_threads())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    before, after = child.stdout.split()
+    assert after == before
+
 
 # The five (a, b, c) of modded-nanogpt's and nanochat's Polar Express (Amsel et al., 2025, computed for
 # num_iters=5, safety_factor=2e-2, cushion=2), copied from their train_gpt.py; the input is divided by 1.02 ||X||_F.

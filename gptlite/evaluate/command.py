@@ -211,6 +211,7 @@ def earlier_results(path: Path) -> bool:
 def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = print) -> dict:
     """The command's work: check every argument and read every input, load the model once, run each task, `log` a
     line per task (CORE: per CORE task), lm-eval's table last."""
+    from gptlite import native
     from gptlite.checkpoint import load_model
 
     tasks, harness = check(args)
@@ -233,6 +234,8 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     model = model.to(device, getattr(torch, dtype)).eval()
     if args.quantize:
         model.quantize(args.quantize)
+    if device == "cpu":
+        native.load_for_command("gptlite.evaluate")  # the kernels' first build says so before the tasks' lines
     # what was done, not what was asked: int4 keeps int8 where its kernel cannot take a layer's shape
     quantized = {"quantize": quantized_as(model), "quantized_layers": layer_types(model)}
     results = {"model": args.model, "device": device, "dtype": dtype, **quantized}

@@ -5,29 +5,37 @@ torch operators.
 `torch.ops.gptlite.cached_attention`, `torch.ops.gptlite.block_step` and `torch.ops.gptlite.argmax` available and
 says whether it could. The first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else
 `c++`) against the installed torch, for this CPU's instruction set (-march=native), into the build cache
-(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native), which takes seconds; the library
-is named by a hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between
-machines never runs a library built for another CPU. Before the first load, a child process loads the new library
-and compares its operators with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a bad
-build) takes down that child, never the caller, and is not used. Where there is no compiler, the build or the check
-fails, or GPTLITE_NATIVE=0, `load()` says why in one line and returns False, and decoding keeps PyTorch's kernels:
-the compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize measure, never a
-requirement, and attention, blocks and greedy picks keep PyTorch's way.
+(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native); it says so on stderr, with how long
+it may take and, while the compiler runs, the time so far. The library is named by a hash of its source, the
+compiler, torch's version and the CPU's features, so a cache shared between machines never runs a library built for
+another CPU. Before a library is first loaded, a child process loads it and compares its operators with PyTorch's
+own results: a library that crashes (an instruction this CPU lacks, a truncated file, a bad build) takes down that
+child, never the caller, and is not used. A marker beside a library that passed holds the library's sha256 and the
+CPU's digest; a library the marker does not vouch for that way is checked again, and one that fails is built anew.
+Where GPTLITE_NATIVE is false (false, 0, no, off), there is no compiler, or the build, the cache (read-only, full)
+or the check fails, `load()` says why in one line naming the fix and returns False, never raising, and decoding keeps
+PyTorch's kernels: the compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize
+measure, never a requirement, and attention, blocks and greedy picks keep PyTorch's way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from gptlite.config import FALSE_WORDS, TRUE_WORDS, parse_bool
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
@@ -36,6 +44,9 @@ MULTIPLE = 16  # matvec.cpp's kMultiple: a layer's input width must be a multipl
 # matvec.cpp's kTile: the float32 kernel multiplies up to this many rows per pass over a weight and reads the weight
 # again for each more, which past it makes PyTorch's GEMM the faster (figures: docs/generation.md)
 MAX_ROWS = 8
+PROGRESS_SECONDS = 10  # how often a build says on stderr that it still runs
+BUILD_TIMEOUT = 600  # seconds a build may take before it is given up
+CHECK_TIMEOUT = 300  # seconds the child process's check may take
 _state: dict[str, object] = {}  # "loaded": bool, "why": the reason it is not
 
 
@@ -110,7 +121,7 @@ def library_path(cxx: str) -> Path:
 
 def load() -> bool:
     """Whether torch.ops.gptlite's kernels are loaded: built, checked and loaded on the first call, warning once
-    (one line) where they cannot be."""
+    (one line) where they cannot be. Never raises: the kernels are an optional speed-up."""
     if "loaded" not in _state:
         why = load_or_say_why()
         _state["loaded"] = why == ""
@@ -122,28 +133,101 @@ def load() -> bool:
     return bool(_state["loaded"])
 
 
+def load_for_command(prog: str) -> bool:
+    """`load()` for the command `prog`, called before its output starts: the first build's notes go to stderr on
+    lines of their own before any text streams, and why the kernels are not used is one line, `PROG: note: ...`,
+    not a Python warning with its source line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load()
+    for warning in caught:
+        print(f"{prog}: note: {warning.message}", file=sys.stderr, flush=True)
+    return loaded
+
+
 def load_or_say_why() -> str:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return f"{DISABLE_ENV}=0"
+    """'' once the kernels are loaded into this process, else why not, in one line that names the fix."""
+    try:
+        return prepare_and_load()
+    except Exception as error:  # an optional speed-up never fails the command: whatever was not foreseen says why
+        return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def prepare_and_load() -> str:
+    """load_or_say_why's work: the switch, the compiler, a checked library (`ready`), then the load."""
+    setting = os.environ.get(DISABLE_ENV, "true")
+    try:
+        wanted = parse_bool(DISABLE_ENV, setting)
+    except ValueError:
+        return f"{DISABLE_ENV}={setting!r} is not a boolean; use one of {', '.join((*TRUE_WORDS, *FALSE_WORDS))}"
+    if not wanted:
+        return f"{DISABLE_ENV}={setting}"
     cxx = compiler()
     if cxx is None:
         return f"no C++ compiler: {os.environ.get('CXX') or 'c++'} was not found; install one (g++) or set CXX"
     path = library_path(cxx)
-    checked = path.with_suffix(".checked")
-    if not checked.exists():
-        why = build(cxx, path) or check_in_child(path)
-        if why:
-            return why
-        try:
-            checked.write_text("the check passed\n")
-        except OSError:
-            pass  # a cache that took the library but not the marker: checked again by the next process
+    why = ready(cxx, path)
+    if why:
+        return why
     try:
         torch.ops.load_library(str(path))
-    except (OSError, RuntimeError) as error:  # not a library; its operators already registered by another
+    except (OSError, RuntimeError) as error:  # its operators already registered by another library
         return f"loading {path}: {error}"
     register_shapes()
     return ""
+
+
+def ready(cxx: str, path: Path) -> str:
+    """Makes `path` a library that passed `check` on this CPU: '' or why it could not. A library whose marker
+    (`marker_text`) vouches for its bytes on this CPU is taken as it is; any other (no marker, an old one, a
+    truncated or replaced file, a cache copied from another CPU) is checked again in a child process first, and one
+    that fails there, or none, is built anew and checked. A library that fails is never loaded into this process."""
+    vouched = path.is_file() and marker_text(path)
+    if vouched and vouched == read_marker(path):
+        return ""
+    if path.is_file():
+        why = check_in_child(path)
+        if why == "":
+            write_marker(path)
+            return ""
+        print(f"gptlite: {why}; building it again", file=sys.stderr)
+    why = build(cxx, path) or check_in_child(path)
+    if why == "":
+        write_marker(path)
+    return why
+
+
+def marker_text(path: Path) -> str:
+    """What the marker beside a library that passed the check holds: the library's sha256 and the digests of the CPU
+    and torch it passed on, so that it vouches for those bytes there and nothing else ('' where the library cannot be
+    read)."""
+    try:
+        library = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+    cpu = hashlib.sha256(cpu_features().encode()).hexdigest()[:16]
+    return f"checked: library sha256 {library}, cpu {cpu}, torch {torch.__version__}\n"
+
+
+def read_marker(path: Path) -> str:
+    """The text of the marker beside the library `path` ('' where there is none, or none that can be read)."""
+    try:
+        return path.with_suffix(".checked").read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def write_marker(path: Path) -> None:
+    """Writes `path`'s marker whole or not at all; a cache that takes the library but not its marker (read-only,
+    full) costs the next process another check, nothing else."""
+    marker = path.with_suffix(".checked")
+    scratch = marker.with_name(f".{marker.name}.{os.getpid()}")
+    try:
+        scratch.write_text(marker_text(path))
+        os.replace(scratch, marker)
+    except OSError:
+        with contextlib.suppress(OSError):
+            scratch.unlink(missing_ok=True)
 
 
 def register_shapes() -> None:
@@ -168,43 +252,99 @@ def register_shapes() -> None:
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
     """Compiles matvec.cpp into `path` (written whole or not at all) for `arch` (default: this CPU, `arch_flags`);
-    '' or why it failed."""
+    '' or why it failed, naming the fix. Says on stderr, each on its own line, that it compiles, for how long it may,
+    and every PROGRESS_SECONDS that it still does."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        return f"cannot create the build cache {path.parent}: {error}; set {CACHE_ENV}=DIR"
-    print(f"gptlite: compiling the CPU decode kernels for this CPU into {path} (once)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        output = Path(scratch) / path.name
+        return cache_error(path.parent, error)
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-", ignore_cleanup_errors=True) as scratch:
+            print(
+                f"gptlite: compiling the CPU decode kernels for this CPU into {path} (once: about a minute on a "
+                "small machine, and decoding waits for it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            output = Path(scratch) / path.name
+            why = compile_into(cxx, output, arch_flags() if arch is None else arch)
+            if why:
+                return why
+            os.replace(output, path)
+    except OSError as error:  # the scratch folder, the move: a read-only or full cache
+        return cache_error(path.parent, error)
+    return ""
+
+
+def cache_error(folder: Path, error: OSError) -> str:
+    """Why the build cache `folder` cannot take the library (read-only, full, not a folder), and the fix."""
+    return f"cannot write the build cache {folder}: {error.strerror or error}; set {CACHE_ENV} to a writable folder"
+
+
+def compile_into(cxx: str, output: Path, arch: list[str]) -> str:
+    """Runs the compiler (`build_command`) to write `output`: '' or why it failed, naming the fix. Prints the time
+    it has taken on stderr every PROGRESS_SECONDS while it runs, and stops it after BUILD_TIMEOUT seconds."""
+    command = build_command(cxx, output, arch)
+    fix = "set CXX to a working C++ compiler, or GPTLITE_NATIVE=0"
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as error:
+        return f"{cxx} could not be started: {error.strerror or error}; {fix}"
+    started = time.monotonic()
+    while True:
         try:
-            command = build_command(cxx, output, arch_flags() if arch is None else arch)
-            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            return f"{cxx} failed: {error}"
-        if done.returncode != 0:
-            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:300])
-            return f"{cxx} failed on {SOURCE.name}: {first}"
-        os.replace(output, path)
+            _, errors = process.communicate(timeout=PROGRESS_SECONDS)
+            break
+        except subprocess.TimeoutExpired:
+            elapsed = time.monotonic() - started
+            if elapsed > BUILD_TIMEOUT:
+                process.kill()
+                process.communicate()
+                return f"{cxx} took over {BUILD_TIMEOUT} s on {SOURCE.name}; {fix}"
+            print(f"gptlite: still compiling the CPU decode kernels ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+    if process.returncode != 0:
+        first = next((line for line in errors.splitlines() if "error" in line), errors.strip()[:300])
+        full = [line.strip() for line in errors.splitlines() if "No space left on device" in line]
+        if full:
+            folder = output.parent.parent  # the build cache, which holds the scratch folder
+            return f"no space left for the build ({full[0]}); free space in {folder} and TMPDIR, or set {CACHE_ENV}"
+        said = f": {first}" if first else f" with exit status {process.returncode} and no message"
+        return f"{cxx} failed on {SOURCE.name}{said}; {fix}"
+    if not output.is_file():
+        return f"{cxx} exited 0 on {SOURCE.name} but wrote no library; {fix}"
     return ""
 
 
 def check_in_child(path: Path) -> str:
-    """Runs `check(path)` in a child process: '' when the library's results match PyTorch's."""
+    """Runs `check(path)` in a child process: '' when the library's results match PyTorch's, else why not (a crash
+    there, an instruction this CPU lacks or a truncated file, ends the child, never this process)."""
     command = [sys.executable, "-c", "import sys; from gptlite.native import check; check(sys.argv[1])", str(path)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
     except subprocess.TimeoutExpired:
-        return f"checking {path} took over 300 s"
+        return f"checking {path} took over {CHECK_TIMEOUT} s"
+    except OSError as error:
+        return f"checking {path}: {sys.executable} could not be started ({error.strerror or error})"
+    if done.returncode < 0:
+        return f"checking {path} failed (killed by {signal_name(-done.returncode)})"
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return f"checking {path} failed ({tail})"
     return ""
 
 
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def check(path: str) -> None:
     """Loads the library at `path` and compares its operators with PyTorch's results: the linear ones at one row
-    and at a batch, with and without a bias, on a width that is not a multiple of the thread count, and the attention
-    (`check_attention`): AssertionError if they differ."""
+    and at a batch, with and without a bias, on a width that is not a multiple of the thread count, the attention
+    (`check_attention`) and a block's step (`check_block`), each within float32's own error on this CPU (never a
+    fixed tolerance, which another CPU's order of additions can exceed): AssertionError if they differ."""
     torch.ops.load_library(path)
     generator = torch.Generator().manual_seed(0)
     N = 203
@@ -217,13 +357,11 @@ def check(path: str) -> None:
     for rows in (1, 3, 8, 13):
         x = torch.randn(rows, K, generator=generator)
         for b in (None, bias):
-            reference = torch.nn.functional.linear(x, weight, b)
-            torch.testing.assert_close(torch.ops.gptlite.float_linear(x, weight, b), reference, rtol=1e-4, atol=1e-4)
+            got = torch.ops.gptlite.float_linear(x, weight, b)
+            assert_linear_close(got, x, weight, None, b, f"float_linear, {rows} rows")
             for scale in (row_scales, group_scales):
-                reference = int8_reference(x, codes, scale, b)
-                torch.testing.assert_close(
-                    torch.ops.gptlite.int8_linear(x, codes, scale, b), reference, rtol=1e-4, atol=1e-3
-                )
+                got = torch.ops.gptlite.int8_linear(x, codes, scale, b)
+                assert_linear_close(got, x, codes, scale, b, f"int8_linear, {rows} rows, scales {tuple(scale.shape)}")
     check_attention(generator)
     check_block(generator)
     logits = torch.randn(3, 1000, generator=generator)
@@ -231,20 +369,107 @@ def check(path: str) -> None:
     assert torch.equal(torch.ops.gptlite.argmax(logits), logits.max(dim=-1).indices)
 
 
+UNIT_ROUNDOFF = 2.0**-24  # float32's: one rounding moves a number by at most this fraction of it
+# How many times PyTorch's own float32 error a composite operator's (attention, a block's step) may have: they sum
+# in another order, which errs as much in general and somewhat more on some numbers
+FLOAT32_SLACK = 16
+
+
+def linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What float_linear and int8_linear compute, in float64: x (..., K) times the weight (N, K) (float32 or int8
+    codes), each weight times its scale where there is one, one per row (scale (N,)) or one per group of K / G inputs
+    (scale (N, G)), plus bias -> (..., N) float64."""
+    N, K = weight.shape
+    matrix = weight.double()  # (N, K)
+    if scale is not None:
+        groups = scale.reshape(N, -1).size(1)
+        matrix = matrix * scale.double().reshape(N, groups).repeat_interleave(K // groups, dim=1)  # (N, K)
+    y = torch.nn.functional.linear(x.double(), matrix)  # (..., N)
+    return y if bias is None else y + bias.double()
+
+
 def int8_reference(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """What int8_linear computes, in float64: x (M, K) times the weight codes (N, K) each times its scale, one per
-    row (scale (N,)) or one per group of K / G inputs (scale (N, G)), plus bias -> (M, N) float32."""
-    N, K = codes.shape
-    per_input = scale.double().reshape(N, -1).repeat_interleave(K // scale.reshape(N, -1).size(1), dim=1)  # (N, K)
-    y = torch.nn.functional.linear(x.double(), codes.double() * per_input)
-    return (y if bias is None else y + bias.double()).float()
+    """What int8_linear computes (`linear_reference`), rounded to float32 -> (M, N)."""
+    return linear_reference(x, codes, scale, bias).float()
+
+
+def linear_error_bound(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The most a float32 computation of `linear_reference` can differ from it, whatever the order of its sums and
+    fused multiply-adds or not (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1: a sum of
+    n rounded terms errs by at most gamma_n = n u / (1 - n u) times the sum of their magnitudes), n = K + 3: the K
+    products and their additions, a scale's product and the bias's addition -> (..., N) float64. A wrong or missing
+    term (a bug) errs by about one term's magnitude, far above it for any K of a model."""
+    n = x.size(-1) + 3
+    gamma = n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+    magnitudes = linear_reference(
+        x.abs(),
+        weight.double().abs(),
+        None if scale is None else scale.abs(),
+        None if bias is None else bias.abs(),
+    )  # (..., N)
+    return gamma * magnitudes
+
+
+def assert_linear_close(
+    got: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    what: str = "the product",
+) -> None:
+    """AssertionError naming `what` where a linear kernel's result `got` (..., N) is further from
+    `linear_reference` than float32 can err (`linear_error_bound`)."""
+    want = linear_reference(x, weight, scale, bias)
+    assert_within(got, want, linear_error_bound(x, weight, scale, bias), what)
+
+
+def assert_as_close_as_float32(got: torch.Tensor, want32: torch.Tensor, want64: torch.Tensor, what: str) -> None:
+    """AssertionError naming `what` where `got`, a float32 computation of what `want64` holds in float64, is further
+    from it than FLOAT32_SLACK times PyTorch's own float32 computation `want32` is at its furthest (or a rounding of the
+    largest number, where want32 is exact): the tolerance of a computation too composite for a bound of its own
+    (norms, softmax, activations), taken from float32's error on the CPU that runs it."""
+    spread = (want32.double() - want64).abs().max().item() if want64.numel() else 0.0
+    largest = want64.abs().max().item() if want64.numel() else 0.0
+    assert_within(got, want64, FLOAT32_SLACK * spread + 2 * UNIT_ROUNDOFF * largest, what)
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float, what: str) -> None:
+    """AssertionError naming `what` and the worst element where |got - want| exceeds `bound` (a NaN always does)."""
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, not {tuple(want.shape)}")
+    error = (got.double() - want.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(error)
+    outside = ~(error <= bound)  # NaN compares false
+    if outside.any():
+        worst = int(torch.where(outside, error - bound, torch.inf).flatten().argmax())  # a NaN first
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), error.shape))
+        raise AssertionError(
+            f"{what}: {int(outside.sum())} of {error.numel()} numbers are off; at {index} "
+            f"{got.flatten()[worst].item():.9g} against {want.flatten()[worst].item():.9g}, |difference| "
+            f"{error.flatten()[worst].item():.3g} > {bound.flatten()[worst].item():.3g} allowed"
+        )
+
+
+def as_float64(operands):
+    """`operands` (a tensor, or a tuple or list of them and other values) with each floating tensor in float64: the
+    reference's own operands."""
+    if isinstance(operands, torch.Tensor):
+        return operands.double() if operands.is_floating_point() else operands
+    if isinstance(operands, (tuple, list)):
+        return type(operands)(as_float64(operand) for operand in operands)
+    return operands
 
 
 def check_attention(generator: torch.Generator) -> None:
     """cached_attention against `attention_reference`: grouped heads (6 query heads on 2 key/value heads), a width D
-    that is not a multiple of a vector, with and without a mask that hides some slots."""
+    that is not a multiple of a vector, with and without a mask that hides some slots; the caches written exactly."""
     B = 3  # rows
     H = 6  # query heads
     KV = 2  # key/value heads
@@ -256,12 +481,12 @@ def check_attention(generator: torch.Generator) -> None:
     visible = torch.rand(B, L, generator=generator) < 0.7
     visible[:, slot] = True  # a decode step always sees its own key
     for shown in (None, visible):
-        reference, keys, values = attention_reference(qkv, *caches, slot, shown, 0.3, H)
+        want32, keys, values = attention_reference(qkv, *caches, slot, shown, 0.3, H)
+        want64 = attention_reference(qkv.double(), *caches.double(), slot, shown, 0.3, H)[0]
         k_cache, v_cache = caches.clone()
         out = torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, slot + 1, shown, 0.3, H)
-        torch.testing.assert_close(out, reference)
-        torch.testing.assert_close(k_cache, keys)
-        torch.testing.assert_close(v_cache, values)
+        assert_as_close_as_float32(out, want32, want64, "cached_attention")
+        assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's cache writes"
 
 
 def attention_reference(
@@ -300,11 +525,29 @@ def check_block(generator: torch.Generator) -> None:
     ]
     for B, H, KV, norm, activation, biased, residual_scale, int8 in cases:
         operands = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased, int8)
-        want, keys, values = block_reference(*operands, 0.25, H, norm, 1e-5, activation, residual_scale)
-        got = block_step(operands, 0.25, H, norm, 1e-5, activation, residual_scale)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(operands[5], keys)  # the caches, written in place
-        torch.testing.assert_close(operands[6], values)
+        assert_block_step_close(operands, 0.25, H, norm, 1e-5, activation, residual_scale, f"{norm}, {activation}")
+
+
+def assert_block_step_close(
+    operands: tuple,
+    scale: float,
+    n_head: int,
+    norm: str,
+    eps: float,
+    activation: str,
+    residual_scale: float,
+    what: str,
+) -> None:
+    """AssertionError naming `what` where block_step on `operands` (`block_operands`'; it writes their caches) gives
+    another output or other caches than `block_reference` computes, within float32's error
+    (`assert_as_close_as_float32`: the reference in float32 and in float64)."""
+    options = (scale, n_head, norm, eps, activation, residual_scale)
+    want32, keys32, values32 = block_reference(*operands, *options)
+    want64, keys64, values64 = block_reference(*as_float64(operands), *options)
+    got = block_step(operands, *options)
+    assert_as_close_as_float32(got, want32, want64, f"block_step ({what})")
+    assert_as_close_as_float32(operands[5], keys32, keys64, f"block_step's keys ({what})")  # written in place
+    assert_as_close_as_float32(operands[6], values32, values64, f"block_step's values ({what})")
 
 
 def block_step(
@@ -397,11 +640,11 @@ def block_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What block_step computes, through PyTorch's own operators: x (B, 1, C) + residual_scale times the attention
     branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch, an int8
-    weight multiplied as its codes times its row's scale -> (out (B, 1, C), the keys and values with the token's
-    written at `slot`)."""
+    weight multiplied as its codes times its row's scale, in x's precision (float64 on `as_float64`'s operands) ->
+    (out (B, 1, C), the keys and values with the token's written at `slot`)."""
     C = x.size(-1)
     F = weights[3].size(1)  # the activation's width
-    matrices = [w if s is None else w.float() * s[:, None] for w, s in zip(weights, scales, strict=True)]
+    matrices = [w if s is None else w.to(x.dtype) * s[:, None] for w, s in zip(weights, scales, strict=True)]
 
     def normalize(h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         if norm == "layernorm":

@@ -132,6 +132,7 @@ def build(options: ServeOptions):
     """The engine (started) and the app for these options (options.model: the one model name, model_to_read's)."""
     import torch
 
+    from gptlite import native
     from gptlite.checkpoint import load_model
     from gptlite.serve.app import create_app
     from gptlite.serve.engine import Engine
@@ -142,6 +143,8 @@ def build(options: ServeOptions):
     model = model.to(device, getattr(torch, dtype)).eval()
     if options.quantize:
         model.quantize(options.quantize)
+    if device == "cpu":
+        native.load_for_command("gptlite.serve")  # the kernels' first build at start-up, not in the first request
     engine = Engine(
         model, tokenizer, options.max_batch, options.max_len or None, options.compile, options.prefix_cache_mb
     ).start()
