@@ -152,6 +152,29 @@ def test_the_pace_note_says_how_long_the_steps_left_take_only_when_that_is_long(
     assert "take about 7 h 22 min; --max_minutes=M caps a run" in note
 
 
+def test_the_pace_leaves_out_the_warm_up_and_a_thread_change_and_is_said_again_when_it_changes_2x():
+    """The quick start's case: a first step slow with allocation, steps at another pace until torch's thread count
+    follows another process (restart), then the run's own pace; later the other process leaves and the steps take
+    a third of the time: a new estimate. A change of less than 2x is no new estimate."""
+    from gptlite.metrics import PACE_STEPS, PaceEstimate
+
+    estimate = PaceEstimate(warm=1)
+    assert estimate.add(1, 30.0) is None  # the warm-up
+    assert [estimate.add(step, 0.5) for step in (2, 3)] == [None, None]  # two threads spinning beside a busy core
+    estimate.restart()  # the thread count changed after step 3
+    paces = [estimate.add(step, 0.06) for step in range(4, 4 + PACE_STEPS)]
+    assert paces[:-1] == [None] * (PACE_STEPS - 1) and paces[-1] == pytest.approx(0.06)
+    step = 4 + PACE_STEPS
+    for seconds in (0.1, 0.04, 0.11):  # within 2x of 0.06 either way (a window's mean): said once is enough
+        assert [estimate.add(s, seconds) for s in range(step, step + PACE_STEPS)] == [None] * PACE_STEPS
+        step += PACE_STEPS
+    assert [estimate.add(s, 0.02) for s in range(step, step + PACE_STEPS)][-1] == pytest.approx(0.02)
+    step += PACE_STEPS
+    assert [estimate.add(s, 0.045) for s in range(step, step + PACE_STEPS)][-1] == pytest.approx(0.045)
+    note = pace_note(0.02, 1000, "this cpu (X)", "", again=True)  # 20 s left: said, as it corrects an earlier note
+    assert note.startswith("the pace changed more than 2x: 0.02 s a step after the first on this cpu (X): the 1,000")
+
+
 def test_a_long_run_says_its_pace_after_the_first_steps(tmp_path, monkeypatch):
     from data.shakespeare.prepare import main as prepare
 
