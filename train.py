@@ -55,7 +55,7 @@ from gptlite.checkpoint import (
     step_files,
     weight_average,
 )
-from gptlite.cli import StopSignals, run_command
+from gptlite.cli import StopSignals, parse_args, run_command
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.device import (
     THREADS_EVENT,
@@ -78,6 +78,7 @@ from gptlite.metrics import (
     MetricsLog,
     PaceEstimate,
     WandbTracker,
+    cpu_step_note,
     mfu,
     pace_note,
     peak_flops,
@@ -237,6 +238,10 @@ def train(
         f"{cfg.batch_size}x{cfg.model.block_size} per rank"
     )
     state.record.describe(wandb_run_id, model.source_architecture, tokenizer)  # what every checkpoint keeps
+    if device_type == "cpu":  # a GPU's recipe on the CPU says so now, not after its first slow steps
+        note = cpu_step_note(flops_per_token * total_batch, parse_args(argv)[0])
+        if note:
+            log(note)
 
     # ---------------------------------------------------------------------------------------------
     # 9. What trains: the model compiled (if asked, and possible here), and wrapped by DDP where the processes

@@ -175,6 +175,33 @@ def pace_note(seconds_per_step: float, steps_left: int, where: str, memory: str,
     )
 
 
+# Training FLOPs of one optimizer step past which a step is a GPU's size: the CPU recipes' steps lie far below it, the
+# GPU recipes' far above (configs/*.toml)
+CPU_STEP_FLOPS = 1e11
+
+
+def cpu_step_note(flops_per_step: float, toml_path: str | None) -> str | None:
+    """A line for a run on the CPU whose steps are a GPU's size (more than CPU_STEP_FLOPS training FLOPs each), said
+    at start-up rather than after the first slow steps: a recipe written for a GPU runs on a CPU without a word
+    otherwise. It names the recipe's CPU sibling where its folder has one (its name with "cpu" for "gpu":
+    configs/shakespeare_char_gpu.toml -> configs/shakespeare_char_cpu.toml)."""
+    if flops_per_step <= CPU_STEP_FLOPS:
+        return None
+    sibling = None
+    if toml_path and "gpu" in Path(toml_path).name:
+        candidate = Path(toml_path).with_name(Path(toml_path).name.replace("gpu", "cpu"))
+        sibling = candidate if candidate.is_file() else None
+    fix = (
+        f"{sibling} is this recipe for a CPU"
+        if sibling
+        else "a smaller model, batch_size, total_batch_size or block_size makes it a CPU's"
+    )
+    return (
+        f"warning: a step here trains {flops_per_step:.2g} FLOPs, a GPU's size of step (more than "
+        f"{CPU_STEP_FLOPS:.0e}), and this run is on the CPU, where each takes many times longer; {fix}"
+    )
+
+
 class PaceEstimate:
     """The pace of a run's steps, for the note on how long the rest takes: the mean seconds of a step over windows of
     PACE_STEPS steps, each step timed on its own (an evaluation or a save between two steps is no step's time).
