@@ -41,8 +41,10 @@ fi
 TRAINED_ON=$(python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
-record = Path(sys.argv[1]) / "run.json"
-print(json.loads(record.read_text())["config"].get("data_dir", "") if record.is_file() else "")
+try:  # run.json: what the run in the folder trained on; a file that is not one is train.py's to name
+    print(json.loads((Path(sys.argv[1]) / "run.json").read_text())["config"]["data_dir"])
+except (OSError, ValueError, KeyError, TypeError):
+    print("")
 PY
 )
 if [ -n "$TRAINED_ON" ] && [ "$TRAINED_ON" != "$DATA" ]; then
