@@ -155,8 +155,9 @@ class ProbeThreads:
     threads wait for each other by spinning, and beside a busy core every step at the full count was many times
     slower than the run's own once its count had followed. `fit()`, before each measurement, measures the other
     work over at least LOAD_WINDOW seconds (waiting out what is left of them) and sets the count; `restore()` gives
-    torch its own count back, which the run starts from. Nothing changes on a GPU, or where the count is the user's
-    (OMP_NUM_THREADS) or the load cannot be read."""
+    torch its own count back, which the run starts from. Nothing changes where train.py's count does not follow the
+    load either: on a GPU, under torchrun (RANK set), where the count is the user's (OMP_NUM_THREADS) or where the
+    load cannot be read."""
 
     def __init__(self, device: str):
         import torch
@@ -164,7 +165,7 @@ class ProbeThreads:
         from gptlite.device import CpuThreads
 
         self.own = torch.get_num_threads()
-        self.cpu = CpuThreads() if device == "cpu" else None
+        self.cpu = CpuThreads() if device == "cpu" and "RANK" not in os.environ else None
 
     def fit(self) -> str | None:
         """Measure the other work and fit the count to it; a line when the probe's count is not torch's own."""
