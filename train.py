@@ -55,7 +55,7 @@ from gptlite.checkpoint import (
     step_files,
     weight_average,
 )
-from gptlite.cli import StopSignals, run_command
+from gptlite.cli import StopSignals, parse_args, run_command
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.device import (
     THREADS_EVENT,
@@ -75,9 +75,10 @@ from gptlite.evaluate import core_bundle, core_score, read_bundle
 from gptlite.features import OneProcess, add_adapters, compile_model, data_parallel
 from gptlite.metrics import (
     METRICS_FILE,
-    PACE_STEPS,
     MetricsLog,
+    PaceEstimate,
     WandbTracker,
+    cpu_step_note,
     mfu,
     pace_note,
     peak_flops,
@@ -237,6 +238,10 @@ def train(
         f"{cfg.batch_size}x{cfg.model.block_size} per rank"
     )
     state.record.describe(wandb_run_id, model.source_architecture, tokenizer)  # what every checkpoint keeps
+    if device_type == "cpu":  # a GPU's recipe on the CPU says so now, not after its first slow steps
+        note = cpu_step_note(flops_per_token * total_batch, parse_args(argv)[0])
+        if note:
+            log(note)
 
     # ---------------------------------------------------------------------------------------------
     # 9. What trains: the model compiled (if asked, and possible here), and wrapped by DDP where the processes
@@ -452,16 +457,17 @@ def loop(run: Run, pace: Pace) -> str | None:
         for opt in run.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr * group["lr_ratio"]
+        started = time.perf_counter()
         records = train_step(run, lr, minutes, first_step)
         stop = any(r.stop for r in records)
         timed_out = any(r.timed_out for r in records)
         if records:
             minutes = records[-1].minutes
-        pace.after(progress.step)
         last = progress.step == cfg.max_iters or timed_out  # the time budget ends with a full evaluation too
         if last:  # a run with a weight average ends as it: evaluated, saved and sampled
             run.state.finish(run.log)
         log_steps(run, records, last, clock)
+        pace.after(progress.step, time.perf_counter() - started)  # the step's time, no evaluation's
         evaluate_and_save(run, last, stop, clock)
         if stop and progress.step < cfg.max_iters:
             return stop_early(run, timed_out)
@@ -650,39 +656,44 @@ def stop_early(run: Run, timed_out: bool) -> str | None:
 
 
 class Pace:
-    """Notes on the run's pace: a run that will take long without a time budget says so early, at the pace of the
-    PACE_STEPS steps after the first (which allocates and warms up; with torch.compile the first two: the first
-    compiles); on a CPU that other processes share, torch's threads follow the cores they leave free
-    (gptlite.device.CpuThreads)."""
+    """Notes on the run's pace: a run that will take long without a time budget says so early, at the pace of
+    PACE_STEPS steps after the warm-up (the first step allocates and warms up; with torch.compile the first two: the
+    first compiles) and after torch's thread count has first been fitted to the cores other processes leave free
+    (gptlite.device.CpuThreads, on a CPU); said again when the pace changes more than 2x
+    (gptlite.metrics.PaceEstimate)."""
 
     def __init__(self, run: Run, compiled: bool):
         self.run = run
-        self.warm = run.state.progress.step + (2 if compiled else 1)
-        self.t_warm = 0.0
+        self.estimate = PaceEstimate(warm=run.state.progress.step + (2 if compiled else 1))
+        self.said = False  # whether a pace note was said: a changed pace is then said again, however short the rest
         device_type = run.device.split(":")[0]
         self.threads = CpuThreads() if device_type == "cpu" and run.world_size == 1 else None
         self.where = (
             torch.cuda.get_device_name(run.device) if device_type == "cuda" else f"this {device_type} ({cpu_summary()})"
         )
 
-    def after(self, step: int) -> None:
-        """After optimizer step `step`."""
+    def after(self, step: int, seconds: float) -> None:
+        """After optimizer step `step`, which took `seconds`."""
         cfg = self.run.cfg
         log = self.run.log
-        if step == self.warm:
-            self.t_warm = time.perf_counter()
-        if step == self.warm + PACE_STEPS and not cfg.max_minutes:
-            peak_mb, _ = peak_memory_mb(self.run.device)
-            memory = "" if peak_mb is None else f", {peak_mb / 1024:.1f} GiB of memory"
-            seconds = (time.perf_counter() - self.t_warm) / PACE_STEPS
-            note = pace_note(seconds, cfg.max_iters - step, self.where, memory)
-            if note:
-                log(f"step {step:5d} | {note}")
         if self.threads is not None:
             note = self.threads.update()
             if note:
                 log(f"step {step:5d} | {note}")
                 self.run.metrics.write(step=step, event=THREADS_EVENT, threads=self.threads.threads)
+                self.estimate.restart()  # the steps so far ran on the other thread count
+                return
+            if not self.threads.fitted:  # the pace before the thread count is chosen is not the run's
+                return
+        pace = self.estimate.add(step, seconds)
+        if pace is None or cfg.max_minutes:
+            return
+        peak_mb, _ = peak_memory_mb(self.run.device)
+        memory = "" if peak_mb is None else f", {peak_mb / 1024:.1f} GiB of memory"
+        note = pace_note(pace, cfg.max_iters - step, self.where, memory, again=self.said)
+        if note:
+            log(f"step {step:5d} | {note}")
+            self.said = True
 
 
 if __name__ == "__main__":

@@ -280,9 +280,11 @@ class CpuThreads:
         self.threads = self.cores
         self.active = "OMP_NUM_THREADS" not in os.environ and self.cores > 1 and cpu_times() is not None
         self.last = (time.monotonic(), cpu_times())
+        self.fitted = not self.active  # whether the count has followed a measurement yet (a count not fitted: always)
 
-    def update(self) -> str | None:
-        """Measure the other work since the last call and fit the thread count to it; say so when it changes."""
+    def update(self, window: float = WINDOW) -> str | None:
+        """Measure the other work since the last call, if at least `window` seconds ago, and fit the thread count to
+        it; say so when it changes."""
         if not self.active:
             return None
         import torch
@@ -290,10 +292,11 @@ class CpuThreads:
         now = time.monotonic()
         then, (busy_then, own_then) = self.last
         wall = now - then
-        if wall < self.WINDOW:
+        if wall < window:
             return None
         times = cpu_times()
         self.last = now, times
+        self.fitted = True
         others = max(0.0, (times[0] - busy_then) - (times[1] - own_then)) / wall  # cores other processes kept busy
         threads = max(1, self.cores - math.floor(others + 1 - self.BUSY))
         if threads == self.threads:

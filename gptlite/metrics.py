@@ -144,9 +144,10 @@ class MetricsLog:
 
 
 PACE_NOTE_MINUTES = 10  # a run projected to take longer than this says so early
-# steps whose mean time the pace note gives, after the first: the first step allocates and warms up, and takes many
+# steps whose mean time the pace note gives, after the warm-up: the first step allocates and warms up, and takes many
 # times a step's time
 PACE_STEPS = 5
+PACE_CHANGE = 2.0  # a pace this many times slower or faster than the one last said is said again
 
 
 def duration(seconds: float) -> str:
@@ -158,17 +159,81 @@ def duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def pace_note(seconds_per_step: float, steps_left: int, where: str, memory: str) -> str | None:
+def pace_note(seconds_per_step: float, steps_left: int, where: str, memory: str, again: bool = False) -> str | None:
     """What the rest of a run will take at the pace of its steps after the first (train.py times PACE_STEPS of them),
     when that is more than PACE_NOTE_MINUTES: a recipe written for a GPU says, early, what it costs on a CPU. `where`
-    names the device, `memory` the peak so far."""
+    names the device, `memory` the peak so far. `again`: an estimate said before no longer holds (PaceEstimate), so
+    the new one is said however short the rest is."""
     seconds = seconds_per_step * steps_left
-    if seconds < PACE_NOTE_MINUTES * 60:
+    if seconds < PACE_NOTE_MINUTES * 60 and not again:
         return None
+    changed = f"the pace changed more than {PACE_CHANGE:g}x: " if again else ""
     return (
-        f"{seconds_per_step:.2f} s a step after the first on {where}{memory}: the {steps_left:,} steps left take about "
-        f"{duration(seconds)}; --max_minutes=M caps a run, and a smaller model, batch or block_size steps faster"
+        f"{changed}{seconds_per_step:.2f} s a step after the first on {where}{memory}: the {steps_left:,} steps left "
+        f"take about {duration(seconds)}; --max_minutes=M caps a run, and a smaller model, batch or block_size steps "
+        "faster"
     )
+
+
+# Training FLOPs of one optimizer step past which a step is a GPU's size: the CPU recipes' steps lie far below it, the
+# GPU recipes' far above (configs/*.toml)
+CPU_STEP_FLOPS = 1e11
+
+
+def cpu_step_note(flops_per_step: float, toml_path: str | None) -> str | None:
+    """A line for a run on the CPU whose steps are a GPU's size (more than CPU_STEP_FLOPS training FLOPs each), said
+    at start-up rather than after the first slow steps: a recipe written for a GPU runs on a CPU without a word
+    otherwise. It names the recipe's CPU sibling where its folder has one (its name with "cpu" for "gpu":
+    configs/shakespeare_char_gpu.toml -> configs/shakespeare_char_cpu.toml)."""
+    if flops_per_step <= CPU_STEP_FLOPS:
+        return None
+    sibling = None
+    if toml_path and "gpu" in Path(toml_path).name:
+        candidate = Path(toml_path).with_name(Path(toml_path).name.replace("gpu", "cpu"))
+        sibling = candidate if candidate.is_file() else None
+    fix = (
+        f"{sibling} is this recipe for a CPU"
+        if sibling
+        else "a smaller model, batch_size, total_batch_size or block_size makes it a CPU's"
+    )
+    return (
+        f"warning: a step here trains {flops_per_step:.2g} FLOPs, a GPU's size of step (more than "
+        f"{CPU_STEP_FLOPS:.0e}), and this run is on the CPU, where each takes many times longer; {fix}"
+    )
+
+
+class PaceEstimate:
+    """The pace of a run's steps, for the note on how long the rest takes: the mean seconds of a step over windows of
+    PACE_STEPS steps, each step timed on its own (an evaluation or a save between two steps is no step's time).
+
+    The steps up to `warm` (the first, which allocates and warms up; with torch.compile the first two) are left out,
+    and a window starts afresh at `restart()`, where the steps before it ran at a pace that no longer holds (torch's
+    thread count changed). The first full window gives the first estimate; each later one gives a new estimate only
+    where its pace differs from the last estimate's by more than PACE_CHANGE times, either way: another process took
+    cores, or left them."""
+
+    def __init__(self, warm: int):
+        self.warm = warm
+        self.window: list[float] = []
+        self.said: float | None = None  # the last estimate's seconds a step
+
+    def restart(self) -> None:
+        """Leave the steps of the window so far out: they ran at another pace."""
+        self.window.clear()
+
+    def add(self, step: int, seconds: float) -> float | None:
+        """Step `step` took `seconds`: the seconds a step takes where that is a new estimate, else None."""
+        if step <= self.warm:
+            return None
+        self.window.append(seconds)
+        if len(self.window) < PACE_STEPS:
+            return None
+        pace = sum(self.window) / len(self.window)
+        self.window.clear()
+        if self.said is not None and 1 / PACE_CHANGE <= pace / self.said <= PACE_CHANGE:
+            return None
+        self.said = pace
+        return pace
 
 
 def start_tensorboard(out_dir: str | Path, resume_step: int | None = None) -> tuple[Any, str | None]:

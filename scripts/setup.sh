@@ -5,7 +5,8 @@
 #                                    # install -e ".[test]"; llama-cpp-python compiles llama.cpp (minutes, once)
 #   TORCH_CPU=1 / TORCH_CPU=0        # torch's CPU-only build / torch from pip's index (PyPI: the default build,
 #                                    # with CUDA's libraries). Unset: CPU-only where no NVIDIA GPU is found on
-#                                    # Linux and PyTorch's CPU index answers, else pip's index
+#                                    # Linux and PyTorch's CPU index answers, else pip's index. A .venv that
+#                                    # already has torch keeps it, whichever build it is
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=${1:-}
@@ -26,17 +27,17 @@ except Exception:
     sys.exit(1)
 EOF
 }
-if [ -z "${TORCH_CPU:-}" ]; then
-    TORCH_CPU=0
-    if [ "$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null && [ ! -e /proc/driver/nvidia/version ]; then
-        if cpu_index_answers; then
-            TORCH_CPU=1
-        else
-            echo "setup: no NVIDIA GPU here, but PyTorch's CPU index ($TORCH_CPU_INDEX) did not answer: torch from pip's own index (on PyPI its default build, with CUDA's libraries; the line at the end names the build installed)"
+if ! python -c "import torch" 2>/dev/null; then
+    if [ -z "${TORCH_CPU:-}" ]; then
+        TORCH_CPU=0
+        if [ "$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null && [ ! -e /proc/driver/nvidia/version ]; then
+            if cpu_index_answers; then
+                TORCH_CPU=1
+            else
+                echo "setup: no NVIDIA GPU here, but PyTorch's CPU index ($TORCH_CPU_INDEX) did not answer: torch 2.13.0 from pip's own index, the build it serves (the line at the end names it)"
+            fi
         fi
     fi
-fi
-if ! python -c "import torch" 2>/dev/null; then
     if [ "$TORCH_CPU" = 1 ]; then
         echo "setup: torch 2.13.0, CPU-only build (no NVIDIA GPU found; TORCH_CPU=0 takes the default build)"
         python -m pip install --quiet "torch==2.13.0" --index-url "$TORCH_CPU_INDEX"

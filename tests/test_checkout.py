@@ -87,3 +87,21 @@ def test_setup_takes_the_cpu_build_of_torch_when_asked(tmp_path, cpu):
     assert result.returncode == 0, result.stderr
     (install,) = [line for line in log.read_text().splitlines() if "torch==2.13.0" in line]
     assert ("--index-url https://download.pytorch.org/whl/cpu" in install) == cpu
+
+
+def test_setup_says_nothing_of_torchs_build_where_the_venv_has_torch(tmp_path):
+    """A .venv that already has torch keeps it: set-up neither asks PyTorch's CPU index nor names a build it will not
+    install (once: "on PyPI its default build, with CUDA's libraries", printed where the CPU build stayed)."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
+    log = tmp_path / "calls.log"
+    fake_venv(tmp_path, log)
+    python = tmp_path / ".venv" / "bin" / "python"
+    # torch imports; the CPU index (setup.sh's `python - URL`) would not answer
+    python.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\ncase "$*" in "- "*) exit 1;; esac\nexit 0\n')
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPU"}
+    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    calls = log.read_text()
+    assert result.returncode == 0, result.stderr
+    assert "torch==2.13.0" not in calls and "whl/cpu" not in calls
+    assert "setup:" not in result.stdout

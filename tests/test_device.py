@@ -1,10 +1,12 @@
 """What gptlite knows of the machine: the CPU's name and extensions, torch's threads fitted to the cores other
 work leaves free, and the one-time note of how long a run will take at the pace of its steps after the first."""
 
+import contextlib
 import platform
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 from gptlite import device, metrics
 from gptlite.device import CpuThreads, cpu_extensions, cpu_info, cpu_summary
 from gptlite.metrics import pace_note
-from tests.conftest import run_train, shared_file
+from tests.conftest import ROOT, run_train, shared_file
 
 
 def test_the_cpu_summary_names_the_model_its_cores_and_the_extensions_its_flags_list():
@@ -150,6 +152,76 @@ def test_the_pace_note_says_how_long_the_steps_left_take_only_when_that_is_long(
         "15.20 s a step after the first on this cpu (AMD EPYC, 2 cores, AVX2), 6.6 GiB of memory: the 1,748 steps"
     )
     assert "take about 7 h 22 min; --max_minutes=M caps a run" in note
+
+
+def test_the_pace_leaves_out_the_warm_up_and_a_thread_change_and_is_said_again_when_it_changes_2x():
+    """The quick start's case: a first step slow with allocation, steps at another pace until torch's thread count
+    follows another process (restart), then the run's own pace; later the other process leaves and the steps take
+    a third of the time: a new estimate. A change of less than 2x is no new estimate."""
+    from gptlite.metrics import PACE_STEPS, PaceEstimate
+
+    estimate = PaceEstimate(warm=1)
+    assert estimate.add(1, 30.0) is None  # the warm-up
+    assert [estimate.add(step, 0.5) for step in (2, 3)] == [None, None]  # two threads spinning beside a busy core
+    estimate.restart()  # the thread count changed after step 3
+    paces = [estimate.add(step, 0.06) for step in range(4, 4 + PACE_STEPS)]
+    assert paces[:-1] == [None] * (PACE_STEPS - 1) and paces[-1] == pytest.approx(0.06)
+    step = 4 + PACE_STEPS
+    for seconds in (0.1, 0.04, 0.11):  # within 2x of 0.06 either way (a window's mean): said once is enough
+        assert [estimate.add(s, seconds) for s in range(step, step + PACE_STEPS)] == [None] * PACE_STEPS
+        step += PACE_STEPS
+    assert [estimate.add(s, 0.02) for s in range(step, step + PACE_STEPS)][-1] == pytest.approx(0.02)
+    step += PACE_STEPS
+    assert [estimate.add(s, 0.045) for s in range(step, step + PACE_STEPS)][-1] == pytest.approx(0.045)
+    note = pace_note(0.02, 1000, "this cpu (X)", "", again=True)  # 20 s left: said, as it corrects an earlier note
+    assert note.startswith("the pace changed more than 2x: 0.02 s a step after the first on this cpu (X): the 1,000")
+
+
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        ("shakespeare_char_gpu.toml", "configs/shakespeare_char_cpu.toml is this recipe for a CPU"),
+        ("shakespeare_char_gpu_90s.toml", "configs/shakespeare_char_cpu_90s.toml is this recipe for a CPU"),
+        ("gpt2_124m.toml", "a smaller model, batch_size, total_batch_size or block_size makes it a CPU's"),
+        ("shakespeare_char_cpu.toml", None),
+        ("shakespeare_char_cpu_90s.toml", None),
+    ],
+)
+def test_a_gpus_recipe_on_the_cpu_says_so_at_start_up_and_names_the_cpus(config, said):
+    """The GPU recipe on a CPU once ran 50-s steps at 6.3 GiB before any word of it: a step of a GPU's size on the
+    CPU is said at start-up, with the recipe's CPU sibling where there is one; the CPU recipes say nothing."""
+    from gptlite.config import build_config, read_toml
+    from gptlite.metrics import CPU_STEP_FLOPS, cpu_step_note
+    from gptlite.model import GPT
+
+    path = Path("configs") / config
+    cfg = build_config({**read_toml(ROOT / path), "vocab_size": 65})
+    with torch.device("meta"):
+        flops = GPT(cfg.model).flops_per_token() * (cfg.total_batch_size or cfg.batch_size * cfg.model.block_size)
+    with contextlib.chdir(ROOT):
+        note = cpu_step_note(flops, str(path))
+    if said is None:
+        assert note is None and flops < CPU_STEP_FLOPS
+    else:
+        assert note.startswith(f"warning: a step here trains {flops:.2g} FLOPs, a GPU's size of step (more than 1e+11)")
+        assert note.endswith(f"this run is on the CPU, where each takes many times longer; {said}")
+
+
+def test_train_says_so_before_its_first_step(tmp_path, monkeypatch):
+    """train.py's line, at start-up: here every step counts as a GPU's (CPU_STEP_FLOPS 0), on the GPU recipe made
+    tiny."""
+    from data.shakespeare.prepare import main as prepare
+
+    assert prepare([f"--input={shared_file('data/tinyshakespeare.txt')}", f"--out_dir={tmp_path / 'data'}"]) == 0
+    monkeypatch.setattr(metrics, "CPU_STEP_FLOPS", 0)
+    args = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=2, eval_interval=2)
+    done = run_train(ROOT / "configs/shakespeare_char_gpu.toml", f"--data_dir={tmp_path / 'data'}",
+                     f"--out_dir={tmp_path / 'run'}", "--eval_iters=1", "--device=cpu", **args)  # fmt: skip
+    assert done.code == 0, done.err
+    lines = done.out.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("warning: a step here trains")]
+    assert lines[at].endswith(f"{ROOT / 'configs/shakespeare_char_cpu.toml'} is this recipe for a CPU")
+    assert at < min(i for i, line in enumerate(lines) if line.startswith("step "))  # before the first step's line
 
 
 def test_a_long_run_says_its_pace_after_the_first_steps(tmp_path, monkeypatch):

@@ -363,3 +363,34 @@ def test_cli_hugging_face_offline_is_one_line(tmp_path):
 def test_cli_needs_an_input():
     r = run("--out_dir", "anywhere")
     assert r.returncode == 2 and "give --input files or --hf_dataset" in r.stderr
+
+
+def test_hugging_face_offline_fails_at_once_where_the_hubs_name_does_not_resolve(tmp_path, monkeypatch):
+    """Offline, huggingface_hub retried a host whose name does not resolve for 26 s before the clear error; the
+    name is asked first, and the same error comes at once, nothing streamed. A dataset of local files asks nothing."""
+    datasets = pytest.importorskip("datasets")
+    import socket
+
+    from gptlite.prepare import sources
+
+    def unresolved(host, *args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    def no_stream(*args, **kwargs):
+        raise AssertionError("streamed from the Hub")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    monkeypatch.setattr(datasets, "load_dataset", no_stream)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    said = (
+        r"^could not reach Hugging Face dataset 'roneneldan/TinyStories' \(\S+ cannot be resolved: Name or service not "
+        r"known\); check the name and the network, or download its files and pass them with --input$"
+    )
+    with pytest.raises(ConnectionError, match=said):
+        prepare([], "byte", tmp_path / "out", hf_dataset="roneneldan/TinyStories", log=quiet)
+    assert sources.hub_unresolved().endswith("cannot be resolved: Name or service not known")
+    monkeypatch.undo()
+    src = write_jsonl(tmp_path / "docs.jsonl", records("content"))
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)  # a dataset of local files streams on without the Hub
+    manifest = prepare([str(src)], "byte", tmp_path / "local", text_field="content", hf_dataset="json", log=quiet)
+    assert manifest["sources"][0]["dataset"] == "json"

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,3 +217,72 @@ def test_each_readme_server_example_runs_as_written_on_the_readmes_models(index,
         finally:
             process.kill()
     assert "Traceback" not in log, log
+
+
+def quickstart_clone(root: Path) -> None:
+    """A checkout of the quick start's files at `root` (gptlite itself a link to this one), with a .venv whose
+    python is this one and whose pip installs nothing: setup.sh finds torch there and keeps it, offline."""
+    for name in ("train.py", "sample.py", "pyproject.toml"):
+        (root / name).write_text((ROOT / name).read_text())
+    for folder in ("scripts", "configs"):
+        (root / folder).mkdir()
+        for path in (ROOT / folder).iterdir():
+            (root / folder / path.name).write_text(path.read_text())
+    for script in ("data/prepare.py", "data/shakespeare/prepare.py"):
+        (root / script).parent.mkdir(parents=True, exist_ok=True)
+        (root / script).write_text((ROOT / script).read_text())
+    (root / "gptlite").symlink_to(ROOT / "gptlite")
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\ncase "$*" in "-m pip "*) exit 0;; esac\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+
+
+@pytest.mark.slow  # starts the quick start twice: set-up, preparation, training and sampling each
+def test_the_offline_quick_start_then_its_shakespeare_form_both_run_in_one_clone(tmp_path):
+    """The README's quick start offline (tiny Shakespeare cannot be downloaded: it trains on Python's standard
+    library), then its SHAKESPEARE= form in the same clone: each corpus trains in a folder of its own, so the second
+    does not meet the first's run (once: "cannot --resume the run in out/quickstart on other data", rc 2). A folder
+    left by the quick start before that, holding the standard library's run in out/quickstart, is moved aside
+    whole. Each run trains a few steps (train.py's arguments after the command)."""
+    quickstart = [c for c in bash_lines(README) if c.endswith("bash scripts/quickstart.sh")]
+    assert quickstart == ["bash scripts/quickstart.sh", "SHAKESPEARE=tinyshakespeare.txt bash scripts/quickstart.sh"]
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    quickstart_clone(clone)
+    (clone / "tinyshakespeare.txt").write_text(shared_file("data/tinyshakespeare.txt").read_text())
+    offline = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "http_proxy", "https_proxy")}
+    offline |= {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}  # nothing listens there
+    offline["OMP_NUM_THREADS"] = "1"  # the test's cost on a CPU that other tests share: no threads spinning
+    brief = " --max_iters=20 --eval_interval=20 --eval_iters=2"
+
+    def run(command: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(["bash", "-c", command + brief], cwd=clone, env=offline, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done
+
+    first = run(quickstart[0])
+    assert "training on Python's standard-library source" in first.stdout and "in out/quickstart_stdlib" in first.stdout
+    stdlib_run = clone / "out" / "quickstart_stdlib"
+    saved = sorted(p.name for p in stdlib_run.iterdir())
+    assert "ckpt_000020.pt" in saved
+
+    second = run(quickstart[1])
+    assert f"corpus: tiny Shakespeare from {clone / 'tinyshakespeare.txt'}" in second.stdout
+    assert json.loads((clone / "out/quickstart/run.json").read_text())["config"]["data_dir"] == "data/shakespeare_char"
+    assert (clone / "out/quickstart/ckpt_000020.pt").is_file()
+    assert sorted(p.name for p in stdlib_run.iterdir()) == saved  # the first run's folder, as it was
+
+    # the layout of the quick start before each corpus had a folder: the standard library's run in out/quickstart
+    shutil.rmtree(clone / "out" / "quickstart")
+    shutil.copytree(stdlib_run, clone / "out" / "quickstart", symlinks=True)
+    third = run(quickstart[1])
+    assert (
+        "quickstart: out/quickstart held a run on data/python_stdlib_char, not data/shakespeare_char: moved it to "
+        "out/quickstart.1 (nothing deleted)" in third.stdout
+    )
+    assert sorted(p.name for p in (clone / "out/quickstart.1").iterdir()) == saved
+    assert json.loads((clone / "out/quickstart/run.json").read_text())["config"]["data_dir"] == "data/shakespeare_char"

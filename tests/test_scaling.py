@@ -678,3 +678,99 @@ def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
     step_s = probe.step_seconds(steps=10, seconds=0.0)
     eval_s = probe.eval_seconds_per_token()
     assert step_s > 0 and eval_s > 0 and calls == [False] * 6
+
+
+def test_the_probe_takes_the_fastest_of_its_steps(monkeypatch):
+    """A burst of other work slows some of the probe's steps; the run's own steps are many, so the fastest timed step
+    is the step's time (once the mean of three, of which one slowed tenfold)."""
+    from types import SimpleNamespace
+
+    from gptlite.model import GPT
+    from gptlite.scaling import derive as derive_module
+
+    clock = SimpleNamespace(now=0.0, took=iter([5.0, 0.9, 0.1, 0.2]))  # the warm-up, then three timed steps
+    forward = GPT.forward
+
+    def timed(self, *args, **kwargs):
+        clock.now += next(clock.took)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", timed)
+    monkeypatch.setattr(derive_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    probe = Probe(recipe(24, 65, steps=100), "cpu")
+    assert probe.step_seconds(steps=3, seconds=10.0) == pytest.approx(0.1)
+
+
+def test_the_probe_times_its_steps_on_the_threads_the_run_settles_on(char_data, tmp_path, monkeypatch):
+    """Another process keeps one of two cores busy: train.py's threads follow it down to one, so the probe's steps
+    run on one thread too (two threads spinning beside a busy core once made the probe's step 8x the run's, and the
+    recipe chose a batch for a tenth of the steps the run took). torch's own count is back once the recipe is
+    derived, and the notes say what the probe saw; on a quiet machine the probe keeps torch's count."""
+    import torch
+
+    from gptlite import device
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    machine = {"now": 100.0, "busy": 1000.0, "others": 1.0}
+
+    def sleep(seconds):  # the other process works on while the probe waits
+        machine["now"] += seconds
+        machine["busy"] += machine["others"] * seconds
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(device.time, "monotonic", lambda: machine["now"])
+    monkeypatch.setattr(device, "cpu_times", lambda: (machine["busy"], 10.0))
+    monkeypatch.setattr(derive_module.time, "sleep", sleep)
+    monkeypatch.setattr(derive_module.time, "monotonic", lambda: machine["now"])
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
+    threads_seen = []
+    monkeypatch.setattr(
+        derive_module, "Probe", fake_probe(lambda keys: threads_seen.append(torch.get_num_threads()) or 0.05)
+    )
+    own = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
+        assert threads_seen and set(threads_seen) == {1} and torch.get_num_threads() == 2
+        said = "probe threads (the run's, once its own follow the other work): other processes kept 1.0 of 2 cores"
+        assert any(line.startswith(said + " busy: torch now computes on 1 thread") for line in notes)
+        machine["others"] = 0.0
+        threads_seen.clear()
+        _, notes = derive_module.derive("60s", str(char_data), 65, "cpu")
+        assert set(threads_seen) == {2} and not any(line.startswith("probe threads") for line in notes)
+    finally:
+        torch.set_num_threads(own)
+
+
+def test_a_time_budget_short_on_one_measurement_is_measured_again_before_refusal(char_data, tmp_path, monkeypatch):
+    """A burst of other work during the probe (once: the final evaluation priced at 93 s of a 90-s budget, refused,
+    where the run itself would have had time): the measurement is taken once more, and the budget runs on the one
+    that leaves more time. Slow both times, it is refused."""
+    from gptlite.scaling import derive as derive_module
+    from gptlite.scaling import laws as laws_module
+
+    monkeypatch.setattr(laws_module, "CACHE", tmp_path / "empty")
+    monkeypatch.setattr(derive_module, "process_age", lambda: 4.0)
+    val = derive_module.split_tokens(str(char_data), "val")
+    evaluations = iter([93.4, 8.0, 93.4, 93.4])  # seconds of final evaluation each measurement prices
+
+    class BurstProbe:
+        def __init__(self, keys, device):
+            self.eval_s = next(evaluations)
+
+        def step_seconds(self):
+            return 0.05
+
+        def eval_seconds_per_token(self):
+            return self.eval_s / (1.2 * val)
+
+    monkeypatch.setattr(derive_module, "Probe", BurstProbe)
+    given = {"batch_size": "6", "n_embd": "96"}  # one probe a measurement
+    keys, notes = derive_module.derive("90s", str(char_data), 65, "cpu", given=given)
+    trained = 90 - 4.0 - 8.0 - derive_module.MARGIN_S - 0.05
+    assert keys["max_minutes"] * 60 == pytest.approx(trained)
+    with pytest.raises(ValueError, match=r"^--budget=90s leaves -9\.0 s to train once start-up and the final "
+                                         r"evaluation \(93\.4 s\) are counted; give a larger budget$"):  # fmt: skip
+        derive_module.derive("90s", str(char_data), 65, "cpu", given=given)

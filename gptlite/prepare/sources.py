@@ -8,6 +8,8 @@ import functools
 import glob
 import json
 import os
+import socket
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -160,18 +162,43 @@ def read_parquet(path: str, row: int, field: str) -> Iterator[tuple[object, int]
                 yield batch.column(0).slice(max(0, row - (end - batch.num_rows))), end
 
 
+def hub_unresolved() -> str | None:
+    """Why the Hugging Face Hub's host (HF_ENDPOINT's) cannot be reached, where its name does not resolve (offline);
+    else None. Asked before a dataset is streamed from the Hub: huggingface_hub retries a name that does not resolve
+    for tens of seconds before it gives up."""
+    from huggingface_hub import constants
+
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror as e:
+        return f"{host} cannot be resolved: {e.strerror}"
+    return None
+
+
+def hub_unreachable(name: str, why: str) -> ConnectionError:
+    return ConnectionError(
+        f"could not reach Hugging Face dataset '{name}' ({why}); check the name and the network, or download its "
+        "files and pass them with --input"
+    )
+
+
 def load_hf_dataset(source: dict):
     """A Hugging Face dataset in streaming mode (data_files, if given, are local JSONL/Parquet files)."""
     datasets = need("datasets", "data", "Hugging Face input")
     data_files = [f["path"] for f in source.get("data_files", [])] or None
     name = source["dataset"]
+    # a dataset of the Hub's, streamed: offline (HF_HUB_OFFLINE) datasets says so at once, itself
+    from_hub = data_files is None and not os.path.isdir(name) and not datasets.config.HF_HUB_OFFLINE
+    why = hub_unresolved() if from_hub else None
+    if why:
+        raise hub_unreachable(name, why)
     try:
         return datasets.load_dataset(name, source["name"], split=source["split"], data_files=data_files, streaming=True)
     except ConnectionError as e:
-        raise ConnectionError(
-            f"could not reach Hugging Face dataset '{name}' ({e}); check the name and the network, or download "
-            "its files and pass them with --input"
-        ) from None
+        raise hub_unreachable(name, str(e)) from None
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"could not load Hugging Face dataset '{name}' ({e})") from None
 

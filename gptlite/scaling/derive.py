@@ -5,6 +5,11 @@ size for the budget; the recipe family (gptlite.scaling.recipe) gives the rest f
 decides is measured, not assumed: a few training steps of the chosen model on random tokens (`Probe`) give its step
 time here, which sets the step count (and with it Muon's momentum and, for a run of few steps, the batch), and for a
 time budget the share left for training once start-up and the final evaluation are counted.
+
+On a CPU that other processes share, the probe times what the run will see: its steps run on the thread count
+train.py's own will settle on (`ProbeThreads`: torch's threads spinning beside a busy core made every step many times
+slower than the run's), the fastest of its timed steps is the step's time (a burst of other work makes some slower),
+and a time budget that seems to leave too little to train is measured once more before it is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from gptlite.scaling.recipe import (
 )
 
 MARGIN_S = 1.5  # seconds a time budget keeps back for saving the checkpoint and the process's exit
+LOAD_WINDOW = 0.5  # seconds over which the other processes' work is measured before a probe picks its threads
 FRESH_EPOCHS = 4  # passes over the data that train about as well as new tokens (Muennighoff et al. 2023)
 
 
@@ -102,11 +108,12 @@ class Probe:
 
     def step_seconds(self, steps: int = 3, seconds: float = 1.0) -> float:
         """Seconds a training step takes here: its loss computed as train.py computes it (the head and the
-        cross-entropy in chunks), one step to warm up, then the mean of `steps`, or of fewer once the measured ones
-        have taken `seconds` (a step of a large vocabulary's head takes a second or more on a CPU)."""
+        cross-entropy in chunks), one step to warm up, then the fastest of `steps`, or of fewer once the measured
+        ones have taken `seconds` (a step of a large vocabulary's head takes a second or more on a CPU). The fastest,
+        not the mean: a burst of other work slows some steps, and the run's own steps are many more."""
         self.model.train()
         elapsed = 0.0
-        measured = 0
+        fastest = math.inf
         for i in range(steps + 1):
             start = time.perf_counter()
             _, loss = self.model(self.x, self.x, return_logits=not self.cfg.chunked_loss)
@@ -116,11 +123,12 @@ class Probe:
                 optimizer.zero_grad(set_to_none=True)
             synchronize(self.device)
             if i:
-                elapsed += time.perf_counter() - start
-                measured += 1
+                took = time.perf_counter() - start
+                elapsed += took
+                fastest = min(fastest, took)
                 if elapsed >= seconds:
                     break
-        return elapsed / measured
+        return fastest
 
     def eval_seconds_per_token(self, forwards: int = 3) -> float:
         """Seconds the final evaluation takes per token here: the median of `forwards` forwards of the batch without
@@ -139,6 +147,42 @@ class Probe:
                 synchronize(self.device)
                 times.append(time.perf_counter() - start)
         return statistics.median(times[1:]) / self.x.numel()
+
+
+class ProbeThreads:
+    """torch's CPU thread count while the probes run: the count train.py's own (gptlite.device.CpuThreads) settles
+    on under the work other processes do now, so that a probe times a step as the run will take it. torch's
+    threads wait for each other by spinning, and beside a busy core every step at the full count was many times
+    slower than the run's own once its count had followed. `fit()`, before each measurement, measures the other
+    work over at least LOAD_WINDOW seconds (waiting out what is left of them) and sets the count; `restore()` gives
+    torch its own count back, which the run starts from. Nothing changes where train.py's count does not follow the
+    load either: on a GPU, under torchrun (RANK set), where the count is the user's (OMP_NUM_THREADS) or where the
+    load cannot be read."""
+
+    def __init__(self, device: str):
+        import torch
+
+        from gptlite.device import CpuThreads
+
+        self.own = torch.get_num_threads()
+        self.cpu = CpuThreads() if device == "cpu" and "RANK" not in os.environ else None
+
+    def fit(self) -> str | None:
+        """Measure the other work and fit the count to it; a line when the probe's count is not torch's own."""
+        if self.cpu is None or not self.cpu.active:
+            return None
+        since = time.monotonic() - self.cpu.last[0]
+        if since < LOAD_WINDOW:
+            time.sleep(LOAD_WINDOW - since)
+        note = self.cpu.update(window=LOAD_WINDOW)
+        if self.cpu.threads == self.own or not note:
+            return None
+        return f"probe threads (the run's, once its own follow the other work): {note}"
+
+    def restore(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.own)
 
 
 def synchronize(device: str) -> None:
@@ -200,13 +244,17 @@ def derive(
     from gptlite.shards import find_shards
 
     budget = parse_budget(budget_text)
+    threads = ProbeThreads(device)  # from here on, the other processes' work is measured
     fingerprint = data_identity(find_shards(data_dir, "train"), "text")["data"]
     laws, source = find_laws(fingerprint, vocab_size, laws_file)
     notes = [f"--budget={budget.text}: from {source}"]
-    if budget.kind == "seconds":
-        keys, steps = for_time(budget, laws, data_dir, vocab_size, device, given, notes)
-    else:
-        keys, steps = for_compute(budget, laws, vocab_size, device, given, notes)
+    try:
+        if budget.kind == "seconds":
+            keys, steps = for_time(budget, laws, data_dir, vocab_size, device, given, notes, threads)
+        else:
+            keys, steps = for_compute(budget, laws, vocab_size, device, given, notes, threads)
+    finally:
+        threads.restore()
     repeated = repetition_note(steps * step_tokens({**keys, **given}), data_dir)
     if repeated:
         notes.append(repeated)
@@ -245,14 +293,22 @@ def derive(
 
 
 def for_time(
-    budget: Budget, laws: dict, data_dir: str, vocab_size: int, device: str, given: dict, notes: list[str]
+    budget: Budget,
+    laws: dict,
+    data_dir: str,
+    vocab_size: int,
+    device: str,
+    given: dict,
+    notes: list[str],
+    threads: ProbeThreads,
 ) -> tuple[dict, int]:
     """A time budget: the size the law gives for the training time left, the step time measured here (of the model
     with the `given` keys over the recipe's), at fewer windows a step where the family's batch would leave fewer
     than STEP_FLOOR steps (unless the batch is given), and the final evaluation's time at the chosen batch. The
     size is chosen first for a rough training time (before the evaluation is priced); where the time left once it
-    is gives another width, that width is measured again and kept. Returns (the keys, the steps expected in that
-    time)."""
+    is gives another width, that width is measured again and kept. A measurement that leaves too little to train is
+    taken once more (a burst of other work may have slowed it), and the budget is refused only if that one does too.
+    Returns (the keys, the steps expected in that time)."""
     rough = budget.amount - process_age() - 3.0  # before the model is known: start-up and a few seconds' evaluation
     if rough < 5:
         raise ValueError(f"--budget={budget.text} leaves {rough:.1f} s to train after start-up; give at least 15s")
@@ -261,6 +317,9 @@ def for_time(
     def measured(width: int) -> tuple[int, float, float | None, float, float]:
         """(windows a step, step seconds, the family's steps or None, training seconds, evaluation seconds) of
         `width` here."""
+        fitted = threads.fit()
+        if fitted and fitted not in notes:
+            notes.append(fitted)
         if batch_given(given):
             windows, full_steps = FULL_WINDOWS, None
             probe = Probe({**recipe(width, vocab_size, steps=1, seconds=rough), **given}, device)
@@ -285,13 +344,20 @@ def for_time(
                 f"({eval_s:.1f} s) are counted; give a larger budget"
             )
 
+    def measured_twice_if_short(width: int) -> tuple[int, float, float | None, float, float]:
+        """measured(width), and where that leaves too little to train, measured again: the one that leaves more."""
+        first = measured(width)
+        if first[3] >= 5:
+            return first
+        return max(first, measured(width), key=lambda m: m[3])
+
     width = nearest_width(size_at(laws, rough)[0])
-    windows, step_s, full_steps, seconds, eval_s = measured(width)
+    windows, step_s, full_steps, seconds, eval_s = measured_twice_if_short(width)
     check_left(seconds, eval_s)
     for_seconds = nearest_width(size_at(laws, seconds)[0])
     if for_seconds != width and "n_embd" not in given:  # one more measurement: the time left decides the width
         width = for_seconds
-        windows, step_s, full_steps, seconds, eval_s = measured(width)
+        windows, step_s, full_steps, seconds, eval_s = measured_twice_if_short(width)
         check_left(seconds, eval_s)
     steps = int(seconds / step_s)
     keys = recipe(width, vocab_size, steps=steps, seconds=seconds, windows=windows)
@@ -352,7 +418,7 @@ def batch_given(given: dict) -> bool:
 
 
 def for_compute(
-    budget: Budget, laws: dict, vocab_size: int, device: str, given: dict, notes: list[str]
+    budget: Budget, laws: dict, vocab_size: int, device: str, given: dict, notes: list[str], threads: ProbeThreads
 ) -> tuple[dict, int]:
     """A FLOPs or tokens budget: the size the law gives for the FLOPs (for tokens: the FLOPs whose optimal run
     trains on that many), the step count from the tokens (at fewer windows a step where the family's batch would
@@ -378,6 +444,9 @@ def for_compute(
     per_step = step_tokens({**recipe(width, vocab_size, steps=1, windows=windows), **given})
     steps = max(1, math.ceil(tokens / per_step))
     keys = recipe(width, vocab_size, steps=steps, windows=windows)
+    fitted = threads.fit()
+    if fitted:
+        notes.append(fitted)
     step_s = Probe({**keys, **given}, device).step_seconds()
     notes.append(
         f"model: width {width}, {keys['n_layer']} layer(s), {keys['n_head']} heads ({block_params(width) / 1e6:.3g}M "
