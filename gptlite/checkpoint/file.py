@@ -150,7 +150,8 @@ def verify_checkpoint(path: str | Path) -> str | None:
     broken = broken_record(real)
     if broken is not None:
         raise ValueError(
-            f"checkpoint {path} is damaged: {problem}, and {broken} (cut short or changed after it was saved)"
+            f"checkpoint {path} is damaged: {problem}, and {broken}; it was cut short or changed after it was "
+            "saved, or is not a gptlite checkpoint"
         )
     return f"checkpoint {path} is whole (every record holds its CRC-32) though {problem}: the checkpoint is kept"
 
