@@ -328,6 +328,22 @@ def test_compile_unavailable_warns_and_trains_uncompiled(data, tmp_path, monkeyp
     assert compile_unavailable("cpu").startswith("not supported on Python")
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
+@pytest.mark.parametrize(
+    "cxx, why",
+    [
+        ("/bin/true", "the C++ compiler '/bin/true' exited 0 on a one-line program but wrote no library"),
+        ("/bin/false", "the C++ compiler '/bin/false' failed on a one-line program (exit status 1)"),
+    ],
+)
+def test_a_broken_cpu_compiler_warns_and_trains_uncompiled(cxx, why, data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CXX", cxx)
+    summary = run_train(*config(data, tmp_path, max_iters=2, eval_interval=2, compile=True))
+    assert summary["step"] == 2
+    line = f"warning: torch.compile is unavailable ({why}; set CXX to a working C++ compiler); training uncompiled"
+    assert line in capsys.readouterr().out.splitlines()
+
+
 def test_a_cuda_device_always_gets_an_index(monkeypatch):
     """torch.cuda.set_device refuses a plain 'cuda' (the first GPU run failed on it)."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
