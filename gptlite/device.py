@@ -79,11 +79,11 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> str:
 
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", name):
+    if not re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", name):
         raise ValueError(f"device={name!r} is not a device gptlite runs on; use auto, cpu, cuda, cuda:N or mps")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={name} but CUDA is not available here; use --device=cpu or --device=auto")
-    if name == "mps" and not torch.backends.mps.is_available():
+    if name.startswith("mps") and not torch.backends.mps.is_available():
         # torch.device("mps") is accepted everywhere and fails only at the first tensor moved there, deep in the load
         raise ValueError(
             f"device={name} but MPS (Apple's GPU) is not available here; use --device=cpu or --device=auto"

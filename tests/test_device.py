@@ -92,6 +92,10 @@ def test_an_mps_device_that_is_not_there_is_a_one_line_error(monkeypatch):
         device.pick_device("mps")
 
 
+def test_a_cpu_with_an_index_is_still_taken():
+    assert device.pick_device("cpu:0") == "cpu:0"  # torch's spelling, which --device took before
+
+
 @pytest.mark.parametrize("name", ["tpu", "gpu", "cuda:x", "CPU", ""])
 def test_a_device_name_gptlite_does_not_run_on_is_a_one_line_error(name):
     with pytest.raises(ValueError, match=f"device={name!r} is not a device gptlite runs on; use auto, cpu, cuda"):
