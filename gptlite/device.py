@@ -10,13 +10,18 @@ only read options (data preparation) start without it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import platform
+import re
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,8 +79,15 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> str:
 
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if not re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", name):
+        raise ValueError(f"device={name!r} is not a device gptlite runs on; use auto, cpu, cuda, cuda:N or mps")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={name} but CUDA is not available here; use --device=cpu or --device=auto")
+    if name.startswith("mps") and not torch.backends.mps.is_available():
+        # torch.device("mps") is accepted everywhere and fails only at the first tensor moved there, deep in the load
+        raise ValueError(
+            f"device={name} but MPS (Apple's GPU) is not available here; use --device=cpu or --device=auto"
+        )
     if name == "cuda":
         name = f"cuda:{local_rank if 'RANK' in os.environ else torch.cuda.current_device()}"
     return name
@@ -131,7 +143,33 @@ def compile_unavailable(device_type: str) -> str | None:
         return None if has_triton() else "Triton is not installed"
     if device_type == "cpu":
         cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
-        return None if shutil.which(cxx) else f"no C++ compiler '{cxx}' for its CPU kernels (set CXX)"
+        if not shutil.which(cxx):
+            return f"no C++ compiler '{cxx}' for its CPU kernels (set CXX)"
+        return cpu_compiler_problem(cxx)
+    return None
+
+
+@functools.cache
+def cpu_compiler_problem(cxx: str) -> str | None:
+    """Why `cxx` cannot build torch.compile's CPU kernels, None where it builds a one-line shared library: a program
+    that exits 0 and writes nothing (CXX=/bin/true) or one that fails would otherwise end the first compiled step
+    in a traceback from deep inside torch's inductor."""
+    fix = "set CXX to a working C++ compiler"
+    try:
+        with tempfile.TemporaryDirectory(prefix="gptlite-cxx-") as folder:
+            library = Path(folder) / "probe.so"
+            command = [cxx, "-x", "c++", "-shared", "-fPIC", "-o", str(library), "-"]
+            done = subprocess.run(command, input=b"int probe() { return 0; }\n", capture_output=True, timeout=120)
+            if done.returncode != 0:
+                lines = done.stderr.decode(errors="replace").strip().splitlines()
+                said = lines[-1][:200] if lines else f"exit status {done.returncode}"
+                return f"the C++ compiler '{cxx}' failed on a one-line program ({said}); {fix}"
+            if not library.is_file():
+                return f"the C++ compiler '{cxx}' exited 0 on a one-line program but wrote no library; {fix}"
+    except subprocess.TimeoutExpired:
+        return f"the C++ compiler '{cxx}' took over 120 s on a one-line program; {fix}"
+    except OSError as e:  # it could not be started, or no temporary folder could be written
+        return f"the C++ compiler '{cxx}' could not build a one-line program ({e.strerror or e}); {fix}"
     return None
 
 

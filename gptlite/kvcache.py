@@ -12,6 +12,7 @@ it is an `AttentionCache` too, takes its buffers from `kv_buffers`, and runs thr
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -193,6 +194,7 @@ _compiled: dict[str, Callable] = {}  # device type -> decode_step through torch.
 _frozen_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its weights' version
 _compiled_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the shapes compiled for it
 _static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled step's cache
+_compile_failed: dict[str, str] = {}  # device type -> why its compiler failed (the step then runs uncompiled)
 # inductor settings for the CPU decode step (see compiled_decode_step); the last two keep the autotuning quiet
 CPU_COMPILE = {
     "freezing": True,
@@ -244,12 +246,34 @@ def compiled_decode_step(model: GPT) -> Callable:
         shape = (tuple(token.shape), cache.max_len, weight.dtype)
         if shape in compiled_shapes:  # compiled already: skip the settings patch, a cost on every step otherwise
             return step(model, token, cache)
-        with torch._inductor.config.patch(settings):  # read when a call compiles
-            logits = step(model, token, cache)
+        if kind in _compile_failed:
+            return decode_step(model, token, cache)
+        try:
+            with torch._inductor.config.patch(settings):  # read when a call compiles
+                logits = step(model, token, cache)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            # inductor's own build failed (its C++ compiler, $CXX, missing or broken, a full or read-only temporary
+            # folder): compiling is a speed-up, so the step runs uncompiled, as compile=False runs it
+            return uncompiled_step(kind, e, model, token, cache)
         compiled_shapes.add(shape)
         return logits
 
     return tuned_step
+
+
+def uncompiled_step(kind: str, error: Exception, model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """decode_step, for every step on this device type from now on, after torch.compile failed on it; says why in
+    one line, once. Nothing was written into the cache: a compile fails before the step runs."""
+    inner = getattr(error, "inner_exception", None) or error.__cause__ or error  # what the backend raised
+    cause = str(inner).strip().splitlines()
+    _compile_failed[kind] = f"{type(inner).__name__}: {cause[0]}" if cause else type(inner).__name__
+    warnings.warn(
+        f"gptlite: compile=True: torch.compile failed on this {kind} ({_compile_failed[kind][:300]}); decoding "
+        "uncompiled instead. Check the C++ compiler torch uses ($CXX, else g++) and its temporary folder, or leave "
+        "--compile out",
+        stacklevel=2,
+    )
+    return decode_step(model, token, cache)
 
 
 def reset_compiled() -> None:
@@ -259,6 +283,7 @@ def reset_compiled() -> None:
     _frozen_versions.clear()
     _compiled_shapes.clear()
     _static_caches.clear()
+    _compile_failed.clear()
 
 
 def static_cache(model: GPT, cache: KVCache) -> KVCache:

@@ -882,7 +882,8 @@ class GPT(nn.Module):
         if wrong is not None:
             raise ValueError(
                 f"{source}: tensor {wrong} has shape {tuple(state[wrong].shape)} but the config describes "
-                f"{tuple(expected[wrong].shape)}; the config and the weights do not belong together"
+                f"{tuple(expected[wrong].shape)}; the config and the weights do not belong together: put back the "
+                "config saved with these weights, or download or save the model again"
             )
         cast = next(
             (k for k, v in state.items() if expected[k].is_floating_point() and not v.is_floating_point()), None

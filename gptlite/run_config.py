@@ -132,7 +132,10 @@ def check_resume(values: dict[str, Any], saved: dict[str, Any], out_dir: str, ho
     was derived from, the optimizer (the checkpoint holds its state)."""
     changed = [f"{k}={v} ({holder} has {old})" for k, v, old in model_changes(values, saved)]
     if changed:
-        raise ValueError(f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}")
+        raise ValueError(
+            f"cannot change the model shape on --resume from {out_dir}: {', '.join(changed)}; drop those flags to go "
+            "on with the run's own, or start a new run in another --out_dir"
+        )
     lora = [
         f"{k}={values[k]} ({holder} has {saved.get(k)})"
         for k in ("lora_rank", "lora_targets", "init_from")

@@ -76,7 +76,10 @@ def read_shard(path: str | Path) -> np.memmap:
         raise FileNotFoundError(f"shard {path} does not exist")
     size = path.stat().st_size
     if size < HEADER_BYTES:
-        raise ValueError(f"shard {path} is truncated: {size} bytes is smaller than the {HEADER_BYTES}-byte header")
+        raise ValueError(
+            f"shard {path} is truncated: {size} bytes is smaller than the {HEADER_BYTES}-byte header; prepare the "
+            "data again"
+        )
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     magic, version, count = int(header[0]), int(header[1]), int(header[2])
     if magic not in FORMATS:

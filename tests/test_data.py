@@ -112,7 +112,7 @@ def test_negative_count_is_rejected(tmp_path):
 def test_too_short_for_a_header(tmp_path, size):
     path = tmp_path / "tiny.bin"
     path.write_bytes(header_bytes(20240520, 1, 0)[:size])
-    with pytest.raises(ValueError, match=rf"truncated: {size} bytes is smaller than the 1024-byte header"):
+    with pytest.raises(ValueError, match=rf"truncated: {size} bytes is smaller than the 1024-byte header; prepare the"):
         read_shard(path)
 
 

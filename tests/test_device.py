@@ -88,6 +88,22 @@ def huge_pages_possible() -> bool:
     return release >= (6, 1) and "[never]" not in setting
 
 
+def test_an_mps_device_that_is_not_there_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device=mps but MPS .* is not available here; use --device=cpu"):
+        device.pick_device("mps")
+
+
+def test_a_cpu_with_an_index_is_still_taken():
+    assert device.pick_device("cpu:0") == "cpu:0"  # torch's spelling, which --device took before
+
+
+@pytest.mark.parametrize("name", ["tpu", "gpu", "cuda:x", "CPU", ""])
+def test_a_device_name_gptlite_does_not_run_on_is_a_one_line_error(name):
+    with pytest.raises(ValueError, match=f"device={name!r} is not a device gptlite runs on; use auto, cpu, cuda"):
+        device.pick_device(name)
+
+
 def test_huge_pages_back_a_large_tensor_in_place_and_keep_its_contents():
     tensor = torch.randn(5 * device.HUGE_PAGE // 4 + 123)  # 5 MiB and a bit: two or three whole huge pages inside
     before = tensor.clone()

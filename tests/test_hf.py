@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_checkpoint
@@ -220,6 +220,43 @@ def test_checkpoints_gptlite_cannot_hold_are_refused_in_one_line(tmp_path, make,
     make().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         GPT.from_pretrained(str(tmp_path))
+
+
+def without_a_tensor(state: dict, config: dict) -> None:
+    del state["model.layers.1.mlp.up_proj.weight"]
+
+
+def untied_in_the_config(state: dict, config: dict) -> None:
+    config["tie_word_embeddings"] = False  # the file holds no lm_head.weight: it was saved tied
+
+
+def with_an_extra_tensor(state: dict, config: dict) -> None:
+    state["model.layers.0.extra.weight"] = torch.zeros(3)
+
+
+def with_a_head_of_its_own(state: dict, config: dict) -> None:
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1.0  # though the config ties them
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (without_a_tensor, r"the checkpoint has no model.layers.1.mlp.up_proj.weight, which a LlamaForCausalLM of 2"),
+        (untied_in_the_config, r"the checkpoint has no lm_head.weight, which a LlamaForCausalLM of 2 layers needs"),
+        (with_an_extra_tensor, r"the checkpoint has weights a LlamaForCausalLM of gptlite's kind does not: model."),
+        (with_a_head_of_its_own, r"the checkpoint's lm_head.weight differs from its token embedding though its"),
+    ],
+)
+def test_weights_that_do_not_match_the_config_are_refused_naming_the_folder_and_the_fix(tmp_path, edit, message):
+    hf_llama().save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(state, config)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: {message}.*(: download|: set) ") as e:
+        GPT.from_pretrained(str(tmp_path))
+    assert "download" in str(e.value)
 
 
 def test_a_smaller_block_size_crops_the_learned_positions(saved):

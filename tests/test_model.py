@@ -332,3 +332,12 @@ def test_activation_checkpointing_keeps_only_the_blocks_inputs():
             model(randint(97, (2, 24)), randint(97, (2, 24)))[1].backward()
         counts.append(sum(saved))
     assert counts[1] < counts[0] / 2, counts
+
+
+def test_weights_of_another_shape_are_refused_naming_the_tensor_and_the_fix():
+    model = tiny_model()
+    state = dict(model.state_dict())
+    state["tok_emb.weight"] = state["tok_emb.weight"][:-1]
+    message = r"^saved: tensor tok_emb.weight has shape \(\d+, \d+\) but the config describes .*: put back the config"
+    with pytest.raises(ValueError, match=message + r" saved with these weights, or download or save the model again$"):
+        model.check_state(state, "saved")

@@ -116,6 +116,13 @@ def test_a_library_that_crashes_is_refused_and_the_caller_goes_on(tmp_path):
     assert why.startswith(f"checking {library} failed (") and why.count("\n") == 0
 
 
+def test_a_cxx_with_flags_is_refused_naming_it_and_the_fix(monkeypatch):
+    monkeypatch.setenv("CXX", "c++ -O0")
+    assert native.load_or_say_why() == (
+        "CXX='c++ -O0' is not one program: gptlite runs $CXX alone, without flags; set CXX to the compiler's path"
+    )
+
+
 def test_without_a_compiler_or_when_disabled_the_reason_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert (

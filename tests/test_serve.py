@@ -811,6 +811,26 @@ def test_options_are_checked(capsys):
         ServeOptions(model="run", max_batch=0)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
+def test_a_broken_cpu_compiler_serves_uncompiled_with_a_warning(monkeypatch, capsys):
+    from gptlite.kvcache import decode_step
+    from gptlite.serve.__main__ import build
+    from tests.conftest import tiny_model
+    from tests.serving import CHARS, TemplateTokenizer
+
+    monkeypatch.setenv("CXX", "/bin/true")
+    monkeypatch.setattr("gptlite.checkpoint.load_model", lambda **kw: (tiny_model(), TemplateTokenizer(CHARS)))
+    engine, _ = build(ServeOptions(model="tiny", device="cpu", compile=True))
+    try:
+        assert engine.step is decode_step
+    finally:
+        engine.close()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "gptlite.serve: warning: torch.compile is unavailable (the C++ compiler '/bin/true' exited 0 on a one-line "
+        "program but wrote no library; set CXX to a working C++ compiler); serving uncompiled"
+    )
+
+
 @pytest.mark.slow  # starts processes or compiles: left out by -m 'not slow'
 def test_the_command_serves_with_a_key_and_a_stalled_upload_does_not_hold_sigterm(tmp_path):
     """python -m gptlite.serve --out_dir=RUN, its key from GPTLITE_API_KEY: a wrong key gets a 401, the right one a

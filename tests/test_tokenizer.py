@@ -219,7 +219,9 @@ def test_missing_tokenizer_json(tmp_path):
 def test_invalid_tokenizer_json(tmp_path):
     path = tmp_path / "t.json"
     path.write_text("{not json")
-    with pytest.raises(ValueError, match=r"t\.json is not valid JSON"):
+    with pytest.raises(
+        ValueError, match=r"t\.json is not valid JSON: .*; put back an intact copy .* or pass --tokenizer$"
+    ):
         load_tokenizer(path)
     path.write_text(json.dumps({"type": "sentencepiece"}))
     with pytest.raises(ValueError, match=r"t\.json has unknown tokenizer type 'sentencepiece'"):

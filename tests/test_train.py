@@ -328,6 +328,22 @@ def test_compile_unavailable_warns_and_trains_uncompiled(data, tmp_path, monkeyp
     assert compile_unavailable("cpu").startswith("not supported on Python")
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
+@pytest.mark.parametrize(
+    "cxx, why",
+    [
+        ("/bin/true", "the C++ compiler '/bin/true' exited 0 on a one-line program but wrote no library"),
+        ("/bin/false", "the C++ compiler '/bin/false' failed on a one-line program (exit status 1)"),
+    ],
+)
+def test_a_broken_cpu_compiler_warns_and_trains_uncompiled(cxx, why, data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CXX", cxx)
+    summary = run_train(*config(data, tmp_path, max_iters=2, eval_interval=2, compile=True))
+    assert summary["step"] == 2
+    line = f"warning: torch.compile is unavailable ({why}; set CXX to a working C++ compiler); training uncompiled"
+    assert line in capsys.readouterr().out.splitlines()
+
+
 def test_a_cuda_device_always_gets_an_index(monkeypatch):
     """torch.cuda.set_device refuses a plain 'cuda' (the first GPU run failed on it)."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
@@ -356,7 +372,8 @@ def test_every_variant_trains_and_resumes_exactly(data, tmp_path, name):
 def test_resume_refuses_another_architecture(data, tmp_path):
     run_train(*config(data, tmp_path, max_iters=1, eval_interval=1, pos_emb="rope"))
     for change in ("--norm=rmsnorm", "--ffn=gelu", "--rope_theta=500", "--pos_emb=learned"):
-        with pytest.raises(ValueError, match=rf"cannot change the model shape on --resume .*{change[2:]}"):
+        refused = rf"cannot change the model shape on --resume .*{change[2:]}.*; drop those flags to go on with the run"
+        with pytest.raises(ValueError, match=refused + r"'s own, or start a new run in another --out_dir$"):
             resolve_config(resume(tmp_path, change))
 
 

@@ -444,7 +444,9 @@ def to_gptlite(
         missing = [t for t in theirs if t not in names]
         if missing:
             raise ValueError(
-                f"the checkpoint has no {missing[0]}, which a {family.architecture} of {config.n_layer} layers needs"
+                f"{weights.directory}: the checkpoint has no {missing[0]}, which a {family.architecture} of "
+                f"{config.n_layer} layers needs; its weights are incomplete or do not match its config.json "
+                "(tie_word_embeddings, num_hidden_layers): download or save the model again"
             )
         state[ours] = read_fused(weights, [names[t] for t in theirs], transposed, dtype)
         used.update(theirs)
@@ -454,15 +456,17 @@ def to_gptlite(
         head = weights.pop(names["lm_head.weight"])
         if not torch.equal(head.to(state["tok_emb.weight"].dtype), state["tok_emb.weight"]):
             raise ValueError(
-                "the checkpoint's lm_head.weight differs from its token embedding though its config ties "
-                "them (tie_word_embeddings)"
+                f"{weights.directory}: the checkpoint's lm_head.weight differs from its token embedding though its "
+                "config.json ties them (tie_word_embeddings): set tie_word_embeddings to false there, or download "
+                "the model again"
             )
         used.add("lm_head.weight")
     unknown = sorted(n for n in names if n not in used and not n.endswith(BUFFERS))
     if unknown:
         raise ValueError(
-            f"the checkpoint has weights a {family.architecture} of gptlite's kind does not: "
-            f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}"
+            f"{weights.directory}: the checkpoint has weights a {family.architecture} of gptlite's kind does not: "
+            f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}; its config.json does not describe "
+            "them (a variant gptlite cannot hold, or a damaged config.json): download or save the model again"
         )
     if config.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]

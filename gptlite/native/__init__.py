@@ -163,8 +163,13 @@ def prepare_and_load() -> str:
     if not wanted:
         return f"{DISABLE_ENV}={setting}"
     cxx = compiler()
+    named = os.environ.get("CXX") or "c++"
+    if cxx is None and len(named.split()) > 1:  # make's CXX may carry flags or a wrapper; this runs one program
+        return (
+            f"CXX={named!r} is not one program: gptlite runs $CXX alone, without flags; set CXX to the compiler's path"
+        )
     if cxx is None:
-        return f"no C++ compiler: {os.environ.get('CXX') or 'c++'} was not found; install one (g++) or set CXX"
+        return f"no C++ compiler: {named} was not found; install one (g++) or set CXX"
     path = library_path(cxx)
     why = ready(cxx, path)
     if why:

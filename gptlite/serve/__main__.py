@@ -27,7 +27,7 @@ from pathlib import Path
 
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
-from gptlite.device import pick_device, pick_dtype
+from gptlite.device import compile_unavailable, pick_device, pick_dtype
 from gptlite.extras import need_extra
 from gptlite.files import error
 from gptlite.serve.policy import Policy, is_loopback
@@ -145,8 +145,15 @@ def build(options: ServeOptions):
         model.quantize(options.quantize)
     if device == "cpu":
         native.load_for_command("gptlite.serve")  # the kernels' first build at start-up, not in the first request
+    compile = options.compile
+    unavailable = compile_unavailable(device.split(":")[0]) if compile else None
+    if unavailable:  # a speed-up: every request would otherwise end in the compiler's error
+        print(
+            f"gptlite.serve: warning: torch.compile is unavailable ({unavailable}); serving uncompiled", file=sys.stderr
+        )
+        compile = False
     engine = Engine(
-        model, tokenizer, options.max_batch, options.max_len or None, options.compile, options.prefix_cache_mb
+        model, tokenizer, options.max_batch, options.max_len or None, compile, options.prefix_cache_mb
     ).start()
     name = options.model_name or Path(options.model).resolve().name or options.model
     waiting = options.max_batch if options.max_waiting == -1 else options.max_waiting

@@ -121,7 +121,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         d = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"tokenizer file {file} is not valid JSON: {e}") from None
+        raise ValueError(
+            f"tokenizer file {file} is not valid JSON: {e}; put back an intact copy (a run's comes from its data "
+            "folder, a Hugging Face model's from its hub repository) or pass --tokenizer"
+        ) from None
     if is_hf_tokenizer_json(d):
         return load_hf_tokenizer(file)
     return tokenizer_from_dict(d, str(file))

@@ -1,0 +1,39 @@
+"""The KV cache's decode step through torch.compile when the compiler fails: the step runs uncompiled, says so once,
+and decodes what compile=False decodes."""
+
+import sys
+import weakref
+
+import pytest
+import torch
+
+from gptlite.generate import generate
+from tests.conftest import tiny_model
+
+
+@pytest.fixture
+def failing_compiler(monkeypatch):
+    """compile=True on the CPU with a backend that fails as inductor does when its C++ compiler ($CXX) writes no
+    library: dynamo raises BackendCompilerFailed at the first call of each shape."""
+    module = sys.modules["gptlite.kvcache"]
+    torch._dynamo.reset()
+
+    def backend(graph, example_inputs):
+        raise OSError("main.so: cannot open shared object file: No such file or directory")
+
+    compiled = {"cpu": torch.compile(module.decode_step, backend=backend, fullgraph=True, dynamic=False)}
+    monkeypatch.setattr(module, "_compiled", compiled)
+    monkeypatch.setattr(module, "_frozen_versions", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(module, "_compiled_shapes", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(module, "_static_caches", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(module, "_compile_failed", {})
+
+
+def test_a_failing_compiler_decodes_uncompiled_and_says_so_once(failing_compiler):
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    failed = r"torch.compile failed on this cpu \(OSError: .*cannot open shared object file.*\); decoding uncompiled"
+    with pytest.warns(UserWarning, match=failed) as seen:
+        compiled = generate(model, prompts, 12, temperature=0, compile=True)
+    assert sum("torch.compile failed" in str(w.message) for w in seen) == 1
+    assert compiled == generate(model, prompts, 12, temperature=0)
