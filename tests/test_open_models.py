@@ -606,8 +606,12 @@ def assert_same_logits(directory) -> transformers.PreTrainedModel:
 
 def older_rope_keys(config: dict) -> dict:
     """rope_parameters as transformers 4 wrote it: rope_theta and partial_rotary_factor at the top level, the
-    scaling (if any) under rope_scaling."""
+    scaling (if any) under rope_scaling; Gemma 3's base per layer kind as rope_theta (global layers) and
+    rope_local_base_freq (sliding ones)."""
     rope = dict(config.pop("rope_parameters"))
+    if "full_attention" in rope:  # a table per layer kind: Gemma 3
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = dict(rope["full_attention"])
     config["rope_theta"] = rope.pop("rope_theta")
     if "partial_rotary_factor" in rope:
         config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
@@ -629,9 +633,7 @@ def defaults_left_out(config: dict) -> dict:
 
 @pytest.mark.parametrize("layout", [older_rope_keys, defaults_left_out], ids=["older_rope_keys", "defaults_left_out"])
 def test_every_config_layout_transformers_reads_is_the_same_model(saved, layout, tmp_path):
-    name, _, directory = saved
-    if layout is older_rope_keys and name == "gemma3":
-        pytest.skip("Gemma 3's older layout is test_gemma3s_config_layouts_are_the_same_model's")
+    _, _, directory = saved
     assert_same_logits(rewritten(directory, tmp_path, layout))
 
 
