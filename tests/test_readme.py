@@ -286,3 +286,51 @@ def test_the_offline_quick_start_then_its_shakespeare_form_both_run_in_one_clone
     )
     assert sorted(p.name for p in (clone / "out/quickstart.1").iterdir()) == saved
     assert json.loads((clone / "out/quickstart/run.json").read_text())["config"]["data_dir"] == "data/shakespeare_char"
+
+
+def readme_command(start: str) -> str:
+    """The one command of the README that starts with `start`, as written."""
+    (command,) = [c for c in bash_lines(README) if c.startswith(start)]
+    return command
+
+
+def gpt2_offline(command: str) -> str:
+    """The command with `--tokenizer gpt2` as the README says to run it offline: the ranks file's path in place of
+    the name (tiktoken's own download of the name needs the network)."""
+    ranks = shared_file("tokenizers/gpt2.tiktoken")
+    offline = re.sub(r"--tokenizer[ =]gpt2(?=\s|$)", f"--tokenizer {shlex.quote(str(ranks))}", command)
+    assert offline != command, command
+    return offline
+
+
+def no_proxy_env() -> dict[str, str]:
+    """This environment without proxies, so that a URL on 127.0.0.1 is fetched directly."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    return env | {"no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1", "PYTHONPATH": str(ROOT)}
+
+
+def run_in(root: Path, words: list[str], env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(words, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{words}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_shakespeare_preparation_runs_as_written_with_the_download_already_kept(tmp_path):
+    """`python data/shakespeare/prepare.py`, char level and GPT-2, in a copy of the script whose download is already
+    kept where the script keeps it (data/shakespeare/input.txt beside it, so nothing is fetched): each writes its
+    folder under the copy's data/, as the README's comments say. GPT-2 is the ranks file, as the README's offline
+    note says."""
+    script = tmp_path / "data" / "shakespeare" / "prepare.py"
+    script.parent.mkdir(parents=True)
+    script.write_text((ROOT / "data/shakespeare/prepare.py").read_text())
+    (tmp_path / "gptlite").symlink_to(ROOT / "gptlite")
+    text = shared_file("data/tinyshakespeare.txt").read_text()
+    (script.parent / "input.txt").write_text(text)
+    char = "python data/shakespeare/prepare.py"
+    assert char in bash_lines(README)
+    gpt2 = gpt2_offline(readme_command("python data/shakespeare/prepare.py --tokenizer gpt2"))
+    for command, out_dir, vocab in ((char, "shakespeare_char", 65), (gpt2, "shakespeare_gpt2", 50257)):
+        run_in(tmp_path, [sys.executable, str(script), *shlex.split(command)[2:]])
+        manifest = json.loads((tmp_path / "data" / out_dir / "manifest.json").read_text())
+        assert manifest["vocab_size"] == vocab, manifest
