@@ -334,3 +334,60 @@ def test_the_readmes_shakespeare_preparation_runs_as_written_with_the_download_a
         run_in(tmp_path, [sys.executable, str(script), *shlex.split(command)[2:]])
         manifest = json.loads((tmp_path / "data" / out_dir / "manifest.json").read_text())
         assert manifest["vocab_size"] == vocab, manifest
+
+
+@pytest.fixture
+def served_book(tmp_path):
+    """A local copy of the README's https://example.com/book.txt, served on 127.0.0.1: the URL to use instead."""
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "book.txt").write_text("Chapter one. It was a bright cold day in April.\n" * 50)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/book.txt"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_data_prepare_lines_run_as_written_on_files_a_user_made(tmp_path, served_book):
+    """data/prepare.py's README lines in a folder holding what they name (corpus.txt, more/*.txt, a_folder/,
+    dump/*.jsonl, shards/*.parquet), the book's URL served from 127.0.0.1 and GPT-2 the ranks file, as the README's
+    offline note says; then --verify checks data/mycorpus. Each folder counts every document it was given."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    play = shared_file("data/tinyshakespeare.txt").read_text()
+    scenes = play.split("\n\n")
+    (tmp_path / "corpus.txt").write_text(play[:20_000])
+    for folder, names in (("more", ("a.txt", "b.txt")), ("a_folder", ("c.txt",)), ("dump", ()), ("shards", ())):
+        (tmp_path / folder).mkdir()
+        for i, name in enumerate(names):
+            (tmp_path / folder / name).write_text(play[20_000 * (i + 1) : 20_000 * (i + 2)])
+    (tmp_path / "more" / "notes.md").write_text("not a .txt: more/*.txt leaves it out")
+    for i in range(2):
+        records = [json.dumps({"content": scene, "id": n}) for n, scene in enumerate(scenes[i * 40 : i * 40 + 40])]
+        (tmp_path / "dump" / f"part{i}.jsonl").write_text("\n".join(records) + "\n")
+        pq.write_table(pa.table({"text": scenes[i * 30 : i * 30 + 30]}), tmp_path / "shards" / f"part{i}.parquet")
+
+    mycorpus = readme_command("python data/prepare.py --input corpus.txt more/")
+    assert "https://example.com/book.txt" in mycorpus
+    mycorpus = gpt2_offline(mycorpus.replace("https://example.com/book.txt", served_book))
+    dump = gpt2_offline(readme_command("python data/prepare.py --input 'dump/*.jsonl'"))
+    parquet = gpt2_offline(readme_command("python data/prepare.py --input 'shards/*.parquet'"))
+    expected = {"data/mycorpus": 5, "data/dump": 80, "data/parquet": 60}  # text files, then records
+    for command, out_dir in ((mycorpus, "data/mycorpus"), (dump, "data/dump"), (parquet, "data/parquet")):
+        run_in(tmp_path, argv(command), env=no_proxy_env())
+        manifest = json.loads((tmp_path / out_dir / "manifest.json").read_text())
+        assert manifest["documents"] == expected[out_dir], (out_dir, manifest)
+        assert sorted(p.name for p in (tmp_path / out_dir).glob("*.bin")) == ["train_000000.bin", "val_000000.bin"]
+
+    verify = readme_command("python data/prepare.py --verify")
+    assert "--out_dir data/mycorpus" in verify
+    assert run_in(tmp_path, argv(verify)).strip()
