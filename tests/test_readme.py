@@ -391,3 +391,44 @@ def test_the_readmes_data_prepare_lines_run_as_written_on_files_a_user_made(tmp_
     verify = readme_command("python data/prepare.py --verify")
     assert "--out_dir data/mycorpus" in verify
     assert run_in(tmp_path, argv(verify)).strip()
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_train_lines_run_as_written_on_tiny_shakespeare(readme_run):
+    """The README's Train lines that a CPU runs: the 90-second recipe and --budget=90s (each a few steps, as
+    run_briefly runs them), then --resume on out/char, which readme_run trained to its end (20 steps): it takes the
+    run's settings from the folder and has nothing left to do."""
+    speedrun = readme_command("python train.py configs/shakespeare_char_cpu_90s.toml")
+    assert speedrun.endswith("--out_dir=out/speedrun")
+    run_briefly(speedrun, readme_run)
+    assert (readme_run / "out/speedrun/ckpt_000020.pt").is_file()
+
+    budget = readme_command("python train.py --data_dir=data/shakespeare_char --out_dir=out/b90 --budget=90s")
+    run_briefly(budget, readme_run)
+    assert json.loads((readme_run / "out/b90/run.json").read_text())["config"]["budget"] == "90s"
+
+    resume = readme_command("python train.py --out_dir=out/char --resume")
+    assert resume == "python train.py --out_dir=out/char --resume"
+    done = subprocess.run(argv(resume), cwd=readme_run, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert '"data_dir": "data/shakespeare_char"' in done.stdout  # the run's own settings, taken from out/char
+    assert "done at step 20" in done.stdout  # readme_run's run had finished: nothing left to train
+
+
+@pytest.mark.slow  # starts a process
+def test_train_help_as_written_names_every_key_the_readmes_train_lines_use():
+    """`python train.py --help` as written; each --key of the README's train.py and torchrun lines is one of its
+    keys, those of the lines no test here runs (a GPU, torchrun, Hugging Face models) included."""
+    help_line = readme_command("python train.py --help")
+    assert help_line == "python train.py --help"
+    done = subprocess.run(argv(help_line), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    keys = set(re.findall(r"^  --(\w+)=", done.stdout, re.M))
+    used = {
+        key
+        for command in bash_lines(README)
+        if command.startswith(("python train.py", "torchrun"))
+        for key in re.findall(r"--(\w+)", command.split("train.py", 1)[1])  # train.py's, not torchrun's
+    }
+    assert {"budget", "resume", "core_every", "init_from", "lora_rank", "dpo_beta", "rl_prompts"} <= used
+    assert used - {"help"} <= keys, used - keys
