@@ -432,3 +432,38 @@ def test_train_help_as_written_names_every_key_the_readmes_train_lines_use():
     }
     assert {"budget", "resume", "core_every", "init_from", "lora_rank", "dpo_beta", "rl_prompts"} <= used
     assert used - {"help"} <= keys, used - keys
+
+
+def script_words(command: str) -> tuple[str, ...]:
+    """The words of a README command that name what it runs: `python X.py` or `python -m MODULE [SUBCOMMAND]`."""
+    words = shlex.split(command)
+    if words[1] != "-m":
+        return tuple(words[:2])
+    has_subcommand = len(words) > 3 and not words[3].startswith("-")
+    return tuple(words[: 4 if has_subcommand else 3])
+
+
+@pytest.mark.slow  # starts a process for each script
+def test_every_readme_python_command_names_a_script_and_keys_its_help_lists():
+    """Each `python ...` line of the README, those no test runs as written included (Hugging Face models, a GPU,
+    HellaSwag, CORE, lm-eval, FineWeb's download, chat, DPO, RL, the benchmarks): its script exists, --help runs, and
+    each --key the line passes is one that --help lists. scripts/layout_report.py takes no options (it would run its
+    whole report, the suite's collection included): it is checked to exist."""
+    commands = [c for c in bash_lines(README) if c.startswith("python ") and not c.startswith("python -c ")]
+    scripts: dict[tuple[str, ...], list[str]] = {}
+    for command in commands:
+        scripts.setdefault(script_words(command), []).append(command)
+    assert ("python", "data/fineweb/download.py") in scripts and ("python", "-m", "gptlite.hf", "export") in scripts
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for words, lines in scripts.items():
+        assert words[1] == "-m" or (ROOT / words[1]).is_file(), words
+        if words == ("python", "scripts/layout_report.py"):
+            assert lines == ["python scripts/layout_report.py"]
+            continue
+        done = subprocess.run([*argv(" ".join(words)), "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, f"{words}\n{done.stderr[-2000:]}"
+        listed = set(re.findall(r"^\s+--(\w+)", done.stdout, re.M))
+        for line in lines:
+            passed = set(re.findall(r"(?:^|\s|\[)--(\w+)", line)) - {"help"}
+            assert passed <= listed, (line, passed - listed)
