@@ -467,3 +467,13 @@ def test_every_readme_python_command_names_a_script_and_keys_its_help_lists():
         for line in lines:
             passed = set(re.findall(r"(?:^|\s|\[)--(\w+)", line)) - {"help"}
             assert passed <= listed, (line, passed - listed)
+
+
+def test_each_extra_the_readme_installs_is_one_pyproject_defines():
+    """`pip install -e ".[NAME]"` is not run here (no index offline): each extra it names exists in pyproject.toml."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = re.findall(r'pip install -e "\.\[(\w+)\]"', README)
+    assert {"data", "eval", "serve", "gguf", "test"} <= set(named)
+    assert set(named) <= set(extras), set(named) - set(extras)
