@@ -477,3 +477,64 @@ def test_each_extra_the_readme_installs_is_one_pyproject_defines():
     named = re.findall(r'pip install -e "\.\[(\w+)\]"', README)
     assert {"data", "eval", "serve", "gguf", "test"} <= set(named)
     assert set(named) <= set(extras), set(named) - set(extras)
+
+
+def stand_in_for_smollm2(folder: Path, corpus: Path) -> None:
+    """A tiny LlamaForCausalLM at the README's models/SmolLM2-135M, with a byte-level BPE of GPT-4's split (as
+    SmolLM2's own, one GGUF knows) trained on `corpus`: the real model is a download; its stand-in has its files."""
+    import transformers
+
+    from gptlite.tokenizer import load_tokenizer
+
+    train_bpe = [sys.executable, "-m", "gptlite.tokenizer", "train", f"--input={corpus}", "--vocab_size=300"]
+    run_in(ROOT, [*train_bpe, f"--out_dir={folder}"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=load_tokenizer(folder).vocab_size,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def readme_block(section: str, index: int) -> list[str]:
+    """The commands of the index-th bash block of the README's section that starts with `section`."""
+    text = README.split(f"\n## {section}")[1].split("\n## ")[0]
+    return bash_lines(re.findall(r"```bash\n.*?```", text, re.S)[index])
+
+
+@pytest.mark.slow  # starts a dozen processes
+def test_the_readmes_open_model_chat_dpo_and_rl_lines_run_as_written_on_a_stand_in_model(tmp_path):
+    """The README's fine-tune of SmolLM2, then its chat, DPO and RL lines, in order, as written, on a tiny stand-in
+    at models/SmolLM2-135M, with the files they name (corpus.txt, chats.jsonl, pairs.jsonl, train.jsonl, test.jsonl)
+    made here. The optional parts are taken (LoRA, a PEFT adapter), `--dpo_loss=sigmoid|ipo` its first choice;
+    each training run takes a few steps (--max_iters appended); sample.py --chat gets one user turn on stdin."""
+    play = shared_file("data/tinyshakespeare.txt").read_text()
+    (tmp_path / "corpus.txt").write_text(play[:30_000])
+    stand_in_for_smollm2(tmp_path / "models" / "SmolLM2-135M", tmp_path / "corpus.txt")
+    sums = [(i, i + 3) for i in range(40)]
+    chats = [{"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
+             for a, b in sums]  # fmt: skip
+    pairs = [{"prompt": f"{a}+{b}?", "chosen": f"{a + b}", "rejected": f"{a + b + 1}"} for a, b in sums]
+    prompts = [{"prompt": f"{a}+{b}?", "answer": f"#### {a + b}"} for a, b in sums]
+    for name, records in (("chats", chats), ("pairs", pairs), ("train", prompts[:20]), ("test", prompts[20:21])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    commands = readme_block("Pretrained weights", 1) + readme_block("Chat", 0) + readme_block("Chat", 1)
+    assert [c.split()[1] for c in commands].count("train.py") == 4 and len(commands) == 12, commands
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for command in commands:
+        words = argv(re.sub(r"=(\w+)(?:\|\w+)+", r"=\1", command))  # sigmoid|ipo: the first
+        if command.startswith("python train.py"):
+            steps = 1 if "--rl " in command else 4  # each RL step samples --rl_samples answers of 256 tokens
+            words += [f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2"]
+        done = subprocess.run(words, cwd=tmp_path, env=env, input="What is 2+5?\n", capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert (tmp_path / "out/smol_hf/config.json").is_file() and (tmp_path / "out/smol_gguf/smol.gguf").is_file()
+    assert (tmp_path / "out/sft_hf/adapter_config.json").is_file()
+    assert "pass@1" in done.stdout and "| 1 prompts |" in done.stdout  # the last: evaluate on test.jsonl's one
