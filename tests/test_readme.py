@@ -538,3 +538,33 @@ def test_the_readmes_open_model_chat_dpo_and_rl_lines_run_as_written_on_a_stand_
     assert (tmp_path / "out/smol_hf/config.json").is_file() and (tmp_path / "out/smol_gguf/smol.gguf").is_file()
     assert (tmp_path / "out/sft_hf/adapter_config.json").is_file()
     assert "pass@1" in done.stdout and "| 1 prompts |" in done.stdout  # the last: evaluate on test.jsonl's one
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_hellaswag_line_on_a_run_folder_runs_as_written(tmp_path):
+    """`--model=out/gpt2 --task=val,hellaswag --json=out/gpt2/scores.json` on a tiny GPT-2-tokenizer run at out/gpt2,
+    with HellaSwag's download already kept where the command keeps it (data/hellaswag/hellaswag_val.jsonl: a few
+    rows of its format made here)."""
+    ranks = shared_file("tokenizers/gpt2.tiktoken")
+    (tmp_path / "play.txt").write_text(shared_file("data/tinyshakespeare.txt").read_text()[:50_000])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    prepare = [sys.executable, str(ROOT / "data/prepare.py"), "--input=play.txt", f"--tokenizer={ranks}"]
+    run_in(tmp_path, [*prepare, "--out_dir=data/play"], env=env)
+    shape = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--device=cpu"]
+    train = [sys.executable, str(ROOT / "train.py"), "--data_dir=data/play", "--out_dir=out/gpt2", *shape]
+    run_in(tmp_path, [*train, "--max_iters=2", "--eval_interval=2", "--eval_iters=2"], env=env)
+    rows = [
+        {"ctx": f"{who} went to the market and", "endings": [" bought bread.", " sang.", " slept.", " ran home."],
+         "label": i % 4}
+        for i, who in enumerate(("Romeo", "Juliet", "The nurse", "A friar"))
+    ]  # fmt: skip
+    kept = tmp_path / "data/hellaswag/hellaswag_val.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    command = readme_command("python -m gptlite.evaluate --model=out/gpt2 --task=val,hellaswag")
+    assert command == "python -m gptlite.evaluate --model=out/gpt2 --task=val,hellaswag --json=out/gpt2/scores.json"
+    run_in(tmp_path, argv(command), env=env)
+    scores = json.loads((tmp_path / "out/gpt2/scores.json").read_text())
+    assert scores["hellaswag"]["n"] == len(rows) and 0 <= scores["hellaswag"]["acc"] <= 1
+    assert scores["val"]["on"] == "data/play val split"  # the run's own data, found from out/gpt2
