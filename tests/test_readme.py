@@ -568,3 +568,18 @@ def test_the_readmes_hellaswag_line_on_a_run_folder_runs_as_written(tmp_path):
     scores = json.loads((tmp_path / "out/gpt2/scores.json").read_text())
     assert scores["hellaswag"]["n"] == len(rows) and 0 <= scores["hellaswag"]["acc"] <= 1
     assert scores["val"]["on"] == "data/play val split"  # the run's own data, found from out/gpt2
+
+
+def test_each_config_the_readmes_train_lines_name_builds_with_the_lines_keys():
+    """The recipes no test here trains from (the GPU's, torchrun's GPT-2 124M, the GPT-2 fine-tune) and the others:
+    each configs/*.toml a README train.py line names reads and validates with the line's --key=value settings."""
+    from gptlite.config import build_config, read_toml
+
+    lines = [c for c in bash_lines(README) if re.search(r"train\.py configs/\S+\.toml", c)]
+    named = {re.search(r"configs/\S+\.toml", c)[0] for c in lines}
+    assert {"configs/shakespeare_char_gpu.toml", "configs/gpt2_124m.toml", "configs/finetune_shakespeare.toml"} <= named
+    for line in lines:
+        path = re.search(r"configs/\S+\.toml", line)[0]
+        settings = dict(re.findall(r"--(\w+)=(\S+)", line.split("train.py", 1)[1]))  # not torchrun's
+        cfg = build_config({**read_toml(ROOT / path), **settings})
+        assert cfg.data_dir == settings["data_dir"], (line, cfg.data_dir)
