@@ -583,3 +583,25 @@ def test_each_config_the_readmes_train_lines_name_builds_with_the_lines_keys():
         settings = dict(re.findall(r"--(\w+)=(\S+)", line.split("train.py", 1)[1]))  # not torchrun's
         cfg = build_config({**read_toml(ROOT / path), **settings})
         assert cfg.data_dir == settings["data_dir"], (line, cfg.data_dir)
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_export_and_transformers_lines_run_as_written_on_a_gpt2_shaped_run(tmp_path):
+    """`python -m gptlite.hf export --model=out/finetune --out=out/finetune_hf`, then the python -c line that loads it
+    in transformers, as written, on a tiny run of GPT-2's shape (--ffn=gelu --bias=true) at out/finetune: the
+    README's fine-tune itself starts from GPT-2's weights, a download."""
+    (tmp_path / "play.txt").write_text(shared_file("data/tinyshakespeare.txt").read_text()[:50_000])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    prepare = [sys.executable, str(ROOT / "data/prepare.py"), "--input=play.txt", "--tokenizer=char"]
+    run_in(tmp_path, [*prepare, "--out_dir=data/play"], env=env)
+    shape = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--ffn=gelu", "--bias=true"]
+    train = [sys.executable, str(ROOT / "train.py"), "--data_dir=data/play", "--out_dir=out/finetune", *shape]
+    run_in(tmp_path, [*train, "--batch_size=2", "--max_iters=2", "--eval_interval=2", "--eval_iters=2"], env=env)
+
+    export = readme_command("python -m gptlite.hf export --model=out/finetune ")
+    assert export == "python -m gptlite.hf export --model=out/finetune --out=out/finetune_hf"
+    load = readme_command('python -c "from transformers import AutoModelForCausalLM;')
+    assert "from_pretrained('out/finetune_hf')" in load
+    run_in(tmp_path, argv(export), env=env)
+    run_in(tmp_path, argv(load), env=env)
+    assert json.loads((tmp_path / "out/finetune_hf/config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
