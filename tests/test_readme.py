@@ -4,7 +4,13 @@ commands), each trained for a few steps (--max_iters=20) in a folder of its own,
 (prompt.txt, notes.txt, corpus/) beside them. A README example that fails on those models (beam search asked for
 more tokens than its block holds, a JSON schema the char vocabulary cannot spell) fails here. The servers run as
 written too, each port the README names (8000, 8001) replaced by a free one; a command holding a placeholder in
-capitals (TASK, NAME) is not run."""
+capitals (TASK, NAME) is not run.
+
+The other sections' commands run as written too, each in a folder holding the files it names: a download the
+command keeps (tiny Shakespeare, HellaSwag) already kept there, a URL served from 127.0.0.1, GPT-2's BPE as the
+ranks file (the README's offline spelling), a Hugging Face model a tiny stand-in at the path the README names. A line
+that needs a GPU, torchrun's ranks or a download with no local form is checked instead: its script's --help lists
+its keys, its config builds, the extra it installs exists."""
 
 import json
 import os
