@@ -4,7 +4,13 @@ commands), each trained for a few steps (--max_iters=20) in a folder of its own,
 (prompt.txt, notes.txt, corpus/) beside them. A README example that fails on those models (beam search asked for
 more tokens than its block holds, a JSON schema the char vocabulary cannot spell) fails here. The servers run as
 written too, each port the README names (8000, 8001) replaced by a free one; a command holding a placeholder in
-capitals (TASK, NAME) is not run."""
+capitals (TASK, NAME) is not run.
+
+The other sections' commands run as written too, each in a folder holding the files it names: a download the
+command keeps (tiny Shakespeare, HellaSwag) already kept there, a URL served from 127.0.0.1, GPT-2's BPE as the
+ranks file (the README's offline spelling), a Hugging Face model a tiny stand-in at the path the README names. A line
+that needs a GPU, torchrun's ranks or a download with no local form is checked instead: its script's --help lists
+its keys, its config builds, the extra it installs exists."""
 
 import json
 import os
@@ -286,3 +292,322 @@ def test_the_offline_quick_start_then_its_shakespeare_form_both_run_in_one_clone
     )
     assert sorted(p.name for p in (clone / "out/quickstart.1").iterdir()) == saved
     assert json.loads((clone / "out/quickstart/run.json").read_text())["config"]["data_dir"] == "data/shakespeare_char"
+
+
+def readme_command(start: str) -> str:
+    """The one command of the README that starts with `start`, as written."""
+    (command,) = [c for c in bash_lines(README) if c.startswith(start)]
+    return command
+
+
+def gpt2_offline(command: str) -> str:
+    """The command with `--tokenizer gpt2` as the README says to run it offline: the ranks file's path in place of
+    the name (tiktoken's own download of the name needs the network)."""
+    ranks = shared_file("tokenizers/gpt2.tiktoken")
+    offline = re.sub(r"--tokenizer[ =]gpt2(?=\s|$)", f"--tokenizer {shlex.quote(str(ranks))}", command)
+    assert offline != command, command
+    return offline
+
+
+def no_proxy_env() -> dict[str, str]:
+    """This environment without proxies, so that a URL on 127.0.0.1 is fetched directly."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    return env | {"no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1", "PYTHONPATH": str(ROOT)}
+
+
+def run_in(root: Path, words: list[str], env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(words, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{words}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_shakespeare_preparation_runs_as_written_with_the_download_already_kept(tmp_path):
+    """`python data/shakespeare/prepare.py`, char level and GPT-2, in a copy of the script whose download is already
+    kept where the script keeps it (data/shakespeare/input.txt beside it, so nothing is fetched): each writes its
+    folder under the copy's data/, as the README's comments say. GPT-2 is the ranks file, as the README's offline
+    note says."""
+    script = tmp_path / "data" / "shakespeare" / "prepare.py"
+    script.parent.mkdir(parents=True)
+    script.write_text((ROOT / "data/shakespeare/prepare.py").read_text())
+    (tmp_path / "gptlite").symlink_to(ROOT / "gptlite")
+    text = shared_file("data/tinyshakespeare.txt").read_text()
+    (script.parent / "input.txt").write_text(text)
+    char = "python data/shakespeare/prepare.py"
+    assert char in bash_lines(README)
+    gpt2 = gpt2_offline(readme_command("python data/shakespeare/prepare.py --tokenizer gpt2"))
+    for command, out_dir, vocab in ((char, "shakespeare_char", 65), (gpt2, "shakespeare_gpt2", 50257)):
+        run_in(tmp_path, [sys.executable, str(script), *shlex.split(command)[2:]])
+        manifest = json.loads((tmp_path / "data" / out_dir / "manifest.json").read_text())
+        assert manifest["vocab_size"] == vocab, manifest
+
+
+@pytest.fixture
+def served_book(tmp_path):
+    """A local copy of the README's https://example.com/book.txt, served on 127.0.0.1: the URL to use instead."""
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "book.txt").write_text("Chapter one. It was a bright cold day in April.\n" * 50)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/book.txt"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_data_prepare_lines_run_as_written_on_files_a_user_made(tmp_path, served_book):
+    """data/prepare.py's README lines in a folder holding what they name (corpus.txt, more/*.txt, a_folder/,
+    dump/*.jsonl, shards/*.parquet), the book's URL served from 127.0.0.1 and GPT-2 the ranks file, as the README's
+    offline note says; then --verify checks data/mycorpus. Each folder counts every document it was given."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    play = shared_file("data/tinyshakespeare.txt").read_text()
+    scenes = play.split("\n\n")
+    (tmp_path / "corpus.txt").write_text(play[:20_000])
+    for folder, names in (("more", ("a.txt", "b.txt")), ("a_folder", ("c.txt",)), ("dump", ()), ("shards", ())):
+        (tmp_path / folder).mkdir()
+        for i, name in enumerate(names):
+            (tmp_path / folder / name).write_text(play[20_000 * (i + 1) : 20_000 * (i + 2)])
+    (tmp_path / "more" / "notes.md").write_text("not a .txt: more/*.txt leaves it out")
+    for i in range(2):
+        records = [json.dumps({"content": scene, "id": n}) for n, scene in enumerate(scenes[i * 40 : i * 40 + 40])]
+        (tmp_path / "dump" / f"part{i}.jsonl").write_text("\n".join(records) + "\n")
+        pq.write_table(pa.table({"text": scenes[i * 30 : i * 30 + 30]}), tmp_path / "shards" / f"part{i}.parquet")
+
+    mycorpus = readme_command("python data/prepare.py --input corpus.txt more/")
+    assert "https://example.com/book.txt" in mycorpus
+    mycorpus = gpt2_offline(mycorpus.replace("https://example.com/book.txt", served_book))
+    dump = gpt2_offline(readme_command("python data/prepare.py --input 'dump/*.jsonl'"))
+    parquet = gpt2_offline(readme_command("python data/prepare.py --input 'shards/*.parquet'"))
+    expected = {"data/mycorpus": 5, "data/dump": 80, "data/parquet": 60}  # text files, then records
+    for command, out_dir in ((mycorpus, "data/mycorpus"), (dump, "data/dump"), (parquet, "data/parquet")):
+        run_in(tmp_path, argv(command), env=no_proxy_env())
+        manifest = json.loads((tmp_path / out_dir / "manifest.json").read_text())
+        assert manifest["documents"] == expected[out_dir], (out_dir, manifest)
+        assert sorted(p.name for p in (tmp_path / out_dir).glob("*.bin")) == ["train_000000.bin", "val_000000.bin"]
+
+    verify = readme_command("python data/prepare.py --verify")
+    assert "--out_dir data/mycorpus" in verify
+    assert run_in(tmp_path, argv(verify)).strip()
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_train_lines_run_as_written_on_tiny_shakespeare(readme_run):
+    """The README's Train lines that a CPU runs: the 90-second recipe and --budget=90s (each a few steps, as
+    run_briefly runs them), then --resume on out/char, which readme_run trained to its end (20 steps): it takes the
+    run's settings from the folder and has nothing left to do."""
+    speedrun = readme_command("python train.py configs/shakespeare_char_cpu_90s.toml")
+    assert speedrun.endswith("--out_dir=out/speedrun")
+    run_briefly(speedrun, readme_run)
+    assert (readme_run / "out/speedrun/ckpt_000020.pt").is_file()
+
+    budget = readme_command("python train.py --data_dir=data/shakespeare_char --out_dir=out/b90 --budget=90s")
+    run_briefly(budget, readme_run)
+    assert json.loads((readme_run / "out/b90/run.json").read_text())["config"]["budget"] == "90s"
+
+    resume = readme_command("python train.py --out_dir=out/char --resume")
+    assert resume == "python train.py --out_dir=out/char --resume"
+    done = subprocess.run(argv(resume), cwd=readme_run, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert '"data_dir": "data/shakespeare_char"' in done.stdout  # the run's own settings, taken from out/char
+    assert "done at step 20" in done.stdout  # readme_run's run had finished: nothing left to train
+
+
+@pytest.mark.slow  # starts a process
+def test_train_help_as_written_names_every_key_the_readmes_train_lines_use():
+    """`python train.py --help` as written; each --key of the README's train.py and torchrun lines is one of its
+    keys, those of the lines no test here runs (a GPU, torchrun, Hugging Face models) included."""
+    help_line = readme_command("python train.py --help")
+    assert help_line == "python train.py --help"
+    done = subprocess.run(argv(help_line), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    keys = set(re.findall(r"^  --(\w+)=", done.stdout, re.M))
+    used = {
+        key
+        for command in bash_lines(README)
+        if command.startswith(("python train.py", "torchrun"))
+        for key in re.findall(r"--(\w+)", command.split("train.py", 1)[1])  # train.py's, not torchrun's
+    }
+    assert {"budget", "resume", "core_every", "init_from", "lora_rank", "dpo_beta", "rl_prompts"} <= used
+    assert used - {"help"} <= keys, used - keys
+
+
+def script_words(command: str) -> tuple[str, ...]:
+    """The words of a README command that name what it runs: `python X.py` or `python -m MODULE [SUBCOMMAND]`."""
+    words = shlex.split(command)
+    if words[1] != "-m":
+        return tuple(words[:2])
+    has_subcommand = len(words) > 3 and not words[3].startswith("-")
+    return tuple(words[: 4 if has_subcommand else 3])
+
+
+@pytest.mark.slow  # starts a process for each script
+def test_every_readme_python_command_names_a_script_and_keys_its_help_lists():
+    """Each `python ...` line of the README, those no test runs as written included (Hugging Face models, a GPU,
+    HellaSwag, CORE, lm-eval, FineWeb's download, chat, DPO, RL, the benchmarks): its script exists, --help runs, and
+    each --key the line passes is one that --help lists. scripts/layout_report.py takes no options (it would run its
+    whole report, the suite's collection included): it is checked to exist."""
+    commands = [c for c in bash_lines(README) if c.startswith("python ") and not c.startswith("python -c ")]
+    scripts: dict[tuple[str, ...], list[str]] = {}
+    for command in commands:
+        scripts.setdefault(script_words(command), []).append(command)
+    assert ("python", "data/fineweb/download.py") in scripts and ("python", "-m", "gptlite.hf", "export") in scripts
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for words, lines in scripts.items():
+        assert words[1] == "-m" or (ROOT / words[1]).is_file(), words
+        if words == ("python", "scripts/layout_report.py"):
+            assert lines == ["python scripts/layout_report.py"]
+            continue
+        done = subprocess.run([*argv(" ".join(words)), "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, f"{words}\n{done.stderr[-2000:]}"
+        listed = set(re.findall(r"^\s+--(\w+)", done.stdout, re.M))
+        for line in lines:
+            passed = set(re.findall(r"(?:^|\s|\[)--(\w+)", line)) - {"help"}
+            assert passed <= listed, (line, passed - listed)
+
+
+def test_each_extra_the_readme_installs_is_one_pyproject_defines():
+    """`pip install -e ".[NAME]"` is not run here (no index offline): each extra it names exists in pyproject.toml."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = re.findall(r'pip install -e "\.\[(\w+)\]"', README)
+    assert {"data", "eval", "serve", "gguf", "test"} <= set(named)
+    assert set(named) <= set(extras), set(named) - set(extras)
+
+
+def stand_in_for_smollm2(folder: Path, corpus: Path) -> None:
+    """A tiny LlamaForCausalLM at the README's models/SmolLM2-135M, with a byte-level BPE of GPT-4's split (as
+    SmolLM2's own, one GGUF knows) trained on `corpus`: the real model is a download; its stand-in has its files."""
+    import transformers
+
+    from gptlite.tokenizer import load_tokenizer
+
+    train_bpe = [sys.executable, "-m", "gptlite.tokenizer", "train", f"--input={corpus}", "--vocab_size=300"]
+    run_in(ROOT, [*train_bpe, f"--out_dir={folder}"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=load_tokenizer(folder).vocab_size,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def readme_block(section: str, index: int) -> list[str]:
+    """The commands of the index-th bash block of the README's section that starts with `section`."""
+    text = README.split(f"\n## {section}")[1].split("\n## ")[0]
+    return bash_lines(re.findall(r"```bash\n.*?```", text, re.S)[index])
+
+
+@pytest.mark.slow  # starts a dozen processes
+def test_the_readmes_open_model_chat_dpo_and_rl_lines_run_as_written_on_a_stand_in_model(tmp_path):
+    """The README's fine-tune of SmolLM2, then its chat, DPO and RL lines, in order, as written, on a tiny stand-in
+    at models/SmolLM2-135M, with the files they name (corpus.txt, chats.jsonl, pairs.jsonl, train.jsonl, test.jsonl)
+    made here. The optional parts are taken (LoRA, a PEFT adapter), `--dpo_loss=sigmoid|ipo` its first choice;
+    each training run takes a few steps (--max_iters appended); sample.py --chat gets one user turn on stdin."""
+    play = shared_file("data/tinyshakespeare.txt").read_text()
+    (tmp_path / "corpus.txt").write_text(play[:30_000])
+    stand_in_for_smollm2(tmp_path / "models" / "SmolLM2-135M", tmp_path / "corpus.txt")
+    sums = [(i, i + 3) for i in range(40)]
+    chats = [{"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
+             for a, b in sums]  # fmt: skip
+    pairs = [{"prompt": f"{a}+{b}?", "chosen": f"{a + b}", "rejected": f"{a + b + 1}"} for a, b in sums]
+    prompts = [{"prompt": f"{a}+{b}?", "answer": f"#### {a + b}"} for a, b in sums]
+    for name, records in (("chats", chats), ("pairs", pairs), ("train", prompts[:20]), ("test", prompts[20:21])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    commands = readme_block("Pretrained weights", 1) + readme_block("Chat", 0) + readme_block("Chat", 1)
+    assert [c.split()[1] for c in commands].count("train.py") == 4 and len(commands) == 12, commands
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for command in commands:
+        words = argv(re.sub(r"=(\w+)(?:\|\w+)+", r"=\1", command))  # sigmoid|ipo: the first
+        if command.startswith("python train.py"):
+            steps = 1 if "--rl " in command else 4  # each RL step samples --rl_samples answers of 256 tokens
+            words += [f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2"]
+        done = subprocess.run(words, cwd=tmp_path, env=env, input="What is 2+5?\n", capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert (tmp_path / "out/smol_hf/config.json").is_file() and (tmp_path / "out/smol_gguf/smol.gguf").is_file()
+    assert (tmp_path / "out/sft_hf/adapter_config.json").is_file()
+    assert "pass@1" in done.stdout and "| 1 prompts |" in done.stdout  # the last: evaluate on test.jsonl's one
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_hellaswag_line_on_a_run_folder_runs_as_written(tmp_path):
+    """`--model=out/gpt2 --task=val,hellaswag --json=out/gpt2/scores.json` on a tiny GPT-2-tokenizer run at out/gpt2,
+    with HellaSwag's download already kept where the command keeps it (data/hellaswag/hellaswag_val.jsonl: a few
+    rows of its format made here)."""
+    ranks = shared_file("tokenizers/gpt2.tiktoken")
+    (tmp_path / "play.txt").write_text(shared_file("data/tinyshakespeare.txt").read_text()[:50_000])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    prepare = [sys.executable, str(ROOT / "data/prepare.py"), "--input=play.txt", f"--tokenizer={ranks}"]
+    run_in(tmp_path, [*prepare, "--out_dir=data/play"], env=env)
+    shape = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--device=cpu"]
+    train = [sys.executable, str(ROOT / "train.py"), "--data_dir=data/play", "--out_dir=out/gpt2", *shape]
+    run_in(tmp_path, [*train, "--max_iters=2", "--eval_interval=2", "--eval_iters=2"], env=env)
+    rows = [
+        {"ctx": f"{who} went to the market and", "endings": [" bought bread.", " sang.", " slept.", " ran home."],
+         "label": i % 4}
+        for i, who in enumerate(("Romeo", "Juliet", "The nurse", "A friar"))
+    ]  # fmt: skip
+    kept = tmp_path / "data/hellaswag/hellaswag_val.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    command = readme_command("python -m gptlite.evaluate --model=out/gpt2 --task=val,hellaswag")
+    assert command == "python -m gptlite.evaluate --model=out/gpt2 --task=val,hellaswag --json=out/gpt2/scores.json"
+    run_in(tmp_path, argv(command), env=env)
+    scores = json.loads((tmp_path / "out/gpt2/scores.json").read_text())
+    assert scores["hellaswag"]["n"] == len(rows) and 0 <= scores["hellaswag"]["acc"] <= 1
+    assert scores["val"]["on"] == "data/play val split"  # the run's own data, found from out/gpt2
+
+
+def test_each_config_the_readmes_train_lines_name_builds_with_the_lines_keys():
+    """The recipes no test here trains from (the GPU's, torchrun's GPT-2 124M, the GPT-2 fine-tune) and the others:
+    each configs/*.toml a README train.py line names reads and validates with the line's --key=value settings."""
+    from gptlite.config import build_config, read_toml
+
+    lines = [c for c in bash_lines(README) if re.search(r"train\.py configs/\S+\.toml", c)]
+    named = {re.search(r"configs/\S+\.toml", c)[0] for c in lines}
+    assert {"configs/shakespeare_char_gpu.toml", "configs/gpt2_124m.toml", "configs/finetune_shakespeare.toml"} <= named
+    for line in lines:
+        path = re.search(r"configs/\S+\.toml", line)[0]
+        settings = dict(re.findall(r"--(\w+)=(\S+)", line.split("train.py", 1)[1]))  # not torchrun's
+        cfg = build_config({**read_toml(ROOT / path), **settings})
+        assert cfg.data_dir == settings["data_dir"], (line, cfg.data_dir)
+
+
+@pytest.mark.slow  # starts processes
+def test_the_readmes_export_and_transformers_lines_run_as_written_on_a_gpt2_shaped_run(tmp_path):
+    """`python -m gptlite.hf export --model=out/finetune --out=out/finetune_hf`, then the python -c line that loads it
+    in transformers, as written, on a tiny run of GPT-2's shape (--ffn=gelu --bias=true) at out/finetune: the
+    README's fine-tune itself starts from GPT-2's weights, a download."""
+    (tmp_path / "play.txt").write_text(shared_file("data/tinyshakespeare.txt").read_text()[:50_000])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    prepare = [sys.executable, str(ROOT / "data/prepare.py"), "--input=play.txt", "--tokenizer=char"]
+    run_in(tmp_path, [*prepare, "--out_dir=data/play"], env=env)
+    shape = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--ffn=gelu", "--bias=true"]
+    train = [sys.executable, str(ROOT / "train.py"), "--data_dir=data/play", "--out_dir=out/finetune", *shape]
+    run_in(tmp_path, [*train, "--batch_size=2", "--max_iters=2", "--eval_interval=2", "--eval_iters=2"], env=env)
+
+    export = readme_command("python -m gptlite.hf export --model=out/finetune ")
+    assert export == "python -m gptlite.hf export --model=out/finetune --out=out/finetune_hf"
+    load = readme_command('python -c "from transformers import AutoModelForCausalLM;')
+    assert "from_pretrained('out/finetune_hf')" in load
+    run_in(tmp_path, argv(export), env=env)
+    run_in(tmp_path, argv(load), env=env)
+    assert json.loads((tmp_path / "out/finetune_hf/config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
