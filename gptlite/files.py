@@ -124,7 +124,8 @@ def temp_path(target: str | Path, log: Callable[[str], None] | None = None) -> P
     first, and `log` (a note on stderr by default) is told in one line; a running process's, and anything not named
     so, are left alone."""
     target = Path(target)
-    removed, size = [], 0
+    removed = []
+    size = 0
     for pid, path in stale_temps(target).items():
         held = disk_size(path)
         remove(path)

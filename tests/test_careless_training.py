@@ -286,7 +286,8 @@ def test_init_from_on_a_resume_is_refused_naming_what_the_run_began_from(folders
     blamed on the data)."""
     from tests.test_hf import hf_llama
 
-    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    run = tmp_path / "run"
+    hf_dir = tmp_path / "hf"
     assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0
     hf_llama().save_pretrained(hf_dir)
     done = run_train(f"--out_dir={run}", "--resume", f"--init_from={hf_dir}", "--max_iters=3")

@@ -157,7 +157,8 @@ def test_a_checksum_file_in_error_never_outranks_a_whole_checkpoint(tmp_path, da
     """The checkpoint is checked by what it is (its records' CRC-32s) and kept; a resume rewrites the checksum file."""
     for step in (1, 2):
         save_run_checkpoint(tmp_path, fake_checkpoint(step), keep_last=3)
-    newest, checksum = tmp_path / "ckpt_000002.pt", tmp_path / "ckpt_000002.pt.sha256"
+    newest = tmp_path / "ckpt_000002.pt"
+    checksum = tmp_path / "ckpt_000002.pt.sha256"
     good = checksum.read_bytes()
     sidecar_damage(checksum, damage)
     notes = []

@@ -626,7 +626,8 @@ def test_a_killed_exports_temporary_file_is_removed_by_the_next_export(bpe, tmp_
 
 def test_an_atomic_folder_write_removes_the_temporary_folder_of_a_killed_one(tmp_path):
     dead = dead_pid()
-    stale, live = tmp_path / f".hf.tmp-{dead}", tmp_path / f".hf.tmp-{os.getppid()}"
+    stale = tmp_path / f".hf.tmp-{dead}"
+    live = tmp_path / f".hf.tmp-{os.getppid()}"
     for folder in (stale, live):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"part")

@@ -118,7 +118,8 @@ def test_the_inputs_are_the_pages_counts_and_formats_the_same_every_time(tmp_pat
     for folder in ("first", "second"):
         (tmp_path / folder).mkdir()
         subprocess.run(command, cwd=tmp_path / folder, check=True, capture_output=True)
-    first, second = tmp_path / "first" / "data" / "pipeline", tmp_path / "second" / "data" / "pipeline"
+    first = tmp_path / "first" / "data" / "pipeline"
+    second = tmp_path / "second" / "data" / "pipeline"
     names = ["chats.jsonl", "corpus.txt", "pairs.jsonl", "test.jsonl", "train.jsonl"]
     assert sorted(p.name for p in first.iterdir()) == names
     assert all((first / name).read_bytes() == (second / name).read_bytes() for name in names)
@@ -129,8 +130,10 @@ def test_the_inputs_are_the_pages_counts_and_formats_the_same_every_time(tmp_pat
         assert message["role"] == "user"
         return message["content"]
 
-    chats, pairs = read_jsonl(first / "chats.jsonl"), read_jsonl(first / "pairs.jsonl")
-    train, test = read_jsonl(first / "train.jsonl"), read_jsonl(first / "test.jsonl")
+    chats = read_jsonl(first / "chats.jsonl")
+    pairs = read_jsonl(first / "pairs.jsonl")
+    train = read_jsonl(first / "train.jsonl")
+    test = read_jsonl(first / "test.jsonl")
     assert (len(chats), len(pairs), len(train), len(test)) == (400, 400, 400, 40)
     assert "400 records in each training file and 40 prompts in the test file" in " ".join(PAGE.split())
     for chat in chats:

@@ -383,7 +383,8 @@ def test_greedy_tokens_are_the_same_alone_in_a_batch_and_without_the_compiled_ke
     assert "bfloat16" not in ways  # measured fastest, but not the model's activation dtype
     tokens = torch.tensor([[1], [4], [10], [11]])
     with torch.no_grad():  # one token's logits alone (one row) and in a batch (4 rows): float32 rounding apart
-        one, batch = model(tokens[:1])[0][0], model(tokens)[0][0]
+        one = model(tokens[:1])[0][0]
+        batch = model(tokens)[0][0]
     torch.testing.assert_close(one, batch, rtol=1e-4, atol=1e-4 * batch.abs().max().item())
     monkeypatch.setattr(gptlite.native, "load", lambda: False)  # as with GPTLITE_NATIVE=0
     model = quantized()

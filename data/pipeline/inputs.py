@@ -77,7 +77,8 @@ def sums(records: int, test_records: int) -> dict[str, list[dict]]:
         )
     rng = random.Random(0)
     rng.shuffle(every)
-    held_out, seen = every[:test_records], every[test_records:]
+    held_out = every[:test_records]
+    seen = every[test_records:]
 
     def question(a: int, b: int) -> str:
         return f"What is {a} plus {b}?"

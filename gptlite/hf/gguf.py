@@ -435,7 +435,8 @@ def matrix_types(path: Path, kind: str) -> str:
 
 def tensor_roles(names: list[str], blocks: int) -> str:
     """GGUF tensor names said briefly: "token_embd, and attn_q, attn_k in every block, ffn_down in blocks 0, 3"."""
-    outside, layers = [], {}
+    outside = []
+    layers = {}
     for name in names:
         parts = name.removesuffix(".weight").split(".")
         if parts[0] == "blk":

@@ -212,7 +212,8 @@ def rope_tables(c: ConfigFile) -> tuple[dict, str, dict | None]:
     them: the older rope_scaling before rope_parameters; Gemma 3's a table per kind of layer, rope_scaling merged into
     the global layers' (Gemma3TextConfig.convert_rope_params_to_dict). Values a table lacks come from the top level
     (rope_theta, Gemma 3's rope_local_base_freq), else the family's default: see llama_values."""
-    scaling, parameters = c.table("rope_scaling"), c.table("rope_parameters")
+    scaling = c.table("rope_scaling")
+    parameters = c.table("rope_parameters")
     if c.family is not GEMMA3:
         return dict(scaling or parameters or {}), "rope_scaling" if scaling else "rope_parameters", None
     tables = {}
