@@ -493,7 +493,8 @@ class Int4Linear(QuantizedLinear):
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         dtype = ACTIVATIONS[way]
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-        y = kernel(rows.to(dtype), self.packed, self.group_size, self.scales(dtype))  # (M, N)
+        # the kernel takes a contiguous input only: a batch's last positions, x[:, -1], are a strided view
+        y = kernel(rows.to(dtype).contiguous(), self.packed, self.group_size, self.scales(dtype))  # (M, N)
         return y if bias is None else y + bias
 
     def dequantized(self) -> torch.Tensor:

@@ -267,6 +267,10 @@ def test_int4_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
     got = layer.multiply(x.reshape(-1, 128), way).float().view(5, 3, 64) + linear.bias
     tolerance = 1e-5 if way == "float32" else 2e-2  # bfloat16 activations and outputs: 8 bits of mantissa
     assert (got - want).abs().max() <= tolerance * want.abs().max()
+    last = x[:, -1]  # (5, 128): each row's last position, a strided view, as a batch's prefill hands the head
+    assert not last.is_contiguous()
+    got_last = layer.multiply(last, way).float() + linear.bias
+    assert (got_last - want[:, -1]).abs().max() <= tolerance * want.abs().max()
 
 
 @pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize", "native"])
