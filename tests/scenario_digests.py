@@ -98,6 +98,8 @@ def checkpoint_digest(path: Path, other_processes: bool) -> str:
 
 
 def digests(name: str, log: str, run: Path, other_processes: bool) -> list[str]:
+    # the tests' private cache (tests/conftest.py) is a new temporary folder each run: its name is left out
+    log = log.replace(os.environ["GPTLITE_TEST_CACHE"], "GPTLITE_TEST_CACHE")
     lines = [f"{name} log {sha(TIMES.sub('', log).encode())}"]
     metrics = run / "metrics.jsonl"
     if metrics.is_file():
@@ -117,9 +119,9 @@ def text_data(folder: Path) -> Path:
 
 def scenarios(fsdp: bool):
     """(name, the runs: each a list of train.py's arguments, the run folder)"""
+    from gptlite.data.prepare import prepare
+    from gptlite.data.prepare.preference import prepare_preference
     from gptlite.hf import export_hf
-    from gptlite.prepare import prepare
-    from gptlite.prepare.preference import prepare_preference
     from tests.test_chat import write_chats
     from tests.test_hf import CHARS, hf_llama
     from tests.test_preference import digits_pairs
