@@ -15,7 +15,7 @@ spellings, still work.
 
 Samples are generated `batch_size` at a time and share the prompt's prefill. The first sample of each
 batch is printed token by token as it is generated; the others are printed when their batch is done.
-With --num_beams the `num_samples` best beams are printed when the search ends (see gptlite.beam), and a note
+With --num_beams the `num_samples` best beams are printed when the search ends (see gptlite.inference.beam), and a note
 where they share most of their text.
 """
 
@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
-from gptlite import native
 from gptlite.checkpoint import load_model
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, TrainConfig, option, parse_bool
-from gptlite.conversation import Conversation
 from gptlite.device import pick_device, pick_dtype
-from gptlite.generate import generate_text_with, generate_with
-from gptlite.model import GPT
-from gptlite.sampling import GenerationOptions, Sampling
+from gptlite.inference.conversation import Conversation
+from gptlite.inference.cpu import native
+from gptlite.inference.generate import generate_text_with, generate_with
+from gptlite.inference.sampling import GenerationOptions, Sampling
+from gptlite.model.network import GPT
 from gptlite.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40 + "\n"
@@ -260,7 +260,8 @@ def alike_beams_note(texts: list[str]) -> str | None:
 
 
 def chat(model: GPT, tokenizer: Tokenizer, args: SampleOptions, notes: Notes) -> int:
-    """The conversation loop of --chat: a user turn per line of stdin, the reply streamed (see gptlite.conversation)."""
+    """The conversation loop of --chat: a user turn per line of stdin, the reply streamed (see
+    gptlite.inference.conversation)."""
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     conversation = Conversation(model, tokenizer, sampling, args.max_new_tokens, args.system, generator)

@@ -10,9 +10,9 @@ This file reads top to bottom in the order training happens: configuration, devi
 checkpoint to continue from, model, run folder, optimizer and the training state, what the run records, then the
 loop, whose optimizer step (learning rate, micro-steps, clip, update, log, evaluate and save, stop) is a few named
 steps. The step is the same for every way of training; what differs (the batches, the loss and its figures, how the
-run is judged, what resumes) is the objective's, chosen once from the config and the data (gptlite/objective.py
+run is judged, what resumes) is the objective's, chosen once from the config and the data (gptlite/train/objective.py
 lists them). A feature the config switches on (adapters, a weight average, processes that share the work,
-compiling) is set up once where the run is built, and the loop calls what it gives (gptlite/features.py); what a
+compiling) is set up once where the run is built, and the loop calls what it gives (gptlite/train/features.py); what a
 checkpoint holds is a list of parts that save and restore themselves (gptlite/checkpoint/training_state.py). What
 is not the story of training (run folders and checkpoints, devices, processes, loaders, the optimizers' groups)
 lives in gptlite/, where sample.py, the server and the tests use it too.
@@ -70,10 +70,12 @@ from gptlite.device import (
     return_freed_memory,
     use_device,
 )
-from gptlite.distributed import processes, stop_together
 from gptlite.evaluate import core_bundle, core_score, read_bundle
-from gptlite.features import OneProcess, add_adapters, compile_model, data_parallel
-from gptlite.metrics import (
+from gptlite.model.network import GPT
+from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
+from gptlite.train.distributed import processes, stop_together
+from gptlite.train.features import OneProcess, add_adapters, compile_model, data_parallel
+from gptlite.train.metrics import (
     METRICS_FILE,
     MetricsLog,
     PaceEstimate,
@@ -85,12 +87,10 @@ from gptlite.metrics import (
     start_tensorboard,
     start_wandb,
 )
-from gptlite.model import GPT
-from gptlite.objective import Objective, make_objective
-from gptlite.optim import configure_optimizers, lr_at
-from gptlite.run_config import NO_DATA_DIR, resolve_config
-from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
-from gptlite.update import DeviceUpdate, HostUpdate, StepRecord, make_update, step_stats
+from gptlite.train.objective import Objective, make_objective
+from gptlite.train.optim import configure_optimizers, lr_at
+from gptlite.train.run_config import NO_DATA_DIR, resolve_config
+from gptlite.train.update import DeviceUpdate, HostUpdate, StepRecord, make_update, step_stats
 
 
 def main(argv: list[str]) -> int:
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
             "shards; choose another --out_dir"
         )
     # Under torchrun this starts the process group. On the way out, also on an error, the run folder's lock is
-    # released and the group ends, after everything that uses it (see gptlite.distributed).
+    # released and the group ends, after everything that uses it (see gptlite.train.distributed).
     with processes() as (rank, local_rank, world_size), contextlib.ExitStack() as cleanup:
         return train(cfg, argv, rank, local_rank, world_size, cleanup, budget_notes)
 
@@ -172,7 +172,8 @@ def train(
 
     # ---------------------------------------------------------------------------------------------
     # 3. Data and objective. An optimizer step takes total_batch_size tokens: micro-batches of batch_size x block_size
-    # tokens in every process, grad_accum of them one after the other. The objective (gptlite.objective) is the one
+    # tokens in every process, grad_accum of them one after the other. The objective (gptlite.train.objective) is the
+    # one
     # the config and the data ask for. Every input it reads, every shard included, is checked here, before the first
     # step.
     grad_accum, total_batch = micro_steps(cfg, world_size)
@@ -188,8 +189,9 @@ def train(
         check_same_data(ckpt, identity, str(out_dir), cfg.data_dir)
 
     # ---------------------------------------------------------------------------------------------
-    # 5. The model, its adapters where the config asks for them (gptlite.features), and the objective's start: its
-    # reference is the model as it is now (gptlite.lora.ReferenceModel: a frozen copy of these weights, taken before
+    # 5. The model, its adapters where the config asks for them (gptlite.train.features), and the objective's start: its
+    # reference is the model as it is now (gptlite.train.lora.ReferenceModel: a frozen copy of these weights, taken
+    # before
     # a resume loads the run's own; or these weights without the adapters).
     model = build_model(cfg, ckpt, objective.needs_reference, device, log)
     n_params = model.num_params()
@@ -204,7 +206,7 @@ def train(
     claim(cfg, out_dir, master, world_size, cleanup, log)
 
     # ---------------------------------------------------------------------------------------------
-    # 7. How the processes share the work (gptlite.features: the model is sharded here, before the optimizers take
+    # 7. How the processes share the work (gptlite.train.features: the model is sharded here, before the optimizers take
     # what is trainable: AdamW, and Muon for the block matrices with --optimizer=muon), the weights' average, and
     # the training state: the parts a checkpoint holds, each saving and restoring its own entries. --resume
     # restores them all: weights, optimizer state, loss scale, data position, average, step, best val loss, random
@@ -476,7 +478,8 @@ def loop(run: Run, pace: Pace) -> str | None:
 
 def train_step(run: Run, lr: float, minutes: float, first_step: int) -> list[StepRecord]:
     """One optimizer step: forward and backward over the step's micro-batches, the gradients clipped, the figures
-    agreed on by every rank, and the update. Returns the records of the steps the host reads now (gptlite.update)."""
+    agreed on by every rank, and the update. Returns the records of the steps the host reads now
+    (gptlite.train.update)."""
     cfg = run.cfg
     objective = run.objective
     progress = run.state.progress
@@ -520,7 +523,7 @@ def train_step(run: Run, lr: float, minutes: float, first_step: int) -> list[Ste
         stats /= run.world_size
 
     # the update, unless the loss or the gradient norm is not finite, and the figures the host reads now: this
-    # step's, or where the update is decided on the GPU itself, the step's before (gptlite.update), so that
+    # step's, or where the update is decided on the GPU itself, the step's before (gptlite.train.update), so that
     # the host queues the next step's work while this one runs. Those are read at once only where the loop
     # needs them: an evaluation and save, a stop, the last step.
     progress.step += 1
@@ -660,7 +663,7 @@ class Pace:
     PACE_STEPS steps after the warm-up (the first step allocates and warms up; with torch.compile the first two: the
     first compiles) and after torch's thread count has first been fitted to the cores other processes leave free
     (gptlite.device.CpuThreads, on a CPU); said again when the pace changes more than 2x
-    (gptlite.metrics.PaceEstimate)."""
+    (gptlite.train.metrics.PaceEstimate)."""
 
     def __init__(self, run: Run, compiled: bool):
         self.run = run

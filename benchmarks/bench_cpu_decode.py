@@ -16,7 +16,7 @@ the median of the rounds' ratios to the twin (the machine's memory bandwidth dri
 apart share it). gptlite runs in this process, as `generate(model, ...)` (what sample.py runs): float32, then the
 model after `quantize("int8")` and `quantize("int4")` (the int4 GGUF twin is q4_0: the same rule, groups of 32).
 The first call of each gptlite path is not timed: it measures the kernels for this CPU (kept in the choices file,
-see gptlite.cpu_decode) as a user's first sample.py does once.
+see gptlite.inference.cpu.decode) as a user's first sample.py does once.
 
 llama.cpp (llama-cpp-python, as many threads as torch, its other settings at their defaults) runs in a child
 process per file, so that a crash in its native code (on Intel CPUs with AMX its repacking path dies: docs/hf.md)
@@ -62,8 +62,8 @@ from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.device import cpu_extensions, machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
-from gptlite.generate import generate  # noqa: E402
 from gptlite.hf.gguf import export_gguf  # noqa: E402
+from gptlite.inference.generate import generate  # noqa: E402
 
 GPT2 = SHAPES["gpt2"]  # GPT-2 124M, as bench_gguf exports it
 TYPES = ("f32", "q8_0", "q4_0")
@@ -299,7 +299,7 @@ def gptlite_nll(model: GPT, windows: list[list[int]]) -> float:
 
 def accuracy(args: Options, folder: Path, log) -> dict:
     from gptlite.checkpoint import load_model
-    from gptlite.shards import find_shards, read_shard
+    from gptlite.data.shards import find_shards, read_shard
 
     run = Path(args.trained)
     model, tokenizer = load_model(init_from=str(run))

@@ -1,9 +1,9 @@
 """Each CPU decode kernel alone, on GPT-2 124M's matrices: the seconds one call takes, as gptlite measures them to
-choose (`gptlite.cpu_decode.measure` for the float32 kernels, `Int8Linear.measure` for the int8 ways: copies of a
-random weight spanning more memory than the caches, called in turn, the fastest of 5 rounds), at one row (decoding
+choose (`gptlite.inference.cpu.decode.measure` for the float32 kernels, `Int8Linear.measure` for the int8 ways: copies
+of a random weight spanning more memory than the caches, called in turn, the fastest of 5 rounds), at one row (decoding
 one sequence) and at eight (a batch), with the time of a whole token's matrices (12 blocks and the head) and the
 rate each streams the weight's bytes at; and the int8 head as `quantize("int8")` makes it, a scale per 32 weights
-(`Int8GroupLinear.measure`). The kernels gptlite.native could not build here are left out.
+(`Int8GroupLinear.measure`). The kernels gptlite.inference.cpu.native could not build here are left out.
 
     python benchmarks/bench_cpu_kernels.py [--rows=1,8]
 """
@@ -50,8 +50,8 @@ def table(rows: int, kind: str, times: dict[str, dict[str, float]], bytes_per_we
 def run(args: Options) -> int:
     import torch
 
-    from gptlite.cpu_decode import measure
-    from gptlite.quantize import Int8GroupLinear, Int8Linear
+    from gptlite.inference.cpu.decode import measure
+    from gptlite.inference.quantize import Int8GroupLinear, Int8Linear
 
     print(machine_line(), flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)

@@ -57,8 +57,8 @@ def run(args: Options) -> int:
     import torch
     import transformers
 
-    from gptlite.prepare import prepare
-    from gptlite.prepare.preference import prepare_preference
+    from gptlite.data.prepare import prepare
+    from gptlite.data.prepare.preference import prepare_preference
 
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_dpo_") as tmp:
         tmp = Path(tmp)

@@ -10,7 +10,7 @@ on a same-size model (and the naive full-recompute loop), timed in turn, call fo
 Paths (`--paths`):
     default   `generate(model, ...)` with no flags: what sample.py does unless told otherwise
     compile   compile=True: the decode step through torch.compile
-    int8      the model after `quantize(model, "int8")` (weight-only int8, gptlite.quantize), eager
+    int8      the model after `quantize(model, "int8")` (weight-only int8, gptlite.inference.quantize), eager
     int8+compile   both
 Every path's first call in this process is timed on its own ("first call": for compile, compiling it), then
 the median of `--repeats` calls ("steady"). The process starts with a new, empty inductor cache folder (cold,
@@ -21,7 +21,7 @@ All models have random weights and decode greedily from a random 16-token prompt
 generated token of the batch over the whole call (prefill included). Shapes:
     gpt2   GPT-2 124M: 12 layers, 12 heads, 768 wide, vocab 50,304, block 1,024 (HF: GPT2LMHeadModel)
     char   nanoGPT's Shakespeare-char CPU model: 4 layers, 4 heads, 128 wide, vocab 65, block 64
-The char model's window is smaller than prompt + new tokens, so its rows slide (see gptlite.generate);
+The char model's window is smaller than prompt + new tokens, so its rows slide (see gptlite.inference.generate);
 the naive loop crops to the last block_size tokens at every step instead, as nanoGPT does. This is a
 script that prints a table, not a test.
 """
@@ -49,7 +49,7 @@ from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.device import machine_line, pick_dtype  # noqa: E402
-from gptlite.generate import generate  # noqa: E402
+from gptlite.inference.generate import generate  # noqa: E402
 
 MODELS = {
     "gpt2": {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768},

@@ -27,8 +27,8 @@ from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
-from gptlite.generate import generate  # noqa: E402
 from gptlite.hf.gguf import GGUF_TYPES, export_gguf  # noqa: E402
+from gptlite.inference.generate import generate  # noqa: E402
 
 SHAPES = {
     "gpt2": dict(
@@ -109,7 +109,7 @@ def llama_tokens_per_s(llm, prompt: list[int], n: int) -> float:
 def speed_table(shape: str, model: GPT, q8: Path, args: Options) -> None:
     import llama_cpp
 
-    from gptlite.quantize import quantize
+    from gptlite.inference.quantize import quantize
 
     threads = torch.get_num_threads()
     llm = llama_cpp.Llama(model_path=str(q8), n_ctx=256, n_threads=threads, n_batch=64, verbose=False)

@@ -1,9 +1,9 @@
-"""The output head and its cross-entropy alone: gptlite.loss.linear_cross_entropy (train.py's loss, in chunks)
+"""The output head and its cross-entropy alone: gptlite.model.loss.linear_cross_entropy (train.py's loss, in chunks)
 against the whole computation as PyTorch's users write it, F.cross_entropy(F.linear(h, weight), targets), in
 float32 on 3,072 tokens (the budget recipes' 6 x 512), for training (forward and backward) and for evaluation (no
 gradients), at two vocabularies (8,192 ids, a small BPE; GPT-2's 50,257) and the widths of small CPU models, and
-at Llama 3's 128,256 ids and SmolLM2-135M's width, 576 (the chunks are sized by both: gptlite.loss.chunk_tokens). The
-two take turns, `rounds` times after a warm-up each; each cell is the median time and its spread (max - min), and
+at Llama 3's 128,256 ids and SmolLM2-135M's width, 576 (the chunks are sized by both: gptlite.model.loss.chunk_tokens).
+The two take turns, `rounds` times after a warm-up each; each cell is the median time and its spread (max - min), and
 the ratio is whole / chunked: above 1 the chunked loss is faster.
 
     python benchmarks/bench_head.py [--rounds=7] [--tokens=3072]
@@ -40,7 +40,7 @@ def whole(h, weight, targets):
 
 
 def chunked(h, weight, targets):
-    from gptlite.loss import linear_cross_entropy
+    from gptlite.model.loss import linear_cross_entropy
 
     return linear_cross_entropy(h, weight, targets)
 

@@ -64,7 +64,7 @@ def run(args: Options) -> int:
     import torch
     import transformers
 
-    from gptlite.prepare import prepare
+    from gptlite.data.prepare import prepare
 
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_lora_") as tmp:
         tmp = Path(tmp)

@@ -1,4 +1,4 @@
-"""The chunked head + cross-entropy (gptlite.loss, train.py's default) against the whole-logits one
+"""The chunked head + cross-entropy (gptlite.model.loss, train.py's default) against the whole-logits one
 (--chunked_loss=false): peak RSS and time per step of train.py, each a whole command in a fresh process, for the
 vocabularies of SmolLM2 (49,152), Llama 3 (128,256) and Qwen2 (151,936) on a small Llama-shaped body (random
 weights from transformers: width 576, 4 layers, float32), batch 4 x block 512, on bytes of tiny Shakespeare. The
@@ -51,7 +51,7 @@ def run(args: Options) -> int:
     import torch
     import transformers
 
-    from gptlite.prepare import prepare
+    from gptlite.data.prepare import prepare
 
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_loss_") as tmp:

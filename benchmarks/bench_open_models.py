@@ -166,7 +166,7 @@ def decode(directory: Path, args: Options) -> list[dict]:
     import transformers
 
     from gptlite import GPT
-    from gptlite.generate import generate
+    from gptlite.inference.generate import generate
 
     dtype, device = getattr(torch, args.dtype), args.device
     gqa = GPT.from_pretrained(str(directory), torch.float32)
@@ -260,7 +260,7 @@ def kvcache(contexts: list[int]) -> list[dict]:
     import transformers
 
     from gptlite.hf.pretrained import pretrained_config
-    from gptlite.kvcache import KVCache
+    from gptlite.inference.kvcache import KVCache
 
     with tempfile.TemporaryDirectory() as tmp:
         transformers.Gemma3TextConfig(**GEMMA3_270M).save_pretrained(tmp)  # config.json alone: no weights needed

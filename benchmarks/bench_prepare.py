@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.data.download import download  # noqa: E402
+from gptlite.data.prepare.workers import default_workers  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
-from gptlite.download import download  # noqa: E402
-from gptlite.prepare.workers import default_workers  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402
 
 SHARED = next(

@@ -1,8 +1,8 @@
 """Reinforcement learning on verifiable rewards, measured: (1) the toy task of tests/test_rl.py (continue "1234=" with
 the digits reversed, rewarded by exact match) end to end: a tiny model taught the format by a few direct steps, its
 held-out mean reward and greedy pass@1 before and after `train.py --rl`, the steps and the command's wall time;
-(2) the samples per second of the RL step's generation (gptlite.rl.sample_group, the KV cache's batched decoding) at
-GPT-2-124M's shape with random weights: prompts x samples rows, every row decoding max_new_tokens tokens.
+(2) the samples per second of the RL step's generation (gptlite.train.rl.sample_group, the KV cache's batched decoding)
+at GPT-2-124M's shape with random weights: prompts x samples rows, every row decoding max_new_tokens tokens.
 
     python benchmarks/bench_rl.py [--rl_steps=500] [--prompts=8] [--samples=8] [--max_new_tokens=64] [--device=cpu]
 """
@@ -27,11 +27,11 @@ from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.checkpoint import load_model  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
+from gptlite.data.prepare import prepare  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
 from gptlite.hf import export_hf  # noqa: E402
-from gptlite.prepare import prepare  # noqa: E402
-from gptlite.rl import Prompt, load_reward, read_prompts, sample_group, score_prompts  # noqa: E402
 from gptlite.tokenizer import CharTokenizer  # noqa: E402
+from gptlite.train.rl import Prompt, load_reward, read_prompts, sample_group, score_prompts  # noqa: E402
 
 DIGITS = CharTokenizer("0123456789=\n")
 

@@ -47,7 +47,7 @@ from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_json  # noqa: E402
-from gptlite.sampling import GenerationOptions  # noqa: E402
+from gptlite.inference.sampling import GenerationOptions  # noqa: E402
 from gptlite.serve.engine import Engine, Job, Params  # noqa: E402
 from gptlite.serve.grammar import Grammars, Matcher  # noqa: E402
 from gptlite.tokenizer import get_tokenizer  # noqa: E402

@@ -40,8 +40,8 @@ from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
 from gptlite.device import autocast, machine_line  # noqa: E402
-from gptlite.metrics import METRICS_FILE, read_metrics  # noqa: E402
-from gptlite.run_config import resolve_config  # noqa: E402
+from gptlite.train.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from gptlite.train.run_config import resolve_config  # noqa: E402
 
 SHAPES = {  # name: (n_layer, n_head, n_embd, vocab_size, block_size, batch_size)
     "tiny": (4, 4, 128, 65, 64, 12),

@@ -9,7 +9,7 @@ between: the ceiling of train.py's loop), then the kernels of --profile_steps st
 what they do (matrix products, attention, the inductor's fused kernels by the operations they fuse, the optimizer,
 copies), each as milliseconds per step and its share of the step, the time the GPU ran no kernel, and the ten
 longest kernels. MFU counts 6N + 12LCT FLOPs per token (GPT.flops_per_token) over the data sheet's dense bf16 peak
-(gptlite.metrics.PEAK_FLOPS).
+(gptlite.train.metrics.PEAK_FLOPS).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import TrainConfig, option  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
 from gptlite.files import write_text  # noqa: E402
-from gptlite.metrics import mfu, peak_flops  # noqa: E402
-from gptlite.optim import configure_optimizers  # noqa: E402
+from gptlite.train.metrics import mfu, peak_flops  # noqa: E402
+from gptlite.train.optim import configure_optimizers  # noqa: E402
 
 GPT2_SHAPE = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50304, "pos_emb": "learned"}
 TINY_SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512, "pos_emb": "learned"}

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
-from gptlite.prepare import SHARD_TOKENS, prepare  # noqa: E402
-from gptlite.prepare.preference import prepare_preference  # noqa: E402
+from gptlite.data.prepare import SHARD_TOKENS, prepare  # noqa: E402
+from gptlite.data.prepare.preference import prepare_preference  # noqa: E402
 
 
 @dataclass
@@ -52,7 +52,7 @@ class PrepareOptions:
         False,
         "records hold a prompt and a chosen and a rejected answer (text or messages, TRL's fields) for DPO; "
         "a record without them is an error, a pair with identical answers or a prompt that fills block_size is "
-        "dropped and counted, an answer too long for block_size is cut (see gptlite/prepare/preference.py)",
+        "dropped and counted, an answer too long for block_size is cut (see gptlite/data/prepare/preference.py)",
     )
     prompt_field: str = option("prompt", "--preference: the field that holds the prompt (text or messages)")
     chosen_field: str = option("chosen", "--preference: the field that holds the chosen answer")
@@ -75,7 +75,7 @@ def run(args: PrepareOptions) -> int:
     if not args.input and not args.hf_dataset and not args.verify:
         raise ValueError("give --input files or --hf_dataset (or --verify)")
     if args.verify:
-        from gptlite.shards import verify_manifest
+        from gptlite.data.shards import verify_manifest
 
         manifest = verify_manifest(args.out_dir)
         print(f"{args.out_dir}: {len(manifest['shards'])} shards match manifest.json")

@@ -23,13 +23,13 @@ else:  # Python 3.10
 
 FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on GPUs
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # every command's --dtype (see gptlite.device)
-DPO_LOSSES = ("sigmoid", "ipo")  # train.py's losses on preference pairs (gptlite.preference.dpo_loss)
-RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gptlite.rl.policy_loss)
+DPO_LOSSES = ("sigmoid", "ipo")  # train.py's losses on preference pairs (gptlite.train.preference.dpo_loss)
+RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gptlite.train.rl.policy_loss)
 # Options that one optimizer or one mode alone reads: set where it does not run, each would do nothing, so it is
 # refused (see set_options)
 MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "normuon", "normuon_beta2")
-DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing")  # preference data (gptlite.preference)
-RL_OPTIONS = (  # --rl (gptlite.rl); rl_prompts and reward have a message of their own
+DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing")  # preference data (gptlite.train.preference)
+RL_OPTIONS = (  # --rl (gptlite.train.rl); rl_prompts and reward have a message of their own
     "rl_prompt_field",
     "rl_answer_field",
     "rl_samples",
@@ -39,7 +39,7 @@ RL_OPTIONS = (  # --rl (gptlite.rl); rl_prompts and reward have a message of the
     "rl_clip",
     "rl_kl_beta",
 )
-QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.quantize does ("" = none)
+QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.inference.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
 
@@ -441,7 +441,7 @@ class TrainConfig:
         "directory, or gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded); the model's shape comes from it "
         "('' = from scratch)",
     )
-    # LoRA: freeze the pretrained model and train low-rank adapters (gptlite/lora.py) on these layers
+    # LoRA: freeze the pretrained model and train low-rank adapters (gptlite/train/lora.py) on these layers
     lora_rank: int | None = option(
         None, "train LoRA adapters of this rank on a frozen --init_from model (none = train every weight)"
     )
@@ -456,17 +456,17 @@ class TrainConfig:
     )
     dpo_loss: str = option(
         "sigmoid",
-        "preference data: DPO's sigmoid loss, or IPO's squared one (gptlite/preference.py)",
+        "preference data: DPO's sigmoid loss, or IPO's squared one (gptlite/train/preference.py)",
         choices=DPO_LOSSES,
     )
     dpo_label_smoothing: float = option(
         0.0, "preference data, sigmoid loss: the share of pairs taken to be mislabelled (conservative DPO)"
     )
-    # RL on verifiable rewards (gptlite/rl.py): sample completions of prompts, score them, train on the advantages
+    # RL on verifiable rewards (gptlite/train/rl.py): sample completions of prompts, score them, train on the advantages
     rl: bool = option(
         False,
         "reinforcement learning: each step samples rl_samples completions of batch_size prompts of rl_prompts per "
-        "device and trains on their rewards minus their group's mean (gptlite/rl.py)",
+        "device and trains on their rewards minus their group's mean (gptlite/train/rl.py)",
     )
     rl_prompts: str = option("", "rl: a JSONL file of prompts (text, or a list of messages) with their answers")
     reward: str = option(
@@ -497,7 +497,7 @@ class TrainConfig:
     # with lr_schedule="time" at the end of the max_minutes budget; Muon's learning rate follows in proportion
     optimizer: str = option(
         "adamw",
-        "adamw, or muon: Muon (gptlite/optim.py) for the matrices inside the blocks, "
+        "adamw, or muon: Muon (gptlite/train/optim.py) for the matrices inside the blocks, "
         "AdamW for the embedding, positions and vectors",
         choices=("adamw", "muon"),
     )
@@ -510,7 +510,7 @@ class TrainConfig:
     beta1: float = option(0.9, "AdamW's beta1")
     beta2: float = option(0.95, "AdamW's beta2")
     grad_clip: float = option(1.0, "clip the gradient norm to this (0 = off)")
-    muon_lr: float = option(0.02, "Muon's peak learning rate (for a square matrix; see gptlite.optim.lr_scale)")
+    muon_lr: float = option(0.02, "Muon's peak learning rate (for a square matrix; see gptlite.train.optim.lr_scale)")
     muon_momentum: float = option(0.95, "Muon's Nesterov momentum")
     muon_weight_decay: float = option(
         0.0, "Muon's decoupled weight decay: each step multiplies the matrices by 1 - lr * muon_weight_decay"
@@ -564,7 +564,7 @@ class TrainConfig:
     chunked_loss: bool = option(
         True,
         "the output head and cross-entropy a chunk of tokens at a time, never all the "
-        "logits at once (gptlite.loss); false computes them whole",
+        "logits at once (gptlite.model.loss); false computes them whole",
     )
     fsdp: bool = option(False, "under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
     seed: int = option(1337, "the seed of the initial weights, the data order and dropout")
@@ -599,7 +599,7 @@ class TrainConfig:
             raise ValueError("invalid training config: " + "; ".join(problems))
 
     def check_data(self, kind: str, has_tokenizer: bool) -> None:
-        """The rules between the options and the data folder they train on, once it is read (gptlite.objective):
+        """The rules between the options and the data folder they train on, once it is read (gptlite.train.objective):
         `kind` is what it holds (text, conversations or pairs), `has_tokenizer` whether it has a tokenizer.json. Each
         mode's rules sit beside its other rules; the first problem is a ValueError that says the fix."""
         problems = [

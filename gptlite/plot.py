@@ -28,7 +28,7 @@ from gptlite.cli import parse, run_command
 from gptlite.config import option
 from gptlite.extras import need
 from gptlite.files import fault
-from gptlite.metrics import METRICS_FILE, read_metrics
+from gptlite.train.metrics import METRICS_FILE, read_metrics
 
 
 def metrics_path(run: str | Path) -> Path:

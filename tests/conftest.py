@@ -25,7 +25,8 @@ from pathlib import Path
 
 # The run's caches in a folder of its own, set before gptlite reads where they are and inherited by every process the
 # tests start: gptlite's kernel choices (cpu_linear.json) and compiled kernels stay out of the user's ~/.cache, which a
-# test run must leave as it found it. The compiled CPU kernels (gptlite.native) are built once for the whole run, on
+# test run must leave as it found it. The compiled CPU kernels (gptlite.inference.cpu.native) are built once for the
+# whole run, on
 # first use: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and the processes
 # they start find the library built there, instead of compiling it again each.
 # GPTLITE_TEST_CACHE=DIR keeps them in DIR instead (kept after the run): this module may be imported twice in a run
@@ -41,7 +42,7 @@ import pytest  # noqa: E402 (after the caches are set: nothing may read them fir
 import torch  # noqa: E402
 
 from gptlite import GPT, GPTConfig  # noqa: E402
-from gptlite.metrics import read_metrics  # noqa: E402
+from gptlite.train.metrics import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout; from a git worktree (e.g. wt/NAME beside the main checkout) the nearest

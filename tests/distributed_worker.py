@@ -1,6 +1,6 @@
 """Run by tests/test_distributed.py under torchrun: each rank reads batches through the loaders train.py uses
-(gptlite.data.make_loaders, in gptlite.distributed's process group) and writes the token rows it read, per step,
-to OUT/windows_rank{RANK}.json.
+(gptlite.data.loader.make_loaders, in gptlite.train.distributed's process group) and writes the token rows it read, per
+step, to OUT/windows_rank{RANK}.json.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py DATA_DIR OUT STEPS
 """
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from gptlite.config import build_config
-from gptlite.data import make_loaders
-from gptlite.distributed import processes
+from gptlite.data.loader import make_loaders
+from gptlite.train.distributed import processes
 
 
 def main(data_dir: str, out: str, steps: int) -> None:

@@ -10,8 +10,8 @@ import transformers
 
 import sample
 from gptlite import GPT
-from gptlite.beam import beam_search
-from gptlite.sampling import GenerationOptions
+from gptlite.inference.beam import beam_search
+from gptlite.inference.sampling import GenerationOptions
 from gptlite.tokenizer import CharTokenizer
 from tests.conftest import ROOT, tiny_model
 
@@ -100,10 +100,10 @@ def test_beams_follow_their_parents_in_the_cache_and_compiled_steps_agree(models
     """The cache rows are reordered, never recomputed: each step feeds one token per beam. A compiled step
     (dynamo's capture, no code generation) gives the same beams."""
     _, model = models
-    module = sys.modules["gptlite.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]
     calls = []
     monkeypatch.setattr(
-        sys.modules["gptlite.beam"], "decode_step", lambda m, t, c: calls.append(t.shape) or m.step(t, c)
+        sys.modules["gptlite.inference.beam"], "decode_step", lambda m, t, c: calls.append(t.shape) or m.step(t, c)
     )
     plain = model.generate(PROMPTS, NEW, num_beams=4)
     assert calls == [(8, 1)] * (NEW - 1)  # 2 prompts x 4 beams, one token each

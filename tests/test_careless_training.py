@@ -16,9 +16,9 @@ import pytest
 
 from gptlite.checkpoint import load_checkpoint
 from gptlite.config import build_config
-from gptlite.prepare.preference import prepare_preference
-from gptlite.rl import load_reward, read_prompts
+from gptlite.data.prepare.preference import prepare_preference
 from gptlite.tokenizer import ByteTokenizer
+from gptlite.train.rl import load_reward, read_prompts
 from tests.conftest import FullDisk, run_train
 from tests.test_preference import digits_pairs as pairs
 from tests.test_preference import write_jsonl
@@ -29,7 +29,7 @@ TINY = dict(n_layer=1, n_head=2, n_embd=32, batch_size=4, eval_iters=1, log_inte
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Pairs prepared at block_size 32 (two different sets) and a text folder, all in the byte tokenizer."""
-    from gptlite.prepare import prepare
+    from gptlite.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("careless")
     for name, seed in (("pairs", 0), ("other_pairs", 1)):
@@ -120,7 +120,7 @@ def test_rl_answers_must_be_text_or_a_number(tmp_path):
 
 
 def test_a_reward_that_exits_is_the_rewards_fault_in_one_line(tmp_path, monkeypatch):
-    from gptlite.rl import RewardError
+    from gptlite.train.rl import RewardError
 
     (tmp_path / "quits.py").write_text("def reward(p, c, r):\n    raise SystemExit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -182,7 +182,7 @@ def test_a_resume_before_the_first_checkpoint_goes_on_with_the_runs_own_config(f
     """--resume of a run that saved no checkpoint yet: the run recorded its config as it started (run.json), and the
     resume takes it, as a checkpoint's, rather than train.py's defaults (once an 86M model of 12 layers); an option
     given on the command line still wins, and a shape change is refused as on any resume."""
-    from gptlite.run_config import resolve_config
+    from gptlite.train.run_config import resolve_config
 
     run = tmp_path / "run"
     stopped_before_its_first_save(folders, run, monkeypatch)
@@ -224,7 +224,7 @@ def test_a_budget_on_a_resume_is_refused_or_the_runs_own(folders, tmp_path):
 def test_a_resume_with_the_runs_own_budget_says_it_goes_on_with_its_recipe(folders, tmp_path):
     from gptlite.checkpoint import record_run
     from gptlite.config import config_to_dict
-    from gptlite.run_config import resolve_config
+    from gptlite.train.run_config import resolve_config
 
     run = tmp_path / "run"
     run.mkdir()
@@ -303,7 +303,7 @@ def test_resume_on_other_data_whose_ids_the_model_lacks_says_the_vocab_is_the_ru
     """Issue 84: the error suggested --vocab_size, which a resume refuses."""
     import numpy as np
 
-    from gptlite.shards import write_shard
+    from gptlite.data.shards import write_shard
 
     run, gpt2 = tmp_path / "run", tmp_path / "gpt2"
     assert train(data_dir=folders / "text", out_dir=run, block_size=32, max_iters=2, eval_interval=2).code == 0

@@ -14,10 +14,10 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from gptlite.checkpoint import load_checkpoint
+from gptlite.data.prepare import prepare
+from gptlite.data.shards import TARGET, read_roles, read_shard, roles_path
 from gptlite.hf import export_hf
 from gptlite.hf.__main__ import main as hf_main
-from gptlite.prepare import prepare
-from gptlite.shards import TARGET, read_roles, read_shard, roles_path
 from gptlite.tokenizer import ByteTokenizer, get_tokenizer, load_tokenizer
 from gptlite.tokenizer.chat import CHATML
 from tests.conftest import ROOT, run_train, tiny_model
@@ -241,8 +241,8 @@ def test_a_conversation_keeps_its_earlier_turns_in_the_kv_cache():
     import torch
 
     from gptlite import GPT
-    from gptlite.conversation import Conversation
-    from gptlite.sampling import Sampling
+    from gptlite.inference.conversation import Conversation
+    from gptlite.inference.sampling import Sampling
     from gptlite.tokenizer import CharTokenizer
     from tests.conftest import tiny_config
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gptlite import GPT
-from gptlite.data import ChatLoader, find_shards, is_chat_data, read_roles
-from gptlite.metrics import read_metrics
-from gptlite.run_config import resolve_config
-from gptlite.shards import START, TARGET, roles_path, write_roles, write_shard
+from gptlite.data.loader import ChatLoader, find_shards, is_chat_data, read_roles
+from gptlite.data.shards import START, TARGET, roles_path, write_roles, write_shard
+from gptlite.train.metrics import read_metrics
+from gptlite.train.run_config import resolve_config
 from tests.conftest import run_train
 
 V = 40  # ids: 0-25 letters, 30 = user marker, 31 = assistant marker, 32 = end of turn, 33.. the answer

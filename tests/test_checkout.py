@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gptlite.prepare import prepare
+from gptlite.data.prepare import prepare
 from tests.conftest import ROOT
 
 # what the README's (and docs/pipeline.md's) commands write inside the checkout: prepared data, downloads, runs, plots

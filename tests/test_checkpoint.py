@@ -35,8 +35,8 @@ from gptlite.checkpoint import (
 )
 from gptlite.checkpoint.training_state import ENTRIES
 from gptlite.config import build_config
-from gptlite.optim import configure_optimizers
 from gptlite.tokenizer import CharTokenizer
+from gptlite.train.optim import configure_optimizers
 from tests.conftest import DEVICE, ROOT, FullDisk, randint, tiny_config, tiny_model
 
 
@@ -341,7 +341,7 @@ def test_state_dicts_of_compiled_and_ddp_wrapped_models_have_plain_keys(tmp_path
 
 
 class Position:
-    """An objective's data position alone (DataPosition's side of gptlite.objective.Objective)."""
+    """An objective's data position alone (DataPosition's side of gptlite.train.objective.Objective)."""
 
     def __init__(self, index: int):
         self.index = index

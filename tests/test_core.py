@@ -21,8 +21,8 @@ from gptlite.config import build_config
 from gptlite.evaluate import command as evaluate_command
 from gptlite.evaluate.core import core_bundle, core_score, read_bundle, task_correct
 from gptlite.hf import export_hf
-from gptlite.metrics import read_metrics
 from gptlite.tokenizer import get_tokenizer
+from gptlite.train.metrics import read_metrics
 from tests.conftest import run_train, shared_file
 
 transformers.logging.set_verbosity_error()
@@ -313,7 +313,7 @@ def test_the_command_prints_each_task_and_writes_core_to_json(models, tokenizer,
 
 @pytest.fixture(scope="module")
 def gpt2_data(tmp_path_factory):
-    from gptlite.prepare import prepare
+    from gptlite.data.prepare import prepare
 
     corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     corpus.write_text(shared_file("data/tinyshakespeare.txt").read_text()[:20_000])

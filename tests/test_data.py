@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptlite.data import ShardLoader, check_vocab, find_shards, read_shard, write_shard
+from gptlite.data.loader import ShardLoader, check_vocab, find_shards, read_shard, write_shard
 
 HEADER_BYTES = 1024
 

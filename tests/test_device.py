@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptlite import device, metrics
+from gptlite import device
 from gptlite.device import CpuThreads, cpu_extensions, cpu_info, cpu_summary
-from gptlite.metrics import pace_note
+from gptlite.train import metrics
+from gptlite.train.metrics import pace_note
 from tests.conftest import ROOT, run_train, shared_file
 
 
@@ -174,7 +175,7 @@ def test_the_pace_leaves_out_the_warm_up_and_a_thread_change_and_is_said_again_w
     """The quick start's case: a first step slow with allocation, steps at another pace until torch's thread count
     follows another process (restart), then the run's own pace; later the other process leaves and the steps take
     a third of the time: a new estimate. A change of less than 2x is no new estimate."""
-    from gptlite.metrics import PACE_STEPS, PaceEstimate
+    from gptlite.train.metrics import PACE_STEPS, PaceEstimate
 
     estimate = PaceEstimate(warm=1)
     assert estimate.add(1, 30.0) is None  # the warm-up
@@ -207,8 +208,8 @@ def test_a_gpus_recipe_on_the_cpu_says_so_at_start_up_and_names_the_cpus(config,
     """The GPU recipe on a CPU once ran 50-s steps at 6.3 GiB before any word of it: a step of a GPU's size on the
     CPU is said at start-up, with the recipe's CPU sibling where there is one; the CPU recipes say nothing."""
     from gptlite.config import build_config, read_toml
-    from gptlite.metrics import CPU_STEP_FLOPS, cpu_step_note
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
+    from gptlite.train.metrics import CPU_STEP_FLOPS, cpu_step_note
 
     path = Path("configs") / config
     cfg = build_config({**read_toml(ROOT / path), "vocab_size": 65})
@@ -259,7 +260,7 @@ def test_the_pace_note_leaves_the_first_step_out(tmp_path, monkeypatch):
     """A first step made 3 s slower, as allocation and warm-up make a first step slow on a CPU: the note gives the
     pace of the steps after it, less than those 3 s spread over them, not the first step's."""
     from data.shakespeare.prepare import main as prepare
-    from gptlite.objective import Text
+    from gptlite.train.objective import Text
 
     assert prepare([f"--input={shared_file('data/tinyshakespeare.txt')}", f"--out_dir={tmp_path / 'data'}"]) == 0
     monkeypatch.setattr(metrics, "PACE_NOTE_MINUTES", 0)  # every run is "long"

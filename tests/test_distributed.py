@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gptlite.checkpoint import load_checkpoint, model_from_checkpoint
-from gptlite.data import ShardLoader, find_shards, write_shard
+from gptlite.data.loader import ShardLoader, find_shards, write_shard
 from tests.conftest import ROOT, run_train
 from tests.test_train import TINY, config, losses, one_thread, resume, write_corpus  # noqa: F401 (fixture)
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig, evaluate
+from gptlite.data.prepare import prepare
 from gptlite.evaluate import byte_lengths, ending_losses, evaluate_windows, hellaswag, read_hellaswag
 from gptlite.evaluate import command as evaluate_command
-from gptlite.prepare import prepare
 from gptlite.tokenizer import CharTokenizer, get_tokenizer
 from tests.conftest import ROOT, run_train, shared_file
 

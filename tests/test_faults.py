@@ -18,8 +18,8 @@ from gptlite import GPT, plot
 from gptlite.checkpoint import save_checkpoint
 from gptlite.config import build_config, config_to_dict
 from gptlite.evaluate import command as evaluate_command
-from gptlite.generate import generate_tokens
 from gptlite.hf import export_hf
+from gptlite.inference.generate import generate_tokens
 from gptlite.tokenizer import CharTokenizer
 from tests.conftest import ROOT, run_train, tiny_model
 
@@ -201,7 +201,7 @@ def test_sharded_and_torch_files_that_are_damaged_are_named(hf_dir):
 
 @pytest.fixture(scope="module")
 def char_data(tmp_path_factory):
-    from gptlite.prepare import prepare
+    from gptlite.data.prepare import prepare
 
     corpus = tmp_path_factory.mktemp("corpus") / "text.txt"
     corpus.write_text("To be, or not to be, that is the question.\n" * 400)
@@ -232,7 +232,7 @@ def test_overwrite_moves_nothing_aside_when_the_pretrained_weights_fail(char_dat
 
 
 def test_data_beyond_a_pretrained_vocabulary_says_to_use_its_tokenizer(tmp_path):
-    from gptlite.prepare import prepare
+    from gptlite.data.prepare import prepare
 
     corpus = tmp_path / "bytes.txt"
     corpus.write_text("".join(chr(c) for c in range(32, 127)) * 60)
@@ -430,7 +430,7 @@ def test_evaluate_refuses_what_it_cannot_score_before_it_runs(tmp_path, capsys):
 
 
 def test_prepare_never_takes_an_input_from_inside_its_out_dir(tmp_path):
-    from gptlite.prepare import prepare
+    from gptlite.data.prepare import prepare
 
     out = tmp_path / "out"
     prepare([str(write_text(tmp_path / "a.txt"))], "byte", out, log=lambda *a: None)
@@ -444,8 +444,8 @@ def test_prepare_never_takes_an_input_from_inside_its_out_dir(tmp_path):
 
 
 def test_a_full_disk_while_preparing_is_one_line_and_the_same_command_resumes(tmp_path, monkeypatch):
-    from gptlite.prepare import prepare
-    from gptlite.shards import ShardWriter
+    from gptlite.data.prepare import prepare
+    from gptlite.data.shards import ShardWriter
 
     src, out = write_text(tmp_path / "a.txt"), tmp_path / "out"
     real = ShardWriter.write

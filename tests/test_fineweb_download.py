@@ -9,8 +9,8 @@ import huggingface_hub
 import numpy as np
 import pytest
 
-from gptlite.data import read_shard, verify_manifest, write_shard
-from gptlite.download import download_token_shards
+from gptlite.data.download import download_token_shards
+from gptlite.data.loader import read_shard, verify_manifest, write_shard
 from gptlite.tokenizer import load_tokenizer
 from tests.conftest import ROOT, shared_file
 

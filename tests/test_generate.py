@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gptlite import GPT
-from gptlite.generate import PAD, SLIDE_KEEP, generate, generate_tokens, generate_with
-from gptlite.kvcache import new_cache
-from gptlite.sampling import BEAMS, SAMPLING, SERVING, GenerationOptions, apply_penalties, sample_next
+from gptlite.inference.generate import PAD, SLIDE_KEEP, generate, generate_tokens, generate_with
+from gptlite.inference.kvcache import new_cache
+from gptlite.inference.sampling import BEAMS, SAMPLING, SERVING, GenerationOptions, apply_penalties, sample_next
 from tests.conftest import DEVICE, randint, tensor, tiny_config, tiny_model
 
 pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:the context reached block_size")]
@@ -148,7 +148,7 @@ def compile_backend(monkeypatch):
     """compile=True as the test device runs it, with fresh compiled-step state. On the CPU through dynamo's
     graph capture (fullgraph: no breaks) without code generation, which keeps the suite fast (inductor's C++
     kernels are exercised by the benchmark); on CUDA for real: inductor's Triton kernels replayed as CUDA graphs."""
-    module = sys.modules["gptlite.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]
     torch._dynamo.reset()  # each test compiles for new models: start below dynamo's recompile limit (8 per function)
     compiled = {}
     if DEVICE == "cpu":
@@ -168,7 +168,7 @@ def test_compiled_decode_step_traces_as_one_graph_and_matches_eager(compile_back
 def test_compiled_generation_across_slides_equals_full_recompute(compile_backend, monkeypatch):
     """Past block_size the slid windows' prefills go through the compiled step too (one fixed length),
     and the text stays that of the reference; on the CPU each new shape is compiled once with CPU_COMPILE."""
-    module = sys.modules["gptlite.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]
     model = tiny_model()  # block_size 32: windows slide every 8 tokens
     module.compiled_decode_step(model)  # makes the device's compiled step, which the next line wraps
     calls = []
@@ -189,7 +189,7 @@ def test_compiled_generation_across_slides_equals_full_recompute(compile_backend
 
 @cpu_only
 def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(compile_backend):
-    module = sys.modules["gptlite.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]
     model = tiny_model(block_size=256, pos_emb="sinusoidal")
     for prompt_len, new in ((3, 10), (9, 40), (30, 30)):  # cache lengths 12, 48 and 59 all round up to 64
         idx = randint(97, (1, prompt_len))
@@ -203,7 +203,7 @@ def test_compiled_generations_of_similar_lengths_share_one_compiled_shape(compil
 
 def test_compiled_generations_reuse_one_static_cache_unless_running_together(compile_backend):
     """CUDA graphs stay valid only while the cache buffers they write keep their addresses."""
-    module = sys.modules["gptlite.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]
     model = tiny_model()
     idx = randint(97, (2, 5))
     expected = torch.stack(list(generate_tokens(model, idx, 10, temperature=0)), 1)
@@ -232,7 +232,7 @@ def test_compiled_frozen_weights_on_cpu_refuse_to_go_stale(compile_backend, dtyp
     assert model.generate(idx, 3, compile=False).shape == (1, 7)
     with pytest.raises(ValueError, match="weights changed in place after compile=True froze them"):
         model.generate(idx, 3, compile=True)
-    module = sys.modules["gptlite.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]
     step = module._compiled["cpu"]
     module.reset_compiled()  # forgets the frozen weights, so the next call compiles again
     module._compiled["cpu"] = step
@@ -418,8 +418,9 @@ def test_generate_argument_errors(prompts, kwargs, message):
 
 
 def test_the_generation_options_are_every_layers_keywords():
-    """GenerationOptions is the one list of generation's options: GPT.generate, gptlite.generate's keyword forms and
-    their typed forms take the same fields, and give the same tokens; a name that is no field is a TypeError."""
+    """GenerationOptions is the one list of generation's options: GPT.generate, gptlite.inference.generate's keyword
+    forms and their typed forms take the same fields, and give the same tokens; a name that is no field is a
+    TypeError."""
     model = tiny_model()
     prompts = [[1, 2, 3], [4]]
     keywords = {"temperature": 0.8, "top_k": 20, "num_samples": 2, "seed": 3, "frequency_penalty": 0.5}
@@ -451,8 +452,8 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     on the AMD AVX2 machine) SlabLinear for one row and PackedLinear (oneDNN on prepacked weights) for a batch:
     the same logits as the model's own layers, every other module and tensor shared, made again once the weights
     or the thread count change, and the model itself for other dtypes and for small layers."""
-    import gptlite.cpu_decode
-    from gptlite.cpu_decode import PackedLinear, SlabLinear, packed_for_cpu
+    import gptlite.inference.cpu.decode
+    from gptlite.inference.cpu.decode import PackedLinear, SlabLinear, packed_for_cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # this test's own choices file
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
@@ -460,13 +461,13 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
         1: {"slab": 1.0, "packed": 2.0, "linear": 3.0, "native": 4.0},
         8: {"packed": 1.0, "linear": 2.0, "native": 3.0},
     }
-    monkeypatch.setattr(gptlite.cpu_decode, "measure", lambda shape, rows: times[rows])
+    monkeypatch.setattr(gptlite.inference.cpu.decode, "measure", lambda shape, rows: times[rows])
     model = tiny_model(**variant).eval()
     small = packed_for_cpu(model, 1)  # 32-wide layers: overhead-bound, left as they are
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert all(small.get_submodule(name) is model.get_submodule(name) for name in linears)
     model = tiny_model(**variant).eval()  # another model: the view kept for this one holds the layers as they were
-    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
     view = packed_for_cpu(model, 1)
     assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
     assert linears and all(isinstance(view.get_submodule(name), SlabLinear) for name in linears)
@@ -500,13 +501,13 @@ def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch
     """The view's own modules skip nn.Module's call, but a module with a hook, or a model under hooks registered for
     every module, keeps it: the hooks run, and registering or removing one makes the view again. The layers are
     forced onto F.linear, so that no block becomes a NativeBlock, whatever this CPU's measurement would choose."""
-    import gptlite.cpu_decode
-    from gptlite.cpu_decode import PlainLinear, packed_for_cpu
-    from gptlite.model import Block
+    import gptlite.inference.cpu.decode
+    from gptlite.inference.cpu.decode import PlainLinear, packed_for_cpu
+    from gptlite.model.network import Block
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing read from, or kept in, the user's choices file
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "linear")
-    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
     model = tiny_model().eval()
     idx = randint(97, (2, 5))
     with torch.no_grad():
@@ -536,7 +537,7 @@ def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch
 def test_each_cpu_kernel_computes_the_linear_and_is_measured(monkeypatch):
     """Every kernel the CPU path may choose equals nn.Linear at one row and at a batch, and `measure` times each
     one (the slabs at one row only)."""
-    from gptlite.cpu_decode import KERNELS, available_kernels, make_kernel, measure
+    from gptlite.inference.cpu.decode import KERNELS, available_kernels, make_kernel, measure
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
@@ -552,7 +553,7 @@ def test_each_cpu_kernel_computes_the_linear_and_is_measured(monkeypatch):
 
 
 def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monkeypatch, tmp_path):
-    import gptlite.cpu_decode as cpu
+    import gptlite.inference.cpu.decode as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
@@ -599,7 +600,7 @@ def test_a_choice_measured_while_other_work_ran_holds_for_this_process_only(monk
     """While a measurement ran, other processes kept the CPU busy (the machine's busy time grew, this process's own
     did not): its choice serves this process, is not written to the choices file, and the next process measures
     again; measured on an otherwise idle machine, the choice is kept."""
-    import gptlite.cpu_decode as cpu
+    import gptlite.inference.cpu.decode as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
@@ -630,7 +631,7 @@ def test_a_choice_measured_while_other_work_ran_holds_for_this_process_only(monk
 def test_slab_linear_equals_the_linear_for_any_slab_count(in_features, out_features, bias):
     """Wide layers (transposed slabs) and the others (row slabs), with the last slab padded where the slab
     count does not divide the output width: one row through the slabs, several through F.linear."""
-    from gptlite.cpu_decode import SlabLinear
+    from gptlite.inference.cpu.decode import SlabLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)

@@ -406,7 +406,7 @@ def test_a_run_trained_with_its_own_bpe_exports_with_an_ollama_modelfile(tmp_pat
 def make_data(folder, text: str):
     """A data folder as data/prepare.py writes one: train and val shards and a BPE trained on the text, with ChatML's
     markers (so the run has a chat template); returns the tokenizer."""
-    from gptlite.shards import write_shard
+    from gptlite.data.shards import write_shard
 
     tokenizer = train_bpe([text, *TEXTS], vocab_size=600)
     tokenizer.use_default_template()

@@ -18,12 +18,12 @@ from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_checkpoint
 from gptlite.cli import parse
 from gptlite.config import read_toml
+from gptlite.data.prepare import prepare
 from gptlite.hf import GPT2_NAMES, export_hf, family_of
 from gptlite.hf.tokenizer_files import bpe_merges, hf_tokenizer_files
-from gptlite.prepare import prepare
-from gptlite.run_config import resolve_config
 from gptlite.tokenizer import ByteTokenizer, CharTokenizer, TiktokenTokenizer, get_tokenizer, load_tokenizer
 from gptlite.tokenizer.tiktoken_bpe import tiktoken_encoding
+from gptlite.train.run_config import resolve_config
 from tests.conftest import ROOT, run_train, shared_file, tiny_model
 
 transformers.logging.set_verbosity_error()

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from gptlite.generate import generate
+from gptlite.inference.generate import generate
 from tests.conftest import tiny_model
 
 
@@ -15,7 +15,7 @@ from tests.conftest import tiny_model
 def failing_compiler(monkeypatch):
     """compile=True on the CPU with a backend that fails as inductor does when its C++ compiler ($CXX) writes no
     library: dynamo raises BackendCompilerFailed at the first call of each shape."""
-    module = sys.modules["gptlite.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]
     torch._dynamo.reset()
 
     def backend(graph, example_inputs):

@@ -12,9 +12,9 @@ import transformers
 
 from gptlite import GPT
 from gptlite.checkpoint import load_checkpoint, lora_model, model_from_checkpoint
-from gptlite.lora import LoRALinear, add_lora, merge_lora
-from gptlite.prepare import prepare
-from gptlite.run_config import resolve_config
+from gptlite.data.prepare import prepare
+from gptlite.train.lora import LoRALinear, add_lora, merge_lora
+from gptlite.train.run_config import resolve_config
 from tests.conftest import DEVICE, ROOT, run_train
 from tests.test_hf import CHARS, hf_gpt2, hf_llama
 

@@ -1,4 +1,4 @@
-"""The chunked head + cross-entropy (gptlite.loss) against the whole computation, F.cross_entropy(F.linear(h, W)):
+"""The chunked head + cross-entropy (gptlite.model.loss) against the whole computation, F.cross_entropy(F.linear(h, W)):
 the loss and both gradients, with ignored targets, under autocast, inside the model for every variant, compiled;
 and that it never keeps the (tokens, vocab) logits for backward."""
 
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from gptlite.checkpoint import load_checkpoint
-from gptlite.lora import add_lora
-from gptlite.loss import chunk_tokens, linear_cross_entropy
-from gptlite.metrics import read_metrics
-from gptlite.shards import write_shard
+from gptlite.data.shards import write_shard
+from gptlite.model.loss import chunk_tokens, linear_cross_entropy
+from gptlite.train.lora import add_lora
+from gptlite.train.metrics import read_metrics
 from tests.conftest import DEVICE, randint, run_train, tiny_model
 
 pytestmark = pytest.mark.device

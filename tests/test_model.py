@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig
-from gptlite.model import GeluMLP, RMSNorm, RotaryPositions, SwiGLUGate, masked_attention, rotate_half, sinusoidal_table
+from gptlite.model.network import (
+    GeluMLP,
+    RMSNorm,
+    RotaryPositions,
+    SwiGLUGate,
+    masked_attention,
+    rotate_half,
+    sinusoidal_table,
+)
 from tests.conftest import DEVICE, VARIANTS, randint, tensor, tiny_config, tiny_model
 
 pytestmark = pytest.mark.device

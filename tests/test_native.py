@@ -1,5 +1,6 @@
-"""gptlite's compiled CPU kernels (gptlite.native): the operators against PyTorch's results, each instruction set's
-build, and every way the library can fail to be there, which must leave decoding on PyTorch's kernels."""
+"""gptlite's compiled CPU kernels (gptlite.inference.cpu.native): the operators against PyTorch's results, each
+instruction set's build, and every way the library can fail to be there, which must leave decoding on PyTorch's
+kernels."""
 
 import contextlib
 import os
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlite import native
+from gptlite.inference.cpu import native
 from tests.conftest import ROOT
 
 
@@ -160,12 +161,12 @@ def test_the_library_is_named_by_its_source_compiler_torch_and_cpu(monkeypatch, 
 def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, monkeypatch):
     """Forced onto the compiled kernels, float32 decoding (cpu_decode) and int8 (quantize) give the logits of the
     model's own layers and of the dequantized weights."""
-    import gptlite.cpu_decode
+    import gptlite.inference.cpu.decode
     from gptlite import GPT, GPTConfig
-    from gptlite.cpu_decode import NativeLinear, packed_for_cpu
+    from gptlite.inference.cpu.decode import NativeLinear, packed_for_cpu
 
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
-    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=True)).eval()
     idx = torch.randint(0, 96, (3, 10))
@@ -187,9 +188,9 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
 def test_a_prompt_of_many_rows_takes_pytorchs_gemm_not_the_compiled_kernel(ops):
     """The compiled kernels read each weight again for every 8 rows: float32 layers of more than native.MAX_ROWS
     rows run F.linear, int8 ones the dequantized way (each bit for bit), fewer rows the compiled kernel."""
-    from gptlite.cpu_decode import NativeLinear
-    from gptlite.quantize import NATIVE_MAX_ROWS as INT8_MAX_ROWS
-    from gptlite.quantize import Int8Linear
+    from gptlite.inference.cpu.decode import NativeLinear
+    from gptlite.inference.quantize import NATIVE_MAX_ROWS as INT8_MAX_ROWS
+    from gptlite.inference.quantize import Int8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
@@ -250,7 +251,7 @@ def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
 def test_native_attention_decodes_what_the_models_own_attention_does(ops, overrides):
     """The CPU decode view's NativeAttention layers give the model's own logits step after step, for one row and
     for rows of different lengths (left padding, masked), and through beam search's reordered cache."""
-    from gptlite.model import NativeAttention
+    from gptlite.model.network import NativeAttention
     from tests.conftest import tiny_model
 
     model = tiny_model(**overrides)
@@ -319,7 +320,7 @@ def test_argmax_is_torch_max_first_largest(ops, V):
     """Greedy decoding's pick: each row's first largest, as torch.max's indices, on widths that are and are not a
     multiple of a vector; ties, a NaN (the largest, its first), every number -inf, the largest in the last lanes, and
     rows that are not contiguous."""
-    from gptlite.sampling import greedy
+    from gptlite.inference.sampling import greedy
 
     generator = torch.Generator().manual_seed(V)
     logits = torch.randn(6, V, generator=generator)
@@ -352,11 +353,11 @@ def test_native_blocks_decode_what_the_models_own_blocks_do(ops, monkeypatch, ov
     """Where every matrix of a block takes the compiled kernel, the CPU decode view's blocks are NativeBlocks, and
     they give the model's own logits step after step: one row, rows of different lengths (left padding, masked),
     beam search's reordered cache, and more rows than the step takes (Block's way)."""
-    import gptlite.cpu_decode
+    import gptlite.inference.cpu.decode
     from tests.conftest import tiny_model
 
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
-    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
     decodes_as_its_own_blocks(tiny_model(**overrides))
 
 
@@ -373,7 +374,7 @@ def test_native_blocks_decode_an_int8_model_as_its_own_blocks_do(ops, monkeypatc
 def decodes_as_its_own_blocks(model) -> None:
     """Asserts that `model`'s CPU decode view has NativeBlocks that decode as the model does, 1, 3 and
     native.MAX_ROWS + 1 rows."""
-    from gptlite.model import NativeBlock
+    from gptlite.model.network import NativeBlock
 
     nine = [[i + 1, i + 2, 3] for i in range(native.MAX_ROWS + 1)]
     for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]], nine):
@@ -386,8 +387,8 @@ def decodes_as_the_model(model, rows: list[list[int]]):
     """Asserts that `model`'s CPU decode view gives the model's own logits over ten decode steps of `rows` (prompts of
     different lengths are left-padded and masked; three rows are reordered as beam search does, each taking over
     another's contents) and writes the same keys; returns the view."""
-    from gptlite.cpu_decode import packed_for_cpu
-    from gptlite.kvcache import decode_step, new_cache, prefill
+    from gptlite.inference.cpu.decode import packed_for_cpu
+    from gptlite.inference.kvcache import decode_step, new_cache, prefill
 
     with torch.no_grad():
         view = packed_for_cpu(model, len(rows))
@@ -414,13 +415,13 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
     """A block whose attention the kernels do not compute, another block kind or norm, a matrix that takes another
     kernel (float32, int8, int4), a hook on a module of the block, or a model in training mode: its blocks stay
     Block (and its attention, where it can, NativeAttention)."""
-    import gptlite.cpu_decode
-    from gptlite.cpu_decode import one_call_variant, packed_for_cpu
-    from gptlite.model import NativeBlock
+    import gptlite.inference.cpu.decode
+    from gptlite.inference.cpu.decode import one_call_variant, packed_for_cpu
+    from gptlite.model.network import NativeBlock
     from tests.conftest import tiny_model
 
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
-    monkeypatch.setattr(gptlite.cpu_decode, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
 
     def kinds(model) -> list[str]:
         return [type(block).__name__ for block in packed_for_cpu(model, 1).blocks]
@@ -451,8 +452,8 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
 def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
     """Rotary positions, norms of q and k, and sliding windows are the model's attention's to compute: their layers
     stay CausalSelfAttention in the view."""
-    from gptlite.cpu_decode import one_call_variant, packed_for_cpu
-    from gptlite.model import NativeAttention
+    from gptlite.inference.cpu.decode import one_call_variant, packed_for_cpu
+    from gptlite.model.network import NativeAttention
     from tests.conftest import tiny_model
 
     assert one_call_variant(tiny_model().blocks[0].attn) is NativeAttention
@@ -469,7 +470,7 @@ def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
 
 
 def test_the_compiled_kernel_is_the_default_another_must_beat():
-    from gptlite.cpu_decode import default_kernel
+    from gptlite.inference.cpu.decode import default_kernel
 
     assert default_kernel(("slab", "packed", "linear", "native"), 1) == "native"
     assert default_kernel(("packed", "linear", "native"), 8) == "native"
@@ -721,10 +722,10 @@ def test_sample_goes_on_past_a_full_cache(char_run, pytorchs_text, tmp_path):
 def test_the_test_run_keeps_its_caches_out_of_the_users():
     """conftest points the run's caches (the compiled kernels, the kernel choices) at a folder of its own, for this
     process and the ones it starts: a test run leaves ~/.cache/gptlite as it found it."""
-    from gptlite.cpu_decode import choices_file
+    from gptlite.inference.cpu.decode import choices_file
     from tests.conftest import RUN_CACHE
 
-    code = "from gptlite import native, cpu_decode; print(native.cache_dir()); print(cpu_decode.choices_file())"
+    code = "from gptlite.inference.cpu import native, decode; print(native.cache_dir()); print(decode.choices_file())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     for path in (native.cache_dir(), choices_file(), *map(Path, child.stdout.splitlines())):
         assert path.is_relative_to(RUN_CACHE) and not path.is_relative_to(Path.home() / ".cache"), path

@@ -1,4 +1,4 @@
-"""Training objectives (gptlite/objective.py): make_objective picks each mode from the config and the data, and
+"""Training objectives (gptlite/train/objective.py): make_objective picks each mode from the config and the data, and
 refuses what a mode cannot train on; each objective's micro-step on a tiny model gives the loss its formula gives,
 and its figures under their names, as train.py logs them."""
 
@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from gptlite import GPT
 from gptlite.config import TrainConfig
-from gptlite.objective import Conversations, Text, make_objective
-from gptlite.preference import DPO
-from gptlite.prepare import prepare
-from gptlite.prepare.preference import prepare_preference
-from gptlite.rl import RL
-from gptlite.shards import write_shard
+from gptlite.data.prepare import prepare
+from gptlite.data.prepare.preference import prepare_preference
+from gptlite.data.shards import write_shard
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
+from gptlite.train.objective import Conversations, Text, make_objective
+from gptlite.train.preference import DPO
+from gptlite.train.rl import RL
 from tests.conftest import tiny_config
 from tests.test_chat import write_chats
 from tests.test_preference import digits_pairs, write_jsonl

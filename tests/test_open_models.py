@@ -15,8 +15,8 @@ import transformers
 
 from gptlite import GPT
 from gptlite.checkpoint import load_checkpoint
+from gptlite.data.prepare import prepare
 from gptlite.hf import export_hf
-from gptlite.prepare import prepare
 from tests.conftest import DEVICE, ROOT, run_train, shared_file
 from tests.test_hf import randomized
 
@@ -180,7 +180,7 @@ def test_logits_greedy_tokens_and_the_export_equal_transformers(saved, tmp_path)
 
 def test_the_kv_cache_holds_only_the_key_value_heads(saved):
     name, hf, directory = saved
-    from gptlite.kvcache import new_cache
+    from gptlite.inference.kvcache import new_cache
 
     model = GPT.from_pretrained(str(directory))
     cache = new_cache(model, 3, 16)
@@ -394,7 +394,7 @@ def test_gemma3_ragged_prompts_decode_past_the_window_as_each_alone(tmp_path):
 
 def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(tmp_path):
     """The server's continuous batching: rows join and leave one cache; each row's window is its own."""
-    from gptlite.sampling import GenerationOptions
+    from gptlite.inference.sampling import GenerationOptions
     from gptlite.serve.engine import Engine, Params
     from gptlite.tokenizer import CharTokenizer
     from tests.serving import CHARS
@@ -466,7 +466,7 @@ def test_gemmas_norm_equals_transformers_in_bfloat16():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
     from gptlite import GPTConfig
-    from gptlite.model import RMSNorm
+    from gptlite.model.network import RMSNorm
 
     theirs = Gemma3RMSNorm(64, eps=1e-6)
     ours = RMSNorm(GPTConfig(n_embd=64, n_head=4, norm="rmsnorm", norm_eps=1e-6, norm_unit_offset=True))
@@ -484,7 +484,7 @@ def gemma3_modes(tmp_path_factory):
     """A tiny Gemma 3 directory as a user downloads one (tests/gemma3.py: Gemma's chat template, <eos> and
     <end_of_turn>) and, prepared with its own tokenizer, what each mode of fine-tuning reads: conversations
     (chat/, its targets the `model` turns), preference pairs in messages (pairs/) and RL prompts (prompts.jsonl)."""
-    from gptlite.prepare.preference import prepare_preference
+    from gptlite.data.prepare.preference import prepare_preference
     from tests.gemma3 import gemma3_dir
 
     root = tmp_path_factory.mktemp("gemma3_modes")
@@ -511,7 +511,7 @@ def gemma3_modes(tmp_path_factory):
 def test_gemma3_data_trains_on_its_model_turns(gemma3_modes, folder):
     """--chat's targets and --preference's answers, rendered with Gemma's own template: each `model` turn's content
     and its <end_of_turn>, nothing of the user's turns, of the markers that open a turn or of the newline after."""
-    from gptlite.shards import ANSWER, TARGET, read_roles, read_shard, roles_path
+    from gptlite.data.shards import ANSWER, TARGET, read_roles, read_shard, roles_path
     from gptlite.tokenizer import load_tokenizer
     from tests.gemma3 import END_OF_TURN
 

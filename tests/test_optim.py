@@ -1,4 +1,4 @@
-"""Muon (gptlite/optim.py) against torch.optim.Muon, per-logical-matrix orthogonalisation, which parameters it
+"""Muon (gptlite/train/optim.py) against torch.optim.Muon, per-logical-matrix orthogonalisation, which parameters it
 gets in every variant, and optimizer="muon" through the train.py command: the schedule, learning_rate=0, exact resume,
 the fp16 GradScaler."""
 
@@ -9,10 +9,18 @@ import torch
 
 from gptlite.checkpoint import Optimizers, Weights, load_checkpoint
 from gptlite.config import build_config
-from gptlite.metrics import read_metrics
-from gptlite.model import GPT
-from gptlite.optim import Muon, block_matrices, configure_optimizers, lr_at, lr_scale, newton_schulz, orthogonalise
-from gptlite.run_config import resolve_config
+from gptlite.model.network import GPT
+from gptlite.train.metrics import read_metrics
+from gptlite.train.optim import (
+    Muon,
+    block_matrices,
+    configure_optimizers,
+    lr_at,
+    lr_scale,
+    newton_schulz,
+    orthogonalise,
+)
+from gptlite.train.run_config import resolve_config
 from tests.conftest import VARIANTS, run_train, tiny_config
 from tests.test_train import config, one_thread, resume, write_corpus  # noqa: F401 (fixture)
 

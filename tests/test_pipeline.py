@@ -158,7 +158,7 @@ def test_evaluate_scores_what_training_scored(chain, tmp_path):
     assert val["bpb"] == pytest.approx(trained["val_bpb"], rel=1e-4)
     # every token of the same conversations, as the text they are, scores otherwise (by far more than the tolerance)
     everything = load_source(str(chain / "sft"))
-    from gptlite.data import find_shards, read_shard
+    from gptlite.data.loader import find_shards, read_shard
     from gptlite.evaluate import evaluate_windows
 
     streams = [torch.from_numpy(read_shard(p).astype("int64")) for p in find_shards(chain / "chat", "val")]

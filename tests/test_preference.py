@@ -14,11 +14,11 @@ import transformers
 
 from gptlite import GPT
 from gptlite.config import TrainConfig
-from gptlite.data import PairLoader, find_shards
-from gptlite.lora import LoRALinear, adapters_off, add_lora, frozen_copy
-from gptlite.preference import Reference, dpo_loss, pair_stats, sequence_logps
-from gptlite.prepare.preference import prepare_preference
+from gptlite.data.loader import PairLoader, find_shards
+from gptlite.data.prepare.preference import prepare_preference
 from gptlite.tokenizer import load_tokenizer
+from gptlite.train.lora import LoRALinear, adapters_off, add_lora, frozen_copy
+from gptlite.train.preference import Reference, dpo_loss, pair_stats, sequence_logps
 from tests.conftest import ROOT, run_train, tiny_model
 from tests.test_hf import hf_llama
 
@@ -33,7 +33,8 @@ PAIRS = [
 
 
 def pair_rows(pairs):
-    """A preference batch as gptlite.data.PairLoader lays it out: chosen rows, then rejected ones, right-padded."""
+    """A preference batch as gptlite.data.loader.PairLoader lays it out: chosen rows, then rejected ones,
+    right-padded."""
     rows = [(p + c) for p, c, _ in pairs] + [(p + r) for p, _, r in pairs]
     answers = [len(p) for p, _, _ in pairs] * 2
     width = max(map(len, rows)) - 1

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptlite.prepare
-from gptlite.data import find_shards, read_shard
-from gptlite.prepare import pipeline, prepare
+import gptlite.data.prepare
+from gptlite.data.loader import find_shards, read_shard
+from gptlite.data.prepare import pipeline, prepare
 from gptlite.tokenizer import load_tokenizer
 from tests.conftest import shared_file
 
@@ -116,7 +116,7 @@ def test_split_never_cuts_a_character(tmp_path, spec):
 @pytest.mark.parametrize("block_bytes", [5, 16, 64])
 def test_small_read_blocks_keep_text_exact(tmp_path, monkeypatch, block_bytes):
     """Blocks cut at line ends or character starts, many of them: the text still comes back byte for byte."""
-    monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(gptlite.data.prepare.sources, "BLOCK_BYTES", block_bytes)
     monkeypatch.setattr(pipeline, "BATCH_BLOCKS", 3)
     text = UNICODE_TEXT + "no newline at the end: 🙂🙂🙂 日本"
     src = write(tmp_path / "u.txt", text)

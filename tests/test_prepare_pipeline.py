@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptlite.prepare
-from gptlite.data import read_shard, verify_manifest, write_shard
-from gptlite.prepare import pipeline, prepare
+import gptlite.data.prepare
+from gptlite.data.loader import read_shard, verify_manifest, write_shard
+from gptlite.data.prepare import pipeline, prepare
 from tests.conftest import ROOT, shared_file
 
 TEXT = "".join(f"Line {i}: all the world's a stage — 舞台 {i * 7}.\n" for i in range(400))  # ~20 kB
@@ -24,7 +24,7 @@ def quiet(*args, **kwargs):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 256 bytes, batches of two: a 20 kB corpus makes dozens of batches."""
-    monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(gptlite.data.prepare.sources, "BLOCK_BYTES", 256)
     monkeypatch.setattr(pipeline, "BATCH_BLOCKS", 2)
 
 
@@ -74,7 +74,7 @@ def test_reading_stays_at_most_a_few_batches_ahead(tmp_path, small_blocks, monke
     monkeypatch.setattr(pipeline, "save_progress", counting_saves)
     prepare(corpus(tmp_path), "byte", tmp_path / "out", workers=workers, log=quiet)
     assert written[0] > 30
-    assert max(ahead) <= (gptlite.prepare.workers.IN_FLIGHT_PER_WORKER * workers if workers > 1 else 0)
+    assert max(ahead) <= (gptlite.data.prepare.workers.IN_FLIGHT_PER_WORKER * workers if workers > 1 else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +155,9 @@ def test_resume_in_the_middle_of_a_parquet_row_group(tmp_path, monkeypatch, hf_d
     src = tmp_path / "rows.parquet"
     texts = [f"row {i}: {'abc ' * (i % 7)}" for i in range(3000)]
     pq.write_table(pa.table({"text": texts}), src, row_group_size=3000)
-    monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", 2000)  # a batch of 1,024 rows is a batch of its own
+    monkeypatch.setattr(
+        gptlite.data.prepare.sources, "BLOCK_BYTES", 2000
+    )  # a batch of 1,024 rows is a batch of its own
     kwargs = {"shard_tokens": 5000, "workers": 1, "hf_dataset": hf_dataset, "log": quiet}
     whole = prepare([str(src)], "byte", tmp_path / "whole", **kwargs)
     out = tmp_path / "out"

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import gptlite.prepare
-from gptlite.data import find_shards, read_shard
-from gptlite.prepare import pipeline, prepare
+import gptlite.data.prepare
+from gptlite.data.loader import find_shards, read_shard
+from gptlite.data.prepare import pipeline, prepare
 from gptlite.tokenizer import load_tokenizer
 from tests.conftest import ROOT, shared_file
 
@@ -102,7 +102,9 @@ def test_parquet_and_hugging_face_streaming_give_the_same_shards_as_jsonl(tmp_pa
     # the progress bar's total for Parquet: the text column's uncompressed size, its text plus per-row and per-page
     # overhead
     text_bytes = len("".join(DOCS).encode())
-    assert text_bytes <= gptlite.prepare.sources.input_bytes(runs["parquet"]["sources"], "content") < 2 * text_bytes
+    assert (
+        text_bytes <= gptlite.data.prepare.sources.input_bytes(runs["parquet"]["sources"], "content") < 2 * text_bytes
+    )
 
 
 def test_text_files_and_records_together(tmp_path):
@@ -128,7 +130,7 @@ def test_val_documents_follow_the_rule_for_every_index(fraction):
     """The vectorized val choice equals document i being val when int((i + 1) * f) > int(i * f)."""
     for first in (0, 12_345, 10**9 + 7):
         expected = [int((i + 1) * fraction) > int(i * fraction) for i in range(first, first + 2000)]
-        assert gptlite.prepare.workers.val_documents(first, 2000, fraction).tolist() == expected
+        assert gptlite.data.prepare.workers.val_documents(first, 2000, fraction).tolist() == expected
 
 
 @pytest.mark.parametrize(
@@ -154,7 +156,7 @@ def test_parse_json_answers_as_json_loads(line):
         except json.JSONDecodeError as e:
             return str(e)
 
-    assert answer(gptlite.prepare.sources.parse_json) == answer(json.loads)
+    assert answer(gptlite.data.prepare.sources.parse_json) == answer(json.loads)
 
 
 def test_records_longer_than_a_read_block_are_whole(tmp_path, monkeypatch):
@@ -162,7 +164,7 @@ def test_records_longer_than_a_read_block_are_whole(tmp_path, monkeypatch):
     docs = [f"{i}: " + "long " * (i * 7 % 40) + "\n" for i in range(60)]
     src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
     whole = prepare([str(src)], gpt2(), tmp_path / "whole", log=quiet)
-    monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(gptlite.data.prepare.sources, "BLOCK_BYTES", 64)
     monkeypatch.setattr(pipeline, "BATCH_BLOCKS", 2)
     small = prepare([str(src)], gpt2(), tmp_path / "small", log=quiet)
     assert small["sha256"] == whole["sha256"] and small["documents"] == 60
@@ -174,9 +176,11 @@ def test_the_main_process_parses_only_the_first_record(tmp_path, monkeypatch):
     check the text field before any work) and no other, so its work does not grow with the number of records."""
     docs = [f"Record {i}: {'short text ' * (i % 5)}\n" for i in range(400)]
     src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
-    parsed, parse_json = [], gptlite.prepare.sources.parse_json
-    monkeypatch.setattr(gptlite.prepare.sources, "parse_json", lambda line: parsed.append(line) or parse_json(line))
-    monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", 1024)
+    parsed, parse_json = [], gptlite.data.prepare.sources.parse_json
+    monkeypatch.setattr(
+        gptlite.data.prepare.sources, "parse_json", lambda line: parsed.append(line) or parse_json(line)
+    )
+    monkeypatch.setattr(gptlite.data.prepare.sources, "BLOCK_BYTES", 1024)
     logged = []
     manifest = prepare([str(src)], gpt2(), tmp_path / "out", workers=2, log=logged.append)
     assert "in 2 process(es)" in logged[0]
@@ -267,7 +271,7 @@ def test_a_bad_line_found_by_a_worker_is_named_by_its_number(tmp_path, monkeypat
     lines[40] = ""  # a blank line counts as a line
     src = tmp_path / "docs.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(gptlite.prepare.sources, "BLOCK_BYTES", 512)
+    monkeypatch.setattr(gptlite.data.prepare.sources, "BLOCK_BYTES", 512)
     with pytest.raises((ValueError, TypeError), match=r"docs\.jsonl " + message):
         prepare([str(src)], gpt2(), tmp_path / "out", workers=2, log=quiet)
 
@@ -288,7 +292,7 @@ def test_unreadable_file(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied")  # as open() does for a file without read permission
         return builtins.open(path, *args, **kwargs)
 
-    monkeypatch.setattr(gptlite.prepare.sources, "open", denied, raising=False)
+    monkeypatch.setattr(gptlite.data.prepare.sources, "open", denied, raising=False)
     with pytest.raises(
         PermissionError,
         match=r"cannot read input .*secret\.txt \(Permission denied\); check that it is a readable file",
@@ -371,7 +375,7 @@ def test_hugging_face_offline_fails_at_once_where_the_hubs_name_does_not_resolve
     datasets = pytest.importorskip("datasets")
     import socket
 
-    from gptlite.prepare import sources
+    from gptlite.data.prepare import sources
 
     def unresolved(host, *args, **kwargs):
         raise socket.gaierror(-2, "Name or service not known")

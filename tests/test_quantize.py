@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import sample
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_model
-from gptlite.generate import generate
-from gptlite.quantize import (
+from gptlite.inference.generate import generate
+from gptlite.inference.quantize import (
     Int4Linear,
     Int8GroupLinear,
     Int8Linear,
@@ -75,7 +75,7 @@ def test_an_int8_group_layer_is_the_linear_of_its_dequantized_weight_every_way(r
     """Each way this CPU has (the compiled kernel, at most NATIVE_MAX_ROWS rows, then chunks; the dequantized
     weight in chunks of 8 rows, the last one short, and whole), with a bias; the lookup of a table's rows is its
     dequantized rows."""
-    monkeypatch.setattr("gptlite.quantize.CHUNK_WEIGHTS", 8 * 96 + 5)
+    monkeypatch.setattr("gptlite.inference.quantize.CHUNK_WEIGHTS", 8 * 96 + 5)
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 203)
     layer = Int8GroupLinear.from_linear(linear)
@@ -187,7 +187,7 @@ def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tm
     trace file I/O."""
     from gptlite.checkpoint import save_checkpoint
     from gptlite.config import build_config, config_to_dict
-    from gptlite.cpu_decode import PACK_MIN_WEIGHTS, machine_key
+    from gptlite.inference.cpu.decode import PACK_MIN_WEIGHTS, machine_key
     from gptlite.tokenizer import CharTokenizer
 
     if DEVICE != "cpu":
@@ -276,7 +276,7 @@ def test_int4_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
 @pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize", "native"])
 def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
     """Every way, gptlite's compiled kernel (native) included: CI's machine has a compiler, so it is built there."""
-    from gptlite import native
+    from gptlite.inference.cpu import native
 
     assert way != "native" or native.load()  # loaded here: the test passes run alone, not only after another
     torch.manual_seed(0)
@@ -293,7 +293,7 @@ def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
     """A layer large enough to measure asks the choices file, measures on a miss and keeps the answer, choosing only
     among the ways that compute in the activations' dtype (a faster bfloat16 way never serves float32 activations);
     a small one takes its default; GPTLITE_QUANT_KERNEL forces a way, and an unknown one is refused in one line."""
-    import gptlite.cpu_decode as cpu
+    import gptlite.inference.cpu.decode as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
@@ -351,8 +351,8 @@ MADE_UP_TIMES = {
 def made_up_measurements(monkeypatch, tmp_path) -> None:
     """Every quantized layer measured (none too small), each measurement MADE_UP_TIMES, kept in a choices file of
     the test's own: which ways the layers take is the same on every CPU."""
-    import gptlite.cpu_decode as cpu
-    import gptlite.quantize
+    import gptlite.inference.cpu.decode as cpu
+    import gptlite.inference.quantize
 
     def fake_measure(shape, bucket, *names_and_dtype):
         return MADE_UP_TIMES[bucket]
@@ -360,7 +360,7 @@ def made_up_measurements(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
     monkeypatch.setattr(cpu, "_choices", {})
-    monkeypatch.setattr(gptlite.quantize, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(gptlite.inference.quantize, "PACK_MIN_WEIGHTS", 0)
     for cls in (Int8Linear, Int4Linear):
         monkeypatch.setattr(cls, "measure", staticmethod(fake_measure))
 
@@ -370,7 +370,7 @@ def test_greedy_tokens_are_the_same_alone_in_a_batch_and_without_the_compiled_ke
     """The measured ways decide the speed, never the numbers: where one row measured fastest with bfloat16
     activations and a batch with float32 ones, a prompt's greedy tokens alone equal its tokens in a ragged batch of
     several, and equal them again where gptlite's compiled kernels are not loaded (GPTLITE_NATIVE=0)."""
-    import gptlite.native
+    import gptlite.inference.cpu.native
 
     if DEVICE != "cpu":
         pytest.skip("the CPU's kernel choices")
@@ -390,7 +390,7 @@ def test_greedy_tokens_are_the_same_alone_in_a_batch_and_without_the_compiled_ke
         one = model(tokens[:1])[0][0]
         batch = model(tokens)[0][0]
     torch.testing.assert_close(one, batch, rtol=1e-4, atol=1e-4 * batch.abs().max().item())
-    monkeypatch.setattr(gptlite.native, "load", lambda: False)  # as with GPTLITE_NATIVE=0
+    monkeypatch.setattr(gptlite.inference.cpu.native, "load", lambda: False)  # as with GPTLITE_NATIVE=0
     model = quantized()
     assert [generate(model, [prompt], 20, temperature=0)[0] for prompt in prompts] == alone
     assert generate(model, prompts, 20, temperature=0) == alone
@@ -430,7 +430,7 @@ def test_int4_says_in_one_line_which_layers_stayed_int8_and_why():
     """int4's kernel takes output widths that are multiples of 16 and input widths that are multiples of the group:
     the layers it cannot take stay int8, and a warning line says which and why; the model's own record of what was
     done (`quantized_as`, `layer_types`, which evaluate's JSON writes) counts them."""
-    from gptlite.quantize import layer_types, quantized_as
+    from gptlite.inference.quantize import layer_types, quantized_as
 
     with pytest.warns(UserWarning) as caught:
         narrow = tiny_model(n_embd=40).cpu().quantize("int4")  # 40 inputs: no layer is a multiple of 32 wide
@@ -455,16 +455,16 @@ def test_quantizing_a_model_that_fits_in_the_cpus_cache_says_it_decodes_slower(m
     silently."""
     import warnings
 
-    import gptlite.quantize
+    import gptlite.inference.quantize
 
-    cache = gptlite.quantize.last_level_cache_bytes()  # this CPU's own
+    cache = gptlite.inference.quantize.last_level_cache_bytes()  # this CPU's own
     assert cache is None or cache >= 1 << 20  # Linux lists at least a MiB for any CPU this runs on
     model = tiny_model().cpu()
     matrices = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
-    monkeypatch.setattr(gptlite.quantize, "last_level_cache_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(gptlite.inference.quantize, "last_level_cache_bytes", lambda: 32 << 20)
     with pytest.warns(UserWarning, match=r"^gptlite: int8 decodes this model slower than float32 on this CPU: its fl"):
         model.quantize("int8")
-    monkeypatch.setattr(gptlite.quantize, "last_level_cache_bytes", lambda: matrices - 1)
+    monkeypatch.setattr(gptlite.inference.quantize, "last_level_cache_bytes", lambda: matrices - 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning at all
         tiny_model().cpu().quantize("int8")
@@ -495,7 +495,7 @@ def exported(mode: str, kind: str, tmp_path) -> tuple[GPT, dict, dict]:
     import gguf
 
     from gptlite.hf.gguf import export_gguf
-    from gptlite.quantize import dequantized_state_dict
+    from gptlite.inference.quantize import dequantized_state_dict
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, n_embd=64, ffn="gelu", bias=True)

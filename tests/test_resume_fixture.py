@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gptlite.checkpoint import load_checkpoint
-from gptlite.metrics import read_metrics
+from gptlite.train.metrics import read_metrics
 from tests.conftest import run_train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_8a92e84"

@@ -1,5 +1,5 @@
-"""Reinforcement learning on verifiable rewards (gptlite/rl.py): the built-in rewards, a user's reward function and
-its faults, the prompts file, the loss against its formula written out, sampling a group, and a toy task whose
+"""Reinforcement learning on verifiable rewards (gptlite/train/rl.py): the built-in rewards, a user's reward function
+and its faults, the prompts file, the loss against its formula written out, sampling a group, and a toy task whose
 mean reward rises under train.py --rl."""
 
 import json
@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
-from gptlite.generate import generate
-from gptlite.lora import add_lora
-from gptlite.rl import (
+from gptlite.inference.generate import generate
+from gptlite.tokenizer import CharTokenizer
+from gptlite.train.lora import add_lora
+from gptlite.train.rl import (
     Prompt,
     PromptLoader,
     RewardError,
@@ -27,7 +28,6 @@ from gptlite.rl import (
     score_prompts,
     token_logprobs,
 )
-from gptlite.tokenizer import CharTokenizer
 from tests.conftest import tiny_model
 
 DIGITS = CharTokenizer("0123456789=\n")
@@ -268,7 +268,7 @@ def test_the_prompt_order_resumes_exactly_and_ranks_never_share_a_prompt():
 def test_sampling_a_lora_model_on_the_cpu_keeps_its_adapters():
     """The CPU fast path packs large nn.Linear layers for decoding; a LoRA layer (a subclass) is left as it is, so
     that the policy sampled is the one trained."""
-    from gptlite.lora import merge_lora
+    from gptlite.train.lora import merge_lora
 
     model = tiny_model(vocab_size=DIGITS.vocab_size, block_size=16, n_layer=1, n_embd=512, n_head=4).cpu()
     add_lora(model, 2, 16.0, 0.0, ("attn.qkv", "ffn.fc"))
@@ -343,8 +343,8 @@ def teach_format(steps: int, seed: int = 0):
 def toy(tmp_path_factory):
     """A folder with the format-taught model exported (sft/), a data folder of the task's text (its char tokenizer
     is DIGITS, and train.py evaluates its val split as usual), training prompts and held-out prompts."""
+    from gptlite.data.prepare import prepare
     from gptlite.hf import export_hf
-    from gptlite.prepare import prepare
 
     folder = tmp_path_factory.mktemp("toy")
     model = teach_format(80)
@@ -395,7 +395,7 @@ def test_rl_raises_the_mean_reward_on_held_out_prompts(toy, tmp_path):
     seeds on the AMD AVX2 machine ended at greedy pass@1 0.61-0.98 (the default seed short of the bar); at 800 steps
     at 0.80-1.00 (mean reward 0.73-0.97), clear of it."""
     from gptlite.checkpoint import load_model
-    from gptlite.metrics import read_metrics
+    from gptlite.train.metrics import read_metrics
     from tests.conftest import run_train
 
     folder, model = toy
@@ -428,7 +428,7 @@ def test_a_resumed_rl_run_continues_as_the_straight_run(toy, tmp_path):
 def test_grpo_with_its_kl_trains_with_and_without_lora(toy, tmp_path, lora):
     """rl_loss=grpo with a KL term: the reference is a frozen copy, or with LoRA the model with its adapters off;
     the KL is 0 at the first step (the policy is the reference) and positive once the policy has moved."""
-    from gptlite.metrics import read_metrics
+    from gptlite.train.metrics import read_metrics
     from tests.conftest import run_train
 
     folder, _ = toy
@@ -442,7 +442,7 @@ def test_grpo_with_its_kl_trains_with_and_without_lora(toy, tmp_path, lora):
 def test_a_reward_function_that_fails_skips_its_step_and_the_run_goes_on(toy, tmp_path):
     """A reward that raises on one prompt: each step that samples it makes no update, says so in one line naming
     the function and the record, and is counted in metrics.jsonl; the other steps train."""
-    from gptlite.metrics import read_metrics
+    from gptlite.train.metrics import read_metrics
     from tests.conftest import run_train
 
     folder, _ = toy

@@ -166,7 +166,7 @@ def test_a_sliding_window_note_goes_to_stderr_after_the_text(run_dir, capsys, mo
     note = [line for line in err.splitlines() if "block_size" in line]
     assert note == [
         "sample.py: note: the context reached block_size=32: a full window keeps its newest 24 tokens, "
-        "which are prefilled again at positions 0.. (see gptlite.generate)"
+        "which are prefilled again at positions 0.. (see gptlite.inference.generate)"
     ]
     # on its own line after the text, never inside it, also where stdout and stderr share a terminal
     shared = io.StringIO()

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from gptlite.sampling import GenerationOptions
+from gptlite.inference.sampling import GenerationOptions
 from gptlite.serve.__main__ import ServeOptions
 from gptlite.serve.guard import Policy
 from tests.serving import MODEL, Served, slow_steps
@@ -92,9 +92,10 @@ def test_n_choices_and_seeds_reproduce(client):
 
 
 def test_a_requests_sampling_reaches_the_engine_as_generation_options(served, monkeypatch):
-    """The server's engine decodes each row with generation's own options (gptlite.sampling.GenerationOptions): what
-    a request's sampling fields give, the seed moved on per choice, top_p 1 as no limit, and the tokenizer's end
-    ids; OpenAI's own fields (stop strings, logit_bias) travel beside them in Params."""
+    """The server's engine decodes each row with generation's own options
+    (gptlite.inference.sampling.GenerationOptions): what a request's sampling fields give, the seed moved on per choice,
+    top_p 1 as no limit, and the tokenizer's end ids; OpenAI's own fields (stop strings, logit_bias) travel beside them
+    in Params."""
     submitted = []
     submit = served.engine.submit
 
@@ -813,7 +814,7 @@ def test_options_are_checked(capsys):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch._dynamo's imports
 def test_a_broken_cpu_compiler_serves_uncompiled_with_a_warning(monkeypatch, capsys):
-    from gptlite.kvcache import decode_step
+    from gptlite.inference.kvcache import decode_step
     from gptlite.serve.__main__ import build
     from tests.conftest import tiny_model
     from tests.serving import CHARS, TemplateTokenizer

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gptlite.generate import generate_with
-from gptlite.kvcache import AttentionCache, KVCache, kv_buffers
-from gptlite.sampling import GenerationOptions
+from gptlite.inference.generate import generate_with
+from gptlite.inference.kvcache import AttentionCache, KVCache, kv_buffers
+from gptlite.inference.sampling import GenerationOptions
 from gptlite.serve.engine import Engine, Job, Params
 from gptlite.serve.rows import RowCache
 from gptlite.tokenizer import CharTokenizer
@@ -122,8 +122,9 @@ def test_a_stop_token_ends_the_request_without_its_text():
 
 
 def test_rows_decode_with_generations_own_options_as_generate_does():
-    """A row samples with a gptlite.sampling.GenerationOptions, the options generate takes: greedy with presence and
-    frequency penalties, it gives generate's tokens; an option the engine does not apply is refused in Params."""
+    """A row samples with a gptlite.inference.sampling.GenerationOptions, the options generate takes: greedy with
+    presence and frequency penalties, it gives generate's tokens; an option the engine does not apply is refused in
+    Params."""
     model = tiny_model()
     tokenizer = CharTokenizer(CHARS)
     prompts = ["ROMEO:", "a", "Hello"]

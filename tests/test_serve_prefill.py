@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptlite.sampling import GenerationOptions
+from gptlite.inference.sampling import GenerationOptions
 from gptlite.serve.engine import Engine, Params, padded_runs
 from gptlite.serve.prefix import BLOCK, PrefixCache
 from gptlite.serve.rows import RowCache

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from gptlite.sampling import GenerationOptions
+from gptlite.inference.sampling import GenerationOptions
 from gptlite.serve.app import create_app
 from gptlite.serve.engine import Engine, Job, Params
 from gptlite.serve.grammar import Grammars

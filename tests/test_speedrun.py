@@ -22,15 +22,21 @@ import torch.nn.functional as F
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_checkpoint
 from gptlite.config import MODEL_SHAPE_KEYS, build_config, model_changes
+from gptlite.data.prepare.preference import prepare_preference
+from gptlite.data.shards import write_shard
 from gptlite.evaluate.spans import Row as SpanRow
 from gptlite.evaluate.spans import score_spans
-from gptlite.generate import SLIDE_KEEP
 from gptlite.hf import export_hf, family_of
 from gptlite.hf.gguf import gguf_architecture
-from gptlite.kvcache import new_cache, prefill
-from gptlite.loss import linear_cross_entropy
-from gptlite.model import ReluSquaredMLP, previous_tokens
-from gptlite.optim import (
+from gptlite.inference.generate import SLIDE_KEEP
+from gptlite.inference.kvcache import new_cache, prefill
+from gptlite.inference.sampling import GenerationOptions
+from gptlite.model.loss import linear_cross_entropy
+from gptlite.model.network import ReluSquaredMLP, previous_tokens
+from gptlite.serve.engine import Engine, Job, Params, TokenLogprob
+from gptlite.serve.prefix import BLOCK
+from gptlite.tokenizer import CharTokenizer
+from gptlite.train.optim import (
     NS_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     Muon,
@@ -42,13 +48,7 @@ from gptlite.optim import (
     run_progress,
     seq_len_at,
 )
-from gptlite.prepare.preference import prepare_preference
-from gptlite.run_config import resolve_config
-from gptlite.sampling import GenerationOptions
-from gptlite.serve.engine import Engine, Job, Params, TokenLogprob
-from gptlite.serve.prefix import BLOCK
-from gptlite.shards import write_shard
-from gptlite.tokenizer import CharTokenizer
+from gptlite.train.run_config import resolve_config
 from tests.conftest import ROOT, run_train, tiny_config
 from tests.test_serve_prefill import recording
 
@@ -896,8 +896,8 @@ def pair_rows(rows: list[list[int]], vocab: int, table: int) -> list[list[int]]:
 
 def greedy_window(model: GPT, prompt: list[int], n: int, logprobs: list[float] | None = None) -> list[int]:
     """Greedy decoding by a full forward of the window at every step, no cache; the window keeps its newest
-    SLIDE_KEEP part when it would pass block_size (gptlite.generate's policy). Each new token's log-probability is
-    appended to `logprobs` when given."""
+    SLIDE_KEEP part when it would pass block_size (gptlite.inference.generate's policy). Each new token's
+    log-probability is appended to `logprobs` when given."""
     block = model.config.block_size
     keep = int(block * SLIDE_KEEP)
     out = list(prompt)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from gptlite.generate import TextStream, generate_text
+from gptlite.inference.generate import TextStream, generate_text
 from gptlite.tokenizer import ByteTokenizer
 from tests.conftest import tiny_model
 

@@ -147,7 +147,7 @@ def test_saved_gpt2_needs_no_ranks_file(tmp_path, gpt2):
         "tiktoken.load.load_tiktoken_bpe = boom\n"
         "from gptlite.tokenizer import load_tokenizer\n"
         f"t = load_tokenizer({str(path)!r})\n"
-        "print(t.encode('Hello world'), 'gptlite.model' in sys.modules)\n"
+        "print(t.encode('Hello world'), 'gptlite.model.network' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

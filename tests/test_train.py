@@ -22,12 +22,12 @@ import torch
 
 from gptlite import plot
 from gptlite.checkpoint import load_checkpoint, step_files, verify_checkpoint
-from gptlite.data import make_loaders, write_shard
+from gptlite.data.loader import make_loaders, write_shard
 from gptlite.device import compile_unavailable, pick_device
 from gptlite.evaluate import evaluate_loader
-from gptlite.metrics import mfu, peak_flops, read_metrics
-from gptlite.model import GPT
-from gptlite.run_config import resolve_config
+from gptlite.model.network import GPT
+from gptlite.train.metrics import mfu, peak_flops, read_metrics
+from gptlite.train.run_config import resolve_config
 from tests.conftest import ROOT, VARIANTS, FullDisk, run_train, shared_file
 
 VOCAB = 128  # the corpus is ASCII bytes
@@ -183,7 +183,7 @@ def test_on_nan_stop_raises_without_saving(data, tmp_path, nan_loss_at):
 
 @pytest.mark.parametrize("on_nan", ["skip", "stop"])
 def test_the_update_decided_on_the_device_trains_as_the_host_s(data, tmp_path, nan_loss_at, monkeypatch, on_nan):
-    """GPTLITE_UPDATE=device forces the GPU's way on the CPU (gptlite.update: fused AdamW's found_inf skips a
+    """GPTLITE_UPDATE=device forces the GPU's way on the CPU (gptlite.train.update: fused AdamW's found_inf skips a
     non-finite step, the figures are read a step late): the same losses, events, messages and checkpoint as the
     host's way, bit for bit, a NaN at step 4 skipped (or stopped on) in both."""
     runs = {}

@@ -1,13 +1,13 @@
-"""The update decided on the device (gptlite.update): fused AdamW's skip of a non-finite step against no step at all,
-the figures read one step late against the same figures read at once, and the choice between the two ways."""
+"""The update decided on the device (gptlite.train.update): fused AdamW's skip of a non-finite step against no step at
+all, the figures read one step late against the same figures read at once, and the choice between the two ways."""
 
 import math
 
 import pytest
 import torch
 
-from gptlite.optim import WeightAverage
-from gptlite.update import DeviceUpdate, HostUpdate, make_update, skips_on_device, step_stats
+from gptlite.train.optim import WeightAverage
+from gptlite.train.update import DeviceUpdate, HostUpdate, make_update, skips_on_device, step_stats
 from tests.conftest import DEVICE
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
-from gptlite.download import TOKEN_SHARDS, download_token_shards  # noqa: E402
+from gptlite.data.download import TOKEN_SHARDS, download_token_shards  # noqa: E402
 
 
 @dataclass

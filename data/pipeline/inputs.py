@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
-from gptlite.download import download  # noqa: E402
+from gptlite.data.download import download  # noqa: E402
 from gptlite.files import make_dir, write_text  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
-from gptlite.download import download  # noqa: E402
-from gptlite.prepare import prepare  # noqa: E402
+from gptlite.data.download import download  # noqa: E402
+from gptlite.data.prepare import prepare  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 

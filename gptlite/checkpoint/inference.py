@@ -16,10 +16,10 @@ import torch
 
 from gptlite.checkpoint.run_folder import CHECKPOINT_NAME, began_run, load_checkpoint, step_files
 from gptlite.config import GPTConfig, build_config, check_model_overrides
-from gptlite.lora import add_lora, merge_lora
-from gptlite.model import GPT
+from gptlite.model.network import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 from gptlite.tokenizer.huggingface import has_bpe_files
+from gptlite.train.lora import add_lora, merge_lora
 
 
 def is_run(name: str) -> bool:
@@ -138,8 +138,8 @@ def load_model(
     `tokenizer` (a tokenizer.json or a folder holding one, a .tiktoken file or tiktoken name) if given, else the
     run's tokenizer.json (in out_dir, or beside its training data), else a pretrained directory's own tokenizer.json,
     else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken.
-    quantize="int8" quantizes the weights for inference (see gptlite.quantize)."""
-    from gptlite.quantize import check_mode
+    quantize="int8" quantizes the weights for inference (see gptlite.inference.quantize)."""
+    from gptlite.inference.quantize import check_mode
 
     check_mode(quantize)  # before anything is loaded
     model, tok = _load_model(out_dir, init_from, tokenizer)

@@ -8,14 +8,14 @@ A checkpoint is a plain dict of tensors and primitive values, each entry written
                     whole on rank 0 also under FSDP; a LoRA run's holds its adapters alone (lora_A, lora_B)
     optimizer       Optimizers: the optimizers' state (AdamW's, and Muon's with optimizer="muon") keyed by parameter
                     name (torch.distributed.checkpoint's full state dict, one for all); their learning-rate
-                    schedule is a function of the step (gptlite.optim.lr_at), their hyperparameters the config's
+                    schedule is a function of the step (gptlite.train.optim.lr_at), their hyperparameters the config's
     scaler          LossScale: the fp16 GradScaler's state ({} when unused)
     step            Progress: optimizer steps taken
-    loader          DataPosition: the objective's position in its data (gptlite.objective: the train loader's
-                    state, see gptlite.data.ShardLoader.state; an RL run's prompt order, gptlite.rl.PromptLoader.state)
-    data            DataPosition: what the run trains on (the objective's identity(): the data's kind and a
-                    fingerprint of its shards, an RL run's prompts file's too), which a resume checks (absent before
-                    2026-11-27)
+    loader          DataPosition: the objective's position in its data (gptlite.train.objective: the train loader's
+                    state, see gptlite.data.loader.ShardLoader.state; an RL run's prompt order,
+                    gptlite.train.rl.PromptLoader.state) data            DataPosition: what the run trains on (the
+                    objective's identity(): the data's kind and a fingerprint of its shards, an RL run's prompts file's
+                    too), which a resume checks (absent before 2026-11-27)
     world_size      RandomStreams: the processes that trained
     rng             RandomStreams: one entry per rank: python, numpy, torch CPU and CUDA generator states
     best_val_loss   Progress: the lowest val loss so far (best.pt's)
@@ -26,7 +26,7 @@ A checkpoint is a plain dict of tensors and primitive values, each entry written
 and, where they apply:
     lora            Weights: a LoRA run's adapters: base (its --init_from), sha256 (those base weights'
                     fingerprint, gptlite.hf.fingerprint), rank, alpha, targets
-    ema             Average: ema_decay: the weights' moving average (gptlite.optim.WeightAverage.state_dict)
+    ema             Average: ema_decay: the weights' moving average (gptlite.train.optim.WeightAverage.state_dict)
     trained_model   Weights: a run that ended as its moving average: the weights it trained, which --resume
                     continues from (`model` then holds the average)
 A part's state_dict() gives its entries and its load_state_dict() takes a dict that holds them (a whole checkpoint);
@@ -52,12 +52,12 @@ from gptlite.checkpoint.file import git_commit, nonfinite
 from gptlite.checkpoint.run_folder import repair_run_folder, save_run_checkpoint, step_files
 from gptlite.config import TrainConfig, config_to_dict
 from gptlite.files import error
-from gptlite.lora import lora_state_dict
-from gptlite.optim import WeightAverage
 from gptlite.tokenizer import Tokenizer
+from gptlite.train.lora import lora_state_dict
+from gptlite.train.optim import WeightAverage
 
 if TYPE_CHECKING:
-    from gptlite.objective import Objective
+    from gptlite.train.objective import Objective
 
 # the entries of a checkpoint, in the order a checkpoint holds them (the module's docstring says what each is)
 ENTRIES = (
@@ -116,8 +116,8 @@ def set_rng_state(state: dict) -> None:
 
 def check_same_data(ckpt: dict, current: dict[str, str], out_dir: str, data_dir: str) -> None:
     """A resume continues on the data the run trained on: its kind, its shards and (RL) its prompts, as the
-    checkpoint's "data" recorded them (gptlite.objective's identity). Other data is a one-line error before anything
-    is restored; a checkpoint from before the record is taken as it is."""
+    checkpoint's "data" recorded them (gptlite.train.objective's identity). Other data is a one-line error before
+    anything is restored; a checkpoint from before the record is taken as it is."""
     saved = ckpt.get("data")
     if saved is None or saved == current:
         return
@@ -250,8 +250,8 @@ class DataPosition:
 
 
 class Average:
-    """The weights' moving average of a run with ema_decay ("ema", gptlite.optim.WeightAverage), updated after each
-    optimizer step; the run ends as it (`finish`). `weight_average` builds it, or NoAverage."""
+    """The weights' moving average of a run with ema_decay ("ema", gptlite.train.optim.WeightAverage), updated after
+    each optimizer step; the run ends as it (`finish`). `weight_average` builds it, or NoAverage."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.model = model

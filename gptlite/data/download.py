@@ -8,9 +8,9 @@ import contextlib
 import os
 from pathlib import Path
 
+from gptlite.data.shards import MANIFEST, file_sha256, read_shard
 from gptlite.extras import need
 from gptlite.files import write_json
-from gptlite.shards import MANIFEST, file_sha256, read_shard
 from gptlite.tokenizer import TOKENIZER_FILE, get_tokenizer
 
 

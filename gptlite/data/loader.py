@@ -1,5 +1,5 @@
-"""The memory-mapped, resumable batch loaders over token shards (their file format is in gptlite.shards): windows of
-a token stream for pretraining (`ShardLoader`), whole conversations for fine-tuning on chats (`ChatLoader`), pairs of
+"""The memory-mapped, resumable batch loaders over token shards (their file format is in gptlite.data.shards): windows
+of a token stream for pretraining (`ShardLoader`), whole conversations for fine-tuning on chats (`ChatLoader`), pairs of
 a chosen and a rejected answer for preference tuning (`PairLoader`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gptlite.shards import (  # noqa: F401  (the shard format's names, importable from here as before)
+from gptlite.data.shards import (  # noqa: F401  (the shard format's names, importable from here as before)
     ANSWER,
     FORMATS,
     HEADER_BYTES,
@@ -47,7 +47,7 @@ class ShardLoader:
     same window. The position (epoch, shard, index) is all the state: `state()` / `restore()`.
     """
 
-    kind = "text"  # what its rows hold (gptlite.objective.objective_for maps it to its objective)
+    kind = "text"  # what its rows hold (gptlite.train.objective.objective_for maps it to its objective)
     past_block = 0  # windows of text always hold targets (ChatLoader counts its items that do not)
 
     def __init__(
@@ -276,7 +276,7 @@ class ChatLoader:
 
 
 class PairLoader(ChatLoader):
-    """Yields (x, y) batches of preference pairs (data/prepare.py --preference) for DPO (gptlite.preference):
+    """Yields (x, y) batches of preference pairs (data/prepare.py --preference) for DPO (gptlite.train.preference):
     2 * batch_size rows, the batch's chosen answers each after its prompt, then its rejected answers in the same
     order, y the next tokens on the answer's tokens and -1 elsewhere, padded as ChatLoader pads (so the two rows of a
     pair are compared over the same prompt). A pair's tokens lie one after the other in the shard: the prompt (its
@@ -382,7 +382,7 @@ def make_loader(cfg: TrainConfig, split: str, seed: int, rank: int = 0, world_si
     gives pairs (PairLoader)."""
     if cfg.init_from:
         fix = f"prepare the data with {cfg.init_from}'s tokenizer, whose ids the pretrained model knows"
-    elif cfg.resume:  # the run's own vocab_size, which a resume cannot change (gptlite.run_config)
+    elif cfg.resume:  # the run's own vocab_size, which a resume cannot change (gptlite.train.run_config)
         fix = (
             f"on --resume vocab_size={cfg.model.vocab_size} is the run's own (its checkpoint's, or run.json's, in "
             f"{cfg.out_dir}): resume on the data it trained on, or train on this data in another --out_dir"

@@ -5,7 +5,7 @@ A shard is a 1,024-byte header of 256 little-endian int32 followed by the tokens
     magic 20240520, version 1: tokens are uint16 (vocabularies up to 65,536 ids)
     magic 20240801, version 7: tokens are uint32 (larger vocabularies)
 This is the layout of llm.c and of modded-nanogpt's FineWeb shards, so their files train here as they are.
-Data preparation imports this module, not `gptlite.data` (whose loader needs torch), so it starts fast.
+Data preparation imports this module, not `gptlite.data.loader` (whose loader needs torch), so it starts fast.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from gptlite.data import Loader, evaluation_batches
-from gptlite.model import GPT
+from gptlite.data.loader import Loader, evaluation_batches
+from gptlite.model.network import GPT
 from gptlite.tokenizer import Tokenizer
 
 
@@ -36,7 +36,7 @@ def loss_sums(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lengths:
     """Sums over a batch, x and y (B, T): (cross-entropy of every target in nats, targets, cross-entropy of the
     targets that decode to bytes, those bytes); the last two are 0 without `lengths` (see byte_lengths). Targets of
     -1 (a conversation's non-assistant tokens, padding) count nowhere. The head and the cross-entropy run a chunk of
-    tokens at a time (gptlite.loss), never all B x T x V logits at once."""
+    tokens at a time (gptlite.model.loss), never all B x T x V logits at once."""
     _, ce = model(x, y, reduction="none", return_logits=False)  # (B, T), 0 where y is -1
     ce = ce.flatten()  # (B*T,)
     y = y.flatten()  # (B*T,)
@@ -66,7 +66,7 @@ def evaluate_loader(
     """Mean loss per target token and bits per byte (None without the tokens' byte `lengths`, see byte_lengths) of
     a loader's split, as training reports its val loss: over the first `iters` global batches (the same batches at
     every evaluation), or over every window of the split when iters=0 or the split is smaller
-    (gptlite.data.evaluation_batches). Under torchrun each rank scores its slice
+    (gptlite.data.loader.evaluation_batches). Under torchrun each rank scores its slice
     and the sums are all-reduced, so every rank gets the same figures."""
     import torch.distributed as dist
 

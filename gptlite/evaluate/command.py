@@ -1,7 +1,7 @@
 """Scoring a model, and the command that does it: bits per byte over token windows (gptlite.evaluate.bpb), zero-shot
 HellaSwag accuracy (gptlite.evaluate.hellaswag_task), the CORE metric as nanochat computes it (gptlite.evaluate.core)
 any task of EleutherAI's lm-eval harness, in this process (gptlite.evaluate.lm_harness), and the rewards of
-completions to held-out prompts (gptlite.rl).
+completions to held-out prompts (gptlite.train.rl).
 
     python -m gptlite.evaluate --model=RUN [--task=val,hellaswag,core] [--data_dir=DIR | --text=FILE] [--json=FILE]
     python -m gptlite.evaluate --model=gpt2 --task=hellaswag [--hellaswag_file=PATH] [--limit=N]
@@ -38,20 +38,20 @@ import torch
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
 from gptlite.device import pick_device, pick_dtype
-from gptlite.distributed import processes
 from gptlite.evaluate.bpb import byte_lengths, evaluate_windows
 from gptlite.evaluate.core import EVAL_BUNDLE_DIR, EVAL_BUNDLE_URL, core_bundle, core_score, read_bundle
 from gptlite.evaluate.hellaswag_task import HELLASWAG_FILE, HELLASWAG_URL, hellaswag, hellaswag_file
 from gptlite.evaluate.spans import BATCH_TOKENS
 from gptlite.files import fault
-from gptlite.model import GPT
-from gptlite.objective import make_judge
-from gptlite.quantize import layer_types, quantized_as
+from gptlite.inference.quantize import layer_types, quantized_as
+from gptlite.model.network import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
+from gptlite.train.distributed import processes
+from gptlite.train.objective import make_judge
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.rl import Reward
+    from gptlite.train.rl import Reward
 
 TASKS = ("val", "hellaswag", "core", "rl")  # gptlite's own; lm-eval's come after LM_EVAL
 LM_EVAL = "lm_eval:"
@@ -211,8 +211,8 @@ def earlier_results(path: Path) -> bool:
 def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = print) -> dict:
     """The command's work: check every argument and read every input, load the model once, run each task, `log` a
     line per task (CORE: per CORE task), lm-eval's table last."""
-    from gptlite import native
     from gptlite.checkpoint import load_model
+    from gptlite.inference.cpu import native
 
     tasks, harness = check(args)
     # what the tasks read, downloaded if need be and checked, before any task spends minutes
@@ -221,7 +221,7 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     if "core" in tasks:
         core_tasks = read_bundle(core_bundle(args.bundle), args.max_per_task)
     if "rl" in tasks:
-        from gptlite.rl import load_reward
+        from gptlite.train.rl import load_reward
 
         reward = load_reward(args.reward, args.rl_answer_field)
     if harness:
@@ -286,8 +286,8 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
 
 
 def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, reward: Reward) -> dict:
-    """--task=rl: the greedy and sampled completions of --rl_prompts, scored by the reward (gptlite.rl)."""
-    from gptlite.rl import read_prompts, reward_needs_answer, score_prompts
+    """--task=rl: the greedy and sampled completions of --rl_prompts, scored by the reward (gptlite.train.rl)."""
+    from gptlite.train.rl import read_prompts, reward_needs_answer, score_prompts
 
     room = model.config.block_size - args.rl_max_new_tokens
     if room < 1:
@@ -320,7 +320,7 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: s
     """--task=val: the loss of --text, or of the val split of --data_dir (default: the run's) as training scores it
     there. Text: every window's tokens, and bits per byte. Conversations: the assistant's tokens alone (what
     fine-tuning trains on). Preference pairs: DPO's loss and figures against the model the DPO run started from.
-    The last two are the run's objective's own evaluation (gptlite.objective.make_judge), so that the figures are
+    The last two are the run's objective's own evaluation (gptlite.train.objective.make_judge), so that the figures are
     train.py's val figures for the same model and split. Logs its line; returns its results."""
     start = time.perf_counter()
     if args.text:
@@ -331,7 +331,7 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: s
                 "from, one to predict)"
             )
         return score_text(model, tokenizer, [torch.tensor(ids)], args.batch_size, args.text, start, log)
-    from gptlite.data import find_shards, read_shard
+    from gptlite.data.loader import find_shards, read_shard
 
     cfg, trained_on = judge_config(args, model)
     data_tokenizer = Path(cfg.data_dir) / TOKENIZER_FILE

@@ -49,7 +49,7 @@ import torch
 
 from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
 from gptlite.files import read_jsonl
-from gptlite.model import GPT
+from gptlite.model.network import GPT
 from gptlite.tokenizer import Tokenizer
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -88,7 +88,7 @@ def core_bundle(given: str, option: str = "--bundle") -> Path:
         return Path(given)
     if EVAL_BUNDLE_DIR.is_dir():
         return EVAL_BUNDLE_DIR
-    from gptlite.download import download
+    from gptlite.data.download import download
 
     # names of this process's own: ranks under torchrun may download at once, and the first to finish wins
     tag = f"{os.getpid()}.tmp"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gptlite.model import GPT
+from gptlite.model.network import GPT
 from gptlite.tokenizer import Tokenizer
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -29,7 +29,7 @@ def no_hellaswag_file(path: Path) -> FileNotFoundError:
 def hellaswag_file(given: str) -> Path:
     """The HellaSwag file to score: the one given, or HELLASWAG_FILE, downloaded from HELLASWAG_URL once. Offline, the
     download's error says how to pass a copy."""
-    from gptlite.download import download
+    from gptlite.data.download import download
 
     path = Path(given)
     if path.is_file():

@@ -11,7 +11,7 @@ weights, only batched on gptlite's code:
   through each forward, and the output head sees only the positions that predict a continuation token.
 - loglikelihood_rolling: a text cut into windows of block_size tokens, each predicted from the one before
   (lm-eval's own get_rolling_token_windows), the windows' log-likelihoods summed.
-- generate_until: greedy (or sampled, as the task asks) decoding through gptlite.generate's KV cache, contexts
+- generate_until: greedy (or sampled, as the task asks) decoding through gptlite.inference.generate's KV cache, contexts
   cropped to leave room for max_gen_toks, until the end-of-sequence token or every row of a batch has written a stop
   sequence; the text is cut before the first stop sequence, as HFLM cuts it.
 Under torchrun the harness shares the requests among the ranks (rank, world_size, gathers through torch.distributed).
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from gptlite.cli import USER_ERRORS, in_words
 from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
 from gptlite.extras import missing_extra
-from gptlite.generate import PAD, TextStream, generate_tokens
-from gptlite.model import GPT
+from gptlite.inference.generate import PAD, TextStream, generate_tokens
+from gptlite.model.network import GPT
 from gptlite.tokenizer import Tokenizer
 
 try:

@@ -11,7 +11,7 @@ Three things make it fast, none of which changes a figure:
   padding attends only to padding and the shared tokens, and nothing attends to it or scores it.
 - Only the positions that predict a span's token go through the output head.
 The forward runs without a KV cache: a `TreeMask` hands the model each token's position and the mask, as a cache
-(gptlite.kvcache.AttentionCache) would.
+(gptlite.inference.kvcache.AttentionCache) would.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gptlite.model import GPT
+from gptlite.model.network import GPT
 
 BATCH_TOKENS = 8192  # padded tokens per forward: packed sequences x the longest
 HEAD_CHUNK = 4096  # scored positions per output-head call: their float32 logits are HEAD_CHUNK x vocab
@@ -38,8 +38,8 @@ class Row:
 
 
 class TreeMask:
-    """What the model reads from a cache (gptlite.kvcache.AttentionCache), for a forward without one: each token's
-    position and the mask of what it attends to; each layer's keys and values are attended over as computed."""
+    """What the model reads from a cache (gptlite.inference.kvcache.AttentionCache), for a forward without one: each
+    token's position and the mask of what it attends to; each layer's keys and values are attended over as computed."""
 
     def __init__(self, pos: torch.Tensor, mask: torch.Tensor, prev: torch.Tensor):
         self.pos = pos  # (B, L)

@@ -28,7 +28,7 @@ A checkpoint directory holds config.json and model.safetensors (or shards listed
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds
 the model from them, holding one copy of the weights), and a model back into files; it never imports
-gptlite.model.
+gptlite.model.network.
 
     python -m gptlite.hf export --model=RUN --out=DIR [--overwrite]   # a run's checkpoint -> DIR
 

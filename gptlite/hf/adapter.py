@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 from gptlite.files import write_folder
 from gptlite.hf.families import GPT2, entries, family_of, part_sizes, their_name
 from gptlite.hf.weights import save_weights
-from gptlite.lora import lora_layers
+from gptlite.train.lora import lora_layers
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 
 def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:

@@ -32,7 +32,7 @@ from gptlite.hf.weights import save_weights
 from gptlite.tokenizer import HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 
 def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -221,7 +221,7 @@ def export_hf(
     is checked before the first write, and the folder ends holding exactly these files, all written or none: a
     folder that holds anything is replaced only with overwrite=True, and then moves aside whole to
     DIR-previous-TIME (which `log` is told)."""
-    from gptlite.quantize import is_quantized
+    from gptlite.inference.quantize import is_quantized
 
     if is_quantized(model):
         raise ValueError(

@@ -18,11 +18,11 @@ llama.cpp should not either. A chat template goes in as it is.
 Types: f32 keeps every tensor in float32; f16 and bf16 store the weight matrices so, and norms, biases and learned
 positions in float32, as llama.cpp's converter does; q8_0 and q4_0 quantize the matrices with the `gguf` package's
 reference quantizer (blocks of 32; a matrix whose input width is not a multiple of 32 goes in f16, and the export's
-line says which: matrix_types). A model gptlite quantized itself (gptlite.quantize) exports as the one type its
-weights are: int4 in groups of 32 as q4_0, the same codes and scales bit for bit (q4_0's rule; a scale below float16's
-normal range loses bits there); int8 as q8_0: the vocabulary's tables (in groups of 32 with float16 scales, q8_0's
-rule) bit for bit, the blocks' matrices each block of 32 rounded again (one scale per row is not q8_0's one scale per
-block).
+line says which: matrix_types). A model gptlite quantized itself (gptlite.inference.quantize) exports as the one type
+its weights are: int4 in groups of 32 as q4_0, the same codes and scales bit for bit (q4_0's rule; a scale below
+float16's normal range loses bits there); int8 as q8_0: the vocabulary's tables (in groups of 32 with float16 scales,
+q8_0's rule) bit for bit, the blocks' matrices each block of 32 rounded again (one scale per row is not q8_0's one scale
+per block).
 
     python -m gptlite.hf export --format=gguf --out_dir=RUN --out=FILE.gguf [--type=f32|f16|bf16|q8_0|q4_0]
 """
@@ -63,7 +63,7 @@ from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFToke
 from gptlite.tokenizer.chat import check_messages, render
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ARCHITECTURES = {
@@ -544,7 +544,7 @@ def export_gguf(
     temporary name and takes its name only when whole, so an interrupted export leaves no partial file and an
     earlier file is replaced (with overwrite=True) only by a whole one. The temporaries of `out` that killed
     exports left are removed, and `log` (a note on stderr by default) is told."""
-    from gptlite.quantize import dequantized_state_dict, gguf_type_of, is_quantized
+    from gptlite.inference.quantize import dequantized_state_dict, gguf_type_of, is_quantized
 
     gguf = need("gguf", "gguf", "GGUF export")
     if kind not in GGUF_TYPES:

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gptlite.cpu_decode import packed_for_cpu
-from gptlite.kvcache import compiled_decode_step, decode_step, new_cache, prefill, static_cache
-from gptlite.sampling import mask_vocab
+from gptlite.inference.cpu.decode import packed_for_cpu
+from gptlite.inference.kvcache import compiled_decode_step, decode_step, new_cache, prefill, static_cache
+from gptlite.inference.sampling import mask_vocab
 
 if TYPE_CHECKING:
-    from gptlite.kvcache import KVCache
-    from gptlite.model import GPT
-    from gptlite.sampling import GenerationOptions
+    from gptlite.inference.kvcache import KVCache
+    from gptlite.inference.sampling import GenerationOptions
+    from gptlite.model.network import GPT
 
 NEG = -1.0e9  # the score of a slot or candidate that must not be chosen (transformers uses the same value)
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.generate import TextStream
-from gptlite.kvcache import decode_step, new_cache
-from gptlite.sampling import Sampling, mask_vocab, sample_next
+from gptlite.inference.generate import TextStream
+from gptlite.inference.kvcache import decode_step, new_cache
+from gptlite.inference.sampling import Sampling, mask_vocab, sample_next
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
     from gptlite.tokenizer import Tokenizer
 
 

@@ -1,11 +1,11 @@
 """The decode loop and streaming: `generate_tokens` (each step's tokens), `generate` (the whole output, or beam
 search's) and `generate_text` (each step's text), with the window policy past `block_size`. Each takes its options as
-keyword arguments, GPT.generate's, or as one gptlite.sampling.GenerationOptions (`generate_tokens_with`,
+keyword arguments, GPT.generate's, or as one gptlite.inference.sampling.GenerationOptions (`generate_tokens_with`,
 `generate_with`, `generate_text_with`).
 
 What the loop runs lives in modules of its own: the KV cache, prefill and the decode step, compiled or not, in
-gptlite.kvcache; the sampling controls in gptlite.sampling; the CPU fast path of eager decoding in
-gptlite.cpu_decode; beam search in gptlite.beam.
+gptlite.inference.kvcache; the sampling controls in gptlite.inference.sampling; the CPU fast path of eager decoding in
+gptlite.inference.cpu.decode; beam search in gptlite.inference.beam.
 
 How `generate_tokens` runs:
 1. Prefill: the prompts, left-padded to the longest, go through the model once into a KV cache preallocated
@@ -40,14 +40,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.beam import beam_search
-from gptlite.cpu_decode import packed_for_cpu
-from gptlite.kvcache import KVCache, compiled_decode_step, decode_step, new_cache, prefill, static_cache
-from gptlite.sampling import BEAMS, SAMPLING, GenerationOptions, Sampling, apply_penalties, mask_vocab, sample_next
+from gptlite.inference.beam import beam_search
+from gptlite.inference.cpu.decode import packed_for_cpu
+from gptlite.inference.kvcache import KVCache, compiled_decode_step, decode_step, new_cache, prefill, static_cache
+from gptlite.inference.sampling import (
+    BEAMS,
+    SAMPLING,
+    GenerationOptions,
+    Sampling,
+    apply_penalties,
+    mask_vocab,
+    sample_next,
+)
 from gptlite.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 SLIDE_KEEP = 0.75  # fraction of block_size kept when a window slides
 COMPILED_LEN_MULTIPLE = 64  # compile=True rounds the cache length up to a multiple of this (or block_size)
@@ -89,8 +97,8 @@ def generate_tokens(
     **options,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (N,), up to max_new_tokens times: `generate_tokens_with` for the options
-    given as keyword arguments (the fields of gptlite.sampling.GenerationOptions: seed, num_samples, penalties,
-    stop_tokens, extend_context, compile, vocab_limit)."""
+    given as keyword arguments (the fields of gptlite.inference.sampling.GenerationOptions: seed, num_samples,
+    penalties, stop_tokens, extend_context, compile, vocab_limit)."""
     options = GenerationOptions(temperature=temperature, top_k=top_k, top_p=top_p, **options)
     return generate_tokens_with(model, prompts, max_new_tokens, options, generator)
 
@@ -241,7 +249,7 @@ def _decode_loop(
         if not warned:
             warnings.warn(
                 f"the context reached block_size={config.block_size}: a full window keeps its newest {keep} "
-                "tokens, which are prefilled again at positions 0.. (see gptlite.generate)",
+                "tokens, which are prefilled again at positions 0.. (see gptlite.inference.generate)",
                 stacklevel=2,
             )
             warned = True
@@ -266,7 +274,7 @@ def generate(
     **options,
 ) -> torch.Tensor | list[list[int]]:
     """`generate_with` for the options given as keyword arguments (the fields of
-    gptlite.sampling.GenerationOptions), as GPT.generate takes them."""
+    gptlite.inference.sampling.GenerationOptions), as GPT.generate takes them."""
     options = GenerationOptions(temperature=temperature, top_k=top_k, top_p=top_p, **options)
     return generate_with(model, prompts, max_new_tokens, options, generator)
 
@@ -280,10 +288,10 @@ def generate_with(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor | list[list[int]]:
     """Prompts plus their new tokens, sampled as for `generate_tokens_with`, or, with `num_beams` (see
-    gptlite.beam), the best continuations by beam search: `num_beams`, `length_penalty` (1.0), `early_stopping`
-    (False, True or "never"), `num_return_sequences` (1, at most num_beams) and `stop_tokens`, `extend_context`,
-    `compile`. Beam search is deterministic: temperature may be 0 or 1, and no top_k, top_p, penalties or
-    seeds; num_beams=1 is greedy decoding.
+    gptlite.inference.beam), the best continuations by beam search: `num_beams`, `length_penalty` (1.0),
+    `early_stopping` (False, True or "never"), `num_return_sequences` (1, at most num_beams) and `stop_tokens`,
+    `extend_context`, `compile`. Beam search is deterministic: temperature may be 0 or 1, and no top_k, top_p, penalties
+    or seeds; num_beams=1 is greedy decoding.
 
     A (B, T) tensor gives a (B * n, T + L) tensor, n = num_samples or num_return_sequences, L <= max_new_tokens
     (fewer when every row stopped early; a stopped row is filled with PAD = -1). Lists of ids give lists of ids,
@@ -310,7 +318,8 @@ def _generate_beams(
     options: GenerationOptions,
     generator: torch.Generator | None,
 ):
-    """`generate_with` with num_beams: the options checked, then gptlite.beam.beam_search (or greedy decoding)."""
+    """`generate_with` with num_beams: the options checked, then gptlite.inference.beam.beam_search (or greedy
+    decoding)."""
     num_beams = options.num_beams
     temperature = options.temperature
     problems = []
@@ -443,7 +452,7 @@ def generate_text(
     **options,
 ) -> Iterator[list[str]]:
     """`generate_text_with` for the options given as keyword arguments (the fields of
-    gptlite.sampling.GenerationOptions), vocab_limit the tokenizer's vocab_size unless given."""
+    gptlite.inference.sampling.GenerationOptions), vocab_limit the tokenizer's vocab_size unless given."""
     options = GenerationOptions(**{"vocab_limit": tokenizer.vocab_size, **options})
     return generate_text_with(
         model, tokenizer, prompts, max_new_tokens, options, stop=stop, stop_at_eot=stop_at_eot, generator=generator

@@ -1,7 +1,7 @@
 """The KV caches and the steps that run a model through a cache: `kv_buffers` (the buffers' shape, computed once),
 sample.py's `KVCache`, prefill of (ragged) prompts, the decode step, and the compiled decode step (`compile=True`).
 Every cache is an `AttentionCache`, what the model reads from any cache: that interface stands below both
-(gptlite.attention_cache), so that the model imports nothing of generation; it is importable from here too.
+(gptlite.model.attention_cache), so that the model imports nothing of generation; it is importable from here too.
 
 `KVCache` holds every layer's keys and values for a fixed batch in buffers preallocated with static shapes
 (B, KV, max_len, D). Prompts are left-padded to the longest; a mask hides each row's padding and positions count
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.attention_cache import AttentionCache  # importable from here too, as before
-from gptlite.quantize import choose_ways
+from gptlite.inference.quantize import choose_ways
+from gptlite.model.attention_cache import AttentionCache  # importable from here too, as before
 
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 
 def kv_buffers(
@@ -105,11 +105,11 @@ class KVCache:
 
     def attend_natively(self, layer: int, qkv: torch.Tensor, n_head: int, scale: float) -> torch.Tensor:
         """A decode step's attention in layer `layer`, in one call of gptlite's compiled kernel
-        (`torch.ops.gptlite.cached_attention`, gptlite.native; only where it is loaded, and only after a `prepare`
-        that set `decode_slot`): the token's keys and values, the end of each row of qkv (B, 1, (H + 2 KV) D), written
-        at the slot, and its n_head query heads attending over the visible slots -> (B, 1, H D). What `update` and
-        gptlite.model's masked_attention do for the step, without a dozen operator calls (gptlite.model's
-        NativeAttention)."""
+        (`torch.ops.gptlite.cached_attention`, gptlite.inference.cpu.native; only where it is loaded, and only after a
+        `prepare` that set `decode_slot`): the token's keys and values, the end of each row of qkv (B, 1, (H + 2 KV) D),
+        written at the slot, and its n_head query heads attending over the visible slots -> (B, 1, H D). What `update`
+        and gptlite.model.network's masked_attention do for the step, without a dozen operator calls
+        (gptlite.model.network's NativeAttention)."""
         return torch.ops.gptlite.cached_attention(qkv, *self.native_slots(layer), scale, n_head)
 
     def native_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
@@ -218,7 +218,7 @@ def compiled_decode_step(model: GPT) -> Callable:
     kernels for every matmul shape and keeps the faster (its kernels win for the few rows of a decode step);
     `cpp_wrapper` calls the kernels from C++ rather than Python. Together they make the compiled CPU step
     much faster than freezing alone (with the slid windows' prefills compiled too, see
-    gptlite.generate's `_decode_loop`, and `masked_attention`'s math). The price is a much longer first call,
+    gptlite.inference.generate's `_decode_loop`, and `masked_attention`'s math). The price is a much longer first call,
     most of it autotuning. Frozen weights are read once, when the step compiles, so changing them in place
     afterwards raises ValueError instead of decoding with stale weights. The figures, and the commands that
     measure them, are in docs/generation.md and docs/benchmarks.md.
@@ -238,7 +238,7 @@ def compiled_decode_step(model: GPT) -> Callable:
         if _frozen_versions.setdefault(model, version) != version:
             raise ValueError(
                 "this model's weights changed in place after compile=True froze them for the CPU; generate with "
-                "compile=False, or call gptlite.kvcache.reset_compiled() to compile again"
+                "compile=False, or call gptlite.inference.kvcache.reset_compiled() to compile again"
             )
     compiled_shapes = _compiled_shapes.setdefault(model, set())
 

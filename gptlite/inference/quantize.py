@@ -24,11 +24,11 @@ The matmul runs on the packed low-bit weight itself, never on a dequantized floa
 kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale; not
 the grouped tables) and `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout,
 per-group scales). Both take float32 or bfloat16 activations. int8 has one more way, where gptlite's compiled kernels
-could be built (gptlite.native): `torch.ops.gptlite.int8_linear`, float32 activations times the int8 weight
-converted in registers, each weight streamed from memory once, with a scale per row or per group (the grouped
+could be built (gptlite.inference.cpu.native): `torch.ops.gptlite.int8_linear`, float32 activations times the int8
+weight converted in registers, each weight streamed from memory once, with a scale per row or per group (the grouped
 tables' only way besides the dequantized weight); PyTorch's int8 kernel is bound by its arithmetic at one row, this
-one by memory. So, as for the float32 kernels of gptlite.cpu_decode, the way of each layer shape is measured on the
-CPU at hand, for one row (decoding) and for a batch, and kept in cpu_decode's choices file (a prompt of more than
+one by memory. So, as for the float32 kernels of gptlite.inference.cpu.decode, the way of each layer shape is measured
+on the CPU at hand, for one row (decoding) and for a batch, and kept in cpu_decode's choices file (a prompt of more than
 NATIVE_MAX_ROWS rows never takes the compiled kernel, which reads each weight again for every 8 rows: it takes the
 dequantized way, a GEMM). A measurement chooses the speed, never the numbers: the ways compete only among those that
 compute in the model's own activation dtype (float32 for a float32 model, bfloat16 for a bfloat16 one), so that a
@@ -59,12 +59,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlite import native
 from gptlite.config import QUANTIZE_CHOICES
-from gptlite.cpu_decode import COLD_BYTES, PACK_MIN_WEIGHTS, remembered_choice, time_in_turns
+from gptlite.inference.cpu import native
+from gptlite.inference.cpu.decode import COLD_BYTES, PACK_MIN_WEIGHTS, remembered_choice, time_in_turns
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8", "int4"): declared with --quantize's choices
 INT4_GROUP_SIZES = (32, 64, 128)  # 32 is q4_0's block
@@ -136,9 +136,9 @@ def row_bucket(rows: int) -> int:
 
 def choose_ways(model: GPT) -> None:
     """Each quantized layer's way for one row and for a batch, chosen now, in the model's activation dtype (its
-    embedding's): called where the model is prepared for decoding (gptlite.kvcache's compiled step, the server's
-    engine), so that the choices file is read, or the ways measured, before a compile and never inside a compiled
-    step."""
+    embedding's): called where the model is prepared for decoding (gptlite.inference.kvcache's compiled step, the
+    server's engine), so that the choices file is read, or the ways measured, before a compile and never inside a
+    compiled step."""
     dtype = model.tok_emb.weight.dtype
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
@@ -153,7 +153,7 @@ class QuantizedLinear(nn.Module):
     kind = ""
     default_small = ""  # the way of layers too small to measure, and the one another must beat
     ways: tuple[str, ...] = ()  # PyTorch's ways, the last one what other devices run
-    compiled_ways: tuple[str, ...] = ()  # gptlite.native's, on the CPU where it could be built
+    compiled_ways: tuple[str, ...] = ()  # gptlite.inference.cpu.native's, on the CPU where it could be built
 
     def __init__(self, bias: torch.Tensor | None, out_features: int, in_features: int):
         super().__init__()
@@ -256,8 +256,8 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
-        """The ways this kind of layer can multiply on the CPU here (with `compiled`, gptlite.native's among them,
-        which builds them on the first call)."""
+        """The ways this kind of layer can multiply on the CPU here (with `compiled`, gptlite.inference.cpu.native's
+        among them, which builds them on the first call)."""
         return cls.ways
 
     def why_not(self, way: str) -> str:
@@ -304,7 +304,8 @@ class Int8Linear(QuantizedLinear):
     @classmethod
     def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
         """PyTorch's ways (its int8 kernel only where the input width is a multiple of 16), and gptlite's compiled
-        kernel (float32 activations) where it was built and takes the layer's input width (gptlite.native)."""
+        kernel (float32 activations) where it was built and takes the layer's input width
+        (gptlite.inference.cpu.native)."""
         ways = cls.ways if in_features % INT8PACK_MULTIPLE == 0 else ("dequantize",)
         if compiled and native.fits(in_features) and native.load():
             return (*cls.compiled_ways, *ways)
@@ -338,8 +339,9 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)
 
     def runs_natively(self, rows: int) -> bool:
-        """Whether gptlite.model's NativeBlock may multiply this layer in its step (gptlite.cpu_decode's view asks):
-        where the way measured (or forced) for `rows` rows of float32 activations is the compiled kernel."""
+        """Whether gptlite.model.network's NativeBlock may multiply this layer in its step
+        (gptlite.inference.cpu.decode's view asks): where the way measured (or forced) for `rows` rows of float32
+        activations is the compiled kernel."""
         return self.way(rows, torch.float32) == "native"
 
     def native_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -367,8 +369,8 @@ class Int8GroupLinear(Int8Linear):
     What the vocabulary's tables are quantized as (the tied embedding and output head, an untied embedding): a
     row of such a table is one token's embedding, and a few of the embedding's dimensions run several times larger
     than the rest, so one scale per row left the rest with a handful of int8 steps (the module docstring).
-    PyTorch's int8 kernel takes one scale per row, so the ways are gptlite's compiled kernel (gptlite.native, which
-    takes group scales) and the dequantized weight."""
+    PyTorch's int8 kernel takes one scale per row, so the ways are gptlite's compiled kernel
+    (gptlite.inference.cpu.native, which takes group scales) and the dequantized weight."""
 
     kind = "int8 grouped"
     ways = ("chunks", "dequantize")  # dequantize last: what other devices run

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from gptlite import native
+from gptlite.inference.cpu import native
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Sampling:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
-# the ways of generating, which the options below serve: gptlite.generate's sampling, gptlite.beam's beam search, and
+# the ways of generating, which the options below serve: gptlite.inference.generate's sampling, gptlite.inference.beam's
+# beam search, and
 # the server's engine (gptlite.serve.engine), which samples each request's row with the options of its own
 SAMPLING = "sampling"
 BEAMS = "beam search"
@@ -66,10 +67,10 @@ def used_by(*ways: str, default=None):
 
 @dataclass(frozen=True)
 class GenerationOptions:
-    """Every option of generation, one field each: GPT.generate's and gptlite.generate's keyword arguments, what
-    sample.py asks for, what beam search (gptlite.beam) runs with and what the server's engine samples a request's
-    row with (gptlite.serve.protocol builds them from an OpenAI request). A new option is a new field here. Sampling
-    draws each token (`sampling` checks its controls); with num_beams set, beam search keeps the likeliest
+    """Every option of generation, one field each: GPT.generate's and gptlite.inference.generate's keyword arguments,
+    what sample.py asks for, what beam search (gptlite.inference.beam) runs with and what the server's engine samples a
+    request's row with (gptlite.serve.protocol builds them from an OpenAI request). A new option is a new field here.
+    Sampling draws each token (`sampling` checks its controls); with num_beams set, beam search keeps the likeliest
     continuations instead (num_beams=1 is greedy decoding), and refuses the options it does not take (`unused_by`)."""
 
     temperature: float = used_by(SAMPLING, BEAMS, SERVING, default=1.0)  # 0 = greedy; beam search: 0 or 1
@@ -81,12 +82,14 @@ class GenerationOptions:
     seed: int | None = used_by(SAMPLING, SERVING)  # (or a torch.Generator, beside the options)
     num_samples: int = used_by(SAMPLING, default=1)  # rows per prompt, sharing its prefill
     stop_tokens: Iterable[int] = used_by(SAMPLING, BEAMS, SERVING, default=())  # ids that end a row
-    extend_context: bool = used_by(SAMPLING, BEAMS, default=False)  # positions past block_size (gptlite.generate)
+    extend_context: bool = used_by(
+        SAMPLING, BEAMS, default=False
+    )  # positions past block_size (gptlite.inference.generate)
     compile: bool = used_by(SAMPLING, BEAMS, default=False)  # torch.compile the decode step
     vocab_limit: int | None = used_by(SAMPLING, BEAMS)  # ids from this one on are never generated
     num_beams: int | None = used_by(BEAMS)  # None: sample; else beam search with this many beams
     length_penalty: float = used_by(BEAMS, default=1.0)  # a finished beam's score: log-probability / length ** this
-    early_stopping: bool | str = used_by(BEAMS, default=False)  # False, True or "never" (gptlite.beam)
+    early_stopping: bool | str = used_by(BEAMS, default=False)  # False, True or "never" (gptlite.inference.beam)
     num_return_sequences: int = used_by(BEAMS, default=1)  # the best beams returned per prompt, at most num_beams
 
     @property

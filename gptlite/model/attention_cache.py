@@ -1,5 +1,5 @@
 """`AttentionCache`: what the model reads from a KV cache during generation. It stands in a module of its own, below
-both the model (gptlite.model, which reads it) and the caches (gptlite.kvcache's KVCache, the server's
+both the model (gptlite.model.network, which reads it) and the caches (gptlite.inference.kvcache's KVCache, the server's
 gptlite.serve.rows.RowCache, which implement it), so that neither imports the other."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 @runtime_checkable
 class AttentionCache(Protocol):
-    """What the model reads from a cache during generation (gptlite.model's attention and `GPT.hidden`): the
+    """What the model reads from a cache during generation (gptlite.model.network's attention and `GPT.hidden`): the
     positions of the next call's tokens, the mask of what each of them may attend to, and `update`, which
     stores one layer's new keys and values and hands back everything the call attends over. Who sets these up
     between calls (a `prepare` method, in both of gptlite's caches) is the cache's own business: `KVCache`

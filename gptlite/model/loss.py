@@ -50,7 +50,7 @@ def linear_cross_entropy(
     """h (N, C) hidden states, weight (V, C) the head, targets (N,) with -1 ignored -> the cross-entropy of
     h @ weight.T against targets: its mean over the targets that are not -1 (NaN if there are none, as
     F.cross_entropy), with reduction="sum" its sum, or with reduction="none" each token's (N,), 0 where the
-    target is -1 (what DPO sums per sequence, gptlite.preference). The matmuls run in autocast's dtype when
+    target is -1 (what DPO sums per sequence, gptlite.train.preference). The matmuls run in autocast's dtype when
     autocast is on, the softmax in float32, as the whole computation does under autocast. `chunk` tokens at a time
     (default: chunk_tokens(V, the device's type, C)); `softcap` > 0 caps the logits first (see the module's
     docstring)."""

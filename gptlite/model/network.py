@@ -21,8 +21,9 @@ values (value_embeds), an embedding of each token's pair with the one before it 
 early to late blocks (unet_skips), logit soft-capping (logit_softcap), output projections that start at zero
 (zero_init_out).
 
-Generation reads and writes keys and values through `AttentionCache` (gptlite.attention_cache), the interface the
-model reads and every cache implements (sample.py's gptlite.kvcache.KVCache, the server's gptlite.serve.rows.RowCache).
+Generation reads and writes keys and values through `AttentionCache` (gptlite.model.attention_cache), the interface the
+model reads and every cache implements (sample.py's gptlite.inference.kvcache.KVCache, the server's
+gptlite.serve.rows.RowCache).
 
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
@@ -39,10 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gptlite import native
-from gptlite.attention_cache import AttentionCache
 from gptlite.config import GPTConfig
-from gptlite.loss import linear_cross_entropy
+from gptlite.inference.cpu import native
+from gptlite.model.attention_cache import AttentionCache
+from gptlite.model.loss import linear_cross_entropy
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
 
@@ -223,7 +224,7 @@ POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "ro
 class LayerNorm(nn.LayerNorm):
     """Layer normalisation (Ba et al., 2016), with a bias only if config.bias."""
 
-    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.cpu_decode's view)
+    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.inference.cpu.decode's view)
     native_norm = "layernorm"  # its name in the compiled kernels' block step (NativeBlock)
 
     def __init__(self, config: GPTConfig):
@@ -235,7 +236,7 @@ class RMSNorm(nn.Module):
     config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does; without a
     weight or a bias where config.norm_weight is false (nanochat)."""
 
-    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.cpu_decode's view)
+    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.inference.cpu.decode's view)
     native_norm = "rmsnorm"  # its name in the compiled kernels' block step (NativeBlock), without the unit offset
 
     def __init__(self, config: GPTConfig, dim: int | None = None, bias: bool | None = None):
@@ -347,7 +348,7 @@ class CausalSelfAttention(nn.Module):
     def one_call_variant(self) -> type[CausalSelfAttention] | None:
         """NativeAttention where it computes what this layer does: exactly this class, positions added to the
         embeddings (no rotation of q and k), no norm of q and k, no value embeddings and no sliding window; else None.
-        gptlite.cpu_decode's view asks each layer."""
+        gptlite.inference.cpu.decode's view asks each layer."""
         plain = (
             type(self) is CausalSelfAttention
             and self.rotate is AdditivePositions.rotate
@@ -363,8 +364,8 @@ class NativeAttention(CausalSelfAttention):
     sample.py's KVCache, with gptlite's compiled kernels loaded): the token's keys and values written into the cache
     and its heads' attention, which through PyTorch took a dozen operator calls a layer, as long as streaming the
     layer's qkv weights on the Intel Xeon (figures: docs/generation.md). Prompts, and caches without it (the
-    server's RowCache), take CausalSelfAttention's way. gptlite.cpu_decode's view of the model makes these, for the
-    layers whose `one_call_variant` names it."""
+    server's RowCache), take CausalSelfAttention's way. gptlite.inference.cpu.decode's view of the model makes these,
+    for the layers whose `one_call_variant` names it."""
 
     def forward(
         self,
@@ -575,8 +576,8 @@ class Block(nn.Module):
         attention whose decode step runs in one call (CausalSelfAttention.one_call_variant), two norms of one kind
         the step knows (LayerNorm, or RMSNorm without Gemma's unit offset) and a feed-forward whose activation it
         knows (each of these classes names itself, `native_norm` and `native_activation`: a subclass, which may
-        compute something else, does not inherit the name); else None. gptlite.cpu_decode's view asks each block,
-        and makes it a NativeBlock only where all four of its matrices run through the compiled kernel."""
+        compute something else, does not inherit the name); else None. gptlite.inference.cpu.decode's view asks each
+        block, and makes it a NativeBlock only where all four of its matrices run through the compiled kernel."""
         norms = (self.attn_norm, self.ffn_norm)
         kinds = {type(norm).__dict__.get("native_norm") for norm in norms}
         plain = (
@@ -592,20 +593,22 @@ class Block(nn.Module):
 
 class NativeBlock(Block):
     """Block whose decode steps run in one call of gptlite's compiled kernels (`torch.ops.gptlite.block_step`,
-    gptlite.native) through a cache that offers them (`native_slots`: sample.py's KVCache): both norms, the four
-    matrices (float32, or int8 after `quantize("int8")`), the attention over the cache, the activation and the
+    gptlite.inference.cpu.native) through a cache that offers them (`native_slots`: sample.py's KVCache): both norms,
+    the four matrices (float32, or int8 after `quantize("int8")`), the attention over the cache, the activation and the
     residual additions, where through PyTorch a block's step called its modules and half a dozen operators between
     its matrices (two norms, the attention's call, GELU, two residual additions), each call starting with the CPU's
     caches full of the matrix before's weights (figures: docs/generation.md). Prompts, more rows than the kernels
     multiply in one pass over a weight (native.MAX_ROWS), and caches without it (the server's RowCache) take Block's
-    way. gptlite.cpu_decode's view of the model makes these, for the blocks whose `one_call_variant` names it."""
+    way. gptlite.inference.cpu.decode's view of the model makes these, for the blocks whose `one_call_variant` names
+    it."""
 
     @staticmethod
     def matrices(block: Block) -> list[nn.Module]:
         """The linear layers whose weights the step multiplies itself, in its order: qkv, the attention's out_proj,
         fc and the feed-forward's out_proj. The view makes a block a NativeBlock only where each was to take the
-        compiled kernel (`runs_natively`: gptlite.cpu_decode's NativeLinear, float32, and gptlite.quantize's
-        Int8Linear, int8 with a scale per row), each of which hands the step its `native_operands`."""
+        compiled kernel (`runs_natively`: gptlite.inference.cpu.decode's NativeLinear, float32, and
+        gptlite.inference.quantize's Int8Linear, int8 with a scale per row), each of which hands the step its
+        `native_operands`."""
         return [block.attn.qkv, block.attn.out_proj, block.ffn.fc, block.ffn.out_proj]
 
     def forward(
@@ -746,7 +749,7 @@ class GPT(nn.Module):
         None without targets.
 
         return_logits=False (training) gives (None, loss), the output head and the loss computed a chunk of tokens
-        at a time (gptlite.loss), so that the (B, T, V) logits, their softmax and its gradient are never all in
+        at a time (gptlite.model.loss), so that the (B, T, V) logits, their softmax and its gradient are never all in
         memory at once."""
         if targets is not None:
             self._check_targets(idx, targets)
@@ -765,7 +768,7 @@ class GPT(nn.Module):
 
     def hidden(self, idx: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         """The final-norm hidden states (B, T, C) of idx (B, T). Without a cache the tokens are at positions
-        0..T-1; with one (generation: any gptlite.kvcache.AttentionCache) their positions and mask come from
+        0..T-1; with one (generation: any gptlite.inference.kvcache.AttentionCache) their positions and mask come from
         the cache, as its `prepare` set them up."""
         if cache is None:  # generation checks its prompts once, not at every step
             self._check_input(idx)
@@ -816,8 +819,8 @@ class GPT(nn.Module):
         return logits if not cap else cap * torch.tanh(logits / cap)
 
     def step(self, idx: torch.Tensor, cache: AttentionCache, last: torch.Tensor | None = None) -> torch.Tensor:
-        """Generation: feed idx (B, T) through the cache (see gptlite.kvcache); logits (B, V) of the last token, or
-        of token last[b] of row b (B,) where the rows are prompts padded on the right to one length."""
+        """Generation: feed idx (B, T) through the cache (see gptlite.inference.kvcache); logits (B, V) of the last
+        token, or of token last[b] of row b (B,) where the rows are prompts padded on the right to one length."""
         x = self.hidden(idx, cache)  # (B, T, C)
         x = x[:, -1] if last is None else x[torch.arange(x.size(0), device=x.device), last]  # (B, C)
         return self.head(x)  # (B, V)
@@ -940,17 +943,17 @@ class GPT(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding against a KV cache. Keyword arguments: the fields
-        of gptlite.sampling.GenerationOptions (seed, num_samples, stop_tokens, penalties, extend_context, compile,
-        num_beams and beam search's); see gptlite.generate."""
-        from gptlite.generate import generate
+        of gptlite.inference.sampling.GenerationOptions (seed, num_samples, stop_tokens, penalties, extend_context,
+        compile, num_beams and beam search's); see gptlite.inference.generate."""
+        from gptlite.inference.generate import generate
 
         return generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
 
     def quantize(self, mode: str = "int8", group_size: int = 32) -> GPT:
         """Weight-only quantization for generation and evaluation, in place: mode "int8" (a scale per output row)
         or "int4" (a scale per `group_size` weights of a row, q4_0's rule); returns the model (see
-        gptlite.quantize)."""
-        from gptlite.quantize import quantize
+        gptlite.inference.quantize)."""
+        from gptlite.inference.quantize import quantize
 
         return quantize(self, mode, group_size)
 

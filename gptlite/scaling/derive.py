@@ -48,7 +48,7 @@ def block_params(width: int) -> int:
     """The parameters of the blocks of the family's model at `width` (what the laws count): one block, built on the
     CPU, times the layers (a model's blocks are alike)."""
     from gptlite.config import GPTConfig
-    from gptlite.model import Block
+    from gptlite.model.network import Block
 
     config = GPTConfig(**shape(width), vocab_size=256, block_size=BLOCK_SIZE, pos_emb="rope")
     return config.n_layer * sum(p.numel() for p in Block(config).parameters())
@@ -60,7 +60,7 @@ def flops_per_token(keys: dict) -> float:
     import torch
 
     from gptlite.config import build_config
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
     with torch.device("meta"):
         return GPT(build_config(keys).model).flops_per_token()
@@ -96,8 +96,8 @@ class Probe:
     def __init__(self, keys: dict, device: str):
         import torch
 
-        from gptlite.model import GPT
-        from gptlite.optim import configure_optimizers
+        from gptlite.model.network import GPT
+        from gptlite.train.optim import configure_optimizers
 
         self.cfg = train_config(keys)
         self.device = device
@@ -195,7 +195,7 @@ def synchronize(device: str) -> None:
 
 def split_tokens(data_dir: str, split: str) -> int:
     """The tokens of a split of the data (its shards' sizes: each is memory-mapped, not read)."""
-    from gptlite.shards import find_shards, read_shard
+    from gptlite.data.shards import find_shards, read_shard
 
     return sum(len(read_shard(p)) for p in find_shards(data_dir, split))
 
@@ -240,8 +240,8 @@ def derive(
     the user set, which win over the recipe's: the probe times the model they describe (another width trains at
     another speed, and its final evaluation takes another share of the time)."""
     given = given or {}
-    from gptlite.data import data_identity
-    from gptlite.shards import find_shards
+    from gptlite.data.loader import data_identity
+    from gptlite.data.shards import find_shards
 
     budget = parse_budget(budget_text)
     threads = ProbeThreads(device)  # from here on, the other processes' work is measured

@@ -31,7 +31,7 @@ from gptlite.cli import parse, run_command
 from gptlite.config import option
 from gptlite.device import THREADS_EVENT
 from gptlite.files import FolderLock, make_dir
-from gptlite.metrics import METRICS_FILE, read_metrics
+from gptlite.train.metrics import METRICS_FILE, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]  # train.py's folder
 RUNS_FILE = "runs.jsonl"
@@ -129,10 +129,10 @@ def run_sweep(
 
 def check(options: SweepOptions) -> tuple[list[float], list[int], int, str]:
     """(budgets in seconds, widths, the data's vocab_size, its fingerprint), every option checked first."""
-    from gptlite.data import data_identity
-    from gptlite.run_config import read_vocab_size
+    from gptlite.data.loader import data_identity
+    from gptlite.data.shards import find_shards
     from gptlite.scaling.recipe import WIDTHS, parse_budget
-    from gptlite.shards import find_shards
+    from gptlite.train.run_config import read_vocab_size
 
     if not options.data_dir:
         raise ValueError("--data_dir is required: the prepared shards whose laws to measure")

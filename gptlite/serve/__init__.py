@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server with continuous batching and a chat page (`python -m gptlite.serve`).
 
 rows.py        RowCache: one preallocated KV cache whose rows each hold a request, at its own length (the
-               model reads it as it reads sample.py's cache: gptlite.kvcache.AttentionCache)
+               model reads it as it reads sample.py's cache: gptlite.inference.kvcache.AttentionCache)
 engine.py      Engine: continuous batching on a background thread, no HTTP
 protocol.py    the OpenAI request bodies (checked, their parsing bounded) and response shapes
 policy.py      the rules for clients the command reads from its options (no web framework imported)

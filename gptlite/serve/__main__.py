@@ -132,8 +132,8 @@ def build(options: ServeOptions):
     """The engine (started) and the app for these options (options.model: the one model name, model_to_read's)."""
     import torch
 
-    from gptlite import native
     from gptlite.checkpoint import load_model
+    from gptlite.inference.cpu import native
     from gptlite.serve.app import create_app
     from gptlite.serve.engine import Engine
 

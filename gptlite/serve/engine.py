@@ -16,9 +16,9 @@ attends past its own slot, so a row computes what it would alone.
 
 On the CPU, float32, the rows run through `packed_for_cpu`'s views of the model, made once: its slab layers for a
 single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for several. Each
-row samples with its own `GenerationOptions` (gptlite.sampling's, the options generation takes: temperature, top_k,
-top_p, presence and frequency penalties, seed, stop ids; those the engine applies are marked SERVING there) and its
-own `torch.Generator` (seeded when asked), and never an id the tokenizer lacks (a padded vocabulary's extra ids); a
+row samples with its own `GenerationOptions` (gptlite.inference.sampling's, the options generation takes: temperature,
+top_k, top_p, presence and frequency penalties, seed, stop ids; those the engine applies are marked SERVING there) and
+its own `torch.Generator` (seeded when asked), and never an id the tokenizer lacks (a padded vocabulary's extra ids); a
 row with a response_format, only the tokens its grammar allows next (its `Matcher`, gptlite.serve.grammar), and it
 ends once the grammar is complete; rows without one skip all of that. `emit` is called on the engine's thread with a
 `Piece` for every token (a step's pieces one after another, once every row has its token): the new text (UTF-8 safe,
@@ -45,18 +45,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.cpu_decode import packed_for_cpu
-from gptlite.generate import TextStream
-from gptlite.kvcache import decode_step
-from gptlite.quantize import choose_ways
-from gptlite.sampling import SERVING, GenerationOptions, greedy, mask_vocab, sample_next
+from gptlite.inference.cpu.decode import packed_for_cpu
+from gptlite.inference.generate import TextStream
+from gptlite.inference.kvcache import decode_step
+from gptlite.inference.quantize import choose_ways
+from gptlite.inference.sampling import SERVING, GenerationOptions, greedy, mask_vocab, sample_next
 from gptlite.serve.grammar import GrammarError
 from gptlite.serve.prefix import BLOCK as PREFIX_BLOCK
 from gptlite.serve.prefix import PrefixCache
 from gptlite.serve.rows import RowCache
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
     from gptlite.serve.grammar import Format, Matcher
     from gptlite.tokenizer import Tokenizer
 
@@ -83,8 +83,8 @@ class Params:
         unused = self.options.unused_by(SERVING)
         if unused:
             raise ValueError(
-                f"the server's engine does not apply {', '.join(unused)} (gptlite.sampling marks the options it "
-                "applies SERVING); leave them at their defaults"
+                f"the server's engine does not apply {', '.join(unused)} (gptlite.inference.sampling marks the options "
+                "it applies SERVING); leave them at their defaults"
             )
 
     @property
@@ -554,7 +554,7 @@ def describe(error: BaseException) -> str:
 
 
 def compiled_step() -> Callable:
-    """gptlite.kvcache's `decode_step`, the one step sample.py runs too, through torch.compile with dynamic
+    """gptlite.inference.kvcache's `decode_step`, the one step sample.py runs too, through torch.compile with dynamic
     shapes (rows, tokens and slots vary from call to call), where sample.py compiles it for fixed shapes. Both
     compile one function, so in a process that runs both, dynamo's recompile limit per function (8 graphs by
     default) counts the graphs of the two together."""

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gptlite.sampling import GenerationOptions
+from gptlite.inference.sampling import GenerationOptions
 
 UNSUPPORTED = (  # asked of /v1/completions and /v1/chat/completions (the chat route refuses logprobs itself)
     "suffix",
@@ -94,7 +94,7 @@ class ResponseFormat(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """The fields both endpoints share: those that sample become a gptlite.sampling.GenerationOptions
+    """The fields both endpoints share: those that sample become a gptlite.inference.sampling.GenerationOptions
     (`generation_options`); the others (stop strings, logprobs, logit_bias, response_format...) are OpenAI's own,
     which the engine's Params carries beside them."""
 

@@ -3,8 +3,8 @@
 A request owns one row from its prefill to its last token. Decoding feeds the newest token of rows 0..n-1
 (the engine keeps the running rows first, so a step costs the running rows, not every row); each row writes
 its keys and values at its own length, attends over its own slots only, and counts positions from its own
-first token. It is a `gptlite.kvcache.AttentionCache`, the interface the model reads every cache through
-(`update`, `mask` and `pos`), and its buffers come from `gptlite.kvcache.kv_buffers`, as KVCache's do.
+first token. It is a `gptlite.inference.kvcache.AttentionCache`, the interface the model reads every cache through
+(`update`, `mask` and `pos`), and its buffers come from `gptlite.inference.kvcache.kv_buffers`, as KVCache's do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.kvcache import kv_buffers
+from gptlite.inference.kvcache import kv_buffers
 
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gptlite.cli import parse, run_command
 from gptlite.config import option
+from gptlite.data.prepare.sources import START, check_sources, input_bytes, iter_pieces, piece_texts, resolve_sources
 from gptlite.files import make_dir
-from gptlite.prepare.sources import START, check_sources, input_bytes, iter_pieces, piece_texts, resolve_sources
 from gptlite.tokenizer.trainer import check_vocab_size, chunks, hf_files, train_bpe, write_files
 
 

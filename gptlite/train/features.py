@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gptlite.checkpoint import adapters_record, check_lora_base
 from gptlite.config import TrainConfig
 from gptlite.device import compile_unavailable
-from gptlite.lora import add_lora
-from gptlite.model import GPT
+from gptlite.model.network import GPT
+from gptlite.train.lora import add_lora
 
 
 def add_adapters(

@@ -7,9 +7,9 @@ qkv and output projection, the feed-forward's input and output by default) into 
 weight tensors (no copy, the same state-dict names) and freezing every other parameter; `merge_lora(model)` folds
 the updates into the weights and turns them back into plain nn.Linear. `lora_state_dict(model)` is what a LoRA
 checkpoint saves: the adapters alone, megabytes where the model is gigabytes. `adapters_off(model)` runs the base
-model, the adapters skipped. `ReferenceModel` is the model as a run began, that DPO (gptlite.preference) and GRPO's KL
-term (gptlite.rl) measure the policy against: the base model with the adapters off where there are adapters, else a
-frozen copy.
+model, the adapters skipped. `ReferenceModel` is the model as a run began, that DPO (gptlite.train.preference) and
+GRPO's KL term (gptlite.train.rl) measure the policy against: the base model with the adapters off where there are
+adapters, else a frozen copy.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 TARGETS = ("attn.qkv", "attn.out_proj", "ffn.fc", "ffn.out_proj")  # every projection of attention and feed-forward
 LORA_KEYS = ("lora_A", "lora_B")

@@ -3,7 +3,7 @@
 out_dir/metrics.jsonl holds one JSON object per line, each with a "step" and, from training and evaluation
 rows, "tokens" (trained on so far):
     training    loss, lr, grad_norm, ms_per_step, tokens_per_s, mfu (null where the peak is unknown), and the
-                objective's figures (gptlite.objective: DPO's rewards and accuracy, RL's rewards, lengths and KL)
+                objective's figures (gptlite.train.objective: DPO's rewards and accuracy, RL's rewards, lengths and KL)
     evaluation  val_loss, val_bpb (null without the data's tokenizer; see gptlite.evaluate), or DPO's val_ figures
     CORE        core (train.py --core_every; see gptlite.evaluate.core)
     events      event (e.g. a skipped non-finite step), with loss and grad_norm; "cpu_threads" with threads, where

@@ -1,14 +1,14 @@
 """Training objectives: what differs between the ways train.py trains, one small object per mode behind one
-interface (`Objective`, gptlite.objective_base), chosen once at set-up by `make_objective`, as the model's variants
-are chosen once when it is built.
+interface (`Objective`, gptlite.train.objective_base), chosen once at set-up by `make_objective`, as the model's
+variants are chosen once when it is built.
 
 The optimizer step is the same for every mode (train.py); an objective owns the rest: which batches a step takes
 (or why it takes none), the loss of a micro-batch and the step's figures, each under its name, the extra part of the
 step's log line, how the run is judged at each evaluation, and what its state is for a resume. The modes:
 - text (`Text`): next-token prediction on windows of a token stream, gptlite's pretraining;
 - conversations (`Conversations`): the same on whole conversations, the assistant's tokens alone being targets;
-- preference pairs (gptlite.preference.DPO): DPO's loss against the start-of-run model;
-- prompts and rewards (gptlite.rl.RL, --rl): the policy gradient on sampled completions.
+- preference pairs (gptlite.train.preference.DPO): DPO's loss against the start-of-run model;
+- prompts and rewards (gptlite.train.rl.RL, --rl): the policy gradient on sampled completions.
 A new mode on a new kind of data is a class with Objective's methods and a line in objective_for, the one map from a
 kind of data to its objective that train.py (make_objective) and gptlite.evaluate (make_judge) both read; its option
 rules are TrainConfig's (gptlite.config), beside the options.
@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gptlite.data import ChatLoader, Loader, ShardLoader, make_loaders, make_val_loader
+from gptlite.data.loader import ChatLoader, Loader, ShardLoader, make_loaders, make_val_loader
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
-from gptlite.metrics import Evaluation
-from gptlite.objective_base import Batches, Objective, ReadsTrainLoader
-from gptlite.optim import seq_len_at
-from gptlite.preference import DPO
-from gptlite.rl import RL, PromptLoader, load_reward, read_prompts, reward_needs_answer
+from gptlite.train.metrics import Evaluation
+from gptlite.train.objective_base import Batches, Objective, ReadsTrainLoader
+from gptlite.train.optim import seq_len_at
+from gptlite.train.preference import DPO
+from gptlite.train.rl import RL, PromptLoader, load_reward, read_prompts, reward_needs_answer
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
     from gptlite.tokenizer import Tokenizer
 
 
@@ -117,7 +117,7 @@ class Text(ReadsTrainLoader):
 
 
 class Conversations(Text):
-    """Next-token prediction on whole conversations (gptlite.data.ChatLoader), an assistant's tokens alone being
+    """Next-token prediction on whole conversations (gptlite.data.loader.ChatLoader), an assistant's tokens alone being
     targets; otherwise as Text."""
 
     def weighting(self, batches: Batches) -> tuple[str, float | torch.Tensor]:
@@ -168,8 +168,8 @@ def make_objective(
 ) -> Objective:
     """The run's objective: --rl's, else the one objective_for gives what the data folder holds (text, conversations or
     preference pairs: data/prepare.py says which). Its inputs are read and checked here, before the run folder is
-    claimed: every shard (gptlite.data.make_loaders), the options against the data (TrainConfig.check_data), and for
-    --rl the reward function and the prompts. `tokenizer` is the data's (None if it has none)."""
+    claimed: every shard (gptlite.data.loader.make_loaders), the options against the data (TrainConfig.check_data), and
+    for --rl the reward function and the prompts. `tokenizer` is the data's (None if it has none)."""
     train_loader, val_loader = make_loaders(cfg, rank, world_size)
     kind = train_loader.kind  # "text", "conversations" or "pairs"
     if train_loader.past_block:  # conversations or pairs with no target within the block

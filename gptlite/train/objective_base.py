@@ -1,7 +1,7 @@
 """What every training objective is: the interface train.py calls (`Objective`), a step's micro-batches (`Batches`),
 and `ReadsTrainLoader`, what the objectives that train on a train loader share. The modes themselves and the one map
-that chooses among them are in gptlite.objective; this module lies below them all (gptlite.preference and gptlite.rl
-import it), so that no mode imports the module that chooses it.
+that chooses among them are in gptlite.train.objective; this module lies below them all (gptlite.train.preference and
+gptlite.train.rl import it), so that no mode imports the module that chooses it.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from gptlite.data import data_identity
+from gptlite.data.loader import data_identity
 
 if TYPE_CHECKING:
-    from gptlite.data import ChatLoader, PairLoader, ShardLoader
-    from gptlite.metrics import Evaluation
-    from gptlite.model import GPT
+    from gptlite.data.loader import ChatLoader, PairLoader, ShardLoader
+    from gptlite.model.network import GPT
+    from gptlite.train.metrics import Evaluation
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]  # a step's micro-batches, each (x, y)
 
@@ -51,7 +51,7 @@ class Objective(Protocol):
         """How the run is judged at an evaluation (every rank calls it); its loss picks best.pt."""
 
     def identity(self) -> dict[str, str]:
-        """What it trains on (gptlite.data.data_identity, and an RL run's prompts), saved in every checkpoint (as
+        """What it trains on (gptlite.data.loader.data_identity, and an RL run's prompts), saved in every checkpoint (as
         "data"): a resume on other data is refused before anything is restored."""
 
     def state(self) -> dict:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from gptlite.model import GPT, SwiGLU
+from gptlite.model.network import GPT, SwiGLU
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig

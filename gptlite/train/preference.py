@@ -12,11 +12,11 @@ variants, as TRL's DPOTrainer computes them:
   does not push the margin to infinity, where d' takes each answer's log-ratio averaged over its tokens (TRL's
   choice, which the IPO authors confirmed matches the paper's results).
 
-The reference is the model at the start of the run (gptlite.lora.ReferenceModel): with LoRA the same weights with
+The reference is the model at the start of the run (gptlite.train.lora.ReferenceModel): with LoRA the same weights with
 the adapters switched off, so memory holds one model; without LoRA a frozen copy, which costs a second set of
 weights (no gradients, no optimizer state).
 
-Batches come from gptlite.data.PairLoader: 2B rows, the B chosen answers (each after its prompt) then the B
+Batches come from gptlite.data.loader.PairLoader: 2B rows, the B chosen answers (each after its prompt) then the B
 rejected ones, targets -1 except on the answers' tokens.
 """
 
@@ -29,15 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from gptlite.config import DPO_LOSSES
-from gptlite.data import evaluation_batches
-from gptlite.lora import ReferenceModel
-from gptlite.metrics import Evaluation
-from gptlite.objective_base import ReadsTrainLoader
+from gptlite.data.loader import evaluation_batches
+from gptlite.train.lora import ReferenceModel
+from gptlite.train.metrics import Evaluation
+from gptlite.train.objective_base import ReadsTrainLoader
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.data import PairLoader
-    from gptlite.model import GPT
+    from gptlite.data.loader import PairLoader
+    from gptlite.model.network import GPT
 
 
 class DPOOutput(NamedTuple):
@@ -50,7 +50,7 @@ class DPOOutput(NamedTuple):
 
 def sequence_logps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x, y (R, L) rows of a preference batch -> (the summed log-probability of each row's targets (R,), the number
-    of those targets (R,)). The head and its log-softmax go a chunk of tokens at a time (gptlite.loss), so the
+    of those targets (R,)). The head and its log-softmax go a chunk of tokens at a time (gptlite.model.loss), so the
     (R, L, V) logits are never all in memory."""
     _, nll = model(x, y, reduction="none", return_logits=False)  # (R, L), 0 where y is -1
     return -nll.sum(dim=1), (y >= 0).sum(dim=1)
@@ -103,7 +103,7 @@ def reward_figures(chosen: float, rejected: float, accuracy: float) -> dict[str,
 
 
 class Reference(ReferenceModel):
-    """DPO's reference model: the policy at the start of the run (gptlite.lora.ReferenceModel), scoring whole
+    """DPO's reference model: the policy at the start of the run (gptlite.train.lora.ReferenceModel), scoring whole
     answers."""
 
     def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -125,8 +125,8 @@ def evaluate_pairs(
     label_smoothing: float = 0.0,
 ) -> tuple[float, dict[str, float]]:
     """(the loss, reward_figures) over the val pairs, each averaged over pairs: the first `iters` batches, the same
-    at every evaluation, or every pair when iters=0 or the split is smaller (gptlite.data.evaluation_batches). Under
-    torchrun each rank scores its share and the sums are all-reduced, so every rank gets the same figures."""
+    at every evaluation, or every pair when iters=0 or the split is smaller (gptlite.data.loader.evaluation_batches).
+    Under torchrun each rank scores its share and the sums are all-reduced, so every rank gets the same figures."""
     import torch.distributed as dist
 
     model.eval()
@@ -154,7 +154,7 @@ def evaluate_pairs(
 
 
 class DPO(ReadsTrainLoader):
-    """train.py's objective on preference pairs (see gptlite.objective_base.Objective): each step takes grad_accum
+    """train.py's objective on preference pairs (see gptlite.train.objective_base.Objective): each step takes grad_accum
     batches of batch_size pairs, and its loss is DPO's against the start-of-run model. Its figures are the implicit
     rewards of the chosen and the rejected answers and the share of pairs ranked right; it is judged by the same loss
     and figures on the val pairs. Its state is the pair loader's position."""

@@ -21,7 +21,8 @@ A step of `train.py --rl` (see docs/chat.md, "Rewards"):
 A reward function that raises or returns something other than a finite number never ends a run: the step makes no
 update, is counted, and a one-line warning names the function and the record.
 
-`RL` is train.py's objective for --rl (a gptlite.objective_base.Objective): these steps, their figures, their state.
+`RL` is train.py's objective for --rl (a gptlite.train.objective_base.Objective): these steps, their figures, their
+state.
 """
 
 from __future__ import annotations
@@ -44,15 +45,15 @@ import torch.distributed as dist
 
 from gptlite.config import RL_LOSSES
 from gptlite.files import read_jsonl
-from gptlite.generate import PAD, generate_tokens
-from gptlite.lora import ReferenceModel
+from gptlite.inference.generate import PAD, generate_tokens
+from gptlite.train.lora import ReferenceModel
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.metrics import Evaluation
-    from gptlite.model import GPT
-    from gptlite.objective_base import Objective
+    from gptlite.model.network import GPT
     from gptlite.tokenizer import Tokenizer
+    from gptlite.train.metrics import Evaluation
+    from gptlite.train.objective_base import Objective
 
 GSM8K_NUMBER = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, from OpenAI's grade-school-math
 
@@ -426,7 +427,7 @@ def no_signal_note(rewards: torch.Tensor, samples: int) -> str | None:
 
 def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """ids (N, L) -> the log-probability of each next token, (N, L - 1), in float32: minus the per-token
-    cross-entropy, computed a chunk of tokens at a time (gptlite.loss), never all the logits at once."""
+    cross-entropy, computed a chunk of tokens at a time (gptlite.model.loss), never all the logits at once."""
     _, losses = model(ids[:, :-1], ids[:, 1:], reduction="none", return_logits=False)  # (N, L - 1)
     return -losses
 
@@ -519,10 +520,10 @@ def reward_needs_answer(spec: str) -> bool:
 
 
 class RL:
-    """train.py --rl's objective (gptlite.objective_base.Objective). A step's one micro-batch is rl_samples completions
-    of each of its batch_size prompts, sampled with the KV cache and scored by the reward function; its loss is the
-    policy gradient (policy_loss), with GRPO's KL to the start-of-run model where rl_kl_beta > 0. Its figures are the
-    group's rewards, lengths and KL. The data folder's val split is evaluated by `fine_tuning`, the objective the
+    """train.py --rl's objective (gptlite.train.objective_base.Objective). A step's one micro-batch is rl_samples
+    completions of each of its batch_size prompts, sampled with the KV cache and scored by the reward function; its loss
+    is the policy gradient (policy_loss), with GRPO's KL to the start-of-run model where rl_kl_beta > 0. Its figures are
+    the group's rewards, lengths and KL. The data folder's val split is evaluated by `fine_tuning`, the objective the
     model was fine-tuned with there, which shows how far the policy drifts from that data. Its state is the prompts'
     order."""
 

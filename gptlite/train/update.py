@@ -27,7 +27,7 @@ import torch
 
 
 class Averages(Protocol):
-    """What the update calls after each optimizer step: a weight average's update (gptlite.optim.WeightAverage, or
+    """What the update calls after each optimizer step: a weight average's update (gptlite.train.optim.WeightAverage, or
     the training state's Average or NoAverage)."""
 
     def update(self) -> None: ...

@@ -6,6 +6,6 @@ are cut and parsed), workers.py (tokenizing processes, the val split), progress.
 preference.py (pairs of a chosen and a rejected answer, --preference). Nothing here imports torch.
 """
 
-from gptlite.prepare.pipeline import SHARD_TOKENS, prepare
+from gptlite.data.prepare.pipeline import SHARD_TOKENS, prepare
 
 __all__ = ["SHARD_TOKENS", "prepare"]

@@ -27,7 +27,7 @@ ones. Running the same command again continues from there and writes the same fi
 run; `overwrite=True` starts afresh. `manifest.json`, written last, records the sources, tokenizer, shards,
 token counts and sha256 checksums; while it matches, a re-run returns at once.
 
-Nothing here imports torch (the shard format is `gptlite.shards`, numpy only): the command and any spawned
+Nothing here imports torch (the shard format is `gptlite.data.shards`, numpy only): the command and any spawned
 workers, which import this package, start in a fraction of a second (the `datasets` package, for Hugging Face
 input, imports torch itself where it is installed).
 """
@@ -42,10 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gptlite.files import fault, make_dir, write_json
-from gptlite.prepare import sources as reading  # reading.BLOCK_BYTES, looked up when used (tests change it)
-from gptlite.prepare.progress import clear_preparation, finished_manifest, resumable, settings_key
-from gptlite.prepare.sources import (
+from gptlite.data.prepare import sources as reading  # reading.BLOCK_BYTES, looked up when used (tests change it)
+from gptlite.data.prepare.progress import clear_preparation, finished_manifest, resumable, settings_key
+from gptlite.data.prepare.sources import (
     START,
     Piece,
     batched,
@@ -55,8 +54,9 @@ from gptlite.prepare.sources import (
     iter_pieces,
     resolve_sources,
 )
-from gptlite.prepare.workers import SPLITS, default_workers, split_batch, tokenize
-from gptlite.shards import DTYPES, MANIFEST, PROGRESS, RolesWriter, ShardWriter, token_dtype
+from gptlite.data.prepare.workers import SPLITS, default_workers, split_batch, tokenize
+from gptlite.data.shards import DTYPES, MANIFEST, PROGRESS, RolesWriter, ShardWriter, token_dtype
+from gptlite.files import fault, make_dir, write_json
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer
 
 BATCH_BLOCKS = 1  # a batch for one worker holds at most this many blocks' worth (small: the last batches end together)
@@ -92,7 +92,7 @@ def prepare(
     dtype: "auto" (uint16 up to 65,536 ids, else uint32), "uint16" or "uint32".
     chat: the records' `messages_field` holds conversations, rendered with the tokenizer's chat template (ChatML
     for a tokenizer without one); a roles file beside each shard marks the assistant's tokens, which alone are
-    trained on (see gptlite.data.ChatLoader). A conversation longer than block_size + 1 tokens (0: no limit) is
+    trained on (see gptlite.data.loader.ChatLoader). A conversation longer than block_size + 1 tokens (0: no limit) is
     cut to it or dropped (too_long="cut" or "drop"); one without an assistant turn is left out; both are counted.
     An interrupted run continues where it stopped when called again with the same arguments.
     """

@@ -1,9 +1,9 @@
 """Preparation of preference pairs (data/prepare.py --preference): JSONL or Parquet records of a prompt with a chosen
-and a rejected answer -> train/val token shards whose roles files mark each pair for gptlite.data.PairLoader.
+and a rejected answer -> train/val token shards whose roles files mark each pair for gptlite.data.loader.PairLoader.
 
 Records use TRL's preference fields: `prompt` (text, or a list of {role, content} messages) and `chosen` and
 `rejected` (text, or the assistant's messages, TRL's conversational format); other field names are options. A
-pair is written as its prompt once, then the chosen answer, then the rejected one (see gptlite.shards.ANSWER).
+pair is written as its prompt once, then the chosen answer, then the rejected one (see gptlite.data.shards.ANSWER).
 
 Rendering. With messages, or with a tokenizer that has a chat template of its own, the prompt is rendered with the
 template and a generation prompt, and each answer is what the template adds after it, up to its end-of-turn marker
@@ -18,8 +18,8 @@ and counted, the first of each kind named in the summary: identical answers (the
 zero), and a prompt of block_size tokens or more (no answer token would fit the window). An answer that does not fit
 after its prompt is cut to block_size + 1 tokens in all, and counted as cut.
 
-Every (1 / val_fraction)-th record goes to val, as records do in gptlite.prepare. Preference sets are small (tens of
-thousands of pairs): they are read and tokenized in this one process, twice (every record is checked before the
+Every (1 / val_fraction)-th record goes to val, as records do in gptlite.data.prepare. Preference sets are small (tens
+of thousands of pairs): they are read and tokenized in this one process, twice (every record is checked before the
 folder is touched), and a run starts afresh each time (a complete one with the same settings returns at once).
 """
 
@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from gptlite.data.prepare.progress import clear_preparation, finished_manifest
+from gptlite.data.prepare.sources import resolve_sources
+from gptlite.data.prepare.workers import SPLITS, val_documents
+from gptlite.data.shards import ANSWER, MANIFEST, START, TARGET, RolesWriter, ShardWriter, token_dtype
 from gptlite.extras import need
 from gptlite.files import make_dir, read_jsonl, write_json
-from gptlite.prepare.progress import clear_preparation, finished_manifest
-from gptlite.prepare.sources import resolve_sources
-from gptlite.prepare.workers import SPLITS, val_documents
-from gptlite.shards import ANSWER, MANIFEST, START, TARGET, RolesWriter, ShardWriter, token_dtype
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer
 from gptlite.tokenizer.chat import check_messages, render
 

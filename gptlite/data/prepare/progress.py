@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gptlite.prepare.workers import SPLITS
-from gptlite.shards import HEADER_BYTES, MANIFEST, PROGRESS
+from gptlite.data.prepare.workers import SPLITS
+from gptlite.data.shards import HEADER_BYTES, MANIFEST, PROGRESS
 from gptlite.tokenizer import TOKENIZER_FILE
 
 

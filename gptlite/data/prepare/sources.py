@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gptlite.download import download
+from gptlite.data.download import download
 from gptlite.extras import need
 
 BLOCK_BYTES = 1 << 20  # inputs are read in blocks of about 1 MiB (text, whole JSONL lines, Parquet/HF rows)

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gptlite.prepare.sources import Piece, piece_records, piece_texts
-from gptlite.shards import START, TARGET
+from gptlite.data.prepare.sources import Piece, piece_records, piece_texts
+from gptlite.data.shards import START, TARGET
 from gptlite.tokenizer import Tokenizer, load_tokenizer
 from gptlite.tokenizer.chat import check_messages
 
@@ -32,7 +32,7 @@ class Encoded(NamedTuple):
     tokens: np.ndarray
     lengths: np.ndarray  # tokens per record (0 for a conversation left out)
     replaced: int  # undecodable byte sequences replaced by U+FFFD
-    roles: np.ndarray | None = None  # a conversation's roles per token (see gptlite.shards.ROLES_MAGIC)
+    roles: np.ndarray | None = None  # a conversation's roles per token (see gptlite.data.shards.ROLES_MAGIC)
     counts: dict | None = None  # conversations kept, cut, and left out (too long, no assistant turn)
 
 

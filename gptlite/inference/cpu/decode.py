@@ -2,11 +2,11 @@
 shape on this CPU, in a view of the model that shares everything else (`packed_for_cpu`).
 
 The kernels: per-thread weight slabs (`SlabLinear`, one row), oneDNN on a prepacked weight (`PackedLinear`), plain
-`F.linear` (MKL), and gptlite's own compiled kernel (`NativeLinear`, gptlite.native: each thread streams its share
-of the weight once for all the rows), where it could be built on this machine. Which one streams a layer's weights
-fastest depends on the CPU: on a 2-core AMD EPYC with AVX2 the slabs led at one row and oneDNN at a batch, and on an
-Intel Xeon with AVX-512 and AMX the slab path made batch-1 decode slower than Hugging Face's plain linear layers. So
-the choice is measured, not assumed: the first time a shape and row count meet a CPU, each kernel runs it a few
+`F.linear` (MKL), and gptlite's own compiled kernel (`NativeLinear`, gptlite.inference.cpu.native: each thread streams
+its share of the weight once for all the rows), where it could be built on this machine. Which one streams a layer's
+weights fastest depends on the CPU: on a 2-core AMD EPYC with AVX2 the slabs led at one row and oneDNN at a batch, and
+on an Intel Xeon with AVX-512 and AMX the slab path made batch-1 decode slower than Hugging Face's plain linear layers.
+So the choice is measured, not assumed: the first time a shape and row count meet a CPU, each kernel runs it a few
 times on a random weight of that shape, and the fastest replaces the default (the compiled kernel; without it, slabs
 at one row and oneDNN at a batch) where it was at least 10% faster (a closer call is within what other work on the
 machine can shift); the choice is kept in a small JSON file (`choices_file`) under the CPU's model name, the thread
@@ -15,10 +15,10 @@ choice's name, so that a kernel that becomes available (the compiled one, once a
 then.
 
 Where the compiled kernels are loaded, a decode step's attention (the token's keys and values written into the
-cache, and its heads attending over it) runs in one call of theirs too (gptlite.model's `NativeAttention`): through
-PyTorch it took a dozen operator calls a layer, which on a small model cost more than its weights took to stream. And
-where each matrix of a block takes the compiled kernel, the block's whole decode step does (`NativeBlock`: norms,
-matrices, attention, activation and residual additions in one call), sparing the operator calls between its
+cache, and its heads attending over it) runs in one call of theirs too (gptlite.model.network's `NativeAttention`):
+through PyTorch it took a dozen operator calls a layer, which on a small model cost more than its weights took to
+stream. And where each matrix of a block takes the compiled kernel, the block's whole decode step does (`NativeBlock`:
+norms, matrices, attention, activation and residual additions in one call), sparing the operator calls between its
 matrices.
 
 GPTLITE_CPU_LINEAR=slab|packed|linear|native forces one kernel for every layer (to compare them, or when a
@@ -42,12 +42,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlite import native
 from gptlite.device import CpuThreads, cpu_info, cpu_times, huge_pages
 from gptlite.files import write_text
+from gptlite.inference.cpu import native
 
 if TYPE_CHECKING:
-    from gptlite.model import GPT
+    from gptlite.model.network import GPT
 
 
 class SlabLinear(nn.Module):
@@ -113,8 +113,8 @@ class PlainLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """An nn.Linear through gptlite's compiled kernel (`torch.ops.gptlite.float_linear`, gptlite.native): each
-    thread reads its contiguous share of the weight's rows once, in streams prefetched ahead, and multiplies up to
+    """An nn.Linear through gptlite's compiled kernel (`torch.ops.gptlite.float_linear`, gptlite.inference.cpu.native):
+    each thread reads its contiguous share of the weight's rows once, in streams prefetched ahead, and multiplies up to
     8 rows of the input into each weight row while that row is in the cache. More rows than native.MAX_ROWS (a
     prompt) go through F.linear, PyTorch's GEMM, which reads the weight once however many rows there are. Only for
     layers whose input width `native.fits`."""
@@ -130,8 +130,8 @@ class NativeLinear(nn.Module):
         return torch.ops.gptlite.float_linear(x, self.weight, self.bias)  # (..., N)
 
     def runs_natively(self, rows: int) -> bool:
-        """Whether gptlite.model's NativeBlock may multiply this layer in its step (at up to native.MAX_ROWS rows):
-        always, the view having chosen the compiled kernel for it."""
+        """Whether gptlite.model.network's NativeBlock may multiply this layer in its step (at up to native.MAX_ROWS
+        rows): always, the view having chosen the compiled kernel for it."""
         return True
 
     def native_operands(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
@@ -141,10 +141,10 @@ class NativeLinear(nn.Module):
 
 def one_call_variant(module: nn.Module) -> type[nn.Module] | None:
     """The class whose decode steps run in one call of gptlite's compiled kernels that `module` can become, as the
-    module itself answers (its `one_call_variant`): gptlite.model's NativeAttention for an attention layer,
+    module itself answers (its `one_call_variant`): gptlite.model.network's NativeAttention for an attention layer,
     NativeBlock for a block; None for other modules, and for what the kernels do not compute (rotary positions, q/k
-    norms, windows, other norms or activations). Asked, not imported: gptlite.model imports generation, which imports
-    this module."""
+    norms, windows, other norms or activations). Asked, not imported: gptlite.model.network imports generation, which
+    imports this module."""
     variant = getattr(module, "one_call_variant", None)
     return None if variant is None else variant()
 
@@ -185,7 +185,7 @@ def make_kernel(name: str, linear: nn.Linear, rows: int) -> nn.Module:
 
 def available_kernels(shape: tuple[int, int], rows: int) -> tuple[str, ...]:
     """The kernels that can run a layer of weight `shape` (N, K) at `rows` rows here: the slabs at one row only,
-    the compiled kernel where it was built (gptlite.native) and takes the layer's input width."""
+    the compiled kernel where it was built (gptlite.inference.cpu.native) and takes the layer's input width."""
     names = [name for name in KERNELS if name != "slab" or rows == 1]
     if not (native.fits(shape[1]) and native.load()):
         names.remove("native")
@@ -365,9 +365,9 @@ def packed_for_cpu(model: GPT, rows: int) -> GPT:
     layers of at least PACK_MIN_WEIGHTS weights, which become the kernel measured fastest for their shape at one
     row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are left as they
     are. Where gptlite's compiled kernels are loaded, the attention layers that can (`one_call_variant`) become
-    gptlite.model's NativeAttention (a decode step's attention in one call), quantized models' too, and the blocks
-    that can and whose four matrices all took the compiled kernel become NativeBlock (a block's decode step in one
-    call). The modules the view makes or copies (the ones above, the modules that hold them, and the norms, whose
+    gptlite.model.network's NativeAttention (a decode step's attention in one call), quantized models' too, and the
+    blocks that can and whose four matrices all took the compiled kernel become NativeBlock (a block's decode step in
+    one call). The modules the view makes or copies (the ones above, the modules that hold them, and the norms, whose
     class says `views_may_copy`) are called directly (`called_directly`). The view is kept for the next call (the
     slabs and packed copies cost up to as much memory as the linear weights) and made again when the weights, the
     hooks or the thread count change. Each time, the weights are first backed by huge pages where Linux can

@@ -5,17 +5,17 @@ torch operators.
 `torch.ops.gptlite.cached_attention`, `torch.ops.gptlite.block_step` and `torch.ops.gptlite.argmax` available and
 says whether it could. The first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else
 `c++`) against the installed torch, for this CPU's instruction set (-march=native), into the build cache
-(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native); it says so on stderr, with how long
-it may take and, while the compiler runs, the time so far. The library is named by a hash of its source, the
-compiler, torch's version and the CPU's features, so a cache shared between machines never runs a library built for
+(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native); it says so on stderr,
+with how long it may take and, while the compiler runs, the time so far. The library is named by a hash of its source,
+the compiler, torch's version and the CPU's features, so a cache shared between machines never runs a library built for
 another CPU. Before a library is first loaded, a child process loads it and compares its operators with PyTorch's
 own results: a library that crashes (an instruction this CPU lacks, a truncated file, a bad build) takes down that
 child, never the caller, and is not used. A marker beside a library that passed holds the library's sha256 and the
 CPU's digest; a library the marker does not vouch for that way is checked again, and one that fails is built anew.
 Where GPTLITE_NATIVE is false (false, 0, no, off), there is no compiler, or the build, the cache (read-only, full)
 or the check fails, `load()` says why in one line naming the fix and returns False, never raising, and decoding keeps
-PyTorch's kernels: the compiled linear kernels are one more candidate that gptlite.cpu_decode and gptlite.quantize
-measure, never a requirement, and attention, blocks and greedy picks keep PyTorch's way.
+PyTorch's kernels: the compiled linear kernels are one more candidate that gptlite.inference.cpu.decode and
+gptlite.inference.quantize measure, never a requirement, and attention, blocks and greedy picks keep PyTorch's way.
 """
 
 from __future__ import annotations
@@ -323,7 +323,12 @@ def compile_into(cxx: str, output: Path, arch: list[str]) -> str:
 def check_in_child(path: Path) -> str:
     """Runs `check(path)` in a child process: '' when the library's results match PyTorch's, else why not (a crash
     there, an instruction this CPU lacks or a truncated file, ends the child, never this process)."""
-    command = [sys.executable, "-c", "import sys; from gptlite.native import check; check(sys.argv[1])", str(path)]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from gptlite.inference.cpu.native import check; check(sys.argv[1])",
+        str(path),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
     except subprocess.TimeoutExpired:
