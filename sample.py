@@ -33,11 +33,11 @@ from gptlite.checkpoint import load_model
 from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
 from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, TrainConfig, option, parse_bool
 from gptlite.device import pick_device, pick_dtype
+from gptlite.gpt import GPT
 from gptlite.inference.conversation import Conversation
 from gptlite.inference.cpu import native
 from gptlite.inference.generate import generate_text_with, generate_with
 from gptlite.inference.sampling import GenerationOptions, Sampling
-from gptlite.model.network import GPT
 from gptlite.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40 + "\n"

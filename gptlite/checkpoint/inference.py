@@ -16,7 +16,7 @@ import torch
 
 from gptlite.checkpoint.run_folder import CHECKPOINT_NAME, began_run, load_checkpoint, step_files
 from gptlite.config import GPTConfig, build_config, check_model_overrides
-from gptlite.model.network import GPT
+from gptlite.gpt import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 from gptlite.tokenizer.huggingface import has_bpe_files
 from gptlite.train.lora import add_lora, merge_lora

@@ -44,7 +44,7 @@ from gptlite.evaluate.hellaswag_task import HELLASWAG_FILE, HELLASWAG_URL, hella
 from gptlite.evaluate.spans import BATCH_TOKENS
 from gptlite.files import fault
 from gptlite.inference.quantize import layer_types, quantized_as
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
 from gptlite.train.distributed import processes
 from gptlite.train.objective import make_judge
@@ -285,7 +285,7 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     return results
 
 
-def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, reward: Reward) -> dict:
+def score_rewards(args: EvaluateOptions, model: Transformer, tokenizer: Tokenizer, reward: Reward) -> dict:
     """--task=rl: the greedy and sampled completions of --rl_prompts, scored by the reward (gptlite.train.rl)."""
     from gptlite.train.rl import read_prompts, reward_needs_answer, score_prompts
 
@@ -316,7 +316,9 @@ def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, rewar
     )
 
 
-def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: str, log: Callable[..., None]) -> dict:
+def score_val(
+    args: EvaluateOptions, model: Transformer, tokenizer: Tokenizer, device: str, log: Callable[..., None]
+) -> dict:
     """--task=val: the loss of --text, or of the val split of --data_dir (default: the run's) as training scores it
     there. Text: every window's tokens, and bits per byte. Conversations: the assistant's tokens alone (what
     fine-tuning trains on). Preference pairs: DPO's loss and figures against the model the DPO run started from.
@@ -362,7 +364,7 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: s
 
 
 def score_text(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     streams: list[torch.Tensor],
     batch_size: int,
@@ -379,7 +381,7 @@ def score_text(
     return {"loss": loss, "bpb": bpb, "tokens": n, "data": "text", "on": what, "seconds": seconds}
 
 
-def judge_config(args: EvaluateOptions, model: GPT) -> tuple[TrainConfig, str | None]:
+def judge_config(args: EvaluateOptions, model: Transformer) -> tuple[TrainConfig, str | None]:
     """(the config the val split is scored under, the kind of data the run trained on: text, conversations, pairs,
     None for pretrained weights). The config is the run's own (its objective's settings: DPO's beta and loss, the
     model it started from), or for pretrained weights the model's; the data --data_dir's (default: the run's), every
@@ -403,7 +405,7 @@ def judge_config(args: EvaluateOptions, model: GPT) -> tuple[TrainConfig, str | 
     return cfg, trained_on
 
 
-def dpo_reference(args: EvaluateOptions, cfg: TrainConfig, trained_on: str | None, device: str) -> GPT:
+def dpo_reference(args: EvaluateOptions, cfg: TrainConfig, trained_on: str | None, device: str) -> Transformer:
     """The model a DPO run started from (its --init_from), which DPO's figures measure the run against."""
     from gptlite.checkpoint import load_source
 

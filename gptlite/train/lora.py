@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 TARGETS = ("attn.qkv", "attn.out_proj", "ffn.fc", "ffn.out_proj")  # every projection of attention and feed-forward
 LORA_KEYS = ("lora_A", "lora_B")
@@ -65,7 +65,7 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}"
 
 
-def check_lora(model: GPT, rank: int, targets: tuple[str, ...] = TARGETS) -> list[str]:
+def check_lora(model: Transformer, rank: int, targets: tuple[str, ...] = TARGETS) -> list[str]:
     """The names of the layers `targets` select; a rank outside 1..min(in, out) or a target that names no linear
     layer is a one-line ValueError."""
     if not targets or not all(targets):
@@ -89,8 +89,8 @@ def check_lora(model: GPT, rank: int, targets: tuple[str, ...] = TARGETS) -> lis
 
 
 def add_lora(
-    model: GPT, rank: int, alpha: float = 16.0, dropout: float = 0.0, targets: tuple[str, ...] = TARGETS
-) -> GPT:
+    model: Transformer, rank: int, alpha: float = 16.0, dropout: float = 0.0, targets: tuple[str, ...] = TARGETS
+) -> Transformer:
     """Freeze `model` and give the linear layers that `targets` name trainable low-rank updates, in place; returns
     the model. A tied head stays tied: LoRA on lm_head is refused for a tied model (it would change the embedding)."""
     names = check_lora(model, rank, targets)
@@ -167,7 +167,7 @@ def lora_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def merge_lora(model: GPT) -> GPT:
+def merge_lora(model: Transformer) -> Transformer:
     """Fold every LoRALinear's update into its weight and make it a plain nn.Linear again, in place; returns the
     model, which then computes what it computed before."""
     for name, layer in lora_layers(model).items():

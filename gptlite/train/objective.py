@@ -33,7 +33,7 @@ from gptlite.train.rl import RL, PromptLoader, load_reward, read_prompts, reward
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
     from gptlite.tokenizer import Tokenizer
 
 
@@ -74,7 +74,7 @@ class Text(ReadsTrainLoader):
         self.reduction = "mean"  # the loss of a micro-batch: the mean over its targets, or (conversations) the sum
         self.weight: float | torch.Tensor = 1.0 / grad_accum  # each micro-batch's share of the step's loss
 
-    def start(self, model: GPT) -> None:
+    def start(self, model: Transformer) -> None:
         pass
 
     def batches(self, step: int, minutes: float) -> tuple[Batches, str | None]:
@@ -107,7 +107,7 @@ class Text(ReadsTrainLoader):
     def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
         return {}
 
-    def evaluate(self, model: GPT) -> Evaluation:
+    def evaluate(self, model: Transformer) -> Evaluation:
         """The val split's mean loss per target token and bits per byte (None without the data's tokenizer)."""
         val_loss, val_bpb = evaluate_loader(
             model, self.val_loader, self.cfg.eval_iters, self.device, self.autocast, self.token_bytes

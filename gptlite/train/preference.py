@@ -37,7 +37,7 @@ from gptlite.train.objective_base import ReadsTrainLoader
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
     from gptlite.data.loader import PairLoader
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 
 class DPOOutput(NamedTuple):
@@ -180,7 +180,7 @@ class DPO(ReadsTrainLoader):
         self.weight = 1.0 / grad_accum  # each micro-batch's share of the step's loss
         self.step_figures = torch.zeros(len(FIGURES), device=device)  # pair_stats over the step's micro-batches
 
-    def start(self, model: GPT) -> None:
+    def start(self, model: Transformer) -> None:
         self.reference = Reference.of(model)
 
     def batches(self, step: int, minutes: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
@@ -210,7 +210,7 @@ class DPO(ReadsTrainLoader):
     def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
         return reward_figures(*(figures[name] for name in FIGURES))
 
-    def evaluate(self, model: GPT) -> Evaluation:
+    def evaluate(self, model: Transformer) -> Evaluation:
         """DPO's loss, rewards and accuracy on the val pairs."""
         cfg = self.cfg
         val_loss, figures = evaluate_pairs(

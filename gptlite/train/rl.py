@@ -50,7 +50,7 @@ from gptlite.train.lora import ReferenceModel
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
     from gptlite.tokenizer import Tokenizer
     from gptlite.train.metrics import Evaluation
     from gptlite.train.objective_base import Objective
@@ -295,7 +295,7 @@ class Group:
 
 @torch.no_grad()
 def sample_group(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: list[Prompt],
     samples: int,
@@ -369,7 +369,7 @@ def step_generator(seed: int, step: int, rank: int, device: str) -> torch.Genera
 
 
 def rollout(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: list[Prompt],
     reward: Reward,
@@ -474,7 +474,7 @@ def policy_loss(
 
 @torch.no_grad()
 def score_prompts(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: list[Prompt],
     reward: Reward,
@@ -548,7 +548,7 @@ class RL:
         self.world_size = world_size
         # GRPO's KL term measures the policy against the start-of-run model, as DPO does
         self.needs_reference = cfg.rl_loss == "grpo" and cfg.rl_kl_beta > 0
-        self.model: GPT | None = None  # the model that samples, given at start()
+        self.model: Transformer | None = None  # the model that samples, given at start()
         self.reference: ReferenceModel | None = None
         self.rewards: torch.Tensor | None = None  # the step's group's rewards, (P, S)
         # the step's figures: group_figures' and the KL, which the loss gives; all 0.0 for a step without a group
@@ -556,7 +556,7 @@ class RL:
         self.step_figures = dict.fromkeys(self.names, 0.0)
         self.said_no_signal = False  # a step that learns nothing, as every group scored alike, is said once
 
-    def start(self, model: GPT) -> None:
+    def start(self, model: Transformer) -> None:
         self.model = model
         self.reference = ReferenceModel.of(model) if self.needs_reference else None
 
@@ -623,7 +623,7 @@ class RL:
     def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
         return dict(figures)
 
-    def evaluate(self, model: GPT) -> Evaluation:
+    def evaluate(self, model: Transformer) -> Evaluation:
         return self.fine_tuning.evaluate(model)
 
     def identity(self) -> dict[str, str]:
