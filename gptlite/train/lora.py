@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from gptlite.config import TrainConfig
     from gptlite.model.network import Transformer
 
 TARGETS = ("attn.qkv", "attn.out_proj", "ffn.fc", "ffn.out_proj")  # every projection of attention and feed-forward
@@ -63,6 +64,20 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}"
+
+
+def option_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with the LoRA options (gptlite.train.run_config.check_training_options reports it with the
+    modes' before anything is read); check_lora checks the targets against the model once it is built."""
+    problems = []
+    if cfg.lora_rank is not None:
+        if cfg.lora_rank < 1:
+            problems.append(f"lora_rank={cfg.lora_rank} must be >= 1 (leave it out to train every weight)")
+        if not cfg.init_from:
+            problems.append("lora_rank needs --init_from: LoRA adapts a pretrained model, whose weights stay frozen")
+        if not 0 <= cfg.lora_dropout < 1:
+            problems.append(f"lora_dropout={cfg.lora_dropout} must be in [0, 1)")
+    return problems
 
 
 def check_lora(model: Transformer, rank: int, targets: tuple[str, ...] = TARGETS) -> list[str]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gptlite.config import DPO_LOSSES
+from gptlite.config import DPO_LOSSES, set_options
 from gptlite.data.loader import evaluation_batches
 from gptlite.train.lora import ReferenceModel
 from gptlite.train.metrics import Evaluation
@@ -38,6 +38,45 @@ if TYPE_CHECKING:
     from gptlite.config import TrainConfig
     from gptlite.data.loader import PairLoader
     from gptlite.model.network import Transformer
+
+
+DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing")  # what training on preference pairs alone reads
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO's options: their rules, checked as the run is resolved (option_problems) and once the data is read
+
+
+def option_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with DPO's options on their own (gptlite.train.run_config.check_training_options reports it
+    with the other modes' before anything is read)."""
+    problems = []
+    if not cfg.dpo_beta > 0:
+        problems.append(f"dpo_beta={cfg.dpo_beta} must be > 0 (e.g. 0.1)")
+    if not 0 <= cfg.dpo_label_smoothing < 0.5:
+        problems.append(f"dpo_label_smoothing={cfg.dpo_label_smoothing} must be in [0, 0.5) (e.g. 0.1)")
+    if cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
+        problems.append(
+            f"dpo_label_smoothing={cfg.dpo_label_smoothing} applies to dpo_loss=sigmoid only, not "
+            f"{cfg.dpo_loss!r}; leave it out or use dpo_loss=sigmoid"
+        )
+    return problems
+
+
+def data_problems(cfg: TrainConfig, kind: str) -> list[str]:
+    """DPO's options configure training on preference pairs alone (`kind`: what the data folder holds; see
+    gptlite.train.objective.check_data)."""
+    unread = set_options(cfg, DPO_OPTIONS)
+    if kind != "pairs" and unread:
+        return [
+            f"{', '.join(unread)} configure DPO on preference pairs, and {cfg.data_dir} holds {kind}; leave them "
+            "out, or give a data folder prepared with data/prepare.py --preference"
+        ]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
 
 
 class DPOOutput(NamedTuple):
