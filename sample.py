@@ -29,15 +29,14 @@ from pathlib import Path
 
 import torch
 
-from gptlite.checkpoint import load_model
-from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
-from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, TrainConfig, option, parse_bool
+from gptlite.checkpoint import open_model
+from gptlite.cli import MODEL_KINDS, ModelOptions, model_to_read, parse, reworded, run_command
+from gptlite.config import TrainConfig, option, parse_bool
 from gptlite.device import pick_device, pick_dtype
+from gptlite.gpt import GPT
 from gptlite.inference.conversation import Conversation
-from gptlite.inference.cpu import native
 from gptlite.inference.generate import generate_text_with, generate_with
 from gptlite.inference.sampling import GenerationOptions, Sampling
-from gptlite.model.network import GPT
 from gptlite.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40 + "\n"
@@ -45,17 +44,21 @@ DEFAULT_MODEL = TrainConfig.out_dir  # train.py's run folder, as in nanoGPT: `py
 
 
 @dataclass
-class SampleOptions:
-    model: str = option(
-        "",
+class SampleOptions(ModelOptions):
+    model: str = reworded(
+        ModelOptions,
+        "model",
         f"the model to sample from: {MODEL_KINDS} (default: {DEFAULT_MODEL}, where train.py writes its run)",
     )
-    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
-    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
-    tokenizer: str = option(
-        "",
-        "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
-        "tokenizer.json, or a Hugging Face directory's own; GPT-2's BPE for GPT-2)",
+    compile: bool = reworded(
+        ModelOptions,
+        "compile",
+        "torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); the first call compiles",
+    )
+    quantize: str = reworded(
+        ModelOptions,
+        "quantize",
+        "int8 or int4: weight-only quantized weights (a quarter or an eighth of float32's bytes; int4 on the CPU)",
     )
     start: str = option("\n", "prompt text, or FILE:path to read it from a file")
     num_samples: int = option(3, "samples to print (1 by default with --temperature=0: greedy text is always the same)")
@@ -76,20 +79,6 @@ class SampleOptions:
     stop_at_eot: bool = option(True, "stop a sample at the end-of-text token, if the tokenizer has one")
     batch_size: int = option(8, "samples generated together")
     seed: int = option(1337, "the sampling seed")
-    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option(
-        "auto",
-        "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-        choices=DTYPE_CHOICES,
-    )
-    compile: bool = option(
-        False, "torch.compile the decode step (CUDA graphs on CUDA, frozen weights on the CPU); the first call compiles"
-    )
-    quantize: str = option(
-        "",
-        "int8 or int4: weight-only quantized weights (a quarter or an eighth of float32's bytes; int4 on the CPU)",
-        choices=QUANTIZE_CHOICES,
-    )
     extend_context: bool = option(
         False, "sinusoidal or rope positions: run past block_size instead of sliding the window"
     )
@@ -290,16 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch's own, inside compile
         args.model = model_to_read(args, "sample.py", default=DEFAULT_MODEL)
         resolve(args)
-        model, tokenizer = load_model(init_from=args.model, tokenizer=args.tokenizer)
-        model = model.to(args.device, getattr(torch, args.dtype)).eval()
-        if args.quantize:
-            model.quantize(args.quantize)
-        notes.print()  # what loading warned about comes before any text
-        if args.device == "cpu":
-            native.load_for_command("sample.py")  # the kernels' first build, and what it says, before any text too
-        if args.compile:
-            compiling = "the first tokens wait while the decode step compiles (a minute or more on a CPU)"
-            sys.stderr.write(f"sample.py: note: --compile: {compiling}\n")
+        model, tokenizer = open_model(
+            args,
+            "sample.py",
+            after_loading=notes.print,  # what loading warned about comes before any text
+            compiling="the first tokens wait while the decode step compiles (a minute or more on a CPU)",
+        )
         if args.chat:
             return chat(model, tokenizer, args, notes)
         prompt = read_prompt(args.start)

@@ -71,7 +71,7 @@ from gptlite.device import (
     use_device,
 )
 from gptlite.evaluate import core_bundle, core_score, read_bundle
-from gptlite.model.network import GPT
+from gptlite.gpt import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
 from gptlite.train.distributed import processes, stop_together
 from gptlite.train.features import OneProcess, add_adapters, compile_model, data_parallel

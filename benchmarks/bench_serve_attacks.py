@@ -31,7 +31,7 @@ from gptlite.checkpoint import save_checkpoint  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import build_config, config_to_dict, option  # noqa: E402
 from gptlite.device import machine_line  # noqa: E402
-from gptlite.model.network import GPT  # noqa: E402
+from gptlite.gpt import GPT  # noqa: E402
 from gptlite.tokenizer import CharTokenizer  # noqa: E402
 
 SMALL = {"model": "run", "prompt": "x", "max_tokens": 4}  # served under the name of its run folder, "run"

@@ -16,7 +16,7 @@ _EXPORTS = {
     "write_shard": "gptlite.data.shards",
     "generate_tokens": "gptlite.inference.generate",
     "sample_next": "gptlite.inference.generate",
-    "GPT": "gptlite.model.network",
+    "GPT": "gptlite.gpt",
     "Tokenizer": "gptlite.tokenizer",
     "get_tokenizer": "gptlite.tokenizer",
     "load_tokenizer": "gptlite.tokenizer",

@@ -32,7 +32,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gptlite.config import (
+    DTYPE_CHOICES,
     FALSE_WORDS,
+    QUANTIZE_CHOICES,
     TRUE_WORDS,
     GPTConfig,
     TrainConfig,
@@ -40,6 +42,7 @@ from gptlite.config import (
     choice_problems,
     convert,
     flat_fields,
+    option,
     read_toml,
     unknown_key,
 )
@@ -221,6 +224,50 @@ def model_to_read(options: Any, prog: str, default: str = "") -> str:
     if not model:
         raise ValueError(f"give the model to read: --model=X, where X is {MODEL_KINDS}")
     return model
+
+
+@dataclasses.dataclass
+class ModelOptions:
+    """The options of a command that opens a model for use (sample.py, gptlite.serve, gptlite.evaluate), which
+    gptlite.checkpoint.open_model reads: the model (--model, or its old spellings) and its tokenizer, the device, the
+    weights' precision, compiling and quantization. Each command's options class inherits them, so that each flag
+    has its name, default and choices in one place; a command that words a flag's help its own way declares that
+    field again with `reworded`, and one that has no use for a flag declares it again with `init=False` (no flag,
+    its default kept). --help lists them first, in this order."""
+
+    model: str = option("", f"the model to open: {MODEL_KINDS}")
+    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
+    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
+    tokenizer: str = option(
+        "",
+        "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
+        "tokenizer.json, or a Hugging Face directory's own; GPT-2's BPE for GPT-2)",
+    )
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = option(
+        "auto",
+        "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
+        choices=DTYPE_CHOICES,
+    )
+    compile: bool = option(False, "torch.compile the model's steps; the first call compiles")
+    quantize: str = option(
+        "", "int8 or int4: weight-only quantized weights (int4: on the CPU)", choices=QUANTIZE_CHOICES
+    )
+
+
+def reworded(cls: type, name: str, help: str) -> Any:
+    """Option `name` of the dataclass `cls` (ModelOptions) as a command words its help: the same default and
+    choices, which stay declared once, in `cls`. Declared in the command's class as `name: type = reworded(...)`."""
+    declared = next(f for f in dataclasses.fields(cls) if f.name == name)
+    meta = declared.metadata
+    return option(
+        declared.default,
+        help,
+        choices=meta["choices"],
+        positional=meta["positional"],
+        short=meta["short"],
+        default_factory=declared.default_factory,
+    )
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, dict[str, Any]]:

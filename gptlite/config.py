@@ -25,20 +25,9 @@ FFN_MULTIPLE = 64  # SwiGLU width is rounded up to this, so matmuls tile well on
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # every command's --dtype (see gptlite.device)
 DPO_LOSSES = ("sigmoid", "ipo")  # train.py's losses on preference pairs (gptlite.train.preference.dpo_loss)
 RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gptlite.train.rl.policy_loss)
-# Options that one optimizer or one mode alone reads: set where it does not run, each would do nothing, so it is
-# refused (see set_options)
+# Options that one optimizer alone reads: set where it does not run, each would do nothing, so it is refused (see
+# set_options; each mode of training refuses its own likewise: gptlite.train.preference, gptlite.train.rl)
 MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "normuon", "normuon_beta2")
-DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing")  # preference data (gptlite.train.preference)
-RL_OPTIONS = (  # --rl (gptlite.train.rl); rl_prompts and reward have a message of their own
-    "rl_prompt_field",
-    "rl_answer_field",
-    "rl_samples",
-    "rl_max_new_tokens",
-    "rl_temperature",
-    "rl_loss",
-    "rl_clip",
-    "rl_kl_beta",
-)
 QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.inference.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -581,7 +570,9 @@ class TrainConfig:
     scaling_laws: str = option("", "--budget: the laws.json to derive from (default: this data's on this machine)")
 
     def __post_init__(self) -> None:
-        """Every problem of the values, reported together in one ValueError; each concern checks its own fields."""
+        """Every problem of the values, reported together in one ValueError; each concern checks its own fields.
+        The rules of one way of training's options (LoRA's, DPO's, RL's) sit beside that way, in gptlite.train, and
+        are checked where the run is resolved (gptlite.train.run_config.check_training_options)."""
         problems = self._finite_problems()
         if problems:  # NaN passes every comparison below, and a NaN learning rate skips every update
             raise ValueError("invalid training config: " + "; ".join(problems))
@@ -589,26 +580,11 @@ class TrainConfig:
             *self._range_problems(),
             *self._optimizer_problems(),
             *self._schedule_problems(),
-            *self._lora_problems(),
-            *self._dpo_problems(),
-            *self._rl_problems(),
             *self._evaluation_problems(),
             *self._system_problems(),
         ]
         if problems:
             raise ValueError("invalid training config: " + "; ".join(problems))
-
-    def check_data(self, kind: str, has_tokenizer: bool) -> None:
-        """The rules between the options and the data folder they train on, once it is read (gptlite.train.objective):
-        `kind` is what it holds (text, conversations or pairs), `has_tokenizer` whether it has a tokenizer.json. Each
-        mode's rules sit beside its other rules; the first problem is a ValueError that says the fix."""
-        problems = [
-            *self._dpo_data_problems(kind),
-            *self._schedule_data_problems(kind),
-            *self._rl_data_problems(kind, has_tokenizer),
-        ]
-        if problems:
-            raise ValueError(problems[0])
 
     def _finite_problems(self) -> list[str]:
         return [
@@ -683,102 +659,6 @@ class TrainConfig:
         if self.lr_schedule == "time" and not self.max_minutes:
             problems.append("lr_schedule='time' decays over the time budget; set max_minutes > 0")
         return problems
-
-    def _schedule_data_problems(self, kind: str) -> list[str]:
-        """seq_len_start cuts text windows: not preference pairs nor RL prompts."""
-        if self.seq_len_start and (kind == "pairs" or self.rl):
-            return [
-                f"seq_len_start={self.seq_len_start} cuts text windows into shorter ones; preference pairs and RL "
-                "prompts are whole sequences: leave seq_len_start out"
-            ]
-        return []
-
-    def _lora_problems(self) -> list[str]:
-        problems = []
-        if self.lora_rank is not None:
-            if self.lora_rank < 1:
-                problems.append(f"lora_rank={self.lora_rank} must be >= 1 (leave it out to train every weight)")
-            if not self.init_from:
-                problems.append(
-                    "lora_rank needs --init_from: LoRA adapts a pretrained model, whose weights stay frozen"
-                )
-            if not 0 <= self.lora_dropout < 1:
-                problems.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
-        return problems
-
-    def _dpo_problems(self) -> list[str]:
-        problems = []
-        if not self.dpo_beta > 0:
-            problems.append(f"dpo_beta={self.dpo_beta} must be > 0 (e.g. 0.1)")
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            problems.append(f"dpo_label_smoothing={self.dpo_label_smoothing} must be in [0, 0.5) (e.g. 0.1)")
-        if self.dpo_label_smoothing and self.dpo_loss != "sigmoid":
-            problems.append(
-                f"dpo_label_smoothing={self.dpo_label_smoothing} applies to dpo_loss=sigmoid only, not "
-                f"{self.dpo_loss!r}; leave it out or use dpo_loss=sigmoid"
-            )
-        return problems
-
-    def _dpo_data_problems(self, kind: str) -> list[str]:
-        """DPO's options configure training on preference pairs alone."""
-        unread = set_options(self, DPO_OPTIONS)
-        if kind != "pairs" and unread:
-            return [
-                f"{', '.join(unread)} configure DPO on preference pairs, and {self.data_dir} holds {kind}; leave them "
-                "out, or give a data folder prepared with data/prepare.py --preference"
-            ]
-        return []
-
-    def _rl_problems(self) -> list[str]:
-        problems = []
-        if self.rl:
-            if not (self.rl_prompts and self.reward):
-                problems.append(
-                    "rl=true needs --rl_prompts=FILE.jsonl (prompts with answers) and "
-                    "--reward=gsm8k|exact|module:function"
-                )
-            if self.rl_samples < 2:
-                problems.append(
-                    f"rl_samples={self.rl_samples} must be >= 2: a completion's baseline is its group's mean reward, "
-                    "which a group of one equals"
-                )
-            if not 1 <= self.rl_max_new_tokens < self.model.block_size:
-                problems.append(
-                    f"rl_max_new_tokens={self.rl_max_new_tokens} must be in [1, block_size={self.model.block_size}): "
-                    "the prompt and its completion share the context"
-                )
-            if not self.rl_temperature > 0:
-                problems.append(
-                    f"rl_temperature={self.rl_temperature} must be > 0: greedy completions of a prompt are all alike, "
-                    "and their advantages all 0"
-                )
-            if self.total_batch_size:
-                problems.append(
-                    "rl=true takes batch_size prompts per device per step, rl_samples completions each, in one "
-                    f"micro-step; leave total_batch_size={self.total_batch_size} out"
-                )
-            if self.fsdp:
-                problems.append("rl=true samples from whole weights and runs alone or under DDP; drop fsdp=true")
-        elif self.rl_prompts or self.reward:
-            problems.append("rl_prompts and reward configure reinforcement learning; add --rl to train with them")
-        elif set_options(self, RL_OPTIONS):
-            problems.append(
-                f"{', '.join(set_options(self, RL_OPTIONS))} configure reinforcement learning (--rl), which this run "
-                "does not do; add --rl or leave them out"
-            )
-        if not self.rl_clip > 0 or self.rl_kl_beta < 0:
-            problems.append(f"rl_clip={self.rl_clip} must be > 0 and rl_kl_beta={self.rl_kl_beta} >= 0")
-        return problems
-
-    def _rl_data_problems(self, kind: str, has_tokenizer: bool) -> list[str]:
-        """--rl decodes its completions and evaluates the data folder's val split of text or conversations."""
-        if self.rl and (not has_tokenizer or kind == "pairs"):
-            return [
-                "--rl samples completions of --rl_prompts, and needs a data folder with a tokenizer.json and a val "
-                f"split of text or conversations (what the model was fine-tuned on); {self.data_dir} "
-                + ("holds preference pairs" if kind == "pairs" else "has no tokenizer.json")
-            ]
-        return []
 
     def _evaluation_problems(self) -> list[str]:
         """CORE's schedule and its options."""

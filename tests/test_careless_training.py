@@ -19,6 +19,7 @@ from gptlite.config import build_config
 from gptlite.data.prepare.preference import prepare_preference
 from gptlite.tokenizer import ByteTokenizer
 from gptlite.train.rl import load_reward, read_prompts
+from gptlite.train.run_config import check_training_options
 from tests.conftest import FullDisk, run_train
 from tests.test_preference import digits_pairs as pairs
 from tests.test_preference import write_jsonl
@@ -59,7 +60,7 @@ def train(*args, **options):
 )  # fmt: skip
 def test_options_that_would_do_nothing_or_cannot_act_are_refused(values, message):
     with pytest.raises(ValueError, match=message) as e:
-        build_config({"vocab_size": 256, **values})
+        check_training_options(build_config({"vocab_size": 256, **values}))  # as train.py resolves its run
     assert "\n" not in str(e.value) and "normuon_beta2=0.95" not in str(e.value)
 
 

@@ -140,6 +140,28 @@ def test_train_config_validation():
         TrainConfig(warmup_iters=-1, grad_clip=-1.0)
 
 
+def test_each_way_of_training_checks_its_own_options():
+    """LoRA's, DPO's and RL's rules sit beside those ways of training (gptlite.train.lora, .preference, .rl), which
+    gptlite.config does not import; the run is resolved through them, all problems together as TrainConfig's own."""
+    from gptlite.train.run_config import check_training_options, resolve_config
+    from tests.test_imports import import_graph
+
+    assert not {name for name in import_graph()["gptlite.config"] if name.startswith("gptlite.train")}
+    cfg = TrainConfig(rl=True, dpo_beta=0.0, lora_rank=0)  # the config alone knows no objective
+    expected = (
+        "invalid training config: lora_rank=0 must be >= 1 (leave it out to train every weight); lora_rank needs "
+        "--init_from: LoRA adapts a pretrained model, whose weights stay frozen; dpo_beta=0.0 must be > 0 (e.g. 0.1); "
+        "rl=true needs --rl_prompts=FILE.jsonl (prompts with answers) and --reward=gsm8k|exact|module:function"
+    )
+    with pytest.raises(ValueError) as e:
+        check_training_options(cfg)
+    assert str(e.value) == expected
+    with pytest.raises(ValueError) as e:  # train.py's path: nothing read, nothing written
+        resolve_config(["--vocab_size=64", "--rl", "--dpo_beta=0", "--lora_rank=0"])
+    assert str(e.value) == expected
+    assert check_training_options(TrainConfig()) == TrainConfig()
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("optimizer", "sgd", r"optimizer='sgd' must be one of adamw, muon"),
     ("muon_lr", "-0.02", r"muon_lr=-0.02 must be >= 0"),

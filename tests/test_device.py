@@ -208,7 +208,7 @@ def test_a_gpus_recipe_on_the_cpu_says_so_at_start_up_and_names_the_cpus(config,
     """The GPU recipe on a CPU once ran 50-s steps at 6.3 GiB before any word of it: a step of a GPU's size on the
     CPU is said at start-up, with the recipe's CPU sibling where there is one; the CPU recipes say nothing."""
     from gptlite.config import build_config, read_toml
-    from gptlite.model.network import GPT
+    from gptlite.gpt import GPT
     from gptlite.train.metrics import CPU_STEP_FLOPS, cpu_step_note
 
     path = Path("configs") / config

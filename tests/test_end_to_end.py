@@ -11,7 +11,7 @@ import torch
 from gptlite import load_checkpoint, model_from_checkpoint
 from gptlite.config import build_config
 from gptlite.data.prepare import prepare
-from gptlite.model.network import GPT
+from gptlite.gpt import GPT
 from gptlite.train.optim import configure_optimizers, lr_at
 from gptlite.train.run_config import resolve_config
 from tests.conftest import DEVICE, ROOT, run_train, shared_file

@@ -313,3 +313,94 @@ def test_hf_export_to_gguf_reads_a_run_or_a_directory(tmp_path, capsys):
     assert capsys.readouterr().err == note("gptlite.hf", "init_from", "model", tmp_path / "hf")
     tensors = {t.name: t for t in gguf.GGUFReader(again).tensors}
     np.testing.assert_array_equal(np.asarray(tensors["token_embd.weight"].data).reshape(embedding.shape), embedding)
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening the model: one function (gptlite.checkpoint.open_model) from one set of options (gptlite.cli.ModelOptions)
+
+
+def test_sample_serve_and_evaluate_open_their_model_through_open_model(char_run, tmp_path, capsys, monkeypatch):
+    """Each command hands its parsed options (a ModelOptions) to open_model, with what it does its own way: sample.py
+    prints the warnings it held and notes a compile, the server serves uncompiled where torch.compile cannot work,
+    evaluation opens on its rank's device."""
+    from gptlite import checkpoint
+    from gptlite.cli import ModelOptions
+
+    run, _ = char_run
+    real = checkpoint.open_model
+    opened = []
+
+    def recording(options, prog, *args, **kwargs):
+        opened.append((type(options), options.model, prog, args, sorted(kwargs)))
+        return real(options, prog, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "open_model", recording)
+    monkeypatch.setattr(sample, "open_model", recording)  # sample.py imports it at its top
+    monkeypatch.setattr(serve_command, "serve", lambda server, engine: engine.close() or 0)
+    monkeypatch.setattr(connection, "uvicorn_config", lambda app, *args, **options: SimpleNamespace(app=app))
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n")
+    assert sample.main([f"--model={run}", "--device=cpu", "--max_new_tokens=2", "--num_samples=1"]) == 0
+    assert serve_command.main([f"--model={run}", "--port=0", "--device=cpu"]) == 0
+    assert evaluate_command.main([f"--model={run}", f"--text={text}", "--device=cpu"]) == 0
+    capsys.readouterr()
+    assert opened == [
+        (sample.SampleOptions, str(run), "sample.py", (), ["after_loading", "compiling"]),
+        (serve_command.ServeOptions, str(run), "gptlite.serve", (), ["uncompiled"]),
+        (evaluate_command.EvaluateOptions, str(run), "gptlite.evaluate", (0,), []),
+    ]
+    assert all(issubclass(options, ModelOptions) for options, *_ in opened)
+
+
+@pytest.mark.filterwarnings("ignore:.*int8 decodes this model slower")  # a tiny model: where the CPU's cache is known
+def test_open_model_moves_quantizes_and_says_so_in_order(char_run, capsys, monkeypatch):
+    """The device and precision chosen and written back into the options, the checkpoint's weights moved there, the
+    quantization, then the command's own step (after_loading), the kernels, and the compile note last."""
+    from gptlite import gpt
+    from gptlite.checkpoint import open_model
+    from gptlite.cli import ModelOptions
+    from gptlite.inference.cpu import native
+    from gptlite.inference.quantize import quantized_as
+
+    run, model = char_run
+    steps = []
+    monkeypatch.setattr(native, "load_for_command", lambda prog: steps.append(f"kernels for {prog}"))
+    options = ModelOptions(model=str(run), device="cpu")
+    opened, tokenizer = open_model(options, "sample.py", after_loading=lambda: steps.append("loaded"))
+    assert (options.device, options.dtype) == ("cpu", "float32")  # "auto" resolved, written back
+    assert not opened.training and tokenizer.vocab_size == len(CHARS)
+    for key, tensor in model.state_dict().items():
+        torch.testing.assert_close(opened.state_dict()[key].float().cpu(), tensor, rtol=0, atol=0)
+    assert steps == ["loaded", "kernels for sample.py"]
+    steps.clear()
+
+    def quantize(model, mode, group_size):
+        steps.append(f"{mode} on {model.tok_emb.weight.device}")
+        return real_quantize(model, mode, group_size)
+
+    real_quantize = gpt.quantize
+    monkeypatch.setattr(gpt, "quantize", quantize)
+    options = ModelOptions(model=str(run), device="cpu", quantize="int8", compile=True)
+    quantized, _ = open_model(
+        options, "sample.py", after_loading=lambda: steps.append("loaded"), compiling="the first tokens wait"
+    )
+    assert quantized_as(quantized) == "int8" and options.compile
+    assert steps == ["int8 on cpu", "loaded", "kernels for sample.py"]
+    assert capsys.readouterr().err == "sample.py: note: --compile: the first tokens wait\n"
+
+
+def test_evaluate_has_no_compile_flag_and_each_command_keeps_its_words():
+    """The options are declared once (ModelOptions); a command rewords a flag's help, or drops a flag it has no use
+    for, without a second default or choice list."""
+    from gptlite.cli import ModelOptions
+
+    with pytest.raises(ValueError, match="unknown option '--compile'"):
+        parse(evaluate_command.EvaluateOptions, ["--model=run", "--compile"])
+    assert evaluate_command.EvaluateOptions(model="run").compile is False
+    for options in (sample.SampleOptions, serve_command.ServeOptions, evaluate_command.EvaluateOptions):
+        with pytest.raises(HelpRequested) as e:
+            parse(options, ["--help"], "prog", "doc")
+        lines = str(e.value).splitlines()
+        assert any(line.startswith("  --quantize=''  int8 or int4: ") for line in lines)
+        assert any(line.endswith("(one of '', int8, int4)") for line in lines)
+        assert parse(options, ["--model=run"]).dtype == ModelOptions.dtype == "auto"

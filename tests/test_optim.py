@@ -9,7 +9,7 @@ import torch
 
 from gptlite.checkpoint import Optimizers, Weights, load_checkpoint
 from gptlite.config import build_config
-from gptlite.model.network import GPT
+from gptlite.gpt import GPT
 from gptlite.train.metrics import read_metrics
 from gptlite.train.optim import (
     Muon,

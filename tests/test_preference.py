@@ -274,10 +274,12 @@ def test_long_answers_are_cut_to_the_window(tmp_path):
 
 
 def test_dpo_options_are_checked():
+    from gptlite.train.run_config import check_training_options
+
     with pytest.raises(ValueError, match=r"dpo_beta=0.0 must be > 0.*dpo_label_smoothing=0.5 must be in \[0, 0.5\)"):
-        TrainConfig(dpo_beta=0.0, dpo_label_smoothing=0.5)
+        check_training_options(TrainConfig(dpo_beta=0.0, dpo_label_smoothing=0.5))
     with pytest.raises(ValueError, match=r"dpo_label_smoothing=0.1 applies to dpo_loss=sigmoid only"):
-        TrainConfig(dpo_loss="ipo", dpo_label_smoothing=0.1)
+        check_training_options(TrainConfig(dpo_loss="ipo", dpo_label_smoothing=0.1))
 
 
 # ---------------------------------------------------------------------------------------------

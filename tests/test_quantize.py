@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import sample
 from gptlite import GPT, GPTConfig
-from gptlite.checkpoint import load_model
+from gptlite.checkpoint import load_model, open_model
+from gptlite.cli import ModelOptions
 from gptlite.inference.generate import generate
 from gptlite.inference.quantize import (
     Int4Linear,
@@ -133,7 +134,7 @@ def test_a_trained_char_model_greedy_text_is_the_same_in_int8_but_at_near_ties(c
         "--block_size=128",
     )
     fp32, tokenizer = load_model(out)
-    int8, _ = load_model(out, quantize="int8")
+    int8, _ = open_model(ModelOptions(model=str(out), device="cpu", quantize="int8"), "sample.py")
     prompt = [tokenizer.encode("ROMEO:")]
     a = generate(fp32.to(DEVICE), prompt, 100, temperature=0)
     b = generate(int8.to(DEVICE), prompt, 100, temperature=0)
@@ -223,7 +224,7 @@ def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tm
 
 def test_unknown_quantization_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="quantize='int2' is not supported; use 'int8' or 'int4', or leave it out"):
-        load_model(tmp_path / "no such run", quantize="int2")
+        open_model(ModelOptions(model=str(tmp_path / "no such run"), quantize="int2"), "sample.py")
     with pytest.raises(ValueError, match="quantize='fp8' is not supported"):
         tiny_model().quantize("fp8")
 

@@ -486,9 +486,10 @@ def test_a_reward_function_that_fails_skips_its_step_and_the_run_goes_on(toy, tm
 )
 def test_rl_options_are_checked_together(options, message):
     from gptlite.config import build_config
+    from gptlite.train.run_config import check_training_options
 
     with pytest.raises(ValueError, match=message):
-        build_config({"block_size": 64, **options})
+        check_training_options(build_config({"block_size": 64, **options}))  # as train.py resolves its run
 
 
 def test_train_py_refuses_a_reward_or_prompts_it_cannot_use_in_one_line(toy, tmp_path):

@@ -115,7 +115,7 @@ def test_a_run_of_few_steps_trains_on_fewer_windows_a_step():
 
 def test_block_params_count_the_blocks_as_the_model_does():
     from gptlite.config import GPTConfig
-    from gptlite.model.network import GPT
+    from gptlite.gpt import GPT
 
     model = GPT(GPTConfig(**shape(72), vocab_size=65, block_size=64, pos_emb="rope"))
     assert block_params(72) == sum(p.numel() for p in model.blocks.parameters())
@@ -664,7 +664,7 @@ def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
     """The probe's steps compute the loss as train.py does (chunked: no logits returned), and once its measured
     steps have taken `seconds` it stops: here after the warm-up and one measured step of the 10 asked for; then
     forwards as the evaluation scores a batch, per token, without gradients: one to warm up and three timed."""
-    from gptlite.model.network import GPT
+    from gptlite.gpt import GPT
 
     calls = []
     forward = GPT.forward
@@ -685,7 +685,7 @@ def test_the_probe_takes_the_fastest_of_its_steps(monkeypatch):
     is the step's time (once the mean of three, of which one slowed tenfold)."""
     from types import SimpleNamespace
 
-    from gptlite.model.network import GPT
+    from gptlite.gpt import GPT
     from gptlite.scaling import derive as derive_module
 
     clock = SimpleNamespace(now=0.0, took=iter([5.0, 0.9, 0.1, 0.2]))  # the warm-up, then three timed steps

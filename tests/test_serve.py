@@ -820,7 +820,9 @@ def test_a_broken_cpu_compiler_serves_uncompiled_with_a_warning(monkeypatch, cap
     from tests.serving import CHARS, TemplateTokenizer
 
     monkeypatch.setenv("CXX", "/bin/true")
-    monkeypatch.setattr("gptlite.checkpoint.load_model", lambda **kw: (tiny_model(), TemplateTokenizer(CHARS)))
+    monkeypatch.setattr(
+        "gptlite.checkpoint.inference.load_model", lambda **kw: (tiny_model(), TemplateTokenizer(CHARS))
+    )
     engine, _ = build(ServeOptions(model="tiny", device="cpu", compile=True))
     try:
         assert engine.step is decode_step

@@ -25,7 +25,7 @@ from gptlite.checkpoint import load_checkpoint, step_files, verify_checkpoint
 from gptlite.data.loader import make_loaders, write_shard
 from gptlite.device import compile_unavailable, pick_device
 from gptlite.evaluate import evaluate_loader
-from gptlite.model.network import GPT
+from gptlite.gpt import GPT
 from gptlite.train.metrics import mfu, peak_flops, read_metrics
 from gptlite.train.run_config import resolve_config
 from tests.conftest import ROOT, VARIANTS, FullDisk, run_train, shared_file

@@ -3,7 +3,8 @@
     run_folder.py      a run's folder: the newest few step files plus the best, claimed and locked by one run at a
                        time, and loading its newest whole checkpoint past a damaged one (moved aside on a resume)
     inference.py       a model rebuilt from a checkpoint (a LoRA run's on its checked base weights), or pretrained,
-                       with its tokenizer: what sample.py, the server, evaluation and export load
+                       with its tokenizer: what sample.py, the server, evaluation and export load (open_model:
+                       loaded, moved, quantized, as the commands' shared options say)
     training_state.py  what a checkpoint holds (its format): the parts of the training state, each saving and
                        restoring its own entries, and the one list of them a run saves and resumes through
 This file holds only the names the rest of gptlite and its tests import from gptlite.checkpoint.
@@ -25,6 +26,7 @@ from gptlite.checkpoint.inference import (
     load_source,
     lora_model,
     model_from_checkpoint,
+    open_model,
     source_config,
     source_fingerprint,
     source_tokenizer,
@@ -106,6 +108,7 @@ __all__ = [
     "load_model",
     "lora_model",
     "model_from_checkpoint",
+    "open_model",
     "nonfinite",
     "remove_leftovers",
     "repair_run_folder",

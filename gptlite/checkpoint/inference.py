@@ -5,21 +5,29 @@ What names a model to read, for every command (`--model`; train.py's `--init_fro
 (`is_run`, `source_config`, `load_source`, `source_fingerprint`, `load_model`): a gptlite run folder (its newest
 checkpoint; a LoRA run's adapters merged onto its base), a Hugging Face directory, or a hub name (gptlite.hf). So
 each stage of a pipeline (pretrain -> SFT -> DPO -> RL) takes the last one's run folder as it is, with no export in
-between."""
+between. A command that uses a model (sample.py, the server, evaluation) opens it with `open_model`, from the options
+they share (gptlite.cli.ModelOptions): loaded, moved to its device in its precision, quantized, its kernels loaded,
+in one order for all three."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from gptlite.checkpoint.run_folder import CHECKPOINT_NAME, began_run, load_checkpoint, step_files
 from gptlite.config import GPTConfig, build_config, check_model_overrides
-from gptlite.model.network import GPT
+from gptlite.gpt import GPT
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, get_tokenizer, load_tokenizer, tokenizer_from_spec
 from gptlite.tokenizer.huggingface import has_bpe_files
 from gptlite.train.lora import add_lora, merge_lora
+
+if TYPE_CHECKING:
+    from gptlite.cli import ModelOptions
 
 
 def is_run(name: str) -> bool:
@@ -129,24 +137,57 @@ def check_lora_base(base: str, sha256: str | None, run: str) -> str:
     return found
 
 
-def load_model(
-    out_dir: str | Path = "", init_from: str = "", tokenizer: str = "", quantize: str = ""
+def open_model(
+    options: ModelOptions,
+    prog: str,
+    local_rank: int = 0,
+    after_loading: Callable[[], object] | None = None,
+    compiling: str = "",
+    uncompiled: str = "",
 ) -> tuple[GPT, Tokenizer]:
+    """The model a command uses (sample.py, gptlite.serve, gptlite.evaluate: `prog`) as its options say, in eval
+    mode, with its tokenizer. In this order: the quantization is checked (before anything is read); the device and
+    precision are chosen (options.device and options.dtype are set to the choice: "auto" resolved, under torchrun
+    the GPU of `local_rank`); the model is loaded (load_model: what --model names) and moved to the device in that
+    precision; quantized (options.quantize); `after_loading()` is called (sample.py prints the warnings it held, so
+    that they come before anything below); on the CPU, gptlite's compiled kernels are loaded (their first build
+    says so on stderr, before the command's output); and with options.compile, `compiling` is a note on stderr that
+    the first steps wait, or, where `uncompiled` says what the command does without compiling ("serving
+    uncompiled"), torch.compile is checked here: where it cannot work, a warning says why and options.compile is set
+    to False. Compiling itself is the command's: each compiles its own steps (sample.py the decode step, the server
+    its prefill and decode)."""
+    from gptlite.device import compile_unavailable, pick_device, pick_dtype
+    from gptlite.inference.cpu import native
+    from gptlite.inference.quantize import check_mode
+
+    check_mode(options.quantize)  # before anything is loaded
+    options.device = pick_device(options.device, local_rank)
+    options.dtype = pick_dtype(options.dtype, options.device)
+    model, tokenizer = load_model(init_from=options.model, tokenizer=options.tokenizer)
+    model = model.to(options.device, getattr(torch, options.dtype)).eval()
+    if options.quantize:
+        model.quantize(options.quantize)
+    if after_loading is not None:
+        after_loading()
+    if options.device == "cpu":
+        native.load_for_command(prog)  # the kernels' first build at start-up, not in the first step
+    unavailable = compile_unavailable(options.device.split(":")[0]) if options.compile and uncompiled else None
+    if unavailable:  # a speed-up: every step would otherwise end in the compiler's error
+        print(f"{prog}: warning: torch.compile is unavailable ({unavailable}); {uncompiled}", file=sys.stderr)
+        options.compile = False
+    elif options.compile and compiling:
+        sys.stderr.write(f"{prog}: note: --compile: {compiling}\n")
+    return model, tokenizer
+
+
+def load_model(out_dir: str | Path = "", init_from: str = "", tokenizer: str = "") -> tuple[GPT, Tokenizer]:
     """A model to sample from or evaluate, on the CPU in float32, with its tokenizer: a run's newest checkpoint
     (out_dir), or what a command's --model names (init_from: a run folder, or pretrained weights: see
     GPT.from_pretrained; a name that is neither is refused by gptlite.hf.check_model_name). The tokenizer is
     `tokenizer` (a tokenizer.json or a folder holding one, a .tiktoken file or tiktoken name) if given, else the
     run's tokenizer.json (in out_dir, or beside its training data), else a pretrained directory's own tokenizer.json,
-    else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken.
-    quantize="int8" quantizes the weights for inference (see gptlite.inference.quantize)."""
-    from gptlite.inference.quantize import check_mode
-
-    check_mode(quantize)  # before anything is loaded
-    model, tok = _load_model(out_dir, init_from, tokenizer)
-    return (model.quantize(quantize) if quantize else model), tok
-
-
-def _load_model(out_dir: str | Path, init_from: str, tokenizer: str) -> tuple[GPT, Tokenizer]:
+    else, for a GPT-2 checkpoint (50,257 ids), GPT-2's BPE through tiktoken. A command opens its model with
+    open_model, which moves and quantizes it as the command's options say."""
     if init_from and is_run(init_from):  # a run folder, named as --init_from: as --out_dir names it
         out_dir = init_from
     elif init_from:

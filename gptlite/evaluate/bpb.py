@@ -17,7 +17,7 @@ import sys
 import torch
 
 from gptlite.data.loader import Loader, evaluation_batches
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 from gptlite.tokenizer import Tokenizer
 
 
@@ -85,7 +85,7 @@ def evaluate_loader(
 
 @torch.no_grad()
 def evaluate_windows(
-    model: GPT,
+    model: Transformer,
     streams: list[torch.Tensor],
     batch_size: int = 8,
     lengths: torch.Tensor | None = None,

@@ -29,22 +29,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
-from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
-from gptlite.device import pick_device, pick_dtype
+from gptlite.cli import MODEL_KINDS, ModelOptions, model_to_read, parse, reworded, run_command
+from gptlite.config import option
 from gptlite.evaluate.bpb import byte_lengths, evaluate_windows
 from gptlite.evaluate.core import EVAL_BUNDLE_DIR, EVAL_BUNDLE_URL, core_bundle, core_score, read_bundle
 from gptlite.evaluate.hellaswag_task import HELLASWAG_FILE, HELLASWAG_URL, hellaswag, hellaswag_file
 from gptlite.evaluate.spans import BATCH_TOKENS
 from gptlite.files import fault
 from gptlite.inference.quantize import layer_types, quantized_as
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 from gptlite.tokenizer import TOKENIZER_FILE, Tokenizer, check_same_tokenizer, load_tokenizer
 from gptlite.train.distributed import processes
 from gptlite.train.objective import make_judge
@@ -62,12 +61,18 @@ LM_EVAL = "lm_eval:"
 
 
 @dataclass
-class EvaluateOptions:
-    model: str = option("", f"the model to score: {MODEL_KINDS} (a run: its newest checkpoint and tokenizer)")
-    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
-    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
-    tokenizer: str = option(
-        "", "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)"
+class EvaluateOptions(ModelOptions):
+    model: str = reworded(
+        ModelOptions, "model", f"the model to score: {MODEL_KINDS} (a run: its newest checkpoint and tokenizer)"
+    )
+    tokenizer: str = reworded(
+        ModelOptions,
+        "tokenizer",
+        "a tokenizer.json, .tiktoken file or tiktoken name (default: the run's; GPT-2's BPE for GPT-2)",
+    )
+    compile: bool = field(default=False, init=False)  # scoring runs the plain model: no --compile
+    quantize: str = reworded(
+        ModelOptions, "quantize", "int8 or int4: score the model with weight-only quantized weights (int4: on the CPU)"
     )
     task: str = option(
         "val", "comma-separated: val, hellaswag, core, rl, then lm_eval:TASK[,TASK...] (lm-eval's tasks, last)"
@@ -98,17 +103,6 @@ class EvaluateOptions:
         8, "windows (val), examples (hellaswag), generations (lm_eval) or prompts (rl) per forward"
     )
     batch_tokens: int = option(BATCH_TOKENS, "core, lm_eval: padded tokens per forward, many items' sequences together")
-    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option(
-        "auto",
-        "weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-        choices=DTYPE_CHOICES,
-    )
-    quantize: str = option(
-        "",
-        "int8 or int4: score the model with weight-only quantized weights (int4: on the CPU)",
-        choices=QUANTIZE_CHOICES,
-    )
     json: str = option("", "also write the results to this JSON file")
 
 
@@ -211,8 +205,7 @@ def earlier_results(path: Path) -> bool:
 def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = print) -> dict:
     """The command's work: check every argument and read every input, load the model once, run each task, `log` a
     line per task (CORE: per CORE task), lm-eval's table last."""
-    from gptlite.checkpoint import load_model
-    from gptlite.inference.cpu import native
+    from gptlite.checkpoint import open_model
 
     tasks, harness = check(args)
     # what the tasks read, downloaded if need be and checked, before any task spends minutes
@@ -228,14 +221,10 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
         from gptlite.evaluate.lm_harness import task_manager
 
         manager = task_manager(harness, args.include_path)
-    device = pick_device(args.device, local_rank)
-    dtype = pick_dtype(args.dtype, device)
-    model, tokenizer = load_model(init_from=args.model, tokenizer=args.tokenizer)
-    model = model.to(device, getattr(torch, dtype)).eval()
-    if args.quantize:
-        model.quantize(args.quantize)
-    if device == "cpu":
-        native.load_for_command("gptlite.evaluate")  # the kernels' first build says so before the tasks' lines
+    # under torchrun, each rank on its own GPU; the kernels' first build says so before the tasks' lines
+    model, tokenizer = open_model(args, "gptlite.evaluate", local_rank)
+    device = args.device
+    dtype = args.dtype
     # what was done, not what was asked: int4 keeps int8 where its kernel cannot take a layer's shape
     quantized = {"quantize": quantized_as(model), "quantized_layers": layer_types(model)}
     results = {"model": args.model, "device": device, "dtype": dtype, **quantized}
@@ -285,7 +274,7 @@ def run(args: EvaluateOptions, local_rank: int = 0, log: Callable[..., None] = p
     return results
 
 
-def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, reward: Reward) -> dict:
+def score_rewards(args: EvaluateOptions, model: Transformer, tokenizer: Tokenizer, reward: Reward) -> dict:
     """--task=rl: the greedy and sampled completions of --rl_prompts, scored by the reward (gptlite.train.rl)."""
     from gptlite.train.rl import read_prompts, reward_needs_answer, score_prompts
 
@@ -316,7 +305,9 @@ def score_rewards(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, rewar
     )
 
 
-def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: str, log: Callable[..., None]) -> dict:
+def score_val(
+    args: EvaluateOptions, model: Transformer, tokenizer: Tokenizer, device: str, log: Callable[..., None]
+) -> dict:
     """--task=val: the loss of --text, or of the val split of --data_dir (default: the run's) as training scores it
     there. Text: every window's tokens, and bits per byte. Conversations: the assistant's tokens alone (what
     fine-tuning trains on). Preference pairs: DPO's loss and figures against the model the DPO run started from.
@@ -362,7 +353,7 @@ def score_val(args: EvaluateOptions, model: GPT, tokenizer: Tokenizer, device: s
 
 
 def score_text(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     streams: list[torch.Tensor],
     batch_size: int,
@@ -379,7 +370,7 @@ def score_text(
     return {"loss": loss, "bpb": bpb, "tokens": n, "data": "text", "on": what, "seconds": seconds}
 
 
-def judge_config(args: EvaluateOptions, model: GPT) -> tuple[TrainConfig, str | None]:
+def judge_config(args: EvaluateOptions, model: Transformer) -> tuple[TrainConfig, str | None]:
     """(the config the val split is scored under, the kind of data the run trained on: text, conversations, pairs,
     None for pretrained weights). The config is the run's own (its objective's settings: DPO's beta and loss, the
     model it started from), or for pretrained weights the model's; the data --data_dir's (default: the run's), every
@@ -403,7 +394,7 @@ def judge_config(args: EvaluateOptions, model: GPT) -> tuple[TrainConfig, str | 
     return cfg, trained_on
 
 
-def dpo_reference(args: EvaluateOptions, cfg: TrainConfig, trained_on: str | None, device: str) -> GPT:
+def dpo_reference(args: EvaluateOptions, cfg: TrainConfig, trained_on: str | None, device: str) -> Transformer:
     """The model a DPO run started from (its --init_from), which DPO's figures measure the run against."""
     from gptlite.checkpoint import load_source
 

@@ -49,7 +49,7 @@ import torch
 
 from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
 from gptlite.files import read_jsonl
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 from gptlite.tokenizer import Tokenizer
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -298,7 +298,12 @@ def item_rows(task: CoreTask, i: int, ids: list[list[int]], block_size: int) -> 
 
 
 def task_correct(
-    model: GPT, tokenizer: Tokenizer, task: CoreTask, batch_tokens: int = BATCH_TOKENS, rank: int = 0, world: int = 1
+    model: Transformer,
+    tokenizer: Tokenizer,
+    task: CoreTask,
+    batch_tokens: int = BATCH_TOKENS,
+    rank: int = 0,
+    world: int = 1,
 ) -> list[bool]:
     """Whether each item of the task is scored right (see the module docstring). This rank scores the items
     rank, rank + world, ...; the others are False here, and the caller adds up the ranks' results. ITEMS_PER_PASS
@@ -339,7 +344,7 @@ def centered(accuracy: float, baseline: float) -> float:
 
 @torch.no_grad()
 def core_score(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     tasks: list[CoreTask],
     batch_tokens: int = BATCH_TOKENS,

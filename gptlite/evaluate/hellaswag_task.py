@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 from gptlite.tokenizer import Tokenizer
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -99,7 +99,7 @@ def ending_rows(tokenizer: Tokenizer, example: dict, block_size: int) -> list[tu
 
 
 @torch.no_grad()
-def ending_losses(model: GPT, tokenizer: Tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+def ending_losses(model: Transformer, tokenizer: Tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """The (sum, mean per token) cross-entropy of each example's 4 endings, each (B, 4), from one forward pass
     over the 4 x B rows, right-padded (causal attention: padding after a row changes nothing before it)."""
     rows = [row for example in examples for row in ending_rows(tokenizer, example, model.config.block_size)]
@@ -118,7 +118,7 @@ def ending_losses(model: GPT, tokenizer: Tokenizer, examples: list[dict]) -> tup
 
 
 def hellaswag(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     path: str | Path,
     limit: int | None = None,

@@ -38,7 +38,7 @@ from gptlite.cli import USER_ERRORS, in_words
 from gptlite.evaluate.spans import BATCH_TOKENS, Row, score_spans
 from gptlite.extras import missing_extra
 from gptlite.inference.generate import PAD, TextStream, generate_tokens
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 from gptlite.tokenizer import Tokenizer
 
 try:
@@ -111,7 +111,7 @@ def close_name(name: str, known: list[str]) -> str | None:
 
 
 def evaluate_tasks(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     manager: TaskManager,
     names: list[str],
@@ -271,7 +271,7 @@ class GPTLiteLM(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, batch_size: int = 8, batch_tokens: int = BATCH_TOKENS):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, batch_tokens: int = BATCH_TOKENS):
         super().__init__()
         self.model = model.eval()
         self.tokenizer = tokenizer

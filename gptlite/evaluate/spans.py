@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 
 BATCH_TOKENS = 8192  # padded tokens per forward: packed sequences x the longest
 HEAD_CHUNK = 4096  # scored positions per output-head call: their float32 logits are HEAD_CHUNK x vocab
@@ -92,7 +92,7 @@ def pack(rows: list[Row]) -> Packed:
 
 @torch.no_grad()
 def score_spans(
-    model: GPT,
+    model: Transformer,
     rows: list[Row],
     vocab: int,
     batch_tokens: int = BATCH_TOKENS,

@@ -21,10 +21,10 @@ from gptlite.hf.weights import save_weights
 from gptlite.train.lora import lora_layers
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 
-def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
+def adapter_tensors(model: Transformer) -> tuple[dict, list[str]]:
     """The PEFT state dict of the model's LoRA layers (transformers' names) and the transformers modules they adapt."""
     family = family_of(model.config, model.source_architecture)
     names = {ours.removesuffix(".weight"): theirs for ours, theirs, _ in entries(family, model.config)}
@@ -46,7 +46,11 @@ def adapter_tensors(model: GPT) -> tuple[dict, list[str]]:
 
 
 def export_adapter(
-    model: GPT, directory: str | Path, base: str = "", overwrite: bool = False, log: Callable[[str], None] | None = None
+    model: Transformer,
+    directory: str | Path,
+    base: str = "",
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> list[Path]:
     """Write the model's LoRA adapters as a PEFT adapter for `base` (the base model's directory or Hub name), all
     or nothing, as export_hf writes a model (an earlier folder moves aside to DIR-previous-TIME with overwrite)."""

@@ -32,7 +32,7 @@ from gptlite.hf.weights import save_weights
 from gptlite.tokenizer import HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 
 def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -208,7 +208,7 @@ def granite_values(config: GPTConfig) -> dict:
 
 
 def export_hf(
-    model: GPT,
+    model: Transformer,
     directory: str | Path,
     tokenizer: Tokenizer | None = None,
     overwrite: bool = False,

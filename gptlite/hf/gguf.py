@@ -63,7 +63,7 @@ from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFToke
 from gptlite.tokenizer.chat import check_messages, render
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ARCHITECTURES = {
@@ -529,7 +529,7 @@ def check_out(out: Path, overwrite: bool, stem: str = "model") -> None:
 
 
 def export_gguf(
-    model: GPT,
+    model: Transformer,
     out: str | Path,
     tokenizer: Tokenizer | None,
     kind: str = "f32",

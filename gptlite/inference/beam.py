@@ -31,14 +31,14 @@ from gptlite.inference.sampling import mask_vocab
 if TYPE_CHECKING:
     from gptlite.inference.kvcache import KVCache
     from gptlite.inference.sampling import GenerationOptions
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 NEG = -1.0e9  # the score of a slot or candidate that must not be chosen (transformers uses the same value)
 
 
 @torch.no_grad()
 def beam_search(
-    model: GPT,
+    model: Transformer,
     rows: list[list[int]],
     max_new_tokens: int,
     options: GenerationOptions,
@@ -94,8 +94,8 @@ def beam_search(
 
 
 def start(
-    model: GPT, rows: list[list[int]], max_new_tokens: int, num_beams: int, extend_context: bool, compile: bool
-) -> tuple[GPT, Callable, KVCache, torch.Tensor]:
+    model: Transformer, rows: list[list[int]], max_new_tokens: int, num_beams: int, extend_context: bool, compile: bool
+) -> tuple[Transformer, Callable, KVCache, torch.Tensor]:
     """Check the lengths, prefill the prompts once and give every beam a copy of its prompt's cache rows: (the model
     as decoding runs it, the decode step, the cache, the first logits (B * num_beams, V))."""
     config = model.config

@@ -15,7 +15,7 @@ from gptlite.inference.kvcache import decode_step, new_cache
 from gptlite.inference.sampling import Sampling, mask_vocab, sample_next
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
     from gptlite.tokenizer import Tokenizer
 
 
@@ -25,7 +25,7 @@ class Conversation:
 
     def __init__(
         self,
-        model: GPT,
+        model: Transformer,
         tokenizer: Tokenizer,
         sampling: Sampling,
         max_new_tokens: int = 500,

@@ -55,7 +55,7 @@ from gptlite.inference.sampling import (
 from gptlite.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 SLIDE_KEEP = 0.75  # fraction of block_size kept when a window slides
 COMPILED_LEN_MULTIPLE = 64  # compile=True rounds the cache length up to a multiple of this (or block_size)
@@ -87,7 +87,7 @@ def check_prompts(prompts: Prompts, vocab_size: int) -> list[list[int]]:
 
 
 def generate_tokens(
-    model: GPT,
+    model: Transformer,
     prompts: Prompts,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -104,7 +104,7 @@ def generate_tokens(
 
 
 def generate_tokens_with(
-    model: GPT,
+    model: Transformer,
     prompts: Prompts,
     max_new_tokens: int,
     options: GenerationOptions,
@@ -154,7 +154,7 @@ def generate_tokens_with(
 
 @torch.no_grad()
 def _decode(
-    model: GPT,
+    model: Transformer,
     rows: list[list[int]],
     num_samples: int,
     max_new_tokens: int,
@@ -194,7 +194,7 @@ def _decode(
 
 
 def _decode_loop(
-    model: GPT,
+    model: Transformer,
     cache: KVCache,
     rows: list[list[int]],
     logits: torch.Tensor,
@@ -264,7 +264,7 @@ def _decode_loop(
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: Transformer,
     prompts: Prompts,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -281,7 +281,7 @@ def generate(
 
 @torch.no_grad()
 def generate_with(
-    model: GPT,
+    model: Transformer,
     prompts: Prompts,
     max_new_tokens: int,
     options: GenerationOptions,
@@ -312,7 +312,7 @@ def generate_with(
 
 
 def _generate_beams(
-    model: GPT,
+    model: Transformer,
     prompts: Prompts,
     max_new_tokens: int,
     options: GenerationOptions,
@@ -441,7 +441,7 @@ def borders(s: str) -> list[int]:
 
 
 def generate_text(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: str | Sequence[str],
     max_new_tokens: int,
@@ -460,7 +460,7 @@ def generate_text(
 
 
 def generate_text_with(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: str | Sequence[str],
     max_new_tokens: int,

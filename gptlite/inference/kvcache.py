@@ -24,7 +24,7 @@ from gptlite.model.attention_cache import AttentionCache  # importable from here
 
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 
 def kv_buffers(
@@ -162,14 +162,14 @@ class KVCache:
         self.end = other.end
 
 
-def new_cache(model: GPT, batch_size: int, max_len: int | None = None) -> KVCache:
+def new_cache(model: Transformer, batch_size: int, max_len: int | None = None) -> KVCache:
     """An empty KV cache for batch_size rows of up to max_len (default block_size) positions, in the weights' dtype
     and on their device."""
     weight = model.tok_emb.weight
     return KVCache(model.config, batch_size, max_len or model.config.block_size, weight.dtype, weight.device)
 
 
-def prefill(model: GPT, cache: KVCache, rows: list[list[int]], step: Callable | None = None) -> torch.Tensor:
+def prefill(model: Transformer, cache: KVCache, rows: list[list[int]], step: Callable | None = None) -> torch.Tensor:
     """Run the rows (left-padded to the longest) through the model into an emptied cache; logits (B, V).
     A compiled `step` (see `compiled_decode_step`) attends over the whole cache, so its shapes are fixed."""
     T = max(len(r) for r in rows)
@@ -181,7 +181,7 @@ def prefill(model: GPT, cache: KVCache, rows: list[list[int]], step: Callable | 
 
 
 def decode_step(
-    model: GPT, token: torch.Tensor, cache: AttentionCache, last: torch.Tensor | None = None
+    model: Transformer, token: torch.Tensor, cache: AttentionCache, last: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One step through a prepared cache: token (B, T), one token per row when decoding or the prompts when
     prefilling, -> logits (B, V) of the last (or of token last[b] of each row b, for prompts padded on the right).
@@ -207,7 +207,7 @@ CUDA_COMPILE = {"coordinate_descent_tuning": True}  # inductor settings for the 
 COMPILE_SETTINGS = {"cpu": CPU_COMPILE, "cuda": CUDA_COMPILE}
 
 
-def compiled_decode_step(model: GPT) -> Callable:
+def compiled_decode_step(model: Transformer) -> Callable:
     """`decode_step` through torch.compile with fixed shapes, compiled on first use for each shape.
 
     On CUDA, CUDA graphs (mode="reduce-overhead") replay the whole step, and its Triton kernels' launch
@@ -242,7 +242,7 @@ def compiled_decode_step(model: GPT) -> Callable:
             )
     compiled_shapes = _compiled_shapes.setdefault(model, set())
 
-    def tuned_step(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def tuned_step(model: Transformer, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         shape = (tuple(token.shape), cache.max_len, weight.dtype)
         if shape in compiled_shapes:  # compiled already: skip the settings patch, a cost on every step otherwise
             return step(model, token, cache)
@@ -261,7 +261,9 @@ def compiled_decode_step(model: GPT) -> Callable:
     return tuned_step
 
 
-def uncompiled_step(kind: str, error: Exception, model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def uncompiled_step(
+    kind: str, error: Exception, model: Transformer, token: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
     """decode_step, for every step on this device type from now on, after torch.compile failed on it; says why in
     one line, once. Nothing was written into the cache: a compile fails before the step runs."""
     inner = getattr(error, "inner_exception", None) or error.__cause__ or error  # what the backend raised
@@ -286,7 +288,7 @@ def reset_compiled() -> None:
     _compile_failed.clear()
 
 
-def static_cache(model: GPT, cache: KVCache) -> KVCache:
+def static_cache(model: Transformer, cache: KVCache) -> KVCache:
     """The cache the compiled step writes into. Its buffers keep their addresses from call to call (one
     per model, reused while the shapes match), so CUDA graphs recorded against them stay valid instead
     of being recorded again for every generation; a second generation running at the same time gets

@@ -64,7 +64,7 @@ from gptlite.inference.cpu import native
 from gptlite.inference.cpu.decode import COLD_BYTES, PACK_MIN_WEIGHTS, remembered_choice, time_in_turns
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 MODES = tuple(mode for mode in QUANTIZE_CHOICES if mode)  # ("int8", "int4"): declared with --quantize's choices
 INT4_GROUP_SIZES = (32, 64, 128)  # 32 is q4_0's block
@@ -134,7 +134,7 @@ def row_bucket(rows: int) -> int:
     return ROW_BUCKETS[0] if rows == 1 else ROW_BUCKETS[1]
 
 
-def choose_ways(model: GPT) -> None:
+def choose_ways(model: Transformer) -> None:
     """Each quantized layer's way for one row and for a batch, chosen now, in the model's activation dtype (its
     embedding's): called where the model is prepared for decoding (gptlite.inference.kvcache's compiled step, the
     server's engine), so that the choices file is read, or the ways measured, before a compile and never inside a
@@ -542,11 +542,11 @@ def check_mode(mode: str, group_size: int = INT4_GROUP_SIZES[0]) -> None:
         raise ValueError(f"quantize='int4' with group_size={group_size}: use one of {sizes} (32 is q4_0's)")
 
 
-def is_quantized(model: GPT) -> bool:
+def is_quantized(model: Transformer) -> bool:
     return isinstance(model.lm_head, QuantizedLinear)
 
 
-def quantize(model: GPT, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[0]) -> GPT:
+def quantize(model: Transformer, mode: str = "int8", group_size: int = INT4_GROUP_SIZES[0]) -> Transformer:
     """Quantize model's weights in place (see the module docstring) and return it, in eval mode."""
     check_mode(mode, group_size)
     if not mode:
@@ -611,7 +611,7 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes, default=None)
 
 
-def matrices(model: GPT) -> dict[str, QuantizedLinear]:
+def matrices(model: Transformer) -> dict[str, QuantizedLinear]:
     """The quantized model's matrices by name: the blocks' and the output head (not the embedding's own table)."""
     return {
         name: module
@@ -620,7 +620,7 @@ def matrices(model: GPT) -> dict[str, QuantizedLinear]:
     }
 
 
-def layer_types(model: GPT) -> dict[str, int]:
+def layer_types(model: Transformer) -> dict[str, int]:
     """How many of the model's matrices each type holds, e.g. {"int4": 6, "int8": 1}: what was done, which int4 does
     only where its kernel takes the shape (empty for a model not quantized)."""
     types: dict[str, int] = {}
@@ -630,13 +630,13 @@ def layer_types(model: GPT) -> dict[str, int]:
     return dict(sorted(types.items()))
 
 
-def quantized_as(model: GPT) -> str:
+def quantized_as(model: Transformer) -> str:
     """The types the model's matrices are, as a record states them: "int8", "int4", "int4+int8" (int4 where its kernel
     takes the shape, int8 elsewhere), or "" for a model not quantized."""
     return "+".join(layer_types(model))
 
 
-def say_what_stayed_int8(model: GPT, group_size: int) -> None:
+def say_what_stayed_int8(model: Transformer, group_size: int) -> None:
     """One warning line naming the matrices int4's kernel could not take, which stayed int8, and why."""
     kept = {name: layer for name, layer in matrices(model).items() if not isinstance(layer, Int4Linear)}
     if not kept:
@@ -678,7 +678,7 @@ def int4_or_int8(
     return int8(weight, bias)
 
 
-def gguf_type_of(model: GPT) -> str:
+def gguf_type_of(model: Transformer) -> str:
     """The GGUF type a quantized model's weights are ("q8_0" for int8, "q4_0" for int4 in groups of 32; "" for int4
     in other groups, which llama.cpp has no type for)."""
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
@@ -687,7 +687,7 @@ def gguf_type_of(model: GPT) -> str:
     return "q4_0" if all(layer.group_size == 32 for layer in layers) else ""
 
 
-def dequantized_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def dequantized_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """The float32 state dict of the float model a quantized one multiplies by, under the float model's names: each
     quantized layer's `weight` dequantized (its other buffers left out), and a tied model's embedding the head's
     weight, as in the float model (with an int4 head, the int4 weights: llama.cpp's file holds one table for both)."""

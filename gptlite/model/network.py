@@ -1,4 +1,5 @@
-"""The GPT architecture: positions, norms, causal self-attention, feed-forwards, pre-norm blocks, GPT.
+"""The GPT architecture: positions, norms, causal self-attention, feed-forwards, pre-norm blocks, the Transformer.
+(The class users build, gptlite.gpt.GPT, is this network with loading, generation and quantization on top.)
 
 Each variant is one module class, picked once from a registry when the model is built:
     pos_emb        POSITIONS  learned (GPT-2) | sinusoidal (Vaswani et al.) | rope (Su et al.; Llama); RoPE with a
@@ -687,11 +688,11 @@ def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full_like(idx[:, :1], -1), idx[:, :-1]], dim=1)
 
 
-class GPT(nn.Module):
+class Transformer(nn.Module):
     """A decoder-only Transformer language model whose output head is tied to the token embedding (unless
     config.tie_embeddings is false). `checkpoint_blocks` (train.py's --activation_checkpointing) trades a second
     forward pass of each block in backward for its activations: training memory no longer grows with depth.
-    `source_architecture` is the Hugging Face architecture a pretrained model was read as (from_pretrained), which
+    `source_architecture` is the Hugging Face architecture a pretrained model was read as (GPT.from_pretrained), which
     says how it exports back (gptlite.hf); None for a model built here."""
 
     checkpoint_blocks = False
@@ -825,28 +826,6 @@ class GPT(nn.Module):
         x = x[:, -1] if last is None else x[torch.arange(x.size(0), device=x.device), last]  # (B, C)
         return self.head(x)  # (B, V)
 
-    @classmethod
-    def from_pretrained(cls, name_or_dir: str, dtype: torch.dtype | None = None, **overrides) -> GPT:
-        """GPT-2's weights ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", downloaded from the Hub) or a local
-        directory holding a transformers GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-        MistralForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM,
-        NanoChatForCausalLM or Gemma3ForCausalLM, in eval mode; `block_size` (smaller) and `dropout` may be
-        overridden. See gptlite.hf, which reads the checkpoint. `dtype=None` keeps the checkpoint's dtype. One copy of
-        the weights is held: the model is built on the meta device and takes the tensors as they are read, one by
-        one."""
-        from gptlite.hf import load_pretrained
-
-        config, state, architecture = load_pretrained(name_or_dir, dtype, **overrides)
-        with torch.device("meta"):
-            model = cls(config)
-        model.pos_emb = positions(config)  # its buffers are computed, not loaded
-        model.check_state(state, name_or_dir)
-        model.load_state_dict(state, assign=True)
-        if config.tie_embeddings:
-            model.lm_head.weight = model.tok_emb.weight
-        model.source_architecture = architecture  # how it exports back (gptlite.hf.export_hf)
-        return model.eval()
-
     @torch.no_grad()
     def grow_vocab(self, vocab_size: int) -> None:
         """Give the token embedding (and an untied head) vocab_size rows, the new ones the mean of the existing rows,
@@ -930,32 +909,6 @@ class GPT(nn.Module):
             )
         if isinstance(idx, torch.Tensor) and targets.shape != idx.shape:
             raise ValueError(f"targets must have the shape of idx, {tuple(idx.shape)}, got {tuple(targets.shape)}")
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """Prompt idx (B, T) -> (B, T + max_new_tokens), decoding against a KV cache. Keyword arguments: the fields
-        of gptlite.inference.sampling.GenerationOptions (seed, num_samples, stop_tokens, penalties, extend_context,
-        compile, num_beams and beam search's); see gptlite.inference.generate."""
-        from gptlite.inference.generate import generate
-
-        return generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kwargs)
-
-    def quantize(self, mode: str = "int8", group_size: int = 32) -> GPT:
-        """Weight-only quantization for generation and evaluation, in place: mode "int8" (a scale per output row)
-        or "int4" (a scale per `group_size` weights of a row, q4_0's rule); returns the model (see
-        gptlite.inference.quantize)."""
-        from gptlite.inference.quantize import quantize
-
-        return quantize(self, mode, group_size)
 
     def num_params(self, exclude_positions: bool = False) -> int:
         """Parameter count; the tied head and embedding are one tensor and are counted once."""

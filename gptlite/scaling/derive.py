@@ -60,10 +60,10 @@ def flops_per_token(keys: dict) -> float:
     import torch
 
     from gptlite.config import build_config
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
     with torch.device("meta"):
-        return GPT(build_config(keys).model).flops_per_token()
+        return Transformer(build_config(keys).model).flops_per_token()
 
 
 def nearest_width(params: float) -> int:
@@ -96,12 +96,12 @@ class Probe:
     def __init__(self, keys: dict, device: str):
         import torch
 
-        from gptlite.model.network import GPT
+        from gptlite.model.network import Transformer
         from gptlite.train.optim import configure_optimizers
 
         self.cfg = train_config(keys)
         self.device = device
-        self.model = GPT(self.cfg.model).to(device)
+        self.model = Transformer(self.cfg.model).to(device)
         self.optimizers = configure_optimizers(self.model, self.cfg, device.split(":")[0])
         shape = (self.cfg.batch_size, self.cfg.model.block_size)
         self.x = torch.randint(0, self.cfg.model.vocab_size, shape, device=device)

@@ -62,7 +62,7 @@ BUDGET_RANGES = {"seconds": (0.0, 1e8), "flops": (1.0, 1e30), "tokens": (1.0, 1e
 @dataclass(frozen=True)
 class Budget:
     """What a run may spend: `kind` seconds (the whole command's wall-clock, start-up and the final evaluation
-    included), flops (training FLOPs, gptlite.model.network.GPT.flops_per_token per token) or tokens (trained on)."""
+    included), flops (training FLOPs, Transformer.flops_per_token per token) or tokens (trained on)."""
 
     kind: str
     amount: float

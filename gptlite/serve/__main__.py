@@ -25,9 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlite.cli import MODEL_KINDS, model_to_read, parse, run_command
-from gptlite.config import DTYPE_CHOICES, QUANTIZE_CHOICES, option
-from gptlite.device import compile_unavailable, pick_device, pick_dtype
+from gptlite.cli import MODEL_KINDS, ModelOptions, model_to_read, parse, reworded, run_command
+from gptlite.config import option
 from gptlite.extras import need_extra
 from gptlite.files import error
 from gptlite.serve.policy import Policy, is_loopback
@@ -36,14 +35,17 @@ KEY_VARIABLE = "GPTLITE_API_KEY"  # the key's environment variable, used when --
 
 
 @dataclass
-class ServeOptions:
-    model: str = option("", f"the model to serve: {MODEL_KINDS} (a run: its newest checkpoint and tokenizer.json)")
-    out_dir: str = option("", "the old spelling of --model=RUN (still works)")
-    init_from: str = option("", "the old spelling of --model=NAME_OR_DIR (still works)")
-    tokenizer: str = option(
-        "",
-        "a tokenizer.json, .tiktoken ranks file or tiktoken name (default: the run's "
-        "tokenizer.json, or a Hugging Face directory's own; GPT-2's BPE for GPT-2)",
+class ServeOptions(ModelOptions):
+    model: str = reworded(
+        ModelOptions, "model", f"the model to serve: {MODEL_KINDS} (a run: its newest checkpoint and tokenizer.json)"
+    )
+    dtype: str = reworded(ModelOptions, "dtype", "the weights' precision; auto = bfloat16 on CUDA, float32 elsewhere")
+    compile: bool = reworded(
+        ModelOptions,
+        "compile",
+        "torch.compile the prefill and decode steps, dynamic shapes (the first requests "
+        "compile three graphs); for GPUs: on a CPU the default eager path, sample.py's "
+        "slab and packed layers, decodes faster (docs/serve.md)",
     )
     model_name: str = option("", "the model's name in /v1/models and responses (default: --model's folder name)")
     host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)")
@@ -62,21 +64,6 @@ class ServeOptions:
         256.0,
         "memory for the keys and values of recent prompts and completions, in MB: a prompt that begins with them (a "
         "shared system prompt, a chat's earlier turns) skips their prefill; least recently used dropped first; 0: off",
-    )
-    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = option(
-        "auto",
-        "the weights' precision; auto = bfloat16 on CUDA, float32 elsewhere",
-        choices=DTYPE_CHOICES,
-    )
-    compile: bool = option(
-        False,
-        "torch.compile the prefill and decode steps, dynamic shapes (the first requests "
-        "compile three graphs); for GPUs: on a CPU the default eager path, sample.py's "
-        "slab and packed layers, decodes faster (docs/serve.md)",
-    )
-    quantize: str = option(
-        "", "int8 or int4: weight-only quantized weights (int4: on the CPU)", choices=QUANTIZE_CHOICES
     )
     api_key: str = option(
         "", f"the key clients must send as Authorization: Bearer KEY (default: ${KEY_VARIABLE}; unset: no key)"
@@ -130,30 +117,15 @@ class ServeOptions:
 
 def build(options: ServeOptions):
     """The engine (started) and the app for these options (options.model: the one model name, model_to_read's)."""
-    import torch
-
-    from gptlite.checkpoint import load_model
-    from gptlite.inference.cpu import native
+    from gptlite.checkpoint import open_model
     from gptlite.serve.app import create_app
     from gptlite.serve.engine import Engine
 
-    device = pick_device(options.device)
-    dtype = pick_dtype(options.dtype, device)
-    model, tokenizer = load_model(init_from=options.model, tokenizer=options.tokenizer)
-    model = model.to(device, getattr(torch, dtype)).eval()
-    if options.quantize:
-        model.quantize(options.quantize)
-    if device == "cpu":
-        native.load_for_command("gptlite.serve")  # the kernels' first build at start-up, not in the first request
-    compile = options.compile
-    unavailable = compile_unavailable(device.split(":")[0]) if compile else None
-    if unavailable:  # a speed-up: every request would otherwise end in the compiler's error
-        print(
-            f"gptlite.serve: warning: torch.compile is unavailable ({unavailable}); serving uncompiled", file=sys.stderr
-        )
-        compile = False
+    # the kernels' first build at start-up, not in the first request; an unavailable torch.compile is a warning, as
+    # every request would otherwise end in the compiler's error
+    model, tokenizer = open_model(options, "gptlite.serve", uncompiled="serving uncompiled")
     engine = Engine(
-        model, tokenizer, options.max_batch, options.max_len or None, compile, options.prefix_cache_mb
+        model, tokenizer, options.max_batch, options.max_len or None, options.compile, options.prefix_cache_mb
     ).start()
     name = options.model_name or Path(options.model).resolve().name or options.model
     waiting = options.max_batch if options.max_waiting == -1 else options.max_waiting

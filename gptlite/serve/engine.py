@@ -56,7 +56,7 @@ from gptlite.serve.prefix import PrefixCache
 from gptlite.serve.rows import RowCache
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
     from gptlite.serve.grammar import Format, Matcher
     from gptlite.tokenizer import Tokenizer
 
@@ -156,7 +156,7 @@ class Engine:
 
     def __init__(
         self,
-        model: GPT,
+        model: Transformer,
         tokenizer: Tokenizer,
         max_batch: int = 16,
         max_len: int | None = None,

@@ -20,12 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gptlite.checkpoint import adapters_record, check_lora_base
 from gptlite.config import TrainConfig
 from gptlite.device import compile_unavailable
-from gptlite.model.network import GPT
+from gptlite.model.network import Transformer
 from gptlite.train.lora import add_lora
 
 
 def add_adapters(
-    cfg: TrainConfig, model: GPT, ckpt: dict | None, out_dir: Path, n_params: int, log: Callable[[str], None]
+    cfg: TrainConfig, model: Transformer, ckpt: dict | None, out_dir: Path, n_params: int, log: Callable[[str], None]
 ) -> dict | None:
     """With --lora_rank, LoRA: freeze `model`'s pretrained weights and add low-rank adapters beside them; returns the
     record its checkpoints keep (gptlite.checkpoint.training_state's "lora"), None without. A resumed run's adapters
@@ -55,7 +55,7 @@ class OneProcess:
 
     label = ""  # what the log's "world N" line adds
 
-    def shard(self, model: GPT) -> None:
+    def shard(self, model: Transformer) -> None:
         pass
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -88,7 +88,7 @@ class FSDPProcesses(OneProcess):
 
     label = " (fsdp)"
 
-    def shard(self, model: GPT) -> None:
+    def shard(self, model: Transformer) -> None:
         from torch.distributed.fsdp import fully_shard  # torch >= 2.6
 
         for block in model.blocks:

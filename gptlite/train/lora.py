@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.config import TrainConfig
+    from gptlite.model.network import Transformer
 
 TARGETS = ("attn.qkv", "attn.out_proj", "ffn.fc", "ffn.out_proj")  # every projection of attention and feed-forward
 LORA_KEYS = ("lora_A", "lora_B")
@@ -65,7 +66,21 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}"
 
 
-def check_lora(model: GPT, rank: int, targets: tuple[str, ...] = TARGETS) -> list[str]:
+def option_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with the LoRA options (gptlite.train.run_config.check_training_options reports it with the
+    modes' before anything is read); check_lora checks the targets against the model once it is built."""
+    problems = []
+    if cfg.lora_rank is not None:
+        if cfg.lora_rank < 1:
+            problems.append(f"lora_rank={cfg.lora_rank} must be >= 1 (leave it out to train every weight)")
+        if not cfg.init_from:
+            problems.append("lora_rank needs --init_from: LoRA adapts a pretrained model, whose weights stay frozen")
+        if not 0 <= cfg.lora_dropout < 1:
+            problems.append(f"lora_dropout={cfg.lora_dropout} must be in [0, 1)")
+    return problems
+
+
+def check_lora(model: Transformer, rank: int, targets: tuple[str, ...] = TARGETS) -> list[str]:
     """The names of the layers `targets` select; a rank outside 1..min(in, out) or a target that names no linear
     layer is a one-line ValueError."""
     if not targets or not all(targets):
@@ -89,8 +104,8 @@ def check_lora(model: GPT, rank: int, targets: tuple[str, ...] = TARGETS) -> lis
 
 
 def add_lora(
-    model: GPT, rank: int, alpha: float = 16.0, dropout: float = 0.0, targets: tuple[str, ...] = TARGETS
-) -> GPT:
+    model: Transformer, rank: int, alpha: float = 16.0, dropout: float = 0.0, targets: tuple[str, ...] = TARGETS
+) -> Transformer:
     """Freeze `model` and give the linear layers that `targets` name trainable low-rank updates, in place; returns
     the model. A tied head stays tied: LoRA on lm_head is refused for a tied model (it would change the embedding)."""
     names = check_lora(model, rank, targets)
@@ -167,7 +182,7 @@ def lora_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def merge_lora(model: GPT) -> GPT:
+def merge_lora(model: Transformer) -> Transformer:
     """Fold every LoRALinear's update into its weight and make it a plain nn.Linear again, in place; returns the
     model, which then computes what it computed before."""
     for name, layer in lora_layers(model).items():

@@ -11,7 +11,9 @@ step's log line, how the run is judged at each evaluation, and what its state is
 - prompts and rewards (gptlite.train.rl.RL, --rl): the policy gradient on sampled completions.
 A new mode on a new kind of data is a class with Objective's methods and a line in objective_for, the one map from a
 kind of data to its objective that train.py (make_objective) and gptlite.evaluate (make_judge) both read; its option
-rules are TrainConfig's (gptlite.config), beside the options.
+rules sit beside it, in its module: those of its options alone (`option_problems`, which
+gptlite.train.run_config.check_training_options gathers as the run is resolved) and those against the data
+(`data_problems`, which check_data gathers once the data is read).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from gptlite.data.loader import ChatLoader, Loader, ShardLoader, make_loaders, make_val_loader
 from gptlite.evaluate.bpb import byte_lengths, evaluate_loader
+from gptlite.train import preference, rl
 from gptlite.train.metrics import Evaluation
 from gptlite.train.objective_base import Batches, Objective, ReadsTrainLoader
 from gptlite.train.optim import seq_len_at
@@ -33,12 +36,22 @@ from gptlite.train.rl import RL, PromptLoader, load_reward, read_prompts, reward
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
     from gptlite.tokenizer import Tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
 # The language model's objective: text and conversations
+
+
+def windows_problems(cfg: TrainConfig, kind: str) -> list[str]:
+    """seq_len_start cuts text windows (Text's growing windows): not preference pairs nor RL prompts."""
+    if cfg.seq_len_start and (kind == "pairs" or cfg.rl):
+        return [
+            f"seq_len_start={cfg.seq_len_start} cuts text windows into shorter ones; preference pairs and RL "
+            "prompts are whole sequences: leave seq_len_start out"
+        ]
+    return []
 
 
 class Text(ReadsTrainLoader):
@@ -74,7 +87,7 @@ class Text(ReadsTrainLoader):
         self.reduction = "mean"  # the loss of a micro-batch: the mean over its targets, or (conversations) the sum
         self.weight: float | torch.Tensor = 1.0 / grad_accum  # each micro-batch's share of the step's loss
 
-    def start(self, model: GPT) -> None:
+    def start(self, model: Transformer) -> None:
         pass
 
     def batches(self, step: int, minutes: float) -> tuple[Batches, str | None]:
@@ -107,7 +120,7 @@ class Text(ReadsTrainLoader):
     def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
         return {}
 
-    def evaluate(self, model: GPT) -> Evaluation:
+    def evaluate(self, model: Transformer) -> Evaluation:
         """The val split's mean loss per target token and bits per byte (None without the data's tokenizer)."""
         val_loss, val_bpb = evaluate_loader(
             model, self.val_loader, self.cfg.eval_iters, self.device, self.autocast, self.token_bytes
@@ -156,6 +169,20 @@ def objective_for(
     return language_model(cfg, train_loader, val_loader, token_bytes, grad_accum, device, autocast, world_size, log)
 
 
+def check_data(cfg: TrainConfig, kind: str, has_tokenizer: bool) -> None:
+    """The rules between the options and the data folder they train on, once it is read: `kind` is what it holds
+    (text, conversations or pairs), `has_tokenizer` whether it has a tokenizer.json. Each mode's rules sit beside
+    the mode (gptlite.train.preference, windows_problems here, gptlite.train.rl); the first problem is a ValueError
+    that says the fix."""
+    problems = [
+        *preference.data_problems(cfg, kind),
+        *windows_problems(cfg, kind),
+        *rl.data_problems(cfg, kind, has_tokenizer),
+    ]
+    if problems:
+        raise ValueError(problems[0])
+
+
 def make_objective(
     cfg: TrainConfig,
     tokenizer: Tokenizer | None,
@@ -168,7 +195,7 @@ def make_objective(
 ) -> Objective:
     """The run's objective: --rl's, else the one objective_for gives what the data folder holds (text, conversations or
     preference pairs: data/prepare.py says which). Its inputs are read and checked here, before the run folder is
-    claimed: every shard (gptlite.data.loader.make_loaders), the options against the data (TrainConfig.check_data), and
+    claimed: every shard (gptlite.data.loader.make_loaders), the options against the data (check_data), and
     for --rl the reward function and the prompts. `tokenizer` is the data's (None if it has none)."""
     train_loader, val_loader = make_loaders(cfg, rank, world_size)
     kind = train_loader.kind  # "text", "conversations" or "pairs"
@@ -177,7 +204,7 @@ def make_objective(
             f"note: {train_loader.past_block:,} of the {len(train_loader.conversations):,} {kind} in "
             f"{cfg.data_dir}'s train split have no target within block_size={cfg.model.block_size}: they train nothing"
         )
-    cfg.check_data(kind, has_tokenizer=tokenizer is not None)
+    check_data(cfg, kind, has_tokenizer=tokenizer is not None)
     objective = objective_for(
         kind, cfg, train_loader, val_loader, tokenizer, grad_accum, device, autocast, world_size, log
     )

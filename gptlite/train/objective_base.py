@@ -14,7 +14,7 @@ from gptlite.data.loader import data_identity
 
 if TYPE_CHECKING:
     from gptlite.data.loader import ChatLoader, PairLoader, ShardLoader
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
     from gptlite.train.metrics import Evaluation
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]  # a step's micro-batches, each (x, y)
@@ -25,7 +25,7 @@ class Objective(Protocol):
 
     needs_reference: bool  # it measures the model against the start-of-run model: --init_from loads on a resume too
 
-    def start(self, model: GPT) -> None:
+    def start(self, model: Transformer) -> None:
         """The model is built (with its LoRA adapters, if any), before it trains or a resume loads its weights: the
         moment to take the start-of-run reference, and the model that samples."""
 
@@ -47,7 +47,7 @@ class Objective(Protocol):
     def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
         """The fields the step's metrics.jsonl row adds, from its averaged figures."""
 
-    def evaluate(self, model: GPT) -> Evaluation:
+    def evaluate(self, model: Transformer) -> Evaluation:
         """How the run is judged at an evaluation (every rank calls it); its loss picks best.pt."""
 
     def identity(self) -> dict[str, str]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from gptlite.model.network import GPT, SwiGLU
+from gptlite.model.network import SwiGLU, Transformer
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
@@ -232,7 +232,7 @@ def normalise_neurons(update: Tensor, second_moment: Tensor, beta2: float, split
     return torch.cat(parts).to(update.dtype)  # (rows, cols)
 
 
-def block_matrices(model: GPT) -> dict[Tensor, int]:
+def block_matrices(model: Transformer) -> dict[Tensor, int]:
     """Every 2-D weight inside model.blocks -> how many logical matrices it stacks along dim 0: attention's qkv
     holds q, k and v (3); SwiGLU's fc holds W1 and W3 (2); the output projections and GELU's fc are one matrix."""
     splits = {}
@@ -245,7 +245,7 @@ def block_matrices(model: GPT) -> dict[Tensor, int]:
     return splits
 
 
-def configure_optimizers(model: GPT, cfg: TrainConfig, device_type: str) -> list[torch.optim.Optimizer]:
+def configure_optimizers(model: Transformer, cfg: TrainConfig, device_type: str) -> list[torch.optim.Optimizer]:
     """AdamW with weight decay on matrices (linear weights and the tied embedding/head, as nanoGPT) and none on
     vectors (norm weights, biases); the fused implementation, on the CPU too (one kernel for every tensor instead of
     a loop over them: the step of a small model is mostly that loop's overhead).

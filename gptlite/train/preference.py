@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gptlite.config import DPO_LOSSES
+from gptlite.config import DPO_LOSSES, set_options
 from gptlite.data.loader import evaluation_batches
 from gptlite.train.lora import ReferenceModel
 from gptlite.train.metrics import Evaluation
@@ -37,7 +37,46 @@ from gptlite.train.objective_base import ReadsTrainLoader
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
     from gptlite.data.loader import PairLoader
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
+
+
+DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing")  # what training on preference pairs alone reads
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO's options: their rules, checked as the run is resolved (option_problems) and once the data is read
+
+
+def option_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with DPO's options on their own (gptlite.train.run_config.check_training_options reports it
+    with the other modes' before anything is read)."""
+    problems = []
+    if not cfg.dpo_beta > 0:
+        problems.append(f"dpo_beta={cfg.dpo_beta} must be > 0 (e.g. 0.1)")
+    if not 0 <= cfg.dpo_label_smoothing < 0.5:
+        problems.append(f"dpo_label_smoothing={cfg.dpo_label_smoothing} must be in [0, 0.5) (e.g. 0.1)")
+    if cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
+        problems.append(
+            f"dpo_label_smoothing={cfg.dpo_label_smoothing} applies to dpo_loss=sigmoid only, not "
+            f"{cfg.dpo_loss!r}; leave it out or use dpo_loss=sigmoid"
+        )
+    return problems
+
+
+def data_problems(cfg: TrainConfig, kind: str) -> list[str]:
+    """DPO's options configure training on preference pairs alone (`kind`: what the data folder holds; see
+    gptlite.train.objective.check_data)."""
+    unread = set_options(cfg, DPO_OPTIONS)
+    if kind != "pairs" and unread:
+        return [
+            f"{', '.join(unread)} configure DPO on preference pairs, and {cfg.data_dir} holds {kind}; leave them "
+            "out, or give a data folder prepared with data/prepare.py --preference"
+        ]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
 
 
 class DPOOutput(NamedTuple):
@@ -180,7 +219,7 @@ class DPO(ReadsTrainLoader):
         self.weight = 1.0 / grad_accum  # each micro-batch's share of the step's loss
         self.step_figures = torch.zeros(len(FIGURES), device=device)  # pair_stats over the step's micro-batches
 
-    def start(self, model: GPT) -> None:
+    def start(self, model: Transformer) -> None:
         self.reference = Reference.of(model)
 
     def batches(self, step: int, minutes: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
@@ -210,7 +249,7 @@ class DPO(ReadsTrainLoader):
     def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
         return reward_figures(*(figures[name] for name in FIGURES))
 
-    def evaluate(self, model: GPT) -> Evaluation:
+    def evaluate(self, model: Transformer) -> Evaluation:
         """DPO's loss, rewards and accuracy on the val pairs."""
         cfg = self.cfg
         val_loss, figures = evaluate_pairs(

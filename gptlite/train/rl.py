@@ -43,19 +43,88 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gptlite.config import RL_LOSSES
+from gptlite.config import RL_LOSSES, set_options
 from gptlite.files import read_jsonl
 from gptlite.inference.generate import PAD, generate_tokens
 from gptlite.train.lora import ReferenceModel
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
     from gptlite.tokenizer import Tokenizer
     from gptlite.train.metrics import Evaluation
     from gptlite.train.objective_base import Objective
 
 GSM8K_NUMBER = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, from OpenAI's grade-school-math
+RL_OPTIONS = (  # what --rl alone reads; rl_prompts and reward have a message of their own
+    "rl_prompt_field",
+    "rl_answer_field",
+    "rl_samples",
+    "rl_max_new_tokens",
+    "rl_temperature",
+    "rl_loss",
+    "rl_clip",
+    "rl_kl_beta",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# RL's options: their rules, checked as the run is resolved (option_problems) and once the data is read
+
+
+def option_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with --rl's options (gptlite.train.run_config.check_training_options reports it with the other
+    modes' before anything is read): what --rl needs, what it cannot run with, and its options set without it."""
+    problems = []
+    if cfg.rl:
+        if not (cfg.rl_prompts and cfg.reward):
+            problems.append(
+                "rl=true needs --rl_prompts=FILE.jsonl (prompts with answers) and --reward=gsm8k|exact|module:function"
+            )
+        if cfg.rl_samples < 2:
+            problems.append(
+                f"rl_samples={cfg.rl_samples} must be >= 2: a completion's baseline is its group's mean reward, "
+                "which a group of one equals"
+            )
+        if not 1 <= cfg.rl_max_new_tokens < cfg.model.block_size:
+            problems.append(
+                f"rl_max_new_tokens={cfg.rl_max_new_tokens} must be in [1, block_size={cfg.model.block_size}): "
+                "the prompt and its completion share the context"
+            )
+        if not cfg.rl_temperature > 0:
+            problems.append(
+                f"rl_temperature={cfg.rl_temperature} must be > 0: greedy completions of a prompt are all alike, "
+                "and their advantages all 0"
+            )
+        if cfg.total_batch_size:
+            problems.append(
+                "rl=true takes batch_size prompts per device per step, rl_samples completions each, in one "
+                f"micro-step; leave total_batch_size={cfg.total_batch_size} out"
+            )
+        if cfg.fsdp:
+            problems.append("rl=true samples from whole weights and runs alone or under DDP; drop fsdp=true")
+    elif cfg.rl_prompts or cfg.reward:
+        problems.append("rl_prompts and reward configure reinforcement learning; add --rl to train with them")
+    elif set_options(cfg, RL_OPTIONS):
+        problems.append(
+            f"{', '.join(set_options(cfg, RL_OPTIONS))} configure reinforcement learning (--rl), which this run "
+            "does not do; add --rl or leave them out"
+        )
+    if not cfg.rl_clip > 0 or cfg.rl_kl_beta < 0:
+        problems.append(f"rl_clip={cfg.rl_clip} must be > 0 and rl_kl_beta={cfg.rl_kl_beta} >= 0")
+    return problems
+
+
+def data_problems(cfg: TrainConfig, kind: str, has_tokenizer: bool) -> list[str]:
+    """--rl decodes its completions and evaluates the data folder's val split of text or conversations (`kind`: what
+    the folder holds; `has_tokenizer`: whether it has a tokenizer.json; see gptlite.train.objective.check_data)."""
+    if cfg.rl and (not has_tokenizer or kind == "pairs"):
+        return [
+            "--rl samples completions of --rl_prompts, and needs a data folder with a tokenizer.json and a val "
+            f"split of text or conversations (what the model was fine-tuned on); {cfg.data_dir} "
+            + ("holds preference pairs" if kind == "pairs" else "has no tokenizer.json")
+        ]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +364,7 @@ class Group:
 
 @torch.no_grad()
 def sample_group(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: list[Prompt],
     samples: int,
@@ -369,7 +438,7 @@ def step_generator(seed: int, step: int, rank: int, device: str) -> torch.Genera
 
 
 def rollout(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: list[Prompt],
     reward: Reward,
@@ -474,7 +543,7 @@ def policy_loss(
 
 @torch.no_grad()
 def score_prompts(
-    model: GPT,
+    model: Transformer,
     tokenizer: Tokenizer,
     prompts: list[Prompt],
     reward: Reward,
@@ -548,7 +617,7 @@ class RL:
         self.world_size = world_size
         # GRPO's KL term measures the policy against the start-of-run model, as DPO does
         self.needs_reference = cfg.rl_loss == "grpo" and cfg.rl_kl_beta > 0
-        self.model: GPT | None = None  # the model that samples, given at start()
+        self.model: Transformer | None = None  # the model that samples, given at start()
         self.reference: ReferenceModel | None = None
         self.rewards: torch.Tensor | None = None  # the step's group's rewards, (P, S)
         # the step's figures: group_figures' and the KL, which the loss gives; all 0.0 for a step without a group
@@ -556,7 +625,7 @@ class RL:
         self.step_figures = dict.fromkeys(self.names, 0.0)
         self.said_no_signal = False  # a step that learns nothing, as every group scored alike, is said once
 
-    def start(self, model: GPT) -> None:
+    def start(self, model: Transformer) -> None:
         self.model = model
         self.reference = ReferenceModel.of(model) if self.needs_reference else None
 
@@ -623,7 +692,7 @@ class RL:
     def log_fields(self, figures: dict[str, float]) -> dict[str, float]:
         return dict(figures)
 
-    def evaluate(self, model: GPT) -> Evaluation:
+    def evaluate(self, model: Transformer) -> Evaluation:
         return self.fine_tuning.evaluate(model)
 
     def identity(self) -> dict[str, str]:

@@ -17,6 +17,7 @@ from gptlite.cli import HelpRequested, config_help, parse_args
 from gptlite.config import TrainConfig, build_config, convert, flat_fields, model_changes, read_toml, unknown_key
 from gptlite.scaling.recipe import parse_budget
 from gptlite.tokenizer import TOKENIZER_FILE, load_tokenizer
+from gptlite.train import lora, preference, rl
 
 NO_DATA_DIR = "data_dir is not set; pass --data_dir=DIR (a folder of *train*.bin / *val*.bin shards)"
 
@@ -78,7 +79,18 @@ def resolve_config(argv: list[str], doc: str = "", notes: list[str] | None = Non
             f"--scaling_laws={values['scaling_laws']} is read only to derive a recipe for --budget; add --budget=... "
             "(e.g. 90s), or leave --scaling_laws out"
         )
-    return build_config(values)
+    return check_training_options(build_config(values))
+
+
+def check_training_options(cfg: TrainConfig) -> TrainConfig:
+    """`cfg`, once the options of each way of training agree with themselves: LoRA's (gptlite.train.lora), DPO's
+    (gptlite.train.preference) and RL's (gptlite.train.rl), whose rules sit beside that way of training, not in
+    gptlite.config, which knows no objective. Every problem together, in one ValueError, as TrainConfig reports its
+    own; checked as the run is resolved, before anything is read or written."""
+    problems = [*lora.option_problems(cfg), *preference.option_problems(cfg), *rl.option_problems(cfg)]
+    if problems:
+        raise ValueError("invalid training config: " + "; ".join(problems))
+    return cfg
 
 
 def resumed_config(out_dir: str) -> tuple[dict[str, Any] | None, str]:
@@ -96,7 +108,7 @@ def check_recorded(saved: dict[str, Any], values: dict[str, Any], path: Path) ->
     """A run.json's config (`saved`), as build_config reads it, but for the keys the command line gives (`values`,
     which win): a key or value edited by hand is named as run.json's, not blamed on the command line."""
     try:
-        build_config({k: v for k, v in saved.items() if k not in values})
+        check_training_options(build_config({k: v for k, v in saved.items() if k not in values}))
     except ValueError as e:
         raise ValueError(
             f"{path}, the config the run recorded as it started: {e}; correct it there (or give the key on the command "

@@ -47,7 +47,7 @@ from gptlite.files import write_text
 from gptlite.inference.cpu import native
 
 if TYPE_CHECKING:
-    from gptlite.model.network import GPT
+    from gptlite.model.network import Transformer
 
 
 class SlabLinear(nn.Module):
@@ -360,7 +360,7 @@ def direct_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(cls.__name__, (cls,), {"__call__": cls.forward, "__module__": cls.__module__})
 
 
-def packed_for_cpu(model: GPT, rows: int) -> GPT:
+def packed_for_cpu(model: Transformer, rows: int) -> Transformer:
     """The model as eager decoding on the CPU runs it: a view that shares every module and tensor except the nn.Linear
     layers of at least PACK_MIN_WEIGHTS weights, which become the kernel measured fastest for their shape at one
     row, or at a batch (measured at 8 rows); smaller layers are bound by per-call overhead, and are left as they
