@@ -1,5 +1,6 @@
 """The KV caches and the steps that run a model through a cache: `kv_buffers` (the buffers' shape, computed once),
-sample.py's `KVCache`, prefill of (ragged) prompts, the decode step, and the compiled decode step (`compile=True`).
+sample.py's `KVCache`, prefill of (ragged) prompts, the decode step, the compiled decode step (`compile=True`), and
+`start_decoding`, the set-up generation and beam search share.
 Every cache is an `AttentionCache`, what the model reads from any cache: that interface stands below both
 (gptlite.model.attention_cache), so that the model imports nothing of generation; it is importable from here too.
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gptlite.inference.cpu.decode import packed_for_cpu
 from gptlite.inference.quantize import choose_ways
 from gptlite.model.attention_cache import AttentionCache  # importable from here too, as before
 
@@ -295,3 +297,22 @@ def static_cache(model: GPT, cache: KVCache) -> KVCache:
             _static_caches[model] = static
     static.busy = True
     return static
+
+
+def start_decoding(
+    model: GPT, prompts: list[list[int]], copies: int, max_len: int, compile: bool
+) -> tuple[GPT, Callable, KVCache, torch.Tensor]:
+    """The set-up of a decoding loop: the prompts prefilled once into a new cache of max_len slots, each prompt's rows
+    then copied `copies` times (samples of one prompt, or beam search's beams), through the compiled step
+    (`compile`) or eagerly through the CPU's view of the model (gptlite.inference.cpu.decode.packed_for_cpu; the
+    model itself elsewhere) -> (the model as decoding runs it, the decode step, the cache, the first logits
+    (len(prompts) * copies, V))."""
+    step = compiled_decode_step(model) if compile else decode_step
+    if not compile:
+        model = packed_for_cpu(model, len(prompts) * copies)
+    cache = new_cache(model, len(prompts), max_len)
+    logits = prefill(model, cache, prompts).repeat_interleave(copies, dim=0)  # (B * copies, V)
+    cache.repeat_rows(copies)
+    if compile:
+        cache = static_cache(model, cache)
+    return model, step, cache, logits
