@@ -100,16 +100,16 @@ def test_beams_follow_their_parents_in_the_cache_and_compiled_steps_agree(models
     """The cache rows are reordered, never recomputed: each step feeds one token per beam. A compiled step
     (dynamo's capture, no code generation) gives the same beams."""
     _, model = models
-    module = sys.modules["gptlite.inference.kvcache"]
+    module = sys.modules["gptlite.inference.kvcache"]  # its start_decoding hands beam search the step
+    decode_step = module.decode_step
     calls = []
-    monkeypatch.setattr(
-        sys.modules["gptlite.inference.beam"], "decode_step", lambda m, t, c: calls.append(t.shape) or m.step(t, c)
-    )
+    monkeypatch.setattr(module, "decode_step", lambda m, t, c: calls.append(t.shape) or m.step(t, c))
     plain = model.generate(PROMPTS, NEW, num_beams=4)
-    assert calls == [(8, 1)] * (NEW - 1)  # 2 prompts x 4 beams, one token each
+    # the 2 prompts prefilled once (6 tokens, left-padded), then 2 prompts x 4 beams, one token each
+    assert calls == [(2, 6), *[(8, 1)] * (NEW - 1)]
     torch._dynamo.reset()
     monkeypatch.setattr(
-        module, "_compiled", {"cpu": torch.compile(module.decode_step, backend="eager", fullgraph=True, dynamic=False)}
+        module, "_compiled", {"cpu": torch.compile(decode_step, backend="eager", fullgraph=True, dynamic=False)}
     )
     assert model.generate(PROMPTS, NEW, num_beams=4, compile=True) == plain
 

@@ -453,7 +453,8 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     the same logits as the model's own layers, every other module and tensor shared, made again once the weights
     or the thread count change, and the model itself for other dtypes and for small layers."""
     import gptlite.inference.cpu.decode
-    from gptlite.inference.cpu.decode import PackedLinear, SlabLinear, packed_for_cpu
+    from gptlite.inference.cpu.decode import packed_for_cpu
+    from gptlite.inference.cpu.linears import PackedLinear, SlabLinear
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # this test's own choices file
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
@@ -464,22 +465,32 @@ def test_cpu_decoding_runs_large_linears_on_slabs_or_packed_weights(variant, mon
     monkeypatch.setattr(gptlite.inference.cpu.decode, "measure", lambda shape, rows: times[rows])
     model = tiny_model(**variant).eval()
     small = packed_for_cpu(model, 1)  # 32-wide layers: overhead-bound, left as they are
-    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    assert all(small.get_submodule(name) is model.get_submodule(name) for name in linears)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(any(m is linear for m in small.modules()) for linear in linears)
+
     model = tiny_model(**variant).eval()  # another model: the view kept for this one holds the layers as they were
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def made_each_a(view, kind) -> bool:
+        # every linear layer of the model became a kernel of `kind` in the view (whose paths differ where a one-call
+        # step wraps a module: NativeAttention holds the attention as `attn`)
+        made = [m for m in view.modules() if isinstance(m, kind)]
+        return len(made) == len(linears) and not any(isinstance(m, torch.nn.Linear) for m in view.modules())
+
     monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
     view = packed_for_cpu(model, 1)
     assert view is not model and packed_for_cpu(model, 1) is view  # kept for the next call
-    assert linears and all(isinstance(view.get_submodule(name), SlabLinear) for name in linears)
+    assert linears and made_each_a(view, SlabLinear)
+    assert {id(m.weight) for m in view.modules() if isinstance(m, SlabLinear)} == {id(m.weight) for m in linears}
     assert view.pos_emb is model.pos_emb  # shared as it is
     norm = view.blocks[0].attn_norm  # a copy called directly, on the model's own parameters
     assert norm is not model.blocks[0].attn_norm and norm.weight is model.blocks[0].attn_norm.weight
     assert isinstance(norm, type(model.blocks[0].attn_norm)) and type(norm).__call__ is type(norm).forward
     assert isinstance(view.blocks[0].ffn.drop, torch.nn.Identity)  # dropout in eval mode, without the call
-    assert dict(view.named_parameters()).keys() <= dict(model.named_parameters()).keys()
+    assert {id(p) for p in view.parameters()} <= {id(p) for p in model.parameters()}  # the model's own
     idx, one = randint(97, (3, 9)), randint(97, (1, 1))  # a prompt (F.linear) and one decoded row (the slabs)
     batch = packed_for_cpu(model, 4)
-    assert all(isinstance(batch.get_submodule(name), PackedLinear) for name in linears)
+    assert made_each_a(batch, PackedLinear)
     with torch.no_grad():
         for x in (idx, one):
             torch.testing.assert_close(view(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
@@ -502,7 +513,8 @@ def test_the_cpu_view_calls_its_modules_directly_but_runs_every_hook(monkeypatch
     every module, keeps it: the hooks run, and registering or removing one makes the view again. The layers are
     forced onto F.linear, so that no block becomes a NativeBlock, whatever this CPU's measurement would choose."""
     import gptlite.inference.cpu.decode
-    from gptlite.inference.cpu.decode import PlainLinear, packed_for_cpu
+    from gptlite.inference.cpu.decode import packed_for_cpu
+    from gptlite.inference.cpu.linears import PlainLinear
     from gptlite.model.network import Block
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing read from, or kept in, the user's choices file
@@ -553,11 +565,12 @@ def test_each_cpu_kernel_computes_the_linear_and_is_measured(monkeypatch):
 
 
 def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monkeypatch, tmp_path):
+    import gptlite.inference.cpu.choices as choices
     import gptlite.inference.cpu.decode as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
-    monkeypatch.setattr(cpu, "cpu_times", lambda: None)  # the load unknown: every measurement is kept
+    monkeypatch.setattr(choices, "cpu_times", lambda: None)  # the load unknown: every measurement is kept
     measured = []
 
     def fake_measure(shape, rows):
@@ -573,17 +586,22 @@ def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monke
     assert cpu.choose_kernel((768, 3072), 1) == "linear"
     assert cpu.choose_kernel((50, 50), 1) == "slab"
     assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 2  # kept in this process
-    table = json.loads(cpu.choices_file().read_text())
+    table = json.loads(choices.choices_file().read_text())
     among = f"among {', '.join(cpu.available_kernels((768, 3072), 1))}"  # the candidates are part of the key
     assert table == {
-        cpu.machine_key(): {f"768x3072, 1 rows {among}": "linear", "50x50, 1 rows among slab, packed, linear": "slab"}
+        choices.machine_key(): {
+            f"768x3072, 1 rows {among}": "linear",
+            "50x50, 1 rows among slab, packed, linear": "slab",
+        }
     }
-    cpu._choices.clear()  # a new process reads the file: nothing is measured again
+    choices._choices.clear()  # a new process reads the file: nothing is measured again
     assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 2
-    cpu._choices.clear()
-    cpu.choices_file().write_text("[not, a table")  # damaged: measured again, and the file rewritten whole
+    choices._choices.clear()
+    choices.choices_file().write_text("[not, a table")  # damaged: measured again, and the file rewritten whole
     assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 3
-    assert json.loads(cpu.choices_file().read_text()) == {cpu.machine_key(): {f"768x3072, 1 rows {among}": "linear"}}
+    assert json.loads(choices.choices_file().read_text()) == {
+        choices.machine_key(): {f"768x3072, 1 rows {among}": "linear"}
+    }
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "slab")  # forced: slabs for one row, F.linear for a batch
     assert cpu.choose_kernel((768, 3072), 1) == "slab" and cpu.choose_kernel((768, 3072), 8) == "linear"
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "fast")
@@ -593,21 +611,22 @@ def test_the_kernel_choice_is_measured_once_per_machine_and_shape_and_kept(monke
     assert cpu.choose_kernel((768, 3072), 8) == "native"
     with pytest.raises(ValueError, match=r"GPTLITE_CPU_LINEAR=native: .* cannot run a 768x3000 layer here \(its input"):
         cpu.choose_kernel((768, 3000), 1)
-    cpu._choices.clear()
+    choices._choices.clear()
 
 
 def test_a_choice_measured_while_other_work_ran_holds_for_this_process_only(monkeypatch, tmp_path):
     """While a measurement ran, other processes kept the CPU busy (the machine's busy time grew, this process's own
     did not): its choice serves this process, is not written to the choices file, and the next process measures
     again; measured on an otherwise idle machine, the choice is kept."""
+    import gptlite.inference.cpu.choices as choices
     import gptlite.inference.cpu.decode as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_CPU_LINEAR", raising=False)
-    monkeypatch.setattr(cpu, "_choices", {})
-    monkeypatch.setattr(cpu, "_unkept", {})
+    monkeypatch.setattr(choices, "_choices", {})
+    monkeypatch.setattr(choices, "_unkept", {})
     seconds = {"machine": 100.0, "own": 10.0}  # busy CPU time since boot: the whole machine's, this process's
-    monkeypatch.setattr(cpu, "cpu_times", lambda: (seconds["machine"], seconds["own"]))
+    monkeypatch.setattr(choices, "cpu_times", lambda: (seconds["machine"], seconds["own"]))
     measured = []
 
     def measure(shape, rows, others: float):
@@ -618,20 +637,20 @@ def test_a_choice_measured_while_other_work_ran_holds_for_this_process_only(monk
 
     monkeypatch.setattr(cpu, "measure", lambda shape, rows: measure(shape, rows, others=1e6))
     assert cpu.choose_kernel((768, 3072), 1) == "linear" and cpu.choose_kernel((768, 3072), 1) == "linear"
-    assert len(measured) == 1 and not cpu.choices_file().exists()  # this process's choice, not kept
-    cpu._choices.clear()
-    cpu._unkept.clear()  # the next process: measures again, on an idle machine, and keeps the choice
+    assert len(measured) == 1 and not choices.choices_file().exists()  # this process's choice, not kept
+    choices._choices.clear()
+    choices._unkept.clear()  # the next process: measures again, on an idle machine, and keeps the choice
     monkeypatch.setattr(cpu, "measure", lambda shape, rows: measure(shape, rows, others=0.0))
     assert cpu.choose_kernel((768, 3072), 1) == "linear" and len(measured) == 2
-    assert list(json.loads(cpu.choices_file().read_text())[cpu.machine_key()].values()) == ["linear"]
-    assert cpu.cores_busy_elsewhere(None, (1.0, 1.0), 1.0) is None  # no /proc/stat: kept, as before
+    assert list(json.loads(choices.choices_file().read_text())[choices.machine_key()].values()) == ["linear"]
+    assert choices.cores_busy_elsewhere(None, (1.0, 1.0), 1.0) is None  # no /proc/stat: kept, as before
 
 
 @pytest.mark.parametrize("in_features, out_features, bias", [(32, 97, True), (33, 7, False), (16, 16, True)])
 def test_slab_linear_equals_the_linear_for_any_slab_count(in_features, out_features, bias):
     """Wide layers (transposed slabs) and the others (row slabs), with the last slab padded where the slab
     count does not divide the output width: one row through the slabs, several through F.linear."""
-    from gptlite.inference.cpu.decode import SlabLinear
+    from gptlite.inference.cpu.linears import SlabLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)

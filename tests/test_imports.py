@@ -13,8 +13,6 @@ NETWORK = PACKAGE / "model" / "network.py"
 # what the network's file may not import: the model's consumers (generation and the CPU kernels, interop,
 # quantization) and the class that composes them onto the network
 CONSUMERS = ("gptlite.inference", "gptlite.hf", "gptlite.gpt")
-# the CPU kernels' tags on the network's modules, which the CPU decode path takes out of the network (issue 85)
-NOT_YET_OUT = {"gptlite.inference.cpu"}
 
 
 def module_name(path: Path, package: Path) -> str:
@@ -140,7 +138,7 @@ def test_the_network_knows_no_consumer():
     from gptlite.model.network import Transformer
 
     imported = consumers_imported(NETWORK)
-    assert {name for name in imported if not name.startswith(tuple(NOT_YET_OUT))} == set(), imported
+    assert imported == set(), imported
     assert issubclass(GPT, Transformer) and GPT.__module__ == "gptlite.gpt"
     assert all(callable(getattr(GPT, name)) for name in ("from_pretrained", "generate", "quantize"))
     assert not any(hasattr(Transformer, name) for name in ("from_pretrained", "generate", "quantize"))

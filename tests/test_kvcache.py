@@ -1,5 +1,5 @@
 """The KV cache's decode step through torch.compile when the compiler fails: the step runs uncompiled, says so once,
-and decodes what compile=False decodes."""
+and decodes what compile=False decodes. The decoding set-up generation and beam search share (`start_decoding`)."""
 
 import sys
 import weakref
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gptlite.inference.generate import generate
+from gptlite.inference.kvcache import decode_step, start_decoding
 from tests.conftest import tiny_model
 
 
@@ -37,3 +38,24 @@ def test_a_failing_compiler_decodes_uncompiled_and_says_so_once(failing_compiler
         compiled = generate(model, prompts, 12, temperature=0, compile=True)
     assert sum("torch.compile failed" in str(w.message) for w in seen) == 1
     assert compiled == generate(model, prompts, 12, temperature=0)
+
+
+def test_start_decoding_prefills_each_prompt_once_and_copies_its_rows():
+    """Two prompts of different lengths, three copies each: the first logits are each prompt's last logits from the
+    model's own forward, repeated per copy, and every copy's cache row decodes the next token as its prompt would."""
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    with torch.no_grad():
+        view, step, cache, logits = start_decoding(model, prompts, 3, 12, compile=False)
+        assert step is decode_step and logits.shape == (6, model.config.vocab_size)
+        for i, prompt in enumerate(prompts):
+            want = model(torch.tensor([prompt]))[0][0, -1]  # (V,)
+            for copy in range(3):
+                torch.testing.assert_close(logits[3 * i + copy], want, rtol=1e-5, atol=1e-5)
+        token = logits.argmax(-1, keepdim=True)  # (6, 1)
+        cache.prepare(1)
+        after = step(view, token, cache)  # (6, V)
+        for i, prompt in enumerate(prompts):
+            want = model(torch.tensor([[*prompt, int(token[3 * i])]]))[0][0, -1]
+            for copy in range(3):
+                torch.testing.assert_close(after[3 * i + copy], want, rtol=1e-5, atol=1e-5)

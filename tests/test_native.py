@@ -93,6 +93,21 @@ def test_operands_the_kernels_do_not_take_are_refused_by_name(ops):
     assert native.why_not(40) == "its input width 40 is not a multiple of 16" and native.why_not(768) == ""
 
 
+def test_the_library_reports_its_own_limits(ops, monkeypatch):
+    """The widths and row counts come from the loaded library's `constants` operator, not a copy of matvec.cpp's
+    numbers; UNLOADED_LIMITS, what answers where no library is loaded, agrees with the library built from this
+    source."""
+    reported = ops.constants()
+    assert reported == {"multiple": 16, "tile": 8}
+    assert native.limits() == native.library_limits() == native.Limits(**reported) == native.UNLOADED_LIMITS
+    assert native.multiple() == 16 and native.max_rows() == 8
+    monkeypatch.setattr(native, "_state", {"loaded": True, "why": "", "limits": native.Limits(multiple=32, tile=4)})
+    assert native.max_rows() == 4 and not native.fits(48) and native.fits(64)
+    assert native.why_not(48) == "its input width 48 is not a multiple of 32"
+    monkeypatch.setattr(native, "_state", {})  # nothing loaded yet: the fallback answers
+    assert native.limits() == native.UNLOADED_LIMITS
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's instruction sets")
 @pytest.mark.parametrize("arch", [["-march=x86-64-v3"], ["-march=x86-64"]], ids=["avx2", "sse2"])
@@ -163,7 +178,8 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
     model's own layers and of the dequantized weights."""
     import gptlite.inference.cpu.decode
     from gptlite import GPT, GPTConfig
-    from gptlite.inference.cpu.decode import NativeLinear, packed_for_cpu
+    from gptlite.inference.cpu.decode import packed_for_cpu
+    from gptlite.inference.cpu.linears import NativeLinear
 
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
     monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
@@ -173,7 +189,7 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
     with torch.no_grad():
         for rows in (1, 3):
             view = packed_for_cpu(model, rows)
-            assert isinstance(view.lm_head, NativeLinear) and isinstance(view.blocks[0].ffn.fc, NativeLinear)
+            assert isinstance(view.lm_head, NativeLinear) and isinstance(view.blocks[0].block.ffn.fc, NativeLinear)
             torch.testing.assert_close(view(idx[:rows])[0], model(idx[:rows])[0], rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")
     with torch.no_grad():
@@ -186,18 +202,18 @@ def test_decoding_with_the_compiled_kernels_equals_the_models_own_layers(ops, mo
 
 
 def test_a_prompt_of_many_rows_takes_pytorchs_gemm_not_the_compiled_kernel(ops):
-    """The compiled kernels read each weight again for every 8 rows: float32 layers of more than native.MAX_ROWS
+    """The compiled kernels read each weight again for every 8 rows: float32 layers of more than native.max_rows()
     rows run F.linear, int8 ones the dequantized way (each bit for bit), fewer rows the compiled kernel."""
-    from gptlite.inference.cpu.decode import NativeLinear
+    from gptlite.inference.cpu.linears import NativeLinear
     from gptlite.inference.quantize import NATIVE_MAX_ROWS as INT8_MAX_ROWS
     from gptlite.inference.quantize import Int8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     layer = NativeLinear(linear)
-    many = torch.randn(1, native.MAX_ROWS + 1, 64)
+    many = torch.randn(1, native.max_rows() + 1, 64)
     assert torch.equal(layer(many), F.linear(many, linear.weight, linear.bias))
-    few = many[:, : native.MAX_ROWS]
+    few = many[:, : native.max_rows()]
     assert torch.equal(layer(few), ops.float_linear(few, linear.weight, linear.bias))
     int8 = Int8Linear.from_linear(linear)
     many = torch.randn(INT8_MAX_ROWS + 1, 64)
@@ -251,7 +267,7 @@ def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
 def test_native_attention_decodes_what_the_models_own_attention_does(ops, overrides):
     """The CPU decode view's NativeAttention layers give the model's own logits step after step, for one row and
     for rows of different lengths (left padding, masked), and through beam search's reordered cache."""
-    from gptlite.model.network import NativeAttention
+    from gptlite.inference.cpu.blocks import NativeAttention
     from tests.conftest import tiny_model
 
     model = tiny_model(**overrides)
@@ -278,21 +294,28 @@ def test_block_step_is_the_blocks_math_through_pytorch(ops, norm, activation, bi
     ones with a scale per row; the token's keys and values land in their slot. Each within float32's error there: a
     few times that of the block's math through PyTorch in float32, both against it in float64."""
     generator = torch.Generator().manual_seed(len(norm) + len(activation) + rows)
-    operands = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased, int8)
-    native.assert_block_step_close(operands, 0.3, 4, norm, 1e-5, activation, 0.7, f"{norm}, {activation}")
+    x, weights, cache = native.block_operands(generator, rows, 4, KV, 16, 80, norm, activation, biased, int8)
+    options = native.BlockOptions(norm, 1e-5, activation, 4, 0.3, 0.7)
+    native.assert_block_step_close(x, weights, cache, options, f"{norm}, {activation}")
 
 
 def test_block_step_refuses_what_it_cannot_take_by_name(ops):
+    """The operator names what it refuses: each operand changed from `native.block_step_arguments`' (the typed
+    wrapper's), in the operator's schema order."""
     generator = torch.Generator().manual_seed(0)
-    operands = native.block_operands(generator, 1, 4, 4, 16, 64, "layernorm", "gelu_tanh", True)
-    names = ("x", "norms", "weights", "scales", "biases", "k_cache", "v_cache", "slot", "visible")
-    given = dict(zip(names, operands, strict=True))
+    x, weights, cache = native.block_operands(generator, 1, 4, 4, 16, 64, "layernorm", "gelu_tanh", True)
+    options = native.BlockOptions("layernorm", 1e-5, "gelu_tanh", 4, 0.3, 1.0)
+    given = native.block_step_arguments(x, weights, cache, options)
+    names = ("x", "norms", "weights", "scales", "biases", "k_cache", "v_cache", "slot", "span", "visible", "scale")
+    names += ("n_head", "norm", "eps", "activation", "residual_scale")
+    assert len(given) == len(names)
+    given = dict(zip(names, given, strict=True))
     weights = given["weights"]
     scales = given["scales"]
     biases = given["biases"]
 
-    def step(norm="layernorm", activation="gelu_tanh", **changed):
-        native.block_step(tuple({**given, **changed}.values()), 0.3, 4, norm, 1e-5, activation, 1.0)
+    def step(**changed):
+        ops.block_step(*{**given, **changed}.values())
 
     codes = weights[0].to(torch.int8)
     with pytest.raises(RuntimeError, match="norm must be layernorm or rmsnorm, not batchnorm"):
@@ -312,7 +335,7 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     with pytest.raises(RuntimeError, match=r"the qkv weight's scale must be a contiguous \(192,\) float32"):
         step(weights=[codes, *weights[1:]], scales=[torch.ones(192, 6), *scales[1:]])
     with pytest.raises(RuntimeError, match="gptlite cached_attention: slot 40 and span 41 in a cache of 40"):
-        step(slot=40)
+        step(slot=40, span=41)
 
 
 @pytest.mark.parametrize("V", [1, 5, 16, 50257, 50304])
@@ -373,10 +396,10 @@ def test_native_blocks_decode_an_int8_model_as_its_own_blocks_do(ops, monkeypatc
 
 def decodes_as_its_own_blocks(model) -> None:
     """Asserts that `model`'s CPU decode view has NativeBlocks that decode as the model does, 1, 3 and
-    native.MAX_ROWS + 1 rows."""
-    from gptlite.model.network import NativeBlock
+    native.max_rows() + 1 rows."""
+    from gptlite.inference.cpu.blocks import NativeBlock
 
-    nine = [[i + 1, i + 2, 3] for i in range(native.MAX_ROWS + 1)]
+    nine = [[i + 1, i + 2, 3] for i in range(native.max_rows() + 1)]
     for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]], nine):
         view = decodes_as_the_model(model, rows)
         assert all(type(block).__name__ == "NativeBlock" for block in view.blocks)
@@ -416,8 +439,8 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
     kernel (float32, int8, int4), a hook on a module of the block, or a model in training mode: its blocks stay
     Block (and its attention, where it can, NativeAttention)."""
     import gptlite.inference.cpu.decode
-    from gptlite.inference.cpu.decode import one_call_variant, packed_for_cpu
-    from gptlite.model.network import NativeBlock
+    from gptlite.inference.cpu.blocks import NativeBlock, one_call_variant
+    from gptlite.inference.cpu.decode import packed_for_cpu
     from tests.conftest import tiny_model
 
     monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
@@ -452,8 +475,8 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
 def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
     """Rotary positions, norms of q and k, and sliding windows are the model's attention's to compute: their layers
     stay CausalSelfAttention in the view."""
-    from gptlite.inference.cpu.decode import one_call_variant, packed_for_cpu
-    from gptlite.model.network import NativeAttention
+    from gptlite.inference.cpu.blocks import NativeAttention, one_call_variant
+    from gptlite.inference.cpu.decode import packed_for_cpu
     from tests.conftest import tiny_model
 
     assert one_call_variant(tiny_model().blocks[0].attn) is NativeAttention
@@ -492,17 +515,18 @@ def test_the_float32_tolerances_catch_one_wrong_term(ops, monkeypatch):
 
     step = native.block_step
 
-    def wrong_index(operands, *options):
-        weights = [w.clone() for w in operands[2]]
-        weights[2][:, 5] = weights[2][:, 6]  # the feed-forward's weight of the next input
-        return step((*operands[:2], weights, *operands[3:]), *options)
+    def wrong_index(x, weights, cache, options):
+        fc = weights.fc.weight.clone()
+        fc[:, 5] = fc[:, 6]  # the feed-forward's weight of the next input
+        return step(x, weights._replace(fc=weights.fc._replace(weight=fc)), cache, options)
 
-    operands = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
-    native.assert_block_step_close(operands, 0.3, 4, "rmsnorm", 1e-5, "silu_gate", 0.7, "as it is")
+    options = native.BlockOptions("rmsnorm", 1e-5, "silu_gate", 4, 0.3, 0.7)
+    x, weights, cache = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
+    native.assert_block_step_close(x, weights, cache, options, "as it is")
     monkeypatch.setattr(native, "block_step", wrong_index)
-    operands = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
+    x, weights, cache = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
     with pytest.raises(AssertionError, match=r"block_step \(a bug\): \d+ of 192 numbers are off"):
-        native.assert_block_step_close(operands, 0.3, 4, "rmsnorm", 1e-5, "silu_gate", 0.7, "a bug")
+        native.assert_block_step_close(x, weights, cache, options, "a bug")
 
 
 @pytest.mark.parametrize("setting", ["0", "false", "False", "off", "no"])
@@ -722,10 +746,10 @@ def test_sample_goes_on_past_a_full_cache(char_run, pytorchs_text, tmp_path):
 def test_the_test_run_keeps_its_caches_out_of_the_users():
     """conftest points the run's caches (the compiled kernels, the kernel choices) at a folder of its own, for this
     process and the ones it starts: a test run leaves ~/.cache/gptlite as it found it."""
-    from gptlite.inference.cpu.decode import choices_file
+    from gptlite.inference.cpu.choices import choices_file
     from tests.conftest import RUN_CACHE
 
-    code = "from gptlite.inference.cpu import native, decode; print(native.cache_dir()); print(decode.choices_file())"
+    code = "from gptlite.inference.cpu import native, choices; print(native.cache_dir()); print(choices.choices_file())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     for path in (native.cache_dir(), choices_file(), *map(Path, child.stdout.splitlines())):
         assert path.is_relative_to(RUN_CACHE) and not path.is_relative_to(Path.home() / ".cache"), path

@@ -183,12 +183,12 @@ def test_compiled_quantized_generation_equals_eager(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tmp_path):
     """sample.py --quantize --compile on a model whose feed-forward layers are large enough to measure (1024x256:
-    cpu_decode.PACK_MIN_WEIGHTS): the ways are read from the choices file (kept beforehand, in a cache of the test's
+    choices.PACK_MIN_WEIGHTS): the ways are read from the choices file (kept beforehand, in a cache of the test's
     own) when the model is prepared, before the compile, never inside the compiled step, where torch.compile cannot
     trace file I/O."""
     from gptlite.checkpoint import save_checkpoint
     from gptlite.config import build_config, config_to_dict
-    from gptlite.inference.cpu.decode import PACK_MIN_WEIGHTS, machine_key
+    from gptlite.inference.cpu.choices import PACK_MIN_WEIGHTS, machine_key
     from gptlite.tokenizer import CharTokenizer
 
     if DEVICE != "cpu":
@@ -294,7 +294,7 @@ def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
     """A layer large enough to measure asks the choices file, measures on a miss and keeps the answer, choosing only
     among the ways that compute in the activations' dtype (a faster bfloat16 way never serves float32 activations);
     a small one takes its default; GPTLITE_QUANT_KERNEL forces a way, and an unknown one is refused in one line."""
-    import gptlite.inference.cpu.decode as cpu
+    import gptlite.inference.cpu.choices as cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
@@ -352,7 +352,7 @@ MADE_UP_TIMES = {
 def made_up_measurements(monkeypatch, tmp_path) -> None:
     """Every quantized layer measured (none too small), each measurement MADE_UP_TIMES, kept in a choices file of
     the test's own: which ways the layers take is the same on every CPU."""
-    import gptlite.inference.cpu.decode as cpu
+    import gptlite.inference.cpu.choices as cpu
     import gptlite.inference.quantize
 
     def fake_measure(shape, bucket, *names_and_dtype):

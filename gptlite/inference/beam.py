@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gptlite.inference.cpu.decode import packed_for_cpu
-from gptlite.inference.kvcache import compiled_decode_step, decode_step, new_cache, prefill, static_cache
+from gptlite.inference.kvcache import start_decoding
 from gptlite.inference.sampling import mask_vocab
 
 if TYPE_CHECKING:
@@ -113,15 +112,7 @@ def start(
                 f"positions stop at block_size={config.block_size}"
             )
         model.pos_emb.extend(max_len)
-    step = compiled_decode_step(model) if compile else decode_step
-    if not compile:
-        model = packed_for_cpu(model, len(rows) * num_beams)
-    cache = new_cache(model, len(rows), max_len)
-    logits = prefill(model, cache, rows).repeat_interleave(num_beams, dim=0)  # (B*N, V)
-    cache.repeat_rows(num_beams)
-    if compile:
-        cache = static_cache(model, cache)
-    return model, step, cache, logits
+    return start_decoding(model, rows, num_beams, max_len, compile)
 
 
 class Finished:

@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gptlite.inference.beam import beam_search
-from gptlite.inference.cpu.decode import packed_for_cpu
-from gptlite.inference.kvcache import KVCache, compiled_decode_step, decode_step, new_cache, prefill, static_cache
+from gptlite.inference.kvcache import KVCache, prefill, start_decoding
 from gptlite.inference.sampling import (
     BEAMS,
     SAMPLING,
@@ -176,15 +175,7 @@ def _decode(
         model.pos_emb.extend(max_len)
     else:
         max_len = min(max_len, config.block_size)
-    step = compiled_decode_step(model) if compile else decode_step
-    if not compile:
-        model = packed_for_cpu(model, len(rows))
-
-    cache = new_cache(model, len(rows) // num_samples, max_len)
-    logits = prefill(model, cache, rows[::num_samples]).repeat_interleave(num_samples, dim=0)  # (N, V)
-    cache.repeat_rows(num_samples)
-    if compile:
-        cache = static_cache(model, cache)
+    model, step, cache, logits = start_decoding(model, rows[::num_samples], num_samples, max_len, compile)  # (N, V)
     try:
         yield from _decode_loop(
             model, cache, rows, logits, max_new_tokens, sampling, generator, stop_ids, step, compile

@@ -1,5 +1,6 @@
 """The KV caches and the steps that run a model through a cache: `kv_buffers` (the buffers' shape, computed once),
-sample.py's `KVCache`, prefill of (ragged) prompts, the decode step, and the compiled decode step (`compile=True`).
+sample.py's `KVCache`, prefill of (ragged) prompts, the decode step, the compiled decode step (`compile=True`), and
+`start_decoding`, the set-up generation and beam search share.
 Every cache is an `AttentionCache`, what the model reads from any cache: that interface stands below both
 (gptlite.model.attention_cache), so that the model imports nothing of generation; it is importable from here too.
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gptlite.inference.cpu.decode import packed_for_cpu
 from gptlite.inference.quantize import choose_ways
 from gptlite.model.attention_cache import AttentionCache  # importable from here too, as before
 
@@ -56,7 +58,7 @@ class KVCache:
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, T) their positions
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) True where a query may attend to a key
         self.span = 0  # S, the number of slots the next call attends over
-        self.decode_slot: int | None = None  # the one slot a decode step (not of full span) writes: see attend_natively
+        self.decode_slot: int | None = None  # the one slot a decode step (not of full span) writes: decode_buffers
         self.busy = False  # a compiled generation is using it (see static_cache)
 
     def start(self, padding: torch.Tensor) -> None:
@@ -103,19 +105,12 @@ class KVCache:
         self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer][:, :, : self.span], self.v[layer][:, :, : self.span]
 
-    def attend_natively(self, layer: int, qkv: torch.Tensor, n_head: int, scale: float) -> torch.Tensor:
-        """A decode step's attention in layer `layer`, in one call of gptlite's compiled kernel
-        (`torch.ops.gptlite.cached_attention`, gptlite.inference.cpu.native; only where it is loaded, and only after a
-        `prepare` that set `decode_slot`): the token's keys and values, the end of each row of qkv (B, 1, (H + 2 KV) D),
-        written at the slot, and its n_head query heads attending over the visible slots -> (B, 1, H D). What `update`
-        and gptlite.model.network's masked_attention do for the step, without a dozen operator calls
-        (gptlite.model.network's NativeAttention)."""
-        return torch.ops.gptlite.cached_attention(qkv, *self.native_slots(layer), scale, n_head)
-
-    def native_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
-        """What the compiled kernels' decode step of layer `layer` takes from the cache (after a `prepare` that set
-        `decode_slot`): its keys and values (B, KV, max_len, D), the slot the token's go to, the span of slots it
-        attends over, and which of them each row sees (B, max_len), None where it sees them all."""
+    def decode_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
+        """What a decode step of one token per row (after a `prepare` that set `decode_slot`) reads and writes in
+        layer `layer`, for a step that writes the token's keys and values itself instead of calling `update` (the
+        CPU's one-call steps, gptlite.inference.cpu.blocks): its keys and values (B, KV, max_len, D), the slot the
+        token's go to, the span of slots it attends over, and which of them each row sees (B, max_len), None where it
+        sees every slot written."""
         visible = self.visible if self.padded else None  # (B, max_len)
         return self.k[layer], self.v[layer], self.decode_slot, self.span, visible
 
@@ -304,3 +299,22 @@ def static_cache(model: Transformer, cache: KVCache) -> KVCache:
             _static_caches[model] = static
     static.busy = True
     return static
+
+
+def start_decoding(
+    model: Transformer, prompts: list[list[int]], copies: int, max_len: int, compile: bool
+) -> tuple[Transformer, Callable, KVCache, torch.Tensor]:
+    """The set-up of a decoding loop: the prompts prefilled once into a new cache of max_len slots, each prompt's rows
+    then copied `copies` times (samples of one prompt, or beam search's beams), through the compiled step
+    (`compile`) or eagerly through the CPU's view of the model (gptlite.inference.cpu.decode.packed_for_cpu; the
+    model itself elsewhere) -> (the model as decoding runs it, the decode step, the cache, the first logits
+    (len(prompts) * copies, V))."""
+    step = compiled_decode_step(model) if compile else decode_step
+    if not compile:
+        model = packed_for_cpu(model, len(prompts) * copies)
+    cache = new_cache(model, len(prompts), max_len)
+    logits = prefill(model, cache, prompts).repeat_interleave(copies, dim=0)  # (B * copies, V)
+    cache.repeat_rows(copies)
+    if compile:
+        cache = static_cache(model, cache)
+    return model, step, cache, logits

@@ -20,26 +20,26 @@ kernel multiplies by its table and cannot read a row out of it), and so does a l
 does not take (output rows not a multiple of 16, input columns not a multiple of the group): a warning line names
 those layers, and `quantized_as` / `layer_types` record what was done (evaluate's JSON writes them).
 
-The matmul runs on the packed low-bit weight itself, never on a dequantized float copy, through PyTorch's CPU
-kernels (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale; not
-the grouped tables) and `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout,
-per-group scales). Both take float32 or bfloat16 activations. int8 has one more way, where gptlite's compiled kernels
-could be built (gptlite.inference.cpu.native): `torch.ops.gptlite.int8_linear`, float32 activations times the int8
-weight converted in registers, each weight streamed from memory once, with a scale per row or per group (the grouped
-tables' only way besides the dequantized weight); PyTorch's int8 kernel is bound by its arithmetic at one row, this
-one by memory. So, as for the float32 kernels of gptlite.inference.cpu.decode, the way of each layer shape is measured
-on the CPU at hand, for one row (decoding) and for a batch, and kept in cpu_decode's choices file (a prompt of more than
+The matmul runs on the packed low-bit weight itself, never on a dequantized float copy, through PyTorch's CPU kernels
+(as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale; not the grouped
+tables) and `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout, per-group scales).
+Both take float32 or bfloat16 activations. int8 has one more way, where gptlite's compiled kernels could be built
+(gptlite.inference.cpu.native): its `int8_linear`, float32 activations times the int8 weight converted in registers,
+each weight streamed from memory once, with a scale per row or per group (the grouped tables' only way besides the
+dequantized weight); PyTorch's int8 kernel is bound by its arithmetic at one row, this one by memory. So, as for the
+float32 kernels of gptlite.inference.cpu.decode, the way of each layer shape is measured on the CPU at hand, for one row
+(decoding) and for a batch, and kept in the choices file of gptlite.inference.cpu.choices (a prompt of more than
 NATIVE_MAX_ROWS rows never takes the compiled kernel, which reads each weight again for every 8 rows: it takes the
 dequantized way, a GEMM). A measurement chooses the speed, never the numbers: the ways compete only among those that
-compute in the model's own activation dtype (float32 for a float32 model, bfloat16 for a bfloat16 one), so that a
-row alone, a batch, and a machine without the compiled kernels decode the same numbers up to that dtype's rounding.
-bfloat16 activations on a float32 model (on an Intel Xeon with AMX, several times faster; their accuracy cost and
-the figures are in docs/generation.md) are the user's to ask for: GPTLITE_QUANT_KERNEL=bfloat16, or a bfloat16
-model. The ways are chosen when the model is prepared for decoding (`choose_ways`), never inside a compiled step.
+compute in the model's own activation dtype (float32 for a float32 model, bfloat16 for a bfloat16 one), so that a row
+alone, a batch, and a machine without the compiled kernels decode the same numbers up to that dtype's rounding. bfloat16
+activations on a float32 model (on an Intel Xeon with AMX, several times faster; their accuracy cost and the figures are
+in docs/generation.md) are the user's to ask for: GPTLITE_QUANT_KERNEL=bfloat16, or a bfloat16 model. The ways are
+chosen when the model is prepared for decoding (`choose_ways`), never inside a compiled step.
 GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native forces one way for every layer that has it (dequantize and
-native, int8 only; dequantize is the old path, F.linear on the weight converted to the activations' dtype and times
-the scale, what other devices run). Layers smaller than cpu_decode.PACK_MIN_WEIGHTS are not measured: they run the
-kernel at the activations' dtype (int4; float32 for other than bfloat16) or the dequantized path (int8).
+native, int8 only; dequantize is the old path, F.linear on the weight converted to the activations' dtype and times the
+scale, what other devices run). Layers smaller than choices.PACK_MIN_WEIGHTS are not measured: they run the kernel at
+the activations' dtype (int4; float32 for other than bfloat16) or the dequantized path (int8).
 
 A quantized model is for generation and evaluation only: its low-bit weights are buffers, not parameters. int4
 runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from gptlite.config import QUANTIZE_CHOICES
 from gptlite.inference.cpu import native
-from gptlite.inference.cpu.decode import COLD_BYTES, PACK_MIN_WEIGHTS, remembered_choice, time_in_turns
+from gptlite.inference.cpu.choices import COLD_BYTES, PACK_MIN_WEIGHTS, remembered_choice, time_in_turns
 
 if TYPE_CHECKING:
     from gptlite.model.network import Transformer
@@ -245,7 +245,7 @@ class QuantizedLinear(nn.Module):
     ) -> dict[str, float]:
         """Seconds a call of each way (`names`, default every available one) takes on `bucket` rows of `dtype`
         activations and random weights of `shape`, each call reading a weight the caches have lost (copies spanning
-        cpu_decode.COLD_BYTES, as the float32 kernels are measured)."""
+        choices.COLD_BYTES, as the float32 kernels are measured)."""
         N, K = shape
         copies = max(2, min(64, -(-COLD_BYTES // max(1, cls.bytes_per_weight(N, K)))))
         layers = [cls.random(N, K) for _ in range(copies)]
@@ -336,19 +336,7 @@ class Int8Linear(QuantizedLinear):
         group); the kernel adds the bias as it writes each output: (M, N)."""
         x = rows.to(torch.float32).contiguous()
         bias = None if bias is None else bias.to(torch.float32)
-        return torch.ops.gptlite.int8_linear(x, self.weight, self.scales(torch.float32), bias)
-
-    def runs_natively(self, rows: int) -> bool:
-        """Whether gptlite.model.network's NativeBlock may multiply this layer in its step
-        (gptlite.inference.cpu.decode's view asks): where the way measured (or forced) for `rows` rows of float32
-        activations is the compiled kernel."""
-        return self.way(rows, torch.float32) == "native"
-
-    def native_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(weight, scale, bias) as the compiled block step takes them: the int8 codes, the float32 scales of their
-        rows, the bias in float32."""
-        bias = None if self.bias is None else self.bias.to(torch.float32)
-        return self.weight, self.scales(torch.float32), bias
+        return native.int8_linear(x, self.weight, self.scales(torch.float32), bias)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (N, K) weight this layer multiplies by, in `dtype` (float32: exact)."""
@@ -400,10 +388,6 @@ class Int8GroupLinear(Int8Linear):
         if way in self.compiled_ways:
             return native.why_not(self.in_features)
         return "PyTorch's int8 kernel takes one scale per row, and this layer has one per group of inputs"
-
-    def runs_natively(self, rows: int) -> bool:
-        """Never in a block's step, which takes one scale per row (the tables are not a block's matrices)."""
-        return False
 
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if way == "native" and rows.size(0) <= NATIVE_MAX_ROWS:

@@ -161,12 +161,12 @@ def sample_next(
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest logit's id, logits (B, V) -> (B,) (a NaN counts as the largest, as torch.max's). Float32
-    logits on the CPU go through gptlite's compiled kernel where it is loaded (`torch.ops.gptlite.argmax`): PyTorch's
-    max with indices read a vocabulary's logits several times slower than a plain pass over them, a part of every
-    greedy decode step worth saving (figures: docs/generation.md). Elsewhere, torch.max's indices (on the CPU about a
-    quarter faster than argmax)."""
+    logits on the CPU go through gptlite's compiled kernel where it is loaded (gptlite.inference.cpu.native's `argmax`):
+    PyTorch's max with indices read a vocabulary's logits several times slower than a plain pass over them, a part of
+    every greedy decode step worth saving (figures: docs/generation.md). Elsewhere, torch.max's indices (on the CPU
+    about a quarter faster than argmax)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and native.load():
-        return torch.ops.gptlite.argmax(logits)
+        return native.argmax(logits)
     return logits.max(dim=-1).indices
 
 

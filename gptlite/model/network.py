@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gptlite.config import GPTConfig
-from gptlite.inference.cpu import native
 from gptlite.model.attention_cache import AttentionCache
 from gptlite.model.loss import linear_cross_entropy
 
@@ -225,9 +224,6 @@ POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "ro
 class LayerNorm(nn.LayerNorm):
     """Layer normalisation (Ba et al., 2016), with a bias only if config.bias."""
 
-    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.inference.cpu.decode's view)
-    native_norm = "layernorm"  # its name in the compiled kernels' block step (NativeBlock)
-
     def __init__(self, config: GPTConfig):
         super().__init__(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
@@ -236,9 +232,6 @@ class RMSNorm(nn.Module):
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight (+ bias if
     config.bias), normalised in float32 and scaled in the input's dtype, as Hugging Face's Llama does; without a
     weight or a bias where config.norm_weight is false (nanochat)."""
-
-    views_may_copy = True  # its state is its parameters and fixed settings (gptlite.inference.cpu.decode's view)
-    native_norm = "rmsnorm"  # its name in the compiled kernels' block step (NativeBlock), without the unit offset
 
     def __init__(self, config: GPTConfig, dim: int | None = None, bias: bool | None = None):
         super().__init__()
@@ -346,42 +339,6 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
         return self.resid_drop(self.out_proj(y))
 
-    def one_call_variant(self) -> type[CausalSelfAttention] | None:
-        """NativeAttention where it computes what this layer does: exactly this class, positions added to the
-        embeddings (no rotation of q and k), no norm of q and k, no value embeddings and no sliding window; else None.
-        gptlite.inference.cpu.decode's view asks each layer."""
-        plain = (
-            type(self) is CausalSelfAttention
-            and self.rotate is AdditivePositions.rotate
-            and self.qk_norm is None
-            and self.value_mix is None
-            and not self.window
-        )
-        return NativeAttention if plain else None
-
-
-class NativeAttention(CausalSelfAttention):
-    """CausalSelfAttention whose decode steps run in one call through a cache that offers it (`attend_natively`:
-    sample.py's KVCache, with gptlite's compiled kernels loaded): the token's keys and values written into the cache
-    and its heads' attention, which through PyTorch took a dozen operator calls a layer, as long as streaming the
-    layer's qkv weights on the Intel Xeon (figures: docs/generation.md). Prompts, and caches without it (the
-    server's RowCache), take CausalSelfAttention's way. gptlite.inference.cpu.decode's view of the model makes these,
-    for the layers whose `one_call_variant` names it."""
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rot: Rotation = None,
-        cache: AttentionCache | None = None,
-        layer: int = 0,
-        ve: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if x.size(1) != 1 or getattr(cache, "decode_slot", None) is None:
-            return super().forward(x, rot, cache, layer, ve)
-        qkv = self.qkv(x)  # (B, 1, (H + 2 KV) D)
-        y = cache.attend_natively(layer, qkv, self.n_head, self.scale or self.head_dim**-0.5)  # (B, 1, H D)
-        return self.resid_drop(self.out_proj(y))
-
 
 class QKNorm(nn.Module):
     """RMSNorm over each head's q and over each head's k (Qwen3), one weight of head_dim for each."""
@@ -445,8 +402,6 @@ class SwiGLU(nn.Module):
     """out_proj(silu(W1 x) * W3 x) (Shazeer, 2020, "GLU Variants Improve Transformer").
     W1 and W3 are fused into one matrix `fc`: its first F rows are W1, the last F rows W3."""
 
-    native_activation = "silu_gate"  # its name in the compiled kernels' block step (NativeBlock)
-
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 2 * config.ffn_hidden, bias=config.bias)
@@ -471,8 +426,6 @@ def swiglu_gate(h: torch.Tensor) -> torch.Tensor:
 class GeGLU(SwiGLU):
     """out_proj(gelu(W1 x) * W3 x) with GELU's tanh approximation (Shazeer, 2020; Gemma's feed-forward), fused as
     SwiGLU's: `fc`'s first F rows are W1, the last F rows W3."""
-
-    native_activation = "gelu_gate"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, value = self.fc(x).chunk(2, dim=-1)  # (B, T, F) each
@@ -524,8 +477,6 @@ class GeluMLP(MLP):
     """GPT-2's MLP: out_proj(gelu(fc x)), with GELU's tanh approximation (Hendrycks & Gimpel, 2016) as
     GPT-2 computes it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
 
-    native_activation = "gelu_tanh"  # its name in the compiled kernels' block step (NativeBlock)
-
     @staticmethod
     def activation(h: torch.Tensor) -> torch.Tensor:
         return F.gelu(h, approximate="tanh")
@@ -534,8 +485,6 @@ class GeluMLP(MLP):
 class ReluSquaredMLP(MLP):
     """out_proj(relu(fc x)^2): the squared ReLU of Primer (So et al., 2021, "Primer: Searching for Efficient
     Transformers for Language Modeling", section 4), modded-nanogpt's and nanochat's MLP."""
-
-    native_activation = "relu_squared"  # its name in the compiled kernels' block step (NativeBlock)
 
     @staticmethod
     def activation(h: torch.Tensor) -> torch.Tensor:
@@ -571,74 +520,6 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = torch.add(x, self.attn(self.attn_norm(x), rot, cache, layer, ve), alpha=self.residual_scale)
         return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
-
-    def one_call_variant(self) -> type[Block] | None:
-        """NativeBlock where the compiled kernels' block step computes what this block does: exactly this class,
-        attention whose decode step runs in one call (CausalSelfAttention.one_call_variant), two norms of one kind
-        the step knows (LayerNorm, or RMSNorm without Gemma's unit offset) and a feed-forward whose activation it
-        knows (each of these classes names itself, `native_norm` and `native_activation`: a subclass, which may
-        compute something else, does not inherit the name); else None. gptlite.inference.cpu.decode's view asks each
-        block, and makes it a NativeBlock only where all four of its matrices run through the compiled kernel."""
-        norms = (self.attn_norm, self.ffn_norm)
-        kinds = {type(norm).__dict__.get("native_norm") for norm in norms}
-        plain = (
-            type(self) is Block
-            and self.attn.one_call_variant() is NativeAttention
-            and len(kinds) == 1
-            and None not in kinds
-            and not any(getattr(norm, "unit_offset", False) for norm in norms)
-            and type(self.ffn).__dict__.get("native_activation") is not None
-        )
-        return NativeBlock if plain else None
-
-
-class NativeBlock(Block):
-    """Block whose decode steps run in one call of gptlite's compiled kernels (`torch.ops.gptlite.block_step`,
-    gptlite.inference.cpu.native) through a cache that offers them (`native_slots`: sample.py's KVCache): both norms,
-    the four matrices (float32, or int8 after `quantize("int8")`), the attention over the cache, the activation and the
-    residual additions, where through PyTorch a block's step called its modules and half a dozen operators between
-    its matrices (two norms, the attention's call, GELU, two residual additions), each call starting with the CPU's
-    caches full of the matrix before's weights (figures: docs/generation.md). Prompts, more rows than the kernels
-    multiply in one pass over a weight (native.MAX_ROWS), and caches without it (the server's RowCache) take Block's
-    way. gptlite.inference.cpu.decode's view of the model makes these, for the blocks whose `one_call_variant` names
-    it."""
-
-    @staticmethod
-    def matrices(block: Block) -> list[nn.Module]:
-        """The linear layers whose weights the step multiplies itself, in its order: qkv, the attention's out_proj,
-        fc and the feed-forward's out_proj. The view makes a block a NativeBlock only where each was to take the
-        compiled kernel (`runs_natively`: gptlite.inference.cpu.decode's NativeLinear, float32, and
-        gptlite.inference.quantize's Int8Linear, int8 with a scale per row), each of which hands the step its
-        `native_operands`."""
-        return [block.attn.qkv, block.attn.out_proj, block.ffn.fc, block.ffn.out_proj]
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rot: Rotation = None,
-        cache: AttentionCache | None = None,
-        layer: int = 0,
-        ve: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if x.size(1) != 1 or x.size(0) > native.MAX_ROWS or getattr(cache, "decode_slot", None) is None:
-            return super().forward(x, rot, cache, layer, ve)
-        attn = self.attn
-        norms = [self.attn_norm.weight, self.attn_norm.bias, self.ffn_norm.weight, self.ffn_norm.bias]
-        weights, scales, biases = zip(*(linear.native_operands() for linear in self.matrices(self)), strict=True)
-        return torch.ops.gptlite.block_step(
-            x,
-            norms,
-            weights,
-            scales,
-            biases,
-            *cache.native_slots(layer),
-            attn.scale or attn.head_dim**-0.5,
-            attn.n_head,
-            self.attn_norm.native_norm,
-            self.attn_norm.eps,
-            self.ffn.native_activation,
-            self.residual_scale,
-        )  # (B, 1, C)
 
 
 class PostNormBlock(Block):

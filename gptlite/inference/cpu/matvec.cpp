@@ -1,5 +1,5 @@
 // gptlite's CPU decode kernels: a linear layer's product for a few rows of float32 activations, on a float32 or an
-// int8 weight, streaming each weight from memory once. Built by gptlite/native/__init__.py for the CPU at hand
+// int8 weight, streaming each weight from memory once. Built by gptlite/inference/cpu/native.py for the CPU at hand
 // (-march=native) and registered as torch operators:
 //
 //   torch.ops.gptlite.float_linear(x, weight, bias)        x (..., K) float32, weight (N, K) float32 -> (..., N)
@@ -26,6 +26,9 @@
 //   SwiGLU or GeGLU, the matrices float32 or int8 with a scale per row (see block_step below).
 //
 //   torch.ops.gptlite.argmax(logits)     logits (B, V) float32 -> (B,) int64, each row's first largest (greedy's pick)
+//
+//   torch.ops.gptlite.constants()        -> {"multiple": kMultiple, "tile": kTile}: the input widths (a multiple of)
+//                                           and row counts (a pass over a weight) this build takes
 //
 // Why: decoding one token multiplies one row by every weight of the model, so it is bound by reading the weights
 // from memory. PyTorch's int8 kernel (_weight_int8pack_mm) is compute-bound at one row; its float32 kernels read
@@ -906,6 +909,18 @@ at::Tensor argmax(const at::Tensor& logits) {
     return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The library's own constants
+
+// torch.ops.gptlite.constants(): {"multiple": kMultiple, "tile": kTile}, read by gptlite.inference.cpu.native once the
+// library is loaded, so that Python asks this build what widths and row counts it takes rather than copying them.
+c10::Dict<std::string, int64_t> constants() {
+    c10::Dict<std::string, int64_t> reported;
+    reported.insert("multiple", kMultiple);
+    reported.insert("tile", kTile);
+    return reported;
+}
+
 }  // namespace
 }  // namespace gptlite
 
@@ -920,6 +935,7 @@ TORCH_LIBRARY(gptlite, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, "
         "str norm, float eps, str activation, float residual_scale) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");
+    m.def("constants() -> Dict(str, int)", &gptlite::constants);  // no tensor to dispatch on: one kernel for all
 }
 
 TORCH_LIBRARY_IMPL(gptlite, CPU, m) {

@@ -1,19 +1,20 @@
 """gptlite's compiled CPU decode kernels (matvec.cpp): built once per CPU, checked in a child process, loaded as
-torch operators.
+torch operators, and called through one typed Python function each. This is the one module that names
+`torch.ops.gptlite`: everything else calls `float_linear`, `int8_linear`, `cached_attention`, `block_step` and
+`argmax` here, with named operands (`CacheSlot`, `Matrix`, `Norm`, `BlockWeights`, `BlockOptions`), and asks the
+library's own limits (`multiple()`, `max_rows()`) rather than copying its constants.
 
-`load()` makes `torch.ops.gptlite.float_linear`, `torch.ops.gptlite.int8_linear`,
-`torch.ops.gptlite.cached_attention`, `torch.ops.gptlite.block_step` and `torch.ops.gptlite.argmax` available and
-says whether it could. The first call on a machine compiles matvec.cpp with the C++ compiler at hand (`$CXX`, else
-`c++`) against the installed torch, for this CPU's instruction set (-march=native), into the build cache
-(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native); it says so on stderr,
-with how long it may take and, while the compiler runs, the time so far. The library is named by a hash of its source,
-the compiler, torch's version and the CPU's features, so a cache shared between machines never runs a library built for
-another CPU. Before a library is first loaded, a child process loads it and compares its operators with PyTorch's
-own results: a library that crashes (an instruction this CPU lacks, a truncated file, a bad build) takes down that
-child, never the caller, and is not used. A marker beside a library that passed holds the library's sha256 and the
-CPU's digest; a library the marker does not vouch for that way is checked again, and one that fails is built anew.
-Where GPTLITE_NATIVE is false (false, 0, no, off), there is no compiler, or the build, the cache (read-only, full)
-or the check fails, `load()` says why in one line naming the fix and returns False, never raising, and decoding keeps
+`load()` makes the operators available and says whether it could. The first call on a machine compiles matvec.cpp with
+the C++ compiler at hand (`$CXX`, else `c++`) against the installed torch, for this CPU's instruction set
+(-march=native), into the build cache (GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native);
+it says so on stderr, with how long it may take and, while the compiler runs, the time so far. The library is named by a
+hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between machines never runs
+a library built for another CPU. Before a library is first loaded, a child process loads it and compares its operators
+with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a truncated file, a bad build) takes
+down that child, never the caller, and is not used. A marker beside a library that passed holds the library's sha256 and
+the CPU's digest; a library the marker does not vouch for that way is checked again, and one that fails is built anew.
+Where GPTLITE_NATIVE is false (false, 0, no, off), there is no compiler, or the build, the cache (read-only, full) or
+the check fails, `load()` says why in one line naming the fix and returns False, never raising, and decoding keeps
 PyTorch's kernels: the compiled linear kernels are one more candidate that gptlite.inference.cpu.decode and
 gptlite.inference.quantize measure, never a requirement, and attention, blocks and greedy picks keep PyTorch's way.
 """
@@ -32,6 +33,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -40,14 +42,25 @@ from gptlite.config import FALSE_WORDS, TRUE_WORDS, parse_bool
 SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
 CACHE_ENV = "GPTLITE_NATIVE_CACHE"
-MULTIPLE = 16  # matvec.cpp's kMultiple: a layer's input width must be a multiple of it
-# matvec.cpp's kTile: the float32 kernel multiplies up to this many rows per pass over a weight and reads the weight
-# again for each more, which past it makes PyTorch's GEMM the faster (figures: docs/generation.md)
-MAX_ROWS = 8
 PROGRESS_SECONDS = 10  # how often a build says on stderr that it still runs
 BUILD_TIMEOUT = 600  # seconds a build may take before it is given up
 CHECK_TIMEOUT = 300  # seconds the child process's check may take
-_state: dict[str, object] = {}  # "loaded": bool, "why": the reason it is not
+_state: dict[str, object] = {}  # "loaded": bool, "why": the reason it is not, "limits": the loaded library's Limits
+
+
+class Limits(NamedTuple):
+    """The library's own constants, as its `constants` operator reports them (matvec.cpp's kMultiple and kTile)."""
+
+    multiple: int  # a layer's input width must be a multiple of this
+    # rows multiplied per pass over a weight: each more reads the weight again, which past it makes PyTorch's GEMM
+    # the faster (figures: docs/generation.md)
+    tile: int
+
+
+# What the library's `constants` reported when this module was written, answered where no library is loaded (no
+# compiler, GPTLITE_NATIVE=0, before the first `load()`): nothing runs through the kernels then, and these only word
+# answers such as `why_not`'s. Once a library loads, its own report replaces them (`limits`).
+UNLOADED_LIMITS = Limits(multiple=16, tile=8)
 
 
 def cache_dir() -> Path:
@@ -179,6 +192,7 @@ def prepare_and_load() -> str:
     except (OSError, RuntimeError) as error:  # its operators already registered by another library
         return f"loading {path}: {error}"
     register_shapes()
+    _state["limits"] = library_limits()
     return ""
 
 
@@ -253,6 +267,139 @@ def register_shapes() -> None:
     torch.library.register_fake("gptlite::cached_attention", attention)
     torch.library.register_fake("gptlite::block_step", block)
     torch.library.register_fake("gptlite::argmax", lambda logits: logits.new_empty(logits.size(0), dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# The operators, typed: the one place that calls torch.ops.gptlite (after a `load()` that returned True)
+
+
+def library_limits() -> Limits:
+    """The loaded library's own constants (its `constants` operator)."""
+    reported = torch.ops.gptlite.constants()
+    return Limits(multiple=int(reported["multiple"]), tile=int(reported["tile"]))
+
+
+def limits() -> Limits:
+    """The loaded library's constants; UNLOADED_LIMITS where none is loaded."""
+    return _state.get("limits", UNLOADED_LIMITS)
+
+
+def multiple() -> int:
+    """A layer's input width must be a multiple of this for the kernels to take it."""
+    return limits().multiple
+
+
+def max_rows() -> int:
+    """The most rows the float32 kernel multiplies in one pass over a weight (and a block's step takes): a prompt of
+    more takes PyTorch's GEMM, which reads the weight once however many rows there are."""
+    return limits().tile
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) times weight (N, K), plus bias (N,): (..., N), all float32, K a multiple of `multiple()`."""
+    return torch.ops.gptlite.float_linear(x, weight, bias)
+
+
+def int8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (..., K) float32 times the int8 weight codes (N, K), each times its scale, one per row (scale (N,)) or one per
+    group of K / G inputs (scale (N, G)), plus bias (N,): (..., N) float32."""
+    return torch.ops.gptlite.int8_linear(x, codes, scale, bias)
+
+
+class CacheSlot(NamedTuple):
+    """One layer's cache as a decode step of one token per row reads and writes it."""
+
+    keys: torch.Tensor  # (B, KV, L, D) float32, contiguous: the token's keys are written at `slot`
+    values: torch.Tensor  # (B, KV, L, D) float32, contiguous: the token's values are written at `slot`
+    slot: int  # the slot the token's keys and values go to
+    span: int  # the step attends over slots 0..span-1
+    visible: torch.Tensor | None  # (B, L) bool, which slots each row sees; None where it sees every one
+
+
+def cached_attention(qkv: torch.Tensor, cache: CacheSlot, *, n_head: int, scale: float) -> torch.Tensor:
+    """A decode step's attention in one call: the token's keys and values, the end of each row of qkv
+    (B, 1, (H + 2 KV) D), written into `cache` at its slot, and the n_head query heads attending over the slots it
+    shows, each key/value head serving H / KV of them, scores times `scale` -> (B, 1, H D)."""
+    return torch.ops.gptlite.cached_attention(
+        qkv, cache.keys, cache.values, cache.slot, cache.span, cache.visible, scale, n_head
+    )
+
+
+class Matrix(NamedTuple):
+    """A linear layer as a block's step multiplies it."""
+
+    weight: torch.Tensor  # (N, K) float32, or int8 codes
+    scale: torch.Tensor | None  # (N,) float32: an int8 weight's scale per row; None for a float32 weight
+    bias: torch.Tensor | None  # (N,) float32
+
+
+class Norm(NamedTuple):
+    """A norm's tensors, each None where the norm has none."""
+
+    weight: torch.Tensor | None  # (C,)
+    bias: torch.Tensor | None  # (C,)
+
+
+class BlockWeights(NamedTuple):
+    """A pre-norm block's tensors: x + attn_out(attention(qkv(attn_norm(x)))), then
+    x + ffn_out(activation(fc(ffn_norm(x))))."""
+
+    attn_norm: Norm
+    qkv: Matrix  # (Q, C), Q = (H + 2 KV) D: rows q, then k, then v
+    attn_out: Matrix  # (C, H D)
+    ffn_norm: Norm
+    fc: Matrix  # (F, C), or (2F, C) for a gated activation: rows gate, then value
+    ffn_out: Matrix  # (C, F)
+
+
+class BlockOptions(NamedTuple):
+    """What a block's step computes besides its tensors."""
+
+    norm: str  # both norms' kind: "layernorm" or "rmsnorm" (x / rms(x) times the weight, plus the bias)
+    eps: float  # the norms' epsilon
+    activation: str  # "gelu_tanh", "relu_squared", "silu_gate" (SwiGLU) or "gelu_gate" (GeGLU)
+    n_head: int  # query heads (the key/value heads are the cache's)
+    scale: float  # the attention scores' scale
+    residual_scale: float  # each branch's output is added to the residual stream times this
+
+
+def block_step(x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions) -> torch.Tensor:
+    """A pre-norm block's whole decode step in one call (`BlockWeights`' math, the attention `cached_attention`'s,
+    the token's keys and values written into `cache`): x (B, 1, C) -> (B, 1, C), B at most `max_rows()`."""
+    return torch.ops.gptlite.block_step(*block_step_arguments(x, weights, cache, options))
+
+
+def block_step_arguments(x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions) -> list:
+    """The compiled operator's 16 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
+    operands."""
+    norms = [weights.attn_norm.weight, weights.attn_norm.bias, weights.ffn_norm.weight, weights.ffn_norm.bias]
+    matrices = (weights.qkv, weights.attn_out, weights.fc, weights.ffn_out)
+    return [
+        x,
+        norms,
+        [matrix.weight for matrix in matrices],
+        [matrix.scale for matrix in matrices],
+        [matrix.bias for matrix in matrices],
+        cache.keys,
+        cache.values,
+        cache.slot,
+        cache.span,
+        cache.visible,
+        options.scale,
+        options.n_head,
+        options.norm,
+        options.eps,
+        options.activation,
+        options.residual_scale,
+    ]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) float32 -> (B,) int64, each row's first largest (a NaN counting as the largest), as torch.max's
+    indices."""
+    return torch.ops.gptlite.argmax(logits)
 
 
 def build(cxx: str, path: Path, arch: list[str] | None = None) -> str:
@@ -354,8 +501,11 @@ def check(path: str) -> None:
     """Loads the library at `path` and compares its operators with PyTorch's results: the linear ones at one row
     and at a batch, with and without a bias, on a width that is not a multiple of the thread count, the attention
     (`check_attention`) and a block's step (`check_block`), each within float32's own error on this CPU (never a
-    fixed tolerance, which another CPU's order of additions can exceed): AssertionError if they differ."""
+    fixed tolerance, which another CPU's order of additions can exceed), and its report of its constants (the width
+    checked must be a multiple of its `multiple`): AssertionError if they differ."""
     torch.ops.load_library(path)
+    reported = library_limits()
+    assert reported.tile > 0 and reported.multiple > 0 and 192 % reported.multiple == 0, f"constants {reported}"
     generator = torch.Generator().manual_seed(0)
     N = 203
     K = 192
@@ -367,16 +517,16 @@ def check(path: str) -> None:
     for rows in (1, 3, 8, 13):
         x = torch.randn(rows, K, generator=generator)
         for b in (None, bias):
-            got = torch.ops.gptlite.float_linear(x, weight, b)
+            got = float_linear(x, weight, b)
             assert_linear_close(got, x, weight, None, b, f"float_linear, {rows} rows")
             for scale in (row_scales, group_scales):
-                got = torch.ops.gptlite.int8_linear(x, codes, scale, b)
+                got = int8_linear(x, codes, scale, b)
                 assert_linear_close(got, x, codes, scale, b, f"int8_linear, {rows} rows, scales {tuple(scale.shape)}")
     check_attention(generator)
     check_block(generator)
     logits = torch.randn(3, 1000, generator=generator)
     logits[1, 500:] = logits[1, 100]  # ties: the first
-    assert torch.equal(torch.ops.gptlite.argmax(logits), logits.max(dim=-1).indices)
+    assert torch.equal(argmax(logits), logits.max(dim=-1).indices)
 
 
 UNIT_ROUNDOFF = 2.0**-24  # float32's: one rounding moves a number by at most this fraction of it
@@ -468,10 +618,12 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | f
 
 
 def as_float64(operands):
-    """`operands` (a tensor, or a tuple or list of them and other values) with each floating tensor in float64: the
-    reference's own operands."""
+    """`operands` (a tensor, or a tuple, named tuple or list of them and other values) with each floating tensor in
+    float64: the reference's own operands."""
     if isinstance(operands, torch.Tensor):
         return operands.double() if operands.is_floating_point() else operands
+    if hasattr(operands, "_fields"):  # a named tuple (CacheSlot, Matrix, ...) takes its fields one by one
+        return type(operands)(*(as_float64(operand) for operand in operands))
     if isinstance(operands, (tuple, list)):
         return type(operands)(as_float64(operand) for operand in operands)
     return operands
@@ -494,7 +646,7 @@ def check_attention(generator: torch.Generator) -> None:
         want32, keys, values = attention_reference(qkv, *caches, slot, shown, 0.3, H)
         want64 = attention_reference(qkv.double(), *caches.double(), slot, shown, 0.3, H)[0]
         k_cache, v_cache = caches.clone()
-        out = torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, slot + 1, shown, 0.3, H)
+        out = cached_attention(qkv, CacheSlot(k_cache, v_cache, slot, slot + 1, shown), n_head=H, scale=0.3)
         assert_as_close_as_float32(out, want32, want64, "cached_attention")
         assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's cache writes"
 
@@ -534,56 +686,23 @@ def check_block(generator: torch.Generator) -> None:
         (1, 6, 6, "layernorm", "gelu_tanh", True, 1.0, True),
     ]
     for B, H, KV, norm, activation, biased, residual_scale, int8 in cases:
-        operands = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased, int8)
-        assert_block_step_close(operands, 0.25, H, norm, 1e-5, activation, residual_scale, f"{norm}, {activation}")
+        x, weights, cache = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased, int8)
+        options = BlockOptions(norm, 1e-5, activation, H, 0.25, residual_scale)
+        assert_block_step_close(x, weights, cache, options, f"{norm}, {activation}")
 
 
 def assert_block_step_close(
-    operands: tuple,
-    scale: float,
-    n_head: int,
-    norm: str,
-    eps: float,
-    activation: str,
-    residual_scale: float,
-    what: str,
+    x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, what: str
 ) -> None:
-    """AssertionError naming `what` where block_step on `operands` (`block_operands`'; it writes their caches) gives
-    another output or other caches than `block_reference` computes, within float32's error
+    """AssertionError naming `what` where block_step on `block_operands`' (x, weights, cache) (it writes the cache)
+    gives another output or other keys and values than `block_reference` computes, within float32's error
     (`assert_as_close_as_float32`: the reference in float32 and in float64)."""
-    options = (scale, n_head, norm, eps, activation, residual_scale)
-    want32, keys32, values32 = block_reference(*operands, *options)
-    want64, keys64, values64 = block_reference(*as_float64(operands), *options)
-    got = block_step(operands, *options)
+    want32, keys32, values32 = block_reference(x, weights, cache, options)
+    want64, keys64, values64 = block_reference(*as_float64((x, weights, cache)), options)
+    got = block_step(x, weights, cache, options)
     assert_as_close_as_float32(got, want32, want64, f"block_step ({what})")
-    assert_as_close_as_float32(operands[5], keys32, keys64, f"block_step's keys ({what})")  # written in place
-    assert_as_close_as_float32(operands[6], values32, values64, f"block_step's values ({what})")
-
-
-def block_step(
-    operands: tuple, scale: float, n_head: int, norm: str, eps: float, activation: str, residual_scale: float
-) -> torch.Tensor:
-    """torch.ops.gptlite.block_step on `block_operands`' (x, norms, weights, scales, biases, k_cache, v_cache, slot,
-    visible), attending over slots 0..slot."""
-    x, norms, weights, scales, biases, k_cache, v_cache, slot, visible = operands
-    return torch.ops.gptlite.block_step(
-        x,
-        norms,
-        weights,
-        scales,
-        biases,
-        k_cache,
-        v_cache,
-        slot,
-        slot + 1,
-        visible,
-        scale,
-        n_head,
-        norm,
-        eps,
-        activation,
-        residual_scale,
-    )
+    assert_as_close_as_float32(cache.keys, keys32, keys64, f"block_step's keys ({what})")  # written in place
+    assert_as_close_as_float32(cache.values, values32, values64, f"block_step's values ({what})")
 
 
 def block_operands(
@@ -597,12 +716,11 @@ def block_operands(
     activation: str,
     biased: bool,
     int8: bool = False,
-) -> tuple:
+) -> tuple[torch.Tensor, BlockWeights, CacheSlot]:
     """Random operands of block_step for B rows, H query heads of width D on KV key/value heads (C = H D), an
-    activation of F numbers: (x, norms, weights, scales, biases, k_cache, v_cache, slot, visible), the weights
-    float32 (scales None) or int8 codes with a scale per row, the caches of 40 slots, visible (B, 40) hiding some of
-    the slots before `slot` (never the slot itself). RMSNorm gets no bias, and no weight where there are no biases
-    (nanochat's)."""
+    activation of F numbers: (x (B, 1, C), the block's weights, a cache of 40 slots), the weights float32 (scales
+    None) or int8 codes with a scale per row, the cache's slot 29, its visible (B, 40) hiding some of the slots before
+    it (never the slot itself). RMSNorm gets no bias, and no weight where there are no biases (nanochat's)."""
     C = H * D
     gated = activation in ("silu_gate", "gelu_gate")
     slot = 29
@@ -614,9 +732,9 @@ def block_operands(
         return random(*shape) if biased else None
 
     if norm == "layernorm":
-        norms = [1 + random(C), maybe(C), 1 + random(C), maybe(C)]
+        norms = [Norm(1 + random(C), maybe(C)), Norm(1 + random(C), maybe(C))]
     else:
-        norms = [1 + random(C) if biased else None, None, 1 + random(C), None]
+        norms = [Norm(1 + random(C) if biased else None, None), Norm(1 + random(C), None)]
     shapes = [((H + 2 * KV) * D, C), (C, C), ((2 if gated else 1) * F, C), (C, F)]
     if int8:
         weights = [torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator) for shape in shapes]
@@ -625,72 +743,64 @@ def block_operands(
         weights = [random(*shape) for shape in shapes]
         scales = [None] * 4
     biases = [maybe(shape[0]) for shape in shapes]
+    matrices = [Matrix(*operands) for operands in zip(weights, scales, biases, strict=True)]
     k_cache, v_cache = random(2, B, KV, 40, D)
     visible = torch.rand(B, 40, generator=generator) < 0.7
     visible[:, slot] = True
-    return random(B, 1, C), norms, weights, scales, biases, k_cache.clone(), v_cache.clone(), slot, visible
+    block = BlockWeights(norms[0], matrices[0], matrices[1], norms[1], matrices[2], matrices[3])
+    return random(B, 1, C), block, CacheSlot(k_cache.clone(), v_cache.clone(), slot, slot + 1, visible)
 
 
 def block_reference(
-    x: torch.Tensor,
-    norms: list[torch.Tensor | None],
-    weights: list[torch.Tensor],
-    scales: list[torch.Tensor | None],
-    biases: list[torch.Tensor | None],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot: int,
-    visible: torch.Tensor | None,
-    scale: float,
-    n_head: int,
-    norm: str,
-    eps: float,
-    activation: str,
-    residual_scale: float,
+    x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What block_step computes, through PyTorch's own operators: x (B, 1, C) + residual_scale times the attention
     branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch, an int8
     weight multiplied as its codes times its row's scale, in x's precision (float64 on `as_float64`'s operands) ->
-    (out (B, 1, C), the keys and values with the token's written at `slot`)."""
+    (out (B, 1, C), the keys and values with the token's written at the cache's slot)."""
     C = x.size(-1)
-    F = weights[3].size(1)  # the activation's width
-    matrices = [w if s is None else w.to(x.dtype) * s[:, None] for w, s in zip(weights, scales, strict=True)]
+    F = weights.ffn_out.weight.size(1)  # the activation's width
 
-    def normalize(h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-        if norm == "layernorm":
-            return torch.nn.functional.layer_norm(h, (C,), weight, bias, eps)
-        y = torch.nn.functional.rms_norm(h, (C,), eps=eps)
-        y = y if weight is None else y * weight
-        return y if bias is None else y + bias
+    def linear(h: torch.Tensor, matrix: Matrix) -> torch.Tensor:
+        weight = matrix.weight if matrix.scale is None else matrix.weight.to(x.dtype) * matrix.scale[:, None]
+        return torch.nn.functional.linear(h, weight, matrix.bias)
+
+    def normalize(h: torch.Tensor, norm: Norm) -> torch.Tensor:
+        if options.norm == "layernorm":
+            return torch.nn.functional.layer_norm(h, (C,), norm.weight, norm.bias, options.eps)
+        y = torch.nn.functional.rms_norm(h, (C,), eps=options.eps)
+        y = y if norm.weight is None else y * norm.weight
+        return y if norm.bias is None else y + norm.bias
 
     def activate(h: torch.Tensor) -> torch.Tensor:
         gate, value = h[..., :F], h[..., F:]
-        if activation == "gelu_tanh":
+        if options.activation == "gelu_tanh":
             return torch.nn.functional.gelu(h, approximate="tanh")
-        if activation == "relu_squared":
+        if options.activation == "relu_squared":
             return torch.nn.functional.relu(h).square()
-        if activation == "silu_gate":
+        if options.activation == "silu_gate":
             return torch.nn.functional.silu(gate) * value
         return torch.nn.functional.gelu(gate, approximate="tanh") * value
 
-    linear = torch.nn.functional.linear
-    qkv = linear(normalize(x, norms[0], norms[1]), matrices[0], biases[0])  # (B, 1, (H + 2 KV) D)
-    heads, keys, values = attention_reference(qkv, k_cache, v_cache, slot, visible, scale, n_head)  # (B, 1, H D)
-    x = x + residual_scale * linear(heads, matrices[1], biases[1])
-    hidden = linear(normalize(x, norms[2], norms[3]), matrices[2], biases[2])  # (B, 1, F or 2F)
-    x = x + residual_scale * linear(activate(hidden), matrices[3], biases[3])
+    qkv = linear(normalize(x, weights.attn_norm), weights.qkv)  # (B, 1, (H + 2 KV) D)
+    heads, keys, values = attention_reference(
+        qkv, cache.keys, cache.values, cache.slot, cache.visible, options.scale, options.n_head
+    )  # (B, 1, H D)
+    x = x + options.residual_scale * linear(heads, weights.attn_out)
+    hidden = linear(normalize(x, weights.ffn_norm), weights.fc)  # (B, 1, F or 2F)
+    x = x + options.residual_scale * linear(activate(hidden), weights.ffn_out)
     return x, keys, values
 
 
 def fits(in_features: int) -> bool:
     """Whether the kernels take a layer of `in_features` inputs."""
-    return in_features % MULTIPLE == 0
+    return in_features % multiple() == 0
 
 
 def why_not(in_features: int) -> str:
     """Why the kernels cannot run a layer of `in_features` inputs here, or '' when they can."""
     if not fits(in_features):
-        return f"its input width {in_features} is not a multiple of {MULTIPLE}"
+        return f"its input width {in_features} is not a multiple of {multiple()}"
     if not load():
         return str(_state["why"])
     return ""

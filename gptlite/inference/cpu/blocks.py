@@ -1,0 +1,223 @@
+"""The CPU decode view's one-call steps: a decode step's attention (`NativeAttention`) and a block's whole decode step
+(`NativeBlock`) in one call of gptlite's compiled kernels (gptlite.inference.cpu.native), each a wrapper around the
+view's copy of the model's own module, whose forward it falls back to where the kernels do not apply.
+
+The model knows nothing of the kernels: which of its modules a step computes is decided here, by their types
+(`one_call_variant`), and the kernels' names for its norms and feed-forwards are tables here (NORM_KERNELS,
+ACTIVATION_KERNELS), each keyed by the exact class, so that a subclass, which may compute something else, is not taken
+for its parent. Another kind of block (rotary positions, q/k norms, norms after the branch) is one more wrapper and one
+more rule in `one_call_variant`.
+
+Through PyTorch, a decode step's attention took a dozen operator calls a layer, as long as streaming the layer's qkv
+weights on the Intel Xeon, and a block's step called its modules and half a dozen operators between its matrices (two
+norms, the attention's call, GELU, two residual additions), each call starting with the CPU's caches full of the matrix
+before's weights (figures: docs/generation.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from gptlite.inference.cpu import native
+from gptlite.inference.cpu.direct import global_hook_count, hook_count, made
+from gptlite.inference.cpu.linears import NativeLinear
+from gptlite.inference.quantize import Int8Linear
+from gptlite.model.network import (
+    AdditivePositions,
+    Block,
+    CausalSelfAttention,
+    GeGLU,
+    GeluMLP,
+    LayerNorm,
+    ReluSquaredMLP,
+    RMSNorm,
+    Rotation,
+    SwiGLU,
+)
+
+if TYPE_CHECKING:
+    from gptlite.inference.kvcache import KVCache
+    from gptlite.model.attention_cache import AttentionCache
+
+# the block step's name for each norm it computes (RMSNorm without Gemma's unit offset: `block_runs_in_one_call`)
+NORM_KERNELS: dict[type[nn.Module], str] = {LayerNorm: "layernorm", RMSNorm: "rmsnorm"}
+# the block step's name for each feed-forward's activation
+ACTIVATION_KERNELS: dict[type[nn.Module], str] = {
+    GeluMLP: "gelu_tanh",
+    ReluSquaredMLP: "relu_squared",
+    SwiGLU: "silu_gate",
+    GeGLU: "gelu_gate",
+}
+
+
+def cache_slot(cache: KVCache, layer: int) -> native.CacheSlot:
+    """What the kernels' decode step of layer `layer` reads and writes in `cache` (after a `prepare` that set its
+    `decode_slot`: sample.py's KVCache)."""
+    return native.CacheSlot(*cache.decode_buffers(layer))
+
+
+def offers_one_call(cache: AttentionCache | None) -> bool:
+    """Whether `cache` takes a one-call step now: a decode step of a cache that names its one slot (sample.py's
+    KVCache after `prepare(1)`); the server's RowCache has none, and takes the model's own way."""
+    return getattr(cache, "decode_slot", None) is not None
+
+
+class NativeAttention(nn.Module):
+    """The view's copy of a CausalSelfAttention (`attn`), whose decode steps run in one call through a cache that
+    offers it (`offers_one_call`): the token's keys and values written into the cache and its heads' attention
+    (`native.cached_attention`). Prompts, and caches without it, take the layer's own forward."""
+
+    def __init__(self, attn: CausalSelfAttention):
+        super().__init__()
+        self.attn = attn
+        self.n_head = attn.n_head
+        self.scale = attn.scale or attn.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if x.size(1) != 1 or not offers_one_call(cache):
+            return self.attn(x, rot, cache, layer, ve)
+        attn = self.attn
+        qkv = attn.qkv(x)  # (B, 1, (H + 2 KV) D)
+        y = native.cached_attention(qkv, cache_slot(cache, layer), n_head=self.n_head, scale=self.scale)  # (B, 1, H D)
+        return attn.resid_drop(attn.out_proj(y))
+
+
+class NativeBlock(nn.Module):
+    """The view's copy of a pre-norm Block (`block`), whose decode steps run in one call of the compiled kernels
+    (`native.block_step`) through a cache that offers it: both norms, the four matrices (float32, or int8 after
+    `quantize("int8")`), the attention over the cache, the activation and the residual additions. Prompts, more rows
+    than the kernels multiply in one pass over a weight (`native.max_rows()`), and caches without it (the server's
+    RowCache) take the block's own forward, its attention still in one call where it can (NativeAttention)."""
+
+    def __init__(self, block: Block, options: native.BlockOptions):
+        super().__init__()
+        self.block = block
+        self.options = options
+        # plain tuples, not submodules: the block holds them, and the step reads their tensors
+        self.norms = (block.attn_norm, block.ffn_norm)
+        self.matrices = tuple(block_matrices(block))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if x.size(1) != 1 or x.size(0) > native.max_rows() or not offers_one_call(cache):
+            return self.block(x, rot, cache, layer, ve)
+        return native.block_step(x, self.weights(), cache_slot(cache, layer), self.options)  # (B, 1, C)
+
+    def weights(self) -> native.BlockWeights:
+        """The block's tensors as the step takes them, read at every step (a module may replace a buffer, an int8
+        layer's scales among them)."""
+        qkv, attn_out, fc, ffn_out = (matrix_operands(layer) for layer in self.matrices)
+        attn_norm, ffn_norm = (native.Norm(norm.weight, norm.bias) for norm in self.norms)
+        return native.BlockWeights(attn_norm, qkv, attn_out, ffn_norm, fc, ffn_out)
+
+
+def one_call_variant(module: nn.Module) -> type[nn.Module] | None:
+    """The wrapper whose decode steps run `module`'s in one call of the compiled kernels: NativeAttention for an
+    attention layer whose step they compute (`attention_runs_in_one_call`), NativeBlock for such a block
+    (`block_runs_in_one_call`); None for other modules. Exact classes only: a subclass may compute something else."""
+    if type(module) is CausalSelfAttention and attention_runs_in_one_call(module):
+        return NativeAttention
+    if type(module) is Block and block_runs_in_one_call(module):
+        return NativeBlock
+    return None
+
+
+def attention_runs_in_one_call(attn: CausalSelfAttention) -> bool:
+    """Whether `native.cached_attention` computes what `attn` does in a decode step: positions added to the embeddings
+    (no rotation of q and k), no norm of q and k, no value embeddings and no sliding window."""
+    return (
+        attn.rotate is AdditivePositions.rotate and attn.qk_norm is None and attn.value_mix is None and not attn.window
+    )
+
+
+def block_runs_in_one_call(block: Block) -> bool:
+    """Whether `native.block_step` computes what the pre-norm `block` does in a decode step: attention it computes in
+    one call, two norms of one kind it knows (LayerNorm, or RMSNorm without Gemma's unit offset: NORM_KERNELS) and a
+    feed-forward whose activation it knows (ACTIVATION_KERNELS). The view makes a block a NativeBlock only where its
+    matrices can take the step too (`multiplies_in_one_call`)."""
+    norms = (block.attn_norm, block.ffn_norm)
+    kinds = {NORM_KERNELS.get(type(norm)) for norm in norms}
+    return (
+        one_call_variant(block.attn) is NativeAttention
+        and len(kinds) == 1
+        and None not in kinds
+        and not any(getattr(norm, "unit_offset", False) for norm in norms)
+        and type(block.ffn) in ACTIVATION_KERNELS
+    )
+
+
+def block_options(block: Block) -> native.BlockOptions:
+    """What the step computes besides `block`'s tensors: the kernels' names for its norms and activation, the norms'
+    epsilon, its heads, the attention's scale (SDPA's 1 / sqrt(D) unless the model sets its own) and the residual
+    scale."""
+    attn = block.attn
+    return native.BlockOptions(
+        norm=NORM_KERNELS[type(block.attn_norm)],
+        eps=block.attn_norm.eps,
+        activation=ACTIVATION_KERNELS[type(block.ffn)],
+        n_head=attn.n_head,
+        scale=attn.scale or attn.head_dim**-0.5,
+        residual_scale=block.residual_scale,
+    )
+
+
+def block_matrices(block: nn.Module) -> list[nn.Module]:
+    """The linear layers whose weights the block step multiplies itself, in its order: qkv, the attention's out_proj,
+    fc and the feed-forward's out_proj (in the view, the attention may already be a NativeAttention around its copy)."""
+    attn = block.attn.attn if isinstance(block.attn, NativeAttention) else block.attn
+    return [attn.qkv, attn.out_proj, block.ffn.fc, block.ffn.out_proj]
+
+
+def runs_in_block_step(layer: nn.Module, rows: int) -> bool:
+    """Whether a block's step may multiply `layer` (the view's, at up to `rows` rows): where the compiled kernel was to
+    multiply it anyway, a float32 layer the view made a NativeLinear, or an int8 layer with a scale per row whose way
+    measured (or forced) for `rows` rows of float32 activations is the compiled kernel. Not a grouped int8 table, an
+    int4 layer, a LoRA'd layer or one measured faster another way."""
+    if isinstance(layer, NativeLinear):
+        return True
+    return type(layer) is Int8Linear and layer.way(rows, torch.float32) == "native"
+
+
+def matrix_operands(layer: nn.Module) -> native.Matrix:
+    """A layer `runs_in_block_step` takes, as the step multiplies it: a float32 weight without a scale, or the int8
+    codes with the float32 scales of their rows; the bias in float32."""
+    if isinstance(layer, NativeLinear):
+        return native.Matrix(layer.weight, None, layer.bias)
+    bias = None if layer.bias is None else layer.bias.to(torch.float32)
+    return native.Matrix(layer.weight, layer.scales(torch.float32), bias)
+
+
+def multiplies_in_one_call(original: Block, view: nn.Module, rows: int) -> bool:
+    """Whether a block's step may replace the view's copy `view` of `original`: each of its matrices takes the step
+    (`runs_in_block_step`), no hook waits on a module it would not call, and nothing is dropped out (it computes eval
+    mode's block)."""
+    native_matrices = all(runs_in_block_step(layer, rows) for layer in block_matrices(view))
+    hooked = global_hook_count() or any(hook_count(m) for m in original.modules())
+    return native_matrices and not hooked and not original.training
+
+
+def one_call_step(original: nn.Module, view: nn.Module, rows: int) -> nn.Module | None:
+    """The view's module for `original`, whose copy with the view's submodules is `view`, where its decode steps run
+    in one call (at up to `rows` rows): a NativeAttention or a NativeBlock around `view`, or None where they do not."""
+    variant = one_call_variant(original)
+    if variant is NativeAttention:
+        return made(NativeAttention, view)
+    if variant is NativeBlock and multiplies_in_one_call(original, view, rows):
+        return made(NativeBlock, view, block_options(original))
+    return None
