@@ -16,7 +16,7 @@ before's weights (figures: docs/generation.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
@@ -39,8 +39,17 @@ from gptlite.model.network import (
 )
 
 if TYPE_CHECKING:
-    from gptlite.inference.kvcache import KVCache
     from gptlite.model.attention_cache import AttentionCache
+
+
+class OneCallCache(Protocol):
+    """A cache whose decode step a one-call step writes itself: gptlite.inference.kvcache.KVCache after `prepare(1)`
+    (named by what it offers, since that module imports this one's view)."""
+
+    decode_slot: int | None
+
+    def decode_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]: ...
+
 
 # the block step's name for each norm it computes (RMSNorm without Gemma's unit offset: `block_runs_in_one_call`)
 NORM_KERNELS: dict[type[nn.Module], str] = {LayerNorm: "layernorm", RMSNorm: "rmsnorm"}
@@ -53,7 +62,7 @@ ACTIVATION_KERNELS: dict[type[nn.Module], str] = {
 }
 
 
-def cache_slot(cache: KVCache, layer: int) -> native.CacheSlot:
+def cache_slot(cache: OneCallCache, layer: int) -> native.CacheSlot:
     """What the kernels' decode step of layer `layer` reads and writes in `cache` (after a `prepare` that set its
     `decode_slot`: sample.py's KVCache)."""
     return native.CacheSlot(*cache.decode_buffers(layer))
