@@ -26,7 +26,8 @@ from gptlite.device import cpu_summary
 from gptlite.files import write_folder
 from gptlite.hf import export_hf
 from gptlite.hf.__main__ import main as hf_main
-from gptlite.hf.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, export_gguf, gguf_tensors, llama_rows, role_wrappers
+from gptlite.hf.families.llama import llama_rows
+from gptlite.hf.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, export_gguf, gguf_tensors, role_wrappers
 from gptlite.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_spec
 from gptlite.tokenizer.chat import render
 from gptlite.tokenizer.trainer import train_bpe
