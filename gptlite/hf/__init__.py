@@ -24,6 +24,8 @@ onto gptlite's switches, weight for weight:
                         (norm_unit_offset), per-head q/k norms, embeddings times sqrt(n_embd) (embed_scale), its own
                         attention scale (attn_scale), local layers attending to a sliding window (sliding_window,
                         window_layers) with a RoPE base of their own (rope_local_theta), an optional final soft cap
+    GraniteMoeHybridForCausalLM  Granite 4 with every layer attention and no experts: Granite's switches, its shared
+                        MLP the feed-forward, RoPE or no positions in any layer (nope_layers)
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

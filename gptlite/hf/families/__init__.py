@@ -11,6 +11,7 @@ from gptlite.hf.families.base import Family
 from gptlite.hf.families.gemma3 import GEMMA3
 from gptlite.hf.families.gpt2 import GPT2
 from gptlite.hf.families.granite import GRANITE
+from gptlite.hf.families.granite4 import GRANITE4
 from gptlite.hf.families.llama import LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from gptlite.hf.families.nanochat import NANOCHAT
 from gptlite.hf.families.olmo2 import OLMO2
@@ -30,6 +31,7 @@ FAMILIES: dict[str, Family] = {
         OLMO2,
         NANOCHAT,
         GEMMA3,
+        GRANITE4,
     )
 }
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
