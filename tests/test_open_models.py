@@ -42,6 +42,18 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+GRANITE4 = dict(  # GraniteMoeHybridConfig's: attention layers only, no experts, a shared MLP of its own width
+    **COMMON,
+    num_key_value_heads=2,
+    shared_intermediate_size=80,
+    layer_types=["attention", "attention"],
+    num_local_experts=0,
+    num_experts_per_tok=0,
+    embedding_multiplier=3.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.2,
+    logits_scaling=2.5,
+)
 FAMILIES = {  # name -> (transformers class, its config)
     "llama-gqa": (
         transformers.LlamaForCausalLM,
@@ -119,6 +131,14 @@ FAMILIES = {  # name -> (transformers class, its config)
             **COMMON, num_key_value_heads=2, final_logit_softcapping=3.0, tie_word_embeddings=False
         ),
     ),
+    "granite4": (  # Granite 4.0 350M/1B's kind: every layer attention, the shared MLP alone, RoPE
+        transformers.GraniteMoeHybridForCausalLM,
+        transformers.GraniteMoeHybridConfig(**GRANITE4, position_embedding_type="rope", tie_word_embeddings=True),
+    ),
+    "granite4-nope": (  # no positions at all: transformers' default position_embedding_type
+        transformers.GraniteMoeHybridForCausalLM,
+        transformers.GraniteMoeHybridConfig(**GRANITE4, position_embedding_type=None, tie_word_embeddings=False),
+    ),
     "gemma3": (  # a window of 8: the 40 tokens of the logits and the 8 + 32 of the greedy test go well past it
         transformers.Gemma3ForCausalLM,
         transformers.Gemma3TextConfig(
@@ -138,7 +158,7 @@ FAMILIES = {  # name -> (transformers class, its config)
     ),
 }
 # issue 73's: train.py --init_from with learning rate 0 too
-NEW_FAMILIES = ["granite", "smollm3", "phi3", "phi4-mini", "olmo2", "nanochat", "gemma3"]
+NEW_FAMILIES = ["granite", "smollm3", "phi3", "phi4-mini", "olmo2", "nanochat", "gemma3", "granite4"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -341,6 +361,22 @@ def test_bad_nope_layers_are_refused(values, message):
         (
             transformers.Gemma3TextConfig(**COMMON, attn_logit_softcapping=50.0),
             r"gptlite cannot hold this Gemma3ForCausalLM: soft-capped attention scores \(attn_logit_softcapping=50.0\)",
+        ),
+        (
+            transformers.GraniteMoeHybridConfig(**{**GRANITE4, "layer_types": ["mamba", "attention"]}),
+            r"gptlite cannot hold this GraniteMoeHybridForCausalLM: Mamba-2 layers \(layer_types names 1 of its 2 "
+            r"layers mamba, as Granite 4-H's\), which gptlite does not have$",
+        ),
+        (
+            transformers.GraniteMoeHybridConfig(**{**GRANITE4, "num_local_experts": 4, "num_experts_per_tok": 2}),
+            r"gptlite cannot hold this GraniteMoeHybridForCausalLM: a mixture of experts \(num_local_experts=4\), "
+            r"which gptlite does not have$",
+        ),
+        (
+            # transformers' default layer_types: every layer Mamba-2 ("linear_attention", its newer name)
+            transformers.GraniteMoeHybridConfig(**{**GRANITE4, "layer_types": None, "num_local_experts": 4}),
+            r"Mamba-2 layers \(layer_types names 2 of its 2 layers mamba, as Granite 4-H's\), which gptlite does "
+            r"not have; a mixture of experts \(num_local_experts=4\), which gptlite does not have$",
         ),
         (
             transformers.Gemma3Config(text_config=dict(COMMON)),
@@ -621,7 +657,10 @@ def older_rope_keys(config: dict) -> dict:
 
 def defaults_left_out(config: dict) -> dict:
     """The keys whose absence transformers fills with the family's default, and which leave the weights' shapes."""
-    for key in ("rms_norm_eps", "rope_theta", "final_logit_softcapping", "sliding_window", "layer_types"):
+    keys = ["rms_norm_eps", "rope_theta", "final_logit_softcapping", "sliding_window", "layer_types"]
+    if config["model_type"] == "granitemoehybrid":
+        keys.remove("layer_types")  # its default makes every layer Mamba-2: another model
+    for key in keys:
         config.pop(key, None)
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") == "default" or "full_attention" in rope:

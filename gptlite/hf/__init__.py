@@ -24,6 +24,8 @@ onto gptlite's switches, weight for weight:
                         (norm_unit_offset), per-head q/k norms, embeddings times sqrt(n_embd) (embed_scale), its own
                         attention scale (attn_scale), local layers attending to a sliding window (sliding_window,
                         window_layers) with a RoPE base of their own (rope_local_theta), an optional final soft cap
+    GraniteMoeHybridForCausalLM  Granite 4 with every layer attention and no experts: Granite's switches, its shared
+                        MLP the feed-forward, RoPE or no positions in any layer (nope_layers)
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds
@@ -32,13 +34,15 @@ gptlite.model.network.
 
     python -m gptlite.hf export --model=RUN --out=DIR [--overwrite]   # a run's checkpoint -> DIR
 
-The modules: families.py (the architectures and their key maps), pretrained.py (in), export.py (out),
-weights.py (safetensors and .bin files), tokenizer_files.py (a tokenizer's files), adapter.py (PEFT adapters),
-gguf.py (GGUF out).
+The modules: families/ (a file per family, each holding its rules in both directions side by side: what its
+config.json means as gptlite's switches, what the switches mean as its config.json, its weights' names both ways
+and its GGUF form; families/__init__.py registers them), matching.py (the family a model's switches export as),
+pretrained.py (in), export.py (out), gguf.py (GGUF out) and adapter.py (PEFT adapters), which ask the family what
+to do; weights.py (safetensors and .bin files), tokenizer_files.py (a tokenizer's files).
 """
 
 from gptlite.hf.export import export_hf
-from gptlite.hf.families import family_of
+from gptlite.hf.matching import family_of
 from gptlite.hf.pretrained import GPT2_NAMES, check_model_name, fingerprint, load_pretrained, pretrained_config
 from gptlite.hf.tokenizer_files import gpt2_tokenizer_problem, hf_tokenizer_files
 from gptlite.hf.weights import read_json, save_weights

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptlite.files import write_folder
-from gptlite.hf.families import GPT2, entries, family_of, part_sizes, their_name
+from gptlite.hf.families.base import part_sizes
+from gptlite.hf.matching import family_of
 from gptlite.hf.weights import save_weights
 from gptlite.train.lora import lora_layers
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 def adapter_tensors(model: Transformer) -> tuple[dict, list[str]]:
     """The PEFT state dict of the model's LoRA layers (transformers' names) and the transformers modules they adapt."""
     family = family_of(model.config, model.source_architecture)
-    names = {ours.removesuffix(".weight"): theirs for ours, theirs, _ in entries(family, model.config)}
+    names = {ours.removesuffix(".weight"): theirs for ours, theirs, _ in family.entries(model.config)}
     tensors, modules = {}, []
     for name, layer in lora_layers(model).items():
         if name not in names:
@@ -38,7 +39,7 @@ def adapter_tensors(model: Transformer) -> tuple[dict, list[str]]:
         theirs = names[name]
         sizes = part_sizes(name, model.config) if len(theirs) > 1 else [layer.out_features]
         for their, rows in zip(theirs, layer.lora_B.detach().split(sizes), strict=True):  # (out_i, r) each
-            module = their_name(family, their).removesuffix(".weight")
+            module = family.their_name(their).removesuffix(".weight")
             tensors[f"base_model.model.{module}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous().clone()
             tensors[f"base_model.model.{module}.lora_B.weight"] = rows.cpu().contiguous().clone()
             modules.append(module)
@@ -73,7 +74,8 @@ def export_adapter(
         "lora_dropout": 0.0,
         "target_modules": modules,
         "bias": "none",
-        "fan_in_fan_out": family_of(model.config) is GPT2,
+        # GPT-2's Conv1D layers hold their weights transposed (the entries say which), and PEFT needs telling
+        "fan_in_fan_out": any(transposed for _, _, transposed in family_of(model.config).entries(model.config)),
         "inference_mode": True,
         "init_lora_weights": True,
         "use_rslora": False,

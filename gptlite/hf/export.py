@@ -11,22 +11,8 @@ import torch
 
 from gptlite.config import GPTConfig
 from gptlite.files import write_folder
-from gptlite.hf.families import (
-    GEMMA3,
-    GPT2,
-    GRANITE,
-    LLAMA,
-    NANOCHAT,
-    PHI3,
-    QWEN2,
-    QWEN3,
-    SMOLLM3,
-    Family,
-    entries,
-    family_of,
-    part_sizes,
-    their_name,
-)
+from gptlite.hf.families.base import Family, part_sizes
+from gptlite.hf.matching import family_of
 from gptlite.hf.tokenizer_files import hf_tokenizer_files
 from gptlite.hf.weights import save_weights
 from gptlite.tokenizer import HFTokenizer, Tokenizer
@@ -39,7 +25,7 @@ def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConf
     """gptlite's state dict -> the transformers names (a tied head left out, as save_pretrained does; GPT-2's
     biases as zeros where the model has none)."""
     out = {}
-    for ours, theirs, transposed in entries(family, config):
+    for ours, theirs, transposed in family.entries(config):
         w = state.get(ours)
         if w is None:  # a bias of a bias=False model: GPT-2 has them, so they are zeros
             weight = state[ours.removesuffix("bias") + "weight"]
@@ -47,7 +33,7 @@ def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConf
         w = w.t() if transposed else w
         parts = w.split(part_sizes(ours, config)) if len(theirs) > 1 else (w,)
         for name, part in zip(theirs, parts, strict=True):
-            out[their_name(family, name)] = part.detach().to("cpu").contiguous().clone()
+            out[family.their_name(name)] = part.detach().to("cpu").contiguous().clone()
     return out
 
 
@@ -69,7 +55,7 @@ def generation_config(tokenizer: Tokenizer) -> dict:
 
 
 def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: Tokenizer | None) -> dict:
-    """config.json for transformers."""
+    """config.json for transformers: what every family writes, then the family's own keys."""
     bos, eos = special_ids(tokenizer)
     common = {
         "architectures": [family.architecture],
@@ -83,128 +69,7 @@ def hf_config(family: Family, config: GPTConfig, dtype: torch.dtype, tokenizer: 
         "torch_dtype": str(dtype).removeprefix("torch."),
         "initializer_range": 0.02,
     }
-    if family is GPT2:
-        return {
-            **common,
-            "n_positions": config.block_size,
-            "n_embd": config.n_embd,
-            "n_layer": config.n_layer,
-            "n_head": config.n_head,
-            "n_inner": config.ffn_hidden,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": config.norm_eps,
-            "resid_pdrop": config.dropout,
-            "embd_pdrop": config.dropout,
-            "attn_pdrop": config.dropout,
-            "scale_attn_weights": True,
-        }
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta, **phi3_rope(config)}
-    if config.rope_scaling == "llama3":
-        rope = {
-            **rope,
-            "rope_type": "llama3",
-            "factor": config.rope_factor,
-            "low_freq_factor": config.rope_low_freq_factor,
-            "high_freq_factor": config.rope_high_freq_factor,
-            "original_max_position_embeddings": config.rope_original_context,
-        }
-    windows = {
-        "sliding_window": None,
-        **({"use_sliding_window": False, "max_window_layers": config.n_layer} if family in (QWEN2, QWEN3) else {}),
-    }
-    return {
-        **common,
-        "hidden_size": config.n_embd,
-        "intermediate_size": config.ffn_hidden,
-        "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_width,
-        "max_position_embeddings": config.block_size,
-        "rms_norm_eps": config.norm_eps,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": config.dropout,
-        # transformers < 5 reads rope_theta and rope_scaling, 5 and later rope_parameters
-        "rope_theta": config.rope_theta,
-        "rope_scaling": rope if config.rope_scaling else None,
-        "rope_parameters": rope,
-        **(windows if family not in (LLAMA, GRANITE) else {}),
-        **(granite_values(config) if family is GRANITE else {}),
-        **(smollm3_values(config) if family is SMOLLM3 else {}),
-        **(phi3_values(config) if family is PHI3 else {}),
-        **(nanochat_values(config) if family is NANOCHAT else {}),
-        **(gemma3_values(config, rope) if family is GEMMA3 else {}),
-    }
-
-
-def gemma3_values(config: GPTConfig, rope: dict) -> dict:
-    """Gemma 3's activation, attention scale, sliding window with its layers and their RoPE, and soft cap."""
-    scalar = config.attn_scale**-2 if config.attn_scale else config.head_width
-    local = config.window_layer_ids
-    return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-        "sliding_window": config.sliding_window or None,
-        "layer_types": ["sliding_attention" if i in local else "full_attention" for i in range(config.n_layer)],
-        "rope_parameters": {
-            "full_attention": rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_local_theta or config.rope_theta},
-        },
-        "final_logit_softcapping": config.logit_softcap or None,
-        "attn_logit_softcapping": None,
-    }
-
-
-def nanochat_values(config: GPTConfig) -> dict:
-    """nanochat's squared ReLU and its final soft cap (None: none)."""
-    return {"hidden_act": "relu2", "final_logit_softcapping": config.logit_softcap or None}
-
-
-def phi3_rope(config: GPTConfig) -> dict:
-    """Phi-3's RoPE parameters: the part of each head rotated, and LongRoPE's factors."""
-    out = {"partial_rotary_factor": config.rope_dims / config.head_width} if config.rope_dims else {}
-    if config.rope_scaling != "longrope":
-        return out
-    short = [float(f) for f in config.rope_short_factor.split(",")]
-    long = [float(f) for f in config.rope_long_factor.split(",") if f.strip()] or short
-    return {
-        **out,
-        "rope_type": "longrope",
-        "short_factor": short,
-        "long_factor": long,
-        "attention_factor": config.rope_attention_factor,
-        "original_max_position_embeddings": config.rope_original_context,
-    }
-
-
-def phi3_values(config: GPTConfig) -> dict:
-    """Phi-3's dropouts, and the context its RoPE was trained on (where LongRoPE's long factors start)."""
-    original = config.rope_original_context if config.rope_scaling == "longrope" else config.block_size
-    return {
-        "original_max_position_embeddings": original,
-        "resid_pdrop": config.dropout,
-        "embd_pdrop": config.dropout,
-    }
-
-
-def smollm3_values(config: GPTConfig) -> dict:
-    """SmolLM3's layers without positions: no_rope_layers holds 1 where a layer rotates q and k."""
-    return {
-        "no_rope_layers": [int(i not in config.nope_layer_ids) for i in range(config.n_layer)],
-        "use_sliding_window": False,
-    }
-
-
-def granite_values(config: GPTConfig) -> dict:
-    """Granite's multipliers (its attention's scale is always its own: 1 / sqrt(head width) when gptlite's is)."""
-    return {
-        "embedding_multiplier": config.embed_scale,
-        "residual_multiplier": config.residual_scale,
-        "attention_multiplier": config.attn_scale or config.head_width**-0.5,
-        "logits_scaling": config.logits_scaling,
-    }
+    return family.hf_config(config, common)
 
 
 def export_hf(

@@ -1,13 +1,16 @@
 """GGUF out: a gptlite model and its tokenizer in one file that llama.cpp (and Ollama, LM Studio, llamafile) runs.
 
 The file is written with the `gguf` package, ggml's own Python writer, laid out as llama.cpp's
-convert_hf_to_gguf.py lays out the same model:
+convert_hf_to_gguf.py lays out the same model: each family's file (gptlite.hf.families) names its llama.cpp
+architecture, writes its hyperparameters and lays out its tensors, e.g.
     gpt2    GPT-2's switches (learned positions, LayerNorm, GELU); q, k and v stay fused (attn_qkv)
     llama   Llama's (RoPE, RMSNorm, SwiGLU, no biases), Mistral's and SmolLM2's too; q and k rows are reordered
             from the halves that gptlite (and transformers) rotate to the interleaved pairs llama.cpp rotates,
             and Llama 3's RoPE scaling is the per-frequency factors of a rope_freqs tensor
     qwen2   Llama's with biases on q, k and v (llama.cpp rotates halves for it: nothing is reordered)
     qwen3   Llama's with RMSNorm on each head's q and k
+and granite, smollm3, olmo2 and gemma3 likewise; this module writes what every file has (the tokenizer, the types,
+the file itself) and asks the family for the rest.
 The tokenizer goes inside as llama.cpp's byte-level BPE ("gpt2" model): every id's token in GPT-2's byte-level
 characters, the merges, each special token marked a control token, and the name of the pre-tokenizer whose
 splitting is gptlite's (GPT-2's pattern: "gpt-2"; GPT-4's, which `python -m gptlite.tokenizer train` uses, and
@@ -30,7 +33,6 @@ per block).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,22 +44,9 @@ import torch
 from gptlite.config import GPTConfig
 from gptlite.extras import need
 from gptlite.files import fault, fsync_dir, make_dir, temp_path
-from gptlite.hf.families import (
-    GEMMA3,
-    GPT2,
-    GRANITE,
-    LLAMA,
-    MISTRAL,
-    OLMO2,
-    QWEN2,
-    QWEN3,
-    SMOLLM3,
-    Family,
-    matching_family,
-    speedrun_options,
-    switches_of,
-    trained_with,
-)
+from gptlite.hf.families import FAMILIES
+from gptlite.hf.families.base import Family
+from gptlite.hf.matching import matching_family, speedrun_options, switches_of, trained_with
 from gptlite.hf.tokenizer_files import bpe_merges, bytes_to_unicode, with_added_tokens
 from gptlite.tokenizer import GPT2_PATTERN, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
 from gptlite.tokenizer.chat import check_messages, render
@@ -66,19 +55,6 @@ if TYPE_CHECKING:
     from gptlite.model.network import Transformer
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-ARCHITECTURES = {
-    GPT2: "gpt2",
-    LLAMA: "llama",
-    MISTRAL: "llama",
-    QWEN2: "qwen2",
-    QWEN3: "qwen3",
-    GRANITE: "granite",
-    SMOLLM3: "smollm3",
-    OLMO2: "olmo2",
-    GEMMA3: "gemma3",
-}
-# the architectures whose RoPE pairs coordinates (0, 1), (2, 3), ...: q and k rows are reordered for them
-INTERLEAVED = (LLAMA, MISTRAL, GRANITE, SMOLLM3)
 
 # pre-tokenizer patterns as tokenizer.json files hold them -> llama.cpp's name for that splitting
 LLAMA3_PATTERN = (
@@ -115,42 +91,25 @@ def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tup
     if family is None:
         raise ValueError(
             f"llama.cpp has no architecture for a model with {switches_of(config)}; "
-            + trained_with(config, lambda c: gguf_family(c, architecture), lambda f: f"llama.cpp's {ARCHITECTURES[f]}")
+            + trained_with(config, lambda c: gguf_family(c, architecture), lambda f: f"llama.cpp's {f.gguf_name}")
         )
-    if family not in ARCHITECTURES:
+    if family.gguf_name is None:
+        written = sorted({f.architecture for f in FAMILIES.values() if f.gguf_name})
         raise ValueError(
             f"GGUF export of a {family.architecture} is not implemented (gptlite writes GGUF for "
-            f"{', '.join(sorted({f.architecture for f in ARCHITECTURES}))}); export it with python -m gptlite.hf "
-            "export and convert that directory with llama.cpp's convert_hf_to_gguf.py"
+            f"{', '.join(written)}); export it with python -m gptlite.hf export and convert that directory with "
+            "llama.cpp's convert_hf_to_gguf.py"
         )
-    problem = gguf_problem(family, config)
+    problem = family.gguf_problem(config)
     if problem:
         raise ValueError(problem)
-    return family, ARCHITECTURES[family]
+    return family, family.gguf_name
 
 
 def gguf_family(config: GPTConfig, architecture: str | None = None) -> Family | None:
     """The family of a model GGUF export takes, or None."""
     family = matching_family(config, architecture)
-    return family if family in ARCHITECTURES and not gguf_problem(family, config) else None
-
-
-def gguf_problem(family: Family, config: GPTConfig) -> str | None:
-    """What llama.cpp's architecture for `family` cannot hold of this model, in one line (None: nothing)."""
-    # llama.cpp's smollm3 has no key for its NoPE layers: every fourth layer is one
-    every_fourth = ",".join(str(i) for i in range(config.n_layer) if (i + 1) % 4 == 0)
-    if family is SMOLLM3 and config.nope_layers.replace(" ", "") != every_fourth:
-        return (
-            f"llama.cpp's smollm3 has no positions in every fourth layer ({every_fourth or 'none here'}), and "
-            f"this model in layers {config.nope_layers}; GGUF export needs nope_layers={every_fourth!r}"
-        )
-    if family is GEMMA3 and config.attn_scale and config.attn_scale != config.head_width**-0.5:
-        return (
-            f"llama.cpp's gemma3 scales attention by 1 / sqrt(head width) = {config.head_width**-0.5:.6g}, and this "
-            f"model by attn_scale={config.attn_scale:.6g} (query_pre_attn_scalar other than head_dim); GGUF export "
-            "needs them equal"
-        )
-    return None
+    return family if family is not None and family.gguf_name and not family.gguf_problem(config) else None
 
 
 def pre_tokenizer_name(spec: dict) -> str | None:
@@ -283,97 +242,11 @@ def json_brief(value) -> str:
 # The tensors, named and laid out as llama.cpp reads them
 
 
-def llama_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """q or k rows from the halves gptlite rotates (the first half of a head's width against the second) to the
-    interleaved pairs (0, 1), (2, 3), ... that llama.cpp's llama architecture rotates."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def rope_factors(config: GPTConfig) -> torch.Tensor:
-    """Llama 3's RoPE scaling as the factor each frequency's wavelength is stretched by (llama.cpp's rope_freqs)."""
-    dim = config.head_width
-    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    low_wavelength = config.rope_original_context / config.rope_low_freq_factor
-    high_wavelength = config.rope_original_context / config.rope_high_freq_factor
-    factors = []
-    for freq in freqs.tolist():
-        wavelength = 2 * math.pi / freq
-        if wavelength < high_wavelength:
-            factors.append(1.0)
-        elif wavelength > low_wavelength:
-            factors.append(config.rope_factor)
-        else:
-            smooth = (config.rope_original_context / wavelength - config.rope_low_freq_factor) / (
-                config.rope_high_freq_factor - config.rope_low_freq_factor
-            )
-            factors.append(1 / ((1 - smooth) / config.rope_factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
-
-
 def gguf_tensors(
     family: Family, state: dict[str, torch.Tensor], config: GPTConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(llama.cpp's name, the tensor in float32) of every weight, in llama.cpp's layout."""
-    weight = lambda name: state[name].detach().to("cpu", torch.float32)  # noqa: E731
-
-    def bias(name: str, rows: int) -> torch.Tensor:  # GPT-2's layout has biases; a bias=False model's are zeros
-        return weight(name) if name in state else torch.zeros(rows)
-
-    shift = 1.0 if config.norm_unit_offset else 0.0  # llama.cpp scales by the weight, Gemma by 1 + weight
-    norm = lambda name: weight(name) + shift  # noqa: E731
-
-    yield "token_embd.weight", weight("tok_emb.weight")
-    if family is GPT2:
-        yield "position_embd.weight", weight("pos_emb.table.weight")
-        yield "output_norm.weight", weight("norm.weight")
-        yield "output_norm.bias", bias("norm.bias", config.n_embd)
-    else:
-        yield "output_norm.weight", norm("norm.weight")
-    if not config.tie_embeddings or family is OLMO2:  # llama.cpp's olmo2 always reads an output matrix
-        yield "output.weight", weight("lm_head.weight")
-    if config.rope_scaling == "llama3":
-        yield "rope_freqs.weight", rope_factors(config)
-    for i in range(config.n_layer):
-        ours, theirs = f"blocks.{i}.", f"blk.{i}."
-        if family is GPT2:
-            for name, gguf_name, rows in (
-                ("attn_norm", "attn_norm", config.n_embd),
-                ("attn.qkv", "attn_qkv", 3 * config.n_embd),
-                ("attn.out_proj", "attn_output", config.n_embd),
-                ("ffn_norm", "ffn_norm", config.n_embd),
-                ("ffn.fc", "ffn_up", config.ffn_hidden),
-                ("ffn.out_proj", "ffn_down", config.n_embd),
-            ):
-                yield f"{theirs}{gguf_name}.weight", weight(f"{ours}{name}.weight")
-                yield f"{theirs}{gguf_name}.bias", bias(f"{ours}{name}.bias", rows)
-            continue
-        q_rows, kv_rows = config.n_head * config.head_width, config.kv_heads * config.head_width
-        q, k, v = weight(f"{ours}attn.qkv.weight").split([q_rows, kv_rows, kv_rows])
-        if family in INTERLEAVED:
-            q, k = llama_rows(q, config.n_head), llama_rows(k, config.kv_heads)
-        # OLMo 2's norms are on the branches' outputs
-        norms = ("post_attention_norm", "post_ffw_norm") if family is OLMO2 else ("attn_norm", "ffn_norm")
-        yield f"{theirs}{norms[0]}.weight", norm(f"{ours}attn_norm.weight")
-        yield f"{theirs}attn_q.weight", q
-        yield f"{theirs}attn_k.weight", k
-        yield f"{theirs}attn_v.weight", v
-        if config.qkv_bias:
-            for name, b in zip(
-                ("q", "k", "v"), weight(f"{ours}attn.qkv.bias").split([q_rows, kv_rows, kv_rows]), strict=True
-            ):
-                yield f"{theirs}attn_{name}.bias", b
-        if config.qk_norm:
-            yield f"{theirs}attn_q_norm.weight", norm(f"{ours}attn.qk_norm.q_norm.weight")
-            yield f"{theirs}attn_k_norm.weight", norm(f"{ours}attn.qk_norm.k_norm.weight")
-        yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
-        yield f"{theirs}{norms[1]}.weight", norm(f"{ours}ffn_norm.weight")
-        if family is GEMMA3:  # norms after the branches too
-            yield f"{theirs}post_attention_norm.weight", norm(f"{ours}attn_post_norm.weight")
-            yield f"{theirs}post_ffw_norm.weight", norm(f"{ours}ffn_post_norm.weight")
-        gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
-        yield f"{theirs}ffn_gate.weight", gate
-        yield f"{theirs}ffn_up.weight", up
-        yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
+    """(llama.cpp's name, the tensor in float32) of every weight, in llama.cpp's layout (the family's rules)."""
+    return family.gguf_tensors(state, config)
 
 
 # why a matrix is not of the file's type, as the export's line says it
@@ -458,33 +331,14 @@ def tensor_roles(names: list[str], blocks: int) -> str:
 
 
 def add_hyperparameters(writer, family: Family, config: GPTConfig) -> None:
+    """The keys every architecture has, then the family's own."""
     writer.add_context_length(config.block_size)
     writer.add_embedding_length(config.n_embd)
     writer.add_block_count(config.n_layer)
     writer.add_feed_forward_length(config.ffn_hidden)
     writer.add_head_count(config.n_head)
     writer.add_vocab_size(config.vocab_size)
-    if family is GPT2:
-        writer.add_layer_norm_eps(config.norm_eps)
-        return
-    writer.add_head_count_kv(config.kv_heads)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_rope_dimension_count(config.head_width)
-    if config.head_width * config.n_head != config.n_embd:
-        writer.add_key_length(config.head_width)
-        writer.add_value_length(config.head_width)
-    if family is GEMMA3:  # its local layers: the window, which they are, their RoPE base; its final soft cap
-        writer.add_sliding_window(config.sliding_window)
-        writer.add_sliding_window_pattern([i in config.window_layer_ids for i in range(config.n_layer)])
-        writer.add_rope_freq_base_swa(config.rope_local_theta or config.rope_theta)
-        if config.logit_softcap:
-            writer.add_final_logit_softcapping(config.logit_softcap)
-    if family is GRANITE:
-        writer.add_embedding_scale(config.embed_scale)
-        writer.add_residual_scale(config.residual_scale)
-        writer.add_attention_scale(config.attn_scale or config.head_width**-0.5)
-        writer.add_logit_scale(config.logits_scaling)
+    family.add_hyperparameters(writer, config)
 
 
 def add_tokenizer(writer, vocab: GGUFVocab, vocab_size: int) -> None:
