@@ -50,7 +50,7 @@ from gptlite.train.optim import (
 )
 from gptlite.train.run_config import resolve_config
 from tests.conftest import ROOT, run_train, tiny_config
-from tests.test_serve_prefill import recording
+from tests.serve.test_engine_prefill import recording
 
 
 @pytest.fixture(autouse=True, scope="module")
