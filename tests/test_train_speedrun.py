@@ -66,7 +66,8 @@ def one_thread():
 def test_importing_this_file_leaves_the_thread_count_alone():
     """pytest imports every file it collects before any test runs: what this one sets at import would hold for the
     other files' tests too."""
-    code = "import torch; n = torch.get_num_threads(); import tests.test_speedrun; print(n, torch.get_num_threads())"
+    code = "import torch; n = torch.get_num_threads(); import tests.test_train_speedrun; "
+    code += "print(n, torch.get_num_threads())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     before, after = child.stdout.split()
     assert after == before
