@@ -240,7 +240,7 @@ def logits() -> None:
     import torch
 
     from gptlite import GPT
-    from tests.test_open_models import FAMILIES, ids, randomized
+    from tests.hf.test_families import FAMILIES, ids, randomized
 
     print("\nlargest |logit difference| against transformers, float32, 2 x 40 tokens")
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
-"""Reinforcement learning on verifiable rewards, measured: (1) the toy task of tests/test_rl.py (continue "1234=" with
-the digits reversed, rewarded by exact match) end to end: a tiny model taught the format by a few direct steps, its
+"""Reinforcement learning on verifiable rewards, measured: (1) the toy task of tests/train/test_rl.py (continue "1234="
+with the digits reversed, rewarded by exact match) end to end: a tiny model taught the format by a few direct steps, its
 held-out mean reward and greedy pass@1 before and after `train.py --rl`, the steps and the command's wall time;
 (2) the samples per second of the RL step's generation (gptlite.train.rl.sample_group, the KV cache's batched decoding)
 at GPT-2-124M's shape with random weights: prompts x samples rows, every row decoding max_new_tokens tokens.
@@ -57,7 +57,7 @@ def digit_records(n: int, seed: int) -> list[dict]:
 
 
 def teach(steps: int) -> GPT:
-    """tests/test_rl.py's teach_format: the answer's tokens alone are targets."""
+    """tests/train/test_rl.py's teach_format: the answer's tokens alone are targets."""
     torch.manual_seed(0)
     config = GPTConfig(
         vocab_size=DIGITS.vocab_size, block_size=16, n_layer=2, n_head=2, n_embd=32, pos_emb="rope", norm="rmsnorm"

@@ -463,7 +463,7 @@ def check_tests(args, report: Report) -> None:
         "-m",
         "not slow",
         *workers,
-        *(["tests/test_model.py", "tests/test_update.py"] if args.tiny else ["tests"]),
+        *(["tests/model/test_network.py", "tests/train/test_update.py"] if args.tiny else ["tests"]),
     ]
     log = args.logs / "tests.log"
     start = time.monotonic()

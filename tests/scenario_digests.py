@@ -125,12 +125,12 @@ def scenarios(fsdp: bool):
     from gptlite.data.prepare import prepare
     from gptlite.data.prepare.preference import prepare_preference
     from gptlite.hf import export_hf
-    from tests.test_chat import write_chats
     from tests.test_hf import CHARS, hf_llama
-    from tests.test_preference import digits_pairs
-    from tests.test_preference import write_jsonl as write_pairs
-    from tests.test_rl import digit_prompts, teach_format
-    from tests.test_rl import write_jsonl as write_prompts
+    from tests.tokenizer.test_chat import write_chats
+    from tests.train.test_preference import digits_pairs
+    from tests.train.test_preference import write_jsonl as write_pairs
+    from tests.train.test_rl import digit_prompts, teach_format
+    from tests.train.test_rl import write_jsonl as write_prompts
 
     text_data(Path.cwd())
     text = ["--data_dir=data", *TINY]

@@ -29,7 +29,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import ROOT, shared_file
-from tests.serving import free_port
+from tests.helpers.serving import free_port
 
 README = (ROOT / "README.md").read_text()
 

@@ -143,9 +143,9 @@ class Muon(torch.optim.Optimizer):
     each is orthogonalised and its learning rate scaled on its own, as if the model held separate Linear layers.
     That is why this is not torch.optim.Muon: it orthogonalises a 2-D parameter whole, so for gptlite's fused
     qkv (3C, C) it would orthogonalise q, k and v together, leaving each one's part of the update far from
-    orthogonal (singular values from 0.01 to 0.8 in tests/test_optim.py), and scale the learning rate by
+    orthogonal (singular values from 0.01 to 0.8 in tests/train/test_optim.py), and scale the learning rate by
     sqrt(3); likewise for SwiGLU's fused (2F, C) input. On one unsplit matrix this class computes exactly what
-    torch.optim.Muon does (tests/test_optim.py).
+    torch.optim.Muon does (tests/train/test_optim.py).
 
     `ns_dtype` is the Newton-Schulz iteration's precision: bfloat16 as Keller Jordan's and torch's, fast on
     GPUs; training takes float32 off CUDA, since a CPU without bf16 instructions multiplies bfloat16 matrices
