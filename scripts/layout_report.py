@@ -24,8 +24,10 @@ SKIP = {".venv", ".git", "build", "wandb"}
 # HellaSwag, CORE, spans, lm-eval's model class) build on the network and generation and are what training's
 # validation reports; LoRA (gptlite.train) is what interop's PEFT adapters export; the public GPT composes the network
 # with generation, interop and quantization; checkpoints rebuild that GPT and hold the training state. A command's
-# module (a package's __main__, and gptlite.evaluate.command, which `python -m gptlite.evaluate` runs) runs its
-# package from outside: nothing imports it, so it sits on top with the packages that are commands.
+# module (a package's __main__, gptlite.evaluate.command, which `python -m gptlite.evaluate` runs, and
+# gptlite.train.run_config, train.py's command line resolved against checkpoints and scaling's --budget recipe, which
+# only train.py and the scaling sweep, a command, import) runs its package from outside, so it sits on top with the
+# packages that are commands.
 LAYERS = [
     ["gptlite.files", "gptlite.extras", "gptlite.device", "gptlite.cli", "gptlite.config"],
     ["gptlite.tokenizer", "gptlite.data"],
@@ -35,7 +37,14 @@ LAYERS = [
     ["gptlite.train", "gptlite.hf"],
     ["gptlite.gpt"],
     ["gptlite.checkpoint"],
-    ["gptlite.scaling", "gptlite.serve", "gptlite.plot", "gptlite.evaluate.command", "__main__"],
+    [
+        "gptlite.scaling",
+        "gptlite.serve",
+        "gptlite.plot",
+        "gptlite.evaluate.command",
+        "gptlite.train.run_config",
+        "__main__",
+    ],
 ]
 TOP_LEVEL_TARGET = 12
 NETWORK = "gptlite.model.network"
