@@ -26,9 +26,8 @@ from pathlib import Path
 # The run's caches in a folder of its own, set before gptlite reads where they are and inherited by every process the
 # tests start: gptlite's kernel choices (cpu_linear.json) and compiled kernels stay out of the user's ~/.cache, which a
 # test run must leave as it found it. The compiled CPU kernels (gptlite.inference.cpu.native) are built once for the
-# whole run, on
-# first use: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and the processes
-# they start find the library built there, instead of compiling it again each.
+# whole run, on first use: tests that point XDG_CACHE_HOME at a folder of their own (a choices file of their own) and
+# the processes they start find the library built there, instead of compiling it again each.
 # GPTLITE_TEST_CACHE=DIR keeps them in DIR instead (kept after the run): this module may be imported twice in a run
 # (as conftest and as tests.conftest) and by the processes the tests start, which all take the folder it names.
 if not os.environ.get("GPTLITE_TEST_CACHE"):

@@ -52,9 +52,9 @@ class Sampling:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
-# the ways of generating, which the options below serve: gptlite.inference.generate's sampling, gptlite.inference.beam's
-# beam search, and
-# the server's engine (gptlite.serve.engine), which samples each request's row with the options of its own
+# the ways of generating, which the options below serve: gptlite.inference.generate's sampling,
+# gptlite.inference.beam's beam search, and the server's engine (gptlite.serve.engine), which samples each request's
+# row with the options of its own
 SAMPLING = "sampling"
 BEAMS = "beam search"
 SERVING = "the server's engine"
