@@ -49,6 +49,7 @@ TINY = [
     "--keep_last=10",
 ]
 TIMES = re.compile(r" \| +[\d.]+ ms/step \| +\d+ tok/s \| mfu \S+| \| peak memory .*$", re.M)
+LIBRARY_NAME = re.compile(r"matvec-[0-9a-f]+\.so")
 STILL_COMPILING = re.compile(r"^gptlite: still compiling the CPU decode kernels \(\d+ s\)\n", re.M)
 TIME_FIELDS = ("ms_per_step", "tokens_per_s", "mfu")
 
@@ -100,9 +101,11 @@ def checkpoint_digest(path: Path, other_processes: bool) -> str:
 
 def digests(name: str, log: str, run: Path, other_processes: bool) -> list[str]:
     # the tests' private cache (tests/conftest.py) is a new temporary folder each run: its name is left out, and so
-    # are the progress lines of the kernels' first build, whose count follows how long the compiler took
+    # are the progress lines of the kernels' first build, whose count follows how long the compiler took, and the
+    # built library's name, a hash of the kernels' source (a change to matvec.cpp renames it, not what a run does)
     log = log.replace(os.environ["GPTLITE_TEST_CACHE"], "GPTLITE_TEST_CACHE")
     log = STILL_COMPILING.sub("", log)
+    log = LIBRARY_NAME.sub("matvec-HASH.so", log)
     lines = [f"{name} log {sha(TIMES.sub('', log).encode())}"]
     metrics = run / "metrics.jsonl"
     if metrics.is_file():
