@@ -4,12 +4,26 @@ the memory bound beside them; and, given a trained run, what each quantization c
 
     pip install -e ".[test]"      # llama-cpp-python and gguf
     python benchmarks/bench_cpu_decode.py                                   # speed, GPT-2 124M shape
+    python benchmarks/bench_cpu_decode.py --shape=smollm2-135m              # speed, SmolLM2-135M's shape
     python benchmarks/bench_cpu_decode.py --trained=out/gpt2 --data_dir=data/shakespeare_gpt2   # ... and accuracy
     python benchmarks/bench_cpu_decode.py --parts=accuracy --trained=RUN --data_dir=DATA --json=acc.json
 
-Speed: GPT-2 124M's shape (12 layers, 768 wide, vocabulary 50,304, GELU MLP with biases, learned positions) with
-random weights (greedy decoding of random weights costs what a trained model's does), a 16-token prompt, 128
-greedy tokens; tokens/s counts the new tokens over the whole call (prefill included). Each path runs `--rounds`
+Speed: one model shape (`--shape`, SHAPES) with random weights (greedy decoding of random weights costs what a
+trained model's does), a 16-token prompt, `--new_tokens` greedy tokens; tokens/s counts the new tokens over the whole
+call (prefill included). The shapes, each its model's published configuration:
+    gpt2-124m      GPT-2 124M: 12 layers, 768 wide, 12 heads, vocabulary 50,304, GELU MLP with biases, learned
+                   positions, LayerNorm (the default)
+    smollm2-135m   SmolLM2-135M: 30 layers, 576 wide, 9 query heads on 3 key/value heads, SwiGLU 1536 wide, RoPE
+                   (base 100,000), RMSNorm, tied embeddings, vocabulary 49,152
+    qwen3-0.6b     Qwen3-0.6B: 28 layers, 1024 wide, 16 query heads on 8 key/value heads of 128, SwiGLU 3072 wide,
+                   RMSNorm on each head's q and k, RoPE (base 1,000,000), tied, vocabulary 151,936
+    gemma3-270m    Gemma 3 270M: 18 layers, 640 wide, 4 query heads on 1 key/value head of 256, GeGLU 2048 wide,
+                   RMSNorm before and after each branch scaling by 1 + weight, q/k norms, a sliding window of 512
+                   positions in 5 of every 6 layers (RoPE base 10,000 there, 1,000,000 in the others), embeddings
+                   times sqrt(640), tied, vocabulary 262,144
+The GGUF files carry GPT-2's tokenizer for GPT-2's shape, and for the others a byte-level BPE of 8,192 ids learnt from
+`--corpus` (GPT-2's 50,257 ids do not fit SmolLM2's vocabulary; ids past a tokenizer's are unused tokens); the
+prompt's ids are random ones the tokenizer has. Each path runs `--rounds`
 times, the paths taking turns within each round, each of gptlite's beside llama.cpp's twin of it (which of the two
 goes first alternates), and the table gives the median with the slowest and fastest round, and for gptlite's paths
 the median of the rounds' ratios to the twin (the machine's memory bandwidth drifts over minutes; two runs seconds
@@ -56,7 +70,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_gguf import SHAPES, llama_tokens_per_s  # noqa: E402
+from benchmarks.bench_gguf import SHAPES as GGUF_SHAPES  # noqa: E402
+from benchmarks.bench_gguf import llama_tokens_per_s  # noqa: E402
 from gptlite import GPT, GPTConfig  # noqa: E402
 from gptlite.cli import parse, run_command  # noqa: E402
 from gptlite.config import option  # noqa: E402
@@ -65,13 +80,73 @@ from gptlite.files import write_json  # noqa: E402
 from gptlite.hf.gguf import export_gguf  # noqa: E402
 from gptlite.inference.generate import generate  # noqa: E402
 
-GPT2 = SHAPES["gpt2"]  # GPT-2 124M, as bench_gguf exports it
+# each shape's gptlite configuration (the models' config.json values; random weights); block_size only bounds the
+# positions a run may reach
+SHAPES = {
+    "gpt2-124m": GGUF_SHAPES["gpt2"],  # GPT-2 124M, as bench_gguf exports it
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        block_size=2048,
+        n_layer=30,
+        n_head=9,
+        n_kv_head=3,
+        n_embd=576,
+        ffn_hidden=1536,
+        pos_emb="rope",
+        rope_theta=100000.0,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        ffn="swiglu",
+        tie_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        block_size=2048,
+        n_layer=28,
+        n_head=16,
+        n_kv_head=8,
+        head_dim=128,
+        n_embd=1024,
+        ffn_hidden=3072,
+        pos_emb="rope",
+        rope_theta=1000000.0,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        ffn="swiglu",
+        qk_norm=True,
+        tie_embeddings=True,
+    ),
+    "gemma3-270m": dict(
+        vocab_size=262144,
+        block_size=2048,
+        n_layer=18,
+        n_head=4,
+        n_kv_head=1,
+        head_dim=256,
+        n_embd=640,
+        ffn_hidden=2048,
+        pos_emb="rope",
+        rope_theta=1000000.0,
+        rope_local_theta=10000.0,
+        sliding_window=512,
+        window_layers=",".join(str(i) for i in range(18) if (i + 1) % 6),  # every 6th layer (5, 11, 17) global
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        norm_position="both",
+        norm_unit_offset=True,
+        qk_norm=True,
+        ffn="geglu",
+        embed_scale=640**0.5,
+        tie_embeddings=True,
+    ),
+}
 TYPES = ("f32", "q8_0", "q4_0")
 QUANTIZATIONS = {"f32": "", "q8_0": "int8", "q4_0": "int4"}  # each GGUF type beside gptlite's twin of it
 
 
 @dataclass
 class Options:
+    shape: str = option("gpt2-124m", "speed: the model's shape", choices=tuple(SHAPES))
     parts: str = option("speed,accuracy", "comma-separated: speed, accuracy (accuracy needs --trained)")
     rounds: int = option(5, "speed: timed calls of each path, in turn")
     new_tokens: int = option(128, "speed: greedy tokens per timed call")
@@ -81,6 +156,9 @@ class Options:
     agree_tokens: int = option(64, "accuracy: greedy tokens compared per prompt")
     eval_windows: int = option(16, "accuracy: val windows scored")
     tokenizer: str = option(str(ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"), "speed: GPT-2's ranks")
+    corpus: str = option(
+        str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"), "speed: the text the other shapes' BPE learns"
+    )
     json: str = option("", "also write the results here")
     child: str = option("", "internal: the llama.cpp child's request file")
 
@@ -218,17 +296,30 @@ def weight_sums_per_s(matrices: list[torch.Tensor]) -> float:
     return 1 / (time.perf_counter() - start)
 
 
+def speed_tokenizer(args: Options):
+    """The tokenizer the shape's GGUF files carry: GPT-2's for GPT-2's shape, else a byte-level BPE of 8,192 ids
+    learnt from `--corpus` (see the module docstring)."""
+    if args.shape == "gpt2-124m":
+        from gptlite.tokenizer import tokenizer_from_spec
+
+        return tokenizer_from_spec(args.tokenizer)
+    from gptlite.tokenizer.trainer import train_bpe
+
+    return train_bpe([Path(args.corpus).read_text(encoding="utf-8")], vocab_size=8192)
+
+
 def speed(args: Options, tokenizer, folder: Path, log) -> dict:
     """tokens/s of every path, each round's figures kept: gptlite's paths each beside llama.cpp's twin of it, the
     two taking turns (which of them goes first alternates from round to round), so that the ratio of each round
     compares two runs seconds apart on a machine whose memory bandwidth drifts over minutes."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**GPT2)).eval()
-    prompt = torch.randint(0, 50000, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = GPT(GPTConfig(**SHAPES[args.shape])).eval()
+    ids = min(tokenizer.vocab_size, model.config.vocab_size, 50000)
+    prompt = torch.randint(0, ids, (16,), generator=torch.Generator().manual_seed(0)).tolist()
     pairs = []  # ((gptlite's name, its call), (llama.cpp's twin's name, its call)) per GGUF type
     children = []
     for kind, mode in QUANTIZATIONS.items():
-        path = export_gguf(model, folder / f"gpt2-{kind}.gguf", tokenizer, kind)
+        path = export_gguf(model, folder / f"{args.shape}-{kind}.gguf", tokenizer, kind)
         ours = copy.deepcopy(model).quantize(mode) if mode else model
         ours_name = f"gptlite {mode} (eager)" if mode else "gptlite float32 (default)"
         ours_call = partial(gptlite_tokens_per_s, ours, prompt, args.new_tokens)
@@ -260,8 +351,8 @@ def speed_table(results: dict, args: Options) -> str:
     """Medians of the rounds, with the slowest and fastest, and for gptlite's paths the median of the rounds'
     ratios to llama.cpp's twin, with the lowest and highest."""
     lines = [
-        f"| batch 1, 16-token prompt, {args.new_tokens} greedy tokens | tokens/s (median) | slowest - fastest | "
-        "vs llama.cpp's twin, per round: median (lowest - highest) |",
+        f"| {args.shape}, batch 1, 16-token prompt, {args.new_tokens} greedy tokens | tokens/s (median) | "
+        "slowest - fastest | vs llama.cpp's twin, per round: median (lowest - highest) |",
         "|---|---:|---:|---:|",
     ]
     for name, v in results.items():
@@ -351,12 +442,10 @@ def run(args: Options) -> int:
         parts.remove("accuracy")
     print(machine_line(), flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    results = {"machine": machine_line()}
+    results = {"machine": machine_line(), "shape": args.shape}
     with tempfile.TemporaryDirectory() as tmp:
         if "speed" in parts:
-            from gptlite.tokenizer import tokenizer_from_spec
-
-            results["speed"] = speed(args, tokenizer_from_spec(args.tokenizer), Path(tmp), print)
+            results["speed"] = speed(args, speed_tokenizer(args), Path(tmp), print)
             print(speed_table(results["speed"], args), flush=True)
         if "accuracy" in parts:
             results["accuracy"] = accuracy(args, Path(tmp), print)

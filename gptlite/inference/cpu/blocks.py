@@ -5,8 +5,11 @@ view's copy of the model's own module, whose forward it falls back to where the 
 The model knows nothing of the kernels: which of its modules a step computes is decided here, by their types
 (`one_call_variant`), and the kernels' names for its norms and feed-forwards are tables here (NORM_KERNELS,
 ACTIVATION_KERNELS), each keyed by the exact class, so that a subclass, which may compute something else, is not taken
-for its parent. Another kind of block (rotary positions, q/k norms, norms after the branch) is one more wrapper and one
-more rule in `one_call_variant`.
+for its parent. Rotary positions reach the kernels as the angles the model's own positions module computed for the
+step (`rot`, each row's at its position: llama3 and LongRoPE scaling, a base per layer kind and nanochat's reversed
+direction are in the numbers), the rotation each layer applies picked by its `rotate` (ANGLES); Qwen3's q/k norms as
+their weights. Another kind of block (norms after the branch, on both sides) is one more wrapper and one more rule in
+`one_call_variant`.
 
 Through PyTorch, a decode step's attention took a dozen operator calls a layer, as long as streaming the layer's qkv
 weights on the Intel Xeon, and a block's step called its modules and half a dozen operators between its matrices (two
@@ -29,11 +32,14 @@ from gptlite.model.network import (
     AdditivePositions,
     Block,
     CausalSelfAttention,
+    DualRotaryPositions,
     GeGLU,
     GeluMLP,
     LayerNorm,
+    QKNorm,
     ReluSquaredMLP,
     RMSNorm,
+    RotaryPositions,
     Rotation,
     SwiGLU,
 )
@@ -62,6 +68,49 @@ ACTIVATION_KERNELS: dict[type[nn.Module], str] = {
 }
 
 
+# for each way an attention layer rotates q and k (its `rotate`), the (cos, sin) of the model's rotation `rot` that it
+# takes, None for none: the whole rotation or its leading rope_dims coordinates (cos's width says which), or Gemma 3's
+# global or local layers' own
+ANGLES = {
+    AdditivePositions.rotate: lambda rot: None,
+    RotaryPositions.rotate: lambda rot: rot,
+    RotaryPositions.rotate_partial: lambda rot: rot,
+    DualRotaryPositions.rotate_global: lambda rot: rot[0],
+    DualRotaryPositions.rotate_local: lambda rot: rot[1],
+}
+
+
+def step_angles(attn: CausalSelfAttention, rot: Rotation) -> native.Angles | None:
+    """The angles `attn` rotates a decode step's q and k by, from the model's rotation `rot` for that step ((1, 1, R)
+    or (B, 1, R) cos and sin: one position for every row, or each row's), as the kernels take them: (1 or B, R)
+    float32. None where the layer does not rotate."""
+    angles = ANGLES[attn.rotate](rot)
+    if angles is None:
+        return None
+    cos, sin = (t.reshape(-1, t.size(-1)).to(torch.float32) for t in angles)  # (1 or B, R)
+    return native.Angles(cos, sin)
+
+
+def head_norm_weight(norm: RMSNorm, width: int) -> torch.Tensor:
+    """The factor a q or k norm (an RMSNorm of one head's `width` numbers) multiplies the normalized numbers by: its
+    weight, 1 + weight where it has Gemma's unit offset (in float32, as RMSNorm computes it), ones where it has none
+    (nanochat's parameter-free norms; times 1 is exact)."""
+    if norm.weight is None:
+        return torch.ones(width)
+    if norm.unit_offset:
+        return 1.0 + norm.weight.float()
+    return norm.weight
+
+
+def step_head_norms(attn: CausalSelfAttention) -> native.HeadNorms | None:
+    """`attn`'s q/k norms as the kernels take them, read at every step; None where it has none."""
+    if attn.qk_norm is None:
+        return None
+    norms = attn.qk_norm
+    q, k = (head_norm_weight(norm, attn.head_dim) for norm in (norms.q_norm, norms.k_norm))
+    return native.HeadNorms(q, k, norms.q_norm.eps)
+
+
 def cache_slot(cache: OneCallCache, layer: int) -> native.CacheSlot:
     """What the kernels' decode step of layer `layer` reads and writes in `cache` (after a `prepare` that set its
     `decode_slot`: sample.py's KVCache)."""
@@ -76,8 +125,9 @@ def offers_one_call(cache: AttentionCache | None) -> bool:
 
 class NativeAttention(nn.Module):
     """The view's copy of a CausalSelfAttention (`attn`), whose decode steps run in one call through a cache that
-    offers it (`offers_one_call`): the token's keys and values written into the cache and its heads' attention
-    (`native.cached_attention`). Prompts, and caches without it, take the layer's own forward."""
+    offers it (`offers_one_call`): its q and k normalized and rotated where the layer does so, the token's keys and
+    values written into the cache and its heads' attention (`native.cached_attention`). Prompts, and caches without
+    it, take the layer's own forward."""
 
     def __init__(self, attn: CausalSelfAttention):
         super().__init__()
@@ -97,7 +147,14 @@ class NativeAttention(nn.Module):
             return self.attn(x, rot, cache, layer, ve)
         attn = self.attn
         qkv = attn.qkv(x)  # (B, 1, (H + 2 KV) D)
-        y = native.cached_attention(qkv, cache_slot(cache, layer), n_head=self.n_head, scale=self.scale)  # (B, 1, H D)
+        y = native.cached_attention(
+            qkv,
+            cache_slot(cache, layer),
+            n_head=self.n_head,
+            scale=self.scale,
+            angles=step_angles(attn, rot),
+            head_norms=step_head_norms(attn),
+        )  # (B, 1, H D)
         return attn.resid_drop(attn.out_proj(y))
 
 
@@ -126,14 +183,16 @@ class NativeBlock(nn.Module):
     ) -> torch.Tensor:
         if x.size(1) != 1 or x.size(0) > native.max_rows() or not offers_one_call(cache):
             return self.block(x, rot, cache, layer, ve)
-        return native.block_step(x, self.weights(), cache_slot(cache, layer), self.options)  # (B, 1, C)
+        angles = step_angles(block_attention(self.block), rot)
+        return native.block_step(x, self.weights(), cache_slot(cache, layer), self.options, angles)  # (B, 1, C)
 
     def weights(self) -> native.BlockWeights:
         """The block's tensors as the step takes them, read at every step (a module may replace a buffer, an int8
         layer's scales among them)."""
         qkv, attn_out, fc, ffn_out = (matrix_operands(layer) for layer in self.matrices)
         attn_norm, ffn_norm = (native.Norm(norm.weight, norm.bias) for norm in self.norms)
-        return native.BlockWeights(attn_norm, qkv, attn_out, ffn_norm, fc, ffn_out)
+        head_norms = step_head_norms(block_attention(self.block))
+        return native.BlockWeights(attn_norm, qkv, attn_out, ffn_norm, fc, ffn_out, head_norms)
 
 
 def one_call_variant(module: nn.Module) -> type[nn.Module] | None:
@@ -148,11 +207,22 @@ def one_call_variant(module: nn.Module) -> type[nn.Module] | None:
 
 
 def attention_runs_in_one_call(attn: CausalSelfAttention) -> bool:
-    """Whether `native.cached_attention` computes what `attn` does in a decode step: positions added to the embeddings
-    (no rotation of q and k), no norm of q and k, no value embeddings and no sliding window."""
+    """Whether `native.cached_attention` computes what `attn` does in a decode step: q and k rotated as ANGLES knows
+    (or not at all), each head's q and k through an RMSNorm without a bias (Qwen3's QKNorm) or no norm, no value
+    embeddings and no sliding window."""
     return (
-        attn.rotate is AdditivePositions.rotate and attn.qk_norm is None and attn.value_mix is None and not attn.window
+        attn.rotate in ANGLES
+        and (attn.qk_norm is None or head_norms_run_in_one_call(attn.qk_norm))
+        and attn.value_mix is None
+        and not attn.window
     )
+
+
+def head_norms_run_in_one_call(norms: nn.Module) -> bool:
+    """Whether the kernels compute the q/k norms `norms`: a norm over each head (QKNorm, not OLMo 2's over all of q
+    and all of k) whose two norms are RMSNorms without a bias."""
+    pair = (getattr(norms, "q_norm", None), getattr(norms, "k_norm", None))
+    return type(norms) is QKNorm and all(type(norm) is RMSNorm and norm.bias is None for norm in pair)
 
 
 def block_runs_in_one_call(block: Block) -> bool:
@@ -186,10 +256,15 @@ def block_options(block: Block) -> native.BlockOptions:
     )
 
 
+def block_attention(block: nn.Module) -> CausalSelfAttention:
+    """The block's attention layer (in the view, it may already be a NativeAttention around its copy)."""
+    return block.attn.attn if isinstance(block.attn, NativeAttention) else block.attn
+
+
 def block_matrices(block: nn.Module) -> list[nn.Module]:
     """The linear layers whose weights the block step multiplies itself, in its order: qkv, the attention's out_proj,
-    fc and the feed-forward's out_proj (in the view, the attention may already be a NativeAttention around its copy)."""
-    attn = block.attn.attn if isinstance(block.attn, NativeAttention) else block.attn
+    fc and the feed-forward's out_proj."""
+    attn = block_attention(block)
     return [attn.qkv, attn.out_proj, block.ffn.fc, block.ffn.out_proj]
 
 

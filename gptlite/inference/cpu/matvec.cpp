@@ -10,16 +10,22 @@
 //   int8_linear also takes a scale (N, G): each row's K inputs in G groups of K / G, each with its scale,
 //   y[m, n] = sum_k x[m, k] * weight[n, k] * scale[n, k / (K / G)] + bias[n]    (q8_0's blocks, for G = K / 32)
 //
-//   torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head)
+//   torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
+//                                      q_norm, k_norm, head_eps)
 //       qkv (B, 1, (H + 2 KV) D) float32, k_cache and v_cache (B, KV, L, D) -> (B, 1, H D)
 //
 //   A decode step's attention through a KV cache, in one call: the token's keys and values (qkv's last 2 KV D
 //   numbers of each row) written into slot `slot` of the caches, then each of its H query heads attends over the
 //   cache's slots [0, span) that visible (B, >= span) shows (all, where it is None), each key/value head serving
-//   H / KV query heads: out = softmax(scale q . k) v.
+//   H / KV query heads: out = softmax(scale q . k) v. Before that, where they are given, each head's q and k are
+//   normalized (RMSNorm over the head's D numbers times q_norm or k_norm (D), epsilon head_eps: Qwen3's) and then
+//   rotated (RoPE: the head's leading R coordinates, R = cos's width, pairs (i, i + R/2) rotated by their angle,
+//   q' = q cos + rotate_half(q) sin, cos and sin (B or 1, R) the row's position's, as the model's own
+//   RotaryPositions computes them).
 //
 //   torch.ops.gptlite.block_step(x, norms, weights, scales, biases, k_cache, v_cache, slot, span, visible, scale,
-//                                n_head, norm, eps, activation, residual_scale)  x (B, 1, C) float32 -> (B, 1, C)
+//                                n_head, norm, eps, activation, residual_scale, cos, sin, q_norm, k_norm, head_eps)
+//       x (B, 1, C) float32 -> (B, 1, C)
 //
 //   A pre-norm block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)), the attention as
 //   cached_attention's, the norms LayerNorm or RMSNorm, the feed-forward's activation GELU (tanh), squared ReLU,
@@ -544,8 +550,71 @@ void attend(const float* q, const float* k, const float* v, const bool* visible,
     weighted_sum(scores, v, D, S, D, 1.0f / total(sums), out);
 }
 
+// An optional operand of `size` floats: its data, null for None; refused by name (for the operator `op`) unless it
+// is a contiguous (size,) float32 CPU tensor.
+const float* optional_data(const std::optional<at::Tensor>& tensor, int64_t size, const char* name,
+                           const char* op = "gptlite block_step") {
+    if (!tensor.has_value()) {
+        return nullptr;
+    }
+    TORCH_CHECK(tensor->dim() == 1 && tensor->size(0) == size && tensor->is_contiguous() &&
+                    tensor->scalar_type() == at::kFloat && tensor->device().is_cpu(),
+                op, ": ", name, " must be a contiguous (", size, ",) float32 CPU tensor, not ", tensor->sizes());
+    return tensor->data_ptr<float>();
+}
+
+// A head's q or k before it attends: out (D) = x (D) normalized (RMSNorm times `weight`, where it is given), then
+// its leading R coordinates rotated by the angles whose cos and sin are (R) (where they are given; R even, <= D):
+// out[i] = x[i] cos[i] - x[i + R/2] sin[i] and out[i + R/2] = x[i + R/2] cos[i + R/2] + x[i] sin[i + R/2] for
+// i < R/2, rotate_half's pairing; the rest as they are.
+void prepare_head(const float* x, int64_t D, const float* weight, float eps, const float* cos, const float* sin,
+                  int64_t R, float* out) {
+    if (weight != nullptr) {
+        float squares = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            squares += x[d] * x[d];
+        }
+        const float reciprocal = 1.0f / std::sqrt(squares / static_cast<float>(D) + eps);
+        for (int64_t d = 0; d < D; d++) {
+            out[d] = x[d] * reciprocal * weight[d];
+        }
+    } else {
+        std::memcpy(out, x, D * sizeof(float));
+    }
+    if (cos == nullptr) {
+        return;
+    }
+    const int64_t half = R / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float first = out[i];
+        const float second = out[i + half];
+        out[i] = first * cos[i] + -second * sin[i];
+        out[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+}
+
+// A row's angles, cos or sin (B or 1, R) float32, rows contiguous: its data and the stride between rows (0 for one
+// row that every row shares); null for None.
+const float* angles_of(const std::optional<at::Tensor>& angles, int64_t B, int64_t R, int64_t D, const char* name,
+                       int64_t* stride) {
+    *stride = 0;
+    if (!angles.has_value()) {
+        return nullptr;
+    }
+    TORCH_CHECK(angles->dim() == 2 && (angles->size(0) == B || angles->size(0) == 1) && angles->size(1) == R &&
+                    R % 2 == 0 && R <= D && angles->stride(1) == 1 && angles->scalar_type() == at::kFloat &&
+                    angles->device().is_cpu(),
+                "gptlite cached_attention: ", name, " must be a (", B, " or 1, R) float32 CPU tensor, R even and at ",
+                "most the head's ", D, ", rows contiguous, not ", angles->sizes());
+    *stride = angles->size(0) == 1 ? 0 : angles->stride(0);
+    return angles->data_ptr<float>();
+}
+
 at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, int64_t slot,
-                            int64_t span, const std::optional<at::Tensor>& visible, double scale, int64_t n_head) {
+                            int64_t span, const std::optional<at::Tensor>& visible, double scale, int64_t n_head,
+                            const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                            const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                            double head_eps) {
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
                     v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -572,15 +641,39 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
         shown = visible->data_ptr<bool>();
         shown_stride = visible->stride(0);
     }
+    TORCH_CHECK(cos.has_value() == sin.has_value(), "gptlite cached_attention: cos and sin go together");
+    const int64_t R = cos.has_value() ? cos->size(-1) : 0;
+    int64_t cos_stride = 0;
+    int64_t sin_stride = 0;
+    const float* cosines = angles_of(cos, B, R, D, "cos", &cos_stride);
+    const float* sines = angles_of(sin, B, R, D, "sin", &sin_stride);
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "gptlite cached_attention: q_norm and k_norm go together");
+    const float* q_weight = optional_data(q_norm, D, "q_norm", "gptlite cached_attention");
+    const float* k_weight = optional_data(k_norm, D, "k_norm", "gptlite cached_attention");
+    const bool prepared = cosines != nullptr || q_weight != nullptr;  // whether q and k change before they attend
+    const float eps = static_cast<float>(head_eps);
     const float* in = qkv.data_ptr<float>();
     float* keys = k_cache.data_ptr<float>();
     float* values = v_cache.data_ptr<float>();
-    for (int64_t b = 0; b < B; b++) {  // the token's keys and values into the slot
+    for (int64_t b = 0; b < B; b++) {  // the token's keys (normalized and rotated) and values into the slot
+        const float* row = in + b * width;
         for (int64_t g = 0; g < KV; g++) {
-            const float* row = in + b * width;
-            std::memcpy(keys + ((b * KV + g) * L + slot) * D, row + (H + g) * D, D * sizeof(float));
+            float* key = keys + ((b * KV + g) * L + slot) * D;
+            if (prepared) {
+                prepare_head(row + (H + g) * D, D, k_weight, eps, cosines + b * cos_stride, sines + b * sin_stride, R,
+                             key);
+            } else {
+                std::memcpy(key, row + (H + g) * D, D * sizeof(float));
+            }
             std::memcpy(values + ((b * KV + g) * L + slot) * D, row + (H + KV + g) * D, D * sizeof(float));
         }
+    }
+    // the queries: qkv's own numbers, or each head's normalized and rotated into `queries` (B, H, D)
+    std::vector<float> queries(prepared ? B * H * D : 0);
+    for (int64_t i = 0; prepared && i < B * H; i++) {
+        const int64_t b = i / H;
+        prepare_head(in + b * width + (i % H) * D, D, q_weight, eps, cosines + b * cos_stride, sines + b * sin_stride,
+                     R, queries.data() + i * D);
     }
     at::Tensor out = at::empty({B, 1, H * D}, qkv.options());
     float* outs = out.data_ptr<float>();
@@ -592,7 +685,8 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
             const int64_t b = i / H;
             const int64_t h = i % H;
             const int64_t g = h / group;
-            attend(in + b * width + h * D, keys + (b * KV + g) * L * D, values + (b * KV + g) * L * D,
+            const float* query = prepared ? queries.data() + i * D : in + b * width + h * D;
+            attend(query, keys + (b * KV + g) * L * D, values + (b * KV + g) * L * D,
                    shown == nullptr ? nullptr : shown + b * shown_stride, span, D, static_cast<float>(scale),
                    scores.data(), outs + i * D);
         }
@@ -726,17 +820,6 @@ void add_scaled(float* stream, const float* branch, int64_t n, float alpha) {
     }
 }
 
-const float* optional_data(const std::optional<at::Tensor>& tensor, int64_t size, const char* name) {
-    if (!tensor.has_value()) {
-        return nullptr;
-    }
-    TORCH_CHECK(tensor->dim() == 1 && tensor->size(0) == size && tensor->is_contiguous() &&
-                    tensor->scalar_type() == at::kFloat && tensor->device().is_cpu(),
-                "gptlite block_step: ", name, " must be a contiguous (", size, ",) float32 CPU tensor, not ",
-                tensor->sizes());
-    return tensor->data_ptr<float>();
-}
-
 // One of the block's four matrices: a contiguous (rows, columns) weight, float32, or int8 with one float32 scale per
 // row, whose input width the kernels take.
 struct Matrix {
@@ -788,14 +871,17 @@ void multiply(const Matrix& matrix, const float* x, int64_t M, const float* bias
 // norms: the attention's norm's weight and bias, then the feed-forward's (each None where the norm has none);
 // weights: qkv (Q, C), the attention's out_proj (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F), each
 // float32, or int8 with its scales (one per row) in `scales` (None for a float32 one); biases: theirs, in that
-// order, each None where the layer has none. What gptlite.model's Block computes with its attention and
-// feed-forward, without the module and operator calls between its matrices.
+// order, each None where the layer has none; cos, sin, q_norm, k_norm and head_eps: the attention's rotation and
+// q/k norms (cached_attention's). What gptlite.model's Block computes with its attention and feed-forward, without
+// the module and operator calls between its matrices.
 at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& norms, at::TensorList weights,
                       const c10::List<std::optional<at::Tensor>>& scales,
                       const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& k_cache, at::Tensor& v_cache,
                       int64_t slot, int64_t span, const std::optional<at::Tensor>& visible, double scale,
                       int64_t n_head, c10::string_view norm_name, double eps, c10::string_view activation_name,
-                      double residual_scale) {
+                      double residual_scale, const std::optional<at::Tensor>& cos,
+                      const std::optional<at::Tensor>& sin, const std::optional<at::Tensor>& q_norm,
+                      const std::optional<at::Tensor>& k_norm, double head_eps) {
     TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "gptlite block_step: x must be a (B, 1, C) float32 CPU tensor, not ", x.sizes());
     TORCH_CHECK(norms.size() == 4 && weights.size() == 4 && scales.size() == 4 && biases.size() == 4,
@@ -834,7 +920,8 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     }
     at::Tensor qkv = at::empty({B, 1, Q}, x.options());
     multiply(qkv_weight, normed.data(), B, qkv_bias, qkv.data_ptr<float>());
-    const at::Tensor heads = cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head);  // (B, 1, H D)
+    const at::Tensor heads = cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
+                                              q_norm, k_norm, head_eps);  // (B, 1, H D)
     TORCH_CHECK(heads.size(2) == HD, "gptlite block_step: the attention's out_proj takes ", HD, " inputs, its ",
                 n_head, " heads give ", heads.size(2));
     multiply(attn_weight, heads.data_ptr<float>(), B, attn_bias, branch.data());
@@ -929,11 +1016,13 @@ TORCH_LIBRARY(gptlite, m) {
     m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
     m.def(
         "cached_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, "
-        "float scale, int n_head) -> Tensor");
+        "float scale, int n_head, Tensor? cos=None, Tensor? sin=None, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float head_eps=0.0) -> Tensor");
     m.def(
         "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, "
-        "str norm, float eps, str activation, float residual_scale) -> Tensor");
+        "str norm, float eps, str activation, float residual_scale, Tensor? cos=None, Tensor? sin=None, "
+        "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");
     m.def("constants() -> Dict(str, int)", &gptlite::constants);  // no tensor to dispatch on: one kernel for all
 }

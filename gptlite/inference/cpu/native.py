@@ -256,7 +256,7 @@ def register_shapes() -> None:
     def product(x: torch.Tensor, weight: torch.Tensor, *scale_and_bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.size(0))  # (..., N), whatever the scale and bias
 
-    def attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head: int) -> torch.Tensor:
+    def attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head: int, *head_operands) -> torch.Tensor:
         return qkv.new_empty(qkv.size(0), 1, n_head * k_cache.size(3))  # (B, 1, H D)
 
     def block(x: torch.Tensor, *operands) -> torch.Tensor:
@@ -318,12 +318,54 @@ class CacheSlot(NamedTuple):
     visible: torch.Tensor | None  # (B, L) bool, which slots each row sees; None where it sees every one
 
 
-def cached_attention(qkv: torch.Tensor, cache: CacheSlot, *, n_head: int, scale: float) -> torch.Tensor:
+class Angles(NamedTuple):
+    """RoPE's angles at each row's position, as the model's RotaryPositions computes them (its scaling, its base and
+    direction, its attention factor all in the numbers): the leading R coordinates of every head's q and k are
+    rotated, pairs (i, i + R/2) (rotate_half's)."""
+
+    cos: torch.Tensor  # (B, R) float32, or (1, R) for every row
+    sin: torch.Tensor  # (B, R) or (1, R)
+
+
+class HeadNorms(NamedTuple):
+    """RMSNorm over each head's q and over each head's k (Qwen3's), before the rotation."""
+
+    q: torch.Tensor  # (D,) float32: q's weight (1 + weight for a norm with a unit offset; ones for none)
+    k: torch.Tensor  # (D,) float32: k's
+    eps: float
+
+
+def attention_operands(angles: Angles | None, head_norms: HeadNorms | None) -> list:
+    """The operators' trailing operands of an attention's rotation and q/k norms (cos, sin, q_norm, k_norm, head_eps),
+    each None (and the epsilon 0) where there is none."""
+    cos, sin = angles if angles is not None else (None, None)
+    q_norm, k_norm, eps = head_norms if head_norms is not None else (None, None, 0.0)
+    return [cos, sin, q_norm, k_norm, eps]
+
+
+def cached_attention(
+    qkv: torch.Tensor,
+    cache: CacheSlot,
+    *,
+    n_head: int,
+    scale: float,
+    angles: Angles | None = None,
+    head_norms: HeadNorms | None = None,
+) -> torch.Tensor:
     """A decode step's attention in one call: the token's keys and values, the end of each row of qkv
     (B, 1, (H + 2 KV) D), written into `cache` at its slot, and the n_head query heads attending over the slots it
-    shows, each key/value head serving H / KV of them, scores times `scale` -> (B, 1, H D)."""
+    shows, each key/value head serving H / KV of them, scores times `scale` -> (B, 1, H D). Where given, each head's
+    q and k are first normalized (`head_norms`), then rotated (`angles`); the cache holds the keys so changed."""
     return torch.ops.gptlite.cached_attention(
-        qkv, cache.keys, cache.values, cache.slot, cache.span, cache.visible, scale, n_head
+        qkv,
+        cache.keys,
+        cache.values,
+        cache.slot,
+        cache.span,
+        cache.visible,
+        scale,
+        n_head,
+        *attention_operands(angles, head_norms),
     )
 
 
@@ -352,6 +394,7 @@ class BlockWeights(NamedTuple):
     ffn_norm: Norm
     fc: Matrix  # (F, C), or (2F, C) for a gated activation: rows gate, then value
     ffn_out: Matrix  # (C, F)
+    head_norms: HeadNorms | None = None  # the attention's q/k norms, where it has them
 
 
 class BlockOptions(NamedTuple):
@@ -365,14 +408,19 @@ class BlockOptions(NamedTuple):
     residual_scale: float  # each branch's output is added to the residual stream times this
 
 
-def block_step(x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions) -> torch.Tensor:
+def block_step(
+    x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
+) -> torch.Tensor:
     """A pre-norm block's whole decode step in one call (`BlockWeights`' math, the attention `cached_attention`'s,
-    the token's keys and values written into `cache`): x (B, 1, C) -> (B, 1, C), B at most `max_rows()`."""
-    return torch.ops.gptlite.block_step(*block_step_arguments(x, weights, cache, options))
+    its q and k rotated by `angles` where given, the token's keys and values written into `cache`): x (B, 1, C) ->
+    (B, 1, C), B at most `max_rows()`."""
+    return torch.ops.gptlite.block_step(*block_step_arguments(x, weights, cache, options, angles))
 
 
-def block_step_arguments(x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions) -> list:
-    """The compiled operator's 16 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
+def block_step_arguments(
+    x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
+) -> list:
+    """The compiled operator's 21 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
     operands."""
     norms = [weights.attn_norm.weight, weights.attn_norm.bias, weights.ffn_norm.weight, weights.ffn_norm.bias]
     matrices = (weights.qkv, weights.attn_out, weights.fc, weights.ffn_out)
@@ -393,6 +441,7 @@ def block_step_arguments(x: torch.Tensor, weights: BlockWeights, cache: CacheSlo
         options.eps,
         options.activation,
         options.residual_scale,
+        *attention_operands(angles, weights.head_norms),
     ]
 
 
@@ -631,7 +680,9 @@ def as_float64(operands):
 
 def check_attention(generator: torch.Generator) -> None:
     """cached_attention against `attention_reference`: grouped heads (6 query heads on 2 key/value heads), a width D
-    that is not a multiple of a vector, with and without a mask that hides some slots; the caches written exactly."""
+    that is not a multiple of a vector, with and without a mask that hides some slots, the caches written exactly;
+    and with q/k norms and rotations (every coordinate, each row at its angles; the leading 12, all rows at one
+    row's), the keys written within float32's error."""
     B = 3  # rows
     H = 6  # query heads
     KV = 2  # key/value heads
@@ -649,6 +700,18 @@ def check_attention(generator: torch.Generator) -> None:
         out = cached_attention(qkv, CacheSlot(k_cache, v_cache, slot, slot + 1, shown), n_head=H, scale=0.3)
         assert_as_close_as_float32(out, want32, want64, "cached_attention")
         assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's cache writes"
+    for R, rows in ((D, B), (12, 1)):  # every coordinate rotated, each row at its angles; the leading 12, one row's
+        angles, head_norms = rotary_operands(generator, rows, R, D)
+        want32, keys32, values32 = attention_reference(qkv, *caches, slot, visible, 0.3, H, angles, head_norms)
+        want64, keys64, values64 = attention_reference(
+            *as_float64((qkv, *caches, slot, visible, 0.3, H, angles, head_norms))
+        )
+        k_cache, v_cache = caches.clone()
+        cache = CacheSlot(k_cache, v_cache, slot, slot + 1, visible)
+        out = cached_attention(qkv, cache, n_head=H, scale=0.3, angles=angles, head_norms=head_norms)
+        assert_as_close_as_float32(out, want32, want64, f"cached_attention, {R} coordinates rotated")
+        assert_as_close_as_float32(k_cache, keys32, keys64, f"cached_attention's keys, {R} coordinates rotated")
+        assert torch.equal(v_cache, values32), "cached_attention's values"
 
 
 def attention_reference(
@@ -659,15 +722,26 @@ def attention_reference(
     visible: torch.Tensor | None,
     scale: float,
     n_head: int,
+    angles: Angles | None = None,
+    head_norms: HeadNorms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What cached_attention computes, through PyTorch: copies of the caches (B, KV, L, D) with the token's keys and
     values (the end of each row of qkv (B, 1, (H + 2 KV) D)) written at `slot` by indexing, and SDPA of its n_head
-    query heads over slots 0..slot where visible (B, L) shows them -> (out (B, 1, H D), keys, values)."""
+    query heads over slots 0..slot where visible (B, L) shows them -> (out (B, 1, H D), keys, values); each head's
+    q and k first through F.rms_norm times its weight (`head_norms`), then rotated (`heads_rotated`), where given."""
     B, KV, _, D = k_cache.shape
     q, k, v = qkv.split([n_head * D, KV * D, KV * D], dim=-1)
+    q = q.reshape(B, n_head, D)
+    k = k.reshape(B, KV, D)
+    if head_norms is not None:
+        q = torch.nn.functional.rms_norm(q, (D,), eps=head_norms.eps) * head_norms.q
+        k = torch.nn.functional.rms_norm(k, (D,), eps=head_norms.eps) * head_norms.k
+    if angles is not None:
+        q = heads_rotated(q, angles)
+        k = heads_rotated(k, angles)
     keys = k_cache.clone()
     values = v_cache.clone()
-    keys[:, :, slot] = k.view(B, KV, D)
+    keys[:, :, slot] = k
     values[:, :, slot] = v.view(B, KV, D)
     mask = None if visible is None else visible[:, None, None, : slot + 1]
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -676,10 +750,20 @@ def attention_reference(
     return out.reshape(B, 1, n_head * D), keys, values
 
 
+def heads_rotated(heads: torch.Tensor, angles: Angles) -> torch.Tensor:
+    """heads (B, N, D) with each row's leading R coordinates rotated by its angles (B or 1, R), RoPE's
+    x cos + rotate_half(x) sin over pairs (i, i + R/2), the rest as they are -> (B, N, D)."""
+    R = angles.cos.size(-1)
+    cos, sin = (t.to(heads.dtype)[:, None] for t in angles)  # (B or 1, 1, R)
+    rotated, kept = heads[..., :R], heads[..., R:]
+    first, second = rotated.chunk(2, dim=-1)
+    return torch.cat([rotated * cos + torch.cat([-second, first], dim=-1) * sin, kept], dim=-1)
+
+
 def check_block(generator: torch.Generator) -> None:
     """block_step against `block_reference`: GPT-2's block (LayerNorm, GELU, biases) on 3 rows with a mask hiding
-    some slots, Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale, and GPT-2's
-    on int8 weights."""
+    some slots, Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale, GPT-2's
+    on int8 weights, and Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles."""
     cases = [
         (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0, False),
         (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5, False),
@@ -689,17 +773,26 @@ def check_block(generator: torch.Generator) -> None:
         x, weights, cache = block_operands(generator, B, H, KV, 16, 48, norm, activation, biased, int8)
         options = BlockOptions(norm, 1e-5, activation, H, 0.25, residual_scale)
         assert_block_step_close(x, weights, cache, options, f"{norm}, {activation}")
+    x, weights, cache = block_operands(generator, 3, 6, 2, 16, 48, "rmsnorm", "silu_gate", False)
+    angles, head_norms = rotary_operands(generator, 3, 16, 16)
+    options = BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0)
+    assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "Qwen3's", angles)
 
 
 def assert_block_step_close(
-    x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, what: str
+    x: torch.Tensor,
+    weights: BlockWeights,
+    cache: CacheSlot,
+    options: BlockOptions,
+    what: str,
+    angles: Angles | None = None,
 ) -> None:
-    """AssertionError naming `what` where block_step on `block_operands`' (x, weights, cache) (it writes the cache)
-    gives another output or other keys and values than `block_reference` computes, within float32's error
-    (`assert_as_close_as_float32`: the reference in float32 and in float64)."""
-    want32, keys32, values32 = block_reference(x, weights, cache, options)
-    want64, keys64, values64 = block_reference(*as_float64((x, weights, cache)), options)
-    got = block_step(x, weights, cache, options)
+    """AssertionError naming `what` where block_step on `block_operands`' (x, weights, cache) (it writes the cache),
+    its q and k rotated by `angles` where given, gives another output or other keys and values than `block_reference`
+    computes, within float32's error (`assert_as_close_as_float32`: the reference in float32 and in float64)."""
+    want32, keys32, values32 = block_reference(x, weights, cache, options, angles)
+    want64, keys64, values64 = block_reference(*as_float64((x, weights, cache)), options, as_float64(angles))
+    got = block_step(x, weights, cache, options, angles)
     assert_as_close_as_float32(got, want32, want64, f"block_step ({what})")
     assert_as_close_as_float32(cache.keys, keys32, keys64, f"block_step's keys ({what})")  # written in place
     assert_as_close_as_float32(cache.values, values32, values64, f"block_step's values ({what})")
@@ -751,8 +844,19 @@ def block_operands(
     return random(B, 1, C), block, CacheSlot(k_cache.clone(), v_cache.clone(), slot, slot + 1, visible)
 
 
+def rotary_operands(generator: torch.Generator, B: int, R: int, D: int) -> tuple[Angles, HeadNorms]:
+    """Random angles of B rows (B, R) (1 for one row that all share) and q/k norm weights of D, as a rotary block with
+    Qwen3's norms of q and k has them: (angles, head norms)."""
+    angle = torch.rand(B, R // 2, generator=generator) * 40  # (B, R/2): positions times frequencies
+    # the pairs' second coordinates at other angles than their first (RoPE's are the same): a kernel that reads one
+    # coordinate's cos or sin for the other's is caught
+    angle = torch.cat([angle, angle * 0.5], dim=-1)  # (B, R)
+    weights = 1 + torch.randn(2, D, generator=generator) * 0.3
+    return Angles(angle.cos(), angle.sin()), HeadNorms(weights[0], weights[1], 1e-6)
+
+
 def block_reference(
-    x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions
+    x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What block_step computes, through PyTorch's own operators: x (B, 1, C) + residual_scale times the attention
     branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch, an int8
@@ -784,7 +888,15 @@ def block_reference(
 
     qkv = linear(normalize(x, weights.attn_norm), weights.qkv)  # (B, 1, (H + 2 KV) D)
     heads, keys, values = attention_reference(
-        qkv, cache.keys, cache.values, cache.slot, cache.visible, options.scale, options.n_head
+        qkv,
+        cache.keys,
+        cache.values,
+        cache.slot,
+        cache.visible,
+        options.scale,
+        options.n_head,
+        angles,
+        weights.head_norms,
     )  # (B, 1, H D)
     x = x + options.residual_scale * linear(heads, weights.attn_out)
     hidden = linear(normalize(x, weights.ffn_norm), weights.fc)  # (B, 1, F or 2F)

@@ -15,7 +15,15 @@ from tests.conftest import tiny_model
 MODELS = {
     "gpt2": {"pos_emb": "learned", "norm": "layernorm", "ffn": "gelu", "bias": True},
     "llama-like, gqa": {"norm": "rmsnorm", "ffn": "swiglu", "n_kv_head": 2, "pos_emb": "sinusoidal"},
-    "rope (PyTorch's attention)": {"norm": "rmsnorm", "ffn": "swiglu", "pos_emb": "rope"},
+    "llama: rope, gqa": {"norm": "rmsnorm", "ffn": "swiglu", "pos_emb": "rope", "n_kv_head": 2},
+    "qwen3: rope, gqa, q/k norms": {
+        "norm": "rmsnorm",
+        "ffn": "swiglu",
+        "pos_emb": "rope",
+        "n_kv_head": 2,
+        "qk_norm": True,
+    },
+    "olmo 2 (PyTorch's attention)": {"norm": "rmsnorm", "pos_emb": "rope", "qk_norm": True, "qk_norm_scope": "all"},
 }
 
 
@@ -60,7 +68,7 @@ def test_the_view_leaves_the_model_untouched_and_decodes_its_tokens(monkeypatch,
     own = {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
     assert all(id(tensor) in own for tensor in [*view.parameters(), *view.buffers()])
     one_call = [type(block) for block in view.blocks]
-    if overrides.get("pos_emb") == "rope":  # rotary positions: the model's own attention and blocks
+    if overrides.get("qk_norm_scope") == "all":  # norms over all of q and k: the model's own attention and blocks
         assert not any(issubclass(kind, (NativeAttention, NativeBlock)) for kind in one_call)
     elif kernel == "native":  # each matrix on the compiled kernel: each block's step in one call
         assert all(issubclass(kind, NativeBlock) for kind in one_call)

@@ -246,6 +246,35 @@ def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
         assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
 
 
+@pytest.mark.parametrize("H, KV, D", [(4, 4, 64), (6, 2, 20), (2, 1, 8)])
+@pytest.mark.parametrize("rotated, rows_angles", [("all", 3), ("all", 1), ("half", 3)])
+@pytest.mark.parametrize("normed", [True, False])
+def test_cached_attention_normalizes_and_rotates_q_and_k(ops, H, KV, D, rotated, rows_angles, normed):
+    """With q/k norms (each head's RMSNorm times its weight) and RoPE's angles (every coordinate, or the leading half;
+    each row at its own angles, or one row's for all), the heads' output and the keys written are those of the math
+    through PyTorch (`native.attention_reference`), within float32's error; the values land as they are."""
+    generator = torch.Generator().manual_seed(H * 100 + D + rows_angles)
+    B = 3
+    L = 50
+    slot = 33
+    R = D if rotated == "all" else D // 2
+    qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
+    caches = torch.randn(2, B, KV, L, D, generator=generator)
+    visible = torch.rand(B, L, generator=generator) < 0.6
+    visible[:, slot] = True
+    angles, head_norms = native.rotary_operands(generator, rows_angles, R, D)
+    head_norms = head_norms if normed else None
+    operands = (qkv, *caches, slot, visible, 0.2, H, angles, head_norms)
+    want, keys, values = native.attention_reference(*operands)
+    want64, keys64, _ = native.attention_reference(*native.as_float64(operands))
+    k_cache, v_cache = caches.clone()
+    cache = native.CacheSlot(k_cache, v_cache, slot, slot + 1, visible)
+    got = native.cached_attention(qkv, cache, n_head=H, scale=0.2, angles=angles, head_norms=head_norms)
+    native.assert_as_close_as_float32(got, want, want64, "cached_attention")
+    native.assert_as_close_as_float32(k_cache, keys, keys64, "cached_attention's keys")
+    assert torch.equal(v_cache, values)
+
+
 def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
     k_cache = torch.zeros(1, 2, 8, 16)
     with pytest.raises(RuntimeError, match=r"qkv must be a contiguous \(1, 1, 128\) float32"):
@@ -307,7 +336,7 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     options = native.BlockOptions("layernorm", 1e-5, "gelu_tanh", 4, 0.3, 1.0)
     given = native.block_step_arguments(x, weights, cache, options)
     names = ("x", "norms", "weights", "scales", "biases", "k_cache", "v_cache", "slot", "span", "visible", "scale")
-    names += ("n_head", "norm", "eps", "activation", "residual_scale")
+    names += ("n_head", "norm", "eps", "activation", "residual_scale", "cos", "sin", "q_norm", "k_norm", "head_eps")
     assert len(given) == len(names)
     given = dict(zip(names, given, strict=True))
     weights = given["weights"]
@@ -336,6 +365,17 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
         step(weights=[codes, *weights[1:]], scales=[torch.ones(192, 6), *scales[1:]])
     with pytest.raises(RuntimeError, match="gptlite cached_attention: slot 40 and span 41 in a cache of 40"):
         step(slot=40, span=41)
+    angle = torch.zeros(1, 16)
+    with pytest.raises(RuntimeError, match="cos and sin go together"):
+        step(cos=angle)
+    with pytest.raises(RuntimeError, match=r"cos must be a \(1 or 1, R\) float32 CPU tensor, R even and at most the "):
+        step(cos=torch.zeros(1, 15), sin=torch.zeros(1, 15))
+    with pytest.raises(RuntimeError, match=r"sin must be a \(1 or 1, R\) float32 CPU tensor"):
+        step(cos=angle, sin=angle.double())
+    with pytest.raises(RuntimeError, match="q_norm and k_norm go together"):
+        step(q_norm=torch.ones(16))
+    with pytest.raises(RuntimeError, match=r"gptlite cached_attention: k_norm must be a contiguous \(16,\) float32"):
+        step(q_norm=torch.ones(16), k_norm=torch.ones(12))
 
 
 @pytest.mark.parametrize("V", [1, 5, 16, 50257, 50304])
@@ -368,6 +408,33 @@ BLOCK_MODELS = {
     "llama-like, gqa": {"norm": "rmsnorm", "ffn": "swiglu", "n_kv_head": 2, "pos_emb": "sinusoidal"},
     "relu2, parameter-free norms": {"norm": "rmsnorm", "norm_weight": False, "ffn": "relu2"},
     "geglu, granite's scales": {"ffn": "geglu", "residual_scale": 0.5, "attn_scale": 0.1},
+    "llama: rope, gqa": {"norm": "rmsnorm", "ffn": "swiglu", "n_kv_head": 2, "pos_emb": "rope"},
+    "qwen3: rope, q/k norms": {"norm": "rmsnorm", "ffn": "swiglu", "n_kv_head": 2, "pos_emb": "rope", "qk_norm": True},
+    "phi-4-mini: partial rope": {"norm": "rmsnorm", "ffn": "swiglu", "pos_emb": "rope", "rope_dims": 4},
+    "llama 3.1: rope scaling": {
+        "norm": "rmsnorm",
+        "ffn": "swiglu",
+        "pos_emb": "rope",
+        "rope_scaling": "llama3",
+        "rope_original_context": 8,
+        "rope_factor": 4.0,
+    },
+    "phi-3: longrope": {
+        "pos_emb": "rope",
+        "rope_scaling": "longrope",
+        "rope_original_context": 32,
+        "rope_short_factor": "1.0,1.5,2.0,3.0",
+        "rope_attention_factor": 1.2,
+    },
+    "nanochat: reversed rope, parameter-free q/k norms": {
+        "norm": "rmsnorm",
+        "norm_weight": False,
+        "ffn": "relu2",
+        "pos_emb": "rope",
+        "rope_reverse": True,
+        "qk_norm": True,
+    },
+    "smollm3: nope layers": {"pos_emb": "rope", "nope_layers": "1", "n_kv_head": 2},
 }
 
 
@@ -390,8 +457,8 @@ def test_native_blocks_decode_an_int8_model_as_its_own_blocks_do(ops, monkeypatc
     from tests.conftest import tiny_model
 
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")
-    for overrides in (BLOCK_MODELS["gpt2"], BLOCK_MODELS["llama-like, gqa"]):
-        decodes_as_its_own_blocks(tiny_model(**overrides).quantize("int8"))
+    for name in ("gpt2", "llama-like, gqa", "llama: rope, gqa", "qwen3: rope, q/k norms"):
+        decodes_as_its_own_blocks(tiny_model(**BLOCK_MODELS[name]).quantize("int8"))
 
 
 def decodes_as_its_own_blocks(model) -> None:
@@ -452,7 +519,7 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
     assert one_call_variant(tiny_model().blocks[0]) is NativeBlock
     assert kinds(tiny_model()) == ["NativeBlock", "NativeBlock"]
     for overrides in (
-        {"pos_emb": "rope"},
+        {"pos_emb": "rope", "qk_norm": True, "qk_norm_scope": "all"},
         {"norm_position": "post"},
         {"norm": "rmsnorm", "norm_unit_offset": True},
     ):
@@ -473,8 +540,9 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
 
 
 def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
-    """Rotary positions, norms of q and k, and sliding windows are the model's attention's to compute: their layers
-    stay CausalSelfAttention in the view."""
+    """Norms over all of q and all of k (OLMo 2's), sliding windows and value embeddings are the model's attention's to
+    compute: their layers stay CausalSelfAttention in the view. Rotary layers (whole, partial, nanochat's reversed,
+    Gemma 3's global) and Qwen3's q/k norms over each head are the kernels'."""
     from gptlite.inference.cpu.blocks import NativeAttention, one_call_variant
     from gptlite.inference.cpu.decode import packed_for_cpu
     from tests.conftest import tiny_model
@@ -483,8 +551,16 @@ def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
     assert one_call_variant(tiny_model().blocks[0].ffn) is None
     for overrides in (
         {"pos_emb": "rope"},
+        {"pos_emb": "rope", "rope_dims": 4},
+        {"pos_emb": "rope", "rope_reverse": True},
         {"qk_norm": True},
+        {"pos_emb": "rope", "sliding_window": 4, "window_layers": "0", "rope_local_theta": 100.0},  # layer 1: global
+    ):
+        assert one_call_variant(tiny_model(**overrides).blocks[-1].attn) is NativeAttention, overrides
+    for overrides in (
+        {"qk_norm": True, "qk_norm_scope": "all"},
         {"sliding_window": 4, "window_layers": "0"},
+        {"value_embeds": True},
     ):
         model = tiny_model(**overrides)
         view = packed_for_cpu(model, 1)
@@ -515,10 +591,10 @@ def test_the_float32_tolerances_catch_one_wrong_term(ops, monkeypatch):
 
     step = native.block_step
 
-    def wrong_index(x, weights, cache, options):
+    def wrong_index(x, weights, cache, options, angles=None):
         fc = weights.fc.weight.clone()
         fc[:, 5] = fc[:, 6]  # the feed-forward's weight of the next input
-        return step(x, weights._replace(fc=weights.fc._replace(weight=fc)), cache, options)
+        return step(x, weights._replace(fc=weights.fc._replace(weight=fc)), cache, options, angles)
 
     options = native.BlockOptions("rmsnorm", 1e-5, "silu_gate", 4, 0.3, 0.7)
     x, weights, cache = native.block_operands(generator, 3, 4, 2, 16, 80, "rmsnorm", "silu_gate", False)
