@@ -144,7 +144,7 @@ def test_each_way_of_training_checks_its_own_options():
     """LoRA's, DPO's and RL's rules sit beside those ways of training (gptlite.train.lora, .preference, .rl), which
     gptlite.config does not import; the run is resolved through them, all problems together as TrainConfig's own."""
     from gptlite.train.run_config import check_training_options, resolve_config
-    from tests.test_imports import import_graph
+    from tests.test_gptlite import import_graph
 
     assert not {name for name in import_graph()["gptlite.config"] if name.startswith("gptlite.train")}
     cfg = TrainConfig(rl=True, dpo_beta=0.0, lora_rank=0)  # the config alone knows no objective

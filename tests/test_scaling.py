@@ -664,16 +664,16 @@ def test_the_probe_times_the_training_loss_and_stops_at_its_time(monkeypatch):
     """The probe's steps compute the loss as train.py does (chunked: no logits returned), and once its measured
     steps have taken `seconds` it stops: here after the warm-up and one measured step of the 10 asked for; then
     forwards as the evaluation scores a batch, per token, without gradients: one to warm up and three timed."""
-    from gptlite.gpt import GPT
+    from gptlite.model.network import Transformer
 
     calls = []
-    forward = GPT.forward
+    forward = Transformer.forward
 
     def counted(self, idx, targets=None, reduction="mean", return_logits=True):
         calls.append(return_logits)
         return forward(self, idx, targets, reduction, return_logits)
 
-    monkeypatch.setattr(GPT, "forward", counted)
+    monkeypatch.setattr(Transformer, "forward", counted)  # the probe builds the network alone
     probe = Probe(recipe(24, 65, steps=100), "cpu")
     step_s = probe.step_seconds(steps=10, seconds=0.0)
     eval_s = probe.eval_seconds_per_token()
@@ -685,17 +685,17 @@ def test_the_probe_takes_the_fastest_of_its_steps(monkeypatch):
     is the step's time (once the mean of three, of which one slowed tenfold)."""
     from types import SimpleNamespace
 
-    from gptlite.gpt import GPT
+    from gptlite.model.network import Transformer
     from gptlite.scaling import derive as derive_module
 
     clock = SimpleNamespace(now=0.0, took=iter([5.0, 0.9, 0.1, 0.2]))  # the warm-up, then three timed steps
-    forward = GPT.forward
+    forward = Transformer.forward
 
     def timed(self, *args, **kwargs):
         clock.now += next(clock.took)
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(GPT, "forward", timed)
+    monkeypatch.setattr(Transformer, "forward", timed)
     monkeypatch.setattr(derive_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     probe = Probe(recipe(24, 65, steps=100), "cpu")
     assert probe.step_seconds(steps=3, seconds=10.0) == pytest.approx(0.1)
