@@ -126,7 +126,8 @@ class GPT2Family(Family):
         if not config.tie_embeddings:
             yield "output.weight", weight("lm_head.weight")
         for i in range(config.n_layer):
-            ours, theirs = f"blocks.{i}.", f"blk.{i}."
+            ours = f"blocks.{i}."
+            theirs = f"blk.{i}."
             for name, gguf_name, rows in (
                 ("attn_norm", "attn_norm", config.n_embd),
                 ("attn.qkv", "attn_qkv", 3 * config.n_embd),

@@ -78,7 +78,8 @@ class LlamaLayout(Family):
         )
         values.update(self.own_values(c, n_layer, local_rope))
         unsupported = []
-        key, act = self.activation_key, self.activation
+        key = self.activation_key
+        act = self.activation
         if c.get(key, act) != act:
             unsupported.append(f"{key}={c.get(key)!r} (gptlite's {self.architecture} uses {act})")
         unsupported += self.own_unsupported(c, local_rope)
@@ -270,11 +271,14 @@ class LlamaLayout(Family):
         if config.rope_scaling == "llama3":
             yield "rope_freqs.weight", rope_factors(config)
         for i in range(config.n_layer):
-            ours, theirs = f"blocks.{i}.", f"blk.{i}."
-            q_rows, kv_rows = config.n_head * config.head_width, config.kv_heads * config.head_width
+            ours = f"blocks.{i}."
+            theirs = f"blk.{i}."
+            q_rows = config.n_head * config.head_width
+            kv_rows = config.kv_heads * config.head_width
             q, k, v = weight(f"{ours}attn.qkv.weight").split([q_rows, kv_rows, kv_rows])
             if self.gguf_interleaved:
-                q, k = llama_rows(q, config.n_head), llama_rows(k, config.kv_heads)
+                q = llama_rows(q, config.n_head)
+                k = llama_rows(k, config.kv_heads)
             norms = self.gguf_norm_names
             yield f"{theirs}{norms[0]}.weight", norm(f"{ours}attn_norm.weight")
             yield f"{theirs}attn_q.weight", q

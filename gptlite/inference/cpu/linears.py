@@ -26,7 +26,8 @@ class SlabLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, parts: int | None = None):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight = linear.weight
+        self.bias = linear.bias
         weight = linear.weight.detach()
         N, K = weight.shape
         parts = parts or torch.get_num_threads()
@@ -70,7 +71,8 @@ class PlainLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight = linear.weight
+        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
