@@ -285,6 +285,16 @@ class LlamaLayout(Family):
     # -----------------------------------------------------------------------------------------
     # GGUF
 
+    def gguf_problem(self, config: GPTConfig) -> str | None:
+        """YaRN: gptlite writes none of its keys, and llama.cpp would rotate without it."""
+        if config.rope_scaling == "yarn":
+            return (
+                f"gptlite writes llama.cpp's {self.gguf_name} without YaRN's RoPE scaling, and this model has "
+                "rope_scaling='yarn'; export it with python -m gptlite.hf export and convert that directory with "
+                "llama.cpp's convert_hf_to_gguf.py"
+            )
+        return None
+
     def add_hyperparameters(self, writer, config: GPTConfig) -> None:
         writer.add_head_count_kv(config.kv_heads)
         writer.add_layer_norm_rms_eps(config.norm_eps)
@@ -486,6 +496,9 @@ class SmolLM3(LlamaLayout):
         }
 
     def gguf_problem(self, config: GPTConfig) -> str | None:
+        problem = super().gguf_problem(config)
+        if problem:
+            return problem
         # llama.cpp's smollm3 has no key for its NoPE layers: every fourth layer is one
         every_fourth = ",".join(str(i) for i in range(config.n_layer) if (i + 1) % 4 == 0)
         if config.nope_layers.replace(" ", "") != every_fourth:
