@@ -128,21 +128,32 @@ class GPTConfig:
     qk_norm: bool = option(False, "RMSNorm on each head's q and k before the rotation (Qwen3)")
     rope_scaling: str = option(
         "",
-        "RoPE's frequencies scaled as Llama 3.1 does (llama3) or as Phi-3.5/Phi-4-mini do within their original "
-        "context (longrope); '' = none",
-        choices=("", "llama3", "longrope"),
+        "RoPE's frequencies scaled as Llama 3.1 does (llama3), as Phi-3.5/Phi-4-mini do within their original "
+        "context (longrope) or by YaRN (yarn: OLMo 3's global layers, Ministral 3); '' = none",
+        choices=("", "llama3", "longrope", "yarn"),
     )
-    rope_factor: float = option(8.0, "llama3 scaling: how much longer the context than the original")
+    rope_factor: float = option(8.0, "llama3 and yarn scaling: how much longer the context than the original")
     rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original / this are scaled")
     rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original / this are kept")
-    rope_original_context: int = option(8192, "llama3 and longrope scaling: the context the model was first trained on")
+    rope_original_context: int = option(
+        8192, "llama3, longrope and yarn scaling, query_scale_beta: the context the model was first trained on"
+    )
     rope_short_factor: str = option(
         "", "longrope: the comma-separated divisors of RoPE's frequencies within the original context, one per pair"
     )
     rope_long_factor: str = option(
         "", "longrope: those past the original context (kept for the export; gptlite stays within that context)"
     )
-    rope_attention_factor: float = option(1.0, "longrope: RoPE's cos and sin are multiplied by this")
+    rope_attention_factor: float = option(1.0, "longrope and yarn: RoPE's cos and sin are multiplied by this")
+    rope_beta_fast: float = option(
+        32.0, "yarn: frequencies turning more than this often in the original context are kept"
+    )
+    rope_beta_slow: float = option(1.0, "yarn: those turning less often than this are divided by rope_factor")
+    query_scale_beta: float = option(
+        0.0,
+        "> 0: q is multiplied by 1 + this * log(1 + floor(position / rope_original_context)) (Ministral 3's, Llama 4's "
+        "attention temperature); 0 = none",
+    )
     rope_dims: int = option(0, "the leading coordinates of each head that RoPE rotates (0 = all; Phi-4-mini: 3/4)")
     embed_scale: float = option(1.0, "the token embeddings are multiplied by this (Granite's embedding_multiplier)")
     residual_scale: float = option(
@@ -250,6 +261,11 @@ class GPTConfig:
         if self.rope_scaling and self.pos_emb != "rope":
             problems.append(f"rope_scaling={self.rope_scaling!r} needs pos_emb='rope'")
         problems += self._rope_problems()
+        if self.rope_scaling == "yarn" and not (self.rope_factor >= 1 and self.rope_beta_fast > self.rope_beta_slow):
+            problems.append(
+                f"yarn scaling needs rope_factor >= 1 and rope_beta_fast > rope_beta_slow, got {self.rope_factor}, "
+                f"{self.rope_beta_fast}, {self.rope_beta_slow}"
+            )
         if self.rope_scaling == "llama3" and not (
             self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
         ):
@@ -294,6 +310,8 @@ class GPTConfig:
             "rope_factor",
             "rope_low_freq_factor",
             "rope_high_freq_factor",
+            "rope_beta_fast",
+            "rope_beta_slow",
             "embed_scale",
             "residual_scale",
             "logits_scaling",
@@ -310,6 +328,14 @@ class GPTConfig:
             problems.append(f"rope_reverse=true says which way RoPE rotates; pos_emb={self.pos_emb!r} is no RoPE")
         if self.qk_norm_scope == "all" and not self.qk_norm:
             problems.append("qk_norm_scope='all' says how qk_norm normalises q and k; it needs qk_norm=true")
+        beta = self.query_scale_beta
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0:
+            problems.append(f"query_scale_beta={beta!r} must be a number >= 0 (0 = none)")
+        elif beta and (self.pos_emb != "rope" or self.rope_dims or self.rope_local_theta):
+            problems.append(
+                f"query_scale_beta={beta} scales q by its RoPE position; it needs pos_emb='rope' rotating the whole "
+                "head (rope_dims=0) with one base (rope_local_theta=0)"
+            )
         scale = self.attn_scale
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale >= 0:
             problems.append(f"attn_scale={scale!r} must be a number >= 0 (0 = 1 / sqrt(head width))")

@@ -26,6 +26,10 @@ onto gptlite's switches, weight for weight:
                         window_layers) with a RoPE base of their own (rope_local_theta), an optional final soft cap
     GraniteMoeHybridForCausalLM  Granite 4 with every layer attention and no experts: Granite's switches, its shared
                         MLP the feed-forward, RoPE or no positions in any layer (nope_layers)
+    Olmo3ForCausalLM    OLMo 2's switches with local layers attending to a sliding window (sliding_window,
+                        window_layers), the global layers' RoPE scaled by YaRN (rope_scaling="yarn") where it is
+    Ministral3ForCausalLM  Mistral's layout with YaRN and q multiplied by a factor growing with its position
+                        (query_scale_beta); Mistral3ForConditionalGeneration: its text model, the vision tower left out
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

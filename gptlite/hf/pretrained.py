@@ -4,6 +4,7 @@ state dict, tensor by tensor (GPT.from_pretrained builds the model from them), a
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import torch
@@ -92,7 +93,14 @@ def to_gptlite(
     """A transformers checkpoint -> gptlite's state dict for a model of `config`, read and converted tensor by
     tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights, and weights of a dtype a model
     cannot hold (integers, booleans: cast, they would train and run as nonsense), before any is read."""
-    names = {n.removeprefix(family.prefix): n for n in weights.names()}  # the Hub's gpt2 has no prefix
+    left_out = {n for n in weights.names() if family.left_out and n.startswith(family.left_out)}
+    if left_out:  # a vision-language checkpoint's vision tower: gptlite holds its text model alone
+        print(
+            f"note: {weights.directory} is a {family.architecture}: its text model is read, and its "
+            f"{len(left_out)} weights under {', '.join(family.left_out)} (the vision tower and projector) left out",
+            file=sys.stderr,
+        )
+    names = {n.removeprefix(family.prefix): n for n in weights.names() if n not in left_out}  # the Hub's gpt2: none
     for name in names.values():
         dtype_ = weights.dtype(name)
         if not dtype_.is_floating_point and not name.endswith(BUFFERS):
@@ -180,7 +188,7 @@ def load_pretrained(
     directory = checkpoint_dir(name_or_dir)
     family, config, window = read_config(directory)
     config = _override(config, overrides, name_or_dir, window)
-    return config, to_gptlite(family, Weights(directory), config, dtype), family.architecture
+    return config, to_gptlite(family, Weights(directory), config, dtype), family.exports_as(config)
 
 
 def fingerprint(name_or_dir: str) -> str:

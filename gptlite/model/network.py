@@ -11,7 +11,8 @@ Each variant is one module class, picked once from a registry when the model is 
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
-(qk_norm), Llama 3's RoPE scaling (rope_scaling="llama3"); Granite's multipliers (embed_scale, residual_scale,
+(qk_norm), Llama 3's and YaRN's RoPE scaling (rope_scaling="llama3", "yarn"), q scaled by its position
+(query_scale_beta: Ministral 3); Granite's multipliers (embed_scale, residual_scale,
 attn_scale, logits_scaling), SmolLM3's layers without positions (nope_layers), nanochat's parameter-free norms
 (norm_weight=False), norm of the embeddings (embed_norm) and RoPE direction (rope_reverse), Gemma's norms scaling by
 1 + weight (norm_unit_offset) and its layers attending to a sliding window (sliding_window, window_layers). Each is
@@ -131,6 +132,9 @@ class RotaryPositions(nn.Module):
         if config.rope_scaling == "longrope":
             inv_freq = 1.0 / (torch.tensor([float(f) for f in config.rope_short_factor.split(",")]) * powers)
             self.attention_factor = config.rope_attention_factor
+        if config.rope_scaling == "yarn":
+            inv_freq = yarn_scaled(inv_freq, config)
+            self.attention_factor = config.rope_attention_factor
         if config.rope_reverse:  # nanochat rotates by -angle: cos is the same, sin changes sign
             inv_freq = -inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -190,9 +194,40 @@ class DualRotaryPositions(RotaryPositions):
         return RotaryPositions.rotate(q, k, rot[1])
 
 
+class TemperedRotaryPositions(RotaryPositions):
+    """RoPE, and q multiplied by a factor that grows with the position: 1 + beta * log(1 + floor(pos / L)), beta
+    query_scale_beta and L rope_original_context (Llama 4's attention temperature tuning, as Ministral 3 has it), so
+    that attention stays sharp over contexts many times the original one. `rotation` gives the angles and each
+    position's factor, ((cos, sin), factor), and `rotate_tempered` applies both."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.beta = config.query_scale_beta
+        self.length = config.rope_original_context
+
+    def rotation(self, pos: torch.Tensor) -> Rotation:
+        factor = 1 + self.beta * torch.log1p(torch.floor(pos.float() / self.length))  # (T,) or (B, T)
+        return super().rotation(pos), factor[..., None]  # (T, 1) or (B, T, 1)
+
+    @staticmethod
+    def rotate_tempered(q: torch.Tensor, k: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, H, T, D) rotated, and q then multiplied by its position's factor (in q's dtype, as
+        transformers' Ministral 3 does)."""
+        angles, factor = rot
+        q, k = RotaryPositions.rotate(q, k, angles)
+        if factor.dim() == 3:  # per-row positions (B, T, 1): the same factor for every head
+            factor = factor[:, None]  # (B, 1, T, 1)
+        return q * factor.to(q.dtype), k
+
+
 def positions(config: GPTConfig) -> nn.Module:
-    """The model's positions module: POSITIONS' choice, or RoPE with a second base for the window layers."""
-    return DualRotaryPositions(config) if config.rope_local_theta else POSITIONS[config.pos_emb](config)
+    """The model's positions module: POSITIONS' choice, RoPE with a second base for the window layers, or RoPE with
+    q's position-dependent factor (query_scale_beta)."""
+    if config.rope_local_theta:
+        return DualRotaryPositions(config)
+    if config.query_scale_beta:
+        return TemperedRotaryPositions(config)
+    return POSITIONS[config.pos_emb](config)
 
 
 def llama3_scaled(inv_freq: torch.Tensor, config: GPTConfig) -> torch.Tensor:
@@ -206,6 +241,27 @@ def llama3_scaled(inv_freq: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     blended = (1 - smooth) * slow / config.rope_factor + smooth * slow
     between = (wavelen >= config.rope_original_context / high) & (wavelen <= config.rope_original_context / low)
     return torch.where(between, blended, slow)
+
+
+def yarn_scaled(inv_freq: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """YaRN's RoPE scaling (Peng et al., 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
+    section 3.2, as transformers' rope_type "yarn" computes it): frequencies that turn more than rope_beta_fast
+    times within the original context are kept, those turning fewer than rope_beta_slow times divided by rope_factor,
+    and a linear ramp over the pairs between (its ends rounded outwards, transformers' truncate); (D/2,) -> (D/2,)."""
+    D = 2 * inv_freq.numel()
+    base = config.rope_theta
+    original = config.rope_original_context
+
+    def pair_turning(turns: float) -> float:
+        """The pair index (fractional) whose frequency turns `turns` times within the original context."""
+        return D * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_turning(config.rope_beta_fast)), 0)
+    high = min(math.ceil(pair_turning(config.rope_beta_slow)), D - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a ramp of no width
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # (D/2,): 0 kept, 1 divided
+    return inv_freq / config.rope_factor * ramp + inv_freq * (1 - ramp)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -290,6 +346,8 @@ class CausalSelfAttention(nn.Module):
             self.rotate = AdditivePositions.rotate
         elif config.rope_local_theta:
             self.rotate = DualRotaryPositions.rotate_local if local else DualRotaryPositions.rotate_global
+        elif config.query_scale_beta:
+            self.rotate = TemperedRotaryPositions.rotate_tempered
         self.window = config.sliding_window if local else 0  # Gemma 3's local layers see the last `window` positions
         # value_embeds: v <- value_mix[0] v + value_mix[1] ve, ve this layer's embedding of the tokens (GPT.value_emb)
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_embeds else None

@@ -54,6 +54,29 @@ GRANITE4 = dict(  # GraniteMoeHybridConfig's: attention layers only, no experts,
     attention_multiplier=0.2,
     logits_scaling=2.5,
 )
+OLMO3_YARN = {  # the long-context OLMo 3's kind: YaRN in the global layers alone, past an original context of 16
+    "full_attention": {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "attention_factor": 1.2,
+        "beta_fast": 8.0,
+    },
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+# Ministral 3's RoPE: YaRN and q's factor 1 + 0.5 log(1 + floor(position / 16)), past an original context of 16
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1e4,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 8.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.5,
+}
 FAMILIES = {  # name -> (transformers class, its config)
     "llama-gqa": (
         transformers.LlamaForCausalLM,
@@ -156,9 +179,43 @@ FAMILIES = {  # name -> (transformers class, its config)
             tie_word_embeddings=True,
         ),
     ),
+    "olmo3": (  # a window of 8, three local layers to one global (transformers' default layer_types)
+        transformers.Olmo3ForCausalLM,
+        transformers.Olmo3Config(
+            **{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False
+        ),
+    ),
+    "olmo3-yarn": (
+        transformers.Olmo3ForCausalLM,
+        transformers.Olmo3Config(
+            **COMMON,
+            num_key_value_heads=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=OLMO3_YARN,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "ministral3": (
+        transformers.Ministral3ForCausalLM,
+        transformers.Ministral3Config(
+            **COMMON, num_key_value_heads=2, head_dim=16, rope_parameters=MINISTRAL3_ROPE, tie_word_embeddings=False
+        ),
+    ),
 }
 # issue 73's: train.py --init_from with learning rate 0 too
-NEW_FAMILIES = ["granite", "smollm3", "phi3", "phi4-mini", "olmo2", "nanochat", "gemma3", "granite4"]
+NEW_FAMILIES = [
+    "granite",
+    "smollm3",
+    "phi3",
+    "phi4-mini",
+    "olmo2",
+    "nanochat",
+    "gemma3",
+    "granite4",
+    "olmo3",
+    "ministral3",
+]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -326,6 +383,9 @@ def test_gguf_export_refuses_the_families_it_does_not_write():
     config = GPTConfig(pos_emb="rope", norm="rmsnorm", ffn="relu2", **nanochat)
     with pytest.raises(ValueError, match=r"GGUF export of a NanoChatForCausalLM is not implemented .*convert_hf"):
         gguf_architecture(config)
+    ministral3 = GPTConfig(pos_emb="rope", norm="rmsnorm", ffn="swiglu", query_scale_beta=0.1)
+    with pytest.raises(ValueError, match=r"GGUF export of a Ministral3ForCausalLM is not implemented .*convert_hf"):
+        gguf_architecture(ministral3)
 
 
 @pytest.mark.parametrize(
@@ -414,9 +474,11 @@ def test_nanochat_switches_need_their_layout(values, message):
 
 
 @pytest.mark.device
-def test_gemma3_ragged_prompts_decode_past_the_window_as_each_alone(tmp_path):
-    """Left-padded rows in one batch: each local layer's window counts from the row's own first token."""
-    cls, config = FAMILIES["gemma3"]
+@pytest.mark.parametrize("name", ["gemma3", "olmo3-yarn", "ministral3"])
+def test_gemma3_ragged_prompts_decode_past_the_window_as_each_alone(name, tmp_path):
+    """Left-padded rows in one batch: each local layer's window counts from the row's own first token, and so do
+    YaRN's angles and Ministral 3's factor on q (past its original context of 16)."""
+    cls, config = FAMILIES[name]
     hf = randomized(cls(config)).to(DEVICE)
     hf.save_pretrained(tmp_path)
     ours = GPT.from_pretrained(str(tmp_path)).to(DEVICE)
@@ -428,15 +490,17 @@ def test_gemma3_ragged_prompts_decode_past_the_window_as_each_alone(tmp_path):
         assert list(row) == alone[0].tolist()
 
 
-def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(tmp_path):
-    """The server's continuous batching: rows join and leave one cache; each row's window is its own."""
+@pytest.mark.parametrize("name", ["gemma3", "olmo3-yarn", "ministral3"])
+def test_gemma3_on_the_servers_row_cache_decodes_past_the_window_as_generate(name, tmp_path):
+    """The server's continuous batching: rows join and leave one cache; each row's window (and position) is its
+    own."""
     from gptlite.inference.sampling import GenerationOptions
     from gptlite.serve.engine import Engine, Params
     from gptlite.tokenizer import CharTokenizer
     from tests.helpers.serving import CHARS
     from tests.serve.test_engine import PROMPTS, Collect, greedy
 
-    cls, config = FAMILIES["gemma3"]
+    cls, config = FAMILIES[name]
     randomized(cls(config)).save_pretrained(tmp_path)
     model, tokenizer = GPT.from_pretrained(str(tmp_path)), CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=3).start()
@@ -486,6 +550,15 @@ def test_longrope_stays_within_its_original_context(tmp_path):
         (
             dict(pos_emb="rope", rope_scaling="longrope", rope_short_factor="1,x"),
             r"longrope needs rope_short_factor \(and rope_long_factor\) as comma-separated numbers",
+        ),
+        (
+            dict(pos_emb="rope", rope_scaling="yarn", rope_beta_fast=1.0, rope_beta_slow=2.0),
+            r"yarn scaling needs rope_factor >= 1 and rope_beta_fast > rope_beta_slow, got 8.0, 1.0, 2.0",
+        ),
+        (dict(pos_emb="rope", query_scale_beta=-0.1), r"query_scale_beta=-0.1 must be a number >= 0 \(0 = none\)"),
+        (
+            dict(pos_emb="rope", query_scale_beta=0.1, rope_dims=4),
+            r"query_scale_beta=0.1 scales q by its RoPE position; it needs pos_emb='rope' rotating the whole head",
         ),
     ],
 )
@@ -790,4 +863,55 @@ def test_other_families_numbers_are_checked_too(name, edit, message, tmp_path):
     values = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**values, **edit}))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: {message}"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ministral 3's vision-language checkpoints (issue 86): the text model of a Mistral3ForConditionalGeneration
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_mistral3_vision_checkpoint_loads_its_text_model(tie, tmp_path, capsys):
+    """transformers' AutoModelForCausalLM has no class for a Mistral3Config: the reference is the whole
+    vision-language model's logits on text. The vision weights are left out, said in one line; the model exports as
+    its text model's class (Ministral3ForCausalLM) with the same logits, tied as the top level's
+    tie_word_embeddings says."""
+    _, text = FAMILIES["ministral3"]
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    config = transformers.Mistral3Config(
+        text_config=text.to_dict(), vision_config=vision, image_token_index=V - 1, tie_word_embeddings=tie
+    )
+    hf = randomized(transformers.Mistral3ForConditionalGeneration(config)).eval()
+    hf.save_pretrained(tmp_path / "vl")
+    ours = GPT.from_pretrained(str(tmp_path / "vl"))
+    note = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"note: .*vl is a Mistral3ForConditionalGeneration: its text model is read, and its \d+ weights under "
+        r"vision_tower\., multi_modal_projector\. \(the vision tower and projector\) left out",
+        note,
+    ), note
+    assert ours.config.tie_embeddings is tie
+    text_ids = ids() % (V - 1)  # no image token
+    with torch.no_grad():
+        expected = hf(input_ids=text_ids).logits
+        torch.testing.assert_close(ours(text_ids)[0], expected, atol=2e-4, rtol=0)
+        prompt = text_ids[:1, :8]
+        greedy = hf.generate(input_ids=prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(prompt, 32, temperature=0), greedy)
+    export_hf(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is transformers.Ministral3ForCausalLM
+    with torch.no_grad():
+        torch.testing.assert_close(back(text_ids).logits, expected, atol=2e-4, rtol=0)
+
+
+def test_a_mistral3_with_another_text_model_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "mistral3", "text_config": {"model_type": "qwen2"}, "tie_word_embeddings": True})
+    )
+    with pytest.raises(
+        ValueError, match=r'config.json: text_config.model_type="qwen2" must be one of ministral3, mistral; correct'
+    ):
         GPT.from_pretrained(str(tmp_path))

@@ -457,6 +457,16 @@ def make_data(folder, text: str):
             r"llama.cpp's gemma3 scales attention by 1 / sqrt\(head width\) = 0.25, and this model by attn_scale=0.1 "
             r"\(query_pre_attn_scalar other than head_dim\); GGUF export needs them equal",
         ),
+        (  # YaRN in a family whose GGUF gptlite writes without it
+            {**ARCHITECTURES["olmo2"], "rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_context": 16},
+            r"gptlite writes llama.cpp's olmo2 without YaRN's RoPE scaling, and this model has rope_scaling='yarn'; "
+            r"export it with python -m gptlite.hf export",
+        ),
+        (  # OLMo 3: its local layers
+            {**ARCHITECTURES["olmo2"], "sliding_window": 8, "window_layers": "0", "rope_local_theta": 1e4},
+            r"llama.cpp's olmo2 attends to the whole context in every layer, and this model's layers 0 to a sliding "
+            r"window of 8; GGUF export needs an OLMo 3 without sliding-window layers",
+        ),
     ],
 )
 def test_a_model_llama_cpp_cannot_run_is_refused_in_one_line(switches, message, bpe, tmp_path):

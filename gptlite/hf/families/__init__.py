@@ -13,8 +13,10 @@ from gptlite.hf.families.gpt2 import GPT2
 from gptlite.hf.families.granite import GRANITE
 from gptlite.hf.families.granite4 import GRANITE4
 from gptlite.hf.families.llama import LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
+from gptlite.hf.families.ministral3 import MINISTRAL3, MISTRAL3_VISION
 from gptlite.hf.families.nanochat import NANOCHAT
 from gptlite.hf.families.olmo2 import OLMO2
+from gptlite.hf.families.olmo3 import OLMO3
 from gptlite.hf.families.phi3 import PHI3
 
 FAMILIES: dict[str, Family] = {
@@ -32,6 +34,9 @@ FAMILIES: dict[str, Family] = {
         NANOCHAT,
         GEMMA3,
         GRANITE4,
+        OLMO3,
+        MINISTRAL3,
+        MISTRAL3_VISION,
     )
 }
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them

@@ -52,6 +52,7 @@ class Family:
     soft_cap = False  # its class soft-caps the final logits (else logit_softcap is a speedrun option)
     suggested_flags: dict[str, Any] = {}  # train.py's flags that make a model of this layout (a refusal's advice)
     gguf_name: str | None = None  # llama.cpp's architecture; None: gptlite writes no GGUF for it
+    left_out: tuple[str, ...] = ()  # the prefixes of a checkpoint's weights gptlite does not read (a vision tower's)
 
     # -----------------------------------------------------------------------------------------
     # Which gptlite models
@@ -76,6 +77,11 @@ class Family:
         """(GPTConfig's values, the attention window or None, what of the file gptlite cannot hold, one phrase
         each) of the config.json `c`."""
         raise NotImplementedError
+
+    def exports_as(self, config: GPTConfig) -> str:
+        """The transformers class a model read from this family exports back as: its own (a vision-language
+        checkpoint's: its text model's)."""
+        return self.architecture
 
     # -----------------------------------------------------------------------------------------
     # Export: gptlite's switches -> config.json

@@ -36,7 +36,88 @@ SWITCHES = {
 FREE = ("attn_scale", "sliding_window", "window_layers", "rope_local_theta", "embed_scale")
 
 
-class Gemma3(LlamaLayout):
+class LocalLayers(LlamaLayout):
+    """The rules of a family whose layers are of two kinds (layer_types): global ones, and local ones attending to a
+    sliding window with a RoPE table of their own (rope_parameters.sliding_attention, without scaling): Gemma 3's,
+    OLMo 3's."""
+
+    def rope_tables(self, c: ConfigFile) -> tuple[dict, str, dict | None]:
+        """A table per kind of layer, rope_scaling merged into the global layers' (as
+        Gemma3TextConfig.convert_rope_params_to_dict does); where the sliding-window layers' table lacks a base, it
+        comes from a top-level key (local_values)."""
+        scaling = c.table("rope_scaling")
+        parameters = c.table("rope_parameters")
+        tables = {}
+        for kind in ("full_attention", "sliding_attention"):
+            table = (parameters or {}).get(kind)
+            if table is not None and not isinstance(table, dict):
+                raise c.bad(f"rope_parameters.{kind}", table, "a table (a JSON object)")
+            tables[kind] = dict(table or {})
+        tables["full_attention"].update(scaling or {})
+        return tables["full_attention"], "rope_parameters.full_attention", tables["sliding_attention"]
+
+    def layer_types(self, c: ConfigFile, n_layer: int) -> list[str]:
+        """Each layer's kind as Gemma3TextConfig and Olmo3Config read it: layer_types (transformers' older
+        "attention" is "full_attention"), else every sliding_window_pattern-th layer global and the others sliding."""
+        kinds = c.get("layer_types", None)
+        if kinds is None:
+            pattern = c.integer("sliding_window_pattern")
+            return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+        known = ("sliding_attention", "full_attention", "attention")
+        if not isinstance(kinds, list) or len(kinds) != n_layer or any(k not in known for k in kinds):
+            raise c.bad(
+                "layer_types",
+                kinds,
+                f"a list of num_hidden_layers={n_layer} kinds, each sliding_attention or full_attention",
+            )
+        return ["full_attention" if k == "attention" else k for k in kinds]
+
+    def local_values(self, c: ConfigFile, n_layer: int, local_rope: dict | None, top: str) -> dict:
+        """The local layers' switches: the window, which layers, their RoPE base (the local table's, else the file's
+        `top` key)."""
+        local = [i for i, kind in enumerate(self.layer_types(c, n_layer)) if kind == "sliding_attention"]
+        window = c.integer("sliding_window", nullable=True) if local else None
+        if local and window is None:
+            raise c.bad("sliding_window", None, "an integer >= 1 where layers are sliding_attention")
+        where = dict(table=local_rope, where="rope_parameters.sliding_attention", top=top)
+        return dict(
+            sliding_window=window or 0,
+            window_layers=",".join(map(str, local)),
+            rope_local_theta=c.number("rope_theta", **where) if local else 0.0,
+        )
+
+    def local_unsupported(self, local_rope: dict | None) -> list[str]:
+        if self.rope_type(local_rope) != "default":
+            return [f"RoPE scaling of type {self.rope_type(local_rope)!r} in the sliding-window layers"]
+        return []
+
+    def window(self, c: ConfigFile) -> tuple[int | None, list[str]]:
+        """None: the window is its local layers' (local_values), not a bound on the context."""
+        return None, []
+
+    def local_config(self, config: GPTConfig, rope: dict) -> dict:
+        """The window, its layers and the RoPE table of each kind of layer (`rope` the global layers')."""
+        local = config.window_layer_ids
+        return {
+            "sliding_window": config.sliding_window or None,
+            "layer_types": ["sliding_attention" if i in local else "full_attention" for i in range(config.n_layer)],
+            "rope_parameters": {
+                "full_attention": rope,
+                "sliding_attention": {
+                    "rope_type": "default",
+                    "rope_theta": config.rope_local_theta or config.rope_theta,
+                },
+            },
+        }
+
+    def add_local_hyperparameters(self, writer, config: GPTConfig) -> None:
+        """The local layers in llama.cpp's keys: the window, which they are, their RoPE base."""
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([i in config.window_layer_ids for i in range(config.n_layer)])
+        writer.add_rope_freq_base_swa(config.rope_local_theta or config.rope_theta)
+
+
+class Gemma3(LocalLayers):
     architecture = "Gemma3ForCausalLM"
     model_type = "gemma3_text"
     config_defaults = {
@@ -66,29 +147,9 @@ class Gemma3(LlamaLayout):
     # -----------------------------------------------------------------------------------------
     # Import
 
-    def rope_tables(self, c: ConfigFile) -> tuple[dict, str, dict | None]:
-        """A table per kind of layer, rope_scaling merged into the global layers' (as
-        Gemma3TextConfig.convert_rope_params_to_dict does); the sliding-window layers' base comes from
-        rope_local_base_freq where their table lacks it."""
-        scaling = c.table("rope_scaling")
-        parameters = c.table("rope_parameters")
-        tables = {}
-        for kind in ("full_attention", "sliding_attention"):
-            table = (parameters or {}).get(kind)
-            if table is not None and not isinstance(table, dict):
-                raise c.bad(f"rope_parameters.{kind}", table, "a table (a JSON object)")
-            tables[kind] = dict(table or {})
-        tables["full_attention"].update(scaling or {})
-        return tables["full_attention"], "rope_parameters.full_attention", tables["sliding_attention"]
-
     def own_values(self, c: ConfigFile, n_layer: int, local_rope: dict | None) -> dict:
         """GeGLU, norms before and after each branch scaling by 1 + weight, per-head q/k norms, embeddings times
         sqrt(hidden), its own attention scale, sliding-window layers with a RoPE base of their own."""
-        local = [i for i, kind in enumerate(self.layer_types(c, n_layer)) if kind == "sliding_attention"]
-        window = c.integer("sliding_window", nullable=True) if local else None
-        if local and window is None:
-            raise c.bad("sliding_window", None, "an integer >= 1 where layers are sliding_attention")
-        where = dict(table=local_rope, where="rope_parameters.sliding_attention", top="rope_local_base_freq")
         return dict(
             ffn="geglu",
             norm_position="both",
@@ -97,26 +158,8 @@ class Gemma3(LlamaLayout):
             embed_scale=c.integer("hidden_size") ** 0.5,
             attn_scale=c.number("query_pre_attn_scalar") ** -0.5,
             logit_softcap=c.softcap(),
-            sliding_window=window or 0,
-            window_layers=",".join(map(str, local)),
-            rope_local_theta=c.number("rope_theta", **where) if local else 0.0,
+            **self.local_values(c, n_layer, local_rope, top="rope_local_base_freq"),
         )
-
-    def layer_types(self, c: ConfigFile, n_layer: int) -> list[str]:
-        """Each layer's kind as Gemma3TextConfig reads it: layer_types (transformers' older "attention" is
-        "full_attention"), else every sliding_window_pattern-th layer global and the others sliding."""
-        kinds = c.get("layer_types", None)
-        if kinds is None:
-            pattern = c.integer("sliding_window_pattern")
-            return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
-        known = ("sliding_attention", "full_attention", "attention")
-        if not isinstance(kinds, list) or len(kinds) != n_layer or any(k not in known for k in kinds):
-            raise c.bad(
-                "layer_types",
-                kinds,
-                f"a list of num_hidden_layers={n_layer} kinds, each sliding_attention or full_attention",
-            )
-        return ["full_attention" if k == "attention" else k for k in kinds]
 
     def own_unsupported(self, c: ConfigFile, local_rope: dict | None) -> list[str]:
         unsupported = []
@@ -126,13 +169,7 @@ class Gemma3(LlamaLayout):
             )
         if c.flag("use_bidirectional_attention", False):
             unsupported.append("bidirectional attention (use_bidirectional_attention=true)")
-        if self.rope_type(local_rope) != "default":
-            unsupported.append(f"RoPE scaling of type {self.rope_type(local_rope)!r} in the sliding-window layers")
-        return unsupported
-
-    def window(self, c: ConfigFile) -> tuple[int | None, list[str]]:
-        """None: the window is its local layers' (own_values), not a bound on the context."""
-        return None, []
+        return unsupported + self.local_unsupported(local_rope)
 
     # -----------------------------------------------------------------------------------------
     # Export
@@ -140,19 +177,10 @@ class Gemma3(LlamaLayout):
     def own_config(self, config: GPTConfig, rope: dict) -> dict:
         """Its activation, attention scale, sliding window with its layers and their RoPE, and soft cap."""
         scalar = config.attn_scale**-2 if config.attn_scale else config.head_width
-        local = config.window_layer_ids
         return {
             "hidden_activation": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-            "sliding_window": config.sliding_window or None,
-            "layer_types": ["sliding_attention" if i in local else "full_attention" for i in range(config.n_layer)],
-            "rope_parameters": {
-                "full_attention": rope,
-                "sliding_attention": {
-                    "rope_type": "default",
-                    "rope_theta": config.rope_local_theta or config.rope_theta,
-                },
-            },
+            **self.local_config(config, rope),
             "final_logit_softcapping": config.logit_softcap or None,
             "attn_logit_softcapping": None,
         }
@@ -179,10 +207,8 @@ class Gemma3(LlamaLayout):
         return None
 
     def add_own_hyperparameters(self, writer, config: GPTConfig) -> None:
-        """Its local layers: the window, which they are, their RoPE base; its final soft cap."""
-        writer.add_sliding_window(config.sliding_window)
-        writer.add_sliding_window_pattern([i in config.window_layer_ids for i in range(config.n_layer)])
-        writer.add_rope_freq_base_swa(config.rope_local_theta or config.rope_theta)
+        """Its local layers; its final soft cap."""
+        self.add_local_hyperparameters(writer, config)
         if config.logit_softcap:
             writer.add_final_logit_softcapping(config.logit_softcap)
 

@@ -38,6 +38,7 @@ class LlamaLayout(Family):
     qkv_bias = False  # q, k and v always have biases (Qwen2; its config has no attention_bias)
     qk_norm = False  # RMSNorm on each head's q and k (Qwen3)
     window_key = True  # its config class has a sliding_window (written null: gptlite attends to the whole context)
+    takes_yarn = False  # its class reads YaRN's RoPE scaling (rope_type "yarn"), and gptlite's export writes it
     # llama.cpp
     gguf_interleaved = False  # llama.cpp's architecture rotates pairs (0, 1), (2, 3), ...: q and k rows reordered
     gguf_norm_names = ("attn_norm", "ffn_norm")
@@ -131,6 +132,8 @@ class LlamaLayout(Family):
         """The switches of RoPE scaling `kind` (none for the default), or None where gptlite has no such scaling."""
         if kind == "default":
             return {}
+        if kind == "yarn" and self.takes_yarn:
+            return self.yarn_rope(c, at)
         if kind != "llama3":
             return None
         return dict(
@@ -139,6 +142,32 @@ class LlamaLayout(Family):
             rope_low_freq_factor=c.number("low_freq_factor", **at),
             rope_high_freq_factor=c.number("high_freq_factor", **at),
             rope_original_context=self.original_context(c, at),
+        )
+
+    def yarn_rope(self, c: ConfigFile, at: dict) -> dict:
+        """YaRN's switches as transformers' _compute_yarn_parameters reads them: the factor, the original context,
+        the frequencies' bounds (beta_fast, beta_slow: 32 and 1 where null or absent) and the factor cos and sin are
+        scaled by (attention_factor, else computed from factor, mscale and mscale_all_dim)."""
+        factor = c.number("factor", **at)
+        table = at["table"]
+        if table.get("truncate", True) is not True:
+            raise c.bad(f"{at['where']}.truncate", table["truncate"], "true (gptlite's YaRN rounds its ramp's ends)")
+        attention = table.get("attention_factor")
+        if attention is not None:
+            attention = c.number("attention_factor", **at)
+        elif table.get("mscale") and table.get("mscale_all_dim"):
+            mscale = c.number("mscale", **at)
+            mscale_all_dim = c.number("mscale_all_dim", **at)
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = yarn_mscale(factor)
+        return dict(
+            rope_scaling="yarn",
+            rope_factor=factor,
+            rope_original_context=self.original_context(c, at),
+            rope_attention_factor=attention,
+            rope_beta_fast=c.number("beta_fast", **at) if table.get("beta_fast") else 32.0,
+            rope_beta_slow=c.number("beta_slow", **at) if table.get("beta_slow") else 1.0,
         )
 
     def original_context(self, c: ConfigFile, at: dict) -> int:
@@ -172,6 +201,16 @@ class LlamaLayout(Family):
                 "low_freq_factor": config.rope_low_freq_factor,
                 "high_freq_factor": config.rope_high_freq_factor,
                 "original_max_position_embeddings": config.rope_original_context,
+            }
+        if config.rope_scaling == "yarn":
+            rope = {
+                **rope,
+                "rope_type": "yarn",
+                "factor": config.rope_factor,
+                "original_max_position_embeddings": config.rope_original_context,
+                "attention_factor": config.rope_attention_factor,
+                "beta_fast": config.rope_beta_fast,
+                "beta_slow": config.rope_beta_slow,
             }
         return {
             **common,
@@ -246,6 +285,16 @@ class LlamaLayout(Family):
     # -----------------------------------------------------------------------------------------
     # GGUF
 
+    def gguf_problem(self, config: GPTConfig) -> str | None:
+        """YaRN: gptlite writes none of its keys, and llama.cpp would rotate without it."""
+        if config.rope_scaling == "yarn":
+            return (
+                f"gptlite writes llama.cpp's {self.gguf_name} without YaRN's RoPE scaling, and this model has "
+                "rope_scaling='yarn'; export it with python -m gptlite.hf export and convert that directory with "
+                "llama.cpp's convert_hf_to_gguf.py"
+            )
+        return None
+
     def add_hyperparameters(self, writer, config: GPTConfig) -> None:
         writer.add_head_count_kv(config.kv_heads)
         writer.add_layer_norm_rms_eps(config.norm_eps)
@@ -305,6 +354,11 @@ class LlamaLayout(Family):
         yield from ()
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context `factor` times the original (transformers' yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def llama_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """q or k rows from the halves gptlite rotates (the first half of a head's width against the second) to the
     interleaved pairs (0, 1), (2, 3), ... that llama.cpp's llama architecture rotates."""
@@ -343,6 +397,9 @@ class Llama(LlamaLayout):
     suggested_flags = {"pos_emb": "rope", "norm": "rmsnorm", "ffn": "swiglu", "bias": False}
     gguf_name = "llama"
     gguf_interleaved = True
+
+    def holds(self, config: GPTConfig, own: list[str]) -> bool:
+        return config.rope_scaling != "yarn"  # YaRN: the families that take it (takes_yarn)
 
 
 class Mistral(LlamaLayout):
@@ -439,6 +496,9 @@ class SmolLM3(LlamaLayout):
         }
 
     def gguf_problem(self, config: GPTConfig) -> str | None:
+        problem = super().gguf_problem(config)
+        if problem:
+            return problem
         # llama.cpp's smollm3 has no key for its NoPE layers: every fourth layer is one
         every_fourth = ",".join(str(i) for i in range(config.n_layer) if (i + 1) % 4 == 0)
         if config.nope_layers.replace(" ", "") != every_fourth:

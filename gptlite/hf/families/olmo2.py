@@ -20,10 +20,11 @@ class Olmo2(LlamaLayout):
     gguf_always_output = True  # llama.cpp's olmo2 always reads an output matrix
 
     def marked(self, config: GPTConfig) -> bool:
-        return config.norm_position == "post" or config.qk_norm_scope == "all"
+        return (config.norm_position == "post" or config.qk_norm_scope == "all") and not config.sliding_window
 
     def holds(self, config: GPTConfig, own: list[str]) -> bool:
-        return config.norm_position == "post" and config.qk_norm_scope == "all"  # OLMo 2 has both
+        # OLMo 2 has both, and no sliding-window layers (OLMo 3's)
+        return config.norm_position == "post" and config.qk_norm_scope == "all" and not config.sliding_window
 
     def own_values(self, c: ConfigFile, n_layer: int, local_rope: dict | None) -> dict:
         return dict(norm_position="post", qk_norm=True, qk_norm_scope="all")

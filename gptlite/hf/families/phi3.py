@@ -24,7 +24,7 @@ class Phi3(LlamaLayout):
         return config.rope_scaling == "longrope" or bool(config.rope_dims)
 
     def holds(self, config: GPTConfig, own: list[str]) -> bool:
-        return config.rope_scaling != "llama3"
+        return config.rope_scaling in ("", "longrope")
 
     # -----------------------------------------------------------------------------------------
     # Import
