@@ -381,6 +381,8 @@ def made_up_measurements(monkeypatch, tmp_path, times: dict[int, dict[str, float
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
     monkeypatch.setattr(cpu, "_choices", {})
+    # nor what an earlier test's made-up measurement left for this process where the machine was busy
+    monkeypatch.setattr(cpu, "_unkept", {})
     monkeypatch.setattr(gptlite.inference.quantize, "PACK_MIN_WEIGHTS", 0)
     for cls in (Int8Linear, Int4Linear):
         monkeypatch.setattr(cls, "measure", staticmethod(fake_measure))
