@@ -22,27 +22,37 @@ those layers, and `quantized_as` / `layer_types` record what was done (evaluate'
 
 The matmul runs on the packed low-bit weight itself, never on a dequantized float copy, through PyTorch's CPU kernels
 (as gpt-fast and torchao call them): `torch.ops.aten._weight_int8pack_mm` (int8 weight, per-row scale; not the grouped
-tables) and `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in the kernel's packed layout, per-group scales).
-Both take float32 or bfloat16 activations. int8 has one more way, where gptlite's compiled kernels could be built
-(gptlite.inference.cpu.native): its `int8_linear`, float32 activations times the int8 weight converted in registers,
-each weight streamed from memory once, with a scale per row or per group (the grouped tables' only way besides the
-dequantized weight); PyTorch's int8 kernel is bound by its arithmetic at one row, this one by memory. So, as for the
-float32 kernels of gptlite.inference.cpu.decode, the way of each layer shape is measured on the CPU at hand, for one row
-(decoding) and for a batch, and kept in the choices file of gptlite.inference.cpu.choices (a prompt of more than
-NATIVE_MAX_ROWS rows never takes the compiled kernel, which reads each weight again for every 8 rows: it takes the
-dequantized way, a GEMM). A measurement chooses the speed, never the numbers: the ways compete only among those that
-compute in the model's own activation dtype (float32 for a float32 model, bfloat16 for a bfloat16 one), so that a row
-alone, a batch, and a machine without the compiled kernels decode the same numbers up to that dtype's rounding. bfloat16
-activations on a float32 model (on an Intel Xeon with AMX, several times faster; their accuracy cost and the figures are
-in docs/generation.md) are the user's to ask for: GPTLITE_QUANT_KERNEL=bfloat16, or a bfloat16 model. The ways are
-chosen when the model is prepared for decoding (`choose_ways`), never inside a compiled step.
-GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native forces one way for every layer that has it (dequantize and
-native, int8 only; dequantize is the old path, F.linear on the weight converted to the activations' dtype and times the
-scale, what other devices run). Layers smaller than choices.PACK_MIN_WEIGHTS are not measured: they run the kernel at
-the activations' dtype (int4; float32 for other than bfloat16) or the dequantized path (int8).
+tables) and `torch.ops.aten._weight_int4pack_mm_for_cpu` (int4 codes in its own packed layout, made from the layer's
+codes when one of its ways first runs, per-group scales). Both take float32 or bfloat16 activations. int8 has one more
+way, where gptlite's compiled kernels could be built (gptlite.inference.cpu.native): its `int8_linear`, float32
+activations times the int8 weight converted in registers, each weight streamed from memory once, with a scale per row or
+per group (the grouped tables' only way besides the dequantized weight); PyTorch's int8 kernel is bound by its
+arithmetic at one row, this one by memory. And int8, int4 and the grouped tables have one more compiled way, INT8_DOT
+("int8_dot", native.int8_dot_linear and int4_dot_linear), as llama.cpp's q8_0 and q4_0 multiply: the activations
+quantized to int8 per block of 32 (one scale each), each block's products with the weight's codes summed exactly in
+integers (AVX-512 VNNI, AVX2), then scaled; the int4 codes are kept in the layout that kernel reads
+(native.pack_nibbles). So, as for the float32 kernels of gptlite.inference.cpu.decode, the way of each layer shape is
+measured on the CPU at hand, for one row (decoding) and for a batch, and kept in the choices file of
+gptlite.inference.cpu.choices (a prompt of more than NATIVE_MAX_ROWS rows never takes the compiled float32-activation
+kernel, which reads each weight again for every 8 rows: it takes the dequantized way, a GEMM). A measurement chooses the
+speed, and the numbers only as far as INT8_DOT goes: the ways compete only among those that compute in the model's own
+activation dtype (float32 for a float32 model, bfloat16 for a bfloat16 one) or, for a float32 model, its activations
+quantized to int8 (INT8_DOT). What a layer multiplies (int8 activations or the dtype's) is chosen once, by the
+measurement at one row; a batch's measurement chooses only among the ways that multiply the same
+(`QuantizedLinear.choose`), and INT8_DOT takes any number of rows, a prompt's too, each row's blocks quantized on their
+own: so a row alone and in a batch decode the same numbers (bit for bit through INT8_DOT, up to the dtype's rounding
+otherwise), while a machine without the compiled kernels multiplies float32 activations, apart from INT8_DOT's numbers
+by the activations' quantization. bfloat16 activations on a float32 model (on an Intel Xeon with AMX, several times
+faster; their accuracy cost and the figures are in docs/generation.md) are the user's to ask for:
+GPTLITE_QUANT_KERNEL=bfloat16, or a bfloat16 model. The ways are chosen when the model is prepared for decoding
+(`choose_ways`), never inside a compiled step.
+GPTLITE_QUANT_KERNEL=float32|bfloat16|dequantize|native|int8_dot forces one way for every layer that has it (dequantize
+and native, int8 only; dequantize is the old path, F.linear on the weight converted to the activations' dtype and times
+the scale, what other devices run). Layers smaller than choices.PACK_MIN_WEIGHTS are not measured: they run the kernel
+at the activations' dtype (int4; float32 for other than bfloat16) or the dequantized path (int8).
 
 A quantized model is for generation and evaluation only: its low-bit weights are buffers, not parameters. int4
-runs on the CPU only (its kernel is PyTorch's CPU one); int8 runs anywhere.
+runs on the CPU only (its kernels are CPU ones); int8 runs anywhere.
 """
 
 from __future__ import annotations
@@ -82,7 +92,11 @@ FORCE_ENV = "GPTLITE_QUANT_KERNEL"
 NATIVE_MAX_ROWS = 16
 ACTIVATIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # the dtype each way computes in; the others (dequantize, chunks) compute in the activations' own dtype
-WAY_DTYPES = {**ACTIVATIONS, "native": torch.float32}
+# the int8 x int8 way (gptlite.inference.cpu.native's int8_dot_linear, int4_dot_linear): a float32 model's activations
+# quantized to int8 per block of 32, multiplied in integer arithmetic, as llama.cpp's q8_0 and q4_0 do
+INT8_DOT = "int8_dot"
+WAY_DTYPES = {**ACTIVATIONS, "native": torch.float32, INT8_DOT: torch.float32}
+FORCEABLE = (*ACTIVATIONS, "dequantize", "native", INT8_DOT)
 ROW_BUCKETS = (1, 8)  # the row counts a way is chosen for: one row (decoding one sequence) and a batch
 
 
@@ -122,11 +136,18 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 def forced_kernel() -> str:
     """GPTLITE_QUANT_KERNEL's way, or "" to measure."""
     forced = os.environ.get(FORCE_ENV, "")
-    if forced and forced not in (*ACTIVATIONS, "dequantize", "native"):
+    if forced and forced not in FORCEABLE:
         raise ValueError(
-            f"{FORCE_ENV}={forced!r}: choose float32, bfloat16, dequantize or native, or unset it to measure"
+            f"{FORCE_ENV}={forced!r}: choose float32, bfloat16, dequantize, native or {INT8_DOT}, "
+            "or unset it to measure"
         )
     return forced
+
+
+def way_inputs(way: str, dtype: torch.dtype) -> str:
+    """What a way multiplies the weight by at `dtype` activations: "int8" (the activations quantized, INT8_DOT) or
+    the dtype the way computes in."""
+    return "int8" if way == INT8_DOT else str(WAY_DTYPES.get(way, dtype)).removeprefix("torch.")
 
 
 def row_bucket(rows: int) -> int:
@@ -199,6 +220,12 @@ class QuantizedLinear(nn.Module):
             return forced
         default = self.default_way(dtype)
         names = self.ways_in(dtype)
+        if bucket != ROW_BUCKETS[0]:
+            # a batch multiplies what one row does (int8 activations or the dtype's), so that a row decodes the same
+            # numbers alone and batched: the measurement at one row chose what, this one chooses only how fast
+            inputs = way_inputs(self.way(ROW_BUCKETS[0], dtype), dtype)
+            names = tuple(way for way in names if way_inputs(way, dtype) == inputs)
+            default = default if default in names else names[0]
         if self.out_features * self.in_features < PACK_MIN_WEIGHTS or len(names) < 2:
             return default
         activations = str(dtype).removeprefix("torch.")
@@ -273,13 +300,30 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
 
+def compiled_ways_for(cls: type[QuantizedLinear], in_features: int, compiled: bool = True) -> tuple[str, ...]:
+    """`cls`'s compiled ways (gptlite.inference.cpu.native's) that take a layer of `in_features` inputs here, none
+    without `compiled` or where the kernels could not be built: "native" an input width of whole vectors
+    (`native.fits`), INT8_DOT of whole activation blocks (`native.block()`)."""
+    if not compiled or not cls.compiled_ways or not native.fits(in_features) or not native.load():
+        return ()
+    return tuple(way for way in cls.compiled_ways if way != INT8_DOT or in_features % native.block() == 0)
+
+
+def compiled_why_not(way: str, in_features: int) -> str:
+    """Why the compiled `way` cannot run a layer of `in_features` inputs here."""
+    why = native.why_not(in_features)
+    if not why and way == INT8_DOT and in_features % native.block() != 0:
+        return f"its input width {in_features} is not a multiple of {native.block()}"
+    return why
+
+
 class Int8Linear(QuantizedLinear):
     """A linear layer whose weight is int8 with a per-output-row scale: y = (x Q^T) * scale + bias."""
 
     kind = "int8"
     default_small = "dequantize"
     ways = ("bfloat16", "float32", "dequantize")  # dequantize last: what other devices run
-    compiled_ways = ("native",)
+    compiled_ways = ("native", INT8_DOT)
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(bias, *weight.shape)
@@ -307,13 +351,11 @@ class Int8Linear(QuantizedLinear):
         kernel (float32 activations) where it was built and takes the layer's input width
         (gptlite.inference.cpu.native)."""
         ways = cls.ways if in_features % INT8PACK_MULTIPLE == 0 else ("dequantize",)
-        if compiled and native.fits(in_features) and native.load():
-            return (*cls.compiled_ways, *ways)
-        return ways
+        return (*compiled_ways_for(cls, in_features, compiled), *ways)
 
     def why_not(self, way: str) -> str:
         if way in self.compiled_ways:
-            return native.why_not(self.in_features)
+            return compiled_why_not(way, self.in_features)
         return (
             f"PyTorch's int8 kernel crashes on batches of rows {self.in_features} wide, not a multiple of "
             f"{INT8PACK_MULTIPLE}"
@@ -324,6 +366,8 @@ class Int8Linear(QuantizedLinear):
             way = "dequantize"
         if way == "native":
             return self.multiply_natively(rows, bias)
+        if way == INT8_DOT:
+            return self.multiply_by_int8(rows, bias)
         if way == "dequantize":
             y = F.linear(rows, self.weight.to(rows.dtype)) * self.scale.to(rows.dtype)  # (M, N)
         else:
@@ -337,6 +381,14 @@ class Int8Linear(QuantizedLinear):
         x = rows.to(torch.float32).contiguous()
         bias = None if bias is None else bias.to(torch.float32)
         return native.int8_linear(x, self.weight, self.scales(torch.float32), bias)
+
+    def multiply_by_int8(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows (M, K) quantized to int8 per block and multiplied in integer arithmetic (native.int8_dot_linear),
+        whatever M: a prompt's rows too, so that a row's numbers never depend on how many others share the call:
+        (M, N) float32."""
+        x = rows.to(torch.float32).contiguous()
+        bias = None if bias is None else bias.to(torch.float32)
+        return native.int8_dot_linear(x, self.weight, self.scales(torch.float32), bias)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (N, K) weight this layer multiplies by, in `dtype` (float32: exact)."""
@@ -380,18 +432,18 @@ class Int8GroupLinear(Int8Linear):
     def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
         """gptlite's compiled kernel where it was built and takes the layer's input width, and the dequantized
         weight (in chunks of rows, or whole)."""
-        if compiled and native.fits(in_features) and native.load():
-            return (*cls.compiled_ways, *cls.ways)
-        return cls.ways
+        return (*compiled_ways_for(cls, in_features, compiled), *cls.ways)
 
     def why_not(self, way: str) -> str:
         if way in self.compiled_ways:
-            return native.why_not(self.in_features)
+            return compiled_why_not(way, self.in_features)
         return "PyTorch's int8 kernel takes one scale per row, and this layer has one per group of inputs"
 
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if way == "native" and rows.size(0) <= NATIVE_MAX_ROWS:
             return self.multiply_natively(rows, bias)
+        if way == INT8_DOT:
+            return self.multiply_by_int8(rows, bias)
         if way == "dequantize":
             return F.linear(rows, self.dequantized(rows.dtype), bias)  # (M, N)
         return self.multiply_in_chunks(rows, bias)  # chunks, or a prompt past the compiled kernel's rows
@@ -428,12 +480,14 @@ class Int8GroupLinear(Int8Linear):
 
 class Int4Linear(QuantizedLinear):
     """A linear layer whose weight is 4-bit codes in groups of `group_size` with one scale each (q4_0's rule, the
-    module docstring), held in the int4 kernel's packed layout: `packed` (N, K / 2) uint8 and `scales_and_zeros`
-    (K / group_size, N, 2), each group's scale and a zero of 0 (the kernel computes (q - 8) * scale + zero)."""
+    module docstring): `nibbles` (N, K / 2) uint8, two codes a byte in the order gptlite's compiled kernel reads
+    (native.pack_nibbles: q4_0's), and `scale` (N, K / group_size) float32. PyTorch's int4 kernel takes its own packed
+    layout and scales (`torch_operands`), made from these the first time one of its ways multiplies."""
 
     kind = "int4"
     default_small = "float32"
     ways = ("bfloat16", "float32")
+    compiled_ways = (INT8_DOT,)
 
     def default_way(self, dtype: torch.dtype) -> str:
         """The kernel at the activations' own dtype where it takes it, else at float32."""
@@ -441,23 +495,22 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(
         self,
-        packed: torch.Tensor,
-        scales_and_zeros: torch.Tensor,
+        nibbles: torch.Tensor,
+        scale: torch.Tensor,
         group_size: int,
         bias: torch.Tensor | None,
         in_features: int,
     ):
-        super().__init__(bias, packed.size(0), in_features)
+        super().__init__(bias, nibbles.size(0), in_features)
         self.group_size = group_size
-        self.register_buffer("packed", packed)  # (N, K / 2) uint8
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # (K / group_size, N, 2) float32
+        self.register_buffer("nibbles", nibbles)  # (N, K / 2) uint8
+        self.register_buffer("scale", scale)  # (N, K / group_size) float32
+        self._torch_layout: dict[str, torch.Tensor] = {}  # PyTorch's packed codes and its (G, N, 2) scales
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> Int4Linear:
         q, d = quantize_groups(weight, group_size)  # (N, K), (N, G)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K / 2) uint8
-        scales_and_zeros = torch.stack([d.t(), torch.zeros_like(d.t())], dim=2).contiguous()  # (G, N, 2)
-        return cls(packed, scales_and_zeros, group_size, bias, weight.size(1))
+        return cls(native.pack_nibbles(q), d.contiguous(), group_size, bias, weight.size(1))
 
     @classmethod
     def random(cls, N: int, K: int) -> Int4Linear:
@@ -465,7 +518,8 @@ class Int4Linear(QuantizedLinear):
 
     @staticmethod
     def fits(weight: torch.Tensor, group_size: int) -> bool:
-        """Whether the int4 kernel takes this (N, K) weight in groups of `group_size`."""
+        """Whether the int4 kernels take this (N, K) weight in groups of `group_size` (PyTorch's packs output rows in
+        blocks of 16)."""
         N, K = weight.shape
         return N % INT4_ROW_MULTIPLE == 0 and K % group_size == 0
 
@@ -474,20 +528,50 @@ class Int4Linear(QuantizedLinear):
         return N * K // 2
 
     def scale_tensor(self) -> torch.Tensor:
-        return self.scales_and_zeros
+        return self.scale
+
+    @classmethod
+    def available_ways(cls, in_features: int, compiled: bool = True) -> tuple[str, ...]:
+        """gptlite's int8 x int4 kernel where it was built (its groups are whole activation blocks), and PyTorch's."""
+        return (*compiled_ways_for(cls, in_features, compiled), *cls.ways)
+
+    def why_not(self, way: str) -> str:
+        return compiled_why_not(way, self.in_features)
+
+    def _apply(self, fn, recurse=True):
+        self._torch_layout = {}  # moved or converted: PyTorch's layout is made again from the new codes
+        return super()._apply(fn, recurse)
+
+    def torch_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """PyTorch's int4 kernel's operands: the codes in its packed layout (N, K / 2) and the scales with zeros of
+        0 (K / group_size, N, 2) in `dtype` (it computes (q - 8) * scale + zero), made once."""
+        key = str(dtype)
+        if "packed" not in self._torch_layout:
+            codes = native.unpack_nibbles(self.nibbles).to(torch.int32)  # (N, K)
+            self._torch_layout["packed"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        if key not in self._torch_layout:
+            d = self.scale.t()  # (G, N)
+            self._torch_layout[key] = torch.stack([d, torch.zeros_like(d)], dim=2).to(dtype).contiguous()
+        return self._torch_layout["packed"], self._torch_layout[key]
 
     def multiply(self, rows: torch.Tensor, way: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if way == INT8_DOT:
+            x = rows.to(torch.float32).contiguous()
+            bias = None if bias is None else bias.to(torch.float32)
+            return native.int4_dot_linear(x, self.nibbles, self.scale, bias)  # (M, N)
         dtype = ACTIVATIONS[way]
-        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        packed, scales_and_zeros = self.torch_operands(dtype)
         # the kernel takes a contiguous input only: a batch's last positions, x[:, -1], are a strided view
-        y = kernel(rows.to(dtype).contiguous(), self.packed, self.group_size, self.scales(dtype))  # (M, N)
-        return y if bias is None else y + bias
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.to(dtype).contiguous(), packed, self.group_size, scales_and_zeros
+        )
+        return y if bias is None else y + bias  # (M, N)
 
     def dequantized(self) -> torch.Tensor:
-        """The (N, K) float32 weight this layer multiplies by: the kernel applied to the identity matrix (float32
-        activations: each output is one weight times 1, exact), which reads the packed layout without restating it."""
-        identity = torch.eye(self.in_features, device=self.packed.device)
-        return self.multiply(identity, "float32").t().contiguous()  # (N, K)
+        """The (N, K) float32 weight this layer multiplies by: each code less 8 times its group's scale (exact)."""
+        N = self.out_features
+        codes = native.unpack_nibbles(self.nibbles).view(N, -1, self.group_size).float() - 8  # (N, G, g)
+        return (codes * self.scale[:, :, None]).view(N, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"

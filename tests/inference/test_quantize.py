@@ -15,6 +15,7 @@ import sample
 from gptlite import GPT, GPTConfig
 from gptlite.checkpoint import load_model, open_model
 from gptlite.cli import ModelOptions
+from gptlite.inference.cpu import native
 from gptlite.inference.generate import generate
 from gptlite.inference.quantize import (
     Int4Linear,
@@ -84,10 +85,12 @@ def test_an_int8_group_layer_is_the_linear_of_its_dequantized_weight_every_way(r
     dequantized = (layer.weight.float().view(203, 3, 32) * layer.scale[:, :, None]).view(203, 96)
     torch.testing.assert_close(layer.dequantized(), dequantized, rtol=0, atol=0)
     x = torch.randn(rows, 96)
-    want = F.linear(x.double(), dequantized.double(), linear.bias.double()).float()
     ways = layer.available_ways(layer.in_features)
-    assert ways == ("native", "chunks", "dequantize")  # CI's machine builds the compiled kernel
+    assert ways == ("native", "int8_dot", "chunks", "dequantize")  # CI's machine builds the compiled kernel
     for way in ways:
+        # int8_dot multiplies the activations quantized per block of 32: their dequantized copy's product
+        inputs = native.dequantized_blocks(x).float() if way == "int8_dot" else x
+        want = F.linear(inputs.double(), dequantized.double(), linear.bias.double()).float()
         torch.testing.assert_close(layer.multiply(x, way, layer.bias), want, rtol=1e-4, atol=1e-4)
     idx = torch.tensor([[0, 5], [202, 5]])
     torch.testing.assert_close(layer.rows(idx), dequantized[idx], rtol=0, atol=0)
@@ -204,13 +207,17 @@ def test_sample_py_compiles_a_quantized_model_whose_layers_are_measured(mode, tm
     # same CPU, torch and thread count, which the suite fixes with OMP_NUM_THREADS)
     layers = [m for m in model.quantize(mode).modules() if isinstance(m, (Int8Linear, Int4Linear))]
     measured = [m for m in layers if m.out_features * m.in_features >= PACK_MIN_WEIGHTS]
-    assert measured and all(len(m.ways_in(torch.float32)) > 1 for m in measured) == (mode == "int8")
-    kept = {
-        f"{m.kind} {m.out_features}x{m.in_features}, {rows} rows, float32 activations among "
-        f"{', '.join(m.ways_in(torch.float32))}": "dequantize"
-        for m in measured
-        for rows in (1, 8)
-    }
+    assert measured and all(len(m.ways_in(torch.float32)) > 1 for m in measured)
+    # the way kept for one row (float32 activations: PyTorch's, dequantize for int8), and for a batch among the ways
+    # that multiply float32 activations too
+    kept_way = {"int8": "dequantize", "int4": "float32"}[mode]
+    kept = {}
+    for m in measured:
+        shape = f"{m.kind} {m.out_features}x{m.in_features}"
+        ways = m.ways_in(torch.float32)
+        batch_ways = [way for way in ways if way != "int8_dot"]
+        kept[f"{shape}, 1 rows, float32 activations among {', '.join(ways)}"] = kept_way
+        kept[f"{shape}, 8 rows, float32 activations among {', '.join(batch_ways)}"] = kept_way
     choices = tmp_path / "cache" / "gptlite" / "cpu_linear.json"
     choices.parent.mkdir(parents=True)
     choices.write_text(json.dumps({machine_key(): kept}))
@@ -277,8 +284,6 @@ def test_int4_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
 @pytest.mark.parametrize("way", ["float32", "bfloat16", "dequantize", "native"])
 def test_int8_linear_is_the_linear_of_its_dequantized_weight_each_way(way):
     """Every way, gptlite's compiled kernel (native) included: CI's machine has a compiler, so it is built there."""
-    from gptlite.inference.cpu import native
-
     assert way != "native" or native.load()  # loaded here: the test passes run alone, not only after another
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 64)
@@ -304,30 +309,33 @@ def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
 
     def fake_measure(shape, bucket, names, dtype):
         measured.append((shape, bucket, dtype))
-        return {"bfloat16": 0.5, "float32": 1.0, "dequantize": 2.0, "native": 3.0}
+        return {"bfloat16": 0.5, "float32": 1.0, "dequantize": 2.0, "native": 3.0, "int8_dot": 4.0}
 
     monkeypatch.setattr(Int8Linear, "measure", staticmethod(fake_measure))
+    monkeypatch.setattr(Int4Linear, "measure", staticmethod(fake_measure))
     big = Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None)
     assert big.way(1) == "float32" and big.way(1) == "float32" and big.way(9) == "float32"
     assert measured == [((512, 512), 1, torch.float32), ((512, 512), 8, torch.float32)]  # once per bucket
     assert big.way(1, torch.bfloat16) == "bfloat16" and len(measured) == 3  # bfloat16 activations: their own choice
     among = ", ".join(big.ways_in(torch.float32))
-    assert among == "native, float32, dequantize"  # CI's machine builds the compiled kernel
+    assert among == "native, int8_dot, float32, dequantize"  # CI's machine builds the compiled kernel
     kept = json.loads(cpu.choices_file().read_text())[cpu.machine_key()]
     assert kept == {
         f"int8 512x512, 1 rows, float32 activations among {among}": "float32",
-        f"int8 512x512, 8 rows, float32 activations among {among}": "float32",
+        # a batch among the ways that multiply what one row's does (float32 activations, not int8 ones)
+        "int8 512x512, 8 rows, float32 activations among native, float32, dequantize": "float32",
         "int8 512x512, 1 rows, bfloat16 activations among bfloat16, dequantize": "bfloat16",
     }
     again = Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None)
     assert again.way(1) == "float32" and len(measured) == 3  # the kept choice: no new measurement
     assert Int8Linear(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32), None).way(1) == "dequantize"  # small
-    int4 = Int4Linear.from_weight(torch.randn(512, 512), None, 32)  # one way at each dtype: nothing to measure
-    assert int4.way(1) == "float32" and int4.way(1, torch.bfloat16) == "bfloat16" and len(measured) == 3
+    int4 = Int4Linear.from_weight(torch.randn(512, 512), None, 32)  # at float32, PyTorch's kernel or int8_dot
+    assert int4.way(1) == "float32" and len(measured) == 4
+    assert int4.way(1, torch.bfloat16) == "bfloat16" and len(measured) == 4  # one way: nothing to measure
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "float32")
     assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "float32"
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "fast")
-    with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL='fast': choose float32, bfloat16, dequantize or nat"):
+    with pytest.raises(ValueError, match=r"GPTLITE_QUANT_KERNEL='fast': choose float32, bfloat16, dequantize, nati"):
         Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1)
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "bfloat16")  # asked for: bfloat16 activations on a float32 model
     assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "bfloat16"
@@ -339,6 +347,11 @@ def test_each_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "bfloat16")  # PyTorch's int8 kernel crashes on this width
     with pytest.raises(ValueError, match=r"=bfloat16 cannot run a 512x200 int8 layer here \(PyTorch's int8 kernel cr"):
         Int8Linear(torch.zeros(512, 200, dtype=torch.int8), torch.ones(512), None).way(8)
+    monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "int8_dot")  # int8 activations, for int8 and int4 layers alike
+    assert Int4Linear.from_weight(torch.randn(512, 512), None, 32).way(1) == "int8_dot"
+    assert Int8Linear(torch.zeros(512, 512, dtype=torch.int8), torch.ones(512), None).way(8) == "int8_dot"
+    with pytest.raises(ValueError, match=r"=int8_dot cannot run a 512x48 int8 layer here \(its input width 48 is not"):
+        Int8Linear(torch.zeros(512, 48, dtype=torch.int8), torch.ones(512), None).way(1)
 
 
 # made-up measurements (as on the Intel Xeon with AMX): one row's fastest way is bfloat16 activations, then the
@@ -349,18 +362,27 @@ MADE_UP_TIMES = {
 }
 
 
-def made_up_measurements(monkeypatch, tmp_path) -> None:
-    """Every quantized layer measured (none too small), each measurement MADE_UP_TIMES, kept in a choices file of
-    the test's own: which ways the layers take is the same on every CPU."""
+# one row's fastest way is int8 activations (int8_dot); a batch's is PyTorch's float32 kernel
+INT8_DOT_TIMES = {
+    1: {"int8_dot": 0.5, "bfloat16": 1.0, "native": 1.2, "float32": 3.0, "dequantize": 3.0, "chunks": 3.0},
+    8: {"float32": 1.0, "chunks": 1.0, "dequantize": 1.5, "native": 3.0, "bfloat16": 3.0, "int8_dot": 4.0},
+}
+
+
+def made_up_measurements(monkeypatch, tmp_path, times: dict[int, dict[str, float]] = MADE_UP_TIMES) -> None:
+    """Every quantized layer measured (none too small), each measurement `times` for its row bucket, kept in a
+    choices file of the test's own: which ways the layers take is the same on every CPU."""
     import gptlite.inference.cpu.choices as cpu
     import gptlite.inference.quantize
 
     def fake_measure(shape, bucket, *names_and_dtype):
-        return MADE_UP_TIMES[bucket]
+        return times[bucket]
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPTLITE_QUANT_KERNEL", raising=False)
     monkeypatch.setattr(cpu, "_choices", {})
+    # nor what an earlier test's made-up measurement left for this process where the machine was busy
+    monkeypatch.setattr(cpu, "_unkept", {})
     monkeypatch.setattr(gptlite.inference.quantize, "PACK_MIN_WEIGHTS", 0)
     for cls in (Int8Linear, Int4Linear):
         monkeypatch.setattr(cls, "measure", staticmethod(fake_measure))
@@ -397,9 +419,67 @@ def test_greedy_tokens_are_the_same_alone_in_a_batch_and_without_the_compiled_ke
     assert generate(model, prompts, 20, temperature=0) == alone
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_row_multiplies_int8_activations_alone_and_batched_where_one_row_chose_them(mode, monkeypatch, tmp_path):
+    """One activation kind per layer, whatever the row count: where one row measured fastest with its activations
+    quantized to int8 (int8_dot) and a batch with float32 ones, the batch takes int8_dot too (only how fast it
+    multiplies is measured for it), so that a prompt's greedy tokens alone equal its tokens in a ragged batch, and
+    a token's logits alone equal its logits in a batch bit for bit (a row's int8 blocks do not depend on the others)."""
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's kernel choices")
+    made_up_measurements(monkeypatch, tmp_path, INT8_DOT_TIMES)
+    model = tiny_model(n_embd=64).quantize(mode)  # 64 wide: whole blocks of 32, and int4 takes the blocks' matrices
+    layers = [layer for layer in model.modules() if isinstance(layer, (Int8Linear, Int4Linear))]
+    assert {layer.way(1) for layer in layers} == {layer.way(8) for layer in layers} == {"int8_dot"}
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12, 13, 14]]
+    alone = [generate(model, [prompt], 20, temperature=0)[0] for prompt in prompts]
+    assert generate(model, prompts, 20, temperature=0) == alone
+    tokens = torch.tensor([[1], [4], [10], [11]])
+    with torch.no_grad():
+        assert torch.equal(model(tokens[:1])[0][0], model(tokens)[0][0])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+@pytest.mark.parametrize("kind", ["int8", "int8 grouped", "int4 in groups of 32", "int4 in groups of 64"])
+def test_int8_dot_is_the_linear_of_the_quantized_activations_and_the_dequantized_weight(kind, rows):
+    """int8_dot quantizes each row's activations per block of 32 (native.quantized_blocks' rule) and multiplies
+    them by the layer's weight exactly as dequantized, at one row, a few and more than the float32 kernel's tile (a
+    prompt), an output width no thread split divides; each row's result alone is its result in the batch, bit for
+    bit."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(128, 80 if kind.startswith("int4") else 203)
+    if kind == "int8":
+        layer = Int8Linear.from_linear(linear)
+    elif kind == "int8 grouped":
+        layer = Int8GroupLinear.from_linear(linear)
+    else:
+        layer = Int4Linear.from_weight(linear.weight, linear.bias, int(kind.split()[-1]))
+    assert "int8_dot" in layer.available_ways(128)  # CI's machine builds the compiled kernels
+    x = torch.randn(rows, 128) * 2
+    want = F.linear(native.dequantized_blocks(x), layer.dequantized().double(), linear.bias.double())
+    got = layer.multiply(x, "int8_dot", layer.bias)
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    alone = torch.cat([layer.multiply(x[i : i + 1], "int8_dot", layer.bias) for i in range(rows)])
+    assert torch.equal(alone, got)
+
+
+def test_an_int4_layer_multiplies_pytorchs_kernel_from_its_own_codes():
+    """The int4 codes are kept once, in the compiled kernel's layout; PyTorch's packed layout is made from them for
+    its ways, and both read the same weight."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_weight(torch.randn(64, 128), None, 32)
+    assert {name for name, _ in layer.named_buffers()} == {"nibbles", "scale"}
+    x = torch.randn(3, 128)
+    identity = torch.eye(128)
+    assert torch.equal(layer.multiply(identity, "float32").t(), layer.dequantized())
+    want = F.linear(x.double(), layer.dequantized().double())
+    torch.testing.assert_close(layer.multiply(x, "float32").double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_real_measurement_times_every_way():
     times = Int8Linear.measure((64, 64), 1)
-    assert set(times) == {"native", "bfloat16", "float32", "dequantize"} and all(0 < t < 1 for t in times.values())
+    assert set(times) == {"native", "int8_dot", "bfloat16", "float32", "dequantize"}
+    assert all(0 < t < 1 for t in times.values())
     assert set(Int8Linear.measure((64, 40), 8)) == {"dequantize"}  # 40 wide: neither native's nor PyTorch's int8
 
 

@@ -208,19 +208,20 @@ def test_a_quantized_model_decodes_its_own_greedy_text_in_every_row(mode, way, m
     assert texts == [greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]
 
 
+@pytest.mark.parametrize("fastest_alone", ["bfloat16", "int8_dot"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_models_rows_decode_what_it_does_alone_whichever_way_each_row_count_measured(
-    mode, monkeypatch, tmp_path
+    mode, fastest_alone, monkeypatch, tmp_path
 ):
-    """Every quantized layer measured, one row's fastest way made up as bfloat16 activations and a batch's as float32
-    ones (tests.inference.test_quantize.MADE_UP_TIMES): the ways compete only at the model's activation dtype, so a
-    request
-    decodes the same greedy text in a batch of four as alone."""
-    from tests.inference.test_quantize import made_up_measurements
+    """Every quantized layer measured, one row's fastest way made up as bfloat16 activations
+    (tests.inference.test_quantize.MADE_UP_TIMES) or int8 ones (INT8_DOT_TIMES) and a batch's as float32 ones: the ways
+    compete only at the model's activation dtype, and a batch multiplies what one row chose to (int8 activations
+    there), so a request decodes the same greedy text in a batch of four as alone."""
+    from tests.inference.test_quantize import INT8_DOT_TIMES, MADE_UP_TIMES, made_up_measurements
 
     if DEVICE != "cpu":
         pytest.skip("the CPU's kernel choices")
-    made_up_measurements(monkeypatch, tmp_path)
+    made_up_measurements(monkeypatch, tmp_path, INT8_DOT_TIMES if fastest_alone == "int8_dot" else MADE_UP_TIMES)
     model = tiny_model().quantize(mode)
     tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=4).start()
@@ -231,6 +232,7 @@ def test_a_quantized_models_rows_decode_what_it_does_alone_whichever_way_each_ro
     assert texts == [greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]
     layers = [m for m in model.modules() if hasattr(m, "way")]
     assert layers and all(m.way(1) != "bfloat16" for m in layers)  # chosen when the engine was made
+    assert fastest_alone != "int8_dot" or all(m.way(1) == m.way(8) == "int8_dot" for m in layers)
 
 
 def test_odd_seeds_never_stop_the_engine():

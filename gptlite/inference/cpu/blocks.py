@@ -28,7 +28,7 @@ import torch.nn as nn
 from gptlite.inference.cpu import native
 from gptlite.inference.cpu.direct import global_hook_count, hook_count, made
 from gptlite.inference.cpu.linears import NativeLinear
-from gptlite.inference.quantize import Int8Linear
+from gptlite.inference.quantize import INT8_DOT, Int4Linear, Int8Linear
 from gptlite.model.network import (
     AdditivePositions,
     Block,
@@ -188,8 +188,9 @@ class NativeAttention(nn.Module):
 class NativeBlock(nn.Module):
     """The view's copy of a Block, PostNormBlock or SandwichBlock (`block`: BLOCK_KINDS), whose decode steps run in
     one call of the compiled kernels (`native.block_step`) through a cache that offers it: the norms where the block
-    puts them, the four matrices (float32, or int8 after `quantize("int8")`), the attention over the cache, the
-    activation and the residual additions. Prompts, more rows than the kernels multiply in one pass over a weight
+    puts them, the four matrices (float32, or int8 or int4 after `quantize`, as their ways multiply them:
+    `matrix_operands`), the attention over the cache, the activation and the residual additions. Prompts, more rows
+    than the kernels multiply in one pass over a weight
     (`native.max_rows()`), and caches without it (the server's RowCache) take the block's own forward, its attention
     still in one call where it can (NativeAttention)."""
 
@@ -306,23 +307,33 @@ def block_matrices(block: nn.Module) -> list[nn.Module]:
     return [attn.qkv, attn.out_proj, block.ffn.fc, block.ffn.out_proj]
 
 
+# the ways of each quantized layer type a block's step multiplies as that layer's own kernel does (exact types: a
+# grouped int8 table or a LoRA'd layer is another)
+STEP_WAYS: dict[type[nn.Module], tuple[str, ...]] = {Int8Linear: ("native", INT8_DOT), Int4Linear: (INT8_DOT,)}
+
+
 def runs_in_block_step(layer: nn.Module, rows: int) -> bool:
     """Whether a block's step may multiply `layer` (the view's, at up to `rows` rows): where the compiled kernel was to
-    multiply it anyway, a float32 layer the view made a NativeLinear, or an int8 layer with a scale per row whose way
-    measured (or forced) for `rows` rows of float32 activations is the compiled kernel. Not a grouped int8 table, an
-    int4 layer, a LoRA'd layer or one measured faster another way."""
+    multiply it anyway, a float32 layer the view made a NativeLinear, or an int8 layer with a scale per row or an int4
+    layer whose way measured (or forced) for `rows` rows of float32 activations is a compiled kernel the step runs
+    (STEP_WAYS). Not a grouped int8 table, a LoRA'd layer or one measured faster another way."""
     if isinstance(layer, NativeLinear):
         return True
-    return type(layer) is Int8Linear and layer.way(rows, torch.float32) == "native"
+    return type(layer) in STEP_WAYS and layer.way(rows, torch.float32) in STEP_WAYS[type(layer)]
 
 
 def matrix_operands(layer: nn.Module) -> native.Matrix:
-    """A layer `runs_in_block_step` takes, as the step multiplies it: a float32 weight without a scale, or the int8
-    codes with the float32 scales of their rows; the bias in float32."""
+    """A layer `runs_in_block_step` takes, as the step multiplies it: a float32 weight without a scale; the int8
+    codes with the float32 scales of their rows, or the int4 codes with their groups', multiplying float32
+    activations or int8 ones as the layer's way does; the bias in float32. The way is the one chosen for one row:
+    every row count multiplies what it does (gptlite.inference.quantize's `choose`)."""
     if isinstance(layer, NativeLinear):
         return native.Matrix(layer.weight, None, layer.bias)
     bias = None if layer.bias is None else layer.bias.to(torch.float32)
-    return native.Matrix(layer.weight, layer.scales(torch.float32), bias)
+    inputs = "int8" if layer.way(1, torch.float32) == INT8_DOT else "float32"
+    if isinstance(layer, Int4Linear):
+        return native.Matrix(layer.nibbles, layer.scale, bias, inputs)
+    return native.Matrix(layer.weight, layer.scales(torch.float32), bias, inputs)
 
 
 def multiplies_in_one_call(original: Block, view: nn.Module, rows: int) -> bool:

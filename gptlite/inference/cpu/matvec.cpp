@@ -10,6 +10,13 @@
 //   int8_linear also takes a scale (N, G): each row's K inputs in G groups of K / G, each with its scale,
 //   y[m, n] = sum_k x[m, k] * weight[n, k] * scale[n, k / (K / G)] + bias[n]    (q8_0's blocks, for G = K / 32)
 //
+//   torch.ops.gptlite.int8_dot_linear(x, weight, scale, bias)  weight (N, K) int8, scale (N,) or (N, G)  -> (..., N)
+//   torch.ops.gptlite.int4_dot_linear(x, weight, scale, bias)  weight (N, K / 2) uint8, scale (N, G)    -> (..., N)
+//
+//   The same products with x first quantized to int8 per block of kBlock = 32 numbers (q8_0's rule), each block's
+//   products with the weight's int8 codes, or int4 codes packed two a byte (a code q standing for q - 8), summed
+//   exactly in int32 and then scaled (see "int8 x int8" below). K a multiple of kBlock, G's groups whole blocks.
+//
 //   torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
 //                                      q_norm, k_norm, head_eps, window)
 //       qkv (B, 1, (H + 2 KV) D) float32, k_cache and v_cache (B, KV, L, D) -> (B, 1, H D)
@@ -26,18 +33,21 @@
 //
 //   torch.ops.gptlite.block_step(x, norms, weights, scales, biases, k_cache, v_cache, slot, span, visible, scale,
 //                                n_head, norm, eps, activation, residual_scale, cos, sin, q_norm, k_norm, head_eps,
-//                                position, window)
+//                                position, window, input_bits)
 //       x (B, 1, C) float32 -> (B, 1, C)
 //
 //   A block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)) (position "pre"; "post" puts
 //   each norm on its branch's output, "both" one before and one after), the attention as cached_attention's, the
 //   norms LayerNorm, RMSNorm or RMSNorm times 1 + weight (Gemma's), the feed-forward's activation GELU (tanh), squared
-//   ReLU, SwiGLU or GeGLU, the matrices float32 or int8 with a scale per row (see block_step below).
+//   ReLU, SwiGLU or GeGLU, the matrices float32 or int8 with a scale per row, multiplied by float32 inputs, or int8
+//   (a scale per row) or int4 (a scale per group) multiplied by inputs quantized to int8 where input_bits says 8 (see
+//   block_step below).
 //
 //   torch.ops.gptlite.argmax(logits)     logits (B, V) float32 -> (B,) int64, each row's first largest (greedy's pick)
 //
-//   torch.ops.gptlite.constants()        -> {"multiple": kMultiple, "tile": kTile}: the input widths (a multiple of)
-//                                           and row counts (a pass over a weight) this build takes
+//   torch.ops.gptlite.constants()        -> {"multiple": kMultiple, "tile": kTile, "block": kBlock}: the input
+//                                           widths (a multiple of) and row counts (a pass over a weight) this build
+//                                           takes, and the integer kernels' activation blocks
 //
 // Why: decoding one token multiplies one row by every weight of the model, so it is bound by reading the weights
 // from memory. PyTorch's int8 kernel (_weight_int8pack_mm) is compute-bound at one row; its float32 kernels read
@@ -441,6 +451,327 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     const auto multiply = K / groups == 32 ? linear_groups<32> : linear_groups<0>;  // q8_0's blocks unrolled
     multiply(rows.data_ptr<float>(), rows.numel() / K, weight.data_ptr<int8_t>(), N, K, scale.data_ptr<float>(),
              K / groups, bias_data(bias), y.data_ptr<float>());
+    return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// int8 x int8: the activations quantized to int8 as llama.cpp's q8_0 quantizes them, multiplied by int8 or int4 codes
+// in integer arithmetic
+//
+// Each activation row is cut into blocks of kBlock numbers, each block quantized with one scale (d = max |x| / 127,
+// codes round(x / d) in [-127, 127], ties to even: what `torch.round(x / d)` gives, so that tests quantize the same
+// way in torch). A block's products with a weight row's codes are summed exactly in int32, and the sum times the two
+// scales added into float32. Per weight byte that is a fraction of an instruction (AVX-512 VNNI's vpdpbusd multiplies
+// 32 byte pairs and adds them in fours into int32; AVX2's vpmaddubsw and vpmaddwd in two steps), where the float32
+// kernels convert each weight and multiply-add it in float32: the product keeps up with memory at more rows, and an
+// int4 weight (half the bytes) is unpacked with two instructions a block. Each output is computed by the same
+// sequence of operations whatever the other rows of the call: a row's result does not depend on its batch.
+
+constexpr int64_t kBlock = 32;  // activations quantized per block of this many numbers (q8_0's)
+
+// x (M, K) float32 -> codes (M, K) int8 and scales (M, K / kBlock); sums (M, K / kBlock) the codes' sum per block
+// (int4's weights are offset by 8, and this takes the offset out).
+void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* codes, float* scales, int32_t* sums) {
+    const int64_t blocks = K / kBlock;
+    for (int64_t i = 0; i < M * blocks; i++) {
+        const float* in = x + i * kBlock;
+        float largest = 0.0f;
+        for (int64_t k = 0; k < kBlock; k++) {
+            largest = std::max(largest, std::fabs(in[k]));
+        }
+        const float d = largest / 127.0f;
+        const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kBlock; k++) {
+            const int32_t q = static_cast<int32_t>(std::nearbyint(in[k] * inverse));
+            codes[i * kBlock + k] = static_cast<int8_t>(q);
+            sum += q;
+        }
+        scales[i] = d;
+        sums[i] = sum;
+    }
+}
+
+// The quantized rows of one call.
+struct QuantizedRows {
+    std::vector<int8_t> codes;  // (M, K)
+    std::vector<float> scales;  // (M, K / kBlock)
+    std::vector<int32_t> sums;  // (M, K / kBlock)
+};
+
+QuantizedRows quantized(const float* x, int64_t M, int64_t K) {
+    QuantizedRows rows;
+    rows.codes.resize(M * K);
+    rows.scales.resize(M * (K / kBlock));
+    rows.sums.resize(M * (K / kBlock));
+    quantize_blocks(x, M, K, rows.codes.data(), rows.scales.data(), rows.sums.data());
+    return rows;
+}
+
+// A weight as the integer kernels read it: int8 codes (N, K), or int4 codes packed two to a byte (N, K / 2), each
+// block of kBlock codes in 16 bytes, code j in the low nibble of byte j and code j + 16 in the high one (q4_0's
+// order), a code q standing for q - 8; a scale per row (groups = 1) or per group of K / groups inputs.
+struct IntWeight {
+    const int8_t* codes = nullptr;
+    const uint8_t* nibbles = nullptr;
+    const float* scale = nullptr;
+    int64_t groups = 1;
+};
+
+#if defined(__AVX2__)
+// The 8 int32 sums of a block's 32 products of unsigned bytes u and signed bytes s, four adjacent products each.
+inline __m256i block_products(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    // vpmaddubsw's pairs saturate at 32767; |u| <= 127 and |s| <= 127 (int8's codes; int4's u <= 15) stay below
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float lanes_total(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#endif
+
+// The exact sum of block b's products of weight row w and activation codes x (kBlock of each, x already at block b).
+template <bool Int4>
+inline int32_t block_sum_scalar(const int8_t* w8, const uint8_t* w4, int64_t b, const int8_t* x, int32_t x_sum) {
+    int32_t sum = 0;
+    if constexpr (Int4) {
+        const uint8_t* bytes = w4 + b * (kBlock / 2);
+        for (int64_t j = 0; j < kBlock / 2; j++) {
+            sum += static_cast<int32_t>(bytes[j] & 0x0F) * x[j] + static_cast<int32_t>(bytes[j] >> 4) * x[j + 16];
+        }
+        return sum - 8 * x_sum;
+    } else {
+        const int8_t* codes = w8 + b * kBlock;
+        for (int64_t j = 0; j < kBlock; j++) {
+            sum += static_cast<int32_t>(codes[j]) * x[j];
+        }
+        return sum;
+    }
+}
+
+// R weight rows (w[r], with their scales' row ws[r], or nullptr where the scale is per row) times T quantized
+// activation rows (t = 0..T-1 of `rows`, from `first`); out[r][t * stride] receives the sum, before a per-row scale.
+// R > 1 walks R weight rows side by side (one activation row: `dot_streams`' reason); T > 1 multiplies T activation
+// rows into each block of one weight row while it is in the cache.
+template <bool Int4, int R, int T>
+void int_dot(const QuantizedRows& rows, int64_t first, int64_t K, const int8_t* const* w8, const uint8_t* const* w4,
+             const float* const* ws, int64_t blocks_per_scale, float* const* out, int64_t stride) {
+    const int64_t blocks = K / kBlock;
+    const int8_t* x = rows.codes.data() + first * K;
+    const float* xd = rows.scales.data() + first * blocks;
+    const int32_t* xs = rows.sums.data() + first * blocks;
+    constexpr int64_t kBlockBytes = Int4 ? kBlock / 2 : kBlock;
+#if defined(__AVX2__)
+    __m256 acc[R][T];
+    for (int r = 0; r < R; r++) {
+        for (int t = 0; t < T; t++) {
+            acc[r][t] = _mm256_setzero_ps();
+        }
+    }
+    int64_t group = 0;  // the weight's scale's index: counted, not divided out of b at every block
+    int64_t left = blocks_per_scale;
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int r = 0; r < R; r++) {
+            const char* bytes = Int4 ? reinterpret_cast<const char*>(w4[r]) : reinterpret_cast<const char*>(w8[r]);
+            if ((b * kBlockBytes) % kLine == 0) {
+                prefetch_ahead(bytes + b * kBlockBytes, kLine);
+            }
+            __m256i u;  // the weight's unsigned bytes: int4's codes, or int8's magnitudes
+            __m256i w;
+            if constexpr (Int4) {
+                const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + b * kBlockBytes));
+                const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+                u = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+            } else {
+                w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + b * kBlockBytes));
+                u = _mm256_abs_epi8(w);
+            }
+            const float weight_scale = ws[r] != nullptr ? ws[r][group] : 1.0f;
+            for (int t = 0; t < T; t++) {
+                const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * K + b * kBlock));
+                __m256i sums;
+                if constexpr (Int4) {
+                    // the codes stand for q - 8: 8 times the block's activation sum taken out, an eighth per lane
+                    sums = _mm256_sub_epi32(block_products(u, xt), _mm256_set1_epi32(xs[t * blocks + b]));
+                } else {
+                    sums = block_products(u, _mm256_sign_epi8(xt, w));  // |w| x, x negated where w < 0
+                }
+                const __m256 d = _mm256_set1_ps(xd[t * blocks + b] * weight_scale);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc[r][t]);
+            }
+        }
+        if (--left == 0) {
+            group++;
+            left = blocks_per_scale;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        for (int t = 0; t < T; t++) {
+            out[r][t * stride] = lanes_total(acc[r][t]);
+        }
+    }
+#else
+    float acc[R][T] = {};
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int r = 0; r < R; r++) {
+            const float weight_scale = ws[r] != nullptr ? ws[r][b / blocks_per_scale] : 1.0f;
+            for (int t = 0; t < T; t++) {
+                const int32_t sum =
+                    block_sum_scalar<Int4>(w8[r], w4[r], b, x + t * K + b * kBlock, Int4 ? xs[t * blocks + b] : 0);
+                acc[r][t] += static_cast<float>(sum) * (xd[t * blocks + b] * weight_scale);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        for (int t = 0; t < T; t++) {
+            out[r][t * stride] = acc[r][t];
+        }
+    }
+#endif
+}
+
+// int_dot for `count` (1 to kTile) activation rows from `first` and weight row n.
+template <bool Int4>
+void int_dot_rows(const QuantizedRows& rows, int64_t first, int count, const IntWeight& weight, int64_t n,
+                  int64_t K, float* out, int64_t stride) {
+    const int8_t* w8 = weight.codes != nullptr ? weight.codes + n * K : nullptr;
+    const uint8_t* w4 = weight.nibbles != nullptr ? weight.nibbles + n * (K / 2) : nullptr;
+    const float* ws = weight.groups > 1 ? weight.scale + n * weight.groups : nullptr;
+    const int64_t per_scale = K / kBlock / weight.groups;
+    switch (count) {
+        case 1: return int_dot<Int4, 1, 1>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+        case 2: return int_dot<Int4, 1, 2>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+        case 3: return int_dot<Int4, 1, 3>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+        case 4: return int_dot<Int4, 1, 4>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+        case 5: return int_dot<Int4, 1, 5>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+        case 6: return int_dot<Int4, 1, 6>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+        case 7: return int_dot<Int4, 1, 7>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+        default: return int_dot<Int4, 1, kTile>(rows, first, K, &w8, &w4, &ws, per_scale, &out, stride);
+    }
+}
+
+// y (M, N) = the quantized rows x (M, K) times the integer weight (N, K), times its scales, plus bias where there is
+// one. Each thread takes a contiguous range of weight rows; one activation row is multiplied into kStreams parts of
+// the range side by side, several rows kTile at a time into each weight row (any M: a prompt's rows too, each weight
+// row read from the cache again for every kTile of them).
+template <bool Int4>
+void int_linear(const QuantizedRows& rows, int64_t M, const IntWeight& weight, int64_t N, int64_t K,
+                const float* bias, float* y) {
+    const int64_t per_scale = K / kBlock / weight.groups;
+    at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+        int64_t n = begin;
+        if (M == 1) {
+            const int64_t part = (end - begin) / kStreams;
+            for (int64_t i = 0; i < part; i++) {
+                const int8_t* w8[kStreams];
+                const uint8_t* w4[kStreams];
+                const float* ws[kStreams];
+                float* out[kStreams];
+                for (int s = 0; s < kStreams; s++) {
+                    const int64_t row = begin + s * part + i;
+                    w8[s] = weight.codes != nullptr ? weight.codes + row * K : nullptr;
+                    w4[s] = weight.nibbles != nullptr ? weight.nibbles + row * (K / 2) : nullptr;
+                    ws[s] = weight.groups > 1 ? weight.scale + row * weight.groups : nullptr;
+                    out[s] = y + row;
+                }
+                int_dot<Int4, kStreams, 1>(rows, 0, K, w8, w4, ws, per_scale, out, 0);
+            }
+            n = begin + kStreams * part;
+        }
+        for (; n < end; n++) {
+            for (int64_t m = 0; m < M; m += kTile) {
+                const int count = static_cast<int>(M - m < kTile ? M - m : kTile);
+                int_dot_rows<Int4>(rows, m, count, weight, n, K, y + m * N + n, N);
+            }
+        }
+        for (int64_t row = begin; row < end; row++) {
+            for (int64_t m = 0; m < M; m++) {
+                float v = y[m * N + row];
+                if (weight.groups == 1) {
+                    v *= weight.scale[row];
+                }
+                if (bias != nullptr) {
+                    v += bias[row];
+                }
+                y[m * N + row] = v;
+            }
+        }
+    });
+}
+
+// x (M, K) float32 quantized (`quantized`) and multiplied by the integer weight: y (M, N).
+void int_multiply(const float* x, int64_t M, const IntWeight& weight, int64_t N, int64_t K, const float* bias,
+                  float* y) {
+    const QuantizedRows rows = quantized(x, M, K);
+    if (weight.nibbles != nullptr) {
+        int_linear<true>(rows, M, weight, N, K, bias, y);
+    } else {
+        int_linear<false>(rows, M, weight, N, K, bias, y);
+    }
+}
+
+// The weight's scale (N,) or (N, G), checked: G groups of K / G inputs, each a whole number of blocks.
+int64_t int_scale_groups(const at::Tensor& scale, int64_t N, int64_t K, const char* op) {
+    TORCH_CHECK((scale.dim() == 1 || scale.dim() == 2) && scale.size(0) == N && scale.is_contiguous() &&
+                    scale.scalar_type() == at::kFloat && scale.device().is_cpu(),
+                op, ": scale must be a contiguous (N,) or (N, G) float32 CPU tensor, not ", scale.sizes());
+    const int64_t groups = scale.dim() == 1 ? 1 : scale.size(1);
+    TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % kBlock == 0, op, ": a scale (N, G) must cut a row's ",
+                K, " inputs into G groups of a multiple of ", kBlock, ", not G = ", groups);
+    return groups;
+}
+
+// torch.ops.gptlite.int8_dot_linear(x, weight, scale, bias): x (..., K) float32, weight (N, K) int8, scale (N,) or
+// (N, G), K a multiple of kBlock -> (..., N), x quantized per block of kBlock (see above).
+at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& bias) {
+    check_operands(x, weight, bias);
+    TORCH_CHECK(weight.scalar_type() == at::kChar, "gptlite int8_dot_linear: weight must be int8");
+    const int64_t N = weight.size(0);
+    const int64_t K = weight.size(1);
+    TORCH_CHECK(K % kBlock == 0, "gptlite int8_dot_linear: K = ", K, " is not a multiple of ", kBlock);
+    IntWeight codes;
+    codes.codes = weight.data_ptr<int8_t>();
+    codes.groups = int_scale_groups(scale, N, K, "gptlite int8_dot_linear");
+    codes.scale = scale.data_ptr<float>();
+    const at::Tensor rows = x.contiguous();
+    at::Tensor y = output_for(x, N);
+    int_multiply(rows.data_ptr<float>(), rows.numel() / K, codes, N, K, bias_data(bias), y.data_ptr<float>());
+    return y;
+}
+
+// torch.ops.gptlite.int4_dot_linear(x, weight, scale, bias): x (..., K) float32, weight (N, K / 2) uint8 (two
+// codes a byte, IntWeight's order), scale (N, G) -> (..., N), x quantized per block of kBlock.
+at::Tensor int4_dot_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "gptlite int4_dot_linear: x must be a (..., K) float32 CPU tensor");
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                    weight.device().is_cpu() && 2 * weight.size(1) == x.size(-1),
+                "gptlite int4_dot_linear: weight must be a contiguous (N, K / 2) uint8 CPU tensor for x's K = ",
+                x.size(-1), ", not ", weight.sizes());
+    const int64_t N = weight.size(0);
+    const int64_t K = x.size(-1);
+    TORCH_CHECK(K % kBlock == 0, "gptlite int4_dot_linear: K = ", K, " is not a multiple of ", kBlock);
+    if (bias.has_value()) {
+        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                        bias->scalar_type() == at::kFloat,
+                    "gptlite int4_dot_linear: bias must be a contiguous (N,) float32 tensor");
+    }
+    IntWeight codes;
+    codes.nibbles = weight.data_ptr<uint8_t>();
+    codes.groups = int_scale_groups(scale, N, K, "gptlite int4_dot_linear");
+    TORCH_CHECK(scale.dim() == 2, "gptlite int4_dot_linear: scale must be (N, G), one per group");
+    codes.scale = scale.data_ptr<float>();
+    const at::Tensor rows = x.contiguous();
+    at::Tensor y = output_for(x, N);
+    int_multiply(rows.data_ptr<float>(), rows.numel() / K, codes, N, K, bias_data(bias), y.data_ptr<float>());
     return y;
 }
 
@@ -880,14 +1211,40 @@ void add_scaled(float* stream, const float* branch, int64_t n, float alpha) {
 }
 
 // One of the block's four matrices: a contiguous (rows, columns) weight, float32, or int8 with one float32 scale per
-// row, whose input width the kernels take.
+// row, whose input width the kernels take, multiplied by float32 activations; or int8 codes (a scale per row) or int4
+// codes (IntWeight's, a scale per group) multiplied by activations quantized to int8 (`int_multiply`).
 struct Matrix {
     const float* floats = nullptr;  // the float32 weight, or
     const int8_t* codes = nullptr;  // the int8 one
     const float* scale = nullptr;   // and its scales (rows,)
+    IntWeight integer;              // or the codes int_multiply takes, where `quantized_inputs`
+    bool quantized_inputs = false;
     int64_t rows = 0;
     int64_t columns = 0;
 };
+
+// The matrix `weight` of int_multiply's: int8 codes (rows, columns) with a scale per row, or int4 codes
+// (rows, columns / 2) uint8 with a scale per group (rows, G).
+Matrix integer_matrix_of(const at::Tensor& weight, const std::optional<at::Tensor>& scale, int64_t rows,
+                         int64_t columns, const char* name) {
+    const bool int4 = weight.scalar_type() == at::kByte;
+    const int64_t width = int4 ? columns / 2 : columns;
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) == rows && weight.size(1) == width && weight.is_contiguous() &&
+                    weight.device().is_cpu() && (int4 || weight.scalar_type() == at::kChar) && scale.has_value(),
+                "gptlite block_step: ", name, " with int8 inputs must be contiguous (", rows, ", ", width,
+                ") int8 codes or (", rows, ", ", columns / 2, ") int4 ones, with their scales, not ", weight.sizes());
+    TORCH_CHECK(columns % kBlock == 0, "gptlite block_step: ", name, " has ", columns,
+                " columns, not a multiple of ", kBlock, " (int8 inputs)");
+    Matrix matrix;
+    matrix.rows = rows;
+    matrix.columns = columns;
+    matrix.quantized_inputs = true;
+    matrix.integer.codes = int4 ? nullptr : weight.data_ptr<int8_t>();
+    matrix.integer.nibbles = int4 ? weight.data_ptr<uint8_t>() : nullptr;
+    matrix.integer.groups = int_scale_groups(*scale, rows, columns, "gptlite block_step");
+    matrix.integer.scale = scale->data_ptr<float>();
+    return matrix;
+}
 
 Matrix matrix_of(const at::Tensor& weight, const std::optional<at::Tensor>& scale, int64_t rows, int64_t columns,
                  const char* name) {
@@ -915,7 +1272,9 @@ Matrix matrix_of(const at::Tensor& weight, const std::optional<at::Tensor>& scal
 
 // y (M, rows) = x (M, columns) times the matrix, plus bias where there is one.
 void multiply(const Matrix& matrix, const float* x, int64_t M, const float* bias, float* y) {
-    if (matrix.floats != nullptr) {
+    if (matrix.quantized_inputs) {
+        int_multiply(x, M, matrix.integer, matrix.rows, matrix.columns, bias, y);
+    } else if (matrix.floats != nullptr) {
         linear<float>(x, M, matrix.floats, matrix.rows, matrix.columns, nullptr, bias, y);
     } else {
         linear<int8_t>(x, M, matrix.codes, matrix.rows, matrix.columns, matrix.scale, bias, y);
@@ -971,9 +1330,11 @@ BranchNorms branch_norms(const c10::List<std::optional<at::Tensor>>& norms, Posi
 // norms: `branch_norms`' (4 tensors, or 8 for both positions); weights: qkv (Q, C), the attention's out_proj
 // (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F), each float32, or int8 with its scales (one per row)
 // in `scales` (None for a float32 one); biases: theirs, in that order, each None where the layer has none; cos, sin,
-// q_norm, k_norm, head_eps and window: the attention's rotation, q/k norms and sliding window (cached_attention's).
-// What gptlite.model's Block, PostNormBlock and SandwichBlock compute with their attention and feed-forward, without
-// the module and operator calls between the matrices.
+// q_norm, k_norm, head_eps and window: the attention's rotation, q/k norms and sliding window (cached_attention's);
+// input_bits: for each matrix, 32 (float32 inputs) or 8 (its inputs quantized to int8 and multiplied by int8 codes
+// with a scale per row or int4 codes (rows, columns / 2) uint8 with a scale per group, as int8_dot_linear and
+// int4_dot_linear do), or empty for 32 each. What gptlite.model's Block, PostNormBlock and SandwichBlock compute with
+// their attention and feed-forward, without the module and operator calls between the matrices.
 at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& norms, at::TensorList weights,
                       const c10::List<std::optional<at::Tensor>>& scales,
                       const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -982,9 +1343,15 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
                       double residual_scale, const std::optional<at::Tensor>& cos,
                       const std::optional<at::Tensor>& sin, const std::optional<at::Tensor>& q_norm,
                       const std::optional<at::Tensor>& k_norm, double head_eps, c10::string_view position_name,
-                      int64_t window) {
+                      int64_t window, at::IntArrayRef input_bits) {
     TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "gptlite block_step: x must be a (B, 1, C) float32 CPU tensor, not ", x.sizes());
+    TORCH_CHECK(input_bits.empty() || input_bits.size() == 4, "gptlite block_step: 4 input_bits (or none), not ",
+                input_bits.size());
+    for (const int64_t bits : input_bits) {
+        TORCH_CHECK(bits == 32 || bits == 8, "gptlite block_step: a matrix's input_bits are 32 (float32) or 8 (int8), "
+                    "not ", bits);
+    }
     const Position position = position_named(position_name);
     const size_t norm_tensors = position == Position::kBoth ? 8 : 4;
     TORCH_CHECK(norms.size() == norm_tensors && weights.size() == 4 && scales.size() == 4 && biases.size() == 4,
@@ -995,13 +1362,21 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     const int64_t B = x.size(0);
     const int64_t C = x.size(2);
     const int64_t Q = weights[0].size(0);
-    const int64_t HD = weights[1].size(1);
-    const int64_t F = weights[3].size(1);
+    // an int4 weight's columns are its bytes' count times two
+    const auto columns_of = [&](int i) { return weights[i].size(1) * (weights[i].scalar_type() == at::kByte ? 2 : 1); };
+    const int64_t HD = columns_of(1);
+    const int64_t F = columns_of(3);
     const int64_t FC = gated(activation) ? 2 * F : F;  // fc's rows
-    const Matrix qkv_weight = matrix_of(weights[0], scales.get(0), Q, C, "the qkv weight");
-    const Matrix attn_weight = matrix_of(weights[1], scales.get(1), C, HD, "the attention's out_proj weight");
-    const Matrix fc_weight = matrix_of(weights[2], scales.get(2), FC, C, "the fc weight");
-    const Matrix ffn_weight = matrix_of(weights[3], scales.get(3), C, F, "the feed-forward's out_proj weight");
+    const auto block_matrix = [&](int i, int64_t rows, int64_t columns, const char* name) {
+        if (!input_bits.empty() && input_bits[i] == 8) {
+            return integer_matrix_of(weights[i], scales.get(i), rows, columns, name);
+        }
+        return matrix_of(weights[i], scales.get(i), rows, columns, name);
+    };
+    const Matrix qkv_weight = block_matrix(0, Q, C, "the qkv weight");
+    const Matrix attn_weight = block_matrix(1, C, HD, "the attention's out_proj weight");
+    const Matrix fc_weight = block_matrix(2, FC, C, "the fc weight");
+    const Matrix ffn_weight = block_matrix(3, C, F, "the feed-forward's out_proj weight");
     const BranchNorms attn_norms = branch_norms(norms, position, 0, C, "attention");
     const BranchNorms ffn_norms = branch_norms(norms, position, 1, C, "feed-forward");
     const float* qkv_bias = optional_data(biases.get(0), Q, "the qkv bias");
@@ -1116,12 +1491,14 @@ at::Tensor argmax(const at::Tensor& logits) {
 // ---------------------------------------------------------------------------------------------
 // The library's own constants
 
-// torch.ops.gptlite.constants(): {"multiple": kMultiple, "tile": kTile}, read by gptlite.inference.cpu.native once the
-// library is loaded, so that Python asks this build what widths and row counts it takes rather than copying them.
+// torch.ops.gptlite.constants(): {"multiple": kMultiple, "tile": kTile, "block": kBlock}, read by
+// gptlite.inference.cpu.native once the library is loaded, so that Python asks this build what widths and row counts
+// it takes rather than copying them.
 c10::Dict<std::string, int64_t> constants() {
     c10::Dict<std::string, int64_t> reported;
     reported.insert("multiple", kMultiple);
     reported.insert("tile", kTile);
+    reported.insert("block", kBlock);
     return reported;
 }
 
@@ -1139,7 +1516,10 @@ TORCH_LIBRARY(gptlite, m) {
         "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, "
         "str norm, float eps, str activation, float residual_scale, Tensor? cos=None, Tensor? sin=None, "
-        "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0, str position=\"pre\", int window=0) -> Tensor");
+        "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0, str position=\"pre\", int window=0, "
+        "int[] input_bits=[]) -> Tensor");
+    m.def("int8_dot_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+    m.def("int4_dot_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");
     m.def("constants() -> Dict(str, int)", &gptlite::constants);  // no tensor to dispatch on: one kernel for all
 }
@@ -1149,5 +1529,7 @@ TORCH_LIBRARY_IMPL(gptlite, CPU, m) {
     m.impl("int8_linear", &gptlite::int8_linear);
     m.impl("cached_attention", &gptlite::cached_attention);
     m.impl("block_step", &gptlite::block_step);
+    m.impl("int8_dot_linear", &gptlite::int8_dot_linear);
+    m.impl("int4_dot_linear", &gptlite::int4_dot_linear);
     m.impl("argmax", &gptlite::argmax);
 }

@@ -1,8 +1,11 @@
 """gptlite's compiled CPU decode kernels (matvec.cpp): built once per CPU, checked in a child process, loaded as
 torch operators, and called through one typed Python function each. This is the one module that names
-`torch.ops.gptlite`: everything else calls `float_linear`, `int8_linear`, `cached_attention`, `block_step` and
-`argmax` here, with named operands (`CacheSlot`, `Matrix`, `Norm`, `BlockWeights`, `BlockOptions`), and asks the
-library's own limits (`multiple()`, `max_rows()`) rather than copying its constants.
+`torch.ops.gptlite`: everything else calls `float_linear`, `int8_linear`, `int8_dot_linear`, `int4_dot_linear`,
+`cached_attention`, `block_step` and `argmax` here, with named operands (`CacheSlot`, `Matrix`, `Norm`,
+`BlockWeights`, `BlockOptions`), and asks the library's own limits (`multiple()`, `max_rows()`, `block()`) rather than
+copying its constants. The int4 codes' layout the integer kernels read is made and read here too (`pack_nibbles`,
+`unpack_nibbles`), and the integer kernels' rule for quantizing activations restated in torch for references
+(`quantized_blocks`).
 
 `load()` makes the operators available and says whether it could. The first call on a machine compiles matvec.cpp with
 the C++ compiler at hand (`$CXX`, else `c++`) against the installed torch, for this CPU's instruction set
@@ -55,12 +58,15 @@ class Limits(NamedTuple):
     # rows multiplied per pass over a weight: each more reads the weight again, which past it makes PyTorch's GEMM
     # the faster (figures: docs/generation.md)
     tile: int
+    # the integer kernels (`int8_dot_linear`, `int4_dot_linear`) quantize activations in blocks of this many numbers,
+    # and take input widths (and a weight's groups) that are a multiple of it
+    block: int
 
 
 # What the library's `constants` reported when this module was written, answered where no library is loaded (no
 # compiler, GPTLITE_NATIVE=0, before the first `load()`): nothing runs through the kernels then, and these only word
 # answers such as `why_not`'s. Once a library loads, its own report replaces them (`limits`).
-UNLOADED_LIMITS = Limits(multiple=16, tile=8)
+UNLOADED_LIMITS = Limits(multiple=16, tile=8, block=32)
 
 
 def cache_dir() -> Path:
@@ -266,6 +272,8 @@ def register_shapes() -> None:
     torch.library.register_fake("gptlite::int8_linear", product)
     torch.library.register_fake("gptlite::cached_attention", attention)
     torch.library.register_fake("gptlite::block_step", block)
+    torch.library.register_fake("gptlite::int8_dot_linear", product)
+    torch.library.register_fake("gptlite::int4_dot_linear", product)
     torch.library.register_fake("gptlite::argmax", lambda logits: logits.new_empty(logits.size(0), dtype=torch.long))
 
 
@@ -276,7 +284,7 @@ def register_shapes() -> None:
 def library_limits() -> Limits:
     """The loaded library's own constants (its `constants` operator)."""
     reported = torch.ops.gptlite.constants()
-    return Limits(multiple=int(reported["multiple"]), tile=int(reported["tile"]))
+    return Limits(multiple=int(reported["multiple"]), tile=int(reported["tile"]), block=int(reported["block"]))
 
 
 def limits() -> Limits:
@@ -295,6 +303,12 @@ def max_rows() -> int:
     return limits().tile
 
 
+def block() -> int:
+    """The integer kernels quantize activations in blocks of this many numbers: a layer's input width (and an int4
+    weight's group) must be a multiple of it for them."""
+    return limits().block
+
+
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) times weight (N, K), plus bias (N,): (..., N), all float32, K a multiple of `multiple()`."""
     return torch.ops.gptlite.float_linear(x, weight, bias)
@@ -306,6 +320,74 @@ def int8_linear(
     """x (..., K) float32 times the int8 weight codes (N, K), each times its scale, one per row (scale (N,)) or one per
     group of K / G inputs (scale (N, G)), plus bias (N,): (..., N) float32."""
     return torch.ops.gptlite.int8_linear(x, codes, scale, bias)
+
+
+def int8_dot_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (..., K) float32, quantized to int8 per block of `block()` numbers (`quantized_blocks`' way), times the int8
+    weight codes (N, K) in integer arithmetic, each block's sum times the scales, one per weight row (scale (N,)) or
+    one per group of K / G inputs (scale (N, G)), plus bias (N,): (..., N) float32. K a multiple of `block()`."""
+    return torch.ops.gptlite.int8_dot_linear(x, codes, scale, bias)
+
+
+def int4_dot_linear(
+    x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (..., K) float32 quantized as for `int8_dot_linear`, times the int4 weight (N, K / 2) uint8 (`pack_nibbles`'
+    layout: a code q stands for q - 8), one scale per group of K / G inputs (scale (N, G)), plus bias (N,): (..., N)
+    float32."""
+    return torch.ops.gptlite.int4_dot_linear(x, nibbles, scale, bias)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes (N, K) in [0, 15] -> (N, K / 2) uint8 as `int4_dot_linear` reads them: each block of 32 codes in
+    16 bytes, code j in the low nibble of byte j and code j + 16 in the high one (q4_0's order, so that both halves
+    of a block unpack with one shift and one mask). K a multiple of 32."""
+    N, K = codes.shape
+    blocks = codes.to(torch.uint8).view(N, K // 32, 2, 16)  # (N, K / 32, halves, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles`' inverse: (N, K / 2) uint8 -> the codes (N, K) uint8 in [0, 15]."""
+    N, half = nibbles.shape
+    blocks = nibbles.view(N, half // 16, 1, 16)  # (N, K / 32, 1, 16)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).reshape(N, 2 * half)
+
+
+def quantized_blocks(x: torch.Tensor, width: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) float32 quantized as the integer kernels quantize their activations, blocks of `width` numbers each
+    with one scale d = max |x| / 127 (float32), codes round(x / d) (ties to even) -> (codes (..., K) float32 whole
+    numbers in [-127, 127], scales (..., K / width) float32). The tests' and `check`'s reference."""
+    blocks = x.float().unflatten(-1, (-1, width))  # (..., K / width, width)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return torch.round(blocks * inverse).flatten(-2), d.squeeze(-1)
+
+
+def dequantized_blocks(x: torch.Tensor, width: int = 32) -> torch.Tensor:
+    """x (..., K) as the integer kernels multiply it: its `quantized_blocks` codes times their scales, in float64
+    (exact) -> (..., K)."""
+    codes, d = quantized_blocks(x, width)
+    return (codes.double().unflatten(-1, (-1, width)) * d.double()[..., None]).flatten(-2)
+
+
+def assert_int_linear_close(
+    got: torch.Tensor,
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    what: str = "the product",
+) -> None:
+    """AssertionError naming `what` where an integer kernel's result `got` (..., N) is further from the exact product
+    of x's quantized blocks (`dequantized_blocks`) and the weight codes (N, K) (int4's already less 8) times their
+    scales, plus bias, than float32 can err in combining the blocks' exact sums (`linear_error_bound`)."""
+    blocks = dequantized_blocks(x, block())
+    assert_within(
+        got, linear_reference(blocks, codes, scale, bias), linear_error_bound(blocks, codes, scale, bias), what
+    )
 
 
 class CacheSlot(NamedTuple):
@@ -373,12 +455,18 @@ def cached_attention(
     )
 
 
+INPUT_BITS = {"float32": 32, "int8": 8}  # the operator's name for what each matrix multiplies (its input_bits)
+
+
 class Matrix(NamedTuple):
     """A linear layer as a block's step multiplies it."""
 
-    weight: torch.Tensor  # (N, K) float32, or int8 codes
-    scale: torch.Tensor | None  # (N,) float32: an int8 weight's scale per row; None for a float32 weight
+    weight: torch.Tensor  # (N, K) float32, or int8 codes; or (N, K / 2) uint8 int4 codes (`pack_nibbles`)
+    scale: torch.Tensor | None  # (N,) float32: an int8 weight's scale per row, (N, G) an int4 one's per group
     bias: torch.Tensor | None  # (N,) float32
+    # what the weight multiplies: float32 activations, or the activations quantized to int8 (`int8_dot_linear`'s,
+    # `int4_dot_linear`'s way; an int4 weight takes only these)
+    inputs: str = "float32"
 
 
 class Norm(NamedTuple):
@@ -432,7 +520,7 @@ def block_step(
 def block_step_arguments(
     x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
 ) -> list:
-    """The compiled operator's 23 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
+    """The compiled operator's 24 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
     operands: the norms' tensors in the modules' order, the post-norms' last where the block has them."""
     norms = [weights.attn_norm.weight, weights.attn_norm.bias, weights.ffn_norm.weight, weights.ffn_norm.bias]
     if weights.attn_post_norm is not None:
@@ -459,6 +547,7 @@ def block_step_arguments(
         *attention_operands(angles, weights.head_norms),
         options.position,
         options.window,
+        [INPUT_BITS[matrix.inputs] for matrix in matrices],
     ]
 
 
@@ -588,6 +677,7 @@ def check(path: str) -> None:
             for scale in (row_scales, group_scales):
                 got = int8_linear(x, codes, scale, b)
                 assert_linear_close(got, x, codes, scale, b, f"int8_linear, {rows} rows, scales {tuple(scale.shape)}")
+    check_integer_linears(generator)
     check_attention(generator)
     check_block(generator)
     logits = torch.randn(3, 1000, generator=generator)
@@ -695,6 +785,35 @@ def as_float64(operands):
     return operands
 
 
+def check_integer_linears(generator: torch.Generator) -> None:
+    """int8_dot_linear and int4_dot_linear against the exact product of the quantized activations
+    (`assert_int_linear_close`): input widths of 3 and 6 blocks, an output width no thread or stream split divides,
+    one row and batches past a tile, with and without a bias, int8 with a scale per row and per block, int4 in groups
+    of one block and of the whole row; and each row's result the same, bit for bit, alone and in a batch."""
+    N = 203
+    for K in (96, 192):
+        codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
+        int4 = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=generator)
+        nibbles = pack_nibbles(int4)
+        bias = torch.randn(N, generator=generator)
+        x = torch.randn(13, K, generator=generator) * 3
+        x[2, :32] = 0  # a block of zeros: its scale 0
+        for scale in (torch.rand(N, generator=generator), torch.rand(N, K // 32, generator=generator)):
+            for rows in (1, 3, 13):
+                got = int8_dot_linear(x[:rows], codes, scale, bias)
+                assert_int_linear_close(got, x[:rows], codes, scale, bias, f"int8_dot_linear, K {K}, {rows} rows")
+        for groups in (K // 32, 1):
+            scale = torch.rand(N, groups, generator=generator)
+            for b in (None, bias):
+                got = int4_dot_linear(x, nibbles, scale, b)
+                assert_int_linear_close(got, x, int4.to(torch.int8) - 8, scale, b, f"int4_dot_linear, K {K}")
+        alone = torch.cat([int4_dot_linear(x[i : i + 1], nibbles, scale, bias) for i in range(len(x))])
+        assert torch.equal(alone, int4_dot_linear(x, nibbles, scale, bias)), "int4_dot_linear: a row alone"
+        scale = torch.rand(N, generator=generator)
+        alone = torch.cat([int8_dot_linear(x[i : i + 1], codes, scale, bias) for i in range(len(x))])
+        assert torch.equal(alone, int8_dot_linear(x, codes, scale, bias)), "int8_dot_linear: a row alone"
+
+
 def check_attention(generator: torch.Generator) -> None:
     """cached_attention against `attention_reference`: grouped heads (6 query heads on 2 key/value heads), a width D
     that is not a multiple of a vector, with and without a mask that hides some slots, the caches written exactly;
@@ -797,7 +916,7 @@ def check_block(generator: torch.Generator) -> None:
     some slots, Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale, GPT-2's
     on int8 weights, Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles, OLMo 2's (norms
     after each branch, q/k norms over all heads) and Gemma 3's local layer (norms on both sides times 1 + weight,
-    GeGLU, a sliding window)."""
+    GeGLU, a sliding window), and Llama's on int8 and int4 weights multiplying int8 inputs."""
     cases = [
         (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0, False),
         (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5, False),
@@ -819,6 +938,11 @@ def check_block(generator: torch.Generator) -> None:
     angles, head_norms = rotary_operands(generator, 1, 16, 16)
     options = BlockOptions("rmsnorm_unit_offset", 1e-6, "gelu_gate", 6, 0.25, 1.0, "both", 7)
     assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "Gemma 3's", angles)
+    options = BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0)
+    for kind in ("int8", "int4"):  # int8 inputs: widths of whole blocks
+        x, weights, cache = block_operands(generator, 2, 6, 2, 16, 64, "rmsnorm", "silu_gate", False)
+        weights = integer_matrices(generator, weights, kind)
+        assert_block_step_close(x, weights, cache, options, f"Llama's, {kind} weights, int8 inputs")
 
 
 def assert_block_step_close(
@@ -890,6 +1014,24 @@ def block_operands(
     return random(B, 1, C), block, CacheSlot(k_cache.clone(), v_cache.clone(), slot, slot + 1, visible)
 
 
+def integer_matrices(generator: torch.Generator, weights: BlockWeights, kind: str) -> BlockWeights:
+    """`weights` with its four matrices replaced by random integer ones of the same shapes that multiply int8 inputs:
+    int8 codes with a scale per row ("int8"), or int4 codes (`pack_nibbles`) with one per block of 32 inputs
+    ("int4"); the biases kept."""
+
+    def integer(matrix: Matrix) -> Matrix:
+        N, K = matrix.weight.shape
+        if kind == "int8":
+            codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
+            return Matrix(codes, torch.rand(N, generator=generator) * 0.3 / 127, matrix.bias, "int8")
+        codes = pack_nibbles(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=generator))
+        return Matrix(codes, torch.rand(N, K // 32, generator=generator) * 0.3 / 8, matrix.bias, "int8")
+
+    matrices = (weights.qkv, weights.attn_out, weights.fc, weights.ffn_out)
+    qkv, attn_out, fc, ffn_out = (integer(matrix) for matrix in matrices)
+    return weights._replace(qkv=qkv, attn_out=attn_out, fc=fc, ffn_out=ffn_out)
+
+
 def rotary_operands(
     generator: torch.Generator, B: int, R: int, D: int, whole: tuple[int, int] | None = None
 ) -> tuple[Angles, HeadNorms]:
@@ -915,10 +1057,20 @@ def block_reference(
     row's scale, in x's precision (float64 on `as_float64`'s operands) -> (out (B, 1, C), the keys and values with
     the token's written at the cache's slot)."""
     C = x.size(-1)
-    F = weights.ffn_out.weight.size(1)  # the activation's width
+    F = weights.ffn_out.weight.size(1) * (2 if weights.ffn_out.weight.dtype == torch.uint8 else 1)  # activation's
 
     def linear(h: torch.Tensor, matrix: Matrix) -> torch.Tensor:
-        weight = matrix.weight if matrix.scale is None else matrix.weight.to(x.dtype) * matrix.scale[:, None]
+        if matrix.inputs == "int8":
+            h = dequantized_blocks(h, block()).to(x.dtype)
+        codes = matrix.weight
+        if codes.dtype == torch.uint8:  # int4: the codes stand for q - 8
+            codes = unpack_nibbles(codes).to(torch.int8) - 8
+        if matrix.scale is None:
+            weight = codes
+        else:
+            N, K = codes.shape
+            scale = matrix.scale.reshape(N, -1)  # (N, 1) or (N, G)
+            weight = codes.to(x.dtype) * scale.repeat_interleave(K // scale.size(1), dim=1)
         return torch.nn.functional.linear(h, weight, matrix.bias)
 
     def normalize(h: torch.Tensor, norm: Norm) -> torch.Tensor:
