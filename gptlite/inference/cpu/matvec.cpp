@@ -11,7 +11,7 @@
 //   y[m, n] = sum_k x[m, k] * weight[n, k] * scale[n, k / (K / G)] + bias[n]    (q8_0's blocks, for G = K / 32)
 //
 //   torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
-//                                      q_norm, k_norm, head_eps)
+//                                      q_norm, k_norm, head_eps, slots)
 //       qkv (B, 1, (H + 2 KV) D) float32, k_cache and v_cache (B, KV, L, D) -> (B, 1, H D)
 //
 //   A decode step's attention through a KV cache, in one call: the token's keys and values (qkv's last 2 KV D
@@ -21,10 +21,13 @@
 //   normalized (RMSNorm over the head's D numbers times q_norm or k_norm (D), epsilon head_eps: Qwen3's) and then
 //   rotated (RoPE: the head's leading R coordinates, R = cos's width, pairs (i, i + R/2) rotated by their angle,
 //   q' = q cos + rotate_half(q) sin, cos and sin (B or 1, R) the row's position's, as the model's own
-//   RotaryPositions computes them).
+//   RotaryPositions computes them). Where `slots` (B) int64 is given, rows stand at lengths of their own (the
+//   server's rows, each a request of its own): row b's token goes to slot slots[b] instead of `slot`, and it attends
+//   over slots [0, slots[b]] (span must exceed every one).
 //
 //   torch.ops.gptlite.block_step(x, norms, weights, scales, biases, k_cache, v_cache, slot, span, visible, scale,
-//                                n_head, norm, eps, activation, residual_scale, cos, sin, q_norm, k_norm, head_eps)
+//                                n_head, norm, eps, activation, residual_scale, cos, sin, q_norm, k_norm, head_eps,
+//                                slots)
 //       x (B, 1, C) float32 -> (B, 1, C)
 //
 //   A pre-norm block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)), the attention as
@@ -614,7 +617,7 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
                             int64_t span, const std::optional<at::Tensor>& visible, double scale, int64_t n_head,
                             const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                             const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                            double head_eps) {
+                            double head_eps, const std::optional<at::Tensor>& slots) {
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
                     v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -641,6 +644,22 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
         shown = visible->data_ptr<bool>();
         shown_stride = visible->stride(0);
     }
+    const int64_t* row_slots = nullptr;
+    if (slots.has_value()) {
+        TORCH_CHECK(slots->dim() == 1 && slots->size(0) == B && slots->is_contiguous() &&
+                        slots->scalar_type() == at::kLong && slots->device().is_cpu(),
+                    "gptlite cached_attention: slots must be a contiguous (", B, ",) int64 CPU tensor, not ",
+                    slots->sizes());
+        row_slots = slots->data_ptr<int64_t>();
+        for (int64_t b = 0; b < B; b++) {
+            TORCH_CHECK(0 <= row_slots[b] && row_slots[b] < span, "gptlite cached_attention: row ", b, "'s slot ",
+                        row_slots[b], " is outside the span ", span);
+        }
+    }
+    // row b's token goes to slot_of(b) and it attends over slots [0, slot_of(b)] (rows at their own lengths), or
+    // every row's to `slot`, attending over [0, span)
+    const auto slot_of = [&](int64_t b) { return row_slots == nullptr ? slot : row_slots[b]; };
+    const auto span_of = [&](int64_t b) { return row_slots == nullptr ? span : row_slots[b] + 1; };
     TORCH_CHECK(cos.has_value() == sin.has_value(), "gptlite cached_attention: cos and sin go together");
     const int64_t R = cos.has_value() ? cos->size(-1) : 0;
     int64_t cos_stride = 0;
@@ -658,14 +677,14 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
     for (int64_t b = 0; b < B; b++) {  // the token's keys (normalized and rotated) and values into the slot
         const float* row = in + b * width;
         for (int64_t g = 0; g < KV; g++) {
-            float* key = keys + ((b * KV + g) * L + slot) * D;
+            float* key = keys + ((b * KV + g) * L + slot_of(b)) * D;
             if (prepared) {
                 prepare_head(row + (H + g) * D, D, k_weight, eps, cosines + b * cos_stride, sines + b * sin_stride, R,
                              key);
             } else {
                 std::memcpy(key, row + (H + g) * D, D * sizeof(float));
             }
-            std::memcpy(values + ((b * KV + g) * L + slot) * D, row + (H + KV + g) * D, D * sizeof(float));
+            std::memcpy(values + ((b * KV + g) * L + slot_of(b)) * D, row + (H + KV + g) * D, D * sizeof(float));
         }
     }
     // the queries: qkv's own numbers, or each head's normalized and rotated into `queries` (B, H, D)
@@ -687,7 +706,7 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
             const int64_t g = h / group;
             const float* query = prepared ? queries.data() + i * D : in + b * width + h * D;
             attend(query, keys + (b * KV + g) * L * D, values + (b * KV + g) * L * D,
-                   shown == nullptr ? nullptr : shown + b * shown_stride, span, D, static_cast<float>(scale),
+                   shown == nullptr ? nullptr : shown + b * shown_stride, span_of(b), D, static_cast<float>(scale),
                    scores.data(), outs + i * D);
         }
     });
@@ -881,7 +900,8 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
                       int64_t n_head, c10::string_view norm_name, double eps, c10::string_view activation_name,
                       double residual_scale, const std::optional<at::Tensor>& cos,
                       const std::optional<at::Tensor>& sin, const std::optional<at::Tensor>& q_norm,
-                      const std::optional<at::Tensor>& k_norm, double head_eps) {
+                      const std::optional<at::Tensor>& k_norm, double head_eps,
+                      const std::optional<at::Tensor>& slots) {
     TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "gptlite block_step: x must be a (B, 1, C) float32 CPU tensor, not ", x.sizes());
     TORCH_CHECK(norms.size() == 4 && weights.size() == 4 && scales.size() == 4 && biases.size() == 4,
@@ -921,7 +941,7 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     at::Tensor qkv = at::empty({B, 1, Q}, x.options());
     multiply(qkv_weight, normed.data(), B, qkv_bias, qkv.data_ptr<float>());
     const at::Tensor heads = cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
-                                              q_norm, k_norm, head_eps);  // (B, 1, H D)
+                                              q_norm, k_norm, head_eps, slots);  // (B, 1, H D)
     TORCH_CHECK(heads.size(2) == HD, "gptlite block_step: the attention's out_proj takes ", HD, " inputs, its ",
                 n_head, " heads give ", heads.size(2));
     multiply(attn_weight, heads.data_ptr<float>(), B, attn_bias, branch.data());
@@ -1017,12 +1037,12 @@ TORCH_LIBRARY(gptlite, m) {
     m.def(
         "cached_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, "
         "float scale, int n_head, Tensor? cos=None, Tensor? sin=None, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float head_eps=0.0) -> Tensor");
+        "float head_eps=0.0, Tensor? slots=None) -> Tensor");
     m.def(
         "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, "
         "str norm, float eps, str activation, float residual_scale, Tensor? cos=None, Tensor? sin=None, "
-        "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0) -> Tensor");
+        "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0, Tensor? slots=None) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");
     m.def("constants() -> Dict(str, int)", &gptlite::constants);  // no tensor to dispatch on: one kernel for all
 }

@@ -309,13 +309,16 @@ def int8_linear(
 
 
 class CacheSlot(NamedTuple):
-    """One layer's cache as a decode step of one token per row reads and writes it."""
+    """One layer's cache as a decode step of one token per row reads and writes it: every row at one slot (sample.py's
+    batch, its rows as long as each other), or each at its own (`slots`: the server's rows, a request each)."""
 
     keys: torch.Tensor  # (B, KV, L, D) float32, contiguous: the token's keys are written at `slot`
     values: torch.Tensor  # (B, KV, L, D) float32, contiguous: the token's values are written at `slot`
-    slot: int  # the slot the token's keys and values go to
+    slot: int  # the slot the token's keys and values go to (with `slots`, the last of theirs)
     span: int  # the step attends over slots 0..span-1
     visible: torch.Tensor | None  # (B, L) bool, which slots each row sees; None where it sees every one
+    # (B,) int64: each row's own slot, where rows differ: row b's token goes there and it attends over slots 0..slots[b]
+    slots: torch.Tensor | None = None
 
 
 class Angles(NamedTuple):
@@ -366,6 +369,7 @@ def cached_attention(
         scale,
         n_head,
         *attention_operands(angles, head_norms),
+        cache.slots,
     )
 
 
@@ -420,7 +424,7 @@ def block_step(
 def block_step_arguments(
     x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
 ) -> list:
-    """The compiled operator's 21 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
+    """The compiled operator's 22 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
     operands."""
     norms = [weights.attn_norm.weight, weights.attn_norm.bias, weights.ffn_norm.weight, weights.ffn_norm.bias]
     matrices = (weights.qkv, weights.attn_out, weights.fc, weights.ffn_out)
@@ -442,6 +446,7 @@ def block_step_arguments(
         options.activation,
         options.residual_scale,
         *attention_operands(angles, weights.head_norms),
+        cache.slots,
     ]
 
 
@@ -680,9 +685,10 @@ def as_float64(operands):
 
 def check_attention(generator: torch.Generator) -> None:
     """cached_attention against `attention_reference`: grouped heads (6 query heads on 2 key/value heads), a width D
-    that is not a multiple of a vector, with and without a mask that hides some slots, the caches written exactly;
-    and with q/k norms and rotations (every coordinate, each row at its angles; the leading 12, all rows at one
-    row's), the keys written within float32's error."""
+    that is not a multiple of a vector, with and without a mask that hides some slots, the caches written exactly,
+    every row at one slot and each at its own (`CacheSlot.slots`); and with q/k norms and rotations (every
+    coordinate, each row at its angles; the leading 12, all rows at one row's), the keys written within float32's
+    error."""
     B = 3  # rows
     H = 6  # query heads
     KV = 2  # key/value heads
@@ -700,6 +706,16 @@ def check_attention(generator: torch.Generator) -> None:
         out = cached_attention(qkv, CacheSlot(k_cache, v_cache, slot, slot + 1, shown), n_head=H, scale=0.3)
         assert_as_close_as_float32(out, want32, want64, "cached_attention")
         assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's cache writes"
+    slots = torch.tensor([36, 4, 40])  # rows at lengths of their own (the server's)
+    own = visible.clone()
+    own[torch.arange(B), slots] = True
+    for shown in (None, own):
+        want32, keys, values = attention_reference(qkv, *caches, slots, shown, 0.3, H)
+        want64 = attention_reference(qkv.double(), *caches.double(), slots, shown, 0.3, H)[0]
+        k_cache, v_cache = caches.clone()
+        out = cached_attention(qkv, CacheSlot(k_cache, v_cache, 40, 41, shown, slots), n_head=H, scale=0.3)
+        assert_as_close_as_float32(out, want32, want64, "cached_attention, each row at its own slot")
+        assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's writes at own slots"
     for R, rows in ((D, B), (12, 1)):  # every coordinate rotated, each row at its angles; the leading 12, one row's
         angles, head_norms = rotary_operands(generator, rows, R, D)
         want32, keys32, values32 = attention_reference(qkv, *caches, slot, visible, 0.3, H, angles, head_norms)
@@ -718,7 +734,7 @@ def attention_reference(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot: int,
+    slot: int | torch.Tensor,
     visible: torch.Tensor | None,
     scale: float,
     n_head: int,
@@ -726,9 +742,10 @@ def attention_reference(
     head_norms: HeadNorms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What cached_attention computes, through PyTorch: copies of the caches (B, KV, L, D) with the token's keys and
-    values (the end of each row of qkv (B, 1, (H + 2 KV) D)) written at `slot` by indexing, and SDPA of its n_head
-    query heads over slots 0..slot where visible (B, L) shows them -> (out (B, 1, H D), keys, values); each head's
-    q and k first through F.rms_norm times its weight (`head_norms`), then rotated (`heads_rotated`), where given."""
+    values (the end of each row of qkv (B, 1, (H + 2 KV) D)) written at `slot` (or each row's at its own, a (B,)
+    tensor) by indexing, and SDPA of its n_head query heads over slots 0..slot (the row's own) where visible (B, L)
+    shows them -> (out (B, 1, H D), keys, values); each head's q and k first through F.rms_norm times its weight
+    (`head_norms`), then rotated (`heads_rotated`), where given."""
     B, KV, _, D = k_cache.shape
     q, k, v = qkv.split([n_head * D, KV * D, KV * D], dim=-1)
     q = q.reshape(B, n_head, D)
@@ -741,11 +758,16 @@ def attention_reference(
         k = heads_rotated(k, angles)
     keys = k_cache.clone()
     values = v_cache.clone()
-    keys[:, :, slot] = k
-    values[:, :, slot] = v.view(B, KV, D)
-    mask = None if visible is None else visible[:, None, None, : slot + 1]
+    slots = torch.as_tensor(slot).expand(B)  # (B,) each row's slot
+    keys[torch.arange(B), :, slots] = k  # indexed as (B, KV, D)
+    values[torch.arange(B), :, slots] = v.view(B, KV, D)
+    span = int(slots.max()) + 1
+    seen = torch.arange(span)[None, :] <= slots[:, None]  # (B, S): each row's own slots
+    if visible is not None:
+        seen = seen & visible[:, :span]
+    mask = None if visible is None and isinstance(slot, int) else seen[:, None, None]  # (B, 1, 1, S)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(B, n_head, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=scale, enable_gqa=True
+        q.view(B, n_head, 1, D), keys[:, :, :span], values[:, :, :span], mask, scale=scale, enable_gqa=True
     )  # (B, H, 1, D)
     return out.reshape(B, 1, n_head * D), keys, values
 
@@ -763,7 +785,8 @@ def heads_rotated(heads: torch.Tensor, angles: Angles) -> torch.Tensor:
 def check_block(generator: torch.Generator) -> None:
     """block_step against `block_reference`: GPT-2's block (LayerNorm, GELU, biases) on 3 rows with a mask hiding
     some slots, Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale, GPT-2's
-    on int8 weights, and Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles."""
+    on int8 weights, and Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles, all at one
+    slot and each at its own (the server's rows)."""
     cases = [
         (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0, False),
         (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5, False),
@@ -777,6 +800,8 @@ def check_block(generator: torch.Generator) -> None:
     angles, head_norms = rotary_operands(generator, 3, 16, 16)
     options = BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0)
     assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "Qwen3's", angles)
+    own = cache._replace(slot=35, span=36, visible=None, slots=torch.tensor([35, 2, 17]))  # the server's rows
+    assert_block_step_close(x, weights._replace(head_norms=head_norms), own, options, "Qwen3's, own slots", angles)
 
 
 def assert_block_step_close(
@@ -891,7 +916,7 @@ def block_reference(
         qkv,
         cache.keys,
         cache.values,
-        cache.slot,
+        cache.slot if cache.slots is None else cache.slots,
         cache.visible,
         options.scale,
         options.n_head,

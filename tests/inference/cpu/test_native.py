@@ -275,6 +275,50 @@ def test_cached_attention_normalizes_and_rotates_q_and_k(ops, H, KV, D, rotated,
     assert torch.equal(v_cache, values)
 
 
+@pytest.mark.parametrize("H, KV, D", [(4, 4, 64), (6, 2, 20)])
+@pytest.mark.parametrize("rotated", [False, True])
+def test_cached_attention_of_rows_at_their_own_slots(ops, H, KV, D, rotated):
+    """Rows at lengths of their own (the server's, a request each; `CacheSlot.slots`): each row's keys and values land
+    in its own slot, nothing else changes, and its heads attend over its slots up to that one only, as SDPA does
+    over them (rotated and normalized too, each row at its own angles)."""
+    generator = torch.Generator().manual_seed(H * 10 + D + rotated)
+    B = 4
+    L = 50
+    slots = torch.tensor([33, 0, 7, 49])
+    qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
+    caches = torch.randn(2, B, KV, L, D, generator=generator)
+    angles, head_norms = native.rotary_operands(generator, B, D, D) if rotated else (None, None)
+    operands = (qkv, *caches, slots, None, 0.2, H, angles, head_norms)
+    want, keys, values = native.attention_reference(*operands)
+    want64, keys64, _ = native.attention_reference(*native.as_float64(operands))
+    k_cache, v_cache = caches.clone()
+    cache = native.CacheSlot(k_cache, v_cache, 49, 50, None, slots)
+    got = native.cached_attention(qkv, cache, n_head=H, scale=0.2, angles=angles, head_norms=head_norms)
+    native.assert_as_close_as_float32(got, want, want64, "cached_attention, rows at their own slots")
+    native.assert_as_close_as_float32(k_cache, keys, keys64, "cached_attention's keys, rows at their own slots")
+    assert torch.equal(v_cache, values)
+
+
+def test_rows_at_their_own_slots_each_attend_as_alone(ops):
+    """A row among others at their own slots computes what it does alone at its slot: its neighbours' lengths never
+    reach it."""
+    generator = torch.Generator().manual_seed(3)
+    H = 4
+    D = 16
+    slots = torch.tensor([20, 3, 11])
+    qkv = torch.randn(3, 1, 3 * H * D, generator=generator)
+    caches = torch.randn(2, 3, H, 30, D, generator=generator)
+    together = native.cached_attention(
+        qkv, native.CacheSlot(*caches.clone(), 20, 21, None, slots), n_head=H, scale=0.25
+    )
+    for b, slot in enumerate(slots.tolist()):
+        keys, values = caches[:, b : b + 1].clone()
+        alone = native.cached_attention(
+            qkv[b : b + 1], native.CacheSlot(keys, values, slot, slot + 1, None), n_head=H, scale=0.25
+        )
+        assert torch.equal(together[b : b + 1], alone)
+
+
 def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
     k_cache = torch.zeros(1, 2, 8, 16)
     with pytest.raises(RuntimeError, match=r"qkv must be a contiguous \(1, 1, 128\) float32"):
@@ -283,6 +327,11 @@ def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
         ops.cached_attention(torch.zeros(1, 1, 128), k_cache, k_cache.clone(), 8, 9, None, 1.0, 4)
     with pytest.raises(RuntimeError, match="3 query heads for 2 key/value heads"):
         ops.cached_attention(torch.zeros(1, 1, 112), k_cache, k_cache.clone(), 0, 1, None, 1.0, 3)
+    qkv = torch.zeros(1, 1, 128)
+    with pytest.raises(RuntimeError, match="row 0's slot 5 is outside the span 4"):
+        ops.cached_attention(qkv, k_cache, k_cache.clone(), 3, 4, None, 1.0, 4, slots=torch.tensor([5]))
+    with pytest.raises(RuntimeError, match=r"slots must be a contiguous \(1,\) int64 CPU tensor"):
+        ops.cached_attention(qkv, k_cache, k_cache.clone(), 3, 4, None, 1.0, 4, slots=torch.tensor([1, 2]))
 
 
 @pytest.mark.parametrize(
@@ -337,6 +386,7 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     given = native.block_step_arguments(x, weights, cache, options)
     names = ("x", "norms", "weights", "scales", "biases", "k_cache", "v_cache", "slot", "span", "visible", "scale")
     names += ("n_head", "norm", "eps", "activation", "residual_scale", "cos", "sin", "q_norm", "k_norm", "head_eps")
+    names += ("slots",)
     assert len(given) == len(names)
     given = dict(zip(names, given, strict=True))
     weights = given["weights"]
