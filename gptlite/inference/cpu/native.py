@@ -6,10 +6,11 @@ library's own limits (`multiple()`, `max_rows()`) rather than copying its consta
 
 `load()` makes the operators available and says whether it could. The first call on a machine compiles matvec.cpp with
 the C++ compiler at hand (`$CXX`, else `c++`) against the installed torch, for this CPU's instruction set
-(-march=native), into the build cache (GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native);
-it says so on stderr, with how long it may take and, while the compiler runs, the time so far. The library is named by a
-hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between machines never runs
-a library built for another CPU. Before a library is first loaded, a child process loads it and compares its operators
+(-march=native), with OpenMP where the compiler takes it (without, on one thread: `openmp_flags`), into the build cache
+(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native); it says so on stderr, with how long
+it may take and, while the compiler runs, the time so far. The library is named by a hash of its source, the compiler,
+torch's version and the CPU's features, so a cache shared between machines never runs a library built for another
+CPU. Before a library is first loaded, a child process loads it and compares its operators
 with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a truncated file, a bad build) takes
 down that child, never the caller, and is not used. A marker beside a library that passed holds the library's sha256 and
 the CPU's digest; a library the marker does not vouch for that way is checked again, and one that fails is built anew.
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,6 +44,9 @@ from gptlite.config import FALSE_WORDS, TRUE_WORDS, parse_bool
 SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
 CACHE_ENV = "GPTLITE_NATIVE_CACHE"
+# at::parallel_for, which the kernels split their work with, is OpenMP's in torch's builds; the process shares torch's
+# libgomp (libomp on macOS)
+OPENMP = ("-fopenmp",)
 PROGRESS_SECONDS = 10  # how often a build says on stderr that it still runs
 BUILD_TIMEOUT = 600  # seconds a build may take before it is given up
 CHECK_TIMEOUT = 300  # seconds the child process's check may take
@@ -95,8 +100,9 @@ def cpu_features() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def build_command(cxx: str, output: Path, arch: list[str]) -> list[str]:
-    """The compiler's command line: matvec.cpp against the installed torch, for the instruction set `arch` names."""
+def build_command(cxx: str, output: Path, arch: list[str], threads: Sequence[str] = OPENMP) -> list[str]:
+    """The compiler's command line: matvec.cpp against the installed torch, for the instruction set `arch` names,
+    its kernels' threads by the flags `threads` (OPENMP; none where the compiler takes no OpenMP: `openmp_flags`)."""
     from torch.utils import cpp_extension
 
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
@@ -109,7 +115,7 @@ def build_command(cxx: str, output: Path, arch: list[str]) -> list[str]:
         "-std=gnu++17",  # GNU mode: multiply-adds are fused, as -ffp-contract=fast
         "-shared",
         "-fPIC",
-        "-fopenmp",  # at::parallel_for is OpenMP's in torch's builds; the process shares torch's libgomp
+        *threads,
         "-w",  # torch's headers warn under some compilers; the build's own errors still print
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
@@ -121,6 +127,28 @@ def build_command(cxx: str, output: Path, arch: list[str]) -> list[str]:
         "-lc10",
         "-ltorch_cpu",
     ]
+
+
+def openmp_flags(cxx: str, scratch: Path) -> list[str]:
+    """OPENMP where `cxx` builds a library with it (tried on a few lines in the folder `scratch`), else none, saying
+    so in one line on stderr: Apple's clang takes no -fopenmp. at::parallel_for is inlined from torch's headers, and
+    in torch's builds for Linux and macOS it runs on OpenMP's threads: built without OpenMP, the kernels run on one
+    thread (PyTorch's kernels, measured beside them, keep their threads)."""
+    source = scratch / "openmp.cpp"
+    source.write_text("#include <omp.h>\nint threads() { return omp_get_max_threads(); }\n")
+    command = [cxx, *OPENMP, "-shared", "-fPIC", str(source), "-o", str(scratch / "openmp.so")]
+    try:
+        taken = subprocess.run(command, capture_output=True, timeout=BUILD_TIMEOUT).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        taken = False
+    if not taken:
+        print(
+            f"gptlite: {cxx} takes no {' '.join(OPENMP)}: the CPU decode kernels are built without OpenMP and run on "
+            "one thread",
+            file=sys.stderr,
+            flush=True,
+        )
+    return list(OPENMP) if taken else []
 
 
 def library_path(cxx: str) -> Path:
@@ -490,7 +518,7 @@ def cache_error(folder: Path, error: OSError) -> str:
 def compile_into(cxx: str, output: Path, arch: list[str]) -> str:
     """Runs the compiler (`build_command`) to write `output`: '' or why it failed, naming the fix. Prints the time
     it has taken on stderr every PROGRESS_SECONDS while it runs, and stops it after BUILD_TIMEOUT seconds."""
-    command = build_command(cxx, output, arch)
+    command = build_command(cxx, output, arch, openmp_flags(cxx, output.parent))
     fix = "set CXX to a working C++ compiler, or GPTLITE_NATIVE=0"
     try:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,76 @@ def test_each_x86_instruction_set_builds_and_passes_the_check(arch, tmp_path):
     path = tmp_path / "matvec.so"
     assert native.build(cxx, path, arch) == ""
     assert native.check_in_child(path) == ""
+
+
+@pytest.mark.slow
+def test_a_compiler_without_openmp_builds_kernels_that_give_the_same_results(ops, monkeypatch, tmp_path, capsys):
+    """A compiler that rejects -fopenmp (Apple's clang does; here a wrapper around this machine's, named by CXX): the
+    build says so in one line and goes on without OpenMP, and the library passes the check and gives exactly the
+    results of the library built with it (the one loaded here) on one thread, the one it runs on: the same sums in
+    the same order."""
+    wrapper = tmp_path / "no-openmp-c++"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for arg in "$@"; do\n'
+        '  if [ "$arg" = -fopenmp ]; then echo "clang: error: unsupported option \'-fopenmp\'" >&2; exit 1; fi\n'
+        "done\n"
+        f'exec {shlex.quote(native.compiler())} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    cxx = native.compiler()
+    path = native.library_path(cxx)
+    assert native.ready(cxx, path) == ""  # built, and checked against PyTorch in a child process
+    said = [line for line in capsys.readouterr().err.splitlines() if "OpenMP" in line]
+    assert said == [
+        f"gptlite: {cxx} takes no -fopenmp: the CPU decode kernels are built without OpenMP and run on one thread"
+    ]
+    outputs = tmp_path / "outputs.pt"
+    script = "import sys; from tests.inference.cpu import test_native; test_native.save_kernel_outputs(*sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", script, str(path), str(outputs)], cwd=ROOT, check=True)
+    theirs = torch.load(outputs, weights_only=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a thread's share of a weight decides the order of its sums
+    try:
+        ours = kernel_outputs()
+    finally:
+        torch.set_num_threads(threads)
+    assert theirs.keys() == ours.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
+
+
+def kernel_outputs() -> dict[str, torch.Tensor]:
+    """Each operator's results on seeded operands, by name: the linear kernels at one row and at a batch, float32 and
+    int8, and a rotary block's step of rows at one slot and at their own, with the keys and values it wrote."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(203, 192, generator=generator)
+    codes = torch.randint(-127, 128, (203, 192), dtype=torch.int8, generator=generator)
+    scale = torch.rand(203, generator=generator)
+    outputs = {}
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 192, generator=generator)
+        outputs[f"float_linear, {rows} rows"] = native.float_linear(x, weight)
+        outputs[f"int8_linear, {rows} rows"] = native.int8_linear(x, codes, scale)
+    x, weights, cache = native.block_operands(generator, 3, 6, 2, 16, 48, "rmsnorm", "silu_gate", False)
+    angles, head_norms = native.rotary_operands(generator, 3, 16, 16)
+    weights = weights._replace(head_norms=head_norms)
+    options = native.BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0)
+    own = cache._replace(slot=35, span=36, visible=None, slots=torch.tensor([35, 2, 17]))
+    for name, slots in (("one slot", cache), ("own slots", own)):
+        outputs[f"block_step, {name}"] = native.block_step(x, weights, slots, options, angles)
+        outputs[f"block_step's keys, {name}"] = slots.keys.clone()
+        outputs[f"block_step's values, {name}"] = slots.values.clone()
+    return outputs
+
+
+def save_kernel_outputs(library: str, path: str) -> None:
+    """`kernel_outputs` of the library at `library`, loaded into this (child) process, saved to `path`."""
+    torch.ops.load_library(library)
+    native.register_shapes()
+    torch.save(kernel_outputs(), path)
 
 
 def test_a_library_that_crashes_is_refused_and_the_caller_goes_on(tmp_path):
