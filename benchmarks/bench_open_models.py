@@ -7,7 +7,9 @@ vocabulary 262,144, tied; 5 sliding-window layers of 512 positions to each globa
    pass above the RSS after the imports, against the loaded model's bytes, in bfloat16 and float32 (ours:
    GPT.from_pretrained with dtype=None; transformers: AutoModelForCausalLM.from_pretrained with dtype="auto");
 2. decode tokens/s at batch 1 and 8, greedy, in --dtype: the model against the same weights with n_kv_head =
-   n_head (k and v heads repeated: the same function, a larger cache), and against transformers' generate.
+   n_head (k and v heads repeated: the same function, a larger cache), and against transformers' generate; and how
+   many of the model's blocks decoded in one call of the compiled CPU kernels (gptlite.inference.cpu.blocks'
+   NativeBlock: every kind of block the families use, where each of its matrices took the compiled kernel).
 3. the largest logit difference against transformers for each family (the tests' tiny random models).
 4. kvcache: the bytes of the KV cache of the Gemma 3 270M shape at batch 1 in bfloat16, at --contexts: gptlite's
    KVCache allocated (every layer holds the whole context; a local layer's window is a mask) against a cache whose
@@ -180,7 +182,7 @@ def decode(directory: Path, args: Options) -> list[dict]:
     )
     rows = []
     gqa_name = f"GQA ({gqa.config.kv_heads} kv heads)"
-    print(f"{'batch':>5} {gqa_name:>17} {'n_kv_head = n_head':>19} {'transformers':>13}")
+    print(f"{'batch':>5} {gqa_name:>17} {'n_kv_head = n_head':>19} {'transformers':>13} {'one-call blocks':>16}")
     for batch in map(int, args.batch_sizes.split(",")):
         seed = torch.Generator().manual_seed(0)
         idx = torch.randint(0, gqa.config.vocab_size, (batch, args.prompt), generator=seed).to(device)  # (B, T)
@@ -200,7 +202,9 @@ def decode(directory: Path, args: Options) -> list[dict]:
                     call()
                 sync()
                 rates[name] = max(rates[name], batch * args.new_tokens / (time.perf_counter() - start))
-        print(f"{batch:>5} {rates['gqa']:17.1f} {rates['full']:19.1f} {rates['hf']:13.1f}", flush=True)
+        one_call = one_call_blocks(gqa, batch)
+        blocks = f"{one_call} of {gqa.config.n_layer}"
+        print(f"{batch:>5} {rates['gqa']:17.1f} {rates['full']:19.1f} {rates['hf']:13.1f} {blocks:>16}", flush=True)
         rows.append(
             {
                 "batch": batch,
@@ -208,9 +212,21 @@ def decode(directory: Path, args: Options) -> list[dict]:
                 "gqa": rates["gqa"],
                 "full_kv_heads": rates["full"],
                 "hf": rates["hf"],
+                "one_call_blocks": one_call,
             }
         )
     return rows
+
+
+def one_call_blocks(model, batch: int) -> int:
+    """How many of `model`'s blocks its decode steps at `batch` rows ran in one call of the compiled CPU kernels: the
+    NativeBlocks of the CPU decode view generate used (none on other devices and dtypes, or where a matrix of a block
+    measured faster on another kernel: GPTLITE_CPU_LINEAR=native forces the compiled one)."""
+    from gptlite.inference.cpu.blocks import NativeBlock
+    from gptlite.inference.cpu.decode import packed_for_cpu
+
+    view = packed_for_cpu(model, batch)
+    return sum(isinstance(block, NativeBlock) for block in view.blocks)
 
 
 def widened(model):

@@ -16,10 +16,18 @@ from gptlite.serve.rows import RowCache
 from gptlite.tokenizer import CharTokenizer
 from tests.conftest import VARIANTS, tiny_config, tiny_model
 from tests.helpers.serving import CHARS
+from tests.inference.cpu.test_native import BLOCK_MODELS
 from tests.serve.test_engine import PROMPTS, Collect
 
 GREEDY = GenerationOptions(temperature=0)
 LENGTHS = [14, 5, 9, 12, 3, 17, 7, 10, 2]  # each of PROMPTS' completions a length of its own: rows leave in turn
+GEMMA3 = "gemma 3: norms on both sides, unit offset, geglu, a window of 4"
+MODELS = {
+    "gpt2": VARIANTS["gpt2"],
+    "llama": VARIANTS["llama"],
+    "qwen3": VARIANTS["qwen3"],
+    "gemma3": BLOCK_MODELS[GEMMA3],
+}
 SYSTEM = "You are a careful assistant; answer in one short line. " * 2  # 110 characters: three whole blocks
 
 
@@ -62,12 +70,12 @@ def served(engine: Engine, tokenizer, prompts: list[str], lengths: list[int]) ->
 
 @pytest.mark.filterwarnings("ignore:gptlite. int8 decodes this model slower than float32")  # a tiny model's
 @pytest.mark.parametrize("mode", ["float32", "int8"])
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_rows_of_different_lengths_decode_the_models_greedy_tokens_through_the_block_step(block_steps, name, mode):
     """Nine requests of different lengths on four rows: they join as rows free up and leave at their own lengths, the
     steps of one row and of several running through the block step each row at its own slot, and each decodes the
-    greedy text of the model's own forward."""
-    model = tiny_model(**VARIANTS[name]).cpu()
+    greedy text of the model's own forward (Gemma 3's: within its sliding window on its local layer)."""
+    model = tiny_model(**MODELS[name]).cpu()
     if mode == "int8":
         model = model.quantize("int8")
     tokenizer = CharTokenizer(CHARS)

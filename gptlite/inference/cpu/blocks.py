@@ -3,13 +3,14 @@
 view's copy of the model's own module, whose forward it falls back to where the kernels do not apply.
 
 The model knows nothing of the kernels: which of its modules a step computes is decided here, by their types
-(`one_call_variant`), and the kernels' names for its norms and feed-forwards are tables here (NORM_KERNELS,
-ACTIVATION_KERNELS), each keyed by the exact class, so that a subclass, which may compute something else, is not taken
-for its parent. Rotary positions reach the kernels as the angles the model's own positions module computed for the
-step (`rot`, each row's at its position: llama3 and LongRoPE scaling, a base per layer kind and nanochat's reversed
-direction are in the numbers), the rotation each layer applies picked by its `rotate` (ANGLES); Qwen3's q/k norms as
-their weights. Another kind of block (norms after the branch, on both sides) is one more wrapper and one more rule in
-`one_call_variant`.
+(`one_call_variant`), and the kernels' names for its blocks, norms and feed-forwards are tables here (BLOCK_KINDS:
+norms before each branch, on its output as OLMo 2's, or both as Gemma's; NORM_KERNELS, Gemma's unit offset among
+them; ACTIVATION_KERNELS; HEAD_NORM_WIDTHS), each keyed by the exact class, so that a subclass, which may compute
+something else, is not taken for its parent; each is read once, where the view makes a block's step
+(`block_options`), never per call. Rotary positions reach the kernels as the angles the model's own positions module
+computed for the step (`rot`, each row's at its position: llama3 and LongRoPE scaling, a base per layer kind and
+nanochat's reversed direction are in the numbers), the rotation each layer applies picked by its `rotate` (ANGLES);
+q/k norms as their weights (one head's, or all heads' for OLMo 2's); Gemma 3's sliding window as its width.
 
 Through PyTorch, a decode step's attention took a dozen operator calls a layer, as long as streaming the layer's qkv
 weights on the Intel Xeon, and a block's step called its modules and half a dozen operators between its matrices (two
@@ -36,12 +37,15 @@ from gptlite.model.network import (
     GeGLU,
     GeluMLP,
     LayerNorm,
+    PostNormBlock,
     QKNorm,
     ReluSquaredMLP,
     RMSNorm,
     RotaryPositions,
     Rotation,
+    SandwichBlock,
     SwiGLU,
+    WholeQKNorm,
 )
 
 if TYPE_CHECKING:
@@ -60,8 +64,27 @@ class OneCallCache(Protocol):
         ...
 
 
-# the block step's name for each norm it computes (RMSNorm without Gemma's unit offset: `block_runs_in_one_call`)
-NORM_KERNELS: dict[type[nn.Module], str] = {LayerNorm: "layernorm", RMSNorm: "rmsnorm"}
+# the block step's name for each norm it computes, by its class and whether it scales by 1 + weight (Gemma's unit
+# offset: `norm_kind`)
+NORM_KERNELS: dict[tuple[type[nn.Module], bool], str] = {
+    (LayerNorm, False): "layernorm",
+    (RMSNorm, False): "rmsnorm",
+    (RMSNorm, True): "rmsnorm_unit_offset",
+}
+# the block step's name for where each kind of block puts its norms (BlockOptions.position), and the block's norms in
+# the step's order (BlockWeights': the attention's, the feed-forward's, then the post-norms of a block with both)
+BLOCK_KINDS: dict[type[nn.Module], str] = {Block: "pre", PostNormBlock: "post", SandwichBlock: "both"}
+BLOCK_NORMS = {
+    "pre": lambda block: (block.attn_norm, block.ffn_norm),
+    "post": lambda block: (block.attn_norm, block.ffn_norm),
+    "both": lambda block: (block.attn_norm, block.ffn_norm, block.attn_post_norm, block.ffn_post_norm),
+}
+# for each kind of q/k norms the kernels compute, the widths of its q and k weights: one head's (Qwen3's) or all
+# heads' (OLMo 2's), which is how the kernels tell them apart
+HEAD_NORM_WIDTHS = {
+    QKNorm: lambda attn: (attn.head_dim, attn.head_dim),
+    WholeQKNorm: lambda attn: (attn.n_head * attn.head_dim, attn.n_kv_head * attn.head_dim),
+}
 # the block step's name for each feed-forward's activation
 ACTIVATION_KERNELS: dict[type[nn.Module], str] = {
     GeluMLP: "gelu_tanh",
@@ -95,9 +118,9 @@ def step_angles(attn: CausalSelfAttention, rot: Rotation) -> native.Angles | Non
 
 
 def head_norm_weight(norm: RMSNorm, width: int) -> torch.Tensor:
-    """The factor a q or k norm (an RMSNorm of one head's `width` numbers) multiplies the normalized numbers by: its
-    weight, 1 + weight where it has Gemma's unit offset (in float32, as RMSNorm computes it), ones where it has none
-    (nanochat's parameter-free norms; times 1 is exact)."""
+    """The factor a q or k norm (an RMSNorm of `width` numbers: one head's, or all heads') multiplies the normalized
+    numbers by: its weight, 1 + weight where it has Gemma's unit offset (in float32, as RMSNorm computes it), ones
+    where it has none (nanochat's parameter-free norms; times 1 is exact)."""
     if norm.weight is None:
         return torch.ones(width)
     if norm.unit_offset:
@@ -110,7 +133,9 @@ def step_head_norms(attn: CausalSelfAttention) -> native.HeadNorms | None:
     if attn.qk_norm is None:
         return None
     norms = attn.qk_norm
-    q, k = (head_norm_weight(norm, attn.head_dim) for norm in (norms.q_norm, norms.k_norm))
+    q_width, k_width = HEAD_NORM_WIDTHS[type(norms)](attn)
+    q = head_norm_weight(norms.q_norm, q_width)
+    k = head_norm_weight(norms.k_norm, k_width)
     return native.HeadNorms(q, k, norms.q_norm.eps)
 
 
@@ -129,14 +154,15 @@ def offers_one_call(cache: AttentionCache | None) -> bool:
 class NativeAttention(nn.Module):
     """The view's copy of a CausalSelfAttention (`attn`), whose decode steps run in one call through a cache that
     offers it (`offers_one_call`): its q and k normalized and rotated where the layer does so, the token's keys and
-    values written into the cache and its heads' attention (`native.cached_attention`). Prompts, and caches without
-    it, take the layer's own forward."""
+    values written into the cache and its heads' attention, within its sliding window where it has one
+    (`native.cached_attention`). Prompts, and caches without it, take the layer's own forward."""
 
     def __init__(self, attn: CausalSelfAttention):
         super().__init__()
         self.attn = attn
         self.n_head = attn.n_head
         self.scale = attn.scale or attn.head_dim**-0.5
+        self.window = attn.window
 
     def forward(
         self,
@@ -157,23 +183,25 @@ class NativeAttention(nn.Module):
             scale=self.scale,
             angles=step_angles(attn, rot),
             head_norms=step_head_norms(attn),
+            window=self.window,
         )  # (B, 1, H D)
         return attn.resid_drop(attn.out_proj(y))
 
 
 class NativeBlock(nn.Module):
-    """The view's copy of a pre-norm Block (`block`), whose decode steps run in one call of the compiled kernels
-    (`native.block_step`) through a cache that offers it: both norms, the four matrices (float32, or int8 after
-    `quantize("int8")`), the attention over the cache, the activation and the residual additions. Prompts, more rows
-    than the kernels multiply in one pass over a weight (`native.max_rows()`), and caches without it take the block's
-    own forward, its attention still in one call where it can (NativeAttention)."""
+    """The view's copy of a Block, PostNormBlock or SandwichBlock (`block`: BLOCK_KINDS), whose decode steps run in
+    one call of the compiled kernels (`native.block_step`) through a cache that offers it: the norms where the block
+    puts them, the four matrices (float32, or int8 after `quantize("int8")`), the attention over the cache, the
+    activation and the residual additions. Prompts, more rows than the kernels multiply in one pass over a weight
+    (`native.max_rows()`), and caches without it take the block's own forward, its attention still in one call where
+    it can (NativeAttention)."""
 
     def __init__(self, block: Block, options: native.BlockOptions):
         super().__init__()
         self.block = block
         self.options = options
         # plain tuples, not submodules: the block holds them, and the step reads their tensors
-        self.norms = (block.attn_norm, block.ffn_norm)
+        self.norms = BLOCK_NORMS[options.position](block)
         self.matrices = tuple(block_matrices(block))
 
     def forward(
@@ -193,69 +221,79 @@ class NativeBlock(nn.Module):
         """The block's tensors as the step takes them, read at every step (a module may replace a buffer, an int8
         layer's scales among them)."""
         qkv, attn_out, fc, ffn_out = (matrix_operands(layer) for layer in self.matrices)
-        attn_norm, ffn_norm = (native.Norm(norm.weight, norm.bias) for norm in self.norms)
+        attn_norm, ffn_norm, *post_norms = (native.Norm(norm.weight, norm.bias) for norm in self.norms)
         head_norms = step_head_norms(block_attention(self.block))
-        return native.BlockWeights(attn_norm, qkv, attn_out, ffn_norm, fc, ffn_out, head_norms)
+        weights = native.BlockWeights(attn_norm, qkv, attn_out, ffn_norm, fc, ffn_out, head_norms)
+        if post_norms:  # a block with norms on both sides of each branch
+            return weights._replace(attn_post_norm=post_norms[0], ffn_post_norm=post_norms[1])
+        return weights
 
 
 def one_call_variant(module: nn.Module) -> type[nn.Module] | None:
     """The wrapper whose decode steps run `module`'s in one call of the compiled kernels: NativeAttention for an
-    attention layer whose step they compute (`attention_runs_in_one_call`), NativeBlock for such a block
-    (`block_runs_in_one_call`); None for other modules. Exact classes only: a subclass may compute something else."""
+    attention layer whose step they compute (`attention_runs_in_one_call`), NativeBlock for a block of a kind they
+    compute (BLOCK_KINDS, `block_runs_in_one_call`); None for other modules. Exact classes only: a subclass may compute
+    something else."""
     if type(module) is CausalSelfAttention and attention_runs_in_one_call(module):
         return NativeAttention
-    if type(module) is Block and block_runs_in_one_call(module):
+    if type(module) in BLOCK_KINDS and block_runs_in_one_call(module):
         return NativeBlock
     return None
 
 
 def attention_runs_in_one_call(attn: CausalSelfAttention) -> bool:
     """Whether `native.cached_attention` computes what `attn` does in a decode step: q and k rotated as ANGLES knows
-    (or not at all), each head's q and k through an RMSNorm without a bias (Qwen3's QKNorm) or no norm, no value
-    embeddings and no sliding window."""
+    (or not at all), q and k through RMSNorms without a bias (over each head, Qwen3's QKNorm, or over all of them,
+    OLMo 2's WholeQKNorm) or no norm, within a sliding window or not, and no value embeddings."""
     return (
         attn.rotate in ANGLES
         and (attn.qk_norm is None or head_norms_run_in_one_call(attn.qk_norm))
         and attn.value_mix is None
-        and not attn.window
     )
 
 
 def head_norms_run_in_one_call(norms: nn.Module) -> bool:
-    """Whether the kernels compute the q/k norms `norms`: a norm over each head (QKNorm, not OLMo 2's over all of q
-    and all of k) whose two norms are RMSNorms without a bias."""
+    """Whether the kernels compute the q/k norms `norms`: a kind they know (HEAD_NORM_WIDTHS) whose two norms are
+    RMSNorms without a bias."""
     pair = (getattr(norms, "q_norm", None), getattr(norms, "k_norm", None))
-    return type(norms) is QKNorm and all(type(norm) is RMSNorm and norm.bias is None for norm in pair)
+    return type(norms) in HEAD_NORM_WIDTHS and all(type(norm) is RMSNorm and norm.bias is None for norm in pair)
+
+
+def norm_kind(norm: nn.Module) -> str | None:
+    """The block step's name for `norm` (NORM_KERNELS), None for a norm it does not compute."""
+    return NORM_KERNELS.get((type(norm), bool(getattr(norm, "unit_offset", False))))
 
 
 def block_runs_in_one_call(block: Block) -> bool:
-    """Whether `native.block_step` computes what the pre-norm `block` does in a decode step: attention it computes in
-    one call, two norms of one kind it knows (LayerNorm, or RMSNorm without Gemma's unit offset: NORM_KERNELS) and a
-    feed-forward whose activation it knows (ACTIVATION_KERNELS). The view makes a block a NativeBlock only where its
-    matrices can take the step too (`multiplies_in_one_call`)."""
-    norms = (block.attn_norm, block.ffn_norm)
-    kinds = {NORM_KERNELS.get(type(norm)) for norm in norms}
+    """Whether `native.block_step` computes what `block` (a kind BLOCK_KINDS names) does in a decode step: attention
+    it computes in one call, norms of one kind it knows (NORM_KERNELS) and one epsilon, and a feed-forward whose
+    activation it knows (ACTIVATION_KERNELS). The view makes a block a NativeBlock only where its matrices can take the
+    step too (`multiplies_in_one_call`)."""
+    norms = BLOCK_NORMS[BLOCK_KINDS[type(block)]](block)
+    kinds = {norm_kind(norm) for norm in norms}
     return (
         one_call_variant(block.attn) is NativeAttention
         and len(kinds) == 1
         and None not in kinds
-        and not any(getattr(norm, "unit_offset", False) for norm in norms)
+        and len({norm.eps for norm in norms}) == 1
         and type(block.ffn) in ACTIVATION_KERNELS
     )
 
 
 def block_options(block: Block) -> native.BlockOptions:
-    """What the step computes besides `block`'s tensors: the kernels' names for its norms and activation, the norms'
-    epsilon, its heads, the attention's scale (SDPA's 1 / sqrt(D) unless the model sets its own) and the residual
-    scale."""
+    """What the step computes besides `block`'s tensors, chosen once here for its kind: the kernels' names for its
+    norms, their position and its activation, the norms' epsilon, its heads, the attention's scale (SDPA's
+    1 / sqrt(D) unless the model sets its own) and window, and the residual scale."""
     attn = block.attn
     return native.BlockOptions(
-        norm=NORM_KERNELS[type(block.attn_norm)],
+        norm=norm_kind(block.attn_norm),
         eps=block.attn_norm.eps,
         activation=ACTIVATION_KERNELS[type(block.ffn)],
         n_head=attn.n_head,
         scale=attn.scale or attn.head_dim**-0.5,
         residual_scale=block.residual_scale,
+        position=BLOCK_KINDS[type(block)],
+        window=attn.window,
     )
 
 

@@ -11,28 +11,30 @@
 //   y[m, n] = sum_k x[m, k] * weight[n, k] * scale[n, k / (K / G)] + bias[n]    (q8_0's blocks, for G = K / 32)
 //
 //   torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
-//                                      q_norm, k_norm, head_eps, slots)
+//                                      q_norm, k_norm, head_eps, window, slots)
 //       qkv (B, 1, (H + 2 KV) D) float32, k_cache and v_cache (B, KV, L, D) -> (B, 1, H D)
 //
 //   A decode step's attention through a KV cache, in one call: the token's keys and values (qkv's last 2 KV D
 //   numbers of each row) written into slot `slot` of the caches, then each of its H query heads attends over the
 //   cache's slots [0, span) that visible (B, >= span) shows (all, where it is None), each key/value head serving
 //   H / KV query heads: out = softmax(scale q . k) v. Before that, where they are given, each head's q and k are
-//   normalized (RMSNorm over the head's D numbers times q_norm or k_norm (D), epsilon head_eps: Qwen3's) and then
-//   rotated (RoPE: the head's leading R coordinates, R = cos's width, pairs (i, i + R/2) rotated by their angle,
-//   q' = q cos + rotate_half(q) sin, cos and sin (B or 1, R) the row's position's, as the model's own
-//   RotaryPositions computes them). Where `slots` (B) int64 is given, rows stand at lengths of their own (the
-//   server's rows, each a request of its own): row b's token goes to slot slots[b] instead of `slot`, and it attends
-//   over slots [0, slots[b]] (span must exceed every one).
+//   normalized (RMSNorm over the head's D numbers times q_norm or k_norm (D), epsilon head_eps: Qwen3's; or over all
+//   of a row's q and all of its k, the weights (H D) and (KV D): OLMo 2's) and then rotated (RoPE: the head's leading
+//   R coordinates, R = cos's width, pairs (i, i + R/2) rotated by their angle, q' = q cos + rotate_half(q) sin, cos
+//   and sin (B or 1, R) the row's position's, as the model's own RotaryPositions computes them). A window > 0 (Gemma
+//   3's local layers) attends over the slots [slot - window + 1, slot] only. Where `slots` (B) int64 is given, rows
+//   stand at lengths of their own (the server's rows, each a request of its own): row b's token goes to slot slots[b]
+//   instead of `slot`, and it attends over slots [0, slots[b]] (its window's of them; span must exceed every one).
 //
 //   torch.ops.gptlite.block_step(x, norms, weights, scales, biases, k_cache, v_cache, slot, span, visible, scale,
 //                                n_head, norm, eps, activation, residual_scale, cos, sin, q_norm, k_norm, head_eps,
-//                                slots)
+//                                position, window, slots)
 //       x (B, 1, C) float32 -> (B, 1, C)
 //
-//   A pre-norm block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)), the attention as
-//   cached_attention's, the norms LayerNorm or RMSNorm, the feed-forward's activation GELU (tanh), squared ReLU,
-//   SwiGLU or GeGLU, the matrices float32 or int8 with a scale per row (see block_step below).
+//   A block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)) (position "pre"; "post" puts
+//   each norm on its branch's output, "both" one before and one after), the attention as cached_attention's, the
+//   norms LayerNorm, RMSNorm or RMSNorm times 1 + weight (Gemma's), the feed-forward's activation GELU (tanh), squared
+//   ReLU, SwiGLU or GeGLU, the matrices float32 or int8 with a scale per row (see block_step below).
 //
 //   torch.ops.gptlite.argmax(logits)     logits (B, V) float32 -> (B,) int64, each row's first largest (greedy's pick)
 //
@@ -566,18 +568,24 @@ const float* optional_data(const std::optional<at::Tensor>& tensor, int64_t size
     return tensor->data_ptr<float>();
 }
 
-// A head's q or k before it attends: out (D) = x (D) normalized (RMSNorm times `weight`, where it is given), then
-// its leading R coordinates rotated by the angles whose cos and sin are (R) (where they are given; R even, <= D):
-// out[i] = x[i] cos[i] - x[i + R/2] sin[i] and out[i + R/2] = x[i + R/2] cos[i + R/2] + x[i] sin[i + R/2] for
-// i < R/2, rotate_half's pairing; the rest as they are.
-void prepare_head(const float* x, int64_t D, const float* weight, float eps, const float* cos, const float* sin,
-                  int64_t R, float* out) {
+// 1 / sqrt(mean(x^2) + eps) over x (n): RMSNorm's factor, of one head (Qwen3's q/k norms) or of all of a row's q
+// or k (OLMo 2's).
+float rms_reciprocal(const float* x, int64_t n, float eps) {
+    float squares = 0.0f;
+    for (int64_t d = 0; d < n; d++) {
+        squares += x[d] * x[d];
+    }
+    return 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+}
+
+// A head's q or k before it attends: out (D) = x (D) normalized (times `reciprocal`, its norm's factor, and times
+// `weight`, where a weight is given), then its leading R coordinates rotated by the angles whose cos and sin are (R)
+// (where they are given; R even, <= D): out[i] = x[i] cos[i] - x[i + R/2] sin[i] and
+// out[i + R/2] = x[i + R/2] cos[i + R/2] + x[i] sin[i + R/2] for i < R/2, rotate_half's pairing; the rest as they
+// are.
+void prepare_head(const float* x, int64_t D, const float* weight, float reciprocal, const float* cos,
+                  const float* sin, int64_t R, float* out) {
     if (weight != nullptr) {
-        float squares = 0.0f;
-        for (int64_t d = 0; d < D; d++) {
-            squares += x[d] * x[d];
-        }
-        const float reciprocal = 1.0f / std::sqrt(squares / static_cast<float>(D) + eps);
         for (int64_t d = 0; d < D; d++) {
             out[d] = x[d] * reciprocal * weight[d];
         }
@@ -593,6 +601,15 @@ void prepare_head(const float* x, int64_t D, const float* weight, float eps, con
         const float second = out[i + half];
         out[i] = first * cos[i] + -second * sin[i];
         out[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+}
+
+// The q/k norms' factor of each of a row's n heads (heads (n, D)), into factors (n): RMSNorm's of each head where
+// the norm's weight is one head's (D numbers), or of all n heads together where it spans them (n D: OLMo 2's).
+void head_factors(const float* heads, int64_t n, int64_t D, bool whole, float eps, float* factors) {
+    const float all = whole ? rms_reciprocal(heads, n * D, eps) : 0.0f;
+    for (int64_t h = 0; h < n; h++) {
+        factors[h] = whole ? all : rms_reciprocal(heads + h * D, D, eps);
     }
 }
 
@@ -617,7 +634,7 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
                             int64_t span, const std::optional<at::Tensor>& visible, double scale, int64_t n_head,
                             const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                             const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                            double head_eps, const std::optional<at::Tensor>& slots) {
+                            double head_eps, int64_t window, const std::optional<at::Tensor>& slots) {
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
                     v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -667,20 +684,29 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
     const float* cosines = angles_of(cos, B, R, D, "cos", &cos_stride);
     const float* sines = angles_of(sin, B, R, D, "sin", &sin_stride);
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "gptlite cached_attention: q_norm and k_norm go together");
-    const float* q_weight = optional_data(q_norm, D, "q_norm", "gptlite cached_attention");
-    const float* k_weight = optional_data(k_norm, D, "k_norm", "gptlite cached_attention");
+    // a q/k norm's weight is one head's (D: Qwen3's, each head normalized alone) or all heads' (H D or KV D: OLMo
+    // 2's, the row's q or k normalized as one); with one head, the two are the same
+    const bool q_whole = q_norm.has_value() && q_norm->dim() == 1 && q_norm->size(0) == H * D;
+    const bool k_whole = k_norm.has_value() && k_norm->dim() == 1 && k_norm->size(0) == KV * D;
+    const float* q_weight = optional_data(q_norm, q_whole ? H * D : D, "q_norm", "gptlite cached_attention");
+    const float* k_weight = optional_data(k_norm, k_whole ? KV * D : D, "k_norm", "gptlite cached_attention");
     const bool prepared = cosines != nullptr || q_weight != nullptr;  // whether q and k change before they attend
     const float eps = static_cast<float>(head_eps);
     const float* in = qkv.data_ptr<float>();
     float* keys = k_cache.data_ptr<float>();
     float* values = v_cache.data_ptr<float>();
+    std::vector<float> factors(std::max(H, KV), 1.0f);  // each head's norm factor, of the row at hand
     for (int64_t b = 0; b < B; b++) {  // the token's keys (normalized and rotated) and values into the slot
         const float* row = in + b * width;
+        if (k_weight != nullptr) {
+            head_factors(row + H * D, KV, D, k_whole, eps, factors.data());
+        }
         for (int64_t g = 0; g < KV; g++) {
             float* key = keys + ((b * KV + g) * L + slot_of(b)) * D;
             if (prepared) {
-                prepare_head(row + (H + g) * D, D, k_weight, eps, cosines + b * cos_stride, sines + b * sin_stride, R,
-                             key);
+                const float* weight = k_weight == nullptr ? nullptr : k_weight + (k_whole ? g * D : 0);
+                prepare_head(row + (H + g) * D, D, weight, factors[g], cosines + b * cos_stride,
+                             sines + b * sin_stride, R, key);
             } else {
                 std::memcpy(key, row + (H + g) * D, D * sizeof(float));
             }
@@ -689,24 +715,38 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
     }
     // the queries: qkv's own numbers, or each head's normalized and rotated into `queries` (B, H, D)
     std::vector<float> queries(prepared ? B * H * D : 0);
-    for (int64_t i = 0; prepared && i < B * H; i++) {
-        const int64_t b = i / H;
-        prepare_head(in + b * width + (i % H) * D, D, q_weight, eps, cosines + b * cos_stride, sines + b * sin_stride,
-                     R, queries.data() + i * D);
+    for (int64_t b = 0; prepared && b < B; b++) {
+        const float* row = in + b * width;
+        if (q_weight != nullptr) {
+            head_factors(row, H, D, q_whole, eps, factors.data());
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float* weight = q_weight == nullptr ? nullptr : q_weight + (q_whole ? h * D : 0);
+            prepare_head(row + h * D, D, weight, factors[h], cosines + b * cos_stride, sines + b * sin_stride, R,
+                         queries.data() + (b * H + h) * D);
+        }
     }
+    // a sliding window (Gemma 3's local layers) sees the slots [slot - window + 1, slot]: a row's slots are its
+    // positions plus its padding, so a slot's distance back is its position's
+    TORCH_CHECK(window >= 0, "gptlite cached_attention: window ", window, " must be >= 0 (0: none)");
+    const auto first_of = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, slot_of(b) - window + 1) : 0; };
+    const auto last_of = [&](int64_t b) { return window > 0 ? slot_of(b) + 1 : span_of(b); };  // one past the last
     at::Tensor out = at::empty({B, 1, H * D}, qkv.options());
     float* outs = out.data_ptr<float>();
     const int64_t group = H / KV;
-    const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, span * D));  // short spans: one thread
+    const int64_t most = window > 0 ? std::min(window, span) : span;  // the most slots a row attends to
+    const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, most * D));  // short spans: one thread
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores((span + kLanes - 1) / kLanes * kLanes);
+        std::vector<float> scores((most + kLanes - 1) / kLanes * kLanes);
         for (int64_t i = begin; i < end; i++) {
             const int64_t b = i / H;
             const int64_t h = i % H;
             const int64_t g = h / group;
+            const int64_t first = first_of(b);
+            const int64_t seen = last_of(b) - first;  // the slots this row attends to
             const float* query = prepared ? queries.data() + i * D : in + b * width + h * D;
-            attend(query, keys + (b * KV + g) * L * D, values + (b * KV + g) * L * D,
-                   shown == nullptr ? nullptr : shown + b * shown_stride, span_of(b), D, static_cast<float>(scale),
+            attend(query, keys + ((b * KV + g) * L + first) * D, values + ((b * KV + g) * L + first) * D,
+                   shown == nullptr ? nullptr : shown + b * shown_stride + first, seen, D, static_cast<float>(scale),
                    scores.data(), outs + i * D);
         }
     });
@@ -718,15 +758,32 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
 
 // How a block normalizes, and the activation of its feed-forward: named by gptlite.model, chosen once per call (each
 // activation's loop is compiled on its own), never per number.
-enum class Norm { kLayer, kRms };
+enum class Norm { kLayer, kRms, kRmsUnitOffset };
 enum class Activation { kGeluTanh, kReluSquared, kSiluGate, kGeluGate };
+// Where a block's norms stand: before each branch (GPT-2, Llama), on each branch's output (OLMo 2), or both (Gemma)
+enum class Position { kPre, kPost, kBoth };
 
 Norm norm_named(c10::string_view name) {
     if (name == "layernorm") {
         return Norm::kLayer;
     }
-    TORCH_CHECK(name == "rmsnorm", "gptlite block_step: norm must be layernorm or rmsnorm, not ", name);
+    if (name == "rmsnorm_unit_offset") {
+        return Norm::kRmsUnitOffset;
+    }
+    TORCH_CHECK(name == "rmsnorm", "gptlite block_step: norm must be layernorm, rmsnorm or rmsnorm_unit_offset, not ",
+                name);
     return Norm::kRms;
+}
+
+Position position_named(c10::string_view name) {
+    if (name == "pre") {
+        return Position::kPre;
+    }
+    if (name == "post") {
+        return Position::kPost;
+    }
+    TORCH_CHECK(name == "both", "gptlite block_step: position must be pre, post or both, not ", name);
+    return Position::kBoth;
 }
 
 Activation activation_named(c10::string_view name) {
@@ -749,7 +806,8 @@ bool gated(Activation activation) {
 }
 
 // out (C) = the norm of x (C), times weight, plus bias (either may be null): LayerNorm's (x - mean) / sqrt(variance
-// + eps), the variance the biased one, or RMSNorm's x / sqrt(mean(x^2) + eps). C is a multiple of kLanes.
+// + eps), the variance the biased one, or RMSNorm's x / sqrt(mean(x^2) + eps), times 1 + weight for Gemma's unit
+// offset. C is a multiple of kLanes; out may be x.
 void normalize(const float* x, int64_t C, Norm norm, float eps, const float* weight, const float* bias, float* out) {
     float mean = 0.0f;
     if (norm == Norm::kLayer) {
@@ -767,7 +825,9 @@ void normalize(const float* x, int64_t C, Norm norm, float eps, const float* wei
     const float reciprocal = 1.0f / std::sqrt(total(squares) / static_cast<float>(C) + eps);
     for (int64_t c = 0; c < C; c += kLanes) {
         Floats y = (load(x + c) - mean) * reciprocal;
-        if (weight != nullptr) {
+        if (weight != nullptr && norm == Norm::kRmsUnitOffset) {
+            y *= 1.0f + load(weight + c);
+        } else if (weight != nullptr) {
             y *= load(weight + c);
         }
         if (bias != nullptr) {
@@ -882,17 +942,58 @@ void multiply(const Matrix& matrix, const float* x, int64_t M, const float* bias
     }
 }
 
-// A pre-norm block's decode step, x (B, 1, C) -> (B, 1, C), in one call:
+// The norms of one branch of a block: the one before it and the one on its output, each null where the block's
+// position has none there, and each norm's weight and bias (null where it has none).
+struct BranchNorms {
+    bool before = false;
+    bool after = false;
+    const float* before_weight = nullptr;
+    const float* before_bias = nullptr;
+    const float* after_weight = nullptr;
+    const float* after_bias = nullptr;
+};
+
+// norms holds a block's norm tensors (weight, bias) in its modules' order: the attention's, the feed-forward's, and
+// for both positions the attention's post-norm's and the feed-forward's post-norm's. For the post position the first
+// two stand on the branches' outputs (OLMo 2's attn_norm and ffn_norm).
+BranchNorms branch_norms(const c10::List<std::optional<at::Tensor>>& norms, Position position, int branch, int64_t C,
+                         const char* name) {
+    BranchNorms out;
+    const std::string own = std::string("the ") + name + " norm's ";
+    const std::string post = std::string("the ") + name + " post-norm's ";
+    const float* weight = optional_data(norms.get(2 * branch), C, (own + "weight").c_str());
+    const float* bias = optional_data(norms.get(2 * branch + 1), C, (own + "bias").c_str());
+    if (position == Position::kPost) {
+        out.after = true;
+        out.after_weight = weight;
+        out.after_bias = bias;
+        return out;
+    }
+    out.before = true;
+    out.before_weight = weight;
+    out.before_bias = bias;
+    if (position == Position::kBoth) {
+        out.after = true;
+        out.after_weight = optional_data(norms.get(4 + 2 * branch), C, (post + "weight").c_str());
+        out.after_bias = optional_data(norms.get(4 + 2 * branch + 1), C, (post + "bias").c_str());
+    }
+    return out;
+}
+
+// A block's decode step, x (B, 1, C) -> (B, 1, C), in one call. For the pre-norm position (GPT-2, Llama):
 //
 //   x = x + residual_scale * out_proj(attention(qkv(norm(x))))      attention through the KV cache (cached_attention)
 //   x = x + residual_scale * down(act(fc(norm(x))))
 //
-// norms: the attention's norm's weight and bias, then the feed-forward's (each None where the norm has none);
-// weights: qkv (Q, C), the attention's out_proj (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F), each
-// float32, or int8 with its scales (one per row) in `scales` (None for a float32 one); biases: theirs, in that
-// order, each None where the layer has none; cos, sin, q_norm, k_norm and head_eps: the attention's rotation and
-// q/k norms (cached_attention's). What gptlite.model's Block computes with its attention and feed-forward, without
-// the module and operator calls between its matrices.
+// for the post position (OLMo 2) each norm on its branch's output instead, x + s norm(out_proj(attention(qkv(x)))),
+// and for both (Gemma) one before and one after, x + s post_norm(out_proj(attention(qkv(norm(x))))).
+//
+// norms: `branch_norms`' (4 tensors, or 8 for both positions); weights: qkv (Q, C), the attention's out_proj
+// (C, H D), fc (F or 2F, C), the feed-forward's out_proj (C, F), each float32, or int8 with its scales (one per row)
+// in `scales` (None for a float32 one); biases: theirs, in that order, each None where the layer has none; cos, sin,
+// q_norm, k_norm, head_eps and window: the attention's rotation, q/k norms and sliding window (cached_attention's).
+// What gptlite.model's Block, PostNormBlock and SandwichBlock compute with their attention and feed-forward, without
+// the module and operator calls between the matrices.
 at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& norms, at::TensorList weights,
                       const c10::List<std::optional<at::Tensor>>& scales,
                       const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -900,13 +1001,15 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
                       int64_t n_head, c10::string_view norm_name, double eps, c10::string_view activation_name,
                       double residual_scale, const std::optional<at::Tensor>& cos,
                       const std::optional<at::Tensor>& sin, const std::optional<at::Tensor>& q_norm,
-                      const std::optional<at::Tensor>& k_norm, double head_eps,
-                      const std::optional<at::Tensor>& slots) {
+                      const std::optional<at::Tensor>& k_norm, double head_eps, c10::string_view position_name,
+                      int64_t window, const std::optional<at::Tensor>& slots) {
     TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "gptlite block_step: x must be a (B, 1, C) float32 CPU tensor, not ", x.sizes());
-    TORCH_CHECK(norms.size() == 4 && weights.size() == 4 && scales.size() == 4 && biases.size() == 4,
-                "gptlite block_step: 4 norm tensors, 4 weights, 4 scales and 4 biases, not ", norms.size(), ", ",
-                weights.size(), ", ", scales.size(), " and ", biases.size());
+    const Position position = position_named(position_name);
+    const size_t norm_tensors = position == Position::kBoth ? 8 : 4;
+    TORCH_CHECK(norms.size() == norm_tensors && weights.size() == 4 && scales.size() == 4 && biases.size() == 4,
+                "gptlite block_step: ", norm_tensors, " norm tensors, 4 weights, 4 scales and 4 biases, not ",
+                norms.size(), ", ", weights.size(), ", ", scales.size(), " and ", biases.size());
     const Norm norm = norm_named(norm_name);
     const Activation activation = activation_named(activation_name);
     const int64_t B = x.size(0);
@@ -919,15 +1022,14 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     const Matrix attn_weight = matrix_of(weights[1], scales.get(1), C, HD, "the attention's out_proj weight");
     const Matrix fc_weight = matrix_of(weights[2], scales.get(2), FC, C, "the fc weight");
     const Matrix ffn_weight = matrix_of(weights[3], scales.get(3), C, F, "the feed-forward's out_proj weight");
-    const float* attn_norm_weight = optional_data(norms.get(0), C, "the attention norm's weight");
-    const float* attn_norm_bias = optional_data(norms.get(1), C, "the attention norm's bias");
-    const float* ffn_norm_weight = optional_data(norms.get(2), C, "the feed-forward norm's weight");
-    const float* ffn_norm_bias = optional_data(norms.get(3), C, "the feed-forward norm's bias");
+    const BranchNorms attn_norms = branch_norms(norms, position, 0, C, "attention");
+    const BranchNorms ffn_norms = branch_norms(norms, position, 1, C, "feed-forward");
     const float* qkv_bias = optional_data(biases.get(0), Q, "the qkv bias");
     const float* attn_bias = optional_data(biases.get(1), C, "the attention's out_proj bias");
     const float* fc_bias = optional_data(biases.get(2), FC, "the fc bias");
     const float* ffn_bias = optional_data(biases.get(3), C, "the feed-forward's out_proj bias");
     const float alpha = static_cast<float>(residual_scale);
+    const float epsilon = static_cast<float>(eps);
 
     const at::Tensor rows = x.contiguous();
     at::Tensor out = at::empty({B, 1, C}, x.options());  // the residual stream
@@ -935,27 +1037,42 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     std::memcpy(stream, rows.data_ptr<float>(), B * C * sizeof(float));  // not at::clone: no trip through ATen's copy
     std::vector<float> normed(B * C);
     std::vector<float> branch(B * C);
-    for (int64_t b = 0; b < B; b++) {
-        normalize(stream + b * C, C, norm, eps, attn_norm_weight, attn_norm_bias, normed.data() + b * C);
-    }
+
+    // a branch's input: the stream itself, or its norm (rows of C)
+    auto branch_input = [&](const BranchNorms& around) -> const float* {
+        if (!around.before) {
+            return stream;
+        }
+        for (int64_t b = 0; b < B; b++) {
+            normalize(stream + b * C, C, norm, epsilon, around.before_weight, around.before_bias,
+                      normed.data() + b * C);
+        }
+        return normed.data();
+    };
+    // the branch's output (rows of C in `branch`), normalized where a norm stands after it, added to the stream
+    auto add_branch = [&](const BranchNorms& around) {
+        for (int64_t b = 0; around.after && b < B; b++) {
+            normalize(branch.data() + b * C, C, norm, epsilon, around.after_weight, around.after_bias,
+                      branch.data() + b * C);
+        }
+        add_scaled(stream, branch.data(), B * C, alpha);
+    };
+
     at::Tensor qkv = at::empty({B, 1, Q}, x.options());
-    multiply(qkv_weight, normed.data(), B, qkv_bias, qkv.data_ptr<float>());
+    multiply(qkv_weight, branch_input(attn_norms), B, qkv_bias, qkv.data_ptr<float>());
     const at::Tensor heads = cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
-                                              q_norm, k_norm, head_eps, slots);  // (B, 1, H D)
+                                              q_norm, k_norm, head_eps, window, slots);  // (B, 1, H D)
     TORCH_CHECK(heads.size(2) == HD, "gptlite block_step: the attention's out_proj takes ", HD, " inputs, its ",
                 n_head, " heads give ", heads.size(2));
     multiply(attn_weight, heads.data_ptr<float>(), B, attn_bias, branch.data());
-    add_scaled(stream, branch.data(), B * C, alpha);
+    add_branch(attn_norms);
 
     std::vector<float> hidden(B * FC);
     std::vector<float> activated(B * F);
-    for (int64_t b = 0; b < B; b++) {
-        normalize(stream + b * C, C, norm, eps, ffn_norm_weight, ffn_norm_bias, normed.data() + b * C);
-    }
-    multiply(fc_weight, normed.data(), B, fc_bias, hidden.data());
+    multiply(fc_weight, branch_input(ffn_norms), B, fc_bias, hidden.data());
     activate_all(activation, hidden.data(), B, F, activated.data());
     multiply(ffn_weight, activated.data(), B, ffn_bias, branch.data());
-    add_scaled(stream, branch.data(), B * C, alpha);
+    add_branch(ffn_norms);
     return out;
 }
 
@@ -1037,12 +1154,13 @@ TORCH_LIBRARY(gptlite, m) {
     m.def(
         "cached_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, "
         "float scale, int n_head, Tensor? cos=None, Tensor? sin=None, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float head_eps=0.0, Tensor? slots=None) -> Tensor");
+        "float head_eps=0.0, int window=0, Tensor? slots=None) -> Tensor");
     m.def(
         "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, "
         "str norm, float eps, str activation, float residual_scale, Tensor? cos=None, Tensor? sin=None, "
-        "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0, Tensor? slots=None) -> Tensor");
+        "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0, str position=\"pre\", int window=0, "
+        "Tensor? slots=None) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");
     m.def("constants() -> Dict(str, int)", &gptlite::constants);  // no tensor to dispatch on: one kernel for all
 }

@@ -359,10 +359,11 @@ class Angles(NamedTuple):
 
 
 class HeadNorms(NamedTuple):
-    """RMSNorm over each head's q and over each head's k (Qwen3's), before the rotation."""
+    """RMSNorm over each head's q and over each head's k (Qwen3's), or over all of a row's q and all of its k (OLMo
+    2's), before the rotation: the weights' widths say which."""
 
-    q: torch.Tensor  # (D,) float32: q's weight (1 + weight for a norm with a unit offset; ones for none)
-    k: torch.Tensor  # (D,) float32: k's
+    q: torch.Tensor  # (D,) or (H D,) float32: q's weight (1 + weight for a norm with a unit offset; ones for none)
+    k: torch.Tensor  # (D,) or (KV D,) float32: k's
     eps: float
 
 
@@ -382,11 +383,13 @@ def cached_attention(
     scale: float,
     angles: Angles | None = None,
     head_norms: HeadNorms | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """A decode step's attention in one call: the token's keys and values, the end of each row of qkv
     (B, 1, (H + 2 KV) D), written into `cache` at its slot, and the n_head query heads attending over the slots it
     shows, each key/value head serving H / KV of them, scores times `scale` -> (B, 1, H D). Where given, each head's
-    q and k are first normalized (`head_norms`), then rotated (`angles`); the cache holds the keys so changed."""
+    q and k are first normalized (`head_norms`), then rotated (`angles`); the cache holds the keys so changed. A
+    `window` > 0 (a sliding window's layer) attends over the slots [slot - window + 1, slot] only."""
     return torch.ops.gptlite.cached_attention(
         qkv,
         cache.keys,
@@ -397,6 +400,7 @@ def cached_attention(
         scale,
         n_head,
         *attention_operands(angles, head_norms),
+        window,
         cache.slots,
     )
 
@@ -417,8 +421,10 @@ class Norm(NamedTuple):
 
 
 class BlockWeights(NamedTuple):
-    """A pre-norm block's tensors: x + attn_out(attention(qkv(attn_norm(x)))), then
-    x + ffn_out(activation(fc(ffn_norm(x))))."""
+    """A block's tensors, pre-norm: x + attn_out(attention(qkv(attn_norm(x)))), then
+    x + ffn_out(activation(fc(ffn_norm(x)))); post-norm (BlockOptions.position): x + attn_norm(attn_out(...(x))) and
+    x + ffn_norm(ffn_out(...(x))); both: x + attn_post_norm(attn_out(...(attn_norm(x)))), and so for the
+    feed-forward."""
 
     attn_norm: Norm
     qkv: Matrix  # (Q, C), Q = (H + 2 KV) D: rows q, then k, then v
@@ -427,34 +433,43 @@ class BlockWeights(NamedTuple):
     fc: Matrix  # (F, C), or (2F, C) for a gated activation: rows gate, then value
     ffn_out: Matrix  # (C, F)
     head_norms: HeadNorms | None = None  # the attention's q/k norms, where it has them
+    attn_post_norm: Norm | None = None  # the norms on the branches' outputs, where the norms stand on both sides
+    ffn_post_norm: Norm | None = None
 
 
 class BlockOptions(NamedTuple):
     """What a block's step computes besides its tensors."""
 
-    norm: str  # both norms' kind: "layernorm" or "rmsnorm" (x / rms(x) times the weight, plus the bias)
+    # every norm's kind: "layernorm", "rmsnorm" (x / rms(x) times the weight, plus the bias) or "rmsnorm_unit_offset"
+    # (times 1 + the weight: Gemma's)
+    norm: str
     eps: float  # the norms' epsilon
     activation: str  # "gelu_tanh", "relu_squared", "silu_gate" (SwiGLU) or "gelu_gate" (GeGLU)
     n_head: int  # query heads (the key/value heads are the cache's)
     scale: float  # the attention scores' scale
     residual_scale: float  # each branch's output is added to the residual stream times this
+    position: str = "pre"  # where the norms stand: "pre" (before each branch), "post" (on its output) or "both"
+    window: int = 0  # > 0: the attention's sliding window (cached_attention's)
 
 
 def block_step(
     x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
 ) -> torch.Tensor:
-    """A pre-norm block's whole decode step in one call (`BlockWeights`' math, the attention `cached_attention`'s,
-    its q and k rotated by `angles` where given, the token's keys and values written into `cache`): x (B, 1, C) ->
-    (B, 1, C), B at most `max_rows()`."""
+    """A block's whole decode step in one call (`BlockWeights`' math, its norms where `options.position` puts them,
+    the attention `cached_attention`'s, its q and k rotated by `angles` where given, the token's keys and values
+    written into `cache`): x (B, 1, C) -> (B, 1, C), B at most `max_rows()`."""
     return torch.ops.gptlite.block_step(*block_step_arguments(x, weights, cache, options, angles))
 
 
 def block_step_arguments(
     x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
 ) -> list:
-    """The compiled operator's 22 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
-    operands."""
+    """The compiled operator's 24 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
+    operands: the norms' tensors in the modules' order, the post-norms' last where the block has them."""
     norms = [weights.attn_norm.weight, weights.attn_norm.bias, weights.ffn_norm.weight, weights.ffn_norm.bias]
+    if weights.attn_post_norm is not None:
+        norms += [weights.attn_post_norm.weight, weights.attn_post_norm.bias]
+        norms += [weights.ffn_post_norm.weight, weights.ffn_post_norm.bias]
     matrices = (weights.qkv, weights.attn_out, weights.fc, weights.ffn_out)
     return [
         x,
@@ -474,6 +489,8 @@ def block_step_arguments(
         options.activation,
         options.residual_scale,
         *attention_operands(angles, weights.head_norms),
+        options.position,
+        options.window,
         cache.slots,
     ]
 
@@ -768,19 +785,21 @@ def attention_reference(
     n_head: int,
     angles: Angles | None = None,
     head_norms: HeadNorms | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What cached_attention computes, through PyTorch: copies of the caches (B, KV, L, D) with the token's keys and
     values (the end of each row of qkv (B, 1, (H + 2 KV) D)) written at `slot` (or each row's at its own, a (B,)
     tensor) by indexing, and SDPA of its n_head query heads over slots 0..slot (the row's own) where visible (B, L)
-    shows them -> (out (B, 1, H D), keys, values); each head's q and k first through F.rms_norm times its weight
-    (`head_norms`), then rotated (`heads_rotated`), where given."""
+    shows them, and only the last `window` of them where it is > 0 -> (out (B, 1, H D), keys, values); each head's q
+    and k first through F.rms_norm times its weight (`head_norms`: over each head, or over all heads where the weight
+    spans them), then rotated (`heads_rotated`), where given."""
     B, KV, _, D = k_cache.shape
     q, k, v = qkv.split([n_head * D, KV * D, KV * D], dim=-1)
     q = q.reshape(B, n_head, D)
     k = k.reshape(B, KV, D)
     if head_norms is not None:
-        q = torch.nn.functional.rms_norm(q, (D,), eps=head_norms.eps) * head_norms.q
-        k = torch.nn.functional.rms_norm(k, (D,), eps=head_norms.eps) * head_norms.k
+        q = heads_normalized(q, head_norms.q, head_norms.eps)
+        k = heads_normalized(k, head_norms.k, head_norms.eps)
     if angles is not None:
         q = heads_rotated(q, angles)
         k = heads_rotated(k, angles)
@@ -790,14 +809,25 @@ def attention_reference(
     keys[torch.arange(B), :, slots] = k  # indexed as (B, KV, D)
     values[torch.arange(B), :, slots] = v.view(B, KV, D)
     span = int(slots.max()) + 1
-    seen = torch.arange(span)[None, :] <= slots[:, None]  # (B, S): each row's own slots
+    near = torch.arange(span)[None, :] <= slots[:, None]  # (B, S): each row's own slots, up to its token's
+    if window:
+        near = near & (torch.arange(span)[None, :] > slots[:, None] - window)  # the window's slots
     if visible is not None:
-        seen = seen & visible[:, :span]
-    mask = None if visible is None and isinstance(slot, int) else seen[:, None, None]  # (B, 1, 1, S)
+        near = near & visible[:, :span]
+    mask = None if visible is None and not window and isinstance(slot, int) else near[:, None, None]  # (B, 1, 1, S)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.view(B, n_head, 1, D), keys[:, :, :span], values[:, :, :span], mask, scale=scale, enable_gqa=True
     )  # (B, H, 1, D)
     return out.reshape(B, 1, n_head * D), keys, values
+
+
+def heads_normalized(heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """heads (B, N, D) through F.rms_norm over each head times weight (D,), or over all N heads together times weight
+    (N D,) -> (B, N, D)."""
+    B, N, D = heads.shape
+    if weight.numel() == D:
+        return torch.nn.functional.rms_norm(heads, (D,), eps=eps) * weight
+    return (torch.nn.functional.rms_norm(heads.reshape(B, N * D), (N * D,), eps=eps) * weight).view(B, N, D)
 
 
 def heads_rotated(heads: torch.Tensor, angles: Angles) -> torch.Tensor:
@@ -813,8 +843,10 @@ def heads_rotated(heads: torch.Tensor, angles: Angles) -> torch.Tensor:
 def check_block(generator: torch.Generator) -> None:
     """block_step against `block_reference`: GPT-2's block (LayerNorm, GELU, biases) on 3 rows with a mask hiding
     some slots, Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale, GPT-2's
-    on int8 weights, and Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles, all at one
-    slot and each at its own (the server's rows)."""
+    on int8 weights, Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles, all at one slot
+    and each at its own (the server's rows), OLMo 2's (norms after each branch, q/k norms over all heads) and Gemma
+    3's local layer (norms on both sides times 1 + weight, GeGLU, a sliding window), all at one slot and each at its
+    own."""
     cases = [
         (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0, False),
         (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5, False),
@@ -830,6 +862,16 @@ def check_block(generator: torch.Generator) -> None:
     assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "Qwen3's", angles)
     own = cache._replace(slot=35, span=36, visible=None, slots=torch.tensor([35, 2, 17]))  # the server's rows
     assert_block_step_close(x, weights._replace(head_norms=head_norms), own, options, "Qwen3's, own slots", angles)
+    x, weights, cache = block_operands(generator, 2, 6, 2, 16, 48, "rmsnorm", "silu_gate", False)
+    angles, head_norms = rotary_operands(generator, 2, 16, 16, whole=(6, 2))
+    options = BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0, "post")
+    assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "OLMo 2's", angles)
+    x, weights, cache = block_operands(generator, 2, 6, 2, 16, 48, "rmsnorm", "gelu_gate", False, position="both")
+    angles, head_norms = rotary_operands(generator, 1, 16, 16)
+    options = BlockOptions("rmsnorm_unit_offset", 1e-6, "gelu_gate", 6, 0.25, 1.0, "both", 7)
+    assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "Gemma 3's", angles)
+    own = cache._replace(slot=35, span=36, visible=None, slots=torch.tensor([35, 4]))  # a window past one row's start
+    assert_block_step_close(x, weights._replace(head_norms=head_norms), own, options, "Gemma 3's, own slots", angles)
 
 
 def assert_block_step_close(
@@ -862,11 +904,13 @@ def block_operands(
     activation: str,
     biased: bool,
     int8: bool = False,
+    position: str = "pre",
 ) -> tuple[torch.Tensor, BlockWeights, CacheSlot]:
     """Random operands of block_step for B rows, H query heads of width D on KV key/value heads (C = H D), an
     activation of F numbers: (x (B, 1, C), the block's weights, a cache of 40 slots), the weights float32 (scales
     None) or int8 codes with a scale per row, the cache's slot 29, its visible (B, 40) hiding some of the slots before
-    it (never the slot itself). RMSNorm gets no bias, and no weight where there are no biases (nanochat's)."""
+    it (never the slot itself). RMSNorm gets no bias, and no weight where there are no biases (nanochat's); a block
+    whose norms stand on both sides of each branch (`position` "both") gets post-norms too."""
     C = H * D
     gated = activation in ("silu_gate", "gelu_gate")
     slot = 29
@@ -878,9 +922,9 @@ def block_operands(
         return random(*shape) if biased else None
 
     if norm == "layernorm":
-        norms = [Norm(1 + random(C), maybe(C)), Norm(1 + random(C), maybe(C))]
+        norms = [Norm(1 + random(C), maybe(C)) for _ in range(4)]
     else:
-        norms = [Norm(1 + random(C) if biased else None, None), Norm(1 + random(C), None)]
+        norms = [Norm(1 + random(C) if biased else None, None), *(Norm(1 + random(C), None) for _ in range(3))]
     shapes = [((H + 2 * KV) * D, C), (C, C), ((2 if gated else 1) * F, C), (C, F)]
     if int8:
         weights = [torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator) for shape in shapes]
@@ -894,27 +938,35 @@ def block_operands(
     visible = torch.rand(B, 40, generator=generator) < 0.7
     visible[:, slot] = True
     block = BlockWeights(norms[0], matrices[0], matrices[1], norms[1], matrices[2], matrices[3])
+    if position == "both":
+        block = block._replace(attn_post_norm=norms[2], ffn_post_norm=norms[3])
     return random(B, 1, C), block, CacheSlot(k_cache.clone(), v_cache.clone(), slot, slot + 1, visible)
 
 
-def rotary_operands(generator: torch.Generator, B: int, R: int, D: int) -> tuple[Angles, HeadNorms]:
+def rotary_operands(
+    generator: torch.Generator, B: int, R: int, D: int, whole: tuple[int, int] | None = None
+) -> tuple[Angles, HeadNorms]:
     """Random angles of B rows (B, R) (1 for one row that all share) and q/k norm weights of D, as a rotary block with
-    Qwen3's norms of q and k has them: (angles, head norms)."""
+    Qwen3's norms of q and k has them, or with `whole` (H, KV) weights of H D and KV D, as OLMo 2's norms over all of
+    q and all of k have them: (angles, head norms)."""
     angle = torch.rand(B, R // 2, generator=generator) * 40  # (B, R/2): positions times frequencies
     # the pairs' second coordinates at other angles than their first (RoPE's are the same): a kernel that reads one
     # coordinate's cos or sin for the other's is caught
     angle = torch.cat([angle, angle * 0.5], dim=-1)  # (B, R)
-    weights = 1 + torch.randn(2, D, generator=generator) * 0.3
-    return Angles(angle.cos(), angle.sin()), HeadNorms(weights[0], weights[1], 1e-6)
+    heads = (1, 1) if whole is None else whole
+    q = 1 + torch.randn(heads[0] * D, generator=generator) * 0.3
+    k = 1 + torch.randn(heads[1] * D, generator=generator) * 0.3
+    return Angles(angle.cos(), angle.sin()), HeadNorms(q, k, 1e-6)
 
 
 def block_reference(
     x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What block_step computes, through PyTorch's own operators: x (B, 1, C) + residual_scale times the attention
-    branch (`attention_reference` over slots 0..slot), then + residual_scale times the feed-forward branch, an int8
-    weight multiplied as its codes times its row's scale, in x's precision (float64 on `as_float64`'s operands) ->
-    (out (B, 1, C), the keys and values with the token's written at the cache's slot)."""
+    branch (`attention_reference` over slots 0..slot, or its window), then + residual_scale times the feed-forward
+    branch, each branch's norms where `options.position` puts them, an int8 weight multiplied as its codes times its
+    row's scale, in x's precision (float64 on `as_float64`'s operands) -> (out (B, 1, C), the keys and values with
+    the token's written at the cache's slot)."""
     C = x.size(-1)
     F = weights.ffn_out.weight.size(1)  # the activation's width
 
@@ -926,7 +978,10 @@ def block_reference(
         if options.norm == "layernorm":
             return torch.nn.functional.layer_norm(h, (C,), norm.weight, norm.bias, options.eps)
         y = torch.nn.functional.rms_norm(h, (C,), eps=options.eps)
-        y = y if norm.weight is None else y * norm.weight
+        if norm.weight is not None and options.norm == "rmsnorm_unit_offset":
+            y = y * (1 + norm.weight)
+        elif norm.weight is not None:
+            y = y * norm.weight
         return y if norm.bias is None else y + norm.bias
 
     def activate(h: torch.Tensor) -> torch.Tensor:
@@ -939,7 +994,18 @@ def block_reference(
             return torch.nn.functional.silu(gate) * value
         return torch.nn.functional.gelu(gate, approximate="tanh") * value
 
-    qkv = linear(normalize(x, weights.attn_norm), weights.qkv)  # (B, 1, (H + 2 KV) D)
+    before = options.position != "post"  # where each branch's norms stand
+    pre_norms = (weights.attn_norm, weights.ffn_norm) if before else (None, None)
+    post_norms = {
+        "pre": (None, None),
+        "post": (weights.attn_norm, weights.ffn_norm),
+        "both": (weights.attn_post_norm, weights.ffn_post_norm),
+    }[options.position]
+
+    def maybe_normalize(h: torch.Tensor, norm: Norm | None) -> torch.Tensor:
+        return h if norm is None else normalize(h, norm)
+
+    qkv = linear(maybe_normalize(x, pre_norms[0]), weights.qkv)  # (B, 1, (H + 2 KV) D)
     heads, keys, values = attention_reference(
         qkv,
         cache.keys,
@@ -950,10 +1016,11 @@ def block_reference(
         options.n_head,
         angles,
         weights.head_norms,
+        options.window,
     )  # (B, 1, H D)
-    x = x + options.residual_scale * linear(heads, weights.attn_out)
-    hidden = linear(normalize(x, weights.ffn_norm), weights.fc)  # (B, 1, F or 2F)
-    x = x + options.residual_scale * linear(activate(hidden), weights.ffn_out)
+    x = x + options.residual_scale * maybe_normalize(linear(heads, weights.attn_out), post_norms[0])
+    hidden = linear(maybe_normalize(x, pre_norms[1]), weights.fc)  # (B, 1, F or 2F)
+    x = x + options.residual_scale * maybe_normalize(linear(activate(hidden), weights.ffn_out), post_norms[1])
     return x, keys, values
 
 

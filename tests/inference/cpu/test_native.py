@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from gptlite.inference.cpu import native
 from tests.conftest import ROOT
+from tests.hf.test_families import FAMILIES as HF_FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -319,11 +320,12 @@ def test_cached_attention_writes_the_slot_and_attends_as_sdpa(ops, H, KV, D):
 
 @pytest.mark.parametrize("H, KV, D", [(4, 4, 64), (6, 2, 20), (2, 1, 8)])
 @pytest.mark.parametrize("rotated, rows_angles", [("all", 3), ("all", 1), ("half", 3)])
-@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("normed", ["head", "all", None])
 def test_cached_attention_normalizes_and_rotates_q_and_k(ops, H, KV, D, rotated, rows_angles, normed):
-    """With q/k norms (each head's RMSNorm times its weight) and RoPE's angles (every coordinate, or the leading half;
-    each row at its own angles, or one row's for all), the heads' output and the keys written are those of the math
-    through PyTorch (`native.attention_reference`), within float32's error; the values land as they are."""
+    """With q/k norms (each head's RMSNorm times its weight, Qwen3's, or one RMSNorm over all of q and one over all
+    of k, OLMo 2's) and RoPE's angles (every coordinate, or the leading half; each row at its own angles, or one row's
+    for all), the heads' output and the keys written are those of the math through PyTorch
+    (`native.attention_reference`), within float32's error; the values land as they are."""
     generator = torch.Generator().manual_seed(H * 100 + D + rows_angles)
     B = 3
     L = 50
@@ -333,7 +335,7 @@ def test_cached_attention_normalizes_and_rotates_q_and_k(ops, H, KV, D, rotated,
     caches = torch.randn(2, B, KV, L, D, generator=generator)
     visible = torch.rand(B, L, generator=generator) < 0.6
     visible[:, slot] = True
-    angles, head_norms = native.rotary_operands(generator, rows_angles, R, D)
+    angles, head_norms = native.rotary_operands(generator, rows_angles, R, D, (H, KV) if normed == "all" else None)
     head_norms = head_norms if normed else None
     operands = (qkv, *caches, slot, visible, 0.2, H, angles, head_norms)
     want, keys, values = native.attention_reference(*operands)
@@ -348,10 +350,11 @@ def test_cached_attention_normalizes_and_rotates_q_and_k(ops, H, KV, D, rotated,
 
 @pytest.mark.parametrize("H, KV, D", [(4, 4, 64), (6, 2, 20)])
 @pytest.mark.parametrize("rotated", [False, True])
-def test_cached_attention_of_rows_at_their_own_slots(ops, H, KV, D, rotated):
+@pytest.mark.parametrize("window", [0, 5])
+def test_cached_attention_of_rows_at_their_own_slots(ops, H, KV, D, rotated, window):
     """Rows at lengths of their own (the server's, a request each; `CacheSlot.slots`): each row's keys and values land
-    in its own slot, nothing else changes, and its heads attend over its slots up to that one only, as SDPA does
-    over them (rotated and normalized too, each row at its own angles)."""
+    in its own slot, nothing else changes, and its heads attend over its slots up to that one only (the last `window`
+    of them, where it has one), as SDPA does over them (rotated and normalized too, each row at its own angles)."""
     generator = torch.Generator().manual_seed(H * 10 + D + rotated)
     B = 4
     L = 50
@@ -359,12 +362,12 @@ def test_cached_attention_of_rows_at_their_own_slots(ops, H, KV, D, rotated):
     qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
     caches = torch.randn(2, B, KV, L, D, generator=generator)
     angles, head_norms = native.rotary_operands(generator, B, D, D) if rotated else (None, None)
-    operands = (qkv, *caches, slots, None, 0.2, H, angles, head_norms)
+    operands = (qkv, *caches, slots, None, 0.2, H, angles, head_norms, window)
     want, keys, values = native.attention_reference(*operands)
     want64, keys64, _ = native.attention_reference(*native.as_float64(operands))
     k_cache, v_cache = caches.clone()
     cache = native.CacheSlot(k_cache, v_cache, 49, 50, None, slots)
-    got = native.cached_attention(qkv, cache, n_head=H, scale=0.2, angles=angles, head_norms=head_norms)
+    got = native.cached_attention(qkv, cache, n_head=H, scale=0.2, angles=angles, head_norms=head_norms, window=window)
     native.assert_as_close_as_float32(got, want, want64, "cached_attention, rows at their own slots")
     native.assert_as_close_as_float32(k_cache, keys, keys64, "cached_attention's keys, rows at their own slots")
     assert torch.equal(v_cache, values)
@@ -388,6 +391,38 @@ def test_rows_at_their_own_slots_each_attend_as_alone(ops):
             qkv[b : b + 1], native.CacheSlot(keys, values, slot, slot + 1, None), n_head=H, scale=0.25
         )
         assert torch.equal(together[b : b + 1], alone)
+
+
+@pytest.mark.parametrize("window", [1, 5, 33, 34, 100])
+@pytest.mark.parametrize("masked", [True, False])
+def test_cached_attention_within_a_window_sees_its_last_slots_only(ops, window, masked):
+    """A sliding window of `window` slots (Gemma 3's local layers): the heads attend over the slots
+    [slot - window + 1, slot] only, within float32's error of SDPA with the window's mask, the slot itself always
+    among them (a window of 1 sees only the token's own key), a window past the first slot as no window at all;
+    with a mask hiding some slots too, and the token's keys and values written as without a window."""
+    generator = torch.Generator().manual_seed(window)
+    B = 2
+    H = 4
+    KV = 2
+    D = 16
+    L = 40
+    slot = 33
+    qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
+    caches = torch.randn(2, B, KV, L, D, generator=generator)
+    visible = torch.rand(B, L, generator=generator) < 0.6
+    visible[:, slot] = True
+    shown = visible if masked else None
+    angles, head_norms = native.rotary_operands(generator, B, D, D)
+    operands = (qkv, *caches, slot, shown, 0.2, H, angles, head_norms, window)
+    want, keys, values = native.attention_reference(*operands)
+    want64 = native.attention_reference(*native.as_float64(operands))[0]
+    k_cache, v_cache = caches.clone()
+    cache = native.CacheSlot(k_cache, v_cache, slot, slot + 1, shown)
+    got = native.cached_attention(qkv, cache, n_head=H, scale=0.2, angles=angles, head_norms=head_norms, window=window)
+    native.assert_as_close_as_float32(got, want, want64, f"cached_attention, a window of {window}")
+    assert torch.equal(v_cache, values)
+    unwindowed = native.attention_reference(*operands[:-1])[0]
+    assert window > slot or not torch.allclose(want, unwindowed)  # the window changes what a short one sees
 
 
 def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
@@ -457,7 +492,7 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     given = native.block_step_arguments(x, weights, cache, options)
     names = ("x", "norms", "weights", "scales", "biases", "k_cache", "v_cache", "slot", "span", "visible", "scale")
     names += ("n_head", "norm", "eps", "activation", "residual_scale", "cos", "sin", "q_norm", "k_norm", "head_eps")
-    names += ("slots",)
+    names += ("position", "window", "slots")
     assert len(given) == len(names)
     given = dict(zip(names, given, strict=True))
     weights = given["weights"]
@@ -468,8 +503,16 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
         ops.block_step(*{**given, **changed}.values())
 
     codes = weights[0].to(torch.int8)
-    with pytest.raises(RuntimeError, match="norm must be layernorm or rmsnorm, not batchnorm"):
+    with pytest.raises(RuntimeError, match="norm must be layernorm, rmsnorm or rmsnorm_unit_offset, not batchnorm"):
         step(norm="batchnorm")
+    with pytest.raises(RuntimeError, match="position must be pre, post or both, not middle"):
+        step(position="middle")
+    with pytest.raises(RuntimeError, match="8 norm tensors, 4 weights, 4 scales and 4 biases, not 4, 4, 4 and 4"):
+        step(position="both")
+    with pytest.raises(RuntimeError, match=r"the feed-forward post-norm's bias must be a contiguous \(64,\) float32"):
+        step(position="both", norms=[*given["norms"], *given["norms"][:3], torch.ones(3)])
+    with pytest.raises(RuntimeError, match="gptlite cached_attention: window -1 must be >= 0"):
+        step(window=-1)
     with pytest.raises(RuntimeError, match="activation must be gelu_tanh, relu_squared, silu_gate or gelu_gate, not t"):
         step(activation="tanh")
     with pytest.raises(RuntimeError, match=r"the fc weight must be a contiguous \(64, 64\) CPU tensor"):
@@ -497,6 +540,9 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
         step(q_norm=torch.ones(16))
     with pytest.raises(RuntimeError, match=r"gptlite cached_attention: k_norm must be a contiguous \(16,\) float32"):
         step(q_norm=torch.ones(16), k_norm=torch.ones(12))
+    # a weight over all heads (OLMo 2's) is all of them or one head's; 4 heads of 16: 64 numbers or 16
+    with pytest.raises(RuntimeError, match=r"gptlite cached_attention: q_norm must be a contiguous \(16,\) float32"):
+        step(q_norm=torch.ones(32), k_norm=torch.ones(64))
 
 
 @pytest.mark.parametrize("V", [1, 5, 16, 50257, 50304])
@@ -556,6 +602,42 @@ BLOCK_MODELS = {
         "qk_norm": True,
     },
     "smollm3: nope layers": {"pos_emb": "rope", "nope_layers": "1", "n_kv_head": 2},
+    "olmo 2: norms after the branch, q/k norms over all heads": {
+        "norm": "rmsnorm",
+        "ffn": "swiglu",
+        "pos_emb": "rope",
+        "n_kv_head": 2,
+        "qk_norm": True,
+        "qk_norm_scope": "all",
+        "norm_position": "post",
+    },
+    "gemma 3: norms on both sides, unit offset, geglu, a window of 4": {
+        "norm": "rmsnorm",
+        "ffn": "geglu",
+        "pos_emb": "rope",
+        "n_kv_head": 1,
+        "head_dim": 16,
+        "qk_norm": True,
+        "norm_position": "both",
+        "norm_unit_offset": True,
+        "embed_scale": 32**0.5,
+        "attn_scale": 0.2,
+        "sliding_window": 4,
+        "window_layers": "0",
+        "rope_local_theta": 100.0,
+        "logit_softcap": 5.0,
+    },
+    "granite: its four scales": {
+        "norm": "rmsnorm",
+        "ffn": "swiglu",
+        "pos_emb": "rope",
+        "n_kv_head": 2,
+        "embed_scale": 3.0,
+        "residual_scale": 0.5,
+        "attn_scale": 0.2,
+        "logits_scaling": 2.5,
+    },
+    "biases everywhere, rmsnorm": {"norm": "rmsnorm", "bias": True, "pos_emb": "rope", "ffn": "relu2"},
 }
 
 
@@ -580,6 +662,9 @@ def test_native_blocks_decode_an_int8_model_as_its_own_blocks_do(ops, monkeypatc
     monkeypatch.setenv("GPTLITE_QUANT_KERNEL", "native")
     for name in ("gpt2", "llama-like, gqa", "llama: rope, gqa", "qwen3: rope, q/k norms"):
         decodes_as_its_own_blocks(tiny_model(**BLOCK_MODELS[name]).quantize("int8"))
+    gemma = "gemma 3: norms on both sides, unit offset, geglu, a window of 4"
+    for name in ("olmo 2: norms after the branch, q/k norms over all heads", gemma):
+        decodes_as_its_own_blocks(tiny_model(**BLOCK_MODELS[name]).quantize("int8"))
 
 
 def decodes_as_its_own_blocks(model) -> None:
@@ -594,20 +679,20 @@ def decodes_as_its_own_blocks(model) -> None:
         assert all(isinstance(block, NativeBlock) for block in view.blocks)
 
 
-def decodes_as_the_model(model, rows: list[list[int]]):
-    """Asserts that `model`'s CPU decode view gives the model's own logits over ten decode steps of `rows` (prompts of
-    different lengths are left-padded and masked; three rows are reordered as beam search does, each taking over
-    another's contents) and writes the same keys; returns the view."""
+def decodes_as_the_model(model, rows: list[list[int]], steps: int = 10):
+    """Asserts that `model`'s CPU decode view gives the model's own logits over `steps` decode steps of `rows`
+    (prompts of different lengths are left-padded and masked; three rows are reordered as beam search does, each
+    taking over another's contents) and writes the same keys; returns the view."""
     from gptlite.inference.cpu.decode import packed_for_cpu
     from gptlite.inference.kvcache import decode_step, new_cache, prefill
 
     with torch.no_grad():
         view = packed_for_cpu(model, len(rows))
-        ours = new_cache(view, len(rows), 30)
-        theirs = new_cache(model, len(rows), 30)
+        ours = new_cache(view, len(rows), max(len(row) for row in rows) + steps)
+        theirs = new_cache(model, len(rows), max(len(row) for row in rows) + steps)
         got = prefill(view, ours, rows)
         want = prefill(model, theirs, rows)
-        for step in range(10):
+        for step in range(steps):
             token = want.argmax(-1, keepdim=True)  # (B, 1)
             if step == 5 and len(rows) == 3:
                 order = torch.tensor([2, 0, 0])
@@ -622,10 +707,45 @@ def decodes_as_the_model(model, rows: list[list[int]]):
     return view
 
 
+@pytest.fixture(scope="module", params=list(HF_FAMILIES))
+def family_model(request, tmp_path_factory):
+    """(name, gptlite's model) of each family's tiny random transformers model (tests/hf/test_families.py's, Gemma 3's
+    with a window of 8 positions), saved by transformers and loaded by GPT.from_pretrained, in float32."""
+    from gptlite import GPT
+    from tests.test_hf import randomized
+
+    cls, config = HF_FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    randomized(cls(config)).save_pretrained(directory)
+    return request.param, GPT.from_pretrained(str(directory), torch.float32)
+
+
+def test_every_familys_blocks_decode_in_one_call_as_its_own_forward(ops, monkeypatch, family_model):
+    """Each family's blocks (tests/hf/test_families.py's tiny random models: pre-norm, OLMo 2's post-norm with its q/k
+    norms over all heads, Gemma 3's norms on both sides with its window, Granite's scales, SmolLM3's NoPE layers,
+    nanochat's relu², Qwen2's biases, ...) are NativeBlocks where every matrix takes the compiled kernel, and decode
+    as the model's own PyTorch path does: its logits within 1e-5 step after step, 1 row and 2 of different lengths,
+    past Gemma 3's window of 8; and greedy tokens equal to those of the model's forward over the whole context."""
+    import gptlite.inference.cpu.decode
+    from gptlite.inference.cpu.blocks import NativeBlock
+    from tests.inference.cpu.test_decode import greedy_by_forward
+
+    monkeypatch.setenv("GPTLITE_CPU_LINEAR", "native")
+    monkeypatch.setattr(gptlite.inference.cpu.decode, "PACK_MIN_WEIGHTS", 0)
+    name, model = family_model
+    for rows in ([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9], [11, 12, 13]]):
+        view = decodes_as_the_model(model, rows, steps=24)
+        assert all(isinstance(block, NativeBlock) for block in view.blocks), name
+    prompts = torch.tensor([[5, 6, 7, 8, 9], [11, 12, 13, 14, 15]])
+    for rows in (prompts[:1], prompts):
+        assert torch.equal(model.generate(rows, 20, temperature=0), greedy_by_forward(model, rows, 20)), name
+
+
 def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
-    """A block whose attention the kernels do not compute, another block kind or norm, a matrix that takes another
-    kernel (float32, int8, int4), a hook on a module of the block, or a model in training mode: its blocks stay
-    Block (and its attention, where it can, NativeAttention)."""
+    """A block whose attention the kernels do not compute (value embeddings), a block kind or norm they do not know
+    (a subclass), norms of two epsilons, a matrix that takes another kernel (float32, int8, int4), a hook on a module
+    of the block, or a model in training mode: its blocks stay Block (and its attention, where it can,
+    NativeAttention). Every kind of block the families use is the step's."""
     import gptlite.inference.cpu.decode
     from gptlite.inference.cpu.blocks import NativeBlock, one_call_variant
     from gptlite.inference.cpu.decode import packed_for_cpu
@@ -642,10 +762,22 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
     for overrides in (
         {"pos_emb": "rope", "qk_norm": True, "qk_norm_scope": "all"},
         {"norm_position": "post"},
-        {"norm": "rmsnorm", "norm_unit_offset": True},
+        {"norm_position": "both", "norm": "rmsnorm", "norm_unit_offset": True},
     ):
-        assert one_call_variant(tiny_model(**overrides).blocks[0]) is None, overrides
-        assert "NativeBlock" not in kinds(tiny_model(**overrides)), overrides
+        assert one_call_variant(tiny_model(**overrides).blocks[0]) is NativeBlock, overrides
+    assert one_call_variant(tiny_model(value_embeds=True).blocks[0]) is None
+    assert "NativeBlock" not in kinds(tiny_model(value_embeds=True))
+
+    class OtherBlock(type(tiny_model().blocks[0])):
+        """A subclass, which may compute something else."""
+
+    subclassed = tiny_model()
+    subclassed.blocks[0].__class__ = OtherBlock
+    assert one_call_variant(subclassed.blocks[0]) is None
+    assert kinds(subclassed) == ["OtherBlock", "NativeBlock"]
+    two_epsilons = tiny_model(norm_position="both", norm="rmsnorm")
+    two_epsilons.blocks[0].ffn_post_norm.eps = 1e-3
+    assert one_call_variant(two_epsilons.blocks[0]) is None
     model = tiny_model()
     handle = model.blocks[1].ffn.fc.register_forward_hook(lambda module, args, out: None)
     assert kinds(model) == ["NativeBlock", "Block"]
@@ -661,9 +793,9 @@ def test_blocks_the_step_does_not_compute_keep_their_own_way(ops, monkeypatch):
 
 
 def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
-    """Norms over all of q and all of k (OLMo 2's), sliding windows and value embeddings are the model's attention's to
-    compute: their layers stay CausalSelfAttention in the view. Rotary layers (whole, partial, nanochat's reversed,
-    Gemma 3's global) and Qwen3's q/k norms over each head are the kernels'."""
+    """Value embeddings are the model's attention's to compute: their layers stay CausalSelfAttention in the view.
+    Rotary layers (whole, partial, nanochat's reversed, Gemma 3's global and local, within its window), Qwen3's q/k
+    norms over each head and OLMo 2's over all heads are the kernels'."""
     from gptlite.inference.cpu.blocks import NativeAttention, one_call_variant
     from gptlite.inference.cpu.decode import packed_for_cpu
     from tests.conftest import tiny_model
@@ -675,14 +807,13 @@ def test_layers_native_attention_does_not_compute_keep_the_models_own(ops):
         {"pos_emb": "rope", "rope_dims": 4},
         {"pos_emb": "rope", "rope_reverse": True},
         {"qk_norm": True},
-        {"pos_emb": "rope", "sliding_window": 4, "window_layers": "0", "rope_local_theta": 100.0},  # layer 1: global
-    ):
-        assert one_call_variant(tiny_model(**overrides).blocks[-1].attn) is NativeAttention, overrides
-    for overrides in (
+        {"pos_emb": "rope", "sliding_window": 4, "window_layers": "0", "rope_local_theta": 100.0},
         {"qk_norm": True, "qk_norm_scope": "all"},
         {"sliding_window": 4, "window_layers": "0"},
-        {"value_embeds": True},
     ):
+        for block in tiny_model(**overrides).blocks:  # layer 0 local, where there is a window; layer 1 global
+            assert one_call_variant(block.attn) is NativeAttention, overrides
+    for overrides in ({"value_embeds": True},):
         model = tiny_model(**overrides)
         view = packed_for_cpu(model, 1)
         kept = [type(block.attn).__name__ for block in view.blocks]
