@@ -15,7 +15,9 @@ its own last token. A padded slot holds junk until the row's next token overwrit
 attends past its own slot, so a row computes what it would alone.
 
 On the CPU, float32, the rows run through `packed_for_cpu`'s views of the model, made once: its slab layers for a
-single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for several. Each
+single row (so one request decodes as fast as sample.py's batch of one) and its oneDNN-packed layers for several.
+Where gptlite's compiled kernels take a block (gptlite.inference.cpu.blocks), a decode step of one row or a few runs
+the block in one call, as sample.py's does, each row at its own slot (RowCache.decode_buffers). Each
 row samples with its own `GenerationOptions` (gptlite.inference.sampling's, the options generation takes: temperature,
 top_k, top_p, presence and frequency penalties, seed, stop ids; those the engine applies are marked SERVING there) and
 its own `torch.Generator` (seeded when asked), and never an id the tokenizer lacks (a padded vocabulary's extra ids); a

@@ -5,6 +5,8 @@ A request owns one row from its prefill to its last token. Decoding feeds the ne
 its keys and values at its own length, attends over its own slots only, and counts positions from its own
 first token. It is a `gptlite.inference.kvcache.AttentionCache`, the interface the model reads every cache through
 (`update`, `mask` and `pos`), and its buffers come from `gptlite.inference.kvcache.kv_buffers`, as KVCache's do.
+A step of one token per row also offers the CPU's one-call steps (gptlite.inference.cpu.blocks: a block's whole decode
+step in one compiled call) what they write and read themselves (`decode_buffers`), each row at its own slot.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class RowCache:
         self.slots = torch.zeros(0, 0, dtype=torch.long)  # (n, T) where their tokens go
         self.pos = self.slots  # (n, T) the tokens' positions: a row's first token is at slot 0, position 0
         self.mask: torch.Tensor | None = None  # (n, 1, T, S) True where a query may see a key
+        self.decode_slot: int | None = None  # a step of one token per row: the last of its rows' slots (S - 1)
+        self.decode_slots = torch.zeros(0, dtype=torch.long)  # (n,) each row's slot in such a step
 
     def prepare(self, first: int, lengths: list[int], T: int) -> None:
         """The next forward call feeds T tokens to each of rows first..first+n-1 (n = len(lengths)), whose
@@ -55,11 +59,30 @@ class RowCache:
         self.slots = lens[:, None] + torch.arange(T, device=self.device)  # (n, T)
         self.pos = self.slots
         self.span = max(lengths) + T
+        self.prepare_one_call(lens, T)
         if n == 1 and T == 1 and not self.always_mask:  # one query that sees every slot up to its own
             self.mask = None
             return
         keys = torch.arange(self.span, device=self.device)  # (S,)
         self.mask = (keys[None, None, :] <= self.slots[:, :, None])[:, None]  # (n, 1, T, S): causal, own slots only
+
+    def prepare_one_call(self, lens: torch.Tensor, T: int) -> None:
+        """What a one-call step reads (`decode_buffers`) where the next call feeds one token to each row of lengths
+        `lens` (n,): none where it feeds more (a prompt)."""
+        self.decode_slot = self.span - 1 if T == 1 else None
+        self.decode_slots = lens
+
+    def decode_buffers(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None, torch.Tensor | None]:
+        """What a decode step of one token per row (after a `prepare` that set `decode_slot`) reads and writes in
+        layer `layer`, for a step that writes the token's keys and values itself instead of calling `update` (the
+        CPU's one-call steps, gptlite.inference.cpu.blocks), as gptlite.inference.cpu.native's CacheSlot holds them:
+        the prepared rows' keys and values (n, KV, max_len, D), the last row's slot, the span, no mask (each row
+        sees every slot of its own up to its token's), and each row's slot (n,)."""
+        keys = self.k[layer][self.selected]  # (n, KV, max_len, D): rows of a contiguous buffer, contiguous
+        values = self.v[layer][self.selected]
+        return keys, values, self.decode_slot, self.span, None, self.decode_slots
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer's k, v (n, H, T, D) at the prepared slots; return its keys and values (n, H, S, D)."""

@@ -53,12 +53,15 @@ if TYPE_CHECKING:
 
 
 class OneCallCache(Protocol):
-    """A cache whose decode step a one-call step writes itself: gptlite.inference.kvcache.KVCache after `prepare(1)`
-    (named by what it offers, since that module imports this one's view)."""
+    """A cache whose decode step a one-call step writes itself: gptlite.inference.kvcache.KVCache after `prepare(1)`,
+    the server's gptlite.serve.rows.RowCache after a `prepare` of one token per row (named by what it offers, since
+    those modules import this one's view)."""
 
     decode_slot: int | None
 
-    def decode_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]: ...
+    def decode_buffers(self, layer: int) -> tuple:
+        """native.CacheSlot's fields, in order (the last, each row's own slot, where the rows' lengths differ)."""
+        ...
 
 
 # the block step's name for each norm it computes, by its class and whether it scales by 1 + weight (Gemma's unit
@@ -138,13 +141,13 @@ def step_head_norms(attn: CausalSelfAttention) -> native.HeadNorms | None:
 
 def cache_slot(cache: OneCallCache, layer: int) -> native.CacheSlot:
     """What the kernels' decode step of layer `layer` reads and writes in `cache` (after a `prepare` that set its
-    `decode_slot`: sample.py's KVCache)."""
+    `decode_slot`: sample.py's KVCache, the server's RowCache)."""
     return native.CacheSlot(*cache.decode_buffers(layer))
 
 
 def offers_one_call(cache: AttentionCache | None) -> bool:
-    """Whether `cache` takes a one-call step now: a decode step of a cache that names its one slot (sample.py's
-    KVCache after `prepare(1)`); the server's RowCache has none, and takes the model's own way."""
+    """Whether `cache` takes a one-call step now: a decode step of a cache that names its slot (sample.py's KVCache
+    after `prepare(1)`, the server's RowCache after a `prepare` of one token per row, each row at its own slot)."""
     return getattr(cache, "decode_slot", None) is not None
 
 
@@ -191,7 +194,7 @@ class NativeBlock(nn.Module):
     puts them, the four matrices (float32, or int8 or int4 after `quantize`, as their ways multiply them:
     `matrix_operands`), the attention over the cache, the activation and the residual additions. Prompts, more rows
     than the kernels multiply in one pass over a weight
-    (`native.max_rows()`), and caches without it (the server's RowCache) take the block's own forward, its attention
+    (`native.max_rows()`), and caches without it take the block's own forward, its attention
     still in one call where it can (NativeAttention)."""
 
     def __init__(self, block: Block, options: native.BlockOptions):

@@ -18,7 +18,7 @@
 //   exactly in int32 and then scaled (see "int8 x int8" below). K a multiple of kBlock, G's groups whole blocks.
 //
 //   torch.ops.gptlite.cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
-//                                      q_norm, k_norm, head_eps, window)
+//                                      q_norm, k_norm, head_eps, window, slots)
 //       qkv (B, 1, (H + 2 KV) D) float32, k_cache and v_cache (B, KV, L, D) -> (B, 1, H D)
 //
 //   A decode step's attention through a KV cache, in one call: the token's keys and values (qkv's last 2 KV D
@@ -29,11 +29,13 @@
 //   of a row's q and all of its k, the weights (H D) and (KV D): OLMo 2's) and then rotated (RoPE: the head's leading
 //   R coordinates, R = cos's width, pairs (i, i + R/2) rotated by their angle, q' = q cos + rotate_half(q) sin, cos
 //   and sin (B or 1, R) the row's position's, as the model's own RotaryPositions computes them). A window > 0 (Gemma
-//   3's local layers) attends over the slots [slot - window + 1, slot] only.
+//   3's local layers) attends over the slots [slot - window + 1, slot] only. Where `slots` (B) int64 is given, rows
+//   stand at lengths of their own (the server's rows, each a request of its own): row b's token goes to slot slots[b]
+//   instead of `slot`, and it attends over slots [0, slots[b]] (its window's of them; span must exceed every one).
 //
 //   torch.ops.gptlite.block_step(x, norms, weights, scales, biases, k_cache, v_cache, slot, span, visible, scale,
 //                                n_head, norm, eps, activation, residual_scale, cos, sin, q_norm, k_norm, head_eps,
-//                                position, window, input_bits)
+//                                position, window, slots, input_bits)
 //       x (B, 1, C) float32 -> (B, 1, C)
 //
 //   A block's decode step, in one call: x + s attn(norm(x)), then x + s ffn(norm(x)) (position "pre"; "post" puts
@@ -963,7 +965,7 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
                             int64_t span, const std::optional<at::Tensor>& visible, double scale, int64_t n_head,
                             const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                             const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                            double head_eps, int64_t window) {
+                            double head_eps, int64_t window, const std::optional<at::Tensor>& slots) {
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
                     v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -990,6 +992,22 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
         shown = visible->data_ptr<bool>();
         shown_stride = visible->stride(0);
     }
+    const int64_t* row_slots = nullptr;
+    if (slots.has_value()) {
+        TORCH_CHECK(slots->dim() == 1 && slots->size(0) == B && slots->is_contiguous() &&
+                        slots->scalar_type() == at::kLong && slots->device().is_cpu(),
+                    "gptlite cached_attention: slots must be a contiguous (", B, ",) int64 CPU tensor, not ",
+                    slots->sizes());
+        row_slots = slots->data_ptr<int64_t>();
+        for (int64_t b = 0; b < B; b++) {
+            TORCH_CHECK(0 <= row_slots[b] && row_slots[b] < span, "gptlite cached_attention: row ", b, "'s slot ",
+                        row_slots[b], " is outside the span ", span);
+        }
+    }
+    // row b's token goes to slot_of(b) and it attends over slots [0, slot_of(b)] (rows at their own lengths), or
+    // every row's to `slot`, attending over [0, span)
+    const auto slot_of = [&](int64_t b) { return row_slots == nullptr ? slot : row_slots[b]; };
+    const auto span_of = [&](int64_t b) { return row_slots == nullptr ? span : row_slots[b] + 1; };
     TORCH_CHECK(cos.has_value() == sin.has_value(), "gptlite cached_attention: cos and sin go together");
     const int64_t R = cos.has_value() ? cos->size(-1) : 0;
     int64_t cos_stride = 0;
@@ -1015,7 +1033,7 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
             head_factors(row + H * D, KV, D, k_whole, eps, factors.data());
         }
         for (int64_t g = 0; g < KV; g++) {
-            float* key = keys + ((b * KV + g) * L + slot) * D;
+            float* key = keys + ((b * KV + g) * L + slot_of(b)) * D;
             if (prepared) {
                 const float* weight = k_weight == nullptr ? nullptr : k_weight + (k_whole ? g * D : 0);
                 prepare_head(row + (H + g) * D, D, weight, factors[g], cosines + b * cos_stride,
@@ -1023,7 +1041,7 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
             } else {
                 std::memcpy(key, row + (H + g) * D, D * sizeof(float));
             }
-            std::memcpy(values + ((b * KV + g) * L + slot) * D, row + (H + KV + g) * D, D * sizeof(float));
+            std::memcpy(values + ((b * KV + g) * L + slot_of(b)) * D, row + (H + KV + g) * D, D * sizeof(float));
         }
     }
     // the queries: qkv's own numbers, or each head's normalized and rotated into `queries` (B, H, D)
@@ -1042,19 +1060,21 @@ at::Tensor cached_attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tens
     // a sliding window (Gemma 3's local layers) sees the slots [slot - window + 1, slot]: a row's slots are its
     // positions plus its padding, so a slot's distance back is its position's
     TORCH_CHECK(window >= 0, "gptlite cached_attention: window ", window, " must be >= 0 (0: none)");
-    const int64_t first = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0;
-    const int64_t last = window > 0 ? slot + 1 : span;  // one past the last slot attended to
+    const auto first_of = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, slot_of(b) - window + 1) : 0; };
+    const auto last_of = [&](int64_t b) { return window > 0 ? slot_of(b) + 1 : span_of(b); };  // one past the last
     at::Tensor out = at::empty({B, 1, H * D}, qkv.options());
     float* outs = out.data_ptr<float>();
     const int64_t group = H / KV;
-    const int64_t seen = last - first;  // the slots attended to
-    const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, seen * D));  // short spans: one thread
+    const int64_t most = window > 0 ? std::min(window, span) : span;  // the most slots a row attends to
+    const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, most * D));  // short spans: one thread
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores((seen + kLanes - 1) / kLanes * kLanes);
+        std::vector<float> scores((most + kLanes - 1) / kLanes * kLanes);
         for (int64_t i = begin; i < end; i++) {
             const int64_t b = i / H;
             const int64_t h = i % H;
             const int64_t g = h / group;
+            const int64_t first = first_of(b);
+            const int64_t seen = last_of(b) - first;  // the slots this row attends to
             const float* query = prepared ? queries.data() + i * D : in + b * width + h * D;
             attend(query, keys + ((b * KV + g) * L + first) * D, values + ((b * KV + g) * L + first) * D,
                    shown == nullptr ? nullptr : shown + b * shown_stride + first, seen, D, static_cast<float>(scale),
@@ -1343,7 +1363,7 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
                       double residual_scale, const std::optional<at::Tensor>& cos,
                       const std::optional<at::Tensor>& sin, const std::optional<at::Tensor>& q_norm,
                       const std::optional<at::Tensor>& k_norm, double head_eps, c10::string_view position_name,
-                      int64_t window, at::IntArrayRef input_bits) {
+                      int64_t window, const std::optional<at::Tensor>& slots, at::IntArrayRef input_bits) {
     TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "gptlite block_step: x must be a (B, 1, C) float32 CPU tensor, not ", x.sizes());
     TORCH_CHECK(input_bits.empty() || input_bits.size() == 4, "gptlite block_step: 4 input_bits (or none), not ",
@@ -1416,7 +1436,7 @@ at::Tensor block_step(const at::Tensor& x, const c10::List<std::optional<at::Ten
     at::Tensor qkv = at::empty({B, 1, Q}, x.options());
     multiply(qkv_weight, branch_input(attn_norms), B, qkv_bias, qkv.data_ptr<float>());
     const at::Tensor heads = cached_attention(qkv, k_cache, v_cache, slot, span, visible, scale, n_head, cos, sin,
-                                              q_norm, k_norm, head_eps, window);  // (B, 1, H D)
+                                              q_norm, k_norm, head_eps, window, slots);  // (B, 1, H D)
     TORCH_CHECK(heads.size(2) == HD, "gptlite block_step: the attention's out_proj takes ", HD, " inputs, its ",
                 n_head, " heads give ", heads.size(2));
     multiply(attn_weight, heads.data_ptr<float>(), B, attn_bias, branch.data());
@@ -1511,13 +1531,13 @@ TORCH_LIBRARY(gptlite, m) {
     m.def(
         "cached_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, "
         "float scale, int n_head, Tensor? cos=None, Tensor? sin=None, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float head_eps=0.0, int window=0) -> Tensor");
+        "float head_eps=0.0, int window=0, Tensor? slots=None) -> Tensor");
     m.def(
         "block_step(Tensor x, Tensor?[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int span, Tensor? visible, float scale, int n_head, "
         "str norm, float eps, str activation, float residual_scale, Tensor? cos=None, Tensor? sin=None, "
         "Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.0, str position=\"pre\", int window=0, "
-        "int[] input_bits=[]) -> Tensor");
+        "Tensor? slots=None, int[] input_bits=[]) -> Tensor");
     m.def("int8_dot_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
     m.def("int4_dot_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");

@@ -9,10 +9,11 @@ copying its constants. The int4 codes' layout the integer kernels read is made a
 
 `load()` makes the operators available and says whether it could. The first call on a machine compiles matvec.cpp with
 the C++ compiler at hand (`$CXX`, else `c++`) against the installed torch, for this CPU's instruction set
-(-march=native), into the build cache (GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native);
-it says so on stderr, with how long it may take and, while the compiler runs, the time so far. The library is named by a
-hash of its source, the compiler, torch's version and the CPU's features, so a cache shared between machines never runs
-a library built for another CPU. Before a library is first loaded, a child process loads it and compares its operators
+(-march=native), with OpenMP where the compiler takes it (without, on one thread: `openmp_flags`), into the build cache
+(GPTLITE_NATIVE_CACHE, default $XDG_CACHE_HOME or ~/.cache, then gptlite/native); it says so on stderr, with how long
+it may take and, while the compiler runs, the time so far. The library is named by a hash of its source, the compiler,
+torch's version and the CPU's features, so a cache shared between machines never runs a library built for another
+CPU. Before a library is first loaded, a child process loads it and compares its operators
 with PyTorch's own results: a library that crashes (an instruction this CPU lacks, a truncated file, a bad build) takes
 down that child, never the caller, and is not used. A marker beside a library that passed holds the library's sha256 and
 the CPU's digest; a library the marker does not vouch for that way is checked again, and one that fails is built anew.
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,6 +47,9 @@ from gptlite.config import FALSE_WORDS, TRUE_WORDS, parse_bool
 SOURCE = Path(__file__).with_name("matvec.cpp")
 DISABLE_ENV = "GPTLITE_NATIVE"
 CACHE_ENV = "GPTLITE_NATIVE_CACHE"
+# at::parallel_for, which the kernels split their work with, is OpenMP's in torch's builds; the process shares torch's
+# libgomp (libomp on macOS)
+OPENMP = ("-fopenmp",)
 PROGRESS_SECONDS = 10  # how often a build says on stderr that it still runs
 BUILD_TIMEOUT = 600  # seconds a build may take before it is given up
 CHECK_TIMEOUT = 300  # seconds the child process's check may take
@@ -101,8 +106,9 @@ def cpu_features() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def build_command(cxx: str, output: Path, arch: list[str]) -> list[str]:
-    """The compiler's command line: matvec.cpp against the installed torch, for the instruction set `arch` names."""
+def build_command(cxx: str, output: Path, arch: list[str], threads: Sequence[str] = OPENMP) -> list[str]:
+    """The compiler's command line: matvec.cpp against the installed torch, for the instruction set `arch` names,
+    its kernels' threads by the flags `threads` (OPENMP; none where the compiler takes no OpenMP: `openmp_flags`)."""
     from torch.utils import cpp_extension
 
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
@@ -115,7 +121,7 @@ def build_command(cxx: str, output: Path, arch: list[str]) -> list[str]:
         "-std=gnu++17",  # GNU mode: multiply-adds are fused, as -ffp-contract=fast
         "-shared",
         "-fPIC",
-        "-fopenmp",  # at::parallel_for is OpenMP's in torch's builds; the process shares torch's libgomp
+        *threads,
         "-w",  # torch's headers warn under some compilers; the build's own errors still print
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
@@ -127,6 +133,28 @@ def build_command(cxx: str, output: Path, arch: list[str]) -> list[str]:
         "-lc10",
         "-ltorch_cpu",
     ]
+
+
+def openmp_flags(cxx: str, scratch: Path) -> list[str]:
+    """OPENMP where `cxx` builds a library with it (tried on a few lines in the folder `scratch`), else none, saying
+    so in one line on stderr: Apple's clang takes no -fopenmp. at::parallel_for is inlined from torch's headers, and
+    in torch's builds for Linux and macOS it runs on OpenMP's threads: built without OpenMP, the kernels run on one
+    thread (PyTorch's kernels, measured beside them, keep their threads)."""
+    source = scratch / "openmp.cpp"
+    source.write_text("#include <omp.h>\nint threads() { return omp_get_max_threads(); }\n")
+    command = [cxx, *OPENMP, "-shared", "-fPIC", str(source), "-o", str(scratch / "openmp.so")]
+    try:
+        taken = subprocess.run(command, capture_output=True, timeout=BUILD_TIMEOUT).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        taken = False
+    if not taken:
+        print(
+            f"gptlite: {cxx} takes no {' '.join(OPENMP)}: the CPU decode kernels are built without OpenMP and run on "
+            "one thread",
+            file=sys.stderr,
+            flush=True,
+        )
+    return list(OPENMP) if taken else []
 
 
 def library_path(cxx: str) -> Path:
@@ -391,13 +419,16 @@ def assert_int_linear_close(
 
 
 class CacheSlot(NamedTuple):
-    """One layer's cache as a decode step of one token per row reads and writes it."""
+    """One layer's cache as a decode step of one token per row reads and writes it: every row at one slot (sample.py's
+    batch, its rows as long as each other), or each at its own (`slots`: the server's rows, a request each)."""
 
     keys: torch.Tensor  # (B, KV, L, D) float32, contiguous: the token's keys are written at `slot`
     values: torch.Tensor  # (B, KV, L, D) float32, contiguous: the token's values are written at `slot`
-    slot: int  # the slot the token's keys and values go to
+    slot: int  # the slot the token's keys and values go to (with `slots`, the last of theirs)
     span: int  # the step attends over slots 0..span-1
     visible: torch.Tensor | None  # (B, L) bool, which slots each row sees; None where it sees every one
+    # (B,) int64: each row's own slot, where rows differ: row b's token goes there and it attends over slots 0..slots[b]
+    slots: torch.Tensor | None = None
 
 
 class Angles(NamedTuple):
@@ -452,6 +483,7 @@ def cached_attention(
         n_head,
         *attention_operands(angles, head_norms),
         window,
+        cache.slots,
     )
 
 
@@ -520,7 +552,7 @@ def block_step(
 def block_step_arguments(
     x: torch.Tensor, weights: BlockWeights, cache: CacheSlot, options: BlockOptions, angles: Angles | None = None
 ) -> list:
-    """The compiled operator's 24 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
+    """The compiled operator's 25 arguments, in its schema's order (matvec.cpp's TORCH_LIBRARY), from the named
     operands: the norms' tensors in the modules' order, the post-norms' last where the block has them."""
     norms = [weights.attn_norm.weight, weights.attn_norm.bias, weights.ffn_norm.weight, weights.ffn_norm.bias]
     if weights.attn_post_norm is not None:
@@ -547,6 +579,7 @@ def block_step_arguments(
         *attention_operands(angles, weights.head_norms),
         options.position,
         options.window,
+        cache.slots,
         [INPUT_BITS[matrix.inputs] for matrix in matrices],
     ]
 
@@ -591,7 +624,7 @@ def cache_error(folder: Path, error: OSError) -> str:
 def compile_into(cxx: str, output: Path, arch: list[str]) -> str:
     """Runs the compiler (`build_command`) to write `output`: '' or why it failed, naming the fix. Prints the time
     it has taken on stderr every PROGRESS_SECONDS while it runs, and stops it after BUILD_TIMEOUT seconds."""
-    command = build_command(cxx, output, arch)
+    command = build_command(cxx, output, arch, openmp_flags(cxx, output.parent))
     fix = "set CXX to a working C++ compiler, or GPTLITE_NATIVE=0"
     try:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -816,9 +849,10 @@ def check_integer_linears(generator: torch.Generator) -> None:
 
 def check_attention(generator: torch.Generator) -> None:
     """cached_attention against `attention_reference`: grouped heads (6 query heads on 2 key/value heads), a width D
-    that is not a multiple of a vector, with and without a mask that hides some slots, the caches written exactly;
-    and with q/k norms and rotations (every coordinate, each row at its angles; the leading 12, all rows at one
-    row's), the keys written within float32's error."""
+    that is not a multiple of a vector, with and without a mask that hides some slots, the caches written exactly,
+    every row at one slot and each at its own (`CacheSlot.slots`); and with q/k norms and rotations (every
+    coordinate, each row at its angles; the leading 12, all rows at one row's), the keys written within float32's
+    error."""
     B = 3  # rows
     H = 6  # query heads
     KV = 2  # key/value heads
@@ -836,6 +870,16 @@ def check_attention(generator: torch.Generator) -> None:
         out = cached_attention(qkv, CacheSlot(k_cache, v_cache, slot, slot + 1, shown), n_head=H, scale=0.3)
         assert_as_close_as_float32(out, want32, want64, "cached_attention")
         assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's cache writes"
+    slots = torch.tensor([36, 4, 40])  # rows at lengths of their own (the server's)
+    own = visible.clone()
+    own[torch.arange(B), slots] = True
+    for shown in (None, own):
+        want32, keys, values = attention_reference(qkv, *caches, slots, shown, 0.3, H)
+        want64 = attention_reference(qkv.double(), *caches.double(), slots, shown, 0.3, H)[0]
+        k_cache, v_cache = caches.clone()
+        out = cached_attention(qkv, CacheSlot(k_cache, v_cache, 40, 41, shown, slots), n_head=H, scale=0.3)
+        assert_as_close_as_float32(out, want32, want64, "cached_attention, each row at its own slot")
+        assert torch.equal(k_cache, keys) and torch.equal(v_cache, values), "cached_attention's writes at own slots"
     for R, rows in ((D, B), (12, 1)):  # every coordinate rotated, each row at its angles; the leading 12, one row's
         angles, head_norms = rotary_operands(generator, rows, R, D)
         want32, keys32, values32 = attention_reference(qkv, *caches, slot, visible, 0.3, H, angles, head_norms)
@@ -854,7 +898,7 @@ def attention_reference(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot: int,
+    slot: int | torch.Tensor,
     visible: torch.Tensor | None,
     scale: float,
     n_head: int,
@@ -863,11 +907,11 @@ def attention_reference(
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What cached_attention computes, through PyTorch: copies of the caches (B, KV, L, D) with the token's keys and
-    values (the end of each row of qkv (B, 1, (H + 2 KV) D)) written at `slot` by indexing, and SDPA of its n_head
-    query heads over slots 0..slot where visible (B, L) shows them, and only the last `window` of them where it is
-    > 0 -> (out (B, 1, H D), keys, values); each head's q and k first through F.rms_norm times its weight
-    (`head_norms`: over each head, or over all heads where the weight spans them), then rotated (`heads_rotated`),
-    where given."""
+    values (the end of each row of qkv (B, 1, (H + 2 KV) D)) written at `slot` (or each row's at its own, a (B,)
+    tensor) by indexing, and SDPA of its n_head query heads over slots 0..slot (the row's own) where visible (B, L)
+    shows them, and only the last `window` of them where it is > 0 -> (out (B, 1, H D), keys, values); each head's q
+    and k first through F.rms_norm times its weight (`head_norms`: over each head, or over all heads where the weight
+    spans them), then rotated (`heads_rotated`), where given."""
     B, KV, _, D = k_cache.shape
     q, k, v = qkv.split([n_head * D, KV * D, KV * D], dim=-1)
     q = q.reshape(B, n_head, D)
@@ -880,14 +924,18 @@ def attention_reference(
         k = heads_rotated(k, angles)
     keys = k_cache.clone()
     values = v_cache.clone()
-    keys[:, :, slot] = k
-    values[:, :, slot] = v.view(B, KV, D)
-    mask = None if visible is None else visible[:, None, None, : slot + 1]
+    slots = torch.as_tensor(slot).expand(B)  # (B,) each row's slot
+    keys[torch.arange(B), :, slots] = k  # indexed as (B, KV, D)
+    values[torch.arange(B), :, slots] = v.view(B, KV, D)
+    span = int(slots.max()) + 1
+    near = torch.arange(span)[None, :] <= slots[:, None]  # (B, S): each row's own slots, up to its token's
     if window:
-        near = (torch.arange(slot + 1) > slot - window)[None, None, None]  # (1, 1, 1, slot + 1): the window's slots
-        mask = near if mask is None else mask & near
+        near = near & (torch.arange(span)[None, :] > slots[:, None] - window)  # the window's slots
+    if visible is not None:
+        near = near & visible[:, :span]
+    mask = None if visible is None and not window and isinstance(slot, int) else near[:, None, None]  # (B, 1, 1, S)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(B, n_head, 1, D), keys[:, :, : slot + 1], values[:, :, : slot + 1], mask, scale=scale, enable_gqa=True
+        q.view(B, n_head, 1, D), keys[:, :, :span], values[:, :, :span], mask, scale=scale, enable_gqa=True
     )  # (B, H, 1, D)
     return out.reshape(B, 1, n_head * D), keys, values
 
@@ -914,9 +962,10 @@ def heads_rotated(heads: torch.Tensor, angles: Angles) -> torch.Tensor:
 def check_block(generator: torch.Generator) -> None:
     """block_step against `block_reference`: GPT-2's block (LayerNorm, GELU, biases) on 3 rows with a mask hiding
     some slots, Llama's (RMSNorm, SwiGLU, no biases) on 2 rows with grouped heads and a residual scale, GPT-2's
-    on int8 weights, Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles, OLMo 2's (norms
-    after each branch, q/k norms over all heads) and Gemma 3's local layer (norms on both sides times 1 + weight,
-    GeGLU, a sliding window), and Llama's on int8 and int4 weights multiplying int8 inputs."""
+    on int8 weights, Qwen3's (Llama's with q/k norms, rotated) on 3 rows, each at its own angles, all at one slot
+    and each at its own (the server's rows), OLMo 2's (norms after each branch, q/k norms over all heads) and Gemma
+    3's local layer (norms on both sides times 1 + weight, GeGLU, a sliding window), all at one slot and each at its
+    own, and Llama's on int8 and int4 weights multiplying int8 inputs."""
     cases = [
         (3, 6, 6, "layernorm", "gelu_tanh", True, 1.0, False),
         (2, 6, 2, "rmsnorm", "silu_gate", False, 0.5, False),
@@ -930,6 +979,8 @@ def check_block(generator: torch.Generator) -> None:
     angles, head_norms = rotary_operands(generator, 3, 16, 16)
     options = BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0)
     assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "Qwen3's", angles)
+    own = cache._replace(slot=35, span=36, visible=None, slots=torch.tensor([35, 2, 17]))  # the server's rows
+    assert_block_step_close(x, weights._replace(head_norms=head_norms), own, options, "Qwen3's, own slots", angles)
     x, weights, cache = block_operands(generator, 2, 6, 2, 16, 48, "rmsnorm", "silu_gate", False)
     angles, head_norms = rotary_operands(generator, 2, 16, 16, whole=(6, 2))
     options = BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0, "post")
@@ -938,6 +989,8 @@ def check_block(generator: torch.Generator) -> None:
     angles, head_norms = rotary_operands(generator, 1, 16, 16)
     options = BlockOptions("rmsnorm_unit_offset", 1e-6, "gelu_gate", 6, 0.25, 1.0, "both", 7)
     assert_block_step_close(x, weights._replace(head_norms=head_norms), cache, options, "Gemma 3's", angles)
+    own = cache._replace(slot=35, span=36, visible=None, slots=torch.tensor([35, 4]))  # a window past one row's start
+    assert_block_step_close(x, weights._replace(head_norms=head_norms), own, options, "Gemma 3's, own slots", angles)
     options = BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0)
     for kind in ("int8", "int4"):  # int8 inputs: widths of whole blocks
         x, weights, cache = block_operands(generator, 2, 6, 2, 16, 64, "rmsnorm", "silu_gate", False)
@@ -1109,7 +1162,7 @@ def block_reference(
         qkv,
         cache.keys,
         cache.values,
-        cache.slot,
+        cache.slot if cache.slots is None else cache.slots,
         cache.visible,
         options.scale,
         options.n_head,

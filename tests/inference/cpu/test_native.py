@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -187,6 +188,76 @@ def test_each_x86_instruction_set_builds_and_passes_the_check(arch, tmp_path):
     assert native.check_in_child(path) == ""
 
 
+@pytest.mark.slow
+def test_a_compiler_without_openmp_builds_kernels_that_give_the_same_results(ops, monkeypatch, tmp_path, capsys):
+    """A compiler that rejects -fopenmp (Apple's clang does; here a wrapper around this machine's, named by CXX): the
+    build says so in one line and goes on without OpenMP, and the library passes the check and gives exactly the
+    results of the library built with it (the one loaded here) on one thread, the one it runs on: the same sums in
+    the same order."""
+    wrapper = tmp_path / "no-openmp-c++"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for arg in "$@"; do\n'
+        '  if [ "$arg" = -fopenmp ]; then echo "clang: error: unsupported option \'-fopenmp\'" >&2; exit 1; fi\n'
+        "done\n"
+        f'exec {shlex.quote(native.compiler())} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    cxx = native.compiler()
+    path = native.library_path(cxx)
+    assert native.ready(cxx, path) == ""  # built, and checked against PyTorch in a child process
+    said = [line for line in capsys.readouterr().err.splitlines() if "OpenMP" in line]
+    assert said == [
+        f"gptlite: {cxx} takes no -fopenmp: the CPU decode kernels are built without OpenMP and run on one thread"
+    ]
+    outputs = tmp_path / "outputs.pt"
+    script = "import sys; from tests.inference.cpu import test_native; test_native.save_kernel_outputs(*sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", script, str(path), str(outputs)], cwd=ROOT, check=True)
+    theirs = torch.load(outputs, weights_only=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a thread's share of a weight decides the order of its sums
+    try:
+        ours = kernel_outputs()
+    finally:
+        torch.set_num_threads(threads)
+    assert theirs.keys() == ours.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
+
+
+def kernel_outputs() -> dict[str, torch.Tensor]:
+    """Each operator's results on seeded operands, by name: the linear kernels at one row and at a batch, float32 and
+    int8, and a rotary block's step of rows at one slot and at their own, with the keys and values it wrote."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(203, 192, generator=generator)
+    codes = torch.randint(-127, 128, (203, 192), dtype=torch.int8, generator=generator)
+    scale = torch.rand(203, generator=generator)
+    outputs = {}
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 192, generator=generator)
+        outputs[f"float_linear, {rows} rows"] = native.float_linear(x, weight)
+        outputs[f"int8_linear, {rows} rows"] = native.int8_linear(x, codes, scale)
+    x, weights, cache = native.block_operands(generator, 3, 6, 2, 16, 48, "rmsnorm", "silu_gate", False)
+    angles, head_norms = native.rotary_operands(generator, 3, 16, 16)
+    weights = weights._replace(head_norms=head_norms)
+    options = native.BlockOptions("rmsnorm", 1e-5, "silu_gate", 6, 0.25, 1.0)
+    own = cache._replace(slot=35, span=36, visible=None, slots=torch.tensor([35, 2, 17]))
+    for name, slots in (("one slot", cache), ("own slots", own)):
+        outputs[f"block_step, {name}"] = native.block_step(x, weights, slots, options, angles)
+        outputs[f"block_step's keys, {name}"] = slots.keys.clone()
+        outputs[f"block_step's values, {name}"] = slots.values.clone()
+    return outputs
+
+
+def save_kernel_outputs(library: str, path: str) -> None:
+    """`kernel_outputs` of the library at `library`, loaded into this (child) process, saved to `path`."""
+    torch.ops.load_library(library)
+    native.register_shapes()
+    torch.save(kernel_outputs(), path)
+
+
 def test_a_library_that_crashes_is_refused_and_the_caller_goes_on(tmp_path):
     """A library that dies as it loads (here by an illegal instruction: what one built for another CPU does) takes
     down the child process that checks it, never the caller."""
@@ -342,6 +413,51 @@ def test_cached_attention_normalizes_and_rotates_q_and_k(ops, H, KV, D, rotated,
     assert torch.equal(v_cache, values)
 
 
+@pytest.mark.parametrize("H, KV, D", [(4, 4, 64), (6, 2, 20)])
+@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("window", [0, 5])
+def test_cached_attention_of_rows_at_their_own_slots(ops, H, KV, D, rotated, window):
+    """Rows at lengths of their own (the server's, a request each; `CacheSlot.slots`): each row's keys and values land
+    in its own slot, nothing else changes, and its heads attend over its slots up to that one only (the last `window`
+    of them, where it has one), as SDPA does over them (rotated and normalized too, each row at its own angles)."""
+    generator = torch.Generator().manual_seed(H * 10 + D + rotated)
+    B = 4
+    L = 50
+    slots = torch.tensor([33, 0, 7, 49])
+    qkv = torch.randn(B, 1, (H + 2 * KV) * D, generator=generator)
+    caches = torch.randn(2, B, KV, L, D, generator=generator)
+    angles, head_norms = native.rotary_operands(generator, B, D, D) if rotated else (None, None)
+    operands = (qkv, *caches, slots, None, 0.2, H, angles, head_norms, window)
+    want, keys, values = native.attention_reference(*operands)
+    want64, keys64, _ = native.attention_reference(*native.as_float64(operands))
+    k_cache, v_cache = caches.clone()
+    cache = native.CacheSlot(k_cache, v_cache, 49, 50, None, slots)
+    got = native.cached_attention(qkv, cache, n_head=H, scale=0.2, angles=angles, head_norms=head_norms, window=window)
+    native.assert_as_close_as_float32(got, want, want64, "cached_attention, rows at their own slots")
+    native.assert_as_close_as_float32(k_cache, keys, keys64, "cached_attention's keys, rows at their own slots")
+    assert torch.equal(v_cache, values)
+
+
+def test_rows_at_their_own_slots_each_attend_as_alone(ops):
+    """A row among others at their own slots computes what it does alone at its slot: its neighbours' lengths never
+    reach it."""
+    generator = torch.Generator().manual_seed(3)
+    H = 4
+    D = 16
+    slots = torch.tensor([20, 3, 11])
+    qkv = torch.randn(3, 1, 3 * H * D, generator=generator)
+    caches = torch.randn(2, 3, H, 30, D, generator=generator)
+    together = native.cached_attention(
+        qkv, native.CacheSlot(*caches.clone(), 20, 21, None, slots), n_head=H, scale=0.25
+    )
+    for b, slot in enumerate(slots.tolist()):
+        keys, values = caches[:, b : b + 1].clone()
+        alone = native.cached_attention(
+            qkv[b : b + 1], native.CacheSlot(keys, values, slot, slot + 1, None), n_head=H, scale=0.25
+        )
+        assert torch.equal(together[b : b + 1], alone)
+
+
 @pytest.mark.parametrize("window", [1, 5, 33, 34, 100])
 @pytest.mark.parametrize("masked", [True, False])
 def test_cached_attention_within_a_window_sees_its_last_slots_only(ops, window, masked):
@@ -382,6 +498,11 @@ def test_cached_attention_refuses_what_it_cannot_take_by_name(ops):
         ops.cached_attention(torch.zeros(1, 1, 128), k_cache, k_cache.clone(), 8, 9, None, 1.0, 4)
     with pytest.raises(RuntimeError, match="3 query heads for 2 key/value heads"):
         ops.cached_attention(torch.zeros(1, 1, 112), k_cache, k_cache.clone(), 0, 1, None, 1.0, 3)
+    qkv = torch.zeros(1, 1, 128)
+    with pytest.raises(RuntimeError, match="row 0's slot 5 is outside the span 4"):
+        ops.cached_attention(qkv, k_cache, k_cache.clone(), 3, 4, None, 1.0, 4, slots=torch.tensor([5]))
+    with pytest.raises(RuntimeError, match=r"slots must be a contiguous \(1,\) int64 CPU tensor"):
+        ops.cached_attention(qkv, k_cache, k_cache.clone(), 3, 4, None, 1.0, 4, slots=torch.tensor([1, 2]))
 
 
 @pytest.mark.parametrize(
@@ -450,7 +571,7 @@ def test_block_step_refuses_what_it_cannot_take_by_name(ops):
     given = native.block_step_arguments(x, weights, cache, options)
     names = ("x", "norms", "weights", "scales", "biases", "k_cache", "v_cache", "slot", "span", "visible", "scale")
     names += ("n_head", "norm", "eps", "activation", "residual_scale", "cos", "sin", "q_norm", "k_norm", "head_eps")
-    names += ("position", "window", "input_bits")
+    names += ("position", "window", "slots", "input_bits")
     assert len(given) == len(names)
     given = dict(zip(names, given, strict=True))
     weights = given["weights"]
