@@ -31,6 +31,9 @@ MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "nor
 QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.inference.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
+# the kinds of layer a model's layer_types names (transformers' names): attention over the whole context, and Gated
+# DeltaNet's linear attention with a recurrent state (gptlite.model.gated_deltanet)
+LAYER_KINDS = ("full_attention", "linear_attention")
 
 
 def option(
@@ -173,6 +176,19 @@ class GPTConfig:
     nope_layers: str = option(
         "", "comma-separated indices of the layers whose attention has no positions (SmolLM3's NoPE layers; rope)"
     )
+    layer_types: str = option(
+        "",
+        "comma-separated kind of each layer, transformers' names: full_attention or linear_attention (Gated "
+        "DeltaNet, Qwen3.5's); '' = every layer full_attention",
+    )
+    attn_output_gate: bool = option(
+        False, "attention's output times sigmoid of a gate projected from the block's input, per channel (Qwen3.5)"
+    )
+    linear_k_heads: int = option(16, "linear_attention layers: query/key heads")
+    linear_v_heads: int = option(32, "linear_attention layers: value heads, a multiple of linear_k_heads")
+    linear_k_dim: int = option(128, "linear_attention layers: the width of a query/key head")
+    linear_v_dim: int = option(128, "linear_attention layers: the width of a value head")
+    linear_conv_kernel: int = option(4, "linear_attention layers: the taps of the causal convolution of q, k, v")
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -206,6 +222,13 @@ class GPTConfig:
         return frozenset(int(i) for i in self.window_layers.split(",") if i.strip())
 
     @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind (layer_types): full_attention or linear_attention."""
+        if not self.layer_types:
+            return ("full_attention",) * self.n_layer
+        return tuple(kind.strip() for kind in self.layer_types.split(","))
+
+    @property
     def head_width(self) -> int:
         """The width of every q, k and v head: head_dim, or n_embd / n_head."""
         return self.head_dim or self.n_embd // self.n_head
@@ -232,6 +255,7 @@ class GPTConfig:
             "embed_norm",
             "rope_reverse",
             "norm_unit_offset",
+            "attn_output_gate",
         ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
@@ -304,6 +328,7 @@ class GPTConfig:
         problems += self._layer_list_problems("nope_layers")
         problems += self._layer_list_problems("window_layers")
         problems += self._window_problems()
+        problems += self._layer_type_problems()
         if self.norm_weight is False and self.norm != "rmsnorm":
             problems.append(f"norm_weight=false makes the RMSNorms parameter-free; norm={self.norm!r} is no RMSNorm")
         if self.rope_reverse is True and self.pos_emb != "rope":
@@ -359,6 +384,31 @@ class GPTConfig:
                 f"{self.rope_original_context}"
             ]
         return []
+
+    def _layer_type_problems(self) -> list[str]:
+        """layer_types: one known kind per layer; the linear_attention layers' sizes."""
+        if not self.layer_types:
+            return []
+        if not isinstance(self.layer_types, str):
+            return [f"layer_types={self.layer_types!r} must be comma-separated layer kinds"]
+        kinds = self.layer_kinds
+        wrong = [kind for kind in kinds if kind not in LAYER_KINDS]
+        if wrong:
+            return [f"layer_types names {wrong[0]!r}; each layer is one of {choice_list(LAYER_KINDS)}"]
+        if isinstance(self.n_layer, int) and len(kinds) != self.n_layer:
+            return [f"layer_types={self.layer_types!r} names {len(kinds)} layers; the model has n_layer={self.n_layer}"]
+        problems = []
+        names = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv_kernel")
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if not problems and self.linear_v_heads % self.linear_k_heads:
+            problems.append(
+                f"linear_v_heads={self.linear_v_heads} is not a multiple of linear_k_heads={self.linear_k_heads}: "
+                "each key head serves the same number of value heads"
+            )
+        return problems
 
     def _window_problems(self) -> list[str]:
         window, theta = self.sliding_window, self.rope_local_theta

@@ -8,6 +8,8 @@ Each variant is one module class, picked once from a registry when the model is 
     ffn            FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt) | geglu (Gemma)
     norm_position  BLOCKS     pre (GPT-2, Llama) | post (OLMo 2) | both (Gemma)
     qk_norm_scope  QK_NORMS   head (Qwen3) | all (OLMo 2)
+    layer_types    LAYERS     each layer's token mixer: full_attention (attention, with an output gate where
+                              attn_output_gate is set: Qwen3.5) | linear_attention (Gated DeltaNet: Qwen3.5)
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
@@ -43,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptlite.config import GPTConfig
 from gptlite.model.attention_cache import AttentionCache
+from gptlite.model.gated_deltanet import chunked_gated_delta_rule
 from gptlite.model.loss import linear_cross_entropy
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
@@ -276,7 +279,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.scale = config.attn_scale or None  # None: SDPA's 1 / sqrt(D); Granite sets its own
         self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
-        self.out_proj = nn.Linear(self.sizes[0], config.n_embd, bias=config.bias)
+        self.out_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         # Qwen3: each head's q and k through an RMSNorm; OLMo 2: all of q, and all of k
         self.qk_norm = QK_NORMS[config.qk_norm_scope](config) if config.qk_norm else None
@@ -303,8 +306,26 @@ class CausalSelfAttention(nn.Module):
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); ve (B, T, KV*D), the tokens' value embedding where config.value_embeds."""
-        B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # split's backward writes one contiguous gradient
+        return self.resid_drop(self.out_proj(self.attend(q, k, v, rot, cache, layer, ve)))
+
+    def stacked_rows(self) -> tuple[nn.Parameter, tuple[int, ...]]:
+        """The fused input projection's weight and the rows of each matrix it stacks: q, k, v."""
+        return self.qkv.weight, self.sizes
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rot: Rotation,
+        cache: AttentionCache | None,
+        layer: int,
+        ve: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The projections q (B, T, H*D), k and v (B, T, KV*D) -> the heads' attention outputs side by side,
+        (B, T, H*D), before the output projection."""
+        B, T, _ = q.shape
         if ve is not None:  # value embeddings (modded-nanogpt): a token's own vector in every head's values
             v = self.value_mix[0] * v + self.value_mix[1] * ve  # (B, T, KV*D)
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
@@ -322,7 +343,7 @@ class CausalSelfAttention(nn.Module):
             )
         elif cache is None:  # the same within a sliding window: the last `window` positions
             dropout = self.dropout if self.training else 0.0
-            near = sliding_window_mask(torch.arange(T, device=x.device), torch.arange(T, device=x.device), self.window)
+            near = sliding_window_mask(torch.arange(T, device=q.device), torch.arange(T, device=q.device), self.window)
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=near, dropout_p=dropout, scale=self.scale, enable_gqa=grouped
             )
@@ -336,8 +357,40 @@ class CausalSelfAttention(nn.Module):
                 near = sliding_window_mask(cache.pos, key_pos, self.window)[:, None]  # (B, 1, T, S)
                 mask = near if mask is None else mask & near
             y = masked_attention(q, k, v, mask, self.scale)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
-        return self.resid_drop(self.out_proj(y))
+        return y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
+
+
+class GatedSelfAttention(CausalSelfAttention):
+    """Attention with a gate on its output (Qwen3.5's full attention; Qiu et al., 2025, "Gated Attention for Large
+    Language Models"): each head's output times sigmoid of a gate of its own width, projected from the block's
+    input, before the output projection. The gate comes out of the fused projection beside the query: its first
+    2*H*D rows hold, head by head, the head's D query rows and then its D gate rows (transformers' q_proj), then k and
+    v as in CausalSelfAttention."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__(config, layer)
+        kv_rows = self.n_kv_head * self.head_dim
+        self.sizes = (2 * config.n_head * self.head_dim, kv_rows, kv_rows)
+        self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        query_gate, k, v = self.qkv(x).split(self.sizes, dim=-1)
+        q, gate = query_gate.view(B, T, self.n_head, 2 * self.head_dim).chunk(2, dim=-1)  # (B, T, H, D) each
+        y = self.attend(q.reshape(B, T, -1), k, v, rot, cache, layer, ve)  # (B, T, H*D)
+        return self.resid_drop(self.out_proj(y * torch.sigmoid(gate.reshape(B, T, -1))))
+
+
+def attention(config: GPTConfig, layer: int = 0) -> nn.Module:
+    """A full_attention layer: with an output gate where config.attn_output_gate (Qwen3.5), else plain."""
+    return GatedSelfAttention(config, layer) if config.attn_output_gate else CausalSelfAttention(config, layer)
 
 
 class QKNorm(nn.Module):
@@ -392,6 +445,95 @@ def masked_attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet: Qwen3.5's linear attention, on the gated delta rule of gptlite.model.gated_deltanet
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head's output, scaled by its weight (not 1 + weight: it starts at ones), times silu of
+    the gate z: Gated DeltaNet's output norm, normalised in float32 as transformers' Qwen3_5RMSNormGated."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """x, z (B, T, Hv, dv) -> (B, T, Hv, dv)."""
+        y = self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+        return (y * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer: one input projection `in_proj` gives q, k, v (through a depthwise causal
+    convolution of `linear_conv_kernel` taps and silu), the output gate z, beta's logits b and the decay's a; the
+    gated delta rule runs on L2-normalised q and k with beta = sigmoid(b) and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias) (Mamba-2's discretisation); each value head's output goes through the
+    gated RMSNorm with z, then `out_proj`. It takes the attention layer's arguments (rotation and value embeddings
+    are unused: it has no positions), so that a block holds either."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__()
+        self.k_heads = config.linear_k_heads
+        self.v_heads = config.linear_v_heads
+        self.k_dim = config.linear_k_dim
+        self.v_dim = config.linear_v_dim
+        key_width = self.k_heads * self.k_dim
+        value_width = self.v_heads * self.v_dim
+        self.conv_sizes = (key_width, key_width, value_width)  # the convolved channels: q, k, v
+        # rows of in_proj: q, k, v (convolved), z, b, a
+        self.sizes = (sum(self.conv_sizes), value_width, self.v_heads, self.v_heads)
+        self.in_proj = nn.Linear(config.n_embd, sum(self.sizes), bias=False)
+        channels = sum(self.conv_sizes)
+        self.conv = nn.Conv1d(channels, channels, config.linear_conv_kernel, groups=channels, bias=False)
+        self.width = config.linear_conv_kernel - 1  # the inputs before a token that its convolution sees
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        # A = exp(A_log) in [1, 16] at the start, as Mamba-2 starts it
+        self.A_log = nn.Parameter(torch.empty(self.v_heads).uniform_(1, 16).log())
+        self.norm = GatedRMSNorm(self.v_dim, config.norm_eps)
+        self.out_proj = nn.Linear(value_width, config.n_embd, bias=False)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def stacked_rows(self) -> tuple[nn.Parameter, tuple[int, ...]]:
+        """The fused input projection's weight and the rows of each matrix it stacks: q, k, v, z, b, a."""
+        return self.in_proj.weight, (*self.conv_sizes, *self.sizes[1:])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot=None,
+        cache=None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C), the whole sequence through the chunked rule from a zero state."""
+        if cache is not None:
+            raise NotImplementedError(
+                "decoding a model with Gated DeltaNet layers needs their recurrent state in the cache, which "
+                "gptlite's caches do not hold yet"
+            )
+        B, T, _ = x.shape
+        mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        h = mixed.transpose(1, 2)  # (B, K, T): the convolution's input, K = 2 Hk dk + Hv dv channels
+        past = h.new_zeros(h.size(0), h.size(1), self.width)  # (B, K, W-1): nothing before the first token
+        inputs = torch.cat([past, h], dim=-1)  # (B, K, W-1+T)
+        mixed = F.silu(self.conv(inputs)).transpose(1, 2)  # (B, T, K)
+        q, k, v = mixed.split(self.conv_sizes, dim=-1)
+        q = q.view(B, T, self.k_heads, self.k_dim)  # (B, T, Hk, dk)
+        k = k.view(B, T, self.k_heads, self.k_dim)  # (B, T, Hk, dk)
+        v = v.view(B, T, self.v_heads, self.v_dim)  # (B, T, Hv, dv)
+        beta = b.sigmoid()  # (B, T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (B, T, Hv), float32: A may be large
+        y, _ = chunked_gated_delta_rule(q, k, v, g, beta)  # (B, T, Hv, dv)
+        y = self.norm(y, z.view(B, T, self.v_heads, self.v_dim))
+        return self.resid_drop(self.out_proj(y.reshape(B, T, -1)))  # (B, T, C)
+
+
+# The token mixer of each kind of layer (GPTConfig.layer_types): attention, or Gated DeltaNet's linear attention with
+# its recurrent state (Qwen3.5)
+LAYERS = {"full_attention": attention, "linear_attention": GatedDeltaNet}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,7 +648,7 @@ class Block(nn.Module):
         super().__init__()
         self.residual_scale = config.residual_scale
         self.attn_norm = NORMS[config.norm](config)
-        self.attn = CausalSelfAttention(config, layer)
+        self.attn = LAYERS[config.layer_kinds[layer]](config, layer)  # the layer's token mixer, of its kind
         self.ffn_norm = NORMS[config.norm](config)
         self.ffn = FFNS[config.ffn](config)
 
