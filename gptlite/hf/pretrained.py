@@ -77,7 +77,7 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
             f"{path}: model_type={kind!r} is {what}; gptlite loads "
             f"{', '.join(f'{f.architecture} ({f.model_type})' for f in FAMILIES.values())}"
         )
-    values, window, unsupported = family.values(ConfigFile(c, path, family))
+    values, window, unsupported = family.values(ConfigFile(family.text_config(c, path), path, family))
     if unsupported:
         raise ValueError(f"{path}: gptlite cannot hold this {family.architecture}: {'; '.join(unsupported)}")
     try:
@@ -124,6 +124,7 @@ def to_gptlite(
                 "the model again"
             )
         used.add("lm_head.weight")
+    used.update(family.left_out(list(names)))  # a vision-language checkpoint's vision tower
     unknown = sorted(n for n in names if n not in used and not n.endswith(BUFFERS))
     if unknown:
         raise ValueError(

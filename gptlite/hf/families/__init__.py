@@ -16,6 +16,7 @@ from gptlite.hf.families.llama import LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from gptlite.hf.families.nanochat import NANOCHAT
 from gptlite.hf.families.olmo2 import OLMO2
 from gptlite.hf.families.phi3 import PHI3
+from gptlite.hf.families.qwen35 import QWEN35, QWEN35_VL
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -32,6 +33,8 @@ FAMILIES: dict[str, Family] = {
         NANOCHAT,
         GEMMA3,
         GRANITE4,
+        QWEN35,
+        QWEN35_VL,
     )
 }
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them
