@@ -94,6 +94,21 @@ def test_a_vision_language_checkpoint_loads_its_text_tower(tmp_path):
         torch.testing.assert_close(back(ids()).logits, expected, atol=2e-4, rtol=0)
 
 
+def test_multi_token_prediction_weights_are_left_out_in_one_line(tmp_path):
+    """Qwen3.5's checkpoints carry a draft head for speculative decoding (mtp.*) that transformers leaves out too."""
+    from safetensors.torch import load_file, save_file
+
+    hf = text_model()
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 weights of multi-token prediction \(mtp\.\*\) are left out"):
+        ours = GPT.from_pretrained(str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids(1, 20))[0], hf(ids(1, 20)).logits, atol=2e-4, rtol=0)
+
+
 def test_a_config_without_layer_types_has_every_fourth_layer_full_attention(tmp_path):
     hf = text_model(num_hidden_layers=8)
     hf.save_pretrained(tmp_path)

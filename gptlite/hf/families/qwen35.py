@@ -124,6 +124,21 @@ class Qwen35(LlamaLayout):
     # -----------------------------------------------------------------------------------------
     # The weights' names
 
+    left_out_parts = {"mtp.": "multi-token prediction (mtp.*)"}  # weight prefixes that are not the text model's
+
+    def left_out(self, names: list[str]) -> list[str]:
+        """Multi-token prediction's weights (mtp.*: a draft head for speculative decoding, which transformers leaves
+        out too), and a vision-language checkpoint's vision tower: left out, said so in one warning line."""
+        dropped = [n for n in names if n.startswith(tuple(self.left_out_parts))]
+        if dropped:
+            parts = [what for prefix, what in self.left_out_parts.items() if any(n.startswith(prefix) for n in dropped)]
+            warnings.warn(
+                f"{self.architecture}: the text model is loaded and {len(dropped)} weights of "
+                f"{' and '.join(parts)} are left out: gptlite reads text only",
+                stacklevel=4,
+            )
+        return dropped
+
     def entries(self, config: GPTConfig) -> list[Entry]:
         """The blocks' weights by the kind of each layer: attention's under self_attn, Gated DeltaNet's under
         linear_attn (q, k, v, z, b and a stacked in gptlite's in_proj; the convolution's taps as they are)."""
@@ -175,6 +190,7 @@ class Qwen35VisionLanguage(Qwen35):
     architecture = "Qwen3_5ForConditionalGeneration"
     model_type = "qwen3_5"
     text_prefix = "model.language_model."
+    left_out_parts = {"model.visual.": "the vision tower (model.visual.*)", **Qwen35.left_out_parts}
 
     def core(self, config: GPTConfig) -> bool:
         return False  # exports as the text model
@@ -189,17 +205,6 @@ class Qwen35VisionLanguage(Qwen35):
         if "tie_word_embeddings" not in text and "tie_word_embeddings" in c:  # the head's tie, said at the top level
             return {**text, "tie_word_embeddings": c["tie_word_embeddings"]}
         return text
-
-    def left_out(self, names: list[str]) -> list[str]:
-        """The vision tower's weights and multi-token prediction's, said so in one warning line."""
-        dropped = [n for n in names if n.startswith(("model.visual.", "mtp."))]
-        if dropped:
-            warnings.warn(
-                f"{self.architecture}: the text model is loaded and {len(dropped)} weights of the vision tower "
-                "(model.visual.*) and multi-token prediction (mtp.*) are left out: gptlite reads text only",
-                stacklevel=4,
-            )
-        return dropped
 
 
 QWEN35 = Qwen35()
