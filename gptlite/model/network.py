@@ -8,6 +8,7 @@ Each variant is one module class, picked once from a registry when the model is 
     ffn            FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt) | geglu (Gemma)
     norm_position  BLOCKS     pre (GPT-2, Llama) | post (OLMo 2) | both (Gemma)
     qk_norm_scope  QK_NORMS   head (Qwen3) | all (OLMo 2)
+    layer_types    LAYERS     each layer's block: full_attention (the above) | conv (LFM2's gated short convolution)
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
@@ -22,9 +23,10 @@ values (value_embeds), an embedding of each token's pair with the one before it 
 early to late blocks (unet_skips), logit soft-capping (logit_softcap), output projections that start at zero
 (zero_init_out).
 
-Generation reads and writes keys and values through `AttentionCache` (gptlite.model.attention_cache), the interface the
-model reads and every cache implements (sample.py's gptlite.inference.kvcache.KVCache, the server's
-gptlite.serve.rows.RowCache).
+Generation reads and writes each layer's state through `AttentionCache` (gptlite.model.attention_cache), the interface
+the model reads and every cache implements (sample.py's gptlite.inference.kvcache.KVCache, the server's
+gptlite.serve.rows.RowCache): keys and values for attention, and whatever a layer's `state_spec` names for the others
+(a convolution's last inputs).
 
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gptlite.config import GPTConfig
-from gptlite.model.attention_cache import AttentionCache
+from gptlite.model.attention_cache import AttentionCache, StateSpec
 from gptlite.model.loss import linear_cross_entropy
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
@@ -510,6 +512,11 @@ class Block(nn.Module):
         self.ffn_norm = NORMS[config.norm](config)
         self.ffn = FFNS[config.ffn](config)
 
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        """Nothing besides its keys and values, which the caches keep as the attention cache (`update`)."""
+        return {}
+
     def forward(
         self,
         x: torch.Tensor,
@@ -563,6 +570,112 @@ class SandwichBlock(Block):
 BLOCKS = {"pre": Block, "post": PostNormBlock, "both": SandwichBlock}
 
 
+# ---------------------------------------------------------------------------------------------
+# Layers with a decode state of their own: each class says what it keeps per row across calls (`state_spec`), which
+# the caches allocate and hand back through AttentionCache's read_state / write_state. An attention block keeps only
+# its keys and values, which the caches hold as they always have (`update`).
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution (Liquid AI, 2025; transformers' Lfm2ShortConv): in_proj gives three gates b, c
+    and x (B, T, C) each; the product b * x runs through a depthwise causal convolution over the last conv_kernel
+    tokens, its output gated by c, then out_proj. Decoding keeps each row's last conv_kernel - 1 inputs of the
+    convolution (b * x): the "conv" state."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.width = config.conv_kernel - 1  # the inputs before a token that its output sees
+        self.in_proj = nn.Linear(C, 3 * C, bias=config.conv_bias)
+        self.conv = nn.Conv1d(C, C, config.conv_kernel, groups=C, bias=config.conv_bias)
+        self.out_proj = nn.Linear(C, C, bias=config.conv_bias)
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        return {"conv": StateSpec((config.n_embd, config.conv_kernel - 1))}
+
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); with a cache, the convolution continues each row's earlier inputs."""
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)  # (B, T, C) each
+        h = (b * h).transpose(1, 2)  # (B, C, T): the convolution's input
+        if cache is None:
+            past = h.new_zeros(h.size(0), h.size(1), self.width)  # (B, C, K-1): nothing before the first token
+        else:
+            if cache.real is not None:  # padding enters neither the outputs nor the state
+                h = h * cache.real[:, None, :].to(h.dtype)
+            past = cache.read_state(layer)["conv"]  # (B, C, K-1)
+        inputs = torch.cat([past, h], dim=-1)  # (B, C, K-1+T)
+        if cache is not None:
+            cache.write_state(layer, {"conv": last_inputs(inputs, cache.real, self.width)})
+        y = c * self.conv(inputs).transpose(1, 2)  # (B, T, C)
+        return self.out_proj(y)
+
+
+def last_inputs(inputs: torch.Tensor, real: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The `width` inputs up to and including each row's last real token: inputs (B, C, width + T) are `width` earlier
+    ones, then the call's T; real (B, T), True where a token is its row's own (padding on either side), or None (every
+    token) -> (B, C, width)."""
+    if real is None:
+        return inputs[..., inputs.size(-1) - width :]
+    T = real.size(1)
+    last = T - 1 - real.flip(-1).to(torch.uint8).argmax(-1)  # (B,) each row's last real token
+    index = last[:, None] + 1 + torch.arange(width, device=inputs.device)  # (B, width), in inputs' coordinates
+    return inputs.gather(-1, index[:, None, :].expand(-1, inputs.size(1), -1))  # (B, C, width)
+
+
+class ConvBlock(nn.Module):
+    """LFM2's convolution block: x + conv(norm(x)), then x + ffn(norm(x)), each branch's output times residual_scale.
+    Its attention layers are Blocks; which a layer is comes from config.layer_types (LAYERS)."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__()
+        self.residual_scale = config.residual_scale
+        self.conv_norm = NORMS[config.norm](config)
+        self.conv = ShortConv(config)
+        self.ffn_norm = NORMS[config.norm](config)
+        self.ffn = FFNS[config.ffn](config)
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        return ShortConv.state_spec(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = torch.add(x, self.conv(self.conv_norm(x), cache, layer), alpha=self.residual_scale)
+        return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
+
+
+def attention_block(config: GPTConfig) -> type[nn.Module]:
+    """A full_attention layer's block: BLOCKS' choice for the model's norm_position."""
+    return BLOCKS[config.norm_position]
+
+
+def conv_block(config: GPTConfig) -> type[nn.Module]:
+    """A conv layer's block (LFM2's)."""
+    return ConvBlock
+
+
+# each layer kind of GPTConfig.layer_types -> the class of its block, given the config
+LAYERS = {"full_attention": attention_block, "conv": conv_block}
+
+
+def layer_block(config: GPTConfig, layer: int) -> type[nn.Module]:
+    """The class of layer `layer`'s block, from its kind (config.layer_kinds)."""
+    return LAYERS[config.layer_kinds[layer]](config)
+
+
+def layer_states(config: GPTConfig) -> list[dict[str, StateSpec]]:
+    """What each layer keeps per row across decode calls besides keys and values (its block's `state_spec`; empty for
+    attention): what a cache allocates (gptlite.inference.kvcache's state_buffers)."""
+    return [layer_block(config, i).state_spec(config) for i in range(config.n_layer)]
+
+
 def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
     """idx (B, T) -> each token's previous one in its row (B, T), -1 for the first: what the bigram embedding
     pairs each token with in a forward without a cache."""
@@ -588,7 +701,7 @@ class Transformer(nn.Module):
         self.pos_emb = positions(config)
         self.drop = nn.Dropout(config.dropout)
         self.emb_norm = NORMS[config.norm](config) if config.embed_norm else None  # nanochat's
-        self.blocks = nn.ModuleList(BLOCKS[config.norm_position](config, i) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(layer_block(config, i)(config, i) for i in range(config.n_layer))
         # value_embeds: a token embedding per layer, as wide as its values, that attention mixes into them
         value_width = config.kv_heads * config.head_width
         self.value_emb = (
@@ -811,4 +924,4 @@ class Transformer(nn.Module):
             n -= sum(table.weight.numel() for table in self.value_emb)
         if self.bigram_emb is not None:  # and the bigram embedding
             n -= self.bigram_emb.weight.numel()
-        return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_width * T
+        return 6 * n + 12 * len(cfg.attention_layer_ids) * cfg.n_head * cfg.head_width * T
