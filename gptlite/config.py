@@ -28,12 +28,12 @@ RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gpt
 # Options that one optimizer alone reads: set where it does not run, each would do nothing, so it is refused (see
 # set_options; each mode of training refuses its own likewise: gptlite.train.preference, gptlite.train.rl)
 MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "normuon", "normuon_beta2")
+# GPTConfig.layer_types' kinds (gptlite.model.network's LAYERS builds each): attention over the whole context, LFM2's
+# gated short convolution, Gated DeltaNet's linear attention with a recurrent state (Qwen3.5)
+LAYER_TYPES = ("full_attention", "conv", "linear_attention")
 QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.inference.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
-# the kinds of layer a model's layer_types names (transformers' names): attention over the whole context, and Gated
-# DeltaNet's linear attention with a recurrent state (gptlite.model.gated_deltanet)
-LAYER_KINDS = ("full_attention", "linear_attention")
 
 
 def option(
@@ -178,9 +178,11 @@ class GPTConfig:
     )
     layer_types: str = option(
         "",
-        "comma-separated kind of each layer, transformers' names: full_attention or linear_attention (Gated "
-        "DeltaNet, Qwen3.5's); '' = every layer full_attention",
+        "comma-separated kind of each layer, transformers' names: full_attention, conv (LFM2's gated short "
+        "convolution) or linear_attention (Gated DeltaNet, Qwen3.5's); '' = every layer full_attention",
     )
+    conv_kernel: int = option(3, "the width of the conv layers' causal convolution, in tokens (LFM2's L_cache)")
+    conv_bias: bool = option(False, "biases in the conv layers' projections and convolution (LFM2's conv_bias)")
     attn_output_gate: bool = option(
         False, "attention's output times sigmoid of a gate projected from the block's input, per channel (Qwen3.5)"
     )
@@ -223,10 +225,16 @@ class GPTConfig:
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's kind (layer_types): full_attention or linear_attention."""
+        """Each layer's kind (layer_types, one per layer): what the model builds there, and what it keeps across
+        decode calls (gptlite.model.network's LAYERS)."""
         if not self.layer_types:
             return ("full_attention",) * self.n_layer
         return tuple(kind.strip() for kind in self.layer_types.split(","))
+
+    @property
+    def attention_layer_ids(self) -> frozenset[int]:
+        """The layers that attend: the ones a KV cache keeps keys and values for."""
+        return frozenset(i for i, kind in enumerate(self.layer_kinds) if kind == "full_attention")
 
     @property
     def head_width(self) -> int:
@@ -255,6 +263,7 @@ class GPTConfig:
             "embed_norm",
             "rope_reverse",
             "norm_unit_offset",
+            "conv_bias",
             "attn_output_gate",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -341,6 +350,46 @@ class GPTConfig:
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 
+    def _layer_type_problems(self) -> list[str]:
+        """layer_types: one known kind per layer; conv_kernel a width of at least 2 tokens; the linear_attention
+        layers' sizes."""
+        problems = []
+        kernel = self.conv_kernel
+        if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 2:
+            problems.append(f"conv_kernel={kernel!r} must be an integer >= 2 (the token and at least one before it)")
+        if not self.layer_types:
+            return problems
+        if not isinstance(self.layer_types, str):
+            example = "e.g. 'conv,full_attention'"
+            return problems + [f"layer_types={self.layer_types!r} must be comma-separated layer kinds, {example}"]
+        kinds = [kind.strip() for kind in self.layer_types.split(",")]
+        unknown = next((kind for kind in kinds if kind not in LAYER_TYPES), None)
+        if unknown is not None:
+            problems.append(f"layer_types names {unknown!r}; the kinds are {', '.join(LAYER_TYPES)}")
+        if isinstance(self.n_layer, int) and len(kinds) != self.n_layer:
+            problems.append(f"layer_types={self.layer_types!r} names {len(kinds)} layers; n_layer={self.n_layer}")
+        stateful = any(kind != "full_attention" for kind in kinds)
+        if stateful and self.value_embeds:
+            problems.append("value_embeds mixes into attention's values; it needs every layer in layer_types to attend")
+        if "linear_attention" in kinds:
+            problems += self._linear_attention_problems()
+        return problems
+
+    def _linear_attention_problems(self) -> list[str]:
+        """The linear_attention layers' sizes: positive, each key head serving as many value heads."""
+        problems = []
+        names = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv_kernel")
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if not problems and self.linear_v_heads % self.linear_k_heads:
+            problems.append(
+                f"linear_v_heads={self.linear_v_heads} is not a multiple of linear_k_heads={self.linear_k_heads}: "
+                "each key head serves the same number of value heads"
+            )
+        return problems
+
     def _layer_list_problems(self, name: str) -> list[str]:
         """nope_layers and window_layers: comma-separated indices of existing layers."""
         value = getattr(self, name)
@@ -384,31 +433,6 @@ class GPTConfig:
                 f"{self.rope_original_context}"
             ]
         return []
-
-    def _layer_type_problems(self) -> list[str]:
-        """layer_types: one known kind per layer; the linear_attention layers' sizes."""
-        if not self.layer_types:
-            return []
-        if not isinstance(self.layer_types, str):
-            return [f"layer_types={self.layer_types!r} must be comma-separated layer kinds"]
-        kinds = self.layer_kinds
-        wrong = [kind for kind in kinds if kind not in LAYER_KINDS]
-        if wrong:
-            return [f"layer_types names {wrong[0]!r}; each layer is one of {choice_list(LAYER_KINDS)}"]
-        if isinstance(self.n_layer, int) and len(kinds) != self.n_layer:
-            return [f"layer_types={self.layer_types!r} names {len(kinds)} layers; the model has n_layer={self.n_layer}"]
-        problems = []
-        names = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv_kernel")
-        for name in names:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                problems.append(f"{name}={value!r} must be a positive integer")
-        if not problems and self.linear_v_heads % self.linear_k_heads:
-            problems.append(
-                f"linear_v_heads={self.linear_v_heads} is not a multiple of linear_k_heads={self.linear_k_heads}: "
-                "each key head serves the same number of value heads"
-            )
-        return problems
 
     def _window_problems(self) -> list[str]:
         window, theta = self.sliding_window, self.rope_local_theta

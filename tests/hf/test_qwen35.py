@@ -224,8 +224,7 @@ def test_train_init_from_with_lora_on_every_projection(saved, char_data, tmp_pat
 @pytest.mark.parametrize(
     "values, message",
     [
-        (dict(layer_types="full_attention,conv"), r"layer_types names 'conv'; each layer is one of full_attention"),
-        (dict(layer_types="full_attention", n_layer=2), r"names 1 layers; the model has n_layer=2"),
+        (dict(layer_types="full_attention,mamba"), r"layer_types names 'mamba'; the kinds are full_attention"),
         (
             dict(layer_types="linear_attention", n_layer=1, linear_k_heads=3, linear_v_heads=4),
             r"linear_v_heads=4 is not a multiple of linear_k_heads=3",
@@ -237,15 +236,13 @@ def test_bad_layer_types_are_refused(values, message):
         GPTConfig(**values)
 
 
-def test_what_is_not_done_yet_is_refused_in_one_line(saved):
+def test_gguf_export_is_refused_in_one_line(saved):
     from gptlite.hf.gguf import gguf_architecture
 
     _, directory = saved
     model = GPT.from_pretrained(str(directory))
     with pytest.raises(ValueError, match=r"GGUF export of a Qwen3_5ForCausalLM is not implemented"):
         gguf_architecture(model.config, model.source_architecture)
-    with pytest.raises(NotImplementedError, match=r"needs their recurrent state in the cache"):
-        model.generate(ids(1, 5), 3, temperature=0)
 
 
 def test_muon_orthogonalises_each_matrix_of_the_fused_projections(saved):
@@ -258,3 +255,52 @@ def test_muon_orthogonalises_each_matrix_of_the_fused_projections(saved):
     splits = block_matrices(model)
     assert splits[model.blocks[0].attn.in_proj.weight] == (32, 32, 32, 32, 4, 4)
     assert splits[model.blocks[3].attn.qkv.weight] == (256, 64, 64)
+
+
+def test_greedy_tokens_on_the_cache_equal_transformers_generate(saved):
+    """A prompt of 70 tokens (past a chunk) prefilled through the chunked rule, then 30 steps of the recurrence with
+    the convolution's last inputs carried: transformers' greedy tokens."""
+    hf, directory = saved
+    ours = GPT.from_pretrained(str(directory))
+    prompt = ids(1, 70)
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 30, temperature=0), expected)
+
+
+def test_left_padded_rows_decode_as_each_alone(saved):
+    """Left padding enters neither the convolution nor the recurrent state: each row of one batch decodes what
+    transformers decodes for its prompt alone."""
+    hf, directory = saved
+    ours = GPT.from_pretrained(str(directory))
+    prompts = [ids(1, 13)[0].tolist(), ids(1, 3)[0].tolist(), ids(1, 7)[0].tolist()]
+    together = ours.generate(prompts, 20, temperature=0)
+    for prompt, row in zip(prompts, together, strict=True):
+        with torch.no_grad():
+            alone = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert list(row) == alone[0].tolist()
+
+
+def test_the_servers_concurrent_completions_equal_transformers(saved):
+    """The server's continuous batching: rows of different lengths join and leave one cache, each with its own
+    recurrent and convolution state; each completion is transformers' greedy continuation of its ids."""
+    from gptlite.inference.sampling import GenerationOptions
+    from gptlite.serve.engine import Engine, Params
+    from gptlite.tokenizer import CharTokenizer
+    from tests.helpers.serving import CHARS
+    from tests.serve.test_engine import PROMPTS, Collect
+
+    hf, directory = saved
+    model, tokenizer = GPT.from_pretrained(str(directory)), CharTokenizer(CHARS)
+    engine = Engine(model, tokenizer, max_batch=3).start()
+    try:
+        texts = Collect(
+            engine, tokenizer, PROMPTS, Params(max_tokens=20, options=GenerationOptions(temperature=0))
+        ).wait()
+    finally:
+        engine.close()
+    for prompt, text in zip(PROMPTS, texts, strict=True):
+        prompt_ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            expected = hf.generate(prompt_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert text == tokenizer.decode(expected[0, prompt_ids.size(1) :].tolist())

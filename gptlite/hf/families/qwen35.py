@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from gptlite.config import LAYER_KINDS, GPTConfig
+from gptlite.config import GPTConfig
 from gptlite.hf.families.base import ConfigFile, Entry
 from gptlite.hf.families.llama import LlamaLayout
 
@@ -25,6 +25,7 @@ LINEAR_KEYS = {  # GPTConfig's sizes of the linear_attention layers -> config.js
     "linear_v_dim": "linear_value_head_dim",
     "linear_conv_kernel": "linear_conv_kernel_dim",
 }
+KINDS = ("linear_attention", "full_attention")  # layer_types' kinds in its class
 # the switches of other families Qwen3.5's class has too: Gemma's norms, Qwen3's q/k norms, Phi-4-mini's partial RoPE
 TAKEN = ("norm_unit_offset", "rope_dims", "qk_norm_scope")
 
@@ -57,8 +58,8 @@ class Qwen35(LlamaLayout):
     partial_rotary_default = 0.25  # Qwen3_5TextConfig's where rope_parameters leaves it out
 
     def has_layers(self, config: GPTConfig) -> bool:
-        """Layers of either kind, its attention always gated on its output."""
-        return config.attn_output_gate
+        """Layers of its two kinds, its attention always gated on its output."""
+        return set(config.layer_kinds) <= set(KINDS) and config.attn_output_gate
 
     def marked(self, config: GPTConfig) -> bool:
         return True  # the output gate is its own
@@ -97,7 +98,7 @@ class Qwen35(LlamaLayout):
         if kinds is None:
             interval = c.integer("full_attention_interval")
             return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layer)]
-        if not isinstance(kinds, list) or len(kinds) != n_layer or any(k not in LAYER_KINDS for k in kinds):
+        if not isinstance(kinds, list) or len(kinds) != n_layer or any(k not in KINDS for k in kinds):
             raise c.bad(
                 "layer_types",
                 kinds,
