@@ -172,6 +172,28 @@ def test_lora_adapts_the_gated_deltanet_and_gated_attention_projections(saved):
         torch.testing.assert_close(merge_lora(model)(ids())[0], expected, atol=1e-3, rtol=1e-4)  # rounding
 
 
+def test_peft_loads_the_adapters_with_equal_logits(saved, tmp_path):
+    """Gated DeltaNet's fused in_proj's adapter becomes one per transformers projection (in_proj_qkv, _z, _b, _a),
+    the gated attention's qkv one per q_proj (query and gate rows), k_proj, v_proj: PEFT's model on transformers'
+    has the gptlite model's logits."""
+    import peft
+
+    from gptlite.hf.adapter import export_adapter
+
+    _, directory = saved
+    model = add_lora(GPT.from_pretrained(str(directory)), rank=4, targets=tuple(LORA_TARGETS.split(",")))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        expected = model(ids())[0]
+    export_adapter(model, tmp_path / "adapter", base=str(directory))
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory)  # a copy: PEFT changes the model it wraps
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids()).logits, expected, atol=2e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def char_data(tmp_path_factory):
     """Tiny Shakespeare in chars: 65 ids, all below the tiny models' vocabulary of 97."""
