@@ -29,10 +29,10 @@ class GPT(Transformer):
         """GPT-2's weights ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", downloaded from the Hub) or a local
         directory holding a transformers GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
         MistralForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM,
-        NanoChatForCausalLM or Gemma3ForCausalLM, in eval mode; `block_size` (smaller) and `dropout` may be
-        overridden. See gptlite.hf, which reads the checkpoint. `dtype=None` keeps the checkpoint's dtype. One copy of
-        the weights is held: the model is built on the meta device and takes the tensors as they are read, one by
-        one."""
+        NanoChatForCausalLM, Gemma3ForCausalLM or Qwen3_5ForCausalLM (or Qwen3_5ForConditionalGeneration's text
+        tower), in eval mode; `block_size` (smaller) and `dropout` may be overridden. See gptlite.hf, which reads the
+        checkpoint. `dtype=None` keeps the checkpoint's dtype. One copy of the weights is held: the model is built on
+        the meta device and takes the tensors as they are read, one by one."""
         config, state, architecture = load_pretrained(name_or_dir, dtype, **overrides)
         with torch.device("meta"):
             model = cls(config)
