@@ -28,6 +28,9 @@ RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gpt
 # Options that one optimizer alone reads: set where it does not run, each would do nothing, so it is refused (see
 # set_options; each mode of training refuses its own likewise: gptlite.train.preference, gptlite.train.rl)
 MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "normuon", "normuon_beta2")
+# GPTConfig.layer_types' kinds (gptlite.model.network's LAYERS builds each): attention over the whole context, LFM2's
+# gated short convolution, Gated DeltaNet's linear attention with a recurrent state (Qwen3.5)
+LAYER_TYPES = ("full_attention", "conv", "linear_attention")
 QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.inference.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -184,6 +187,21 @@ class GPTConfig:
     nope_layers: str = option(
         "", "comma-separated indices of the layers whose attention has no positions (SmolLM3's NoPE layers; rope)"
     )
+    layer_types: str = option(
+        "",
+        "comma-separated kind of each layer, transformers' names: full_attention, conv (LFM2's gated short "
+        "convolution) or linear_attention (Gated DeltaNet, Qwen3.5's); '' = every layer full_attention",
+    )
+    conv_kernel: int = option(3, "the width of the conv layers' causal convolution, in tokens (LFM2's L_cache)")
+    conv_bias: bool = option(False, "biases in the conv layers' projections and convolution (LFM2's conv_bias)")
+    attn_output_gate: bool = option(
+        False, "attention's output times sigmoid of a gate projected from the block's input, per channel (Qwen3.5)"
+    )
+    linear_k_heads: int = option(16, "linear_attention layers: query/key heads")
+    linear_v_heads: int = option(32, "linear_attention layers: value heads, a multiple of linear_k_heads")
+    linear_k_dim: int = option(128, "linear_attention layers: the width of a query/key head")
+    linear_v_dim: int = option(128, "linear_attention layers: the width of a value head")
+    linear_conv_kernel: int = option(4, "linear_attention layers: the taps of the causal convolution of q, k, v")
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -217,6 +235,19 @@ class GPTConfig:
         return frozenset(int(i) for i in self.window_layers.split(",") if i.strip())
 
     @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind (layer_types, one per layer): what the model builds there, and what it keeps across
+        decode calls (gptlite.model.network's LAYERS)."""
+        if not self.layer_types:
+            return ("full_attention",) * self.n_layer
+        return tuple(kind.strip() for kind in self.layer_types.split(","))
+
+    @property
+    def attention_layer_ids(self) -> frozenset[int]:
+        """The layers that attend: the ones a KV cache keeps keys and values for."""
+        return frozenset(i for i, kind in enumerate(self.layer_kinds) if kind == "full_attention")
+
+    @property
     def head_width(self) -> int:
         """The width of every q, k and v head: head_dim, or n_embd / n_head."""
         return self.head_dim or self.n_embd // self.n_head
@@ -243,6 +274,8 @@ class GPTConfig:
             "embed_norm",
             "rope_reverse",
             "norm_unit_offset",
+            "conv_bias",
+            "attn_output_gate",
         ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
@@ -322,6 +355,7 @@ class GPTConfig:
         problems += self._layer_list_problems("nope_layers")
         problems += self._layer_list_problems("window_layers")
         problems += self._window_problems()
+        problems += self._layer_type_problems()
         if self.norm_weight is False and self.norm != "rmsnorm":
             problems.append(f"norm_weight=false makes the RMSNorms parameter-free; norm={self.norm!r} is no RMSNorm")
         if self.rope_reverse is True and self.pos_emb != "rope":
@@ -341,6 +375,46 @@ class GPTConfig:
             problems.append(f"attn_scale={scale!r} must be a number >= 0 (0 = 1 / sqrt(head width))")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    def _layer_type_problems(self) -> list[str]:
+        """layer_types: one known kind per layer; conv_kernel a width of at least 2 tokens; the linear_attention
+        layers' sizes."""
+        problems = []
+        kernel = self.conv_kernel
+        if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 2:
+            problems.append(f"conv_kernel={kernel!r} must be an integer >= 2 (the token and at least one before it)")
+        if not self.layer_types:
+            return problems
+        if not isinstance(self.layer_types, str):
+            example = "e.g. 'conv,full_attention'"
+            return problems + [f"layer_types={self.layer_types!r} must be comma-separated layer kinds, {example}"]
+        kinds = [kind.strip() for kind in self.layer_types.split(",")]
+        unknown = next((kind for kind in kinds if kind not in LAYER_TYPES), None)
+        if unknown is not None:
+            problems.append(f"layer_types names {unknown!r}; the kinds are {', '.join(LAYER_TYPES)}")
+        if isinstance(self.n_layer, int) and len(kinds) != self.n_layer:
+            problems.append(f"layer_types={self.layer_types!r} names {len(kinds)} layers; n_layer={self.n_layer}")
+        stateful = any(kind != "full_attention" for kind in kinds)
+        if stateful and self.value_embeds:
+            problems.append("value_embeds mixes into attention's values; it needs every layer in layer_types to attend")
+        if "linear_attention" in kinds:
+            problems += self._linear_attention_problems()
+        return problems
+
+    def _linear_attention_problems(self) -> list[str]:
+        """The linear_attention layers' sizes: positive, each key head serving as many value heads."""
+        problems = []
+        names = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv_kernel")
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if not problems and self.linear_v_heads % self.linear_k_heads:
+            problems.append(
+                f"linear_v_heads={self.linear_v_heads} is not a multiple of linear_k_heads={self.linear_k_heads}: "
+                "each key head serves the same number of value heads"
+            )
+        return problems
 
     def _layer_list_problems(self, name: str) -> list[str]:
         """nope_layers and window_layers: comma-separated indices of existing layers."""

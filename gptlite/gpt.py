@@ -29,8 +29,9 @@ class GPT(Transformer):
         """GPT-2's weights ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", downloaded from the Hub) or a local
         directory holding a transformers GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
         MistralForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM,
-        NanoChatForCausalLM, Gemma3ForCausalLM, Olmo3ForCausalLM or Ministral3ForCausalLM (or the text model of a
-        Mistral3ForConditionalGeneration), in eval mode; `block_size` (smaller) and `dropout` may be
+        NanoChatForCausalLM, Gemma3ForCausalLM, Olmo3ForCausalLM, Ministral3ForCausalLM (or the text model of a
+        Mistral3ForConditionalGeneration), Lfm2ForCausalLM or Qwen3_5ForCausalLM (or
+        Qwen3_5ForConditionalGeneration's text tower), in eval mode; `block_size` (smaller) and `dropout` may be
         overridden. See gptlite.hf, which reads the checkpoint. `dtype=None` keeps the checkpoint's dtype. One copy of
         the weights is held: the model is built on the meta device and takes the tensors as they are read, one by
         one."""

@@ -425,3 +425,17 @@ def test_importing_config_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(layer_types="conv,mamba"), r"layer_types names 'mamba'; the kinds are full_attention, conv"),
+        (dict(layer_types="conv"), r"layer_types='conv' names 1 layers; n_layer=2"),
+        (dict(layer_types="conv,full_attention", value_embeds=True), r"value_embeds .* needs every layer .* to attend"),
+        (dict(conv_kernel=1), r"conv_kernel=1 must be an integer >= 2"),
+    ],
+)
+def test_layer_types_errors_name_the_value_and_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(n_layer=2, **overrides)

@@ -11,7 +11,9 @@ Three things make it fast, none of which changes a figure:
   padding attends only to padding and the shared tokens, and nothing attends to it or scores it.
 - Only the positions that predict a span's token go through the output head.
 The forward runs without a KV cache: a `TreeMask` hands the model each token's position and the mask, as a cache
-(gptlite.inference.kvcache.AttentionCache) would.
+(gptlite.inference.kvcache.AttentionCache) would. A model with layers that keep a state (a convolution's: GPTConfig's
+layer_types) reads a sequence in order, which a tree of branches is not: its rows go through the model unpacked, each
+alone, and still many per forward.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def score_spans(
     packed into one sequence (see the module docstring). As many packed sequences per forward as fit in batch_tokens
     padded tokens."""
     device = model.tok_emb.weight.device
-    groups = [[r] for r in range(len(rows))] if groups is None else groups
+    stateful = len(model.config.attention_layer_ids) < model.config.n_layer  # no tree: each row alone, in order
+    groups = [[r] for r in range(len(rows))] if groups is None or stateful else groups
     packs = [pack([rows[r] for r in group]) for group in groups]
     loss = torch.zeros(len(rows), device=device)  # (R,) summed cross-entropy of each row's span
     count = torch.zeros(len(rows), dtype=torch.long, device=device)  # (R,) its tokens
@@ -145,7 +148,8 @@ def score_spans(
         # a token sees the shared tokens and its own row's before it; padding sees padding and the shared tokens
         visible = (branch[:, None, :] == -1) | (branch[:, None, :] == branch[:, :, None])  # (B, L, L)
         cache = TreeMask(pos.to(device), (causal & visible)[:, None].to(device), prev.to(device))
-        hidden = model.hidden(tokens.to(device), cache)  # (B, L, C)
+        # a lone row's positions are 0..L-1 and its mask causal, a forward's own; its right padding comes after it
+        hidden = model.hidden(tokens.to(device), None if stateful else cache)  # (B, L, C)
         at = torch.tensor(where, device=device)  # (N, 2)
         hidden = hidden[at[:, 0], at[:, 1]]  # (N, C): only the positions that predict a span's token
         targets = torch.tensor(targets, device=device)  # (N,)

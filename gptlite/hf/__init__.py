@@ -30,6 +30,12 @@ onto gptlite's switches, weight for weight:
                         window_layers), the global layers' RoPE scaled by YaRN (rope_scaling="yarn") where it is
     Ministral3ForCausalLM  Mistral's layout with YaRN and q multiplied by a factor growing with its position
                         (query_scale_beta); Mistral3ForConditionalGeneration: its text model, the vision tower left out
+    Lfm2ForCausalLM     LFM2 and LFM2.5: gated short-convolution layers among grouped-query attention ones (layer_types,
+                        conv_kernel, conv_bias), per-head q/k norms, the feed-forward's width as transformers adjusts it
+    Qwen3_5ForCausalLM  Qwen3.5: Gated DeltaNet layers among attention ones (layer_types, linear_*), the attention gated
+                        on its output (attn_output_gate) with per-head q/k norms and RoPE on part of each head
+                        (rope_dims), norms scaling by 1 + weight; also the text tower of its vision-language checkpoints
+                        (Qwen3_5ForConditionalGeneration), the vision tower left out
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

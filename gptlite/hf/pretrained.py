@@ -78,7 +78,7 @@ def read_config(directory: Path) -> tuple[Family, GPTConfig, int | None]:
             f"{path}: model_type={kind!r} is {what}; gptlite loads "
             f"{', '.join(f'{f.architecture} ({f.model_type})' for f in FAMILIES.values())}"
         )
-    values, window, unsupported = family.values(ConfigFile(c, path, family))
+    values, window, unsupported = family.values(ConfigFile(family.text_config(c, path), path, family))
     if unsupported:
         raise ValueError(f"{path}: gptlite cannot hold this {family.architecture}: {'; '.join(unsupported)}")
     try:
@@ -93,11 +93,12 @@ def to_gptlite(
     """A transformers checkpoint -> gptlite's state dict for a model of `config`, read and converted tensor by
     tensor (in `dtype`, or the checkpoint's); refuses missing and unknown weights, and weights of a dtype a model
     cannot hold (integers, booleans: cast, they would train and run as nonsense), before any is read."""
-    left_out = {n for n in weights.names() if family.left_out and n.startswith(family.left_out)}
+    left_out = {n for n in weights.names() if family.vision_prefixes and n.startswith(family.vision_prefixes)}
     if left_out:  # a vision-language checkpoint's vision tower: gptlite holds its text model alone
         print(
             f"note: {weights.directory} is a {family.architecture}: its text model is read, and its "
-            f"{len(left_out)} weights under {', '.join(family.left_out)} (the vision tower and projector) left out",
+            f"{len(left_out)} weights under {', '.join(family.vision_prefixes)} (the vision tower and projector) "
+            "left out",
             file=sys.stderr,
         )
     names = {n.removeprefix(family.prefix): n for n in weights.names() if n not in left_out}  # the Hub's gpt2: none
@@ -132,6 +133,7 @@ def to_gptlite(
                 "the model again"
             )
         used.add("lm_head.weight")
+    used.update(family.left_out(list(names)))  # a vision-language checkpoint's vision tower
     unknown = sorted(n for n in names if n not in used and not n.endswith(BUFFERS))
     if unknown:
         raise ValueError(

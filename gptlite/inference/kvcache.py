@@ -5,10 +5,12 @@ Every cache is an `AttentionCache`, what the model reads from any cache: that in
 (gptlite.model.attention_cache), so that the model imports nothing of generation; it is importable from here too.
 
 `KVCache` holds every layer's keys and values for a fixed batch in buffers preallocated with static shapes
-(B, KV, max_len, D). Prompts are left-padded to the longest; a mask hides each row's padding and positions count
-from each row's first real token, so a padded row computes what it would alone. Each decode step writes one slot
-in place. The server's per-row cache (gptlite.serve.rows.RowCache) plays the same role for continuous batching:
-it is an `AttentionCache` too, takes its buffers from `kv_buffers`, and runs through the same `decode_step`.
+(B, KV, max_len, D), and every other layer's state (`state_buffers`: a convolution's last inputs) in buffers of its
+own. Prompts are left-padded to the longest; a mask hides each row's padding from attention, `real` keeps it out of
+the other layers' states, and positions count from each row's first real token, so a padded row computes what it
+would alone. Each decode step writes one slot in place. The server's per-row cache (gptlite.serve.rows.RowCache) plays
+the same role for continuous batching: it is an `AttentionCache` too, takes its buffers from `kv_buffers` and
+`state_buffers`, and runs through the same `decode_step`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from gptlite.inference.cpu.decode import packed_for_cpu
 from gptlite.inference.quantize import choose_ways
 from gptlite.model.attention_cache import AttentionCache  # importable from here too, as before
+from gptlite.model.network import layer_states
 
 if TYPE_CHECKING:
     from gptlite.config import GPTConfig
@@ -34,11 +37,36 @@ def kv_buffers(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every layer's key and value buffers, zeros of (batch_size, KV, max_len, D) each: the one place a cache's
     shape comes from. Only n_kv_head heads are kept (grouped-query attention's saving), and every layer has
-    tensors of its own, so that writing one layer's never makes a compiled step copy them all."""
-    shape = (batch_size, config.kv_heads, max_len, config.head_width)  # (B, KV, max_len, D)
-    keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-    values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+    tensors of its own, so that writing one layer's never makes a compiled step copy them all. A layer that does not
+    attend (config.layer_types) gets buffers of no slots: its state is in `state_buffers`."""
+    attends = config.attention_layer_ids
+    shapes = [
+        (batch_size, config.kv_heads, max_len if i in attends else 0, config.head_width)  # (B, KV, max_len, D)
+        for i in range(config.n_layer)
+    ]
+    keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+    values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
     return keys, values
+
+
+def state_buffers(
+    config: GPTConfig, batch_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[dict[str, torch.Tensor]]:
+    """Every layer's state besides keys and values, zeros of (batch_size, *shape) for each tensor its `state_spec`
+    names (gptlite.model.network.layer_states; empty for attention layers): per row, never per slot, since a state
+    holds what a row has been fed so far."""
+    return [
+        {
+            name: torch.zeros((batch_size, *spec.shape), dtype=spec.dtype or dtype, device=device)
+            for name, spec in specs.items()
+        }
+        for specs in layer_states(config)
+    ]
+
+
+def state_tensors(states: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Every layer's state tensors, in layer order, then name order: what a row's snapshot lists."""
+    return [tensor for layer in states for tensor in layer.values()]
 
 
 class KVCache:
@@ -48,6 +76,7 @@ class KVCache:
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
         self.k, self.v = kv_buffers(config, batch_size, max_len, dtype, device)  # (B, KV, max_len, D) each
+        self.states = state_buffers(config, batch_size, dtype, device)  # per layer: name -> (B, *shape)
         self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # (B, max_len) (bigram_vocab)
         self.max_len = max_len
         self.visible = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
@@ -57,6 +86,7 @@ class KVCache:
         self.slots = torch.zeros(0, dtype=torch.long, device=device)  # (T,) slots of the next call's tokens
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, T) their positions
         self.mask: torch.Tensor | None = None  # (B, 1, T, S) True where a query may attend to a key
+        self.real: torch.Tensor | None = None  # (B, T) False where a token is left padding; None: none is
         self.span = 0  # S, the number of slots the next call attends over
         self.decode_slot: int | None = None  # the one slot a decode step (not of full span) writes: decode_buffers
         self.busy = False  # a compiled generation is using it (see static_cache)
@@ -66,6 +96,8 @@ class KVCache:
         self.first = padding.to(self.first.device)
         self.padded = bool(padding.any())
         self.visible.zero_()
+        for tensor in state_tensors(self.states):
+            tensor.zero_()
         self.end = 0
 
     def prepare(self, T: int, full_span: bool = False) -> None:
@@ -78,6 +110,7 @@ class KVCache:
         self.span = self.max_len if full_span else b
         self.end = b
         self.decode_slot = a if T == 1 and not full_span else None
+        self.real = None
         if T == 1:  # decoding: every row's token is real, at position a - first
             self.pos = (a - self.first)[:, None]  # (B, 1)
             self.visible[:, a] = True
@@ -87,6 +120,8 @@ class KVCache:
             return
         self.pos = (self.slots[None, :] - self.first[:, None]).clamp_min(0)  # (B, T); padding at 0
         self.visible[:, a:b] = self.slots[None, :] >= self.first[:, None]  # (B, T)
+        if self.padded:
+            self.real = self.visible[:, a:b]  # (B, T)
         keys = torch.arange(self.span, device=device)  # (S,)
         causal = keys[None, :] <= self.slots[:, None]  # (T, S)
         # a padding query sees itself, so no softmax row is empty (that would give NaN, not ignorable junk)
@@ -104,6 +139,15 @@ class KVCache:
         self.k[layer].index_copy_(2, self.slots, k)
         self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer][:, :, : self.span], self.v[layer][:, :, : self.span]
+
+    def read_state(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer's state (name -> (B, *shape)): every row's, as the last call left it (zeros after `start`)."""
+        return self.states[layer]
+
+    def write_state(self, layer: int, state: dict[str, torch.Tensor]) -> None:
+        """Store layer's state after this call, in place (the buffers keep their addresses, as the keys' do)."""
+        for name, tensor in state.items():
+            self.states[layer][name].copy_(tensor)
 
     def decode_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
         """What a decode step of one token per row (after a `prepare` that set `decode_slot`) reads and writes in
@@ -126,6 +170,7 @@ class KVCache:
         if n > 1:
             self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
             self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
+            self.states = [{name: t.repeat_interleave(n, dim=0) for name, t in layer.items()} for layer in self.states]
             self.tokens = self.tokens.repeat_interleave(n, dim=0)
             self.visible = self.visible.repeat_interleave(n, dim=0)
             self.first = self.first.repeat_interleave(n, dim=0)
@@ -133,24 +178,22 @@ class KVCache:
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i takes over the contents of row rows[i] (beam search: each beam follows its parent), in place,
         so the buffers keep their addresses (CUDA graphs recorded against them stay valid)."""
-        for buffer in [*self.k, *self.v, self.tokens]:
+        for buffer in [*self.k, *self.v, *state_tensors(self.states), self.tokens]:
             buffer.copy_(buffer.index_select(0, rows))
         self.visible.copy_(self.visible.index_select(0, rows))
         self.first = self.first.index_select(0, rows)
 
     def same_shape(self, other: KVCache) -> bool:
-        mine, theirs = self.k[0], other.k[0]
-        return (len(self.k), mine.shape, mine.dtype, mine.device) == (
-            len(other.k),
-            theirs.shape,
-            theirs.dtype,
-            theirs.device,
-        )
+        mine = [(t.shape, t.dtype, t.device) for t in [*self.k, *state_tensors(self.states)]]
+        theirs = [(t.shape, t.dtype, t.device) for t in [*other.k, *state_tensors(other.states)]]
+        return mine == theirs
 
     def copy_from(self, other: KVCache) -> None:
         """Take over other's contents (same shapes), keeping this cache's buffers where they are."""
-        for mine, theirs in zip([*self.k, *self.v, self.tokens], [*other.k, *other.v, other.tokens], strict=True):
-            mine.copy_(theirs)
+        mine = [*self.k, *self.v, *state_tensors(self.states), self.tokens]
+        theirs = [*other.k, *other.v, *state_tensors(other.states), other.tokens]
+        for buffer, source in zip(mine, theirs, strict=True):
+            buffer.copy_(source)
         self.visible.copy_(other.visible)
         self.first = other.first
         self.padded = other.padded
@@ -293,7 +336,7 @@ def static_cache(model: Transformer, cache: KVCache) -> KVCache:
         static.copy_from(cache)
     else:
         static = cache
-        for buffer in [*static.k, *static.v, static.tokens]:
+        for buffer in [*static.k, *static.v, *state_tensors(static.states), static.tokens]:
             torch._dynamo.mark_static_address(buffer)
         if model not in _static_caches or not _static_caches[model].busy:
             _static_caches[model] = static

@@ -8,6 +8,9 @@ Each variant is one module class, picked once from a registry when the model is 
     ffn            FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt) | geglu (Gemma)
     norm_position  BLOCKS     pre (GPT-2, Llama) | post (OLMo 2) | both (Gemma)
     qk_norm_scope  QK_NORMS   head (Qwen3) | all (OLMo 2)
+    layer_types    LAYERS     each layer's block: full_attention (the above; its attention gated on its output where
+                              attn_output_gate is set: Qwen3.5) | conv (LFM2's gated short convolution) |
+                              linear_attention (Gated DeltaNet: Qwen3.5)
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
@@ -23,9 +26,10 @@ values (value_embeds), an embedding of each token's pair with the one before it 
 early to late blocks (unet_skips), logit soft-capping (logit_softcap), output projections that start at zero
 (zero_init_out).
 
-Generation reads and writes keys and values through `AttentionCache` (gptlite.model.attention_cache), the interface the
-model reads and every cache implements (sample.py's gptlite.inference.kvcache.KVCache, the server's
-gptlite.serve.rows.RowCache).
+Generation reads and writes each layer's state through `AttentionCache` (gptlite.model.attention_cache), the interface
+the model reads and every cache implements (sample.py's gptlite.inference.kvcache.KVCache, the server's
+gptlite.serve.rows.RowCache): keys and values for attention, and whatever a layer's `state_spec` names for the others
+(a convolution's last inputs, a recurrent matrix).
 
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
@@ -43,7 +47,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gptlite.config import GPTConfig
-from gptlite.model.attention_cache import AttentionCache
+from gptlite.model.attention_cache import AttentionCache, StateSpec
+from gptlite.model.gated_deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from gptlite.model.loss import linear_cross_entropy
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
@@ -332,7 +337,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.scale = config.attn_scale or None  # None: SDPA's 1 / sqrt(D); Granite sets its own
         self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
-        self.out_proj = nn.Linear(self.sizes[0], config.n_embd, bias=config.bias)
+        self.out_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         # Qwen3: each head's q and k through an RMSNorm; OLMo 2: all of q, and all of k
         self.qk_norm = QK_NORMS[config.qk_norm_scope](config) if config.qk_norm else None
@@ -361,8 +366,26 @@ class CausalSelfAttention(nn.Module):
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); ve (B, T, KV*D), the tokens' value embedding where config.value_embeds."""
-        B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # split's backward writes one contiguous gradient
+        return self.resid_drop(self.out_proj(self.attend(q, k, v, rot, cache, layer, ve)))
+
+    def stacked_rows(self) -> tuple[nn.Parameter, tuple[int, ...]]:
+        """The fused input projection's weight and the rows of each matrix it stacks: q, k, v."""
+        return self.qkv.weight, self.sizes
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rot: Rotation,
+        cache: AttentionCache | None,
+        layer: int,
+        ve: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The projections q (B, T, H*D), k and v (B, T, KV*D) -> the heads' attention outputs side by side,
+        (B, T, H*D), before the output projection."""
+        B, T, _ = q.shape
         if ve is not None:  # value embeddings (modded-nanogpt): a token's own vector in every head's values
             v = self.value_mix[0] * v + self.value_mix[1] * ve  # (B, T, KV*D)
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
@@ -380,7 +403,7 @@ class CausalSelfAttention(nn.Module):
             )
         elif cache is None:  # the same within a sliding window: the last `window` positions
             dropout = self.dropout if self.training else 0.0
-            near = sliding_window_mask(torch.arange(T, device=x.device), torch.arange(T, device=x.device), self.window)
+            near = sliding_window_mask(torch.arange(T, device=q.device), torch.arange(T, device=q.device), self.window)
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=near, dropout_p=dropout, scale=self.scale, enable_gqa=grouped
             )
@@ -394,8 +417,40 @@ class CausalSelfAttention(nn.Module):
                 near = sliding_window_mask(cache.pos, key_pos, self.window)[:, None]  # (B, 1, T, S)
                 mask = near if mask is None else mask & near
             y = masked_attention(q, k, v, mask, self.scale)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.sizes[0])  # (B, T, H*D)
-        return self.resid_drop(self.out_proj(y))
+        return y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
+
+
+class GatedSelfAttention(CausalSelfAttention):
+    """Attention with a gate on its output (Qwen3.5's full attention; Qiu et al., 2025, "Gated Attention for Large
+    Language Models"): each head's output times sigmoid of a gate of its own width, projected from the block's
+    input, before the output projection. The gate comes out of the fused projection beside the query: its first
+    2*H*D rows hold, head by head, the head's D query rows and then its D gate rows (transformers' q_proj), then k and
+    v as in CausalSelfAttention."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__(config, layer)
+        kv_rows = self.n_kv_head * self.head_dim
+        self.sizes = (2 * config.n_head * self.head_dim, kv_rows, kv_rows)
+        self.qkv = nn.Linear(config.n_embd, sum(self.sizes), bias=config.bias or config.qkv_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        query_gate, k, v = self.qkv(x).split(self.sizes, dim=-1)
+        q, gate = query_gate.view(B, T, self.n_head, 2 * self.head_dim).chunk(2, dim=-1)  # (B, T, H, D) each
+        y = self.attend(q.reshape(B, T, -1), k, v, rot, cache, layer, ve)  # (B, T, H*D)
+        return self.resid_drop(self.out_proj(y * torch.sigmoid(gate.reshape(B, T, -1))))
+
+
+def attention(config: GPTConfig, layer: int = 0) -> nn.Module:
+    """A full_attention layer: with an output gate where config.attn_output_gate (Qwen3.5), else plain."""
+    return GatedSelfAttention(config, layer) if config.attn_output_gate else CausalSelfAttention(config, layer)
 
 
 class QKNorm(nn.Module):
@@ -560,13 +615,19 @@ class Block(nn.Module):
     """Pre-norm Transformer block: x + attn(norm(x)), then x + ffn(norm(x)); each branch's output times
     residual_scale (Granite's residual_multiplier; 1 elsewhere) as it is added."""
 
-    def __init__(self, config: GPTConfig, layer: int = 0):
+    def __init__(self, config: GPTConfig, layer: int = 0, mixer=None):
         super().__init__()
         self.residual_scale = config.residual_scale
         self.attn_norm = NORMS[config.norm](config)
-        self.attn = CausalSelfAttention(config, layer)
+        # the token mixer: attention (gated on its output where attn_output_gate is set), unless a subclass says
+        self.attn = (mixer or attention)(config, layer)
         self.ffn_norm = NORMS[config.norm](config)
         self.ffn = FFNS[config.ffn](config)
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        """Nothing besides its keys and values, which the caches keep as the attention cache (`update`)."""
+        return {}
 
     def forward(
         self,
@@ -621,6 +682,236 @@ class SandwichBlock(Block):
 BLOCKS = {"pre": Block, "post": PostNormBlock, "both": SandwichBlock}
 
 
+# ---------------------------------------------------------------------------------------------
+# Layers with a decode state of their own: each class says what it keeps per row across calls (`state_spec`), which
+# the caches allocate and hand back through AttentionCache's read_state / write_state. An attention block keeps only
+# its keys and values, which the caches hold as they always have (`update`).
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution (Liquid AI, 2025; transformers' Lfm2ShortConv): in_proj gives three gates b, c
+    and x (B, T, C) each; the product b * x runs through a depthwise causal convolution over the last conv_kernel
+    tokens, its output gated by c, then out_proj. Decoding keeps each row's last conv_kernel - 1 inputs of the
+    convolution (b * x): the "conv" state."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.width = config.conv_kernel - 1  # the inputs before a token that its output sees
+        self.in_proj = nn.Linear(C, 3 * C, bias=config.conv_bias)
+        self.conv = nn.Conv1d(C, C, config.conv_kernel, groups=C, bias=config.conv_bias)
+        self.out_proj = nn.Linear(C, C, bias=config.conv_bias)
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        return {"conv": StateSpec((config.n_embd, config.conv_kernel - 1))}
+
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); with a cache, the convolution continues each row's earlier inputs."""
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)  # (B, T, C) each
+        h = (b * h).transpose(1, 2)  # (B, C, T): the convolution's input
+        if cache is None:
+            past = h.new_zeros(h.size(0), h.size(1), self.width)  # (B, C, K-1): nothing before the first token
+        else:
+            if cache.real is not None:  # padding enters neither the outputs nor the state
+                h = h * cache.real[:, None, :].to(h.dtype)
+            past = cache.read_state(layer)["conv"]  # (B, C, K-1)
+        inputs = torch.cat([past, h], dim=-1)  # (B, C, K-1+T)
+        if cache is not None:
+            cache.write_state(layer, {"conv": last_inputs(inputs, cache.real, self.width)})
+        y = c * self.conv(inputs).transpose(1, 2)  # (B, T, C)
+        return self.out_proj(y)
+
+
+def last_inputs(inputs: torch.Tensor, real: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The `width` inputs up to and including each row's last real token: inputs (B, C, width + T) are `width` earlier
+    ones, then the call's T; real (B, T), True where a token is its row's own (padding on either side), or None (every
+    token) -> (B, C, width)."""
+    if real is None:
+        return inputs[..., inputs.size(-1) - width :]
+    T = real.size(1)
+    last = T - 1 - real.flip(-1).to(torch.uint8).argmax(-1)  # (B,) each row's last real token
+    index = last[:, None] + 1 + torch.arange(width, device=inputs.device)  # (B, width), in inputs' coordinates
+    return inputs.gather(-1, index[:, None, :].expand(-1, inputs.size(1), -1))  # (B, C, width)
+
+
+class ConvBlock(nn.Module):
+    """LFM2's convolution block: x + conv(norm(x)), then x + ffn(norm(x)), each branch's output times residual_scale.
+    Its attention layers are Blocks; which a layer is comes from config.layer_types (LAYERS)."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__()
+        self.residual_scale = config.residual_scale
+        self.conv_norm = NORMS[config.norm](config)
+        self.conv = ShortConv(config)
+        self.ffn_norm = NORMS[config.norm](config)
+        self.ffn = FFNS[config.ffn](config)
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        return ShortConv.state_spec(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = torch.add(x, self.conv(self.conv_norm(x), cache, layer), alpha=self.residual_scale)
+        return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
+
+
+# Gated DeltaNet: Qwen3.5's linear attention, on the gated delta rule of gptlite.model.gated_deltanet
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head's output, scaled by its weight (not 1 + weight: it starts at ones), times silu of
+    the gate z: Gated DeltaNet's output norm, normalised in float32 as transformers' Qwen3_5RMSNormGated."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """x, z (B, T, Hv, dv) -> (B, T, Hv, dv)."""
+        y = self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+        return (y * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer: one input projection `in_proj` gives q, k, v (through a depthwise causal
+    convolution of `linear_conv_kernel` taps and silu), the output gate z, beta's logits b and the decay's a; the
+    gated delta rule runs on L2-normalised q and k with beta = sigmoid(b) and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias) (Mamba-2's discretisation); each value head's output goes through the
+    gated RMSNorm with z, then `out_proj`. It takes the attention layer's arguments (rotation and value embeddings
+    are unused: it has no positions), so that a Block holds either (DeltaNetBlock). Decoding keeps each row's last
+    linear_conv_kernel - 1 inputs of the convolution and the rule's state (B, Hv, dk, dv) in the cache.
+
+    Padding (`cache.real`) is zeroed before the projections, as transformers' apply_mask_to_padding_states does, and
+    neither decays nor writes the state (g = 0, beta = 0 there): a padded row keeps the state of its last real
+    token, whether the padding is on its left (KVCache) or its right (the server's prefills)."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__()
+        self.k_heads = config.linear_k_heads
+        self.v_heads = config.linear_v_heads
+        self.k_dim = config.linear_k_dim
+        self.v_dim = config.linear_v_dim
+        key_width = self.k_heads * self.k_dim
+        value_width = self.v_heads * self.v_dim
+        self.conv_sizes = (key_width, key_width, value_width)  # the convolved channels: q, k, v
+        # rows of in_proj: q, k, v (convolved), z, b, a
+        self.sizes = (sum(self.conv_sizes), value_width, self.v_heads, self.v_heads)
+        self.in_proj = nn.Linear(config.n_embd, sum(self.sizes), bias=False)
+        channels = sum(self.conv_sizes)
+        self.conv = nn.Conv1d(channels, channels, config.linear_conv_kernel, groups=channels, bias=False)
+        self.width = config.linear_conv_kernel - 1  # the inputs before a token that its convolution sees
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        # A = exp(A_log) in [1, 16] at the start, as Mamba-2 starts it
+        self.A_log = nn.Parameter(torch.empty(self.v_heads).uniform_(1, 16).log())
+        self.norm = GatedRMSNorm(self.v_dim, config.norm_eps)
+        self.out_proj = nn.Linear(value_width, config.n_embd, bias=False)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def stacked_rows(self) -> tuple[nn.Parameter, tuple[int, ...]]:
+        """The fused input projection's weight and the rows of each matrix it stacks: q, k, v, z, b, a."""
+        return self.in_proj.weight, (*self.conv_sizes, *self.sizes[1:])
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        """The convolution's last linear_conv_kernel - 1 inputs (q, k, v before it), and the delta rule's state per
+        value head, kept in float32 as the rule computes it."""
+        channels = 2 * config.linear_k_heads * config.linear_k_dim + config.linear_v_heads * config.linear_v_dim
+        return {
+            "conv": StateSpec((channels, config.linear_conv_kernel - 1)),
+            "recurrent": StateSpec((config.linear_v_heads, config.linear_k_dim, config.linear_v_dim), torch.float32),
+        }
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C): a whole sequence through the chunked rule from a zero state; with a cache, from
+        each row's state, one decode token through the recurrence, and the state after the call kept."""
+        B, T, _ = x.shape
+        real = None if cache is None else cache.real  # (B, T) False for padding, or None
+        if real is not None:  # padding enters neither the convolution nor the state (transformers zeroes it too)
+            x = x * real[..., None].to(x.dtype)
+        mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        h = mixed.transpose(1, 2)  # (B, K, T): the convolution's input, K = 2 Hk dk + Hv dv channels
+        state = None if cache is None else cache.read_state(layer)
+        past = h.new_zeros(B, h.size(1), self.width) if state is None else state["conv"]  # (B, K, W-1)
+        inputs = torch.cat([past, h], dim=-1)  # (B, K, W-1+T)
+        mixed = F.silu(self.conv(inputs)).transpose(1, 2)  # (B, T, K)
+        q, k, v = mixed.split(self.conv_sizes, dim=-1)
+        q = q.reshape(B, T, self.k_heads, self.k_dim)  # (B, T, Hk, dk)
+        k = k.reshape(B, T, self.k_heads, self.k_dim)  # (B, T, Hk, dk)
+        v = v.reshape(B, T, self.v_heads, self.v_dim)  # (B, T, Hv, dv)
+        beta = b.sigmoid()  # (B, T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (B, T, Hv), float32: A may be large
+        if real is not None:  # a padded token neither decays nor writes: the state stays at its row's last real token
+            beta = beta * real[..., None].to(beta.dtype)
+            g = g * real[..., None]
+        if state is None:
+            y, _ = chunked_gated_delta_rule(q, k, v, g, beta)  # (B, T, Hv, dv)
+        else:
+            rule = recurrent_gated_delta_rule if T == 1 else chunked_gated_delta_rule  # decoding's step, or a prompt
+            y, recurrent = rule(q, k, v, g, beta, state=state["recurrent"])
+            cache.write_state(layer, {"conv": last_inputs(inputs, real, self.width), "recurrent": recurrent})
+        y = self.norm(y, z.reshape(B, T, self.v_heads, self.v_dim))
+        return self.resid_drop(self.out_proj(y.reshape(B, T, -1)))  # (B, T, C)
+
+
+class DeltaNetBlock(Block):
+    """Qwen3.5's linear-attention block: a pre-norm Block whose token mixer is Gated DeltaNet, which keeps each row's
+    convolution inputs and recurrent state across decode calls (`state_spec`)."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__(config, layer, mixer=GatedDeltaNet)
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        return GatedDeltaNet.state_spec(config)
+
+
+def attention_block(config: GPTConfig) -> type[nn.Module]:
+    """A full_attention layer's block: BLOCKS' choice for the model's norm_position."""
+    return BLOCKS[config.norm_position]
+
+
+def conv_block(config: GPTConfig) -> type[nn.Module]:
+    """A conv layer's block (LFM2's)."""
+    return ConvBlock
+
+
+# each layer kind of GPTConfig.layer_types -> the class of its block, given the config
+def deltanet_block(config: GPTConfig) -> type[nn.Module]:
+    """A linear_attention layer's block (Qwen3.5's: pre-norm)."""
+    return DeltaNetBlock
+
+
+# each layer kind of GPTConfig.layer_types -> the class of its block, given the config
+LAYERS = {"full_attention": attention_block, "conv": conv_block, "linear_attention": deltanet_block}
+
+
+def layer_block(config: GPTConfig, layer: int) -> type[nn.Module]:
+    """The class of layer `layer`'s block, from its kind (config.layer_kinds)."""
+    return LAYERS[config.layer_kinds[layer]](config)
+
+
+def layer_states(config: GPTConfig) -> list[dict[str, StateSpec]]:
+    """What each layer keeps per row across decode calls besides keys and values (its block's `state_spec`; empty for
+    attention): what a cache allocates (gptlite.inference.kvcache's state_buffers)."""
+    return [layer_block(config, i).state_spec(config) for i in range(config.n_layer)]
+
+
 def previous_tokens(idx: torch.Tensor) -> torch.Tensor:
     """idx (B, T) -> each token's previous one in its row (B, T), -1 for the first: what the bigram embedding
     pairs each token with in a forward without a cache."""
@@ -646,7 +937,7 @@ class Transformer(nn.Module):
         self.pos_emb = positions(config)
         self.drop = nn.Dropout(config.dropout)
         self.emb_norm = NORMS[config.norm](config) if config.embed_norm else None  # nanochat's
-        self.blocks = nn.ModuleList(BLOCKS[config.norm_position](config, i) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(layer_block(config, i)(config, i) for i in range(config.n_layer))
         # value_embeds: a token embedding per layer, as wide as its values, that attention mixes into them
         value_width = config.kv_heads * config.head_width
         self.value_emb = (
@@ -869,4 +1160,4 @@ class Transformer(nn.Module):
             n -= sum(table.weight.numel() for table in self.value_emb)
         if self.bigram_emb is not None:  # and the bigram embedding
             n -= self.bigram_emb.weight.numel()
-        return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_width * T
+        return 6 * n + 12 * len(cfg.attention_layer_ids) * cfg.n_head * cfg.head_width * T

@@ -173,7 +173,8 @@ class Engine:
         self.max_len = min(max_len or config.block_size, config.block_size)  # a row's prompt + completion
         self.cache = RowCache(config, max_batch, self.max_len, weight.dtype, weight.device, always_mask=compile)
         self.vocab = min(tokenizer.vocab_size, config.vocab_size)  # ids past the tokenizer's are never sampled
-        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+        budget = int(prefix_cache_mb * 2**20)
+        self.prefix = PrefixCache(budget, stateful=self.cache.stateful) if prefix_cache_mb > 0 else None
         choose_ways(model)  # a quantized model's kernels, chosen once, before a compile: no file read inside it
         if compile:  # the plain modules, which inductor compiles
             self.one = self.many = model
@@ -332,7 +333,8 @@ class Engine:
             try:
                 with torch.no_grad():
                     T = max(len(prompts[i]) for i in run)
-                    self.cache.prepare(first + run.start, [reused[i] for i in run], T)
+                    real = [len(prompts[i]) for i in run]  # the rest of each row is right padding
+                    self.cache.prepare(first + run.start, [reused[i] for i in run], T, real)
                     padded = [prompts[i] + [0] * (T - len(prompts[i])) for i in run]
                     idx = torch.tensor(padded, device=self.cache.device)  # (n, T)
                     last = torch.tensor([len(prompts[i]) - 1 for i in run], device=self.cache.device)  # (n,)

@@ -234,12 +234,14 @@ def normalise_neurons(update: Tensor, second_moment: Tensor, beta2: float, split
 
 def block_matrices(model: Transformer) -> dict[Tensor, int]:
     """Every 2-D weight inside model.blocks -> how many logical matrices it stacks along dim 0: attention's qkv
-    holds q, k and v (3); SwiGLU's fc holds W1 and W3 (2); the output projections and GELU's fc are one matrix."""
+    holds q, k and v (3), Gated DeltaNet's in_proj q, k, v, z, b and a; SwiGLU's fc holds W1 and W3 (2); the output
+    projections and GELU's fc are one matrix."""
     splits = {}
     for block in model.blocks:
         splits.update({p: 1 for p in block.parameters() if p.dim() == 2})
-        sizes = block.attn.sizes  # rows q, then k, then v (see CausalSelfAttention); fewer k, v rows with GQA
-        splits[block.attn.qkv.weight] = 3 if len(set(sizes)) == 1 else tuple(sizes)
+        # attention's rows q, then k, then v (fewer k, v rows with GQA); Gated DeltaNet's q, k, v, z, b, a
+        weight, sizes = block.attn.stacked_rows()
+        splits[weight] = len(sizes) if len(set(sizes)) == 1 else tuple(sizes)
         if isinstance(block.ffn, SwiGLU):
             splits[block.ffn.fc.weight] = 2  # (2F, C): rows W1 (the gate), then W3
     return splits

@@ -67,3 +67,14 @@ def test_packing_shares_the_prefix_and_computes_equal_rows_once():
     model = tiny_model()
     loss, _, _ = score_spans(model, [a, b, a], V, groups=[[0, 1, 2]])
     assert loss[0] == loss[2]  # equal options tie exactly: the first of them wins, as in nanochat
+
+
+def test_a_model_with_conv_layers_scores_each_row_alone_as_its_own_forward():
+    """A conv layer's state reads a sequence in order, so such a model's rows go unpacked (groups are ignored)."""
+    model = tiny_model(n_layer=3, layer_types="conv,full_attention,conv", pos_emb="rope", norm="rmsnorm")
+    rows, groups = rows_sharing_a_prefix(random.Random(0))
+    expected = [reference(model, row) for row in rows]
+    loss, count, greedy = score_spans(model, rows, V, T, groups)
+    torch.testing.assert_close(torch.tensor(loss), torch.tensor([e[0] for e in expected]), atol=1e-4, rtol=1e-5)
+    assert count == [r.end - r.start for r in rows]
+    assert greedy == [e[1] for e in expected]

@@ -10,10 +10,14 @@ import torch.nn.functional as F
 
 from gptlite import GPT, GPTConfig
 from gptlite.model.network import (
+    Block,
+    ConvBlock,
     GeluMLP,
     RMSNorm,
     RotaryPositions,
+    ShortConv,
     SwiGLUGate,
+    layer_states,
     masked_attention,
     rotate_half,
     sinusoidal_table,
@@ -349,3 +353,31 @@ def test_weights_of_another_shape_are_refused_naming_the_tensor_and_the_fix():
     message = r"^saved: tensor tok_emb.weight has shape \(\d+, \d+\) but the config describes .*: put back the config"
     with pytest.raises(ValueError, match=message + r" saved with these weights, or download or save the model again$"):
         model.check_state(state, "saved")
+
+
+CONV = dict(n_layer=3, layer_types="conv,full_attention,conv", pos_emb="rope", norm="rmsnorm")  # LFM2's layout
+
+
+def test_short_conv_is_its_formula_and_causal():
+    """LFM2's gated short convolution: y_t = out_proj(c_t * sum_j w_j * (b * x)_{t-K+1+j}), the inputs before the
+    first token zero; changing a later token leaves earlier outputs alone."""
+    torch.manual_seed(0)
+    conv = ShortConv(tiny_config(conv_kernel=3, conv_bias=True)).to(DEVICE)
+    x = torch.randn(2, 7, 32, device=DEVICE)
+    b, c, h = conv.in_proj(x).chunk(3, dim=-1)  # (B, T, C) each
+    bx = F.pad(b * h, (0, 0, 2, 0))  # (B, 2 + T, C): two zero inputs before the first token
+    weight = conv.conv.weight[:, 0]  # (C, K)
+    mixed = [sum(weight[:, j] * bx[:, t + j] for j in range(3)) + conv.conv.bias for t in range(7)]  # T x (B, C)
+    want = conv.out_proj(c * torch.stack(mixed, dim=1))  # (B, T, C)
+    torch.testing.assert_close(conv(x), want, atol=1e-5, rtol=1e-5)
+    changed = x.clone()
+    changed[:, 4:] = torch.randn(2, 3, 32, device=DEVICE)
+    torch.testing.assert_close(conv(changed)[:, :4], want[:, :4])
+
+
+def test_layer_types_build_each_layers_block_and_keep_conv_state_only_there():
+    model = tiny_model(**CONV)
+    assert [type(block) for block in model.blocks] == [ConvBlock, Block, ConvBlock]
+    assert [sorted(specs) for specs in layer_states(model.config)] == [["conv"], [], ["conv"]]
+    assert layer_states(model.config)[0]["conv"].shape == (32, 2)  # (C, conv_kernel - 1)
+    assert model.config.attention_layer_ids == {1}

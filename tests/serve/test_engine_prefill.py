@@ -164,3 +164,51 @@ def test_the_least_recently_used_blocks_go_first_and_the_budget_holds():
     small = PrefixCache(budget=block_bytes - 1)  # too small for one block: keeps none
     small.store(source, 0, a)
     assert small.bytes == 0 and small.match(a, 2 * BLOCK) == []
+
+
+CONV = dict(n_layer=3, layer_types="conv,full_attention,conv", pos_emb="rope", norm="rmsnorm")  # LFM2's layout
+
+
+def test_rows_with_a_conv_state_join_leave_and_move_and_each_decodes_its_greedy_text():
+    """A model with conv layers (a state per row besides keys and values) on three rows: seven prompts arrive together
+    and are prefilled in right-padded batches, requests of different lengths leave and the last rows move into the
+    freed ones, queued ones join; each decodes the text it would alone."""
+    model = tiny_model(block_size=CONTEXT, **CONV)
+    tokenizer = CharTokenizer(CHARS)
+    prompts = ["ROMEO:", "JULIET:", "a", "xy", "The quick brown fox", "The quick brown dogs", "To be or not " * 3]
+    lengths = [9, 4, 12, 3, 7, 10, 5]
+    params = [Params(max_tokens=n, options=GREEDY) for n in lengths]
+    engine = Engine(model, tokenizer, max_batch=3)
+    collect = Collect(engine, tokenizer, prompts, params)
+    shapes = recording(engine)
+    engine.start()
+    try:
+        texts = collect.wait()
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert (2, 7) in shapes  # "ROMEO:" (6 tokens) padded on the right to "JULIET:" (7)
+
+
+def test_a_stateful_model_reuses_prefixes_only_where_a_snapshot_of_its_state_ends_them():
+    """A conv model's state is valid only at the end of what a row was fed: a prompt of exactly two blocks leaves a
+    snapshot at its end, which a later prompt beginning with it reuses; a prompt ending mid-block leaves none, so a
+    prompt that shares its first blocks only recomputes them. Each decodes its uncached greedy text."""
+    model = tiny_model(block_size=CONTEXT, **CONV)
+    tokenizer = CharTokenizer(CHARS)
+    two_blocks = SYSTEM[: 2 * BLOCK]
+    other = "Whether tis nobler in the mind to suffer " * 3  # three whole blocks and more, shared by the last two
+    prompts = [two_blocks, two_blocks + " and more", other + "Hi", other + "Hello"]
+    params = Params(max_tokens=8, options=GREEDY)
+    engine = Engine(model, tokenizer, max_batch=2, prefix_cache_mb=1).start()
+    try:
+        texts = []
+        hits = []
+        for prompt in prompts:
+            texts.append(Collect(engine, tokenizer, [prompt], params).wait()[0])
+            hits.append(engine.prefix.hits)
+    finally:
+        engine.close()
+    assert texts == [greedy(model, tokenizer, p, 8) for p in prompts]
+    # the second reuses the first's two blocks; other + "Hi" and its 8 tokens end mid-block: no snapshot, no reuse
+    assert hits == [0, 2 * BLOCK, 2 * BLOCK, 2 * BLOCK]

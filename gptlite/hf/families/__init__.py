@@ -12,12 +12,14 @@ from gptlite.hf.families.gemma3 import GEMMA3
 from gptlite.hf.families.gpt2 import GPT2
 from gptlite.hf.families.granite import GRANITE
 from gptlite.hf.families.granite4 import GRANITE4
+from gptlite.hf.families.lfm2 import LFM2
 from gptlite.hf.families.llama import LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from gptlite.hf.families.ministral3 import MINISTRAL3, MISTRAL3_VISION
 from gptlite.hf.families.nanochat import NANOCHAT
 from gptlite.hf.families.olmo2 import OLMO2
 from gptlite.hf.families.olmo3 import OLMO3
 from gptlite.hf.families.phi3 import PHI3
+from gptlite.hf.families.qwen35 import QWEN35, QWEN35_VL
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -37,6 +39,9 @@ FAMILIES: dict[str, Family] = {
         OLMO3,
         MINISTRAL3,
         MISTRAL3_VISION,
+        LFM2,
+        QWEN35,
+        QWEN35_VL,
     )
 }
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them

@@ -48,11 +48,13 @@ class Family:
     config_defaults: dict[str, Any] = {}  # transformers' defaults for keys a config.json may leave out
     own_switches: dict[str, Any] = {}  # gptlite switches this family alone has, with the value a model of others has
     by_name = False  # chosen for a model of the layout's default when the model was loaded as this class
-    also_takes: tuple[Family, ...] = ()  # when chosen by name: the families whose own switches this one takes too
+    # the families whose own switches this one takes too: when chosen by name, and when both are marked
+    also_takes: tuple[Family, ...] = ()
     soft_cap = False  # its class soft-caps the final logits (else logit_softcap is a speedrun option)
     suggested_flags: dict[str, Any] = {}  # train.py's flags that make a model of this layout (a refusal's advice)
     gguf_name: str | None = None  # llama.cpp's architecture; None: gptlite writes no GGUF for it
-    left_out: tuple[str, ...] = ()  # the prefixes of a checkpoint's weights gptlite does not read (a vision tower's)
+    # the prefixes of a checkpoint's weights gptlite does not read (a vision tower's), said in one note line
+    vision_prefixes: tuple[str, ...] = ()
 
     # -----------------------------------------------------------------------------------------
     # Which gptlite models
@@ -70,8 +72,23 @@ class Family:
         switches of one family each (OWN_SWITCHES) that `config` sets."""
         return True
 
+    def has_layers(self, config: GPTConfig) -> bool:
+        """Whether its class has the kinds of layer `config`'s are (layer_types) and attention gated on its output
+        where `config`'s is (attn_output_gate): by default, attention layers only, without a gate."""
+        return set(config.layer_kinds) == {"full_attention"} and not config.attn_output_gate
+
     # -----------------------------------------------------------------------------------------
     # Import: config.json -> gptlite's switches
+
+    def text_config(self, c: dict, path: Path) -> dict:
+        """The text model's config of the config.json `c` read from `path`: the file itself (a vision-language
+        checkpoint nests it)."""
+        return c
+
+    def left_out(self, names: list[str]) -> list[str]:
+        """The checkpoint's weights (of `names`) that are not the text model's, left out as it is read (a
+        vision-language checkpoint's vision tower, said so in one line): none."""
+        return []
 
     def values(self, c: ConfigFile) -> tuple[dict, int | None, list[str]]:
         """(GPTConfig's values, the attention window or None, what of the file gptlite cannot hold, one phrase
@@ -130,9 +147,15 @@ class Family:
 
 
 def part_sizes(ours: str, config: GPTConfig) -> list[int]:
-    """The rows of each transformers tensor that a fused gptlite tensor stacks (q, k, v; the gate and value)."""
-    if "attn.qkv" in ours:
-        return [config.n_head * config.head_width] + [config.kv_heads * config.head_width] * 2
+    """The rows of each transformers tensor that a fused gptlite tensor stacks (q, k, v; the gate and value; Gated
+    DeltaNet's input projections)."""
+    if "attn.qkv" in ours:  # the query rows with the output gate's where attention has one (attn_output_gate)
+        q_rows = config.n_head * config.head_width * (2 if config.attn_output_gate else 1)
+        return [q_rows] + [config.kv_heads * config.head_width] * 2
+    if "attn.in_proj" in ours:  # Gated DeltaNet's q, k and v, then z, b and a
+        key_rows = config.linear_k_heads * config.linear_k_dim
+        value_rows = config.linear_v_heads * config.linear_v_dim
+        return [2 * key_rows + value_rows, value_rows, config.linear_v_heads, config.linear_v_heads]
     return [config.ffn_hidden] * 2
 
 

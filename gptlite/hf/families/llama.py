@@ -39,6 +39,7 @@ class LlamaLayout(Family):
     qk_norm = False  # RMSNorm on each head's q and k (Qwen3)
     window_key = True  # its config class has a sliding_window (written null: gptlite attends to the whole context)
     takes_yarn = False  # its class reads YaRN's RoPE scaling (rope_type "yarn"), and gptlite's export writes it
+    partial_rotary_default = 1.0  # the part of each head RoPE rotates where the config.json leaves it out
     # llama.cpp
     gguf_interleaved = False  # llama.cpp's architecture rotates pairs (0, 1), (2, 3), ...: q and k rows reordered
     gguf_norm_names = ("attn_norm", "ffn_norm")
@@ -94,7 +95,7 @@ class LlamaLayout(Family):
             unsupported.append(f"RoPE scaling of type {kind!r} (gptlite has llama3's, and Phi-3's longrope)")
         else:
             values.update(scaled)
-        partial = c.number("partial_rotary_factor", high=1.0, default=1.0, **at)
+        partial = c.number("partial_rotary_factor", high=1.0, default=self.partial_rotary_default, **at)
         if partial != 1:
             part = self.partial_rope(head_dim, partial)
             if part is None:

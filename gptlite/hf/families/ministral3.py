@@ -88,7 +88,7 @@ class Mistral3Vision(Family):
     architecture = "Mistral3ForConditionalGeneration"
     model_type = "mistral3"
     prefix = "language_model."
-    left_out = ("vision_tower.", "multi_modal_projector.")
+    vision_prefixes = ("vision_tower.", "multi_modal_projector.")
     config_defaults = {"tie_word_embeddings": True}  # Mistral3Config's
     text_families = {"ministral3": MINISTRAL3, "mistral": MISTRAL}
 
