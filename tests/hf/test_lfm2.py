@@ -4,6 +4,7 @@ common tests (tests/hf/test_families.py: logits, greedy tokens on the cache, exp
 batches, beam search and sampling, the server's rows, LoRA on the convolution's projections."""
 
 import copy
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -136,6 +137,24 @@ def test_lora_on_the_convolutions_projections_trains_them_and_merges(saved):
         merged = merge_lora(model)
         torch.testing.assert_close(merged(ids)[0], adapted, atol=1e-4, rtol=1e-4)
         assert merged.generate([prompt], 8, temperature=0) == greedy
+
+
+def test_liquid_ais_own_key_names_are_read_as_transformers_reads_them(saved, tmp_path):
+    """block_ff_dim and tie_embedding (LiquidAI's config.json names) over intermediate_size and tie_word_embeddings;
+    full_attn_idxs where layer_types is left out."""
+    hf, _ = saved
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    config["block_ff_dim"] = config.pop("intermediate_size")
+    config["intermediate_size"] = 1  # what block_ff_dim replaces
+    config["tie_embedding"] = config.pop("tie_word_embeddings")
+    config["tie_word_embeddings"] = False
+    config["full_attn_idxs"] = [i for i, kind in enumerate(config.pop("layer_types")) if kind == "full_attention"]
+    path.write_text(json.dumps(config))
+    ids = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(ids)[0], hf(ids).logits, atol=2e-4, rtol=0)
 
 
 def test_a_layer_kind_gptlite_lacks_is_refused_naming_the_file(tmp_path):

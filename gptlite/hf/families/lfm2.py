@@ -59,6 +59,8 @@ class Lfm2(LlamaLayout):
 
     def values(self, c: ConfigFile) -> tuple[dict, int | None, list[str]]:
         values, window, unsupported = super().values(c)
+        if "tie_embedding" in c.values:  # LiquidAI's own name, which transformers takes over tie_word_embeddings
+            values["tie_embeddings"] = c.flag("tie_embedding")
         values["norm_eps"] = c.number("norm_eps")
         values["ffn_hidden"] = self.ffn_width(c)
         values["layer_types"] = ",".join(self.kinds(c, values["n_layer"]))
@@ -69,8 +71,9 @@ class Lfm2(LlamaLayout):
         return values, window, unsupported
 
     def ffn_width(self, c: ConfigFile) -> int:
-        """The feed-forward's width as transformers' Lfm2MLP computes it from intermediate_size."""
-        width = c.integer("intermediate_size")
+        """The feed-forward's width as transformers' Lfm2MLP computes it from intermediate_size (or LiquidAI's own
+        name for it, block_ff_dim, which transformers takes over intermediate_size)."""
+        width = c.integer("block_ff_dim" if "block_ff_dim" in c.values else "intermediate_size")
         if not c.flag("block_auto_adjust_ff_dim"):
             return width
         width = int(2 * width / 3)
