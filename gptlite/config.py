@@ -28,7 +28,8 @@ RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gpt
 # Options that one optimizer alone reads: set where it does not run, each would do nothing, so it is refused (see
 # set_options; each mode of training refuses its own likewise: gptlite.train.preference, gptlite.train.rl)
 MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "normuon", "normuon_beta2")
-LAYER_TYPES = ("full_attention", "conv")  # GPTConfig.layer_types' kinds (gptlite.model.network's LAYERS builds each)
+# GPTConfig.layer_types' kinds (gptlite.model.network's LAYERS builds each)
+LAYER_TYPES = ("full_attention", "conv", "mamba")
 QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.inference.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -176,11 +177,21 @@ class GPTConfig:
     )
     layer_types: str = option(
         "",
-        "comma-separated kind of each layer: full_attention, or conv (LFM2's gated short convolution); '' = every "
-        "layer full_attention",
+        "comma-separated kind of each layer: full_attention, conv (LFM2's gated short convolution) or mamba "
+        "(Mamba-2, as Granite 4-H's); '' = every layer full_attention",
     )
     conv_kernel: int = option(3, "the width of the conv layers' causal convolution, in tokens (LFM2's L_cache)")
     conv_bias: bool = option(False, "biases in the conv layers' projections and convolution (LFM2's conv_bias)")
+    mamba_heads: int = option(8, "the mamba layers' scan heads (mamba_n_heads)")
+    mamba_head_dim: int = option(16, "the width of each mamba head (mamba_d_head)")
+    mamba_state: int = option(16, "the size of each mamba head's state per channel (mamba_d_state)")
+    mamba_groups: int = option(1, "groups of mamba heads sharing B and C, and the gated norm's groups (mamba_n_groups)")
+    mamba_conv_kernel: int = option(4, "the width of the mamba layers' causal convolution, in tokens (mamba_d_conv)")
+    mamba_chunk_size: int = option(256, "tokens per chunk of the mamba layers' chunked scan (mamba_chunk_size)")
+    mamba_conv_bias: bool = option(True, "a bias in the mamba layers' convolution (mamba_conv_bias)")
+    mamba_proj_bias: bool = option(False, "biases in the mamba layers' in_proj and out_proj (mamba_proj_bias)")
+    mamba_dt_min: float = option(0.0, "the mamba layers' time steps are clamped to at least this (time_step_limit)")
+    mamba_dt_max: float = option(float("inf"), "and to at most this (time_step_limit)")
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -254,6 +265,8 @@ class GPTConfig:
             "rope_reverse",
             "norm_unit_offset",
             "conv_bias",
+            "mamba_conv_bias",
+            "mamba_proj_bias",
         ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
@@ -345,6 +358,7 @@ class GPTConfig:
         kernel = self.conv_kernel
         if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 2:
             problems.append(f"conv_kernel={kernel!r} must be an integer >= 2 (the token and at least one before it)")
+        problems += self._mamba_problems()
         if not self.layer_types:
             return problems
         if not isinstance(self.layer_types, str):
@@ -359,6 +373,26 @@ class GPTConfig:
         stateful = any(kind != "full_attention" for kind in kinds)
         if stateful and self.value_embeds:
             problems.append("value_embeds mixes into attention's values; it needs every layer in layer_types to attend")
+        return problems
+
+    def _mamba_problems(self) -> list[str]:
+        """The mamba sizes: positive integers, the heads split into mamba_groups; time steps 0 <= min <= max."""
+        problems = []
+        for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups", "mamba_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        kernel = self.mamba_conv_kernel
+        if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 2:
+            problems.append(f"mamba_conv_kernel={kernel!r} must be an integer >= 2 (the token and at least one before)")
+        heads = self.mamba_heads
+        groups = self.mamba_groups
+        if isinstance(heads, int) and isinstance(groups, int) and groups >= 1 and heads % groups:
+            problems.append(f"mamba_groups={groups} must divide mamba_heads={heads}")
+        low = self.mamba_dt_min
+        high = self.mamba_dt_max
+        if not isinstance(low, (int, float)) or not isinstance(high, (int, float)) or not 0 <= low <= high:
+            problems.append(f"mamba_dt_min={low!r}, mamba_dt_max={high!r} must be numbers with 0 <= min <= max")
         return problems
 
     def _layer_list_problems(self, name: str) -> list[str]:
