@@ -52,7 +52,8 @@ def matching_family(config: GPTConfig, architecture: str | None = None) -> Famil
     """The family `config`'s switches map to (see family_of and Family), or None."""
     if speedrun_options(config):
         return None
-    members = [family for family in FAMILIES.values() if family.core(config)]  # the layout's, its default first
+    # the layout's families whose classes have its kinds of layer, the layout's default first
+    members = [family for family in FAMILIES.values() if family.core(config) and family.has_layers(config)]
     if not members:
         return None
     own = own_switches(config)

@@ -52,6 +52,7 @@ class Family:
     soft_cap = False  # its class soft-caps the final logits (else logit_softcap is a speedrun option)
     suggested_flags: dict[str, Any] = {}  # train.py's flags that make a model of this layout (a refusal's advice)
     gguf_name: str | None = None  # llama.cpp's architecture; None: gptlite writes no GGUF for it
+    layer_kinds: tuple[str, ...] = ("full_attention",)  # the kinds of layer its class has (GPTConfig.layer_types)
 
     # -----------------------------------------------------------------------------------------
     # Which gptlite models
@@ -68,6 +69,10 @@ class Family:
         """Whether this family's class computes all of what a model of `config` does, once chosen; `own` names the
         switches of one family each (OWN_SWITCHES) that `config` sets."""
         return True
+
+    def has_layers(self, config: GPTConfig) -> bool:
+        """Whether its class has every kind of layer `config` has (layer_types)."""
+        return set(config.layer_kinds) <= set(self.layer_kinds)
 
     # -----------------------------------------------------------------------------------------
     # Import: config.json -> gptlite's switches
