@@ -96,11 +96,18 @@ class Running:
 
 
 class Served:
-    """A tiny model, its template tokenizer, an engine and a running server (its headers and bodies read within
-    the policy's read_timeout)."""
+    """A tiny model (or `model`, of the tiny vocabulary), its template tokenizer, an engine and a running server (its
+    headers and bodies read within the policy's read_timeout)."""
 
-    def __init__(self, max_batch: int = 8, block_size: int = 128, policy: Policy | None = None, **app_options):
-        self.model = tiny_model(block_size=block_size)
+    def __init__(
+        self,
+        max_batch: int = 8,
+        block_size: int = 128,
+        policy: Policy | None = None,
+        model: torch.nn.Module | None = None,
+        **app_options,
+    ):
+        self.model = tiny_model(block_size=block_size) if model is None else model
         self.tokenizer = TemplateTokenizer(CHARS)
         self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch).start()
         self.policy = policy or Policy()

@@ -17,6 +17,7 @@ from gptlite import GPT
 from gptlite.checkpoint import load_checkpoint
 from gptlite.data.prepare import prepare
 from gptlite.hf import export_hf
+from gptlite.inference.generate import generate
 from tests.conftest import DEVICE, ROOT, run_train, shared_file
 from tests.test_hf import randomized
 
@@ -799,3 +800,58 @@ def test_other_families_numbers_are_checked_too(name, edit, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**values, **edit}))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: {message}"):
         GPT.from_pretrained(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def granite4_h(tmp_path_factory):
+    """A tiny random Granite 4-H saved by transformers, and the model itself."""
+    cls, config = FAMILIES["granite4-h"]
+    hf = randomized(cls(config))
+    directory = tmp_path_factory.mktemp("granite4-h")
+    hf.save_pretrained(directory)
+    return hf, directory
+
+
+def test_granite4_h_rows_of_a_left_padded_batch_decode_what_they_decode_alone(granite4_h):
+    """Prompts of 20 and 3 tokens in one batch (the short one left-padded past a chunk of 16): each row's 30 greedy
+    tokens are its own alone, and transformers' generate."""
+    hf, directory = granite4_h
+    ours = GPT.from_pretrained(str(directory))
+    prompts = [ids(1, 20)[0].tolist(), ids(1, 3)[0].tolist()]
+    batch = generate(ours, prompts, 30, temperature=0)
+    with torch.no_grad():
+        for prompt, row in zip(prompts, batch, strict=True):
+            assert row == generate(ours, [prompt], 30, temperature=0)[0]
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+            assert row == want[0].tolist()
+
+
+def test_granite4_h_served_concurrent_completions_equal_transformers_greedy_continuations(granite4_h):
+    """The server (continuous batching, each row its own Mamba-2 state) with requests of different lengths at once:
+    each completion is transformers' greedy continuation of the same ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.helpers.serving import MODEL, Served
+
+    hf, directory = granite4_h
+    served = Served(max_batch=3, model=GPT.from_pretrained(str(directory)))
+    prompts = ["ROMEO:", "a", "The quick brown fox", "To be or not to be", "xy"]
+    lengths = [12, 30, 5, 20, 9]
+
+    def complete(prompt: str, n: int) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0}
+        response = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+        return response.json()["choices"][0]["text"]
+
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(complete, prompts, lengths))
+    finally:
+        served.close()
+    for prompt, n, text in zip(prompts, lengths, texts, strict=True):
+        prompt_ids = served.tokenizer.encode(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert text == served.tokenizer.decode(out[0, len(prompt_ids) :].tolist()), prompt
