@@ -103,7 +103,7 @@ def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tup
     problem = family.gguf_problem(config)
     if problem:
         raise ValueError(problem)
-    return family, family.gguf_name
+    return family, family.gguf_architecture(config)
 
 
 def gguf_family(config: GPTConfig, architecture: str | None = None) -> Family | None:

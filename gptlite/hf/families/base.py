@@ -119,6 +119,10 @@ class Family:
         """What llama.cpp's architecture cannot hold of this model, in one line (None: nothing)."""
         return None
 
+    def gguf_architecture(self, config: GPTConfig) -> str | None:
+        """llama.cpp's architecture for a model of `config` (gguf_name, unless a family's models go to several)."""
+        return self.gguf_name
+
     def add_hyperparameters(self, writer, config: GPTConfig) -> None:
         """This family's GGUF keys, after those every architecture has (gptlite.hf.gguf.add_hyperparameters)."""
         raise NotImplementedError

@@ -2,13 +2,16 @@
 (shared_mlp, gate and value fused in input_linear as gptlite holds them), RoPE or no positions at all
 (position_embedding_type, the whole model's). Its layers are attention (Granite 4.0 350M, 1B, micro) or Mamba-2 among
 attention (Granite 4-H: layer_types "mamba", gptlite.model.mamba2, with the mamba_* sizes of its config). A mixture
-of experts is refused in one line. In llama.cpp an attention-only model is a granite (as llama.cpp's own
-convert_hf_to_gguf.py writes one), without RoPE where it has no positions."""
+of experts is refused in one line. In llama.cpp an attention-only model is a granite and one with Mamba-2 layers a
+granitehybrid (as llama.cpp's own convert_hf_to_gguf.py writes them), without RoPE where it has no positions."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+
+import torch
 
 from gptlite.config import GPTConfig
 from gptlite.hf.families.base import ConfigFile, Entry
@@ -184,10 +187,66 @@ class Granite4(Granite):
     # -----------------------------------------------------------------------------------------
     # GGUF
 
+    def gguf_architecture(self, config: GPTConfig) -> str | None:
+        return "granitehybrid" if "mamba" in config.layer_kinds else self.gguf_name
+
+    def gguf_problem(self, config: GPTConfig) -> str | None:
+        """llama.cpp's Mamba-2 layers: a bias on the convolution, none on the projections, time steps unclamped."""
+        if "mamba" not in config.layer_kinds:
+            return None
+        problems = []
+        if not config.mamba_conv_bias:
+            problems.append("a convolution without a bias (mamba_conv_bias=false)")
+        if config.mamba_proj_bias:
+            problems.append("biases on in_proj and out_proj (mamba_proj_bias=true)")
+        if config.mamba_dt_min > 0 or config.mamba_dt_max != math.inf:
+            problems.append(f"time steps clamped to [{config.mamba_dt_min}, {config.mamba_dt_max}] (time_step_limit)")
+        if not problems:
+            return None
+        return (
+            f"llama.cpp's granitehybrid has no Mamba-2 layers with {' or '.join(problems)}; GGUF export cannot hold it"
+        )
+
+    def gguf_kv_heads(self, config: GPTConfig) -> int | list[int]:
+        """Each layer's: a Mamba-2 layer has none, which is how llama.cpp's granitehybrid tells it from attention."""
+        if "mamba" not in config.layer_kinds:
+            return config.kv_heads
+        return [0 if kind == "mamba" else config.kv_heads for kind in config.layer_kinds]
+
     def add_own_hyperparameters(self, writer, config: GPTConfig) -> None:
         super().add_own_hyperparameters(writer, config)
+        if "mamba" in config.layer_kinds:  # llama.cpp's ssm keys: its time_step_rank is the scan's heads
+            writer.add_ssm_conv_kernel(config.mamba_conv_kernel)
+            writer.add_ssm_state_size(config.mamba_state)
+            writer.add_ssm_group_count(config.mamba_groups)
+            writer.add_ssm_inner_size(config.mamba_heads * config.mamba_head_dim)
+            writer.add_ssm_time_step_rank(config.mamba_heads)
         if config.nope_layers:  # llama.cpp's granite rotates q and k where rope.scaling.finetuned says so
             writer.add_rope_scaling_finetuned(False)
+
+    def gguf_layer(self, i: int, weight, norm, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """A Mamba-2 layer as llama.cpp's converter writes it: A as -exp(A_log) and D, one column each; the
+        convolution's kernel without its channel axis; the gated norm's weight one row per group."""
+        if config.layer_kinds[i] != "mamba":
+            yield from super().gguf_layer(i, weight, norm, config)
+            return
+        ours = f"blocks.{i}."
+        theirs = f"blk.{i}."
+        heads = config.mamba_heads
+        yield f"{theirs}attn_norm.weight", norm(f"{ours}mamba_norm.weight")
+        yield f"{theirs}ssm_in.weight", weight(f"{ours}mamba.in_proj.weight")
+        yield f"{theirs}ssm_conv1d.weight", weight(f"{ours}mamba.conv.weight")[:, 0]  # (channels, K)
+        yield f"{theirs}ssm_conv1d.bias", weight(f"{ours}mamba.conv.bias")
+        yield f"{theirs}ssm_dt.bias", weight(f"{ours}mamba.dt_bias")
+        yield f"{theirs}ssm_a", -torch.exp(weight(f"{ours}mamba.A_log")).reshape(heads, 1)
+        yield f"{theirs}ssm_d", weight(f"{ours}mamba.D").reshape(heads, 1)
+        yield f"{theirs}ssm_norm.weight", weight(f"{ours}mamba.norm.weight").reshape(config.mamba_groups, -1)
+        yield f"{theirs}ssm_out.weight", weight(f"{ours}mamba.out_proj.weight")
+        yield f"{theirs}ffn_norm.weight", norm(f"{ours}ffn_norm.weight")
+        gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
+        yield f"{theirs}ffn_gate.weight", gate
+        yield f"{theirs}ffn_up.weight", up
+        yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
 
 
 GRANITE4 = Granite4()
