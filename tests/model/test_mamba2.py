@@ -190,3 +190,22 @@ def test_decoding_through_the_state_gives_the_whole_forward_and_padding_never_en
         torch.testing.assert_close(out[:, 3:8], whole[:1, :5], atol=1e-5, rtol=1e-5)
         for name in ("conv", "ssm"):
             torch.testing.assert_close(cache.state[name], alone.state[name], atol=1e-5, rtol=1e-5)
+
+
+def test_the_chunked_scans_gradients_are_the_recurrences():
+    """Training runs through the chunked scan: its gradients (past a chunk, from a state) are those of the step taken
+    token by token, and finite where the decay's masked entries are exp(-inf)."""
+    inputs = [t.requires_grad_() for t in scan_inputs(9, seed=3)]
+    x, dt, A, B, C, state = inputs
+    y, final = ssd_chunked(x, dt, A, B, C, chunk_size=4, state=state)
+    weights = torch.randn_like(y)
+    chunked = torch.autograd.grad((y * weights).sum() + final.sum(), inputs)
+    h = state
+    steps = []
+    for t in range(9):
+        y_t, h = ssd_step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t])
+        steps.append(y_t)
+    recurrent = torch.autograd.grad((torch.stack(steps, dim=1) * weights).sum() + h.sum(), inputs)
+    for got, want in zip(chunked, recurrent, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
