@@ -26,6 +26,8 @@ onto gptlite's switches, weight for weight:
                         window_layers) with a RoPE base of their own (rope_local_theta), an optional final soft cap
     GraniteMoeHybridForCausalLM  Granite 4 with every layer attention and no experts: Granite's switches, its shared
                         MLP the feed-forward, RoPE or no positions in any layer (nope_layers)
+    Lfm2ForCausalLM     LFM2 and LFM2.5: gated short-convolution layers among grouped-query attention ones (layer_types,
+                        conv_kernel, conv_bias), per-head q/k norms, the feed-forward's width as transformers adjusts it
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

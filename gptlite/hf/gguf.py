@@ -9,7 +9,7 @@ architecture, writes its hyperparameters and lays out its tensors, e.g.
             and Llama 3's RoPE scaling is the per-frequency factors of a rope_freqs tensor
     qwen2   Llama's with biases on q, k and v (llama.cpp rotates halves for it: nothing is reordered)
     qwen3   Llama's with RMSNorm on each head's q and k
-and granite, smollm3, olmo2 and gemma3 likewise; this module writes what every file has (the tokenizer, the types,
+and granite, smollm3, olmo2, gemma3 and lfm2 likewise; this module writes what every file has (the tokenizer, the types,
 the file itself) and asks the family for the rest.
 The tokenizer goes inside as llama.cpp's byte-level BPE ("gpt2" model): every id's token in GPT-2's byte-level
 characters, the merges, each special token marked a control token, and the name of the pre-tokenizer whose
@@ -252,6 +252,7 @@ def gguf_tensors(
 # why a matrix is not of the file's type, as the export's line says it
 WIDTH_NOT_32 = "whose input width is not a multiple of 32"
 POSITIONS_F32 = "(learned positions, kept so as llama.cpp's converter keeps them)"
+CONV_F32 = "(LFM2's convolution kernels, which llama.cpp's convolution takes in f32)"
 
 
 def storage_type(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str]:
@@ -262,6 +263,8 @@ def storage_type(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str
         return "f32", ""
     if name == "position_embd.weight":
         return "f32", POSITIONS_F32
+    if name.endswith("shortconv.conv.weight"):
+        return "f32", CONV_F32
     if kind in ("q8_0", "q4_0") and shape[-1] % 32:
         return "f16", WIDTH_NOT_32
     return kind, ""

@@ -59,8 +59,10 @@ def matching_family(config: GPTConfig, architecture: str | None = None) -> Famil
     own = own_switches(config)
     marked = [family for family in members if family.marked(config)]
     named = next((f for f in members if f.by_name and f.architecture == architecture), None)
-    if named is not None and all(f in named.also_takes for f in marked) and named.holds(config, own):
+    if named is not None and all(f is named or f in named.also_takes for f in marked) and named.holds(config, own):
         return named
+    # a marked family whose switches another marked family takes too is that one's part (LFM2's q/k norms, Qwen3's)
+    marked = [f for f in marked if not any(f in other.also_takes for other in marked if other is not f)]
     if len(marked) > 1:  # two families' switches
         return None
     if marked:

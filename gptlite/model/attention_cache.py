@@ -50,7 +50,8 @@ class AttentionCache(Protocol):
 
     def read_state(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer's state before this call, for the call's rows: each name of its `state_spec` -> (B, *shape), zeros
-        for a row this call begins."""
+        for a row this call begins. The tensors may be views of the cache's own buffers, which `write_state` then
+        overwrites: a layer computes from them before it writes its new state."""
         ...
 
     def write_state(self, layer: int, state: dict[str, torch.Tensor]) -> None:

@@ -11,6 +11,7 @@ import time
 import torch
 import uvicorn
 
+from gptlite import GPT
 from gptlite.serve.app import create_app
 from gptlite.serve.connection import uvicorn_config
 from gptlite.serve.engine import Engine
@@ -96,7 +97,7 @@ class Running:
 
 
 class Served:
-    """A tiny model (or `model`, of the tiny vocabulary), its template tokenizer, an engine and a running server (its
+    """A tiny model (or `model`, of the same vocabulary), its template tokenizer, an engine and a running server (its
     headers and bodies read within the policy's read_timeout)."""
 
     def __init__(
@@ -104,10 +105,10 @@ class Served:
         max_batch: int = 8,
         block_size: int = 128,
         policy: Policy | None = None,
-        model: torch.nn.Module | None = None,
+        model: GPT | None = None,
         **app_options,
     ):
-        self.model = tiny_model(block_size=block_size) if model is None else model
+        self.model = tiny_model(block_size=block_size) if model is None else model  # the tokenizer's 97 ids
         self.tokenizer = TemplateTokenizer(CHARS)
         self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch).start()
         self.policy = policy or Policy()

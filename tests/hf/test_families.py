@@ -170,9 +170,31 @@ FAMILIES = {  # name -> (transformers class, its config)
             tie_word_embeddings=True,
         ),
     ),
+    "lfm2": (  # a conv layer (LFM2's gated short convolution, its state on the cache), then attention
+        transformers.Lfm2ForCausalLM,
+        transformers.Lfm2Config(
+            **{k: v for k, v in COMMON.items() if k != "rms_norm_eps"},
+            norm_eps=1e-5,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention"],
+            block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 # issue 73's: train.py --init_from with learning rate 0 too
-NEW_FAMILIES = ["granite", "smollm3", "phi3", "phi4-mini", "olmo2", "nanochat", "gemma3", "granite4", "granite4-h"]
+NEW_FAMILIES = [
+    "granite",
+    "smollm3",
+    "phi3",
+    "phi4-mini",
+    "olmo2",
+    "nanochat",
+    "gemma3",
+    "granite4",
+    "granite4-h",
+    "lfm2",
+]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -218,7 +240,8 @@ def test_the_kv_cache_holds_only_the_key_value_heads(saved):
 
     model = GPT.from_pretrained(str(directory))
     cache = new_cache(model, 3, 16)
-    assert cache.k[0].shape == (3, hf.config.num_key_value_heads, 16, model.config.head_width)
+    first = min(model.config.attention_layer_ids)  # (LFM2's first layer is a convolution, with no keys)
+    assert cache.k[first].shape == (3, hf.config.num_key_value_heads, 16, model.config.head_width)
 
 
 def test_sharded_torch_and_bfloat16_checkpoints(tmp_path):
@@ -667,8 +690,8 @@ def older_rope_keys(config: dict) -> dict:
 def defaults_left_out(config: dict) -> dict:
     """The keys whose absence transformers fills with the family's default, and which leave the weights' shapes."""
     keys = ["rms_norm_eps", "rope_theta", "final_logit_softcapping", "sliding_window", "layer_types"]
-    if config["model_type"] == "granitemoehybrid":
-        keys.remove("layer_types")  # its default makes every layer Mamba-2: another model
+    if config["model_type"] in ("granitemoehybrid", "lfm2"):
+        keys.remove("layer_types")  # its default makes every layer Mamba-2 (LFM2's: attention): another model
     for key in keys:
         config.pop(key, None)
     rope = config.get("rope_parameters") or {}

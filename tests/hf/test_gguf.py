@@ -94,6 +94,15 @@ ARCHITECTURES = {  # llama.cpp's name -> gptlite's switches
         qk_norm=True,
         qk_norm_scope="all",
     ),
+    "lfm2": dict(  # a conv layer, then attention: the conv's state carries every greedy token's last inputs
+        pos_emb="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        n_kv_head=2,
+        qk_norm=True,
+        rope_theta=1e6,
+        layer_types="conv,full_attention",
+    ),
 }
 
 
@@ -493,6 +502,11 @@ def make_data(folder, text: str):
             r"llama.cpp's gemma3 scales attention by 1 / sqrt\(head width\) = 0.25, and this model by attn_scale=0.1 "
             r"\(query_pre_attn_scalar other than head_dim\); GGUF export needs them equal",
         ),
+        (
+            {**ARCHITECTURES["lfm2"], "conv_bias": True},
+            r"llama.cpp's lfm2 has no biases in its conv layers, and this model has \(conv_bias=true\); GGUF export "
+            r"needs conv_bias=false",
+        ),
     ],
 )
 def test_a_model_llama_cpp_cannot_run_is_refused_in_one_line(switches, message, bpe, tmp_path):
@@ -542,6 +556,16 @@ def test_an_interrupted_export_leaves_no_partial_file_and_the_earlier_one_whole(
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"] and out.read_bytes() == before
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_gguf(model, out, bpe)
+
+
+def test_lfm2s_convolution_kernels_stay_f32_in_a_quantized_file(bpe, tmp_path):
+    """llama.cpp's convolution takes its kernels in f32, as its converter writes them; the projections quantize."""
+    model = random_model(2, 640, **ARCHITECTURES["lfm2"])
+    path = export_gguf(model, tmp_path / "m.gguf", bpe, "q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.shortconv.conv.weight"] == "F32" and types["blk.0.shortconv.in_proj.weight"] == "Q8_0"
+    error, _, _ = relative_error(model, path, bpe.encode(TEXTS[5]))
+    assert error < BOUNDS["q8_0"], error
 
 
 def test_every_weight_goes_in_once(bpe):

@@ -12,6 +12,7 @@ from gptlite.hf.families.gemma3 import GEMMA3
 from gptlite.hf.families.gpt2 import GPT2
 from gptlite.hf.families.granite import GRANITE
 from gptlite.hf.families.granite4 import GRANITE4
+from gptlite.hf.families.lfm2 import LFM2
 from gptlite.hf.families.llama import LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from gptlite.hf.families.nanochat import NANOCHAT
 from gptlite.hf.families.olmo2 import OLMO2
@@ -32,6 +33,7 @@ FAMILIES: dict[str, Family] = {
         NANOCHAT,
         GEMMA3,
         GRANITE4,
+        LFM2,
     )
 }
 UNSUPPORTED = {  # model types people ask for, and what gptlite lacks for them

@@ -48,7 +48,8 @@ class Family:
     config_defaults: dict[str, Any] = {}  # transformers' defaults for keys a config.json may leave out
     own_switches: dict[str, Any] = {}  # gptlite switches this family alone has, with the value a model of others has
     by_name = False  # chosen for a model of the layout's default when the model was loaded as this class
-    also_takes: tuple[Family, ...] = ()  # when chosen by name: the families whose own switches this one takes too
+    # the families whose own switches this one takes too: when chosen by name, and when both are marked
+    also_takes: tuple[Family, ...] = ()
     soft_cap = False  # its class soft-caps the final logits (else logit_softcap is a speedrun option)
     suggested_flags: dict[str, Any] = {}  # train.py's flags that make a model of this layout (a refusal's advice)
     gguf_name: str | None = None  # llama.cpp's architecture; None: gptlite writes no GGUF for it
