@@ -222,6 +222,12 @@ def test_granite4_h_goes_to_llama_cpp_as_granitehybrid(bpe, tmp_path):
     error, ours, theirs = relative_error(model, path, ids)
     assert error < 1e-3, error
     assert ids[len(prompt) :] == [int(t) for t in theirs[len(prompt) - 1 : -1].argmax(-1)]
+    half = export_gguf(model, tmp_path / "f16.gguf", bpe, "f16", architecture="GraniteMoeHybridForCausalLM")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(half).tensors}
+    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.ssm_in.weight"] == gguf.GGMLQuantizationType.F16
+    error, _, _ = relative_error(model, half, ids)
+    assert error < 1e-2, error
 
 
 def test_granite4_h_with_what_llama_cpp_lacks_is_refused_in_one_line(bpe, tmp_path):
