@@ -878,3 +878,25 @@ def test_granite4_h_served_concurrent_completions_equal_transformers_greedy_cont
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
         assert text == served.tokenizer.decode(out[0, len(prompt_ids) :].tolist()), prompt
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("time_step_limit", "fast", r"time_step_limit=\"fast\" must be \[min, max\], two numbers"),
+        ("mamba_d_head", 7, r"mamba_d_head=7 must be mamba_expand \* hidden_size / mamba_n_heads = 16"),
+        (
+            "layer_types",
+            ["attention", "mamba"],
+            r"layer_types=.* must be a list of num_hidden_layers=3 kinds, each attention or mamba",
+        ),
+    ],
+)
+def test_a_granite4_h_config_with_bad_mamba_values_is_named(key, value, message, tmp_path):
+    """config.json's Mamba-2 keys, each checked where it is read: the file, the key, what it must be."""
+    transformers.GraniteMoeHybridConfig(**GRANITE4_H).save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text())
+    values[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=rf"config.json: {message}; correct it there"):
+        GPT.from_pretrained(str(tmp_path))
