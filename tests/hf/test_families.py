@@ -900,3 +900,34 @@ def test_a_granite4_h_config_with_bad_mamba_values_is_named(key, value, message,
     (tmp_path / "config.json").write_text(json.dumps(values))
     with pytest.raises(ValueError, match=rf"config.json: {message}; correct it there"):
         GPT.from_pretrained(str(tmp_path))
+
+
+def test_granite4_h_lora_on_the_mamba_projections_trains_them_and_merges(granite4_h):
+    """LoRA on mamba.in_proj and mamba.out_proj: only the adapters train (through the chunked scan), decoding runs
+    through them, and merging them back gives the adapted model's logits and greedy tokens."""
+    from gptlite.train.lora import LoRALinear, add_lora, merge_lora
+
+    _, directory = granite4_h
+    pretrained = GPT.from_pretrained(str(directory))
+    model = add_lora(GPT.from_pretrained(str(directory)), 4, targets=("mamba.in_proj", "mamba.out_proj"))
+    adapted_layers = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert adapted_layers == [f"blocks.{i}.mamba.{p}" for i in (1, 2) for p in ("in_proj", "out_proj")]
+    tokens = ids(2, 40)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(3):
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    before = dict(pretrained.named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    prompt = tokens[0, :20].tolist()
+    with torch.no_grad():
+        adapted = model(tokens)[0]
+        assert not torch.allclose(adapted, pretrained(tokens)[0])
+        greedy = model.generate([prompt], 8, temperature=0)
+        merged = merge_lora(model)
+        torch.testing.assert_close(merged(tokens)[0], adapted, atol=1e-4, rtol=1e-4)
+        assert merged.generate([prompt], 8, temperature=0) == greedy
