@@ -29,8 +29,8 @@ RL_LOSSES = ("reinforce", "grpo")  # train.py --rl's policy-gradient losses (gpt
 # set_options; each mode of training refuses its own likewise: gptlite.train.preference, gptlite.train.rl)
 MUON_OPTIONS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns", "normuon", "normuon_beta2")
 # GPTConfig.layer_types' kinds (gptlite.model.network's LAYERS builds each): attention over the whole context, LFM2's
-# gated short convolution, Gated DeltaNet's linear attention with a recurrent state (Qwen3.5)
-LAYER_TYPES = ("full_attention", "conv", "linear_attention")
+# gated short convolution, Gated DeltaNet's linear attention with a recurrent state (Qwen3.5), Mamba-2 (Granite 4-H)
+LAYER_TYPES = ("full_attention", "conv", "linear_attention", "mamba")
 QUANTIZE_CHOICES = ("", "int8", "int4")  # weight-only quantizations gptlite.inference.quantize does ("" = none)
 TRUE_WORDS = ("true", "1", "yes", "on")  # how a boolean is written in TOML strings and on the command line
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -190,7 +190,8 @@ class GPTConfig:
     layer_types: str = option(
         "",
         "comma-separated kind of each layer, transformers' names: full_attention, conv (LFM2's gated short "
-        "convolution) or linear_attention (Gated DeltaNet, Qwen3.5's); '' = every layer full_attention",
+        "convolution), linear_attention (Gated DeltaNet, Qwen3.5's) or mamba (Mamba-2, as Granite 4-H's); "
+        "'' = every layer full_attention",
     )
     conv_kernel: int = option(3, "the width of the conv layers' causal convolution, in tokens (LFM2's L_cache)")
     conv_bias: bool = option(False, "biases in the conv layers' projections and convolution (LFM2's conv_bias)")
@@ -202,6 +203,16 @@ class GPTConfig:
     linear_k_dim: int = option(128, "linear_attention layers: the width of a query/key head")
     linear_v_dim: int = option(128, "linear_attention layers: the width of a value head")
     linear_conv_kernel: int = option(4, "linear_attention layers: the taps of the causal convolution of q, k, v")
+    mamba_heads: int = option(8, "the mamba layers' scan heads (mamba_n_heads)")
+    mamba_head_dim: int = option(16, "the width of each mamba head (mamba_d_head)")
+    mamba_state: int = option(16, "the size of each mamba head's state per channel (mamba_d_state)")
+    mamba_groups: int = option(1, "groups of mamba heads sharing B and C, and the gated norm's groups (mamba_n_groups)")
+    mamba_conv_kernel: int = option(4, "the width of the mamba layers' causal convolution, in tokens (mamba_d_conv)")
+    mamba_chunk_size: int = option(256, "tokens per chunk of the mamba layers' chunked scan (mamba_chunk_size)")
+    mamba_conv_bias: bool = option(True, "a bias in the mamba layers' convolution (mamba_conv_bias)")
+    mamba_proj_bias: bool = option(False, "biases in the mamba layers' in_proj and out_proj (mamba_proj_bias)")
+    mamba_dt_min: float = option(0.0, "the mamba layers' time steps are clamped to at least this (time_step_limit)")
+    mamba_dt_max: float = option(float("inf"), "and to at most this (time_step_limit)")
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -276,6 +287,8 @@ class GPTConfig:
             "norm_unit_offset",
             "conv_bias",
             "attn_output_gate",
+            "mamba_conv_bias",
+            "mamba_proj_bias",
         ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
@@ -383,6 +396,7 @@ class GPTConfig:
         kernel = self.conv_kernel
         if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 2:
             problems.append(f"conv_kernel={kernel!r} must be an integer >= 2 (the token and at least one before it)")
+        problems += self._mamba_problems()
         if not self.layer_types:
             return problems
         if not isinstance(self.layer_types, str):
@@ -414,6 +428,26 @@ class GPTConfig:
                 f"linear_v_heads={self.linear_v_heads} is not a multiple of linear_k_heads={self.linear_k_heads}: "
                 "each key head serves the same number of value heads"
             )
+        return problems
+
+    def _mamba_problems(self) -> list[str]:
+        """The mamba sizes: positive integers, the heads split into mamba_groups; time steps 0 <= min <= max."""
+        problems = []
+        for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups", "mamba_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        kernel = self.mamba_conv_kernel
+        if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 2:
+            problems.append(f"mamba_conv_kernel={kernel!r} must be an integer >= 2 (the token and at least one before)")
+        heads = self.mamba_heads
+        groups = self.mamba_groups
+        if isinstance(heads, int) and isinstance(groups, int) and groups >= 1 and heads % groups:
+            problems.append(f"mamba_groups={groups} must divide mamba_heads={heads}")
+        low = self.mamba_dt_min
+        high = self.mamba_dt_max
+        if not isinstance(low, (int, float)) or not isinstance(high, (int, float)) or not 0 <= low <= high:
+            problems.append(f"mamba_dt_min={low!r}, mamba_dt_max={high!r} must be numbers with 0 <= min <= max")
         return problems
 
     def _layer_list_problems(self, name: str) -> list[str]:

@@ -430,10 +430,17 @@ def test_importing_config_does_not_import_torch():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (dict(layer_types="conv,mamba"), r"layer_types names 'mamba'; the kinds are full_attention, conv"),
+        (
+            dict(layer_types="conv,lstm"),
+            r"layer_types names 'lstm'; the kinds are full_attention, conv, linear_attention, mamba",
+        ),
         (dict(layer_types="conv"), r"layer_types='conv' names 1 layers; n_layer=2"),
         (dict(layer_types="conv,full_attention", value_embeds=True), r"value_embeds .* needs every layer .* to attend"),
         (dict(conv_kernel=1), r"conv_kernel=1 must be an integer >= 2"),
+        (dict(mamba_conv_kernel=1), r"mamba_conv_kernel=1 must be an integer >= 2"),
+        (dict(mamba_heads=6, mamba_groups=4), r"mamba_groups=4 must divide mamba_heads=6"),
+        (dict(mamba_state=0), r"mamba_state=0 must be a positive integer"),
+        (dict(mamba_dt_min=0.5, mamba_dt_max=0.1), r"mamba_dt_min=0.5, mamba_dt_max=0.1 must be numbers with 0 <="),
     ],
 )
 def test_layer_types_errors_name_the_value_and_the_fix(overrides, message):

@@ -103,7 +103,7 @@ def gguf_architecture(config: GPTConfig, architecture: str | None = None) -> tup
     problem = family.gguf_problem(config)
     if problem:
         raise ValueError(problem)
-    return family, family.gguf_name
+    return family, family.gguf_architecture(config)
 
 
 def gguf_family(config: GPTConfig, architecture: str | None = None) -> Family | None:
@@ -253,6 +253,7 @@ def gguf_tensors(
 WIDTH_NOT_32 = "whose input width is not a multiple of 32"
 POSITIONS_F32 = "(learned positions, kept so as llama.cpp's converter keeps them)"
 CONV_F32 = "(LFM2's convolution kernels, which llama.cpp's convolution takes in f32)"
+SSM_F32 = "(Mamba-2's convolution kernels, A and D, which llama.cpp's convolution and scan take in f32)"
 
 
 def storage_type(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str]:
@@ -265,6 +266,8 @@ def storage_type(name: str, shape: tuple[int, ...], kind: str) -> tuple[str, str
         return "f32", POSITIONS_F32
     if name.endswith("shortconv.conv.weight"):
         return "f32", CONV_F32
+    if name.endswith(("ssm_conv1d.weight", "ssm_a", "ssm_d")):
+        return "f32", SSM_F32
     if kind in ("q8_0", "q4_0") and shape[-1] % 32:
         return "f16", WIDTH_NOT_32
     return kind, ""

@@ -10,7 +10,7 @@ Each variant is one module class, picked once from a registry when the model is 
     qk_norm_scope  QK_NORMS   head (Qwen3) | all (OLMo 2)
     layer_types    LAYERS     each layer's block: full_attention (the above; its attention gated on its output where
                               attn_output_gate is set: Qwen3.5) | conv (LFM2's gated short convolution) |
-                              linear_attention (Gated DeltaNet: Qwen3.5)
+                              linear_attention (Gated DeltaNet: Qwen3.5) | mamba (Mamba-2, gptlite.model.mamba2)
 
 The options of today's open models, off by default: grouped-query attention (n_kv_head), a head width of its
 own (head_dim), an untied output head (tie_embeddings=False), biases on q, k, v (qkv_bias), per-head q/k RMSNorm
@@ -50,6 +50,7 @@ from gptlite.config import GPTConfig
 from gptlite.model.attention_cache import AttentionCache, StateSpec
 from gptlite.model.gated_deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from gptlite.model.loss import linear_cross_entropy
+from gptlite.model.mamba2 import Mamba2, last_inputs
 
 Rotation = tuple[torch.Tensor, torch.Tensor] | None  # RoPE's (cos, sin), (T, D) or (B, T, D); None for the others
 
@@ -723,18 +724,6 @@ class ShortConv(nn.Module):
         return self.out_proj(y)
 
 
-def last_inputs(inputs: torch.Tensor, real: torch.Tensor | None, width: int) -> torch.Tensor:
-    """The `width` inputs up to and including each row's last real token: inputs (B, C, width + T) are `width` earlier
-    ones, then the call's T; real (B, T), True where a token is its row's own (padding on either side), or None (every
-    token) -> (B, C, width)."""
-    if real is None:
-        return inputs[..., inputs.size(-1) - width :]
-    T = real.size(1)
-    last = T - 1 - real.flip(-1).to(torch.uint8).argmax(-1)  # (B,) each row's last real token
-    index = last[:, None] + 1 + torch.arange(width, device=inputs.device)  # (B, width), in inputs' coordinates
-    return inputs.gather(-1, index[:, None, :].expand(-1, inputs.size(1), -1))  # (B, C, width)
-
-
 class ConvBlock(nn.Module):
     """LFM2's convolution block: x + conv(norm(x)), then x + ffn(norm(x)), each branch's output times residual_scale.
     Its attention layers are Blocks; which a layer is comes from config.layer_types (LAYERS)."""
@@ -881,6 +870,34 @@ class DeltaNetBlock(Block):
         return GatedDeltaNet.state_spec(config)
 
 
+class MambaBlock(nn.Module):
+    """A Mamba-2 layer's block (Granite 4-H's): x + mamba(norm(x)), then x + ffn(norm(x)), each branch's output times
+    residual_scale; the mixer is gptlite.model.mamba2's, its state the convolution's last inputs and the scan's."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
+        super().__init__()
+        self.residual_scale = config.residual_scale
+        self.mamba_norm = NORMS[config.norm](config)
+        self.mamba = Mamba2(config)
+        self.ffn_norm = NORMS[config.norm](config)
+        self.ffn = FFNS[config.ffn](config)
+
+    @staticmethod
+    def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
+        return Mamba2.state_spec(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rot: Rotation = None,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+        ve: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = torch.add(x, self.mamba(self.mamba_norm(x), cache, layer), alpha=self.residual_scale)
+        return torch.add(x, self.ffn(self.ffn_norm(x)), alpha=self.residual_scale)
+
+
 def attention_block(config: GPTConfig) -> type[nn.Module]:
     """A full_attention layer's block: BLOCKS' choice for the model's norm_position."""
     return BLOCKS[config.norm_position]
@@ -891,14 +908,23 @@ def conv_block(config: GPTConfig) -> type[nn.Module]:
     return ConvBlock
 
 
-# each layer kind of GPTConfig.layer_types -> the class of its block, given the config
+def mamba_block(config: GPTConfig) -> type[nn.Module]:
+    """A mamba layer's block (Granite 4-H's)."""
+    return MambaBlock
+
+
 def deltanet_block(config: GPTConfig) -> type[nn.Module]:
     """A linear_attention layer's block (Qwen3.5's: pre-norm)."""
     return DeltaNetBlock
 
 
 # each layer kind of GPTConfig.layer_types -> the class of its block, given the config
-LAYERS = {"full_attention": attention_block, "conv": conv_block, "linear_attention": deltanet_block}
+LAYERS = {
+    "full_attention": attention_block,
+    "conv": conv_block,
+    "linear_attention": deltanet_block,
+    "mamba": mamba_block,
+}
 
 
 def layer_block(config: GPTConfig, layer: int) -> type[nn.Module]:

@@ -17,6 +17,7 @@ from gptlite import GPT
 from gptlite.checkpoint import load_checkpoint
 from gptlite.data.prepare import prepare
 from gptlite.hf import export_hf
+from gptlite.inference.generate import generate
 from tests.conftest import DEVICE, ROOT, run_train, shared_file
 from tests.test_hf import randomized
 
@@ -77,6 +78,15 @@ MINISTRAL3_ROPE = {
     "mscale_all_dim": 1.0,
     "llama_4_scaling_beta": 0.5,
 }
+GRANITE4_H = dict(  # Granite 4-H's kind: Mamba-2 layers among attention, chunks of 16 (the prompts are longer)
+    **{**GRANITE4, "num_hidden_layers": 3, "layer_types": ["attention", "mamba", "mamba"]},
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_chunk_size=16,
+    mamba_d_conv=4,
+)
 FAMILIES = {  # name -> (transformers class, its config)
     "llama-gqa": (
         transformers.LlamaForCausalLM,
@@ -162,6 +172,10 @@ FAMILIES = {  # name -> (transformers class, its config)
         transformers.GraniteMoeHybridForCausalLM,
         transformers.GraniteMoeHybridConfig(**GRANITE4, position_embedding_type=None, tie_word_embeddings=False),
     ),
+    "granite4-h": (  # no positions, as Granite 4-H
+        transformers.GraniteMoeHybridForCausalLM,
+        transformers.GraniteMoeHybridConfig(**GRANITE4_H, position_embedding_type=None, tie_word_embeddings=False),
+    ),
     "gemma3": (  # a window of 8: the 40 tokens of the logits and the 8 + 32 of the greedy test go well past it
         transformers.Gemma3ForCausalLM,
         transformers.Gemma3TextConfig(
@@ -226,6 +240,7 @@ NEW_FAMILIES = [
     "granite4",
     "olmo3",
     "ministral3",
+    "granite4-h",
     "lfm2",
 ]
 
@@ -436,20 +451,15 @@ def test_bad_nope_layers_are_refused(values, message):
             r"gptlite cannot hold this Gemma3ForCausalLM: soft-capped attention scores \(attn_logit_softcapping=50.0\)",
         ),
         (
-            transformers.GraniteMoeHybridConfig(**{**GRANITE4, "layer_types": ["mamba", "attention"]}),
-            r"gptlite cannot hold this GraniteMoeHybridForCausalLM: Mamba-2 layers \(layer_types names 1 of its 2 "
-            r"layers mamba, as Granite 4-H's\), which gptlite does not have$",
-        ),
-        (
             transformers.GraniteMoeHybridConfig(**{**GRANITE4, "num_local_experts": 4, "num_experts_per_tok": 2}),
             r"gptlite cannot hold this GraniteMoeHybridForCausalLM: a mixture of experts \(num_local_experts=4\), "
             r"which gptlite does not have$",
         ),
         (
-            # transformers' default layer_types: every layer Mamba-2 ("linear_attention", its newer name)
+            # transformers' default layer_types: every layer Mamba-2 ("linear_attention", its newer name), which loads
             transformers.GraniteMoeHybridConfig(**{**GRANITE4, "layer_types": None, "num_local_experts": 4}),
-            r"Mamba-2 layers \(layer_types names 2 of its 2 layers mamba, as Granite 4-H's\), which gptlite does "
-            r"not have; a mixture of experts \(num_local_experts=4\), which gptlite does not have$",
+            r"gptlite cannot hold this GraniteMoeHybridForCausalLM: a mixture of experts \(num_local_experts=4\), "
+            r"which gptlite does not have$",
         ),
         (
             transformers.Gemma3Config(text_config=dict(COMMON)),
@@ -928,3 +938,111 @@ def test_a_mistral3_with_another_text_model_is_refused(tmp_path):
         ValueError, match=r'config.json: text_config.model_type="qwen2" must be one of ministral3, mistral; correct'
     ):
         GPT.from_pretrained(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def granite4_h(tmp_path_factory):
+    """A tiny random Granite 4-H saved by transformers, and the model itself."""
+    cls, config = FAMILIES["granite4-h"]
+    hf = randomized(cls(config))
+    directory = tmp_path_factory.mktemp("granite4-h")
+    hf.save_pretrained(directory)
+    return hf, directory
+
+
+def test_granite4_h_rows_of_a_left_padded_batch_decode_what_they_decode_alone(granite4_h):
+    """Prompts of 20 and 3 tokens in one batch (the short one left-padded past a chunk of 16): each row's 30 greedy
+    tokens are its own alone, and transformers' generate."""
+    hf, directory = granite4_h
+    ours = GPT.from_pretrained(str(directory))
+    prompts = [ids(1, 20)[0].tolist(), ids(1, 3)[0].tolist()]
+    batch = generate(ours, prompts, 30, temperature=0)
+    with torch.no_grad():
+        for prompt, row in zip(prompts, batch, strict=True):
+            assert row == generate(ours, [prompt], 30, temperature=0)[0]
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+            assert row == want[0].tolist()
+
+
+def test_granite4_h_served_concurrent_completions_equal_transformers_greedy_continuations(granite4_h):
+    """The server (continuous batching, each row its own Mamba-2 state) with requests of different lengths at once:
+    each completion is transformers' greedy continuation of the same ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.helpers.serving import MODEL, Served
+
+    hf, directory = granite4_h
+    served = Served(max_batch=3, model=GPT.from_pretrained(str(directory)))
+    prompts = ["ROMEO:", "a", "The quick brown fox", "To be or not to be", "xy"]
+    lengths = [12, 30, 5, 20, 9]
+
+    def complete(prompt: str, n: int) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0}
+        response = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+        return response.json()["choices"][0]["text"]
+
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(complete, prompts, lengths))
+    finally:
+        served.close()
+    for prompt, n, text in zip(prompts, lengths, texts, strict=True):
+        prompt_ids = served.tokenizer.encode(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert text == served.tokenizer.decode(out[0, len(prompt_ids) :].tolist()), prompt
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("time_step_limit", "fast", r"time_step_limit=\"fast\" must be \[min, max\], two numbers"),
+        ("mamba_d_head", 7, r"mamba_d_head=7 must be mamba_expand \* hidden_size / mamba_n_heads = 16"),
+        (
+            "layer_types",
+            ["attention", "mamba"],
+            r"layer_types=.* must be a list of num_hidden_layers=3 kinds, each attention or mamba",
+        ),
+    ],
+)
+def test_a_granite4_h_config_with_bad_mamba_values_is_named(key, value, message, tmp_path):
+    """config.json's Mamba-2 keys, each checked where it is read: the file, the key, what it must be."""
+    transformers.GraniteMoeHybridConfig(**GRANITE4_H).save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text())
+    values[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=rf"config.json: {message}; correct it there"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_granite4_h_lora_on_the_mamba_projections_trains_them_and_merges(granite4_h):
+    """LoRA on mamba.in_proj and mamba.out_proj: only the adapters train (through the chunked scan), decoding runs
+    through them, and merging them back gives the adapted model's logits and greedy tokens."""
+    from gptlite.train.lora import LoRALinear, add_lora, merge_lora
+
+    _, directory = granite4_h
+    pretrained = GPT.from_pretrained(str(directory))
+    model = add_lora(GPT.from_pretrained(str(directory)), 4, targets=("mamba.in_proj", "mamba.out_proj"))
+    adapted_layers = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert adapted_layers == [f"blocks.{i}.mamba.{p}" for i in (1, 2) for p in ("in_proj", "out_proj")]
+    tokens = ids(2, 40)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(3):
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    before = dict(pretrained.named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    prompt = tokens[0, :20].tolist()
+    with torch.no_grad():
+        adapted = model(tokens)[0]
+        assert not torch.allclose(adapted, pretrained(tokens)[0])
+        greedy = model.generate([prompt], 8, temperature=0)
+        merged = merge_lora(model)
+        torch.testing.assert_close(merged(tokens)[0], adapted, atol=1e-4, rtol=1e-4)
+        assert merged.generate([prompt], 8, temperature=0) == greedy

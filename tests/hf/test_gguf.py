@@ -195,6 +195,48 @@ def test_granite4_goes_to_llama_cpp_as_its_converter_writes_it(nope_layers, bpe,
     assert ids[len(prompt) :] == [int(t) for t in theirs[len(prompt) - 1 : -1].argmax(-1)]
 
 
+GRANITE4_H = dict(  # Granite 4-H's layout: Mamba-2 layers among attention, no positions, chunks shorter than the text
+    n_layer=3,
+    layer_types="mamba,full_attention,mamba",
+    nope_layers="0,1,2",
+    mamba_heads=8,
+    mamba_head_dim=16,
+    mamba_state=16,
+    mamba_groups=2,
+    mamba_chunk_size=16,
+)
+
+
+def test_granite4_h_goes_to_llama_cpp_as_granitehybrid(bpe, tmp_path):
+    """A model with Mamba-2 layers is llama.cpp's granitehybrid, as convert_hf_to_gguf.py writes Granite 4-H (no key
+    or value heads in a Mamba-2 layer, its ssm keys and tensors); llama.cpp reads it with gptlite's logits over a
+    prompt and greedy tokens longer than a chunk, and chooses the same tokens."""
+    model = random_model(1, 640, **{**ARCHITECTURES["granite"], **GRANITE4_H})
+    path = export_gguf(model, tmp_path / "m.gguf", bpe, architecture="GraniteMoeHybridForCausalLM")
+    fields = gguf.GGUFReader(path).fields
+    assert fields["general.architecture"].contents() == "granitehybrid"
+    assert fields["granitehybrid.attention.head_count_kv"].contents() == [0, 2, 0]
+    assert fields["granitehybrid.ssm.inner_size"].contents() == 128
+    prompt = bpe.encode(TEXTS[5])
+    ids = greedy(model, prompt, 32)
+    error, ours, theirs = relative_error(model, path, ids)
+    assert error < 1e-3, error
+    assert ids[len(prompt) :] == [int(t) for t in theirs[len(prompt) - 1 : -1].argmax(-1)]
+    half = export_gguf(model, tmp_path / "f16.gguf", bpe, "f16", architecture="GraniteMoeHybridForCausalLM")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(half).tensors}
+    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.ssm_in.weight"] == gguf.GGMLQuantizationType.F16
+    error, _, _ = relative_error(model, half, ids)
+    assert error < 1e-2, error
+
+
+def test_granite4_h_with_what_llama_cpp_lacks_is_refused_in_one_line(bpe, tmp_path):
+    model = random_model(1, 640, **{**ARCHITECTURES["granite"], **GRANITE4_H}, mamba_dt_max=0.5)
+    with pytest.raises(ValueError, match=r"llama.cpp's granitehybrid has no Mamba-2 layers with time steps clamped"):
+        export_gguf(model, tmp_path / "m.gguf", bpe, architecture="GraniteMoeHybridForCausalLM")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def byte_level_bpe(pre_tokenizer) -> HFTokenizer:
     """A byte-level BPE with `pre_tokenizer`, trained on tiny Shakespeare as a model directory's tokenizer.json
     would be laid out (an end-of-text special token first)."""

@@ -246,7 +246,7 @@ def test_train_init_from_with_lora_on_every_projection(saved, char_data, tmp_pat
 @pytest.mark.parametrize(
     "values, message",
     [
-        (dict(layer_types="full_attention,mamba"), r"layer_types names 'mamba'; the kinds are full_attention"),
+        (dict(layer_types="full_attention,lstm"), r"layer_types names 'lstm'; the kinds are full_attention"),
         (
             dict(layer_types="linear_attention", n_layer=1, linear_k_heads=3, linear_v_heads=4),
             r"linear_v_heads=4 is not a multiple of linear_k_heads=3",

@@ -65,9 +65,10 @@ def test_start_decoding_prefills_each_prompt_once_and_copies_its_rows():
 CONV = dict(n_layer=3, layer_types="conv,full_attention,conv", pos_emb="rope", norm="rmsnorm")  # LFM2's layout
 
 
-def conv_model():
-    """A tiny model with conv layers, its weights large enough that every token changes the greedy choice."""
-    model = tiny_model(**CONV)
+def conv_model(**layout):
+    """A tiny model with conv layers (or `layout`'s), its weights large enough that every token changes the greedy
+    choice."""
+    model = tiny_model(**(layout or CONV))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -115,3 +116,31 @@ def test_a_conv_layers_state_follows_its_rows_when_they_are_copied_and_reordered
             sequence = [*prompts[parents[row] // 2], int(token[row])]
             want = model(torch.tensor([sequence]))[0][0, -1]
             torch.testing.assert_close(after[row], want, rtol=1e-4, atol=1e-4)
+
+
+# Granite 4-H's layout: Mamba-2 layers among attention without positions, chunks shorter than the prompts
+MAMBA = dict(
+    n_layer=3,
+    layer_types="mamba,full_attention,mamba",
+    pos_emb="rope",
+    nope_layers="0,1,2",
+    norm="rmsnorm",
+    mamba_heads=4,
+    mamba_head_dim=16,
+    mamba_state=8,
+    mamba_groups=2,
+    mamba_chunk_size=4,
+)
+
+
+def test_a_mamba_layers_state_decodes_what_the_whole_forward_gives_and_padding_never_enters_it():
+    """Greedy decoding through the cache (the convolution's last inputs and the scan's state) equals recomputing the
+    whole sequence at every step; in a left-padded batch each row decodes what it decodes alone."""
+    model = conv_model(**MAMBA)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 8]]
+    batch = generate(model, prompts, 10, temperature=0)
+    assert batch == [generate(model, [p], 10, temperature=0)[0] for p in prompts]
+    assert batch == [recomputed(model, p, 10) for p in prompts]
+    cache = new_cache(model, 2, 16)
+    assert cache.states[0]["conv"].shape == (2, 64 + 2 * 2 * 8, 3)  # (B, x + B + C channels, mamba_conv_kernel - 1)
+    assert cache.states[0]["ssm"].shape == (2, 4, 16, 8) and cache.states[0]["ssm"].dtype == torch.float32

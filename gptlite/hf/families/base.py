@@ -55,6 +55,7 @@ class Family:
     gguf_name: str | None = None  # llama.cpp's architecture; None: gptlite writes no GGUF for it
     # the prefixes of a checkpoint's weights gptlite does not read (a vision tower's), said in one note line
     vision_prefixes: tuple[str, ...] = ()
+    layer_kinds: tuple[str, ...] = ("full_attention",)  # the kinds of layer its class has (GPTConfig.layer_types)
 
     # -----------------------------------------------------------------------------------------
     # Which gptlite models
@@ -73,9 +74,9 @@ class Family:
         return True
 
     def has_layers(self, config: GPTConfig) -> bool:
-        """Whether its class has the kinds of layer `config`'s are (layer_types) and attention gated on its output
+        """Whether its class has every kind of layer `config` has (layer_types), and attention gated on its output
         where `config`'s is (attn_output_gate): by default, attention layers only, without a gate."""
-        return set(config.layer_kinds) == {"full_attention"} and not config.attn_output_gate
+        return set(config.layer_kinds) <= set(self.layer_kinds) and not config.attn_output_gate
 
     # -----------------------------------------------------------------------------------------
     # Import: config.json -> gptlite's switches
@@ -136,6 +137,10 @@ class Family:
     def gguf_problem(self, config: GPTConfig) -> str | None:
         """What llama.cpp's architecture cannot hold of this model, in one line (None: nothing)."""
         return None
+
+    def gguf_architecture(self, config: GPTConfig) -> str | None:
+        """llama.cpp's architecture for a model of `config` (gguf_name, unless a family's models go to several)."""
+        return self.gguf_name
 
     def add_hyperparameters(self, writer, config: GPTConfig) -> None:
         """This family's GGUF keys, after those every architecture has (gptlite.hf.gguf.add_hyperparameters)."""

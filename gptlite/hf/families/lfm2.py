@@ -40,6 +40,7 @@ class Lfm2(LlamaLayout):
     qk_norm = True
     window_key = False
     gguf_name = "lfm2"
+    layer_kinds = KINDS
 
     def has_layers(self, config: GPTConfig) -> bool:
         """Attention and conv layers, the attention without an output gate."""

@@ -297,7 +297,7 @@ class LlamaLayout(Family):
         return None
 
     def add_hyperparameters(self, writer, config: GPTConfig) -> None:
-        writer.add_head_count_kv(config.kv_heads)
+        writer.add_head_count_kv(self.gguf_kv_heads(config))
         writer.add_layer_norm_rms_eps(config.norm_eps)
         writer.add_rope_freq_base(config.rope_theta)
         writer.add_rope_dimension_count(config.head_width)
@@ -308,6 +308,10 @@ class LlamaLayout(Family):
 
     def add_own_hyperparameters(self, writer, config: GPTConfig) -> None:
         """The GGUF keys of this family's own switches."""
+
+    def gguf_kv_heads(self, config: GPTConfig) -> int | list[int]:
+        """head_count_kv: the key-value heads of every layer (a list: each layer's)."""
+        return config.kv_heads
 
     def gguf_tensors(self, state: dict[str, torch.Tensor], config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
         weight = float_weights(state)
@@ -321,34 +325,38 @@ class LlamaLayout(Family):
         if config.rope_scaling == "llama3":
             yield "rope_freqs.weight", rope_factors(config)
         for i in range(config.n_layer):
-            ours = f"blocks.{i}."
-            theirs = f"blk.{i}."
-            q_rows = config.n_head * config.head_width
-            kv_rows = config.kv_heads * config.head_width
-            q, k, v = weight(f"{ours}attn.qkv.weight").split([q_rows, kv_rows, kv_rows])
-            if self.gguf_interleaved:
-                q = llama_rows(q, config.n_head)
-                k = llama_rows(k, config.kv_heads)
-            norms = self.gguf_norm_names
-            yield f"{theirs}{norms[0]}.weight", norm(f"{ours}attn_norm.weight")
-            yield f"{theirs}attn_q.weight", q
-            yield f"{theirs}attn_k.weight", k
-            yield f"{theirs}attn_v.weight", v
-            if config.qkv_bias:
-                for name, b in zip(
-                    ("q", "k", "v"), weight(f"{ours}attn.qkv.bias").split([q_rows, kv_rows, kv_rows]), strict=True
-                ):
-                    yield f"{theirs}attn_{name}.bias", b
-            if config.qk_norm:
-                yield f"{theirs}attn_q_norm.weight", norm(f"{ours}attn.qk_norm.q_norm.weight")
-                yield f"{theirs}attn_k_norm.weight", norm(f"{ours}attn.qk_norm.k_norm.weight")
-            yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
-            yield f"{theirs}{norms[1]}.weight", norm(f"{ours}ffn_norm.weight")
-            yield from self.more_gguf_norms(ours, theirs, norm)
-            gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
-            yield f"{theirs}ffn_gate.weight", gate
-            yield f"{theirs}ffn_up.weight", up
-            yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
+            yield from self.gguf_layer(i, weight, norm, config)
+
+    def gguf_layer(self, i: int, weight, norm, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Block i's tensors in llama.cpp's names and layout (`weight` and `norm` give gptlite's in float32)."""
+        ours = f"blocks.{i}."
+        theirs = f"blk.{i}."
+        q_rows = config.n_head * config.head_width
+        kv_rows = config.kv_heads * config.head_width
+        q, k, v = weight(f"{ours}attn.qkv.weight").split([q_rows, kv_rows, kv_rows])
+        if self.gguf_interleaved:
+            q = llama_rows(q, config.n_head)
+            k = llama_rows(k, config.kv_heads)
+        norms = self.gguf_norm_names
+        yield f"{theirs}{norms[0]}.weight", norm(f"{ours}attn_norm.weight")
+        yield f"{theirs}attn_q.weight", q
+        yield f"{theirs}attn_k.weight", k
+        yield f"{theirs}attn_v.weight", v
+        if config.qkv_bias:
+            for name, b in zip(
+                ("q", "k", "v"), weight(f"{ours}attn.qkv.bias").split([q_rows, kv_rows, kv_rows]), strict=True
+            ):
+                yield f"{theirs}attn_{name}.bias", b
+        if config.qk_norm:
+            yield f"{theirs}attn_q_norm.weight", norm(f"{ours}attn.qk_norm.q_norm.weight")
+            yield f"{theirs}attn_k_norm.weight", norm(f"{ours}attn.qk_norm.k_norm.weight")
+        yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
+        yield f"{theirs}{norms[1]}.weight", norm(f"{ours}ffn_norm.weight")
+        yield from self.more_gguf_norms(ours, theirs, norm)
+        gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
+        yield f"{theirs}ffn_gate.weight", gate
+        yield f"{theirs}ffn_up.weight", up
+        yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
 
     def more_gguf_norms(self, ours: str, theirs: str, norm) -> Iterator[tuple[str, torch.Tensor]]:
         """A block's norms beyond Llama's, in llama.cpp's names (Gemma 3's after each branch)."""
