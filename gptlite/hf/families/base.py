@@ -124,10 +124,22 @@ class Family:
 
 
 def part_sizes(ours: str, config: GPTConfig) -> list[int]:
-    """The rows of each transformers tensor that a fused gptlite tensor stacks (q, k, v; the gate and value)."""
+    """The rows of each transformers tensor that a fused gptlite tensor stacks (q, k, v; the gate and value; each
+    expert's gate and value, or output, where transformers has a tensor per expert), of its rows flattened."""
     if "attn.qkv" in ours:
         return [config.n_head * config.head_width] + [config.kv_heads * config.head_width] * 2
+    if config.n_experts and ours.endswith("ffn.out_proj.weight"):
+        return [config.n_embd] * config.n_experts
+    if config.n_experts:
+        return [config.ffn_hidden] * 2 * config.n_experts
     return [config.ffn_hidden] * 2
+
+
+def experts_view(ours: str, w: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """An experts' weight read from one transformers tensor per expert, their rows one after another (E * rows, in),
+    as gptlite stacks it, (E, rows, in); any other weight as it is."""
+    stacked = ours.endswith(("ffn.fc.weight", "ffn.out_proj.weight")) and config.n_experts and w.dim() == 2
+    return w.view(config.n_experts, -1, w.size(-1)) if stacked else w
 
 
 def float_weights(state: dict[str, torch.Tensor]):

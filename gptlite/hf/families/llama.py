@@ -38,13 +38,15 @@ class LlamaLayout(Family):
     qkv_bias = False  # q, k and v always have biases (Qwen2; its config has no attention_bias)
     qk_norm = False  # RMSNorm on each head's q and k (Qwen3)
     window_key = True  # its config class has a sliding_window (written null: gptlite attends to the whole context)
+    experts = False  # its feed-forward is a mixture of experts (gptlite.hf.families.experts)
     # llama.cpp
     gguf_interleaved = False  # llama.cpp's architecture rotates pairs (0, 1), (2, 3), ...: q and k rows reordered
     gguf_norm_names = ("attn_norm", "ffn_norm")
     gguf_always_output = False  # the architecture reads an output matrix even where the head is tied
 
     def core(self, config: GPTConfig) -> bool:
-        return (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias
+        layout = (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias
+        return layout and bool(config.n_experts) == self.experts
 
     # -----------------------------------------------------------------------------------------
     # Import
@@ -230,14 +232,20 @@ class LlamaLayout(Family):
                 else []
             ),
             ("ffn_norm.weight", (f"{norms[1]}.weight",), False),
-            ("ffn.fc.weight", tuple(f"{t}.weight" for t in self.fc_names), False),
-            ("ffn.out_proj.weight", (f"{self.down_name}.weight",), False),
+            *self.ffn_entries(config),
             *self.more_layer_entries(),
         ]
         if not config.norm_weight:  # parameter-free norms (nanochat's) have no tensors
             top = [entry for entry in top if not entry[0].startswith("norm.")]
             layer = [entry for entry in layer if "norm." not in entry[0]]
         return self.every_block(top, layer, config)
+
+    def ffn_entries(self, config: GPTConfig) -> list[Entry]:
+        """The feed-forward's weights in a block: SwiGLU's gate and value (fused as gptlite's fc) and its output."""
+        return [
+            ("ffn.fc.weight", tuple(f"{t}.weight" for t in self.fc_names), False),
+            ("ffn.out_proj.weight", (f"{self.down_name}.weight",), False),
+        ]
 
     def more_layer_entries(self) -> list[Entry]:
         """A block's weights beyond Llama's (Gemma 3's norms after each branch)."""
