@@ -1,10 +1,14 @@
 """The rules every mixture-of-experts family of Llama's layout shares (`Experts`, mixed in before the family's dense
 rules): a router and n_experts SwiGLU experts in every block's feed-forward (gptlite.model.network.MixtureOfExperts),
 read from config.json's counts, written back, and their weights named both ways, one tensor per expert or all
-experts stacked. llama.cpp's olmoe, qwen3moe and granitemoe read experts; gptlite's GGUF writer does not write them
-(refused in one line)."""
+experts stacked; in GGUF, the router and the experts stacked as llama.cpp's olmoe, qwen3moe and granitemoe read
+them."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
 
 from gptlite.config import GPTConfig
 from gptlite.hf.families.base import ConfigFile, Entry
@@ -18,7 +22,6 @@ class Experts:
     names for the experts; the rest (attention, norms, multipliers) are the dense family's it is mixed into."""
 
     experts = True
-    gguf_name = None  # the GGUF writer writes no experts
     experts_keys = ("num_experts", "num_local_experts")  # config.json's count of experts, either (attribute_map)
     router_name = "mlp.gate"
     renorm_key: str | None = "norm_topk_prob"  # None: the family always divides the top k by their sum (Granite)
@@ -64,3 +67,31 @@ class Experts:
             ("ffn.fc.weight", tuple(f"{x}{part}.weight" for x in experts for part in ("gate_proj", "up_proj")), False),
             ("ffn.out_proj.weight", tuple(f"{x}down_proj.weight" for x in experts), False),
         ]
+
+    # -----------------------------------------------------------------------------------------
+    # GGUF
+
+    gguf_renorm = False  # llama.cpp's architecture divides the top k's weights by their sum (it has no key for it)
+
+    def gguf_problem(self, config: GPTConfig) -> str | None:
+        if config.experts_renorm != self.gguf_renorm:
+            does = "divides" if self.gguf_renorm else "does not divide"
+            return (
+                f"llama.cpp's {self.gguf_name} {does} the chosen experts' weights by their sum, and this model has "
+                f"experts_renorm={config.experts_renorm}; GGUF export needs experts_renorm={self.gguf_renorm}"
+            )
+        return super().gguf_problem(config)
+
+    def add_own_hyperparameters(self, writer, config: GPTConfig) -> None:
+        super().add_own_hyperparameters(writer, config)
+        writer.add_expert_count(config.n_experts)
+        writer.add_expert_used_count(config.experts_per_token)
+
+    def gguf_ffn(self, ours: str, theirs: str, weight, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """The router (ffn_gate_inp) and the experts stacked as gptlite stacks them: their gates, values and
+        outputs (ffn_gate_exps, ffn_up_exps, ffn_down_exps), (E, out, in) each."""
+        yield f"{theirs}ffn_gate_inp.weight", weight(f"{ours}ffn.router.weight")
+        gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden], dim=1)
+        yield f"{theirs}ffn_gate_exps.weight", gate.contiguous()
+        yield f"{theirs}ffn_up_exps.weight", up.contiguous()
+        yield f"{theirs}ffn_down_exps.weight", weight(f"{ours}ffn.out_proj.weight")

@@ -24,6 +24,9 @@ class GraniteMoe(Experts, Granite):
     experts_keys = ("num_local_experts",)
     renorm_key = None
 
+    gguf_name = "granitemoe"
+    gguf_renorm = True
+
     def holds(self, config: GPTConfig, own: list[str]) -> bool:
         """Its router divides the top k by their sum; its attention has no q/k norm."""
         return config.experts_renorm and not config.qk_norm and not config.rope_scaling

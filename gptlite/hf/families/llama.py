@@ -303,10 +303,15 @@ class LlamaLayout(Family):
             yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
             yield f"{theirs}{norms[1]}.weight", norm(f"{ours}ffn_norm.weight")
             yield from self.more_gguf_norms(ours, theirs, norm)
-            gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
-            yield f"{theirs}ffn_gate.weight", gate
-            yield f"{theirs}ffn_up.weight", up
-            yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
+            yield from self.gguf_ffn(ours, theirs, weight, config)
+
+    def gguf_ffn(self, ours: str, theirs: str, weight, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """A block's feed-forward in llama.cpp's names: SwiGLU's gate, value and output (`weight` gives a gptlite
+        tensor in float32)."""
+        gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
+        yield f"{theirs}ffn_gate.weight", gate
+        yield f"{theirs}ffn_up.weight", up
+        yield f"{theirs}ffn_down.weight", weight(f"{ours}ffn.out_proj.weight")
 
     def more_gguf_norms(self, ours: str, theirs: str, norm) -> Iterator[tuple[str, torch.Tensor]]:
         """A block's norms beyond Llama's, in llama.cpp's names (Gemma 3's after each branch)."""

@@ -26,6 +26,9 @@ class Olmoe(Experts, LlamaLayout):
     def marked(self, config: GPTConfig) -> bool:
         return config.qk_norm_scope == "all"
 
+    gguf_name = "olmoe"
+    gguf_always_output = True  # llama.cpp's olmoe always reads an output matrix
+
     def holds(self, config: GPTConfig, own: list[str]) -> bool:
         return config.qk_norm and not config.rope_scaling and own == ["qk_norm_scope"]
 
@@ -35,6 +38,14 @@ class Olmoe(Experts, LlamaLayout):
     def own_unsupported(self, c: ConfigFile, local_rope: dict | None) -> list[str]:
         clip = c.get("clip_qkv")
         return [] if clip is None else [f"q, k and v clipped to +-{clip} (clip_qkv), which gptlite does not do"]
+
+    def gguf_problem(self, config: GPTConfig) -> str | None:
+        if config.kv_heads != config.n_head:  # its k norm is n_embd wide: every head has its own keys
+            return (
+                f"llama.cpp's olmoe has as many key/value heads as query heads, and this model {config.kv_heads} of "
+                f"{config.n_head}; GGUF export needs n_kv_head={config.n_head} (OLMoE-1B-7B's kind)"
+            )
+        return super().gguf_problem(config)
 
     def own_config(self, config: GPTConfig, rope: dict) -> dict:
         return {**super().own_config(config, rope), "clip_qkv": None}

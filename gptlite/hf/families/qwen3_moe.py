@@ -25,6 +25,9 @@ class Qwen3Moe(Experts, Qwen3):
     }
     ffn_key = "moe_intermediate_size"  # intermediate_size is the dense feed-forwards'
 
+    gguf_name = "qwen3moe"
+    gguf_renorm = True
+
     def holds(self, config: GPTConfig, own: list[str]) -> bool:
         return config.qk_norm and not own and super().holds(config, own)
 
@@ -49,6 +52,10 @@ class Qwen3Moe(Experts, Qwen3):
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
+
+    def add_own_hyperparameters(self, writer, config: GPTConfig) -> None:
+        super().add_own_hyperparameters(writer, config)
+        writer.add_expert_feed_forward_length(config.ffn_hidden)
 
 
 QWEN3_MOE = Qwen3Moe()
