@@ -26,6 +26,10 @@ onto gptlite's switches, weight for weight:
                         window_layers) with a RoPE base of their own (rope_local_theta), an optional final soft cap
     GraniteMoeHybridForCausalLM  Granite 4 with every layer attention and no experts: Granite's switches, its shared
                         MLP the feed-forward, RoPE or no positions in any layer (nope_layers)
+    OlmoeForCausalLM    Llama's layout with a mixture of experts in every block (n_experts, experts_per_token,
+                        experts_renorm, router_aux_loss_coef) and RMSNorm over all of q and all of k
+    Qwen3MoeForCausalLM Qwen3's switches with a mixture of experts in every block
+    GraniteMoeForCausalLM  Granite's switches with a mixture of experts in every block (experts_renorm)
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

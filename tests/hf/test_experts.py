@@ -197,3 +197,25 @@ def test_what_gptlite_cannot_hold_of_the_experts_is_refused(name, edit, message,
     (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), **edit}))
     with pytest.raises(ValueError, match=message):
         GPT.from_pretrained(str(tmp_path))
+
+
+def test_a_fine_tuning_run_may_turn_the_load_balancing_loss_off(char_data, tmp_path):
+    """router_aux_loss_coef shapes no weight: --init_from takes the run's own, and 0 adds nothing."""
+    cls, config = FAMILIES["olmoe"]
+    randomized(cls(config)).save_pretrained(tmp_path / "hf")
+    run = run_train(
+        f"--init_from={tmp_path / 'hf'}",
+        f"--data_dir={char_data}",
+        f"--out_dir={tmp_path / 'run'}",
+        "--router_aux_loss_coef=0",
+        "--max_iters=1",
+        "--eval_interval=1",
+        "--log_interval=1",
+        "--eval_iters=1",
+        "--batch_size=2",
+        "--block_size=32",
+        "--device=cpu",
+    )
+    assert run.code == 0, run.err
+    assert "router aux" not in run.out
+    assert load_checkpoint(tmp_path / "run")["config"]["router_aux_loss_coef"] == 0
