@@ -554,7 +554,8 @@ class MixtureOfExperts(nn.Module):
                 h = swiglu_gate(F.linear(group, self.fc.weight[e]))  # (n_e, F)
                 outputs.append(F.linear(h, self.out_proj.weight[e]))  # (n_e, C)
         y = torch.cat(outputs) * weights.flatten()[order, None]  # (N*K, C)
-        out = torch.zeros_like(x).index_add_(0, tokens, y)  # (N, C): each token's k experts summed
+        # (N, C): each token's k experts summed, in x's dtype (under autocast the experts' outputs are in its own)
+        out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
         return self.drop(out.view(B, T, C))
 
 

@@ -41,6 +41,19 @@ def test_grouped_experts_equal_every_expert_on_every_token(renorm):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_experts_train_under_autocast():
+    """Under bfloat16 autocast the experts' outputs are bfloat16 and the residual stream float32: they add up."""
+    torch.manual_seed(0)
+    model = Transformer(GPTConfig(**MOE, n_experts=4, experts_per_token=2))
+    idx = torch.randint(0, 50, (2, 16))
+    _, expected = model(idx, idx)
+    with torch.autocast("cpu", torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=2e-2, rtol=0)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
 def test_an_expert_no_token_chose_is_skipped():
     """One token, one choice: the other experts get no rows, and their weights no gradient."""
     torch.manual_seed(0)
