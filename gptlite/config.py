@@ -381,7 +381,9 @@ class GPTConfig:
 
     def _experts_problems(self) -> list[str]:
         """n_experts and the switches that say how its router weighs them."""
-        experts, top_k, coef = self.n_experts, self.experts_per_token, self.router_aux_loss_coef
+        experts = self.n_experts
+        top_k = self.experts_per_token
+        coef = self.router_aux_loss_coef
         for name, value in (("n_experts", experts), ("experts_per_token", top_k)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 return [f"{name}={value!r} must be an integer >= 0"]
@@ -398,6 +400,8 @@ class GPTConfig:
             return [f"experts_per_token={top_k} must be in 1..n_experts={experts}: the experts each token goes through"]
         if self.ffn != "swiglu":
             return [f"n_experts={experts} makes SwiGLU experts; ffn={self.ffn!r} is no SwiGLU (use ffn=swiglu)"]
+        if self.bias is True:
+            return [f"n_experts={experts} makes experts without biases; bias=true needs one feed-forward (n_experts=0)"]
         return []
 
     def _window_problems(self) -> list[str]:

@@ -103,6 +103,7 @@ def test_flops_count_the_experts_a_token_goes_through():
         (dict(n_experts=-1), r"n_experts=-1 must be an integer >= 0"),
         (dict(n_experts=4, experts_per_token=2, router_aux_loss_coef=-1.0), r"router_aux_loss_coef=-1.0 must be a fin"),
         (dict(n_experts=4, experts_per_token=2, ffn="gelu"), r"n_experts=4 makes SwiGLU experts; ffn='gelu' is no"),
+        (dict(n_experts=4, experts_per_token=2, bias=True), r"n_experts=4 makes experts without biases; bias=true"),
     ],
 )
 def test_bad_expert_switches_are_refused(values, message):
