@@ -213,6 +213,23 @@ class GPTConfig:
     mamba_proj_bias: bool = option(False, "biases in the mamba layers' in_proj and out_proj (mamba_proj_bias)")
     mamba_dt_min: float = option(0.0, "the mamba layers' time steps are clamped to at least this (time_step_limit)")
     mamba_dt_max: float = option(float("inf"), "and to at most this (time_step_limit)")
+    # a mixture of experts (Fedus et al., 2021, "Switch Transformers"; OLMoE, Qwen3-MoE, Granite 3 MoE): off by default
+    n_experts: int = option(
+        0,
+        "> 0: every feed-forward is this many SwiGLU experts, ffn_hidden wide each, of which a router picks "
+        "experts_per_token for each token (0 = one feed-forward)",
+    )
+    experts_per_token: int = option(0, "n_experts: the experts each token goes through, the router's top k")
+    experts_renorm: bool = option(
+        False,
+        "n_experts: the chosen experts' weights are divided by their sum (Qwen3-MoE's norm_topk_prob; Granite's "
+        "softmax over the top k); false: the router's softmax over all experts as it is (OLMoE)",
+    )
+    router_aux_loss_coef: float = option(
+        0.0,
+        "n_experts, training: the weight of the load-balancing loss (Switch Transformer's) added to the loss "
+        "(0 = none)",
+    )
     # the speedrun techniques of modded-nanogpt and nanochat (all off by default; docs/training.md measures them)
     value_embeds: bool = option(
         False, "every layer adds a token embedding of its own to attention's values, with learned weights"
@@ -289,6 +306,7 @@ class GPTConfig:
             "attn_output_gate",
             "mamba_conv_bias",
             "mamba_proj_bias",
+            "experts_renorm",
         ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
@@ -369,6 +387,7 @@ class GPTConfig:
         problems += self._layer_list_problems("window_layers")
         problems += self._window_problems()
         problems += self._layer_type_problems()
+        problems += self._experts_problems()
         if self.norm_weight is False and self.norm != "rmsnorm":
             problems.append(f"norm_weight=false makes the RMSNorms parameter-free; norm={self.norm!r} is no RMSNorm")
         if self.rope_reverse is True and self.pos_emb != "rope":
@@ -494,6 +513,31 @@ class GPTConfig:
             ]
         return []
 
+    def _experts_problems(self) -> list[str]:
+        """n_experts and the switches that say how its router weighs them."""
+        experts = self.n_experts
+        top_k = self.experts_per_token
+        coef = self.router_aux_loss_coef
+        for name, value in (("n_experts", experts), ("experts_per_token", top_k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                return [f"{name}={value!r} must be an integer >= 0"]
+        if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not (math.isfinite(coef) and coef >= 0):
+            return [f"router_aux_loss_coef={coef!r} must be a finite number >= 0 (0 = no load-balancing loss)"]
+        if not experts:
+            problems = [
+                f"{name}={getattr(self, name)!r} says how a mixture of experts routes tokens; it needs n_experts > 0"
+                for name in ("experts_per_token", "experts_renorm", "router_aux_loss_coef")
+                if getattr(self, name)
+            ]
+            return problems
+        if not 1 <= top_k <= experts:
+            return [f"experts_per_token={top_k} must be in 1..n_experts={experts}: the experts each token goes through"]
+        if self.ffn != "swiglu":
+            return [f"n_experts={experts} makes SwiGLU experts; ffn={self.ffn!r} is no SwiGLU (use ffn=swiglu)"]
+        if self.bias is True:
+            return [f"n_experts={experts} makes experts without biases; bias=true needs one feed-forward (n_experts=0)"]
+        return []
+
     def _window_problems(self) -> list[str]:
         window, theta = self.sliding_window, self.rope_local_theta
         if not isinstance(window, int) or isinstance(window, bool) or window < 0:
@@ -522,7 +566,10 @@ def default_ffn_hidden(n_embd: int, ffn: str = "swiglu") -> int:
 # What --resume and --init_from cannot change: every field that shapes the weights or the function the model
 # computes. Dropout may change (a run can fine-tune with more or less of it), and zero_init_out, which only
 # says how a fresh model starts.
-MODEL_SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "zero_init_out"))
+# router_aux_loss_coef only weighs a training loss: a fine-tuning run may set its own.
+MODEL_SHAPE_KEYS = tuple(
+    f.name for f in fields(GPTConfig) if f.name not in ("dropout", "zero_init_out", "router_aux_loss_coef")
+)
 
 
 def model_changes(

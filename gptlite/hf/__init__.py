@@ -36,6 +36,10 @@ onto gptlite's switches, weight for weight:
                         on its output (attn_output_gate) with per-head q/k norms and RoPE on part of each head
                         (rope_dims), norms scaling by 1 + weight; also the text tower of its vision-language checkpoints
                         (Qwen3_5ForConditionalGeneration), the vision tower left out
+    OlmoeForCausalLM    Llama's layout with a mixture of experts in every block (n_experts, experts_per_token,
+                        experts_renorm, router_aux_loss_coef) and RMSNorm over all of q and all of k
+    Qwen3MoeForCausalLM Qwen3's switches with a mixture of experts in every block
+    GraniteMoeForCausalLM  Granite's switches with a mixture of experts in every block (experts_renorm)
 A checkpoint directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json,
 or pytorch_model.bin). The names "gpt2", "gpt2-medium", "gpt2-large" and "gpt2-xl" are downloaded from the Hub.
 This package turns a checkpoint into a GPTConfig and a state dict, tensor by tensor (GPT.from_pretrained builds

@@ -31,6 +31,8 @@ def from_gptlite(family: Family, state: dict[str, torch.Tensor], config: GPTConf
             weight = state[ours.removesuffix("bias") + "weight"]
             w = torch.zeros(weight.size(0), dtype=weight.dtype)
         w = w.t() if transposed else w
+        if w.dim() == 3 and len(theirs) > 1:  # experts' stacked (E, rows, in): transformers' tensor per expert
+            w = w.flatten(0, 1)  # (E * rows, in)
         parts = w.split(part_sizes(ours, config)) if len(theirs) > 1 else (w,)
         for name, part in zip(theirs, parts, strict=True):
             out[family.their_name(name)] = part.detach().to("cpu").contiguous().clone()

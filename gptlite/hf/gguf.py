@@ -9,8 +9,9 @@ architecture, writes its hyperparameters and lays out its tensors, e.g.
             and Llama 3's RoPE scaling is the per-frequency factors of a rope_freqs tensor
     qwen2   Llama's with biases on q, k and v (llama.cpp rotates halves for it: nothing is reordered)
     qwen3   Llama's with RMSNorm on each head's q and k
-and granite, smollm3, olmo2, gemma3 and lfm2 likewise; this module writes what every file has (the tokenizer, the types,
-the file itself) and asks the family for the rest.
+and granite, smollm3, olmo2, gemma3, lfm2, olmoe, qwen3moe and granitemoe (the router and the experts stacked)
+likewise; this module writes what every file has (the tokenizer, the types, the file itself) and asks the family for
+the rest.
 The tokenizer goes inside as llama.cpp's byte-level BPE ("gpt2" model): every id's token in GPT-2's byte-level
 characters, the merges, each special token marked a control token, and the name of the pre-tokenizer whose
 splitting is gptlite's (GPT-2's pattern: "gpt-2"; GPT-4's, which `python -m gptlite.tokenizer train` uses, and

@@ -11,7 +11,7 @@ import torch
 
 from gptlite.config import GPTConfig, check_model_overrides
 from gptlite.hf.families import FAMILIES, UNSUPPORTED
-from gptlite.hf.families.base import ConfigFile, Family
+from gptlite.hf.families.base import ConfigFile, Family, experts_view
 from gptlite.hf.weights import WEIGHT_FILES, Weights, read_json
 
 GPT2_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -120,7 +120,8 @@ def to_gptlite(
                 f"{config.n_layer} layers needs; its weights are incomplete or do not match its config.json "
                 "(tie_word_embeddings, num_hidden_layers): download or save the model again"
             )
-        state[ours] = read_fused(weights, [names[t] for t in theirs], transposed, dtype)
+        fused = read_fused(weights, [names[t] for t in theirs], transposed, dtype)
+        state[ours] = experts_view(ours, fused, config)  # a tensor per expert: stacked as gptlite holds experts
         used.update(theirs)
     if "pos_emb.table.weight" in state:  # a smaller block_size keeps the first positions
         state["pos_emb.table.weight"] = state["pos_emb.table.weight"][: config.block_size].clone()

@@ -619,6 +619,11 @@ def quantize(model: Transformer, mode: str = "int8", group_size: int = INT4_GROU
     check_mode(mode, group_size)
     if not mode:
         return model
+    if model.config.n_experts:
+        raise ValueError(
+            f"quantize={mode!r} quantizes linear layers, and this model's experts are n_experts="
+            f"{model.config.n_experts} matrices stacked in one weight, which it does not; leave --quantize out"
+        )
     if is_quantized(model):
         return model.eval()  # already quantized
     if mode == "int4" and model.lm_head.weight.device.type != "cpu":

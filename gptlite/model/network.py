@@ -5,7 +5,8 @@ Each variant is one module class, picked once from a registry when the model is 
     pos_emb        POSITIONS  learned (GPT-2) | sinusoidal (Vaswani et al.) | rope (Su et al.; Llama); RoPE with a
                               second base for the sliding-window layers where rope_local_theta is set (Gemma 3)
     norm           NORMS      layernorm | rmsnorm (Llama)
-    ffn            FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt) | geglu (Gemma)
+    ffn            FFNS       swiglu (Llama) | gelu (GPT-2's MLP) | relu2 (Primer; modded-nanogpt) | geglu (Gemma);
+                              a mixture of SwiGLU experts where n_experts is set (OLMoE, Qwen3-MoE, Granite 3 MoE)
     norm_position  BLOCKS     pre (GPT-2, Llama) | post (OLMo 2) | both (Gemma)
     qk_norm_scope  QK_NORMS   head (Qwen3) | all (OLMo 2)
     layer_types    LAYERS     each layer's block: full_attention (the above; its attention gated on its output where
@@ -33,7 +34,8 @@ gptlite.serve.rows.RowCache): keys and values for attention, and whatever a laye
 
 Shape legend used in the comments:
     B batch, T sequence length (this call), S keys attended to (cache + T), C = n_embd,
-    H = n_head, KV = n_kv_head (H by default), D = head width (C // H by default), F = ffn_hidden, V = vocab_size.
+    H = n_head, KV = n_kv_head (H by default), D = head width (C // H by default), F = ffn_hidden, V = vocab_size,
+    N = B*T tokens, E = n_experts, K = experts_per_token.
 """
 
 from __future__ import annotations
@@ -608,6 +610,87 @@ class ReluSquaredMLP(MLP):
 FFNS = {"swiglu": SwiGLU, "gelu": GeluMLP, "relu2": ReluSquaredMLP, "geglu": GeGLU}
 
 
+class StackedLinear(nn.Module):
+    """The weights of n linear layers without biases, stacked: `weight` (n, out, in), row e the e-th layer's, as
+    transformers' experts hold theirs (gate_up_proj, down_proj) and llama.cpp's (ffn_*_exps)."""
+
+    def __init__(self, n: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+class MixtureOfExperts(nn.Module):
+    """A mixture of SwiGLU experts (Shazeer et al., 2017, "Outrageously Large Neural Networks"; Fedus et al., 2021,
+    "Switch Transformers"): a router (a linear layer to E logits, then softmax) picks each token's top k experts, and
+    the token's output is the sum of theirs, each times its softmax weight, those k weights divided by their sum
+    where config.experts_renorm (Qwen3-MoE's norm_topk_prob; Granite's softmax over the top k logits is the same).
+    Expert e is SwiGLU with fc.weight[e] (its first F rows the gate) and out_proj.weight[e].
+
+    The tokens are grouped by expert (sorted by the expert they chose) and each expert runs once, on its own tokens:
+    a token's work is its k experts', never all E. In training the router's logits of the last forward stay in
+    `router_logits`, for the load-balancing loss (Transformer.router_aux_loss)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_experts = config.n_experts
+        self.top_k = config.experts_per_token
+        self.renorm = config.experts_renorm
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.fc = StackedLinear(config.n_experts, config.n_embd, 2 * config.ffn_hidden)  # (E, 2F, C)
+        self.out_proj = StackedLinear(config.n_experts, config.ffn_hidden, config.n_embd)  # (E, C, F)
+        self.drop = nn.Dropout(config.dropout)
+        self.router_logits: torch.Tensor | None = None  # (N, E), N = B*T: the last training forward's
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> (each token's top-k weights (N, K) in the logits' dtype, their experts (N, K)):
+        the softmax in float32, as transformers takes it, then the top k."""
+        probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # (N, K) each
+        if self.renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)  # (N, C)
+        logits = self.router(x)  # (N, E)
+        if self.training and torch.is_grad_enabled():
+            self.router_logits = logits
+        weights, experts = self.route(logits)  # (N, K) each
+        # every (token, choice) pair, sorted by its expert: each expert's tokens lie together
+        order = experts.flatten().argsort(stable=True)  # (N*K,)
+        tokens = order // self.top_k  # (N*K,) the token of each pair, in that order
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts).tolist()  # pairs per expert
+        outputs = []
+        for e, group in enumerate(x[tokens].split(counts)):  # (n_e, C) each
+            if len(group):
+                h = swiglu_gate(F.linear(group, self.fc.weight[e]))  # (n_e, F)
+                outputs.append(F.linear(h, self.out_proj.weight[e]))  # (n_e, C)
+        y = torch.cat(outputs) * weights.flatten()[order, None]  # (N*K, C)
+        # (N, C): each token's k experts summed, in x's dtype (under autocast the experts' outputs are in its own)
+        out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+        return self.drop(out.view(B, T, C))
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """The auxiliary load-balancing loss of Switch Transformers (Fedus et al., 2021, equations 4-6), as transformers'
+    load_balancing_loss_func computes it, over every layer's router logits (N, E) together: E * sum_e f_e * P_e, with
+    f_e the (token, choice) pairs that went to expert e and P_e expert e's summed softmax probability, each divided by
+    the tokens of all layers. Smallest (top_k) where the experts share the tokens evenly; the gradient flows through
+    P_e only (the choices are counts)."""
+    n_experts = router_logits[0].size(-1)
+    probs = torch.cat([torch.softmax(logits.float(), dim=-1) for logits in router_logits])  # (L*N, E)
+    chosen = probs.topk(top_k, dim=-1).indices  # (L*N, K)
+    share = torch.bincount(chosen.flatten(), minlength=n_experts).float() / probs.size(0)  # (E,) f_e
+    return n_experts * (share * probs.mean(dim=0)).sum()
+
+
+def feed_forward(config: GPTConfig) -> nn.Module:
+    """A block's feed-forward: FFNS' choice, or a mixture of experts where config.n_experts is set."""
+    return MixtureOfExperts(config) if config.n_experts else FFNS[config.ffn](config)
+
+
 # ---------------------------------------------------------------------------------------------
 # The model
 
@@ -623,7 +706,7 @@ class Block(nn.Module):
         # the token mixer: attention (gated on its output where attn_output_gate is set), unless a subclass says
         self.attn = (mixer or attention)(config, layer)
         self.ffn_norm = NORMS[config.norm](config)
-        self.ffn = FFNS[config.ffn](config)
+        self.ffn = feed_forward(config)
 
     @staticmethod
     def state_spec(config: GPTConfig) -> dict[str, StateSpec]:
@@ -1056,6 +1139,15 @@ class Transformer(nn.Module):
                 skips.append(x)
         return self.norm(x)
 
+    def router_aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss (load_balancing_loss) of the router logits the experts kept in the last training
+        forward, which it lets go; None where there are none (a model without experts, or no training forward)."""
+        experts = [block.ffn for block in self.blocks if isinstance(block.ffn, MixtureOfExperts)]
+        logits = [ffn.router_logits for ffn in experts if ffn.router_logits is not None]
+        for ffn in experts:
+            ffn.router_logits = None
+        return load_balancing_loss(logits, self.config.experts_per_token) if logits else None
+
     def bigram_ids(self, idx: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """The bigram embedding's rows of tokens idx (B, T) after tokens prev (B, T), -1 where a token is its
         sequence's first: modded-nanogpt's bigram hash embedding, with the plainest hash, the pair's index
@@ -1186,4 +1278,7 @@ class Transformer(nn.Module):
             n -= sum(table.weight.numel() for table in self.value_emb)
         if self.bigram_emb is not None:  # and the bigram embedding
             n -= self.bigram_emb.weight.numel()
+        if cfg.n_experts:  # a token goes through experts_per_token of the n_experts experts only
+            per_expert = 3 * cfg.n_embd * cfg.ffn_hidden
+            n -= cfg.n_layer * (cfg.n_experts - cfg.experts_per_token) * per_expert
         return 6 * n + 12 * len(cfg.attention_layer_ids) * cfg.n_head * cfg.head_width * T

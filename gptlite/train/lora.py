@@ -87,6 +87,15 @@ def check_lora(model: Transformer, rank: int, targets: tuple[str, ...] = TARGETS
         raise ValueError(
             f"lora_targets={','.join(targets)!r} names no layer; choose among {', '.join(TARGETS)} (and lm_head)"
         )
+    # a mixture of experts' fc and out_proj are each E matrices stacked in one weight, no linear layer
+    stacked = ("ffn.fc", "ffn.out_proj") if model.config.n_experts else ()
+    experts = [t for t in targets if any(name.endswith(t) for name in stacked)]
+    if experts:
+        raise ValueError(
+            f"lora_targets: {', '.join(experts)} name this model's experts, n_experts={model.config.n_experts} "
+            "matrices stacked in one weight, which LoRA does not adapt; target the attention: "
+            "--lora_targets=attn.qkv,attn.out_proj"
+        )
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.endswith(targets)]
     unmatched = [t for t in targets if not any(name.endswith(t) for name in names)]
     if unmatched:

@@ -33,6 +33,7 @@ from gptlite.train.objective_base import Batches, Objective, ReadsTrainLoader
 from gptlite.train.optim import seq_len_at
 from gptlite.train.preference import DPO
 from gptlite.train.rl import RL, PromptLoader, load_reward, read_prompts, reward_needs_answer
+from gptlite.train.router_balance import with_router_balance
 
 if TYPE_CHECKING:
     from gptlite.config import TrainConfig
@@ -196,7 +197,8 @@ def make_objective(
     """The run's objective: --rl's, else the one objective_for gives what the data folder holds (text, conversations or
     preference pairs: data/prepare.py says which). Its inputs are read and checked here, before the run folder is
     claimed: every shard (gptlite.data.loader.make_loaders), the options against the data (check_data), and
-    for --rl the reward function and the prompts. `tokenizer` is the data's (None if it has none)."""
+    for --rl the reward function and the prompts. `tokenizer` is the data's (None if it has none). A model with
+    experts adds their load-balancing loss (gptlite.train.router_balance)."""
     train_loader, val_loader = make_loaders(cfg, rank, world_size)
     kind = train_loader.kind  # "text", "conversations" or "pairs"
     if train_loader.past_block:  # conversations or pairs with no target within the block
@@ -208,16 +210,15 @@ def make_objective(
     objective = objective_for(
         kind, cfg, train_loader, val_loader, tokenizer, grad_accum, device, autocast, world_size, log
     )
-    if not cfg.rl:
-        return objective
-    # --rl: the prompts take the train loader's place; the data folder's val split is still evaluated
-    reward = load_reward(cfg.reward, cfg.rl_answer_field)
-    room = cfg.model.block_size - cfg.rl_max_new_tokens  # a prompt's tokens, that its completion still fits in
-    prompts = read_prompts(
-        cfg.rl_prompts, tokenizer, cfg.rl_prompt_field, cfg.rl_answer_field, room, reward_needs_answer(cfg.reward)
-    )
-    loader = PromptLoader(prompts, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
-    return RL(cfg, tokenizer, loader, reward, objective, device, rank, world_size)
+    if cfg.rl:  # the prompts take the train loader's place; the data folder's val split is still evaluated
+        reward = load_reward(cfg.reward, cfg.rl_answer_field)
+        room = cfg.model.block_size - cfg.rl_max_new_tokens  # a prompt's tokens, that its completion still fits in
+        prompts = read_prompts(
+            cfg.rl_prompts, tokenizer, cfg.rl_prompt_field, cfg.rl_answer_field, room, reward_needs_answer(cfg.reward)
+        )
+        loader = PromptLoader(prompts, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
+        objective = RL(cfg, tokenizer, loader, reward, objective, device, rank, world_size)
+    return with_router_balance(objective, cfg)  # a mixture of experts' load-balancing loss, in every mode
 
 
 def make_judge(

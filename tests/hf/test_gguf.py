@@ -103,6 +103,42 @@ ARCHITECTURES = {  # llama.cpp's name -> gptlite's switches
         rope_theta=1e6,
         layer_types="conv,full_attention",
     ),
+    "olmoe": dict(  # llama.cpp's olmoe has no grouped-query attention
+        pos_emb="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        ffn_hidden=32,
+        qk_norm=True,
+        qk_norm_scope="all",
+        n_experts=4,
+        experts_per_token=2,
+    ),
+    "qwen3moe": dict(
+        pos_emb="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        ffn_hidden=32,
+        n_kv_head=2,
+        qk_norm=True,
+        head_dim=24,
+        n_experts=4,
+        experts_per_token=2,
+        experts_renorm=True,
+    ),
+    "granitemoe": dict(
+        pos_emb="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        ffn_hidden=32,
+        n_kv_head=2,
+        embed_scale=3.0,
+        residual_scale=0.5,
+        attn_scale=0.2,
+        logits_scaling=2.5,
+        n_experts=4,
+        experts_per_token=2,
+        experts_renorm=True,
+    ),
 }
 
 
@@ -523,6 +559,16 @@ def make_data(folder, text: str):
             r"llama.cpp's lfm2 has no biases in its conv layers, and this model has \(conv_bias=true\); GGUF export "
             r"needs conv_bias=false",
         ),
+        (
+            {**ARCHITECTURES["olmoe"], "n_kv_head": 2},
+            r"llama.cpp's olmoe has as many key/value heads as query heads, and this model 2 of 4; GGUF export needs "
+            r"n_kv_head=4",
+        ),
+        (
+            {**ARCHITECTURES["qwen3moe"], "experts_renorm": False},
+            r"llama.cpp's qwen3moe divides the chosen experts' weights by their sum, and this model has "
+            r"experts_renorm=False; GGUF export needs experts_renorm=True",
+        ),
     ],
 )
 def test_a_model_llama_cpp_cannot_run_is_refused_in_one_line(switches, message, bpe, tmp_path):
@@ -600,9 +646,13 @@ def gguf_tensors_of(model: GPT):
 
 
 def tied_again(model: GPT) -> int:
-    """llama.cpp's olmo2 reads an output matrix always: a tied model writes its embedding a second time there."""
+    """llama.cpp's olmo2 and olmoe read an output matrix always: a tied model writes its embedding a second time
+    there."""
+    from gptlite.hf import family_of
+
     c = model.config
-    return c.vocab_size * c.n_embd if c.norm_position == "post" and c.tie_embeddings else 0
+    always = getattr(family_of(c), "gguf_always_output", False)  # Llama's layout's attribute
+    return c.vocab_size * c.n_embd if always and c.tie_embeddings else 0
 
 
 def missing_biases(model: GPT) -> int:

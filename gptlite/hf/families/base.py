@@ -153,7 +153,8 @@ class Family:
 
 def part_sizes(ours: str, config: GPTConfig) -> list[int]:
     """The rows of each transformers tensor that a fused gptlite tensor stacks (q, k, v; the gate and value; Gated
-    DeltaNet's input projections)."""
+    DeltaNet's input projections; each expert's gate and value, or output, where transformers has a tensor per
+    expert), of its rows flattened."""
     if "attn.qkv" in ours:  # the query rows with the output gate's where attention has one (attn_output_gate)
         q_rows = config.n_head * config.head_width * (2 if config.attn_output_gate else 1)
         return [q_rows] + [config.kv_heads * config.head_width] * 2
@@ -161,7 +162,18 @@ def part_sizes(ours: str, config: GPTConfig) -> list[int]:
         key_rows = config.linear_k_heads * config.linear_k_dim
         value_rows = config.linear_v_heads * config.linear_v_dim
         return [2 * key_rows + value_rows, value_rows, config.linear_v_heads, config.linear_v_heads]
+    if config.n_experts and ours.endswith("ffn.out_proj.weight"):
+        return [config.n_embd] * config.n_experts
+    if config.n_experts:
+        return [config.ffn_hidden] * 2 * config.n_experts
     return [config.ffn_hidden] * 2
+
+
+def experts_view(ours: str, w: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """An experts' weight read from one transformers tensor per expert, their rows one after another (E * rows, in),
+    as gptlite stacks it, (E, rows, in); any other weight as it is."""
+    stacked = ours.endswith(("ffn.fc.weight", "ffn.out_proj.weight")) and config.n_experts and w.dim() == 2
+    return w.view(config.n_experts, -1, w.size(-1)) if stacked else w
 
 
 def float_weights(state: dict[str, torch.Tensor]):

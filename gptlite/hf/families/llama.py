@@ -40,13 +40,15 @@ class LlamaLayout(Family):
     window_key = True  # its config class has a sliding_window (written null: gptlite attends to the whole context)
     takes_yarn = False  # its class reads YaRN's RoPE scaling (rope_type "yarn"), and gptlite's export writes it
     partial_rotary_default = 1.0  # the part of each head RoPE rotates where the config.json leaves it out
+    experts = False  # its feed-forward is a mixture of experts (gptlite.hf.families.experts)
     # llama.cpp
     gguf_interleaved = False  # llama.cpp's architecture rotates pairs (0, 1), (2, 3), ...: q and k rows reordered
     gguf_norm_names = ("attn_norm", "ffn_norm")
     gguf_always_output = False  # the architecture reads an output matrix even where the head is tied
 
     def core(self, config: GPTConfig) -> bool:
-        return (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias
+        layout = (config.pos_emb, config.norm, config.ffn) == ("rope", "rmsnorm", "swiglu") and not config.bias
+        return layout and bool(config.n_experts) == self.experts
 
     # -----------------------------------------------------------------------------------------
     # Import
@@ -270,14 +272,20 @@ class LlamaLayout(Family):
                 else []
             ),
             ("ffn_norm.weight", (f"{norms[1]}.weight",), False),
-            ("ffn.fc.weight", tuple(f"{t}.weight" for t in self.fc_names), False),
-            ("ffn.out_proj.weight", (f"{self.down_name}.weight",), False),
+            *self.ffn_entries(config),
             *self.more_layer_entries(),
         ]
         if not config.norm_weight:  # parameter-free norms (nanochat's) have no tensors
             top = [entry for entry in top if not entry[0].startswith("norm.")]
             layer = [entry for entry in layer if "norm." not in entry[0]]
         return self.every_block(top, layer, config)
+
+    def ffn_entries(self, config: GPTConfig) -> list[Entry]:
+        """The feed-forward's weights in a block: SwiGLU's gate and value (fused as gptlite's fc) and its output."""
+        return [
+            ("ffn.fc.weight", tuple(f"{t}.weight" for t in self.fc_names), False),
+            ("ffn.out_proj.weight", (f"{self.down_name}.weight",), False),
+        ]
 
     def more_layer_entries(self) -> list[Entry]:
         """A block's weights beyond Llama's (Gemma 3's norms after each branch)."""
@@ -353,6 +361,11 @@ class LlamaLayout(Family):
         yield f"{theirs}attn_output.weight", weight(f"{ours}attn.out_proj.weight")
         yield f"{theirs}{norms[1]}.weight", norm(f"{ours}ffn_norm.weight")
         yield from self.more_gguf_norms(ours, theirs, norm)
+        yield from self.gguf_ffn(ours, theirs, weight, config)
+
+    def gguf_ffn(self, ours: str, theirs: str, weight, config: GPTConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """A block's feed-forward in llama.cpp's names: SwiGLU's gate, value and output (`weight` gives a gptlite
+        tensor in float32)."""
         gate, up = weight(f"{ours}ffn.fc.weight").split([config.ffn_hidden, config.ffn_hidden])
         yield f"{theirs}ffn_gate.weight", gate
         yield f"{theirs}ffn_up.weight", up
