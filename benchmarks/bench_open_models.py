@@ -1,25 +1,41 @@
 """Today's open models, measured on a SmolLM2-360M-shaped checkpoint (random weights from transformers: hidden 960,
 32 layers, 15 heads, 5 key/value heads, SwiGLU 2,560, vocabulary 49,152, tied), or with --family=gemma3 on a Gemma 3
 270M-shaped one (Gemma3ForCausalLM: hidden 640, 18 layers, 4 heads, 1 key/value head of width 256, GeGLU 2,048,
-vocabulary 262,144, tied; 5 sliding-window layers of 512 positions to each global one, as google/gemma-3-270m):
+vocabulary 262,144, tied; 5 sliding-window layers of 512 positions to each global one, as google/gemma-3-270m), with
+--family=qwen35 on a Qwen3.5-0.8B-shaped one (Qwen3_5ForCausalLM, the text tower of Qwen/Qwen3.5-0.8B's config.json:
+hidden 1024, 24 layers, three Gated DeltaNet layers to each full-attention one (full_attention_interval 4); the linear
+layers 16 key and 16 value heads of width 128, a convolution of kernel 4; the full ones 8 heads, 2 key/value heads of
+width 256, RoPE theta 1e7 on a quarter of each head, gated on their output; SwiGLU 3,584, vocabulary 248,320, tied),
+or with --family=lfm2 on an LFM2-350M-shaped one (Lfm2ForCausalLM, LiquidAI/LFM2-350M's config.json: hidden 1024, 16
+layers, attention at layers 2, 5, 8, 10, 12 and 14 and gated short convolutions (a state of 3 tokens) at the other
+10; 16 heads, 8 key/value heads, RoPE theta 1e6; block_ff_dim 6,656 auto-adjusted to a SwiGLU of 4,608; vocabulary
+65,536, tied; transformers' Lfm2Config defaults are a larger LFM2's). --tiny keeps a family's layer kinds at width 64
+and a few layers: to check that every part runs, never to time.
 
 1. loading: each loader in a fresh process, the wall time of the load and the peak RSS of loading plus one forward
    pass above the RSS after the imports, against the loaded model's bytes, in bfloat16 and float32 (ours:
    GPT.from_pretrained with dtype=None; transformers: AutoModelForCausalLM.from_pretrained with dtype="auto");
 2. decode tokens/s at batch 1 and 8, greedy, in --dtype: the model against the same weights with n_kv_head =
-   n_head (k and v heads repeated: the same function, a larger cache), and against transformers' generate; and how
-   many of the model's blocks decoded in one call of the compiled CPU kernels (gptlite.inference.cpu.blocks'
-   NativeBlock: every kind of block the families use, where each of its matrices took the compiled kernel).
-3. the largest logit difference against transformers for each family (the tests' tiny random models).
+   n_head (k and v heads repeated: the same function, a larger cache; for families whose every layer attends), and
+   against transformers' generate at its defaults; and how many of the model's blocks decoded in one call of the
+   compiled CPU kernels (gptlite.inference.cpu.blocks' NativeBlock: every kind of attention block the families use,
+   where each of its matrices took the compiled kernel).
+3. logits: the largest logit difference against transformers on --family's own float32 checkpoint, then for each
+   family of the tests (their tiny random models).
 4. kvcache: the bytes of the KV cache of the Gemma 3 270M shape at batch 1 in bfloat16, at --contexts: gptlite's
    KVCache allocated (every layer holds the whole context; a local layer's window is a mask) against a cache whose
    local layers hold their window only (computed from the same shape, as transformers' sliding-window layers do).
+5. train: one training step in float32 on --family's checkpoint, --train_batch x --train_tokens tokens, gptlite's
+   forward with targets and backward against transformers' forward with labels and backward, the medians of
+   --rounds rounds taken in turn after one untimed step of each.
 With --device=cuda, loading also moves the model to the GPU (the table adds the peak GPU memory torch allocated,
 over the model's bytes) and decoding runs there, in --dtype.
 
     python benchmarks/bench_open_models.py [--parts=memory,decode,logits,kvcache] [--prompt=512] [--new_tokens=32]
     python benchmarks/bench_open_models.py --family=gemma3 --parts=memory,decode --batch_sizes=1
     python benchmarks/bench_open_models.py --parts=memory,decode --device=cuda --dtype=bfloat16 --json=open.json
+    python benchmarks/bench_open_models.py --family=qwen35 --parts=logits,memory,decode,train --prompt=256
+    python benchmarks/bench_open_models.py --family=lfm2 --tiny=true --parts=memory,decode,train,logits --prompt=70
 """
 
 from __future__ import annotations
@@ -70,9 +86,94 @@ GEMMA3_270M = dict(  # google/gemma-3-270m's config.json; layer_types left to tr
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+QWEN35_08B = dict(  # Qwen/Qwen3.5-0.8B's config.json, its text_config (the text tower Qwen3_5ForCausalLM takes)
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=24,  # layer_types left to transformers: full_attention_interval 4, three linear to one full
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    vocab_size=248320,
+    max_position_embeddings=262144,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+LFM2_350M = dict(  # LiquidAI/LFM2-350M's config.json (transformers' Lfm2Config defaults are a larger LFM2's)
+    hidden_size=1024,
+    intermediate_size=6656,  # its block_ff_dim; block_auto_adjust_ff_dim makes the feed-forward 4,608 wide
+    block_auto_adjust_ff_dim=True,
+    block_ffn_dim_multiplier=1.0,
+    block_multiple_of=256,
+    num_hidden_layers=16,
+    full_attn_idxs=[2, 5, 8, 10, 12, 14],  # 10 gated short-convolution layers, 6 attention layers
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    conv_L_cache=3,
+    vocab_size=65536,
+    max_position_embeddings=128000,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 SHAPES = {  # --family -> (transformers' model class, its config class, the shape)
     "smollm2": ("LlamaForCausalLM", "LlamaConfig", SMOLLM2),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3_270M),
+    "qwen35": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", QWEN35_08B),
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", LFM2_350M),
+}
+TINY = {  # --tiny: each shape's changes to a few layers of width 64, its layer kinds kept, to check the script runs
+    "smollm2": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+    "gemma3": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=16,
+        vocab_size=512,
+    ),
+    "qwen35": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        vocab_size=512,
+        rope_parameters={**QWEN35_08B["rope_parameters"], "mrope_section": [2, 1, 1]},  # 4 rotated pairs
+    ),
+    "lfm2": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        block_multiple_of=32,
+        num_hidden_layers=4,
+        full_attn_idxs=[1, 3],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
 }
 LOAD = """
 import resource, sys, time, torch
@@ -101,23 +202,33 @@ LOADERS = {
 
 @dataclass
 class Options:
-    parts: str = option("memory,decode,logits", "comma-separated: memory, decode, logits, kvcache")
-    family: str = option("smollm2", "memory, decode: the checkpoint's shape", choices=tuple(SHAPES))
+    parts: str = option("memory,decode,logits", "comma-separated: memory, decode, logits, kvcache, train")
+    family: str = option("smollm2", "memory, decode, logits, train: the checkpoint's shape", choices=tuple(SHAPES))
+    tiny: bool = option(False, "the family's layer kinds at a tiny width and depth: to check the script, not to time")
     contexts: str = option("2048,8192,32768", "kvcache: context lengths")
     prompt: int = option(512, "decode: prompt tokens")
     new_tokens: int = option(32, "decode: new tokens per row")
     batch_sizes: str = option("1,8", "decode: batch sizes")
     device: str = option("cpu", "where the models run: cpu or cuda")
     dtype: str = option("float32", "decode: float32 or bfloat16", choices=("float32", "bfloat16"))
+    train_batch: int = option(4, "train: rows per step")
+    train_tokens: int = option(256, "train: tokens per row")
+    rounds: int = option(5, "train: rounds, each timing one step of gptlite and one of transformers in turn")
     json: str = option("", "also write the results here")
 
 
-def save_checkpoints(folder: Path, family: str) -> dict[str, Path]:
+def family_shape(family: str, tiny: bool) -> dict:
+    """The family's config.json values, with TINY's changes under --tiny."""
+    shape = SHAPES[family][2]
+    return {**shape, **TINY[family]} if tiny else shape
+
+
+def save_checkpoints(folder: Path, family: str, shape: dict) -> dict[str, Path]:
     """The family's shape in bfloat16 and float32, random weights saved by transformers."""
     import torch
     import transformers
 
-    model_class, config_class, shape = SHAPES[family]
+    model_class, config_class = SHAPES[family][:2]
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**shape)).eval()
     out = {"float32": folder / "float32", "bfloat16": folder / "bfloat16"}
@@ -172,7 +283,9 @@ def decode(directory: Path, args: Options) -> list[dict]:
 
     dtype, device = getattr(torch, args.dtype), args.device
     gqa = GPT.from_pretrained(str(directory), torch.float32)
-    full = widened(GPT.from_pretrained(str(directory), torch.float32)).to(device, dtype)
+    full = None  # widening repeats attention's key/value rows: for models whose every layer attends
+    if gqa.config.attention_layer_ids == frozenset(range(gqa.config.n_layer)):
+        full = widened(GPT.from_pretrained(str(directory), torch.float32)).to(device, dtype)
     gqa = gqa.to(device, dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
     sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
@@ -193,6 +306,8 @@ def decode(directory: Path, args: Options) -> list[dict]:
                 idx, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
             ),
         }
+        if full is None:
+            del calls["full"]
         rates = {name: 0.0 for name in calls}
         for _ in range(2):  # in turn
             for name, call in calls.items():
@@ -204,13 +319,14 @@ def decode(directory: Path, args: Options) -> list[dict]:
                 rates[name] = max(rates[name], batch * args.new_tokens / (time.perf_counter() - start))
         one_call = one_call_blocks(gqa, batch)
         blocks = f"{one_call} of {gqa.config.n_layer}"
-        print(f"{batch:>5} {rates['gqa']:17.1f} {rates['full']:19.1f} {rates['hf']:13.1f} {blocks:>16}", flush=True)
+        full_rate = f"{rates['full']:19.1f}" if full is not None else f"{'-':>19}"
+        print(f"{batch:>5} {rates['gqa']:17.1f} {full_rate} {rates['hf']:13.1f} {blocks:>16}", flush=True)
         rows.append(
             {
                 "batch": batch,
                 "dtype": args.dtype,
                 "gqa": rates["gqa"],
-                "full_kv_heads": rates["full"],
+                "full_kv_heads": rates.get("full"),
                 "hf": rates["hf"],
                 "one_call_blocks": one_call,
             }
@@ -252,6 +368,20 @@ def widened(model):
     return wide.eval()
 
 
+def checkpoint_logits(directory: Path, vocab_size: int) -> float:
+    """The largest |logit difference| between gptlite and transformers on the benchmark's own float32 checkpoint,
+    2 x 80 tokens (past the Gated DeltaNet's first chunk of 64): that the models timed compute the same function."""
+    import torch
+    import transformers
+
+    from gptlite import GPT
+
+    idx = torch.randint(0, vocab_size, (2, 80), generator=torch.Generator().manual_seed(1))  # (B, T)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return (GPT.from_pretrained(str(directory))(idx)[0] - hf(idx).logits).abs().max().item()
+
+
 def logits() -> None:
     import torch
 
@@ -266,6 +396,50 @@ def logits() -> None:
             with torch.no_grad():
                 diff = (GPT.from_pretrained(str(Path(tmp) / name))(ids())[0] - hf(ids()).logits).abs().max().item()
             print(f"  {name:14} {diff:.2e}")
+
+
+def train(directory: Path, args: Options) -> dict:
+    """One training step in float32 on the same weights, the medians of --rounds rounds taken in turn: gptlite's
+    forward with targets as train.py runs it (the output head and the loss a chunk of tokens at a time) and
+    backward, against transformers' forward with labels and backward."""
+    import statistics
+
+    import torch
+    import transformers
+
+    from gptlite import GPT
+
+    ours = GPT.from_pretrained(str(directory), torch.float32).train()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).train()
+    seed = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, ours.config.vocab_size, (args.train_batch, args.train_tokens), generator=seed)  # (B, T)
+    targets = torch.roll(idx, -1, dims=1)  # (B, T): the next token, as transformers' labels=idx shift it
+
+    def step_ours() -> None:
+        _, loss = ours(idx, targets, return_logits=False)
+        loss.backward()
+
+    def step_hf() -> None:
+        hf(idx, labels=idx).loss.backward()
+
+    steps = {"gptlite": (ours, step_ours), "transformers": (hf, step_hf)}
+    for model, step in steps.values():  # a first step of each, untimed: allocations, and the chunked forms' set-up
+        step()
+        model.zero_grad(set_to_none=True)
+    seconds = {name: [] for name in steps}
+    for _ in range(args.rounds):  # in turn, so that a slower stretch of a shared machine falls on both
+        for name, (model, step) in steps.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            step()
+            seconds[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(times) for name, times in seconds.items()}
+    tokens = args.train_batch * args.train_tokens
+    print(f"\ntraining step, float32, {args.train_batch} x {args.train_tokens} tokens, median of {args.rounds} rounds")
+    print(f"{'':14} {'s/step':>8} {'tokens/s':>9}")
+    for name, median in medians.items():
+        print(f"{name:14} {median:8.3f} {tokens / median:9.0f}", flush=True)
+    return {"batch": args.train_batch, "tokens": args.train_tokens, "rounds": args.rounds, "seconds": medians}
 
 
 def kvcache(contexts: list[int]) -> list[dict]:
@@ -304,14 +478,19 @@ def run(args: Options) -> int:
     print(machine_line(), flush=True)
     parts, results = args.parts.split(","), {"device": args.device}
     with tempfile.TemporaryDirectory(prefix="gptlite_bench_open_models_") as tmp:
-        shape = SHAPES[args.family][2]
-        if "memory" in parts or "decode" in parts:
-            dirs = save_checkpoints(Path(tmp), args.family)
-            print(args.family, json.dumps(shape))
+        shape = family_shape(args.family, args.tiny)
+        if {"memory", "decode", "logits", "train"} & set(parts):
+            dirs = save_checkpoints(Path(tmp), args.family, shape)
+            print(args.family + (" (tiny)" if args.tiny else ""), json.dumps(shape))
         if "memory" in parts:
             results["memory"] = memory(dirs, args.device, shape["vocab_size"])
         if "decode" in parts:
             results["decode"] = decode(dirs["float32"], args)
+        if "train" in parts:
+            results["train"] = train(dirs["float32"], args)
+        if "logits" in parts:
+            results["logits"] = checkpoint_logits(dirs["float32"], shape["vocab_size"])
+            print(f"\nlargest |logit difference| against transformers on this checkpoint: {results['logits']:.2e}")
     if "logits" in parts:
         logits()
     if "kvcache" in parts:
