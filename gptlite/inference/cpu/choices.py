@@ -24,6 +24,7 @@ from gptlite.files import write_text
 MARGIN = 0.9  # another kernel replaces the default one where it measured at least 10% faster
 PACK_MIN_WEIGHTS = 1 << 18  # smaller layers (the char model's) decode faster as they are: per-call overhead
 COLD_BYTES = 128 << 20  # measured weights span at least this much memory, more than a CPU's last-level cache
+HOPELESS = 3.0  # a kind this many times slower than the fastest in a measurement's first round is timed no further
 # other processes kept at least this many cores busy, on average, while a measurement ran: its choice holds for this
 # process only, and the next one measures again (the load slows each kernel by its own share, not alike)
 LOADED = CpuThreads.BUSY
@@ -45,18 +46,25 @@ def machine_key() -> str:
 def time_in_turns(calls: dict[str, list[Callable[[], object]]], rounds: int = 5) -> dict[str, float]:
     """The seconds one call of each kind takes: the best of `rounds` rounds over all of that kind's calls (each on
     a copy of the weight of its own, so that each reads memory, not cache), the kinds taking turns within each
-    round so that a burst of other work slows all of them alike. Every call runs once first (allocations, packing)."""
+    round so that a burst of other work slows all of them alike. Every call runs once first (allocations, packing).
+    A kind that took HOPELESS times the fastest one's time or more in the first round is timed no further (its one
+    round stands): no margin makes it the choice, and a slow kernel (PyTorch's int4 at float32 activations) would
+    otherwise take most of a first run's measuring."""
     best = dict.fromkeys(calls, float("inf"))
+    running = dict(calls)
     with torch.no_grad():
         for each in calls.values():
             for call in each:
                 call()
-        for _ in range(rounds):
-            for name, each in calls.items():
+        for turn in range(rounds):
+            for name, each in running.items():
                 start = time.perf_counter()
                 for call in each:
                     call()
                 best[name] = min(best[name], (time.perf_counter() - start) / len(each))
+            if turn == 0:
+                fastest = min(best.values())
+                running = {name: each for name, each in running.items() if best[name] < HOPELESS * fastest}
     return best
 
 
