@@ -10,7 +10,11 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 from gptlite.model.gated_deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
-B, HK, HV, DK, DV = 2, 2, 4, 8, 16
+B = 2  # rows
+HK = 2  # query/key heads
+HV = 4  # value heads
+DK = 8  # a query/key head's width
+DV = 16  # a value head's width
 
 
 def inputs(T: int, seed: int = 0) -> dict[str, torch.Tensor]:

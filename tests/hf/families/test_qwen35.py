@@ -315,7 +315,8 @@ def test_the_servers_concurrent_completions_equal_transformers(tmp_path):
 
     hf = text_model()
     hf.save_pretrained(tmp_path)
-    model, tokenizer = GPT.from_pretrained(str(tmp_path)), CharTokenizer(CHARS)
+    model = GPT.from_pretrained(str(tmp_path))
+    tokenizer = CharTokenizer(CHARS)
     engine = Engine(model, tokenizer, max_batch=3).start()
     try:
         texts = Collect(
